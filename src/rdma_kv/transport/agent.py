@@ -1,0 +1,683 @@
+"""The transfer agent: one per process, the façade of the transport.
+
+An ``Agent`` registers memory, publishes its metadata (worker address and
+packed remote keys), imports peers' metadata, and posts batches of
+one-sided READ / WRITE operations, each batch one C call
+(``rk_post``). Completion is asynchronous: a ``Transfer`` handle is polled,
+waited on or awaited, and an optional notification reaches the peer once
+the batch has completed.
+
+Threading: every UCX call happens under ``self._lock`` (the worker runs in
+``UCS_THREAD_MODE_SERIALIZED``), so the agent may be used from any of the
+engine's threads. With ``progress="thread"`` a background thread drives
+the worker and sleeps on its event fd when nothing moves; with
+``progress="poll"`` the caller drives it through ``progress()`` (``wait``
+and ``done`` do so too).
+
+Bounded failure: every transfer has a deadline. When it passes, or when UCX
+reports the peer's endpoint failed, the peer is marked failed, its endpoint
+force-closed (cancelling its operations) and every transfer with it fails
+with a message that says so. Nothing waits forever on a dead peer.
+
+May import: numpy, rdma_kv.errors, the other rdma_kv.transport modules.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import select
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rdma_kv.errors import (
+    ClosedError,
+    ConfigError,
+    DescriptorError,
+    PeerError,
+    RegistrationError,
+    TransferError,
+    TransferTimeoutError,
+)
+from rdma_kv.transport import metadata as wire
+from rdma_kv.transport._lib import check_status, load, status_name, ucx_version
+from rdma_kv.transport.descriptors import DescList, PreparedDescList, coalesce
+from rdma_kv.transport.memory import MemoryKind, MemoryRegion, RegionTable, kind_from_ucs, span_of
+from rdma_kv.transport.peer import Peer
+from rdma_kv.transport.transfer import Transfer, XferOp, XferState
+from rdma_kv.transport.ucx import Context, Worker
+
+log = logging.getLogger(__name__)
+
+NOTIF_AM_ID = 0x524B  # "RK": active-message id of rdma-kv notifications
+PROGRESS_MODES = ("thread", "poll")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Agent settings. ``ucx_options`` are UCX settings without the ``UCX_``
+    prefix, applied to this agent's context only."""
+
+    progress: str = "thread"
+    ucx_options: dict[str, str] = field(default_factory=dict)
+    transfer_timeout_s: float = 30.0
+    max_inflight: int = 16384
+    notif_slots: int = 4096
+    notif_max_bytes: int = 1024
+    spin_s: float = 0.0002
+
+    def __post_init__(self) -> None:
+        if self.progress not in PROGRESS_MODES:
+            raise ConfigError(f"progress={self.progress!r} is not valid; valid values: {', '.join(PROGRESS_MODES)}")
+        if not self.transfer_timeout_s > 0:
+            raise ConfigError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        for name in ("max_inflight", "notif_slots", "notif_max_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Notification:
+    """A notification from ``peer``, delivered after its transfer completed."""
+
+    peer: str
+    payload: bytes
+
+
+class Agent:
+    """One UCX worker, its registered memory and its peers. Use as a context
+    manager or call ``close()``."""
+
+    def __init__(self, name: str, config: AgentConfig | None = None) -> None:
+        if not name or len(name.encode()) > wire.MAX_NAME_BYTES:
+            raise ConfigError(f"agent name must be 1..{wire.MAX_NAME_BYTES} bytes, got {name!r}")
+        self.name = name
+        self.config = cfg = config or AgentConfig()
+        self._ffi, self._lib = load()
+        ffi, lib = self._ffi, self._lib
+        self._lock = threading.RLock()
+        self._closed = False
+        self._context = Context(cfg.ucx_options, name=name)
+        try:
+            self._worker = Worker(self._context)
+        except BaseException:
+            self._context.close()
+            raise
+        # Caller-owned rings the shim writes into (see csrc/shim.h).
+        self._ctx = ffi.new("rk_ctx_t *")
+        self._done_ring = ffi.new("uint64_t[]", cfg.max_inflight)
+        self._ctx.done_ring = self._done_ring
+        self._ctx.done_cap = cfg.max_inflight
+        self._done_tail = 0
+        slot = cfg.notif_max_bytes + wire.MAX_NAME_BYTES + 8
+        self._notif_mem = ffi.new("uint8_t[]", cfg.notif_slots * slot)
+        self._notif_view = memoryview(ffi.buffer(self._notif_mem))
+        self._ctx.notif_slots = self._notif_mem
+        self._ctx.notif_slot_size = slot
+        self._ctx.notif_nslots = cfg.notif_slots
+        self._notif_dropped = 0
+        check_status(
+            lib.rk_set_notif_handler(self._worker.handle, NOTIF_AM_ID, self._ctx),
+            "ucp_worker_set_am_recv_handler",
+        )
+        self._name_c = ffi.new("char[]", name.encode())
+        self._regions: list[MemoryRegion] = []
+        self._local_table = RegionTable([], f"agent {name!r}")
+        self._local_gen = 0
+        self._memhs = ffi.new("ucp_mem_h[]", 1)
+        self._peers: dict[str, Peer] = {}
+        self._peer_gen = itertools.count(1)
+        self._retired: list[Peer] = []
+        self._inflight: dict[int, Transfer] = {}
+        self._zombies: dict[int, Any] = {}  # batch records UCX may still write
+        self._deadlines: list[tuple[float, int]] = []
+        self._ids = itertools.count(1)
+        self._notifs: deque[Notification] = deque()
+        self._callbacks: list[tuple[Callable[[Transfer], None], Transfer]] = []
+        self.stats = {"transfers": 0, "ops_posted": 0, "descs": 0, "bytes": 0, "failed": 0}
+        self._thread: threading.Thread | None = None
+        if cfg.progress == "thread":
+            self._thread = threading.Thread(target=self._progress_loop, name=f"rdma-kv-progress-{name}", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------ memory
+
+    def register(self, obj: Any) -> MemoryRegion:
+        """Register a tensor, array or ``(address, nbytes)``. A view of an
+        allocation already registered returns that allocation's region."""
+        span = span_of(obj)
+        with self._lock:
+            self._require_open()
+            for region in self._regions:
+                if region.contains(span.base, span.nbytes):
+                    region.refs += 1
+                    return region
+                if span.base < region.end and region.base < span.base + span.nbytes:
+                    raise RegistrationError(
+                        f"[{span.base:#x}, +{span.nbytes}) overlaps registered region "
+                        f"[{region.base:#x}, +{region.nbytes}) without lying inside it; "
+                        "register the enclosing allocation once instead"
+                    )
+            region = self._map(span.base, span.nbytes, span.kind)
+            self._regions.append(region)
+            self._rebuild_local()
+            return region
+
+    def _map(self, base: int, nbytes: int, kind: MemoryKind | None) -> MemoryRegion:
+        ffi, lib = self._ffi, self._lib
+        params = ffi.new("ucp_mem_map_params_t *")
+        params.field_mask = lib.UCP_MEM_MAP_PARAM_FIELD_ADDRESS | lib.UCP_MEM_MAP_PARAM_FIELD_LENGTH
+        params.address = ffi.cast("void *", base)
+        params.length = nbytes
+        if kind is MemoryKind.CUDA:
+            params.field_mask |= lib.UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE
+            params.memory_type = lib.UCS_MEMORY_TYPE_CUDA
+        memh_p = ffi.new("ucp_mem_h *")
+        check_status(lib.ucp_mem_map(self._context.handle, params, memh_p), f"ucp_mem_map of [{base:#x}, +{nbytes})")
+        memh = memh_p[0]
+        try:
+            attr = ffi.new("ucp_mem_attr_t *")
+            attr.field_mask = lib.UCP_MEM_ATTR_FIELD_MEM_TYPE
+            check_status(lib.ucp_mem_query(memh, attr), "ucp_mem_query")
+            ucx_kind = kind_from_ucs(attr.mem_type)
+            buf = ffi.new("void **")
+            size = ffi.new("size_t *")
+            check_status(lib.ucp_rkey_pack(self._context.handle, memh, buf, size), "ucp_rkey_pack")
+            packed = bytes(ffi.buffer(buf[0], size[0]))
+            lib.ucp_rkey_buffer_release(buf[0])
+        except BaseException:
+            lib.ucp_mem_unmap(self._context.handle, memh)
+            raise
+        return MemoryRegion(base, nbytes, ucx_kind, memh, packed)
+
+    def deregister(self, region: MemoryRegion) -> None:
+        """Drop one reference; unmap when the last one goes. Peers must
+        re-import metadata afterwards."""
+        with self._lock:
+            self._require_open()
+            if region not in self._regions:
+                raise RegistrationError(f"{region} is not registered with agent {self.name!r}")
+            if region.refs > 1:
+                region.refs -= 1
+                return
+            if self._inflight:
+                raise RegistrationError(
+                    f"cannot deregister {region}: {len(self._inflight)} transfers in flight; wait for them first"
+                )
+            self._regions.remove(region)
+            check_status(self._lib.ucp_mem_unmap(self._context.handle, region.memh), "ucp_mem_unmap")
+            self._local_gen += 1
+            self._rebuild_local()
+
+    def _rebuild_local(self) -> None:
+        self._local_table = RegionTable([(r.base, r.nbytes) for r in self._regions], f"agent {self.name!r}")
+        self._memhs = self._ffi.new("ucp_mem_h[]", [r.memh for r in self._regions] or 1)
+
+    @property
+    def regions(self) -> tuple[MemoryRegion, ...]:
+        return tuple(self._regions)
+
+    # ---------------------------------------------------------------- metadata
+
+    def metadata(self) -> bytes:
+        """Typed, versioned bytes a peer passes to ``add_peer``."""
+        with self._lock:
+            self._require_open()
+            regions = [wire.RegionInfo(r.base, r.nbytes, r.kind, r.packed_rkey) for r in self._regions]
+            return wire.encode(self.name, ucx_version(), self._worker.address, regions)
+
+    def add_peer(self, blob: bytes) -> str:
+        """Import a peer's metadata; returns its name. Importing a name again
+        replaces the peer (a restarted peer has a new worker address): its
+        transfers in flight fail, prepared lists for it must be prepared again."""
+        md = wire.decode(blob)
+        if md.name == self.name:
+            raise PeerError(f"metadata names this agent itself ({self.name!r}); pass the peer's metadata")
+        with self._lock:
+            self._require_open()
+            old = self._peers.pop(md.name, None)
+            if old is not None:
+                self._fail_peer(old, "replaced by newly imported metadata")
+                self._retire(old)
+            self._peers[md.name] = Peer(self._worker, md, next(self._peer_gen))
+            return md.name
+
+    def remove_peer(self, name: str) -> None:
+        with self._lock:
+            self._require_open()
+            peer = self._peer(name)
+            del self._peers[name]
+            if peer.inflight:
+                self._fail_peer(peer, "removed by remove_peer()")
+            self._retire(peer)
+
+    def _retire(self, peer: Peer) -> None:
+        if peer.inflight == 0:
+            peer.close(force=not peer.healthy)
+        else:
+            self._retired.append(peer)
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return tuple(self._peers)
+
+    def _peer(self, name: str) -> Peer:
+        peer = self._peers.get(name)
+        if peer is None:
+            known = ", ".join(sorted(self._peers)) or "none"
+            raise PeerError(f"unknown peer {name!r} (known peers: {known}); import its metadata with add_peer()")
+        return peer
+
+    def _usable_peer(self, name: str) -> Peer:
+        peer = self._peer(name)
+        if not peer.healthy:
+            raise PeerError(
+                f"peer {name!r} failed ({peer.failure or status_name(peer.ep_state.status)}); "
+                "re-import its metadata with add_peer() once it is back"
+            )
+        return peer
+
+    # ------------------------------------------------------------- descriptors
+
+    def prep_local(self, descs: DescList) -> PreparedDescList:
+        """Check local descriptors once; transfers then address them by index."""
+        with self._lock:
+            self._require_open()
+            regions = self._local_table.locate(descs.addrs, descs.lengths, "local descriptors")
+            return PreparedDescList(descs, regions, None, self._local_gen)
+
+    def prep_remote(self, peer: str, descs: DescList) -> PreparedDescList:
+        with self._lock:
+            self._require_open()
+            p = self._peer(peer)
+            regions = p.table.locate(descs.addrs, descs.lengths, f"remote descriptors for {peer!r}")
+            return PreparedDescList(descs, regions, peer, p.generation)
+
+    # ---------------------------------------------------------------- transfers
+
+    def read(self, peer: str, local: DescList, remote: DescList, *, notify: bytes | None = None,
+             timeout_s: float | None = None) -> Transfer:
+        """Read remote descriptors of ``peer`` into local ones (RMA get)."""
+        return self._transfer(XferOp.READ, peer, local, remote, notify, timeout_s)
+
+    def write(self, peer: str, local: DescList, remote: DescList, *, notify: bytes | None = None,
+              timeout_s: float | None = None) -> Transfer:
+        """Write local descriptors to ``peer``'s remote ones (RMA put)."""
+        return self._transfer(XferOp.WRITE, peer, local, remote, notify, timeout_s)
+
+    def _transfer(self, op: XferOp, peer: str, local: DescList, remote: DescList,
+                  notify: bytes | None, timeout_s: float | None) -> Transfer:
+        if len(local) != len(remote) or not np.array_equal(local.lengths, remote.lengths):
+            raise DescriptorError(
+                f"local and remote lists must pair up: {len(local)} vs {len(remote)} descriptors"
+                + ("" if len(local) != len(remote) else "; their lengths differ")
+            )
+        with self._lock:
+            self._require_open()
+            p = self._usable_peer(peer)
+            lreg = self._local_table.locate(local.addrs, local.lengths, "local descriptors")
+            rreg = p.table.locate(remote.addrs, remote.lengths, f"remote descriptors for {peer!r}")
+            return self._post(op, p, local.addrs, remote.addrs, local.lengths, lreg, rreg, notify, timeout_s)
+
+    def read_prepared(self, local: PreparedDescList, local_index: Any, remote: PreparedDescList,
+                      remote_index: Any, *, notify: bytes | None = None,
+                      timeout_s: float | None = None) -> Transfer:
+        """Read ``remote[remote_index]`` into ``local[local_index]``."""
+        return self._prepared(XferOp.READ, local, local_index, remote, remote_index, notify, timeout_s)
+
+    def write_prepared(self, local: PreparedDescList, local_index: Any, remote: PreparedDescList,
+                       remote_index: Any, *, notify: bytes | None = None,
+                       timeout_s: float | None = None) -> Transfer:
+        return self._prepared(XferOp.WRITE, local, local_index, remote, remote_index, notify, timeout_s)
+
+    def _prepared(self, op: XferOp, local: PreparedDescList, local_index: Any, remote: PreparedDescList,
+                  remote_index: Any, notify: bytes | None, timeout_s: float | None) -> Transfer:
+        if local.peer is not None or remote.peer is None:
+            raise DescriptorError("pass a list from prep_local() as local and one from prep_remote() as remote")
+        laddr, llen, lreg = local.take(local_index)
+        raddr, rlen, rreg = remote.take(remote_index)
+        if len(laddr) != len(raddr) or not np.array_equal(llen, rlen):
+            raise DescriptorError(
+                f"selected descriptors must pair up: {len(laddr)} local vs {len(raddr)} remote"
+                + ("" if len(laddr) != len(raddr) else "; their lengths differ")
+            )
+        with self._lock:
+            self._require_open()
+            if local.generation != self._local_gen:
+                raise DescriptorError("local prepared list predates a deregister(); prepare it again")
+            p = self._usable_peer(remote.peer)
+            if remote.generation != p.generation:
+                raise DescriptorError(
+                    f"remote prepared list is for an earlier incarnation of {remote.peer!r}; prepare it again"
+                )
+            return self._post(op, p, laddr, raddr, llen, lreg, rreg, notify, timeout_s)
+
+    def flush(self, peer: str, *, timeout_s: float | None = None) -> Transfer:
+        """A transfer that completes once every earlier operation to ``peer``
+        has completed remotely."""
+        empty = np.empty(0, dtype=np.uint64)
+        with self._lock:
+            self._require_open()
+            p = self._usable_peer(peer)
+            return self._post(XferOp.FLUSH, p, empty, empty, empty, empty.astype(np.uint32),
+                              empty.astype(np.uint32), None, timeout_s)
+
+    def _post(self, op: XferOp, p: Peer, laddr: np.ndarray, raddr: np.ndarray, lengths: np.ndarray,
+              lreg: np.ndarray, rreg: np.ndarray, notify: bytes | None, timeout_s: float | None) -> Transfer:
+        ffi, lib, cfg = self._ffi, self._lib, self.config
+        if len(self._inflight) + len(self._zombies) >= cfg.max_inflight:
+            raise TransferError(
+                f"{cfg.max_inflight} transfers already in flight (AgentConfig.max_inflight); "
+                "wait for some to complete"
+            )
+        if notify is not None and len(notify) > cfg.notif_max_bytes:
+            raise ConfigError(f"notification of {len(notify)} bytes exceeds notif_max_bytes={cfg.notif_max_bytes}")
+        num_descs = len(laddr)
+        laddr, raddr, lengths, lreg, rreg = coalesce(laddr, raddr, lengths, lreg, rreg)
+        xid = next(self._ids)
+        batch = ffi.new("rk_batch_t *")
+        batch.id = xid
+        batch.ctx = self._ctx
+        batch.ep = p.ep
+        keep: tuple[Any, ...] = ()
+        if notify is not None:
+            data = ffi.from_buffer(bytes(notify)) if notify else ffi.NULL
+            batch.has_notif = 1
+            batch.am_id = NOTIF_AM_ID
+            batch.notif_header = self._name_c
+            batch.notif_header_len = len(self.name.encode())
+            batch.notif_data = data
+            batch.notif_data_len = len(notify)
+            keep = (data,)
+        timeout = cfg.transfer_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        nbytes = int(lengths.sum()) if len(lengths) else 0
+        xfer = Transfer(self, xid, op, p.name, batch, keep, nbytes, num_descs, deadline)
+        xfer._peer_ref = p
+        self._inflight[xid] = xfer
+        p.inflight += 1
+        heapq.heappush(self._deadlines, (deadline, xid))
+        is_put = op is XferOp.WRITE
+        t0 = time.perf_counter()
+        xfer.ops_posted = int(lib.rk_post(
+            batch, lib.RK_OP_PUT if is_put else lib.RK_OP_GET, len(laddr),
+            ffi.from_buffer("uint64_t[]", laddr), ffi.from_buffer("uint64_t[]", raddr),
+            ffi.from_buffer("uint64_t[]", lengths), ffi.from_buffer("uint32_t[]", lreg),
+            self._memhs if self._regions else ffi.NULL, ffi.from_buffer("uint32_t[]", rreg),
+            p.rkeys, 1 if (op is XferOp.FLUSH or (is_put and notify is not None)) else 0,
+        ))
+        xfer.post_s = time.perf_counter() - t0
+        s = self.stats
+        s["transfers"] += 1
+        s["ops_posted"] += xfer.ops_posted
+        s["descs"] += num_descs
+        s["bytes"] += nbytes
+        self._drain_completions()
+        if self._thread is not None and xfer.state is XferState.IN_PROGRESS:
+            self._worker.signal()
+        callbacks = self._take_callbacks()
+        if callbacks:
+            # Posting thread holds the (reentrant) lock; callbacks run now.
+            self._run_callbacks(callbacks)
+        return xfer
+
+    # ------------------------------------------------------------ notifications
+
+    def get_notifications(self) -> list[Notification]:
+        """Notifications received since the last call, in arrival order."""
+        with self._lock:
+            self._poll_if_manual()
+            out = list(self._notifs)
+            self._notifs.clear()
+            return out
+
+    # ----------------------------------------------------------------- progress
+
+    @property
+    def manual_progress(self) -> bool:
+        return self._thread is None
+
+    @property
+    def inflight(self) -> int:
+        return len(self._inflight)
+
+    def progress(self) -> int:
+        """Drive the worker once (polling mode). Returns UCX events handled."""
+        with self._lock:
+            if self._closed:
+                return 0
+            events = self._progress_locked()
+            callbacks = self._take_callbacks()
+        self._run_callbacks(callbacks)
+        return events
+
+    def _poll_if_manual(self) -> None:
+        if self._thread is None:
+            self.progress()
+
+    def _progress_once(self, block_s: float | None) -> None:
+        """Polling mode: progress; if idle, sleep on the event fd briefly."""
+        if self.progress():
+            return
+        with self._lock:
+            armed = not self._closed and self._worker.arm()
+        if armed:
+            wait = 0.001 if block_s is None else max(0.0, min(block_s, 0.001))
+            select.select([self._worker.efd], [], [], wait)
+
+    def _progress_locked(self) -> int:
+        events = self._worker.progress()
+        self._drain_completions()
+        self._drain_notifications()
+        for peer in list(self._peers.values()) + self._retired:
+            if peer.ep is not None and peer.ep_state.failed:
+                self._fail_peer(peer, f"endpoint error {status_name(peer.ep_state.status)}")
+        self._expire()
+        if self._retired:
+            for peer in [p for p in self._retired if p.inflight == 0]:
+                self._retired.remove(peer)
+                peer.close(force=True)
+        return events
+
+    def _drain_completions(self) -> None:
+        head = self._ctx.done_head
+        cap = self.config.max_inflight
+        while self._done_tail < head:
+            xid = self._done_ring[self._done_tail % cap]
+            self._done_tail += 1
+            if self._zombies.pop(xid, None) is not None:
+                continue
+            xfer = self._inflight.pop(xid)
+            status = xfer._batch.status
+            xfer._peer_ref.inflight -= 1
+            error = None if status == 0 else self._error_for(xfer, status)
+            self._queue(xfer, error)
+
+    def _error_for(self, xfer: Transfer, status: int) -> TransferError:
+        if xfer._expired:
+            return self._timeout_error(xfer)
+        name = status_name(status)
+        peer = xfer._peer_ref
+        why = peer.failure
+        if why is None and peer.ep_state.failed:
+            why = f"endpoint error {status_name(peer.ep_state.status)}"
+        detail = f"; peer {xfer.peer!r} {why}" if why else ""
+        return TransferError(
+            f"{xfer.op.value} transfer {xfer.id} with peer {xfer.peer!r} failed: {name}{detail} "
+            f"({xfer.num_descs} descriptors, {xfer.nbytes} bytes); if the peer restarted, "
+            "re-import its metadata with add_peer()",
+            status=name,
+        )
+
+    def _queue(self, xfer: Transfer, error: TransferError | None) -> None:
+        if error is not None:
+            self.stats["failed"] += 1
+        for cb in xfer._resolve(error):
+            self._callbacks.append((cb, xfer))
+
+    def _take_callbacks(self) -> list[tuple[Callable[[Transfer], None], Transfer]]:
+        callbacks, self._callbacks = self._callbacks, []
+        return callbacks
+
+    @staticmethod
+    def _run_callbacks(callbacks: Iterable[tuple[Callable[[Transfer], None], Transfer]]) -> None:
+        for cb, xfer in callbacks:
+            try:
+                cb(xfer)
+            except Exception:  # a caller's callback must not kill progress
+                log.exception("transfer completion callback %r raised", cb)
+
+    def _drain_notifications(self) -> None:
+        ctx = self._ctx
+        head = ctx.notif_head
+        if head != ctx.notif_tail:
+            size, nslots, view = ctx.notif_slot_size, ctx.notif_nslots, self._notif_view
+            tail = ctx.notif_tail
+            while tail < head:
+                off = (tail % nslots) * size
+                hl, dl = struct.unpack_from("<II", view, off)
+                sender = bytes(view[off + 8:off + 8 + hl]).decode("utf-8", "replace")
+                self._notifs.append(Notification(sender, bytes(view[off + 8 + hl:off + 8 + hl + dl])))
+                tail += 1
+            ctx.notif_tail = tail
+        dropped = ctx.notif_dropped_full + ctx.notif_dropped_rndv
+        if dropped != self._notif_dropped:
+            log.warning("agent %s dropped %d notifications (ring of %d full or oversized); "
+                        "call get_notifications() more often or raise notif_slots",
+                        self.name, dropped - self._notif_dropped, self.config.notif_slots)
+            self._notif_dropped = dropped
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, xid = heapq.heappop(self._deadlines)
+            xfer = self._inflight.get(xid)
+            if xfer is None:
+                continue
+            xfer._expired = True
+            peer = xfer._peer_ref
+            if peer.ep is not None:
+                # Cancels every operation to the peer; completions are drained
+                # inside and this transfer resolves with _timeout_error().
+                self._fail_peer(peer, f"did not complete transfer {xid} within its deadline; "
+                                      "the peer is considered dead and its endpoint was closed")
+            if xid in self._inflight:  # UCX did not cancel it: resolve it anyway
+                self._inflight.pop(xid)
+                self._zombies[xid] = xfer._batch
+                peer.inflight -= 1
+                self._queue(xfer, self._timeout_error(xfer))
+
+    @staticmethod
+    def _timeout_error(xfer: Transfer) -> TransferTimeoutError:
+        return TransferTimeoutError(
+            f"{xfer.op.value} transfer {xfer.id} with peer {xfer.peer!r} did not complete within "
+            f"its deadline ({xfer.num_descs} descriptors, {xfer.nbytes} bytes); the peer's "
+            "endpoint was closed: re-import its metadata with add_peer() once it is back",
+            status="UCS_ERR_TIMED_OUT")
+
+    def _fail_peer(self, peer: Peer, reason: str) -> None:
+        """Mark failed and force-close the endpoint; UCX cancels its operations,
+        whose completions are drained right away."""
+        if peer.failure is None:
+            peer.failure = reason
+            if peer.inflight:
+                log.warning("peer %s failed with %d transfers in flight: %s", peer.name, peer.inflight, reason)
+        if peer.ep is not None:
+            peer.close(force=True)
+            self._drain_completions()
+
+    def _progress_loop(self) -> None:
+        poller = select.poll()
+        poller.register(self._worker.efd, select.POLLIN)
+        last_event = 0.0
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                try:
+                    events = self._progress_locked()
+                except Exception:
+                    log.exception("rdma-kv progress thread failed; failing in-flight transfers")
+                    self._fail_all("the progress thread failed (see the log)")
+                    return
+                now = time.monotonic()
+                if events:
+                    last_event = now
+                busy = bool(self._inflight)
+                armed = False
+                if not (busy and now - last_event < self.config.spin_s):
+                    armed = self._worker.arm()
+                callbacks = self._take_callbacks()
+                next_deadline = self._deadlines[0][0] if self._deadlines else now + 1.0
+            self._run_callbacks(callbacks)
+            if armed:
+                # Sleep on the worker's event fd; wake for the next deadline at the latest.
+                timeout_ms = max(1, min(1000, int((next_deadline - time.monotonic()) * 1000) + 1))
+                poller.poll(timeout_ms)
+            else:
+                time.sleep(0)  # let posting threads take the lock
+
+    # ------------------------------------------------------------------ closing
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"agent {self.name!r} is closed")
+
+    def _fail_all(self, why: str) -> None:
+        for peer in list(self._peers.values()):
+            if peer.inflight:
+                self._fail_peer(peer, why)
+        for xid, xfer in list(self._inflight.items()):
+            self._inflight.pop(xid)
+            self._zombies[xid] = xfer._batch
+            xfer._peer_ref.inflight -= 1
+            self._queue(xfer, TransferError(f"{xfer.op.value} transfer {xid} with {xfer.peer!r} aborted: {why}"))
+
+    def close(self) -> None:
+        """Fail what is in flight, then tear down: remote keys and endpoints,
+        memory, worker, context. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._worker.signal()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        with self._lock:
+            self._fail_all(f"agent {self.name!r} closed")
+            callbacks = self._take_callbacks()
+            for peer in list(self._peers.values()) + self._retired:
+                peer.close(force=not peer.healthy)
+            self._peers.clear()
+            self._retired.clear()
+            for region in self._regions:
+                self._lib.ucp_mem_unmap(self._context.handle, region.memh)
+            self._regions.clear()
+            self._worker.close()
+            self._context.close()
+        self._run_callbacks(callbacks)
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # backstop only; close() is the contract
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        return (f"Agent({self.name!r}, regions={len(self._regions)}, peers={len(self._peers)}, "
+                f"inflight={len(self._inflight)}, closed={self._closed})")

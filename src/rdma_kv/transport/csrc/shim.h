@@ -1,0 +1,84 @@
+/* rdma-kv's C shim: the hot path only.
+ *
+ * This file is parsed twice: by the C compiler (after <ucp/api/ucp.h>) and
+ * by cffi's cdef parser, so it holds declarations only -- no preprocessor
+ * lines, no includes, no macros.
+ *
+ * Ownership: every struct below is allocated and owned by the caller
+ * (Python, through ffi.new); the shim only writes into it. A batch must stay
+ * alive until its `done` flag is set, because UCX completion callbacks
+ * write into it.
+ */
+
+typedef struct rk_ctx {
+    /* Completion ring: ids of finished batches, written by the shim. The
+     * caller keeps at most done_cap batches in flight, so it never
+     * overflows. */
+    uint64_t *done_ring;
+    uint64_t done_cap;
+    uint64_t done_head;
+    /* Notification ring: fixed-size slots; slot layout is
+     * [uint32 header_len][uint32 data_len][header][data]. */
+    uint8_t *notif_slots;
+    uint64_t notif_slot_size;
+    uint64_t notif_nslots;
+    uint64_t notif_head;
+    uint64_t notif_tail;
+    uint64_t notif_dropped_full;
+    uint64_t notif_dropped_rndv;
+} rk_ctx_t;
+
+typedef struct rk_batch {
+    uint64_t id;
+    rk_ctx_t *ctx;
+    ucp_ep_h ep;
+    int64_t pending;        /* operations not completed yet (+1 while posting) */
+    uint64_t posted;        /* operations handed to UCX */
+    int32_t status;         /* first failure, UCS_OK if none */
+    int32_t done;           /* 1 once every operation (and notification) completed */
+    int32_t has_notif;      /* send an AM notification once the batch completed */
+    int32_t notif_sent;
+    uint32_t am_id;
+    const void *notif_header;
+    uint64_t notif_header_len;
+    const void *notif_data;
+    uint64_t notif_data_len;
+} rk_batch_t;
+
+typedef struct rk_ep_state {
+    int32_t status;          /* set by the endpoint error callback */
+    int32_t failed;
+} rk_ep_state_t;
+
+enum {
+    RK_OP_GET = 0,
+    RK_OP_PUT = 1
+};
+
+void rk_ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t status);
+
+/* Post n one-sided operations of one batch on batch->ep. Descriptor i moves
+ * len[i] bytes between local address laddr[i] and remote address raddr[i];
+ * lreg[i] / rreg[i] index memhs / rkeys. memhs may be NULL. When flush is
+ * set, an endpoint flush is posted after the operations and counted as one
+ * (for PUT + notification: remote completion before notifying). Returns the
+ * number of operations posted; stops at the first error (batch->status). */
+uint64_t rk_post(rk_batch_t *batch, int op, uint64_t n,
+                 const uint64_t *laddr, const uint64_t *raddr,
+                 const uint64_t *len, const uint32_t *lreg,
+                 ucp_mem_h const *memhs, const uint32_t *rreg,
+                 ucp_rkey_h const *rkeys, int flush);
+
+/* Call ucp_worker_progress until it reports no event or max_rounds calls
+ * were made. Returns the number of events progressed. */
+uint64_t rk_progress(ucp_worker_h worker, uint64_t max_rounds);
+
+/* Install the notification receive handler for am_id on the worker. */
+ucs_status_t rk_set_notif_handler(ucp_worker_h worker, uint32_t am_id,
+                                  rk_ctx_t *ctx);
+
+/* Progress until request completes or max_rounds, then free it; returns
+ * its status (UCS_INPROGRESS if it did not complete in time, in which case
+ * it is still freed: UCX releases it on completion). */
+ucs_status_t rk_wait_request(ucp_worker_h worker, ucs_status_ptr_t request,
+                             uint64_t max_rounds);

@@ -1,0 +1,166 @@
+"""Memory: what a registrable object spans, registered regions, and the
+vectorised check that descriptors lie inside them.
+
+A ``MemoryRegion`` is one ``ucp_mem_map`` of one allocation. Views of an
+allocation (the layers of a vLLM KV cache are views of one buffer) resolve
+to the allocation, so they share one region. Regions never overlap.
+
+May import: numpy, rdma_kv.errors, rdma_kv.transport._lib; torch only if the
+caller passes a tensor (never imported here).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rdma_kv.errors import DescriptorError, RegistrationError
+
+
+class MemoryKind(str, enum.Enum):
+    """Memory type as UCX reports it (``ucs_memory_type_t``)."""
+
+    HOST = "host"
+    CUDA = "cuda"
+    CUDA_MANAGED = "cuda-managed"
+    ROCM = "rocm"
+    UNKNOWN = "unknown"
+
+
+# ucs_memory_type_t values (stable since UCX 1.9): HOST=0, CUDA=1,
+# CUDA_MANAGED=2, ROCM=3. Anything else is reported as UNKNOWN.
+_UCS_KINDS = {0: MemoryKind.HOST, 1: MemoryKind.CUDA, 2: MemoryKind.CUDA_MANAGED, 3: MemoryKind.ROCM}
+
+
+def kind_from_ucs(value: int) -> MemoryKind:
+    return _UCS_KINDS.get(int(value), MemoryKind.UNKNOWN)
+
+
+@dataclass(frozen=True)
+class Span:
+    """The allocation an object lives in: base address, size, device kind."""
+
+    base: int
+    nbytes: int
+    kind: MemoryKind | None  # None: let UCX detect
+
+
+def span_of(obj: Any) -> Span:
+    """Resolve a torch tensor, numpy array or ``(address, nbytes)`` pair to the
+    allocation to register (the whole storage, not just the view)."""
+    if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(v, int) for v in obj):
+        base, nbytes = obj
+        return _checked(Span(base, nbytes, None), "(address, nbytes)")
+    if isinstance(obj, np.ndarray):
+        root = obj
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        if root.base is None and root.flags.owndata:
+            return _checked(Span(root.__array_interface__["data"][0], root.nbytes, MemoryKind.HOST), "numpy array")
+        # Wraps foreign memory (mmap, buffer): register what the array spans.
+        lo, hi = _byte_bounds(obj)
+        return _checked(Span(lo, hi - lo, MemoryKind.HOST), "numpy array")
+    storage = getattr(obj, "untyped_storage", None)
+    if callable(storage):  # torch.Tensor, without importing torch
+        st = storage()
+        device = getattr(obj, "device", None)
+        dtype = getattr(device, "type", "cpu")
+        kind = {"cpu": MemoryKind.HOST, "cuda": MemoryKind.CUDA}.get(dtype)
+        if kind is None:
+            raise RegistrationError(
+                f"tensors on device {device} cannot be registered; use CPU or CUDA tensors"
+            )
+        return _checked(Span(int(st.data_ptr()), int(st.nbytes()), kind), f"{dtype} tensor")
+    raise RegistrationError(
+        f"cannot register {type(obj).__name__}: pass a torch tensor, a numpy "
+        "array or an (address, nbytes) tuple of ints"
+    )
+
+
+def _byte_bounds(arr: np.ndarray) -> tuple[int, int]:
+    lo = hi = arr.__array_interface__["data"][0]
+    for dim, stride in zip(arr.shape, arr.strides):
+        if dim == 0:
+            return lo, lo
+        if stride < 0:
+            lo += (dim - 1) * stride
+        else:
+            hi += (dim - 1) * stride
+    return lo, hi + arr.itemsize
+
+
+def _checked(span: Span, what: str) -> Span:
+    if span.base <= 0 or span.nbytes <= 0 or span.base + span.nbytes > 2**64:
+        raise RegistrationError(
+            f"{what} spans [{span.base:#x}, +{span.nbytes}): address and size must be "
+            "positive and inside the 64-bit address space"
+        )
+    return span
+
+
+@dataclass(eq=False)
+class MemoryRegion:
+    """One registered allocation. ``refs`` counts register() calls on it."""
+
+    base: int
+    nbytes: int
+    kind: MemoryKind
+    memh: Any = field(repr=False)
+    packed_rkey: bytes = field(repr=False)
+    refs: int = 1
+
+    @property
+    def end(self) -> int:
+        return self.base + self.nbytes
+
+    def contains(self, base: int, nbytes: int) -> bool:
+        return self.base <= base and base + nbytes <= self.end
+
+
+class RegionTable:
+    """Sorted, non-overlapping regions with vectorised descriptor lookup."""
+
+    def __init__(self, spans: list[tuple[int, int]], owner: str) -> None:
+        order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+        self.owner = owner
+        self.order = np.asarray(order, dtype=np.uint32)  # sorted position -> region index
+        self.bases = np.asarray([spans[i][0] for i in order], dtype=np.uint64)
+        self.ends = np.asarray([spans[i][0] + spans[i][1] for i in order], dtype=np.uint64)
+        if len(order) > 1 and np.any(self.bases[1:] < self.ends[:-1]):
+            raise RegistrationError(f"{owner}: registered regions overlap")
+
+    def __len__(self) -> int:
+        return len(self.bases)
+
+    def locate(self, addrs: np.ndarray, lengths: np.ndarray, what: str) -> np.ndarray:
+        """Region index (uint32) of every descriptor; DescriptorError naming the
+        first descriptor that is empty or not wholly inside one region."""
+        n = len(addrs)
+        if n == 0:
+            return np.empty(0, dtype=np.uint32)
+        if len(self.bases) == 0:
+            raise DescriptorError(f"{what}: {self.owner} has no registered memory")
+        pos = np.searchsorted(self.bases, addrs, side="right").astype(np.int64) - 1
+        inside = pos >= 0
+        p = np.maximum(pos, 0)
+        end = self.ends[p]
+        inside &= addrs < end
+        room = np.where(inside, end - np.where(inside, addrs, 0), 0)
+        ok = inside & (lengths > 0) & (lengths <= room)
+        if not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
+            raise DescriptorError(
+                f"{what}: descriptor {i} [{int(addrs[i]):#x}, +{int(lengths[i])} bytes) is "
+                f"{'empty' if lengths[i] == 0 else 'not inside any registered region'} of "
+                f"{self.owner} ({self.describe()}); {n} descriptors were checked and "
+                "nothing was posted"
+            )
+        return self.order[p]
+
+    def describe(self, limit: int = 4) -> str:
+        parts = [f"[{int(b):#x}, {int(e):#x})" for b, e in zip(self.bases[:limit], self.ends[:limit])]
+        more = f" and {len(self.bases) - limit} more" if len(self.bases) > limit else ""
+        return "regions " + ", ".join(parts) + more

@@ -1,0 +1,103 @@
+"""A remote agent as seen locally: one endpoint, its unpacked remote keys and
+the table of its regions used to check remote descriptors.
+
+Endpoints use ``UCP_ERR_HANDLING_MODE_PEER``: when the peer dies UCX calls
+the shim's error callback (which records the status in ``ep_state``) and
+fails the outstanding operations, so nothing waits on a dead peer. The
+agent then force-closes the endpoint. Teardown order: remote keys, then the
+endpoint.
+
+May import: rdma_kv.errors, rdma_kv.transport._lib, .memory, .metadata.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rdma_kv.errors import PeerError
+from rdma_kv.transport._lib import check_status, load
+from rdma_kv.transport.memory import RegionTable
+from rdma_kv.transport.metadata import AgentMetadata
+
+# Bounded progress rounds while closing an endpoint (each round is one
+# non-blocking ucp_worker_progress call, a few microseconds).
+CLOSE_ROUNDS = 200_000
+
+
+class Peer:
+    def __init__(self, worker: Any, md: AgentMetadata, generation: int) -> None:
+        ffi, lib = load()
+        self._ffi, self._lib = ffi, lib
+        self._worker = worker
+        self.name = md.name
+        self.generation = generation
+        self.worker_address = md.worker_address
+        self.ucx_version = md.ucx_version
+        self.inflight = 0
+        self.failure: str | None = None
+        self.ep_state = ffi.new("rk_ep_state_t *")
+        self._addr_buf = ffi.from_buffer(md.worker_address)
+        params = ffi.new("ucp_ep_params_t *")
+        params.field_mask = (
+            lib.UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+            | lib.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+            | lib.UCP_EP_PARAM_FIELD_ERR_HANDLER
+        )
+        params.address = ffi.cast("const ucp_address_t *", self._addr_buf)
+        params.err_mode = lib.UCP_ERR_HANDLING_MODE_PEER
+        params.err_handler.cb = lib.rk_ep_error_cb
+        params.err_handler.arg = self.ep_state
+        ep = ffi.new("ucp_ep_h *")
+        check_status(lib.ucp_ep_create(worker.handle, params, ep), f"ucp_ep_create to {md.name!r}")
+        self.ep = ep[0]
+        self.rkeys = ffi.new("ucp_rkey_h[]", max(1, len(md.regions)))
+        self.num_rkeys = 0
+        try:
+            for i, region in enumerate(md.regions):
+                status = lib.ucp_ep_rkey_unpack(self.ep, region.rkey, self.rkeys + i)
+                if status != lib.UCS_OK:
+                    raise PeerError(
+                        f"cannot unpack remote key {i} of peer {md.name!r} "
+                        f"({region.kind.value} region [{region.base:#x}, +{region.nbytes})): "
+                        f"UCS status {status}; both sides must run compatible UCX builds "
+                        f"(peer {md.ucx_version})"
+                    )
+                self.num_rkeys += 1
+        except BaseException:
+            self.close(force=True)
+            raise
+        self.table = RegionTable([(r.base, r.nbytes) for r in md.regions], f"peer {md.name!r}")
+        self.kinds = [r.kind for r in md.regions]
+
+    @property
+    def healthy(self) -> bool:
+        return self.ep is not None and self.failure is None and not self.ep_state.failed
+
+    def close(self, force: bool) -> None:
+        """Tear down, bounded. Graceful (nothing in flight): remote keys, then
+        a flushing close of the endpoint. Forced (operations may be in
+        flight): the endpoint first, which cancels them, then the keys they
+        referenced."""
+        if force or self.ep_state.failed:
+            self._close_ep(force=True)
+            self._destroy_rkeys()
+        else:
+            self._destroy_rkeys()
+            self._close_ep(force=False)
+
+    def _destroy_rkeys(self) -> None:
+        for i in range(self.num_rkeys):
+            self._lib.ucp_rkey_destroy(self.rkeys[i])
+        self.num_rkeys = 0
+
+    def _close_ep(self, force: bool) -> None:
+        if self.ep is None:
+            return
+        lib = self._lib
+        param = self._ffi.new("ucp_request_param_t *")
+        if force:
+            param.op_attr_mask = lib.UCP_OP_ATTR_FIELD_FLAGS
+            param.flags = lib.UCP_EP_CLOSE_FLAG_FORCE
+        req = lib.ucp_ep_close_nbx(self.ep, param)
+        lib.rk_wait_request(self._worker.handle, req, CLOSE_ROUNDS)
+        self.ep = None

@@ -1,0 +1,159 @@
+"""Transfer handles: one posted batch of READ or WRITE operations.
+
+The handle owns the C batch record that UCX completion callbacks write into;
+the agent keeps it alive until UCX is done with it, whatever the caller
+does. State moves IN_PROGRESS -> DONE | FAILED exactly once, under the
+agent's lock; waiters are woken through a ``threading.Event`` and asyncio
+futures through ``call_soon_threadsafe``.
+
+May import: rdma_kv.errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import threading
+import time
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any
+
+from rdma_kv.errors import TransferError, TransferTimeoutError
+
+if TYPE_CHECKING:
+    from rdma_kv.transport.agent import Agent
+
+
+class XferOp(enum.Enum):
+    READ = "read"
+    WRITE = "write"
+    FLUSH = "flush"
+
+
+class XferState(enum.Enum):
+    IN_PROGRESS = "in-progress"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Transfer:
+    """A batch in flight. Poll ``state`` / ``done()``, block on ``wait()``, or
+    ``await`` it. After failure ``error`` holds the exception ``wait`` raises."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        xfer_id: int,
+        op: XferOp,
+        peer: str,
+        batch: Any,
+        keepalive: tuple[Any, ...],
+        nbytes: int,
+        num_descs: int,
+        deadline: float | None,
+    ) -> None:
+        self._agent = agent
+        self.id = xfer_id
+        self.op = op
+        self.peer = peer
+        self._batch = batch
+        self._keepalive = keepalive  # buffers UCX may still read (notification)
+        self.nbytes = nbytes
+        self.num_descs = num_descs
+        self.ops_posted = 0
+        self.post_s = 0.0
+        self.started = time.perf_counter()
+        self.finished: float | None = None
+        self.deadline = deadline
+        self.state = XferState.IN_PROGRESS
+        self.error: TransferError | None = None
+        self._event = threading.Event()
+        self._callbacks: list[Callable[[Transfer], None]] = []
+        self._peer_ref: Any = None  # the Peer incarnation it was posted to
+        self._expired = False
+
+    # -- completion (called by the agent, under its lock) --------------------
+
+    def _resolve(self, error: TransferError | None) -> list[Callable[[Transfer], None]]:
+        if self.state is not XferState.IN_PROGRESS:
+            return []
+        self.finished = time.perf_counter()
+        self.error = error
+        self.state = XferState.FAILED if error else XferState.DONE
+        self._batch = None
+        self._keepalive = ()
+        self._peer_ref = None
+        self._event.set()
+        callbacks, self._callbacks = self._callbacks, []
+        return callbacks
+
+    # -- caller API -------------------------------------------------------------
+
+    @property
+    def elapsed_s(self) -> float:
+        end = self.finished if self.finished is not None else time.perf_counter()
+        return end - self.started
+
+    @property
+    def gbps(self) -> float:
+        """Throughput in GB/s (1e9 bytes) from post to completion."""
+        return self.nbytes / self.elapsed_s / 1e9 if self.elapsed_s > 0 else 0.0
+
+    def done(self) -> bool:
+        """True once the transfer has completed or failed (drives progress in
+        polling mode)."""
+        if self.state is XferState.IN_PROGRESS:
+            self._agent._poll_if_manual()
+        return self.state is not XferState.IN_PROGRESS
+
+    def wait(self, timeout_s: float | None = None) -> Transfer:
+        """Block until completion; raise ``error`` on failure and
+        ``TransferTimeoutError`` if ``timeout_s`` passes first (the transfer
+        itself goes on; its own deadline still applies)."""
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.state is XferState.IN_PROGRESS:
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                raise TransferTimeoutError(
+                    f"{self.op.value} transfer {self.id} with {self.peer!r} not complete "
+                    f"after waiting {timeout_s} s ({self.num_descs} descriptors, "
+                    f"{self.nbytes} bytes)"
+                )
+            if self._agent.manual_progress:
+                self._agent._progress_once(block_s=left)
+            else:
+                self._event.wait(left if left is None else min(left, 1.0))
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def add_done_callback(self, fn: Callable[[Transfer], None]) -> None:
+        """Call ``fn(self)`` on completion (from the progress thread), or now."""
+        with self._agent._lock:
+            if self.state is XferState.IN_PROGRESS:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def __await__(self) -> Generator[Any, None, Transfer]:
+        loop = asyncio.get_running_loop()
+        if self._agent.manual_progress:
+            while not self.done():
+                yield from asyncio.sleep(0).__await__()
+        else:
+            fut: asyncio.Future[None] = loop.create_future()
+
+            def wake(_: Transfer) -> None:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+
+            self.add_done_callback(wake)
+            yield from fut.__await__()
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def __repr__(self) -> str:
+        return (
+            f"Transfer(id={self.id}, {self.op.value}, peer={self.peer!r}, "
+            f"state={self.state.value}, descs={self.num_descs}, ops={self.ops_posted})"
+        )

@@ -1,0 +1,122 @@
+"""UCP context and worker: cold-path calls through cffi.
+
+A ``Context`` owns its ``Worker``; ``Worker.close()`` must run before
+``Context.close()`` (the agent tears down in that order). Neither class is
+thread-safe on its own: the agent serialises every call with its lock, which
+is why the worker is created in ``UCS_THREAD_MODE_SERIALIZED``.
+
+May import: rdma_kv.errors, rdma_kv.transport._lib.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from rdma_kv.errors import ClosedError, ConfigError
+from rdma_kv.transport._lib import check_status, load, status_name
+
+
+class Context:
+    """A UCP context with RMA, active messages and wakeup.
+
+    ``options`` are UCX configuration settings without the ``UCX_`` prefix
+    (``{"TLS": "tcp", "NET_DEVICES": "mlx5_0:1"}``); they are applied to this
+    context only, never to the process environment. ``UCX_*`` environment
+    variables still apply underneath, as everywhere in UCX.
+    """
+
+    def __init__(self, options: Mapping[str, str] | None = None, name: str = "rdma-kv") -> None:
+        ffi, lib = load()
+        self._ffi, self._lib = ffi, lib
+        config_p = ffi.new("ucp_config_t **")
+        check_status(lib.ucp_config_read(ffi.NULL, ffi.NULL, config_p), "ucp_config_read")
+        config = config_p[0]
+        try:
+            for key, value in (options or {}).items():
+                status = lib.ucp_config_modify(config, key.encode(), str(value).encode())
+                if status != lib.UCS_OK:
+                    raise ConfigError(
+                        f"UCX option {key}={value!r} rejected: {status_name(status)}; "
+                        "options are UCX settings without the UCX_ prefix "
+                        "(see `ucx_info -c` for the valid names and values)"
+                    )
+            params = ffi.new("ucp_params_t *")
+            params.field_mask = lib.UCP_PARAM_FIELD_FEATURES | lib.UCP_PARAM_FIELD_NAME
+            params.features = lib.UCP_FEATURE_RMA | lib.UCP_FEATURE_AM | lib.UCP_FEATURE_WAKEUP
+            self._name = ffi.new("char[]", name.encode())
+            params.name = self._name
+            handle = ffi.new("ucp_context_h *")
+            check_status(lib.ucp_init(params, config, handle), "ucp_init")
+        finally:
+            lib.ucp_config_release(config)
+        self.handle = handle[0]
+
+    @property
+    def closed(self) -> bool:
+        return self.handle is None
+
+    def require_open(self) -> None:
+        if self.handle is None:
+            raise ClosedError("the UCP context is closed; create a new Agent")
+
+    def memory_types(self) -> int:
+        """Bitmask of ``ucs_memory_type_t`` values this context supports."""
+        self.require_open()
+        attr = self._ffi.new("ucp_context_attr_t *")
+        attr.field_mask = self._lib.UCP_ATTR_FIELD_MEMORY_TYPES
+        check_status(self._lib.ucp_context_query(self.handle, attr), "ucp_context_query")
+        return int(attr.memory_types)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self._lib.ucp_cleanup(self.handle)
+            self.handle = None
+
+
+class Worker:
+    """A UCP worker with an event fd for sleeping progress."""
+
+    def __init__(self, context: Context) -> None:
+        context.require_open()
+        ffi, lib = load()
+        self._ffi, self._lib = ffi, lib
+        params = ffi.new("ucp_worker_params_t *")
+        params.field_mask = (
+            lib.UCP_WORKER_PARAM_FIELD_THREAD_MODE | lib.UCP_WORKER_PARAM_FIELD_EVENTS
+        )
+        params.thread_mode = lib.UCS_THREAD_MODE_SERIALIZED
+        params.events = lib.UCP_WAKEUP_RMA | lib.UCP_WAKEUP_TX | lib.UCP_WAKEUP_RX
+        handle = ffi.new("ucp_worker_h *")
+        check_status(lib.ucp_worker_create(context.handle, params, handle), "ucp_worker_create")
+        self.handle = handle[0]
+        fd = ffi.new("int *")
+        check_status(lib.ucp_worker_get_efd(self.handle, fd), "ucp_worker_get_efd")
+        self.efd = int(fd[0])
+        addr_p = ffi.new("ucp_address_t **")
+        len_p = ffi.new("size_t *")
+        check_status(
+            lib.ucp_worker_get_address(self.handle, addr_p, len_p), "ucp_worker_get_address"
+        )
+        self.address = bytes(ffi.buffer(addr_p[0], len_p[0]))
+        lib.ucp_worker_release_address(self.handle, addr_p[0])
+
+    def progress(self, max_rounds: int = 64) -> int:
+        return int(self._lib.rk_progress(self.handle, max_rounds))
+
+    def arm(self) -> bool:
+        """Arm the event fd; False when events are pending (progress again)."""
+        status = self._lib.ucp_worker_arm(self.handle)
+        if status == self._lib.UCS_ERR_BUSY:
+            return False
+        check_status(status, "ucp_worker_arm")
+        return True
+
+    def signal(self) -> None:
+        """Wake a thread sleeping on the event fd (thread-safe in UCX)."""
+        if self.handle is not None:
+            self._lib.ucp_worker_signal(self.handle)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self._lib.ucp_worker_destroy(self.handle)
+            self.handle = None
