@@ -1,0 +1,425 @@
+"""StorageConnector: a prefix cache of KV blocks in local files.
+
+Owns a second real connector, the kind of cache an operator layers under
+network transfer (``MultiConnector`` with the RDMA connector first). Each
+full block of a prompt is one safetensors file named by a chained hash:
+block ``i``'s key hashes block ``i - 1``'s key and block ``i``'s tokens, so a
+key names the whole prefix up to its block, like an engine's prefix cache.
+The chain starts from a namespace digest of the cache format, the
+configured ``namespace`` (which must identify the model weights: the KV
+depends on them, the specs cannot tell two checkpoints apart) and the
+KV-cache specs. A file holds one uint8 tensor per layer (the block's bytes
+in the saving engine's layout, so any dtype is stored bit-exact), with the
+layout and a BLAKE2b digest in its metadata; a mismatch on load is a load
+error, never silently wrong KV.
+
+Roles: a producer (``kv_producer``/``kv_both``) saves the full blocks of
+every prompt whose prefill completes; a consumer (``kv_consumer``/``kv_both``)
+loads the longest stored prefix, synchronously in ``start_load_kv``. Files
+are written to a temporary name, fsynced and renamed, so a reader never sees
+a partial file. Nothing is ever evicted: the operator owns the directory.
+
+Extra config: ``storage_path`` (required), ``namespace`` (default
+``"default"``), ``fsync`` (default true). Host (CPU) KV caches, one KV-cache
+group, one worker per engine (tensor parallel size 1).
+
+Imports the standard library, numpy, ``rdma_kv.errors`` and the connector's
+``base``, ``config``, ``geometry``, ``specs`` and ``types``; safetensors
+lazily (the ``storage`` extra).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rdma_kv.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from rdma_kv.connector.config import KVTransferConfig
+from rdma_kv.connector.geometry import (
+    KVCacheGeometry,
+    derive_geometry,
+    region_bytes,
+    storage_address,
+)
+from rdma_kv.connector.specs import KVCacheConfig
+from rdma_kv.connector.types import (
+    BlockId,
+    KVCacheBlocks,
+    Request,
+    RequestId,
+    SchedulerOutput,
+)
+from rdma_kv.errors import ConfigError, NotInitializedError, SpecError
+
+__all__ = ["BlockTransfer", "StorageConnector", "StorageConnectorMetadata", "chained_block_keys"]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "rdma-kv-storage/1"
+_EXTRA_KEYS = ("storage_path", "namespace", "fsync")
+
+
+def chained_block_keys(token_ids: Sequence[int], block_size: int, seed: bytes) -> list[str]:
+    """Hex keys of the full blocks of ``token_ids``: key ``i`` is
+    ``sha256(key[i-1] || tokens of block i as little-endian int64)``, key
+    ``-1`` being ``seed``. Stable across processes and machines."""
+    tokens = np.asarray(token_ids, dtype="<i8")
+    keys, previous = [], seed
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        previous = hashlib.sha256(previous + tokens[start:start + block_size].tobytes()).digest()
+        keys.append(previous.hex())
+    return keys
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTransfer:
+    """Blocks of one request to load or save: ``keys[i]`` <-> ``block_ids[i]``."""
+
+    request_id: RequestId
+    keys: tuple[str, ...]
+    block_ids: tuple[BlockId, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageConnectorMetadata(KVConnectorMetadata):
+    loads: tuple[BlockTransfer, ...] = ()
+    saves: tuple[BlockTransfer, ...] = ()
+
+
+@dataclasses.dataclass
+class _Tracked:
+    """Scheduler-side view of a running request (for deciding saves)."""
+
+    prompt_token_ids: tuple[int, ...]
+    block_ids: list[BlockId]
+    num_computed_tokens: int
+    saved: bool = False
+
+
+class StorageConnector(KVConnectorBase):
+    """KV blocks to and from local safetensors files; see the module docstring."""
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None,
+    ) -> None:
+        super().__init__(config, role, kv_cache_config)
+        unknown = sorted(set(config.kv_connector_extra_config) - set(_EXTRA_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"StorageConnector: unknown kv_connector_extra_config key(s) {unknown}; "
+                f"valid keys are {list(_EXTRA_KEYS)}"
+            )
+        if kv_cache_config is None:
+            raise ConfigError("StorageConnector needs the engine's KVCacheConfig")
+        self._group = kv_cache_config.single_group()
+        self._block_size = self._group.kv_cache_spec.block_size
+        storage_path = config.get_extra("storage_path", type=str)
+        if not storage_path:
+            raise ConfigError("kv_connector_extra_config['storage_path'] must not be empty")
+        namespace = config.get_extra("namespace", "default", type=str)
+        self._fsync = config.get_extra("fsync", True, type=bool)
+        identity = json.dumps(
+            {
+                "format": FORMAT,
+                "namespace": namespace,
+                "layers": list(self._group.layer_names),
+                "spec": self._group.kv_cache_spec.type_id,
+                "dtype": getattr(self._group.kv_cache_spec, "dtype", None),
+            },
+            sort_keys=True,
+        ).encode()
+        self._seed = hashlib.sha256(identity).digest()
+        self._root = os.path.join(os.path.abspath(storage_path), self._seed.hex()[:16])
+        # scheduler side
+        self._lookups: dict[RequestId, tuple[int, tuple[str, ...]]] = {}
+        self._pending_loads: list[BlockTransfer] = []
+        self._tracked: dict[RequestId, _Tracked] = {}
+        # worker side
+        self._geometry: KVCacheGeometry | None = None
+        self._memory: list[tuple[np.ndarray, int]] = []
+        self._load_errors: set[BlockId] = set()
+        self._stats = {"blocks_loaded": 0, "blocks_saved": 0, "load_errors": 0}
+
+    @property
+    def directory(self) -> str:
+        """Where this model's blocks are stored (``storage_path/<namespace digest>``)."""
+        return self._root
+
+    def path_for(self, key: str) -> str:
+        return os.path.join(self._root, key[:2], key + ".safetensors")
+
+    def _stored_prefix(self, token_ids: Sequence[int], max_blocks: int) -> tuple[str, ...]:
+        keys = chained_block_keys(token_ids[: max_blocks * self._block_size], self._block_size,
+                                  self._seed)
+        hits = 0
+        while hits < len(keys) and os.path.exists(self.path_for(keys[hits])):
+            hits += 1
+        return tuple(keys[:hits])
+
+    def get_kv_connector_stats(self) -> Mapping[str, Any] | None:
+        stats = dict(self._stats)
+        self._stats = dict.fromkeys(self._stats, 0)
+        return stats if any(stats.values()) else None
+
+    # --- scheduler side --------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens of whole stored blocks beyond ``num_computed_tokens``. Never
+        the whole prompt: the last prompt token is always computed, since the
+        engine needs its logits."""
+        self._lookups.pop(request.request_id, None)
+        if not self.config.is_kv_consumer:
+            return 0, False
+        max_blocks = (request.num_prompt_tokens - 1) // self._block_size
+        keys = self._stored_prefix(request.prompt_token_ids, max_blocks)
+        hit_tokens = len(keys) * self._block_size
+        if hit_tokens <= num_computed_tokens:
+            return 0, False
+        # Remember exactly which keys were checked: update_state_after_alloc
+        # loads those, whatever appears on disk in between.
+        self._lookups[request.request_id] = (num_computed_tokens, keys)
+        return hit_tokens - num_computed_tokens, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        lookup = self._lookups.pop(request.request_id, None)
+        if num_external_tokens == 0:
+            return
+        if lookup is None:
+            raise NotInitializedError(
+                f"update_state_after_alloc(request {request.request_id!r}, "
+                f"num_external_tokens={num_external_tokens}) without a preceding "
+                "get_num_new_matched_tokens that reported those tokens"
+            )
+        num_computed, keys = lookup
+        if num_computed + num_external_tokens != len(keys) * self._block_size:
+            raise ConfigError(
+                f"request {request.request_id!r}: asked to load {num_external_tokens} tokens "
+                f"after {num_computed}, but {len(keys) * self._block_size} were reported"
+            )
+        block_ids = blocks.group(0)
+        if len(block_ids) < len(keys):
+            raise ConfigError(
+                f"request {request.request_id!r}: {len(block_ids)} blocks allocated, "
+                f"{len(keys)} needed to load {len(keys) * self._block_size} tokens"
+            )
+        first = num_computed // self._block_size
+        self._pending_loads.append(
+            BlockTransfer(request.request_id, keys[first:], tuple(block_ids[first:len(keys)]))
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StorageConnectorMetadata:
+        for request_id in scheduler_output.finished_req_ids:
+            self._tracked.pop(request_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            self._tracked[new.request_id] = _Tracked(
+                new.prompt_token_ids, list(new.block_ids[0]), new.num_computed_tokens
+            )
+        for cached in scheduler_output.scheduled_cached_reqs:
+            tracked = self._tracked.get(cached.request_id)
+            if tracked is None:
+                continue
+            if cached.new_block_ids is not None:
+                if cached.resumed_from_preemption:
+                    tracked.block_ids = list(cached.new_block_ids[0])
+                else:
+                    tracked.block_ids.extend(cached.new_block_ids[0])
+            tracked.num_computed_tokens = cached.num_computed_tokens
+        saves = []
+        if self.config.is_kv_producer:
+            for request_id, tracked in self._tracked.items():
+                scheduled = scheduler_output.num_scheduled_tokens.get(request_id, 0)
+                if tracked.saved or not scheduled:
+                    continue
+                if tracked.num_computed_tokens + scheduled < len(tracked.prompt_token_ids):
+                    continue  # chunked prefill: save once the whole prompt is computed
+                tracked.saved = True
+                save = self._plan_save(request_id, tracked)
+                if save.keys:
+                    saves.append(save)
+        loads, self._pending_loads = tuple(self._pending_loads), []
+        return StorageConnectorMetadata(loads=loads, saves=tuple(saves))
+
+    def _plan_save(self, request_id: RequestId, tracked: _Tracked) -> BlockTransfer:
+        keys = chained_block_keys(tracked.prompt_token_ids, self._block_size, self._seed)
+        keys = keys[: len(tracked.block_ids)]
+        todo = [i for i, key in enumerate(keys) if not os.path.exists(self.path_for(key))]
+        return BlockTransfer(
+            request_id, tuple(keys[i] for i in todo), tuple(tracked.block_ids[i] for i in todo)
+        )
+
+    def request_finished(
+        self, request: Request, block_ids: Sequence[BlockId]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Saves finish within the step (``wait_for_save``): free at once."""
+        self._tracked.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
+        return False, None
+
+    # --- worker side ------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        assert self.kv_cache_config is not None  # checked in __init__
+        geometry = derive_geometry(kv_caches, self.kv_cache_config)
+        # Per layer: its storage as bytes, and the shift from region offsets
+        # to offsets in that storage.
+        self._memory = []
+        for layer in geometry.layers:
+            tensor = kv_caches[layer.name]
+            shift = geometry.regions[layer.region_index].base_address - storage_address(tensor)
+            self._memory.append((region_bytes(tensor), shift))
+        self._geometry = geometry
+
+    def _require_geometry(self) -> KVCacheGeometry:
+        if self._geometry is None:
+            raise NotInitializedError(
+                "StorageConnector worker has no KV caches; the engine must call "
+                "register_kv_caches() at startup"
+            )
+        return self._geometry
+
+    def _layout_signature(self) -> str:
+        geometry = self._require_geometry()
+        return json.dumps(
+            [[layer.name, [s.block_nbytes for s in layer.segments]] for layer in geometry.layers]
+        )
+
+    def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
+        """Load this step's blocks, synchronously. A block that cannot be read
+        or verified stops its request's load: it and the request's later
+        blocks become load errors (the engine recomputes from there)."""
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, StorageConnectorMetadata)
+        for load in metadata.loads:
+            for index, (key, block_id) in enumerate(zip(load.keys, load.block_ids)):
+                try:
+                    self._read_block(key, block_id)
+                except Exception as exc:  # any failure is a load error, never a crash
+                    logger.warning(
+                        "request %r: loading block %d from %s failed: %s",
+                        load.request_id, block_id, self.path_for(key), exc,
+                    )
+                    self._load_errors.update(load.block_ids[index:])
+                    self._stats["load_errors"] += len(load.block_ids) - index
+                    break
+                self._stats["blocks_loaded"] += 1
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads complete in ``start_load_kv``; nothing to wait for."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any = None, **kwargs: Any
+    ) -> None:
+        """Nothing per layer: a file holds every layer of a block, so saving
+        happens in ``wait_for_save``, once all layers of the step are written."""
+
+    def wait_for_save(self) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, StorageConnectorMetadata)
+        for save in metadata.saves:
+            for key, block_id in zip(save.keys, save.block_ids):
+                if not os.path.exists(self.path_for(key)):
+                    self._write_block(key, block_id)
+                    self._stats["blocks_saved"] += 1
+
+    def get_block_ids_with_load_errors(self) -> set[BlockId]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # --- files -------------------------------------------------------------------
+
+    def _block_views(self, block_id: int) -> list[tuple[str, list[np.ndarray]]]:
+        """Per layer, writable views of block ``block_id``'s segments."""
+        geometry = self._require_geometry()
+        views = []
+        for layer, (memory, shift) in zip(geometry.layers, self._memory):
+            if not 0 <= block_id < layer.num_blocks:
+                raise SpecError(f"block id {block_id} outside [0, {layer.num_blocks})")
+            parts = []
+            for seg in layer.segments:
+                start = shift + seg.offset + block_id * seg.block_stride_bytes
+                parts.append(memory[start:start + seg.block_nbytes])
+            views.append((layer.name, parts))
+        return views
+
+    def _write_block(self, key: str, block_id: int) -> None:
+        from safetensors.numpy import save
+
+        tensors = {name: np.concatenate(parts) for name, parts in self._block_views(block_id)}
+        digest = hashlib.blake2b(digest_size=16)
+        for name in sorted(tensors):
+            digest.update(tensors[name].data)
+        payload = save(
+            tensors,
+            metadata={
+                "format": FORMAT,
+                "key": key,
+                "layout": self._layout_signature(),
+                "blake2b": digest.hexdigest(),
+            },
+        )
+        path = self.path_for(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{key}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(payload)
+                if self._fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)  # atomic: readers see the old name or the whole file
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+
+    def _read_block(self, key: str, block_id: int) -> None:
+        from safetensors import safe_open
+
+        with safe_open(self.path_for(key), framework="np") as f:
+            meta = f.metadata() or {}
+            expected = {"format": FORMAT, "key": key, "layout": self._layout_signature()}
+            for field, value in expected.items():
+                if meta.get(field) != value:
+                    raise SpecError(
+                        f"file {field} is {meta.get(field)!r}, expected {value!r}"
+                    )
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        digest = hashlib.blake2b(digest_size=16)
+        for name in sorted(tensors):
+            digest.update(np.ascontiguousarray(tensors[name]).data)
+        if digest.hexdigest() != meta.get("blake2b"):
+            raise SpecError("content digest does not match: the file is corrupt")
+        views = self._block_views(block_id)
+        if sorted(tensors) != sorted(name for name, _ in views):
+            raise SpecError(
+                f"file holds layers {sorted(tensors)}, expected {[n for n, _ in views]}"
+            )
+        for name, parts in views:  # check every layer before writing any
+            data = tensors[name]
+            if data.dtype != np.uint8 or data.size != sum(len(p) for p in parts):
+                raise SpecError(
+                    f"layer {name!r}: file holds {data.size} {data.dtype} values, expected "
+                    f"{sum(len(p) for p in parts)} uint8"
+                )
+        for name, parts in views:
+            data, start = tensors[name], 0
+            for part in parts:
+                part[:] = data[start:start + len(part)]
+                start += len(part)

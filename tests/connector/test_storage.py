@@ -1,0 +1,268 @@
+"""StorageConnector: save in one engine, load bit-exact in a fresh one
+(same process and a spawned process), prefix rules, failures as load errors."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import traceback
+
+import numpy as np
+import pytest
+import torch
+
+import kv_harness
+from kv_harness import BLOCK_SIZE, LAYERS, MiniEngine, expected_block, storage_config
+from rdma_kv.connector import (
+    CachedRequestData,
+    KVCacheBlocks,
+    KVConnectorFactory,
+    KVConnectorRole,
+    NewRequestData,
+    Request,
+    SchedulerOutput,
+)
+from rdma_kv.connector.storage import StorageConnectorMetadata, chained_block_keys
+from rdma_kv.errors import ConfigError, NotInitializedError, SpecError
+
+
+def _prompt(rng, num_tokens):
+    return rng.integers(0, 50_000, size=num_tokens).tolist()
+
+
+def _layer_blocks(engine, block_ids):
+    """The bytes of ``block_ids`` in every layer, as one array per layer."""
+    return {
+        name: engine.kv_caches[name][list(block_ids)].contiguous().view(torch.uint8).numpy().copy()
+        for name in LAYERS
+    }
+
+
+def _assert_holds_expected(engine, tokens, block_ids, block_indices):
+    for layer_index, name in enumerate(LAYERS):
+        for i in block_indices:
+            got = engine.kv_caches[name][block_ids[i]]
+            assert torch.equal(got, expected_block(tokens, i, layer_index)), (name, i)
+
+
+def test_saved_blocks_load_bit_exact_in_a_fresh_engine(tmp_path, rng):
+    tokens = _prompt(rng, 5 * BLOCK_SIZE + 2)  # 5 full blocks and a partial one
+    producer = MiniEngine(storage_config(tmp_path, "kv_producer"), fill_seed=1)
+    saved = producer.prefill(Request("p1", tokens))
+    assert saved["num_external"] == 0
+    assert [len(s.keys) for s in saved["meta"].saves] == [5]
+    assert saved["delay_free"] is False and saved["params"] is None
+    files = sorted(p.name for p in tmp_path.rglob("*.safetensors"))
+    assert len(files) == 5
+    assert not list(tmp_path.rglob("*.tmp"))  # atomic writes leave no temporaries
+
+    consumer = MiniEngine(storage_config(tmp_path, "kv_consumer"), fill_seed=2, first_block=7)
+    loaded = consumer.prefill(Request("c1", tokens))
+    assert loaded["num_external"] == 5 * BLOCK_SIZE
+    assert loaded["output"].invalid_block_ids == frozenset()
+    ids_p, ids_c = saved["block_ids"], loaded["block_ids"]
+    assert ids_p[:5] != ids_c[:5]  # different physical blocks, same content
+    want = _layer_blocks(producer, ids_p[:5])
+    got = _layer_blocks(consumer, ids_c[:5])
+    for name in LAYERS:
+        np.testing.assert_array_equal(got[name], want[name])
+    _assert_holds_expected(consumer, tokens, ids_c, range(5))
+    assert not consumer.scheduler.config.is_kv_producer
+    assert loaded["meta"].saves == ()  # a consumer never saves
+
+
+def test_never_the_whole_prompt_and_only_beyond_local_hits(tmp_path, rng):
+    tokens = _prompt(rng, 4 * BLOCK_SIZE)  # exactly 4 blocks
+    MiniEngine(storage_config(tmp_path)).prefill(Request("a", tokens))
+    engine = MiniEngine(storage_config(tmp_path), fill_seed=3)
+    sched = engine.scheduler
+    # All 4 blocks are stored, but the last token must be computed: 3 blocks.
+    assert sched.get_num_new_matched_tokens(Request("b", tokens), 0) == (3 * BLOCK_SIZE, False)
+    # Local prefix hits are not loaded again.
+    assert sched.get_num_new_matched_tokens(Request("b", tokens), 2 * BLOCK_SIZE) == (BLOCK_SIZE, False)
+    assert sched.get_num_new_matched_tokens(Request("b", tokens), 3 * BLOCK_SIZE) == (0, False)
+    # One more token makes the 4th block loadable.
+    longer = Request("c", tokens + [7])
+    assert sched.get_num_new_matched_tokens(longer, 0) == (4 * BLOCK_SIZE, False)
+
+
+def test_a_local_prefix_hit_loads_only_the_later_blocks(tmp_path, rng):
+    tokens = _prompt(rng, 4 * BLOCK_SIZE + 1)
+    MiniEngine(storage_config(tmp_path)).prefill(Request("a", tokens))
+    engine = MiniEngine(storage_config(tmp_path), fill_seed=4)
+    request = Request("b", tokens)
+    assert engine.scheduler.get_num_new_matched_tokens(request, BLOCK_SIZE) == (3 * BLOCK_SIZE, False)
+    block_ids = [3, 9, 12, 20, 21]
+    engine.scheduler.update_state_after_alloc(request, KVCacheBlocks.of(block_ids), 3 * BLOCK_SIZE)
+    before = engine.kv_caches[LAYERS[0]][3].clone()
+    meta, _ = engine.step(SchedulerOutput())
+    (load,) = meta.loads
+    assert load.block_ids == (9, 12, 20)
+    assert torch.equal(engine.kv_caches[LAYERS[0]][3], before)  # block 0 untouched
+    _assert_holds_expected(engine, tokens, block_ids, [1, 2, 3])
+
+
+def test_the_chain_makes_a_key_name_the_whole_prefix(tmp_path, rng):
+    tokens = _prompt(rng, 3 * BLOCK_SIZE + 1)
+    MiniEngine(storage_config(tmp_path)).prefill(Request("a", tokens))
+    engine = MiniEngine(storage_config(tmp_path))
+    other_start = [tokens[0] + 1] + tokens[1:]  # same blocks 1 and 2, different block 0
+    assert engine.scheduler.get_num_new_matched_tokens(Request("b", other_start), 0) == (0, False)
+    shared_prefix = tokens[: 2 * BLOCK_SIZE] + [1] * (BLOCK_SIZE + 1)
+    assert engine.scheduler.get_num_new_matched_tokens(Request("c", shared_prefix), 0) == (
+        2 * BLOCK_SIZE, False)
+    keys = chained_block_keys(tokens, BLOCK_SIZE, b"seed")
+    assert len(keys) == 3 and len(set(keys)) == 3
+    assert keys[:2] == chained_block_keys(tokens[: 2 * BLOCK_SIZE], BLOCK_SIZE, b"seed")
+    assert keys != chained_block_keys(tokens, BLOCK_SIZE, b"other")
+
+
+def test_namespaces_do_not_share_blocks(tmp_path, rng):
+    tokens = _prompt(rng, 3 * BLOCK_SIZE + 1)
+    MiniEngine(storage_config(tmp_path, namespace="llama-a")).prefill(Request("a", tokens))
+    other = MiniEngine(storage_config(tmp_path, namespace="llama-b"))
+    assert other.scheduler.get_num_new_matched_tokens(Request("b", tokens), 0) == (0, False)
+    same = MiniEngine(storage_config(tmp_path, namespace="llama-a"))
+    assert same.scheduler.get_num_new_matched_tokens(Request("b", tokens), 0)[0] == 3 * BLOCK_SIZE
+
+
+@pytest.mark.parametrize("damage", ["flip_byte", "truncate", "delete"])
+def test_damaged_files_become_load_errors_from_that_block_on(tmp_path, rng, damage):
+    tokens = _prompt(rng, 4 * BLOCK_SIZE + 1)
+    MiniEngine(storage_config(tmp_path)).prefill(Request("a", tokens))
+    engine = MiniEngine(storage_config(tmp_path), fill_seed=5)
+    request = Request("b", tokens)
+    assert engine.scheduler.get_num_new_matched_tokens(request, 0) == (4 * BLOCK_SIZE, False)
+    keys = chained_block_keys(tokens, BLOCK_SIZE, engine.scheduler._seed)
+    path = engine.scheduler.path_for(keys[2])
+    data = bytearray(open(path, "rb").read())
+    if damage == "flip_byte":
+        data[-5] ^= 0xFF
+        open(path, "wb").write(bytes(data))
+    elif damage == "truncate":
+        open(path, "wb").write(bytes(data[: len(data) // 2]))
+    else:
+        os.unlink(path)
+    block_ids = [30, 29, 28, 27, 26]
+    engine.scheduler.update_state_after_alloc(request, KVCacheBlocks.of(block_ids), 4 * BLOCK_SIZE)
+    before = engine.kv_caches[LAYERS[0]][28].clone()
+    _, output = engine.step(SchedulerOutput())
+    assert output.invalid_block_ids == frozenset({28, 27})  # block 2 and everything after
+    _assert_holds_expected(engine, tokens, block_ids, [0, 1])
+    assert torch.equal(engine.kv_caches[LAYERS[0]][28], before)  # nothing half-written
+    assert engine.worker.get_block_ids_with_load_errors() == set()  # reported once
+
+
+def test_a_file_from_another_layout_is_refused(tmp_path, rng):
+    tokens = _prompt(rng, 2 * BLOCK_SIZE + 1)
+    engine = MiniEngine(storage_config(tmp_path), fill_seed=6)
+    engine.prefill(Request("a", tokens))
+    engine.worker._layout_signature = lambda: "[]"  # as if the loader's layout differed
+    request = Request("b", tokens)
+    assert engine.scheduler.get_num_new_matched_tokens(request, 0)[0] == 2 * BLOCK_SIZE
+    engine.scheduler.update_state_after_alloc(request, KVCacheBlocks.of([1, 2, 3]), 2 * BLOCK_SIZE)
+    _, output = engine.step(SchedulerOutput())
+    assert output.invalid_block_ids == frozenset({1, 2})
+
+
+def test_chunked_prefill_saves_once_the_prompt_is_complete(tmp_path, rng):
+    tokens = _prompt(rng, 3 * BLOCK_SIZE)
+    engine = MiniEngine(storage_config(tmp_path, "kv_producer"))
+    block_ids = [5, 6, 7]
+    new = NewRequestData("r", tuple(tokens), (tuple(block_ids),), 0)
+    first = SchedulerOutput(scheduled_new_reqs=(new,),
+                                       num_scheduled_tokens={"r": 2 * BLOCK_SIZE})
+    meta, _ = engine.step(first, {"r": (tokens[: 2 * BLOCK_SIZE], block_ids, 0)})
+    assert meta.saves == ()
+    cached = CachedRequestData("r", None, 2 * BLOCK_SIZE)
+    second = SchedulerOutput(scheduled_cached_reqs=(cached,),
+                                        num_scheduled_tokens={"r": BLOCK_SIZE})
+    meta, _ = engine.step(second, {"r": (tokens, block_ids, 2)})
+    assert [s.block_ids for s in meta.saves] == [(5, 6, 7)]
+    third = SchedulerOutput(scheduled_cached_reqs=(cached,), num_scheduled_tokens={"r": 1})
+    meta, _ = engine.step(third)
+    assert meta.saves == ()  # saved once
+    assert len(list(tmp_path.rglob("*.safetensors"))) == 3
+
+
+def test_blocks_already_stored_are_not_written_again(tmp_path, rng):
+    tokens = _prompt(rng, 3 * BLOCK_SIZE + 1)
+    MiniEngine(storage_config(tmp_path)).prefill(Request("a", tokens))
+    mtimes = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.safetensors")}
+    engine = MiniEngine(storage_config(tmp_path))
+    result = engine.prefill(Request("b", tokens + [1] * BLOCK_SIZE))
+    assert result["num_external"] == 3 * BLOCK_SIZE
+    assert [len(s.keys) for s in result["meta"].saves] == [1]  # only the new 4th block
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
+
+
+def test_config_and_contract_errors(tmp_path):
+    _, kvcc = kv_harness.cpu_kv_caches()
+    create = KVConnectorFactory.create_connector
+    with pytest.raises(ConfigError, match=r"unknown kv_connector_extra_config key\(s\) \['storage_dir'\]"):
+        create(storage_config(tmp_path, storage_dir="x"), KVConnectorRole.SCHEDULER, kvcc)
+    with pytest.raises(ConfigError, match="no key 'storage_path'"):
+        cfg = storage_config(tmp_path).replace(kv_connector_extra_config={})
+        create(cfg, KVConnectorRole.SCHEDULER, kvcc)
+    with pytest.raises(ConfigError, match="needs the engine's KVCacheConfig"):
+        create(storage_config(tmp_path), KVConnectorRole.SCHEDULER, None)
+    with pytest.raises(ConfigError, match="must be bool"):
+        create(storage_config(tmp_path, fsync="yes"), KVConnectorRole.SCHEDULER, kvcc)
+    sched = create(storage_config(tmp_path), KVConnectorRole.SCHEDULER, kvcc)
+    with pytest.raises(NotInitializedError, match="without a preceding get_num_new_matched_tokens"):
+        sched.update_state_after_alloc(Request("x", [1] * 9), KVCacheBlocks.of([1, 2, 3]), 8)
+    worker = create(storage_config(tmp_path), KVConnectorRole.WORKER, kvcc)
+    worker.bind_connector_metadata(StorageConnectorMetadata())
+    with pytest.raises(NotInitializedError, match="register_kv_caches"):
+        worker._block_views(0)
+    shape = (2, kv_harness.NUM_BLOCKS, BLOCK_SIZE, kv_harness.NUM_HEADS, kv_harness.HEAD_SIZE)
+    off_host = {n: torch.empty(shape, dtype=torch.bfloat16, device="meta") for n in LAYERS}
+    with pytest.raises(SpecError, match="device 'meta'"):
+        worker.register_kv_caches(off_host)
+
+
+# --- a later engine in another process ---------------------------------------------
+
+
+def _child_load(storage_path: str, tokens: list[int], queue) -> None:
+    try:
+        import kv_harness as harness
+        from rdma_kv.connector import Request as Req
+
+        engine = harness.MiniEngine(harness.storage_config(storage_path, "kv_consumer"),
+                                    fill_seed=99, first_block=11)
+        result = engine.prefill(Req("child", tokens))
+        blocks = result["block_ids"][: result["num_external"] // harness.BLOCK_SIZE]
+        data = {
+            name: engine.kv_caches[name][blocks].contiguous().view(torch.uint8).numpy().tobytes()
+            for name in harness.LAYERS
+        }
+        queue.put(("ok", result["num_external"], sorted(result["output"].invalid_block_ids), data))
+    except BaseException:
+        queue.put(("error", traceback.format_exc()))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_spawned_process_loads_what_this_one_saved(tmp_path, rng):
+    tokens = _prompt(rng, 6 * BLOCK_SIZE + 3)
+    producer = MiniEngine(storage_config(tmp_path, "kv_producer"), fill_seed=7)
+    saved = producer.prefill(Request("p", tokens))
+    want = _layer_blocks(producer, saved["block_ids"][:6])
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_load, args=(str(tmp_path), tokens, queue))
+    child.start()
+    try:
+        message = queue.get(timeout=90)
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    assert message[0] == "ok", f"child failed:\n{message[1]}"
+    _, num_external, errors, data = message
+    assert num_external == 6 * BLOCK_SIZE and errors == []
+    for name in LAYERS:
+        assert data[name] == want[name].tobytes(), name
+    assert child.exitcode == 0
