@@ -1,0 +1,111 @@
+"""The rdma-kv backend: ``rdma_kv.transport.Agent`` on the identical plan.
+
+Driven like the NIXL backend, so the two compare one to one: each side's
+buffer registered once; on the reader one *prepared* list per side covering
+every (layer, region, pool block) slot, made once outside the timed region;
+each repetition reads by block-table indices with ``read_prepared``.
+Timings per rep: *prep* is the Python work before the C post (index
+gathering, merging, argument marshalling), *post* the C post loop
+(``rk_post``), *seconds* from the post to completion, the same span NIXL's
+``transfer`` + ``check_xfer_state`` covers.
+
+Imports numpy, the stdlib, ``rdma_kv.bench`` siblings, and
+``rdma_kv.transport`` inside the child processes only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from rdma_kv.bench import harness
+from rdma_kv.bench.cma import page_aligned_buffer
+from rdma_kv.bench.harness import BenchError, Channel
+from rdma_kv.bench.report import Result
+from rdma_kv.bench.workloads import Workload, plan
+
+NAME = "rdma-kv"
+DEFAULT_OPTIONS: dict[str, Any] = {
+    "progress": "poll",  # reader: waits by driving progress itself, as NIXL's reader does
+    "target_progress": "thread",  # the idle target sleeps on its event fd
+    "ucx_options": {},
+}
+
+
+def _agent(name: str, progress: str, ucx_options: dict[str, str]) -> Any:
+    from rdma_kv.transport import Agent, AgentConfig
+
+    return Agent(name, AgentConfig(progress=progress, ucx_options=dict(ucx_options)))
+
+
+def slot_descs(workload: Workload, base: int) -> Any:
+    """Every slot of one side as a DescList (one descriptor per slot)."""
+    from rdma_kv.transport import DescList
+
+    size = workload.slot_nbytes
+    return DescList(np.uint64(base) + np.arange(workload.num_slots, dtype=np.uint64) * np.uint64(size), size)
+
+
+# --- child bodies ------------------------------------------------------------------
+
+
+def target(chan: Channel, start: dict[str, Any]) -> None:
+    workload = Workload.from_dict(start["workload"])
+    options = dict(DEFAULT_OPTIONS, **start["options"])
+    agent = _agent("bench-target", options["target_progress"], options["ucx_options"])
+    buf = page_aligned_buffer(workload.buffer_nbytes)
+    agent.register(buf)
+    filler = harness.PatternFiller(buf, workload.seed)
+    chan.send({"type": "ready", "address": buf.ctypes.data, "nbytes": buf.nbytes}, agent.metadata())
+    harness.serve_target(chan, filler.fill, agent.close)
+
+
+def reader(chan: Channel, start: dict[str, Any]) -> None:
+    workload = Workload.from_dict(start["workload"])
+    options = dict(DEFAULT_OPTIONS, **start["options"])
+    agent = _agent("bench-reader", options["progress"], options["ucx_options"])
+    peer, metadata = chan.expect("peer")
+    remote = agent.add_peer(metadata)
+    local = page_aligned_buffer(workload.buffer_nbytes)
+    agent.register(local)
+    t0 = time.perf_counter()
+    local_prep = agent.prep_local(slot_descs(workload, local.ctypes.data))
+    remote_prep = agent.prep_remote(remote, slot_descs(workload, int(peer["address"])))
+    prep_list_s = time.perf_counter() - t0
+    zero = np.zeros(1, dtype=np.int64)
+    agent.read_prepared(local_prep, zero, remote_prep, zero).wait(60)  # wire-up, untimed
+
+    def run_rep(rep: int) -> dict[str, Any]:
+        p = plan(workload, rep)
+        local.fill(0)
+        t0 = time.perf_counter()
+        xfer = agent.read_prepared(local_prep, p.local_slots, remote_prep, p.remote_slots)
+        t1 = time.perf_counter()
+        xfer.wait(120)
+        t2 = time.perf_counter()
+        prep = (t1 - t0) - xfer.post_s
+        if xfer.nbytes != p.nbytes:
+            raise BenchError(f"rdma-kv moved {xfer.nbytes} bytes, plan says {p.nbytes}")
+        harness.verify(local, p, "rdma-kv reader")
+        return {
+            "seconds": t2 - t0 - prep,
+            "prep_seconds": prep,
+            "post_seconds": xfer.post_s,
+            "ops": xfer.ops_posted,
+            "nbytes": p.nbytes,
+            "descriptors": p.descriptor_count,
+        }
+
+    chan.send({"type": "ready", "config": dict(options, prep_lists_s=prep_list_s)})
+    harness.serve_reader(chan, run_rep, agent.close)
+
+
+# --- backend ----------------------------------------------------------------------------
+
+
+def run_backend(workload: Workload, reps: int, **options: Any) -> Result:
+    """rdma-kv READ of ``workload``'s plans, ``reps`` times."""
+    records, config = harness.run_pair(__name__, workload, reps, dict(DEFAULT_OPTIONS, **options))
+    return Result.from_records(NAME, workload, records, config=config.get("config", {}))

@@ -1,0 +1,9 @@
+"""A backend whose target raises: the harness must forward the traceback."""
+
+
+def target(chan, start):
+    raise ValueError("target exploded on purpose")
+
+
+def reader(chan, start):
+    chan.expect("peer")

@@ -1,0 +1,50 @@
+"""Backends end to end on tiny workloads (spawned processes)."""
+
+import pytest
+
+from rdma_kv.bench import baselines, cma, harness, nixl_peer
+from rdma_kv.bench.workloads import Workload
+
+TINY = Workload("tiny", "kv", num_layers=2, blocks_per_request=8, block_nbytes=4096, pool_blocks=16, seed=11)
+TINY_CONTIG = TINY.replace(name="tiny-contig", block_order="contiguous")
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
+
+
+@pytest.mark.parametrize("w", [TINY, TINY_CONTIG, Workload("c", "contiguous", nbytes=1 << 20)])
+def test_cma_moves_and_verifies(w):
+    r = cma.run_backend(w, 2)
+    assert r.status == "ok", r.reason
+    assert r.nbytes == [w.transfer_nbytes] * 2 and len(r.seconds) == 2
+    if w is TINY_CONTIG:
+        assert r.ops == [4, 4]  # 2 layers x K/V, each one run of 8 blocks
+
+
+def test_child_failure_is_forwarded_with_traceback():
+    with pytest.raises(harness.BenchError, match="target exploded on purpose"):
+        harness.run_pair("bench_failing_backend", TINY, 1, setup_timeout_s=60)
+
+
+def test_runner_reports_failed_and_unknown_backends():
+    baselines.register_backend("broken", lambda w, reps: harness.run_pair("bench_failing_backend", w, reps))
+    try:
+        results = baselines.run([TINY], backends=["cma", "broken"], reps=1)
+    finally:
+        del baselines.BACKENDS["broken"]
+    assert [r.status for r in results] == ["ok", "failed"]
+    assert "target exploded" in results[1].reason
+
+
+@pytest.mark.skipif(nixl_peer.nixl_available() is not None, reason="nixl is not importable")
+@pytest.mark.parametrize("mode", ["strided", "blocks"])
+def test_nixl_moves_verifies_and_merges(mode):
+    r = nixl_peer.run_backend(TINY_CONTIG, 2, list_mode=mode)
+    assert r.status == "ok", r.reason
+    assert r.ops == [4, 4]  # NIXL merged each region's run of blocks
+    assert r.prep_seconds and r.post_seconds
+
+
+def test_missing_nixl_is_reported_as_skipped(monkeypatch):
+    monkeypatch.setattr(nixl_peer, "nixl_available", lambda: "nixl is not importable (test)")
+    r = nixl_peer.run_backend(TINY, 1)
+    assert r.status == "skipped" and "not importable" in r.reason
