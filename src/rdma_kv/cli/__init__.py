@@ -1,0 +1,48 @@
+"""The ``rdma-kv`` command line: ``bench`` and ``demo``.
+
+Only the CLI configures logging; the library itself only adds a
+NullHandler. Subcommands live in their own modules and import what they
+need lazily, so ``rdma-kv --help`` loads neither UCX nor torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from rdma_kv import __version__
+from rdma_kv.cli import bench, demo
+from rdma_kv.errors import RdmaKVError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rdma-kv",
+        description="Zero-copy KV-cache transfer over one-sided UCX reads.",
+    )
+    parser.add_argument("--version", action="version", version=f"rdma-kv {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    bench.add_parser(sub)
+    demo.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return int(args.run(args))
+    except RdmaKVError as exc:
+        print(f"rdma-kv {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
