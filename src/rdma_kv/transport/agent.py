@@ -622,8 +622,8 @@ class Agent:
                 # Sleep on the worker's event fd; wake for the next deadline at the latest.
                 timeout_ms = max(1, min(1000, int((next_deadline - time.monotonic()) * 1000) + 1))
                 poller.poll(timeout_ms)
-            else:
-                time.sleep(0)  # let posting threads take the lock
+            elif not events:
+                time.sleep(0)  # idle spin: let posting threads take the lock
 
     # ------------------------------------------------------------------ closing
 

@@ -102,7 +102,9 @@ uint64_t rk_post(rk_batch_t *b, int op, uint64_t n,
     uint64_t i;
 
     memset(&p, 0, sizeof(p));
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    /* MULTI_SEND: UCX may batch doorbells, more operations follow. */
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                     UCP_OP_ATTR_FLAG_MULTI_SEND;
     if (memhs != NULL) {
         /* A memory handle spares UCX a registration-cache lookup per op
          * (it matters on verbs, where every local buffer needs an lkey). */
@@ -129,7 +131,8 @@ uint64_t rk_post(rk_batch_t *b, int op, uint64_t n,
         b->posted++;
     }
     if (flush && b->status == UCS_OK) {
-        p.op_attr_mask &= ~(uint32_t)UCP_OP_ATTR_FIELD_MEMH;
+        p.op_attr_mask &= ~(uint32_t)(UCP_OP_ATTR_FIELD_MEMH |
+                                      UCP_OP_ATTR_FLAG_MULTI_SEND);
         r = ucp_ep_flush_nbx(b->ep, &p);
         rk_account(b, r);
     }
