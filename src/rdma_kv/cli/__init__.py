@@ -1,4 +1,4 @@
-"""The ``rdma-kv`` command line: ``bench`` and ``demo``.
+"""The ``rdma-kv`` command line: ``bench``, ``demo`` and ``info``.
 
 Only the CLI configures logging; the library itself only adds a
 NullHandler. Subcommands live in their own modules and import what they
@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from rdma_kv import __version__
-from rdma_kv.cli import bench, demo
+from rdma_kv.cli import bench, demo, info
 from rdma_kv.errors import RdmaKVError
 
 
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     bench.add_parser(sub)
     demo.add_parser(sub)
+    info.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,101 @@
+"""The rdma-kv command line: argument validation, ucx_info parsing, config
+findings, and a small real demo run."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from rdma_kv.cli import main
+from rdma_kv.cli.bench import parse_kv_shape
+from rdma_kv.cli.info import Report, check_config, parse_ucx_info
+from rdma_kv.errors import ConfigError
+
+UCX_INFO = """\
+# Memory domain: self
+#         memory types: host (access,reg_nonblock,reg,cache)
+#      Transport: self
+#         Device: memory
+#           Type: loopback
+# Memory domain: mlx5_0
+#         memory types: host (access,reg,cache), cuda (reg)
+#      Transport: rc_mlx5
+#         Device: mlx5_0:1
+#           Type: network
+#      Transport: ud_verbs
+#         Device: mlx5_0:1
+#           Type: network
+"""
+
+
+def test_parse_ucx_info_lists_transports_devices_and_memory_types():
+    transports, mem = parse_ucx_info(UCX_INFO)
+    assert [(t["transport"], t["device"], t["md"]) for t in transports] == [
+        ("self", "memory", "self"), ("rc_mlx5", "mlx5_0:1", "mlx5_0"), ("ud_verbs", "mlx5_0:1", "mlx5_0")]
+    assert mem == {"host", "cuda"}
+
+
+def test_kv_shape_parses_and_rejects_bad_input():
+    w = parse_kv_shape("4:16:4096:contiguous")
+    assert (w.num_layers, w.blocks_per_request, w.block_nbytes, w.block_order) == (4, 16, 4096, "contiguous")
+    assert w.pool_blocks >= 2 * 16
+    for bad in ("4:16", "a:16:4096", "4:16:4096:sideways"):
+        with pytest.raises(ConfigError, match="--kv-shape"):
+            parse_kv_shape(bad)
+
+
+def test_bench_rejects_unknown_peer(capsys):
+    assert main(["bench", "--vs", "mooncake", "--reps", "1"]) == 2
+    assert "unknown; valid: nixl" in capsys.readouterr().err
+
+
+def _levels(report: Report) -> list[str]:
+    return [f.level for f in report.findings]
+
+
+def test_config_check_findings():
+    report = Report(cuda="no CUDA device")
+    check_config('{"kv_connector": "RdmaKVConnector", "kv_role": "kv_wrong"}', report)
+    assert _levels(report) == ["error"] and "kv_wrong" in report.findings[0].message
+
+    report = Report(cuda="no CUDA device")
+    check_config(json.dumps({"kv_connector": "RdmaKVConnector", "kv_role": "kv_consumer",
+                             "kv_ip": "0.0.0.0", "kv_buffer_device": "cuda"}), report)
+    assert _levels(report) == ["ok", "warning", "error"]
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        report = Report(cuda="no CUDA device")
+        check_config(json.dumps({"kv_connector": "RdmaKVConnector", "kv_role": "kv_producer",
+                                 "kv_ip": "127.0.0.1", "kv_port": port}), report)
+    assert _levels(report) == ["ok", "error"] and "in use" in report.findings[1].message
+
+
+def test_config_check_reads_a_file(tmp_path):
+    path = tmp_path / "kv.json"
+    path.write_text('{"kv_connector": "RdmaKVConnector", "kv_role": "kv_both", "kv_port": 0}')
+    report = Report(cuda="no CUDA device")
+    check_config(str(path), report)
+    assert _levels(report) == ["ok", "ok"]
+
+
+@pytest.mark.ucx
+def test_info_json_reports_the_loaded_ucx(capsys):
+    assert main(["info", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["shim"] == "loaded" and out["ucx_version"].startswith("1.")
+    assert any(t["transport"] == "tcp" for t in out["transports"])
+
+
+@pytest.mark.ucx
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_demo_moves_and_verifies_bytes(capsys):
+    assert main(["demo", "--reps", "1", "--layers", "2", "--blocks", "8", "--block-bytes", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "16 operations" in out or "32 descriptors" in out
+    assert "demo passed" in out
