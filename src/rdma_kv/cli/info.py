@@ -170,7 +170,8 @@ def check_config(text: str, report: Report) -> None:
             report.findings.append(Finding(level, f"cannot bind {config.kv_ip}:{config.kv_port}: "
                                            f"{why.get(exc.errno, exc.strerror)}"))
     if config.kv_buffer_device.value == "cuda" and not report.cuda.startswith("available"):
-        report.findings.append(Finding("error", f"kv_buffer_device is cuda but {report.cuda}"))
+        report.findings.append(Finding("warning", f"kv_buffer_device is cuda but {report.cuda}; rdma-kv "
+                                       "registers the KV cache where the engine allocates it (host memory here)"))
 
 
 def render(report: Report) -> str:
