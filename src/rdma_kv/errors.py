@@ -58,7 +58,8 @@ class AuthenticationError(HandshakeError):
 
 
 class TransferError(RdmaKVError, RuntimeError):
-    """A transfer failed; ``status`` holds the UCS status name when known."""
+    """A transfer failed; ``status`` holds UCX's status text when known
+    (``ucs_status_string()``, e.g. "Connection reset by remote peer")."""
 
     def __init__(self, message: str, status: str | None = None) -> None:
         super().__init__(message)

@@ -60,6 +60,12 @@ log = logging.getLogger(__name__)
 NOTIF_AM_ID = 0x524B  # "RK": active-message id of rdma-kv notifications
 PROGRESS_MODES = ("thread", "poll")
 
+# Generations of prepared lists come from one process-wide counter, so a list
+# prepared by another Agent never matches: its region indices would address
+# that agent's memory handles and remote keys, not ours (the C post loop
+# indexes memhs[] / rkeys[] with them unchecked).
+_generations = itertools.count(1)
+
 
 @dataclass(frozen=True)
 class AgentConfig:
@@ -131,13 +137,14 @@ class Agent:
         self._name_c = ffi.new("char[]", name.encode())
         self._regions: list[MemoryRegion] = []
         self._local_table = RegionTable([], f"agent {name!r}")
-        self._local_gen = 0
+        self._local_gen = next(_generations)
         self._memhs = ffi.new("ucp_mem_h[]", 1)
         self._peers: dict[str, Peer] = {}
-        self._peer_gen = itertools.count(1)
         self._retired: list[Peer] = []
         self._inflight: dict[int, Transfer] = {}
-        self._zombies: dict[int, Any] = {}  # batch records UCX may still write
+        # Batch records (and notification buffers) UCX may still touch after their
+        # transfer was failed without UCX's completion: freed when it comes.
+        self._zombies: dict[int, Any] = {}
         self._deadlines: list[tuple[float, int]] = []
         self._ids = itertools.count(1)
         self._notifs: deque[Notification] = deque()
@@ -152,13 +159,17 @@ class Agent:
 
     def register(self, obj: Any) -> MemoryRegion:
         """Register a tensor, array or ``(address, nbytes)``. A view of an
-        allocation already registered returns that allocation's region."""
+        allocation already registered returns that allocation's region.
+        The region keeps a tensor or array alive until it is unmapped."""
         span = span_of(obj)
+        owner = None if isinstance(obj, tuple) else obj
         with self._lock:
             self._require_open()
             for region in self._regions:
                 if region.contains(span.base, span.nbytes):
                     region.refs += 1
+                    if owner is not None:
+                        region.owners.append(owner)
                     return region
                 if span.base < region.end and region.base < span.base + span.nbytes:
                     raise RegistrationError(
@@ -167,6 +178,8 @@ class Agent:
                         "register the enclosing allocation once instead"
                     )
             region = self._map(span.base, span.nbytes, span.kind)
+            if owner is not None:
+                region.owners.append(owner)
             self._regions.append(region)
             self._rebuild_local()
             return region
@@ -214,7 +227,8 @@ class Agent:
                 )
             self._regions.remove(region)
             check_status(self._lib.ucp_mem_unmap(self._context.handle, region.memh), "ucp_mem_unmap")
-            self._local_gen += 1
+            region.owners.clear()  # unmapped: the memory may go now
+            self._local_gen = next(_generations)
             self._rebuild_local()
 
     def _rebuild_local(self) -> None:
@@ -247,7 +261,7 @@ class Agent:
             if old is not None:
                 self._fail_peer(old, "replaced by newly imported metadata")
                 self._retire(old)
-            self._peers[md.name] = Peer(self._worker, md, next(self._peer_gen))
+            self._peers[md.name] = Peer(self._worker, md, next(_generations))
             return md.name
 
     def remove_peer(self, name: str) -> None:
@@ -352,11 +366,15 @@ class Agent:
         with self._lock:
             self._require_open()
             if local.generation != self._local_gen:
-                raise DescriptorError("local prepared list predates a deregister(); prepare it again")
+                raise DescriptorError(
+                    f"local prepared list was not made by prep_local() of agent {self.name!r} or predates "
+                    "a deregister(); prepare it again"
+                )
             p = self._usable_peer(remote.peer)
             if remote.generation != p.generation:
                 raise DescriptorError(
-                    f"remote prepared list is for an earlier incarnation of {remote.peer!r}; prepare it again"
+                    f"remote prepared list was not made by prep_remote() of agent {self.name!r} or is for an "
+                    f"earlier incarnation of {remote.peer!r}; prepare it again"
                 )
             return self._post(op, p, laddr, raddr, llen, lreg, rreg, notify, timeout_s)
 
@@ -434,6 +452,7 @@ class Agent:
     def get_notifications(self) -> list[Notification]:
         """Notifications received since the last call, in arrival order."""
         with self._lock:
+            self._require_open()
             self._poll_if_manual()
             out = list(self._notifs)
             self._notifs.clear()
@@ -451,6 +470,12 @@ class Agent:
 
     def progress(self) -> int:
         """Drive the worker once (polling mode). Returns UCX events handled."""
+        self._require_open()
+        return self._progress()
+
+    def _progress(self) -> int:
+        # Internal callers (Transfer.wait/done) may race with close(): then
+        # their transfer has been failed by close() and they just return.
         with self._lock:
             if self._closed:
                 return 0
@@ -461,11 +486,11 @@ class Agent:
 
     def _poll_if_manual(self) -> None:
         if self._thread is None:
-            self.progress()
+            self._progress()
 
     def _progress_once(self, block_s: float | None) -> None:
         """Polling mode: progress; if idle, sleep on the event fd briefly."""
-        if self.progress():
+        if self._progress():
             return
         with self._lock:
             armed = not self._closed and self._worker.arm()
@@ -505,6 +530,12 @@ class Agent:
         if xfer._expired:
             return self._timeout_error(xfer)
         name = status_name(status)
+        if self._closed:  # cancelled by our own close(), not by the peer
+            return TransferError(
+                f"{xfer.op.value} transfer {xfer.id} with peer {xfer.peer!r} aborted: agent "
+                f"{self.name!r} was closed ({xfer.num_descs} descriptors, {xfer.nbytes} bytes)",
+                status=name,
+            )
         peer = xfer._peer_ref
         why = peer.failure
         if why is None and peer.ep_state.failed:
@@ -571,7 +602,7 @@ class Agent:
                                       "the peer is considered dead and its endpoint was closed")
             if xid in self._inflight:  # UCX did not cancel it: resolve it anyway
                 self._inflight.pop(xid)
-                self._zombies[xid] = xfer._batch
+                self._zombies[xid] = (xfer._batch, xfer._keepalive)
                 peer.inflight -= 1
                 self._queue(xfer, self._timeout_error(xfer))
 
@@ -581,7 +612,9 @@ class Agent:
             f"{xfer.op.value} transfer {xfer.id} with peer {xfer.peer!r} did not complete within "
             f"its deadline ({xfer.num_descs} descriptors, {xfer.nbytes} bytes); the peer's "
             "endpoint was closed: re-import its metadata with add_peer() once it is back",
-            status="UCS_ERR_TIMED_OUT")
+            # Same convention as every other TransferError.status: UCX's own
+            # ucs_status_string() text ("Operation timed out"), not an enum name.
+            status=status_name(load()[1].UCS_ERR_TIMED_OUT))
 
     def _fail_peer(self, peer: Peer, reason: str) -> None:
         """Mark failed and force-close the endpoint; UCX cancels its operations,
@@ -637,7 +670,7 @@ class Agent:
                 self._fail_peer(peer, why)
         for xid, xfer in list(self._inflight.items()):
             self._inflight.pop(xid)
-            self._zombies[xid] = xfer._batch
+            self._zombies[xid] = (xfer._batch, xfer._keepalive)
             xfer._peer_ref.inflight -= 1
             self._queue(xfer, TransferError(f"{xfer.op.value} transfer {xid} with {xfer.peer!r} aborted: {why}"))
 
@@ -660,6 +693,7 @@ class Agent:
             self._retired.clear()
             for region in self._regions:
                 self._lib.ucp_mem_unmap(self._context.handle, region.memh)
+                region.owners.clear()
             self._regions.clear()
             self._worker.close()
             self._context.close()

@@ -12,6 +12,7 @@ caller passes a tensor (never imported here).
 from __future__ import annotations
 
 import enum
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,8 +52,8 @@ class Span:
 def span_of(obj: Any) -> Span:
     """Resolve a torch tensor, numpy array or ``(address, nbytes)`` pair to the
     allocation to register (the whole storage, not just the view)."""
-    if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(v, int) for v in obj):
-        base, nbytes = obj
+    if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(v, numbers.Integral) for v in obj):
+        base, nbytes = int(obj[0]), int(obj[1])  # numpy integers too
         return _checked(Span(base, nbytes, None), "(address, nbytes)")
     if isinstance(obj, np.ndarray):
         root = obj
@@ -93,7 +94,8 @@ def _byte_bounds(arr: np.ndarray) -> tuple[int, int]:
 
 
 def _checked(span: Span, what: str) -> Span:
-    if span.base <= 0 or span.nbytes <= 0 or span.base + span.nbytes > 2**64:
+    # The end must fit in uint64 too: RegionTable keeps region ends as uint64.
+    if span.base <= 0 or span.nbytes <= 0 or span.base + span.nbytes >= 2**64:
         raise RegistrationError(
             f"{what} spans [{span.base:#x}, +{span.nbytes}): address and size must be "
             "positive and inside the 64-bit address space"
@@ -103,7 +105,15 @@ def _checked(span: Span, what: str) -> Span:
 
 @dataclass(eq=False)
 class MemoryRegion:
-    """One registered allocation. ``refs`` counts register() calls on it."""
+    """One registered allocation. ``refs`` counts register() calls on it.
+
+    ``owners`` holds the tensors / arrays registered onto it until it is
+    unmapped: memory freed while still mapped (a temporary passed to
+    register()) would be read and written by peers, and UCX itself crashes
+    on it (seen here: a segfault in ucp_worker_progress / ucp_worker_destroy).
+    An ``(address, nbytes)`` registration has no owner; its caller keeps
+    the memory alive.
+    """
 
     base: int
     nbytes: int
@@ -111,6 +121,7 @@ class MemoryRegion:
     memh: Any = field(repr=False)
     packed_rkey: bytes = field(repr=False)
     refs: int = 1
+    owners: list[Any] = field(default_factory=list, repr=False)
 
     @property
     def end(self) -> int:

@@ -54,9 +54,28 @@ def _schema_hash() -> str:
     return hashlib.sha256(repr(fields).encode()).hexdigest()[:16]
 
 
+class _Header(msgspec.Struct):
+    """What every release's blob starts with. Unknown fields are ignored so a
+    newer layout is reported as incompatible, not as malformed (the strict
+    AgentMetadata decoder forbids unknown fields)."""
+
+    magic: str
+    version: int
+    schema: str
+    name: str = "?"
+
+
 SCHEMA = _schema_hash()
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AgentMetadata)
+_header_decoder = msgspec.msgpack.Decoder(_Header)
+
+
+def _malformed(blob: bytes, exc: msgspec.DecodeError) -> MetadataError:
+    return MetadataError(
+        f"malformed or truncated agent metadata ({len(blob)} bytes): {exc}; "
+        "pass the exact bytes the peer's Agent.metadata() returned"
+    )
 
 
 def encode(name: str, ucx_version: str, worker_address: bytes, regions: list[RegionInfo]) -> bytes:
@@ -73,20 +92,21 @@ def decode(blob: bytes) -> AgentMetadata:
             f"agent metadata is {len(blob)} bytes, over the {MAX_METADATA_BYTES}-byte limit"
         )
     try:
-        md = _decoder.decode(blob)
+        head = _header_decoder.decode(blob)
     except msgspec.DecodeError as exc:
+        raise _malformed(blob, exc) from None
+    if head.magic != MAGIC:
+        raise MetadataError(f"not rdma-kv agent metadata (magic {head.magic!r}, expected {MAGIC!r})")
+    if head.version != VERSION or head.schema != SCHEMA:
         raise MetadataError(
-            f"malformed or truncated agent metadata ({len(blob)} bytes): {exc}; "
-            "pass the exact bytes the peer's Agent.metadata() returned"
-        ) from None
-    if md.magic != MAGIC:
-        raise MetadataError(f"not rdma-kv agent metadata (magic {md.magic!r}, expected {MAGIC!r})")
-    if md.version != VERSION or md.schema != SCHEMA:
-        raise MetadataError(
-            f"incompatible agent metadata from {md.name!r}: version {md.version} schema "
-            f"{md.schema}, this agent speaks version {VERSION} schema {SCHEMA}; run the "
+            f"incompatible agent metadata from {head.name!r}: version {head.version} schema "
+            f"{head.schema}, this agent speaks version {VERSION} schema {SCHEMA}; run the "
             "same rdma-kv release on both sides"
         )
+    try:
+        md = _decoder.decode(blob)
+    except msgspec.DecodeError as exc:
+        raise _malformed(blob, exc) from None
     spans = sorted((r.base, r.base + r.nbytes) for r in md.regions)
     for (b0, e0), (b1, e1) in zip(spans, spans[1:]):
         if b1 < e0:
@@ -94,6 +114,11 @@ def decode(blob: bytes) -> AgentMetadata:
                 f"agent metadata from {md.name!r} lists overlapping regions "
                 f"[{b0:#x}, {e0:#x}) and [{b1:#x}, {e1:#x})"
             )
-    if spans and spans[-1][1] > 2**64:
-        raise MetadataError(f"agent metadata from {md.name!r} has a region past 2**64")
+    # Ends must fit in uint64 (the peer's RegionTable stores them so); checked
+    # here, before add_peer() creates an endpoint and unpacks remote keys.
+    if spans and spans[-1][1] >= 2**64:
+        raise MetadataError(
+            f"agent metadata from {md.name!r} has a region ending at {spans[-1][1]:#x}, "
+            "past the 64-bit address space"
+        )
     return md

@@ -1,0 +1,574 @@
+"""Two agents in one process: registration, bit-exact READ and WRITE, prepared
+lists, flush, notifications, every error path, close and asyncio.
+
+Both agents are progressed (threads, or the test drives poll-mode agents):
+a poll-mode agent nobody progresses stalls its peer -- which the deadline
+tests use on purpose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+from rdma_kv.errors import (
+    ClosedError,
+    ConfigError,
+    DescriptorError,
+    PeerError,
+    RegistrationError,
+    TransferError,
+    TransferTimeoutError,
+)
+from rdma_kv.transport import DescList, MemoryKind, XferOp, XferState
+from rdma_kv.transport._lib import load, status_name
+from transport_helpers import (
+    PAIR_NBYTES,
+    TCP,
+    Pair,
+    apply_blocks,
+    collect_notifications,
+    connect,
+    contiguous_runs,
+    random_blocks,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.ucx, pytest.mark.timeout(60)]
+
+WAIT_S = 10.0
+
+
+# -- registration ------------------------------------------------------------------
+
+
+def test_views_of_one_numpy_allocation_share_one_refcounted_region(make_agent):
+    agent = make_agent("reg")
+    arr = np.zeros(1 << 16, dtype=np.uint8)
+    region = agent.register(arr)
+    assert (region.base, region.nbytes, region.kind) == (arr.ctypes.data, arr.nbytes, MemoryKind.HOST)
+    assert agent.register(arr[100:200]) is region
+    assert agent.register(arr.reshape(256, 256)[:, 3]) is region
+    assert agent.register((arr.ctypes.data + 10, 100)) is region
+    assert region.refs == 4 and agent.regions == (region,)
+
+    for refs in (3, 2, 1):
+        agent.deregister(region)
+        assert region.refs == refs and agent.regions == (region,)
+    agent.deregister(region)
+    assert agent.regions == ()
+    with pytest.raises(RegistrationError, match="is not registered with agent 'reg'"):
+        agent.deregister(region)
+
+
+def test_torch_kv_layers_register_as_one_region(make_agent):
+    agent = make_agent("kv")
+    kv = torch.zeros(4, 8, 2, 16, 32)  # layers x blocks x ...: layers are views of one allocation
+    regions = {id(agent.register(layer)) for layer in kv.unbind(0)}
+    assert len(regions) == 1 and len(agent.regions) == 1
+    (region,) = agent.regions
+    assert (region.base, region.nbytes, region.refs) == (kv.data_ptr(), kv.nbytes, 4)
+    from rdma_kv.transport import metadata as wire
+
+    assert len(wire.decode(agent.metadata()).regions) == 1
+
+
+def test_overlapping_registration_is_rejected(make_agent):
+    agent = make_agent("ovl")
+    backing = np.zeros(3 << 12, dtype=np.uint8)
+    base = backing.ctypes.data
+    region = agent.register((base + 4096, 4096))
+    for span in [(base + 4096 + 2048, 4096), (base, 4096 + 1), (base, 3 << 12)]:
+        with pytest.raises(RegistrationError, match="overlaps registered region .* register the enclosing"):
+            agent.register(span)
+    assert agent.regions == (region,) and region.refs == 1
+    assert agent.register((base + 2 * 4096, 4096)) is not region  # adjacent is fine
+    assert len(agent.regions) == 2
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_registered_memory_is_kept_alive_until_unmapped(pair: Pair, kind):
+    # A temporary passed to register() must not be freed while peers can
+    # still reach it (UCX segfaulted on exactly that before regions kept it).
+    tmp = np.full(1 << 16, 9, dtype=np.uint8) if kind == "numpy" else torch.full((1 << 16,), 9, dtype=torch.uint8)
+    alive = weakref.ref(tmp)
+    region = pair.b.register(tmp[1024:])  # a view: the allocation behind it must live too
+    del tmp
+    gc.collect()
+    assert alive() is not None
+    pair.b.read("a", DescList([region.base], 4096), pair.desc_a([0], 4096)).wait(WAIT_S)
+    got = np.asarray(alive())[:4096]
+    np.testing.assert_array_equal(got, pair.buf_a[:4096])
+    del got
+    pair.b.deregister(region)
+    del region
+    gc.collect()
+    assert alive() is None, "deregister() should release what it kept alive"
+
+
+def test_unsupported_objects_are_rejected_before_touching_ucx(make_agent):
+    agent = make_agent("bad")
+    with pytest.raises(RegistrationError, match="cannot register list"):
+        agent.register([1, 2, 3])
+    assert agent.regions == ()
+
+
+# -- READ / WRITE ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", [XferOp.READ, XferOp.WRITE])
+def test_random_blocks_bit_exact(pair: Pair, rng, op):
+    a, b = pair.a, pair.b
+    pair.buf_b[:] = rng.integers(0, 256, PAIR_NBYTES, dtype=np.uint8)
+    for _ in range(25):
+        block, local_off, remote_off = random_blocks(rng, PAIR_NBYTES, PAIR_NBYTES)
+        local, remote = pair.desc_b(local_off, block), pair.desc_a(remote_off, block)
+        if op is XferOp.READ:
+            expect, dst = pair.buf_b.copy(), pair.buf_b
+            apply_blocks(expect, pair.buf_a, local_off, remote_off, block)
+            xfer = b.read("a", local, remote)
+        else:
+            expect, dst = pair.buf_a.copy(), pair.buf_a
+            apply_blocks(expect, pair.buf_b, remote_off, local_off, block)
+            xfer = b.write("a", local, remote)
+        assert xfer.wait(WAIT_S) is xfer
+        assert xfer.state is XferState.DONE and xfer.error is None and xfer.done()
+        assert (xfer.num_descs, xfer.nbytes) == (len(local_off), len(local_off) * block)
+        assert xfer.ops_posted == contiguous_runs(local_off, remote_off, block)
+        np.testing.assert_array_equal(dst, expect)
+    assert b.inflight == 0
+    assert b.stats["transfers"] == 25 and b.stats["failed"] == 0
+
+
+def test_contiguous_descriptors_coalesce_into_one_op_with_the_same_bytes(pair: Pair):
+    n, block = 256, 1024
+    offsets = np.arange(n) * block
+    merged = pair.b.read("a", pair.desc_b(offsets, block), pair.desc_a(offsets, block)).wait(WAIT_S)
+    assert (merged.num_descs, merged.ops_posted) == (n, 1)
+    first = pair.buf_b[: n * block].copy()
+    pair.buf_b[:] = 0
+    order = np.random.default_rng(7).permutation(n)  # same blocks, never contiguous on both sides
+    rev = pair.b.read("a", pair.desc_b(offsets[order][::-1], block), pair.desc_a(offsets[order][::-1], block))
+    rev.wait(WAIT_S)
+    assert rev.ops_posted == contiguous_runs(offsets[order][::-1], offsets[order][::-1], block) > 1
+    np.testing.assert_array_equal(pair.buf_b[: n * block], first)
+    np.testing.assert_array_equal(first, pair.buf_a[: n * block])
+
+
+def test_prepared_lists_by_index(pair: Pair, rng):
+    a, b = pair.a, pair.b
+    block, nslots = 4096, PAIR_NBYTES // 4096
+    slots = np.arange(nslots) * block
+    local = b.prep_local(pair.desc_b(slots, block))
+    remote = b.prep_remote("a", pair.desc_a(slots, block))
+    assert (len(local), len(remote)) == (nslots, nslots)
+
+    lidx, ridx = rng.permutation(nslots)[:64], rng.permutation(nslots)[:64]
+    xfer = b.read_prepared(local, lidx, remote, ridx).wait(WAIT_S)
+    assert xfer.num_descs == 64
+    for li, ri in zip(lidx, ridx):
+        got, want = pair.buf_b[li * block:(li + 1) * block], pair.buf_a[ri * block:(ri + 1) * block]
+        np.testing.assert_array_equal(got, want)
+
+    pair.buf_b[:block] = 0xAB
+    b.write_prepared(local, [0, 0], remote, [5, 9]).wait(WAIT_S)  # one local block to two remote slots
+    assert (pair.buf_a[5 * block:6 * block] == 0xAB).all() and (pair.buf_a[9 * block:10 * block] == 0xAB).all()
+
+    run = np.arange(10, 20)
+    assert b.read_prepared(local, run, remote, run).wait(WAIT_S).ops_posted == 1
+
+    with pytest.raises(DescriptorError, match="pass a list from prep_local"):
+        b.read_prepared(remote, [0], local, [0])
+    with pytest.raises(DescriptorError, match="1 local vs 2 remote"):
+        b.read_prepared(local, [0], remote, [0, 1])
+    with pytest.raises(DescriptorError, match=f"descriptor index {nslots} out of range .* remote \\(a\\)"):
+        b.read_prepared(local, [0], remote, [nslots])
+    assert b.inflight == 0
+
+
+def test_flush_completes_after_writes(pair: Pair):
+    pair.buf_b[:4096] = 7
+    pair.b.write("a", pair.desc_b([0], 4096), pair.desc_a([0], 4096))
+    flush = pair.b.flush("a")
+    assert flush.op is XferOp.FLUSH and flush.wait(WAIT_S).state is XferState.DONE
+    assert (flush.num_descs, flush.ops_posted, flush.nbytes) == (0, 0, 0)
+    assert (pair.buf_a[:4096] == 7).all()
+
+
+def test_done_callbacks_run_once(pair: Pair):
+    calls: list = []
+    event = threading.Event()
+    xfer = pair.b.read("a", pair.desc_b([0], 65536), pair.desc_a([0], 65536))
+    xfer.add_done_callback(lambda x: (calls.append(x), event.set()))
+    assert event.wait(WAIT_S)
+    xfer.add_done_callback(calls.append)  # already done: runs now
+    assert calls == [xfer, xfer]
+
+
+# -- notifications -------------------------------------------------------------------------
+
+
+def test_notifications_arrive_exactly_once_with_the_sender_name(pair: Pair):
+    a, b = pair.a, pair.b
+    payloads = [f"read-{i}".encode() for i in range(40)] + [f"write-{i}".encode() for i in range(40)] + [b""]
+    xfers = []
+    for i, payload in enumerate(payloads):
+        post = b.write if payload.startswith(b"write") else b.read
+        xfers.append(post("a", pair.desc_b([i * 64], 64), pair.desc_a([i * 64], 64), notify=payload))
+    for x in xfers:
+        x.wait(WAIT_S)
+    b.read("a", pair.desc_b([0], 8), pair.desc_a([0], 8), notify=b"sentinel").wait(WAIT_S)
+    got = collect_notifications(a, payloads, b"sentinel", WAIT_S)
+    assert {n.peer for n in got} == {"b"}
+    assert b.get_notifications() == [] and a.get_notifications() == []
+
+
+def test_oversized_notification_is_rejected_and_nothing_posted(make_agent):
+    pair = connect(make_agent, notif_max_bytes=16)
+    with pytest.raises(ConfigError, match="notification of 17 bytes exceeds notif_max_bytes=16"):
+        pair.b.read("a", pair.desc_b([0], 8), pair.desc_a([0], 8), notify=b"x" * 17)
+    assert pair.b.inflight == 0 and pair.b.stats["transfers"] == 0
+
+
+# -- error paths ------------------------------------------------------------------------------
+
+
+def test_unknown_peer(pair: Pair):
+    b = pair.b
+    local, remote = pair.desc_b([0], 8), pair.desc_a([0], 8)
+    calls = [
+        lambda: b.read("nobody", local, remote),
+        lambda: b.write("nobody", local, remote),
+        lambda: b.flush("nobody"),
+        lambda: b.prep_remote("nobody", remote),
+        lambda: b.remove_peer("nobody"),
+    ]
+    for call in calls:
+        with pytest.raises(PeerError, match=r"unknown peer 'nobody' \(known peers: a\); import its metadata"):
+            call()
+    assert isinstance(PeerError("x"), ConnectionError)
+    b.remove_peer("a")
+    with pytest.raises(PeerError, match=r"known peers: none"):
+        b.read("a", local, remote)
+    assert b.inflight == 0
+
+
+@pytest.mark.parametrize(
+    ("side", "offset", "length", "why"),
+    [
+        ("local", -64, 64, "not inside any registered region"),  # before the buffer
+        ("local", PAIR_NBYTES - 32, 64, "not inside any registered region"),  # straddles the end
+        ("local", PAIR_NBYTES, 64, "not inside any registered region"),  # just after
+        ("remote", -1, 64, "not inside any registered region"),
+        ("remote", PAIR_NBYTES - 63, 64, "not inside any registered region"),
+        ("remote", 1 << 40, 64, "not inside any registered region"),
+        ("local", 0, 0, "is empty"),
+    ],
+)
+def test_out_of_bounds_descriptors_post_nothing(pair: Pair, side, offset, length, why):
+    b = pair.b
+    before = pair.buf_b.copy()
+    lengths = np.array([64, 64, length], dtype=np.uint64)
+
+    def descs(buf: np.ndarray, last: int) -> DescList:
+        return DescList((np.array([0, 4096, last], dtype=np.int64) + buf.ctypes.data).astype(np.uint64), lengths)
+
+    if side == "local":
+        local, remote = descs(pair.buf_b, offset), descs(pair.buf_a, 0)
+    else:
+        local, remote = descs(pair.buf_b, 0), descs(pair.buf_a, offset)
+    for post in (b.read, b.write):
+        with pytest.raises(DescriptorError, match=f"{side} descriptors.*descriptor 2 .* {why}.*nothing was posted"):
+            post("a", local, remote)
+    with pytest.raises(DescriptorError, match=f"descriptor 2 .* {why}"):
+        b.prep_local(local) if side == "local" else b.prep_remote("a", remote)
+    assert b.inflight == 0 and b.stats["transfers"] == 0
+    np.testing.assert_array_equal(pair.buf_b, before)
+
+
+def test_local_and_remote_lists_must_pair_up(pair: Pair):
+    with pytest.raises(DescriptorError, match="2 vs 1 descriptors"):
+        pair.b.read("a", pair.desc_b([0, 64], 64), pair.desc_a([0], 64))
+    with pytest.raises(DescriptorError, match="their lengths differ"):
+        pair.b.read("a", pair.desc_b([0], 64), pair.desc_a([0], 32))
+    assert pair.b.inflight == 0
+
+
+def test_stale_prepared_lists_are_rejected(pair: Pair):
+    a, b = pair.a, pair.b
+    local = b.prep_local(pair.desc_b([0, 4096], 4096))
+    remote = b.prep_remote("a", pair.desc_a([0, 4096], 4096))
+    b.read_prepared(local, [0], remote, [1]).wait(WAIT_S)
+
+    assert b.add_peer(a.metadata()) == "a"  # re-import: a new incarnation of "a"
+    with pytest.raises(DescriptorError, match="remote prepared list .* earlier incarnation of 'a'; prepare it again"):
+        b.read_prepared(local, [0], remote, [1])
+    remote = b.prep_remote("a", pair.desc_a([0, 4096], 4096))
+    b.read_prepared(local, [0], remote, [1]).wait(WAIT_S)
+
+    extra = np.zeros(4096, dtype=np.uint8)
+    b.deregister(b.register(extra))  # any deregister invalidates local lists
+    with pytest.raises(DescriptorError, match="local prepared list .* prepare it again"):
+        b.read_prepared(local, [0], remote, [1])
+    assert b.inflight == 0
+
+
+def test_prepared_lists_of_another_agent_are_rejected(make_agent):
+    pair = connect(make_agent)
+    c = make_agent("c")
+    other = np.zeros(1 << 16, dtype=np.uint8)
+    c.register(other)
+    c.add_peer(pair.a.metadata())
+    foreign_local = c.prep_local(DescList.from_regions(other.ctypes.data, [0], 4096))
+    foreign_remote = c.prep_remote("a", pair.desc_a([0], 4096))
+    local = pair.b.prep_local(pair.desc_b([0], 4096))
+    remote = pair.b.prep_remote("a", pair.desc_a([0], 4096))
+    with pytest.raises(DescriptorError, match="local prepared list"):
+        pair.b.read_prepared(foreign_local, [0], remote, [0])
+    with pytest.raises(DescriptorError, match="remote prepared list"):
+        pair.b.read_prepared(local, [0], foreign_remote, [0])
+    assert pair.b.inflight == 0 and not other.any()
+
+
+def test_deadline_fails_a_stalled_transfer_and_re_import_recovers(make_agent):
+    # Over TCP a get needs the target's worker to progress; a poll-mode target
+    # nobody drives is an unresponsive peer.
+    target = make_agent("target", progress="poll", ucx_options=TCP)
+    reader = make_agent("reader", ucx_options=TCP, transfer_timeout_s=0.5)
+    src = np.arange(1 << 16, dtype=np.uint8)
+    dst = np.zeros(1 << 16, dtype=np.uint8)
+    target.register(src)
+    reader.register(dst)
+    reader.add_peer(target.metadata())
+    target.add_peer(reader.metadata())
+    local = DescList.from_regions(dst.ctypes.data, [0, 32768], 32768)
+    remote = DescList.from_regions(src.ctypes.data, [0, 32768], 32768)
+
+    stalled = reader.read("target", local, remote)
+    later = reader.read("target", local, remote, timeout_s=60.0)
+    with pytest.raises(TransferTimeoutError, match="did not complete within its deadline .* re-import") as exc:
+        stalled.wait(WAIT_S)
+    assert isinstance(exc.value, TimeoutError) and stalled.state is XferState.FAILED and stalled.error is exc.value
+    assert exc.value.status == status_name(load()[1].UCS_ERR_TIMED_OUT)  # one convention for .status
+    # The peer is considered dead: its other transfers fail too, and it refuses new ones.
+    with pytest.raises(TransferError, match="peer 'target' did not complete transfer"):
+        later.wait(WAIT_S)
+    with pytest.raises(PeerError, match="peer 'target' failed"):
+        reader.read("target", local, remote)
+    assert reader.inflight == 0 and reader.stats["failed"] == 2
+
+    reader.add_peer(target.metadata())  # "once it is back"
+    xfer = reader.read("target", local, remote)
+    wait_until(xfer.done, WAIT_S, "read after re-import", drive=[target])
+    xfer.wait(0)
+    np.testing.assert_array_equal(dst, src)
+
+
+def stalled_link(make_agent, **reader_config):
+    """A reader and a TCP target in poll mode that nobody drives: the
+    reader's transfers stay in flight until the test drives the target."""
+    target = make_agent("target", progress="poll", ucx_options=TCP)
+    reader = make_agent("reader", ucx_options=TCP, **reader_config)
+    src = np.arange(1 << 16, dtype=np.uint8)
+    dst = np.zeros(1 << 16, dtype=np.uint8)
+    target.register(src)
+    region = reader.register(dst)
+    reader.add_peer(target.metadata())
+    local = DescList.from_regions(dst.ctypes.data, [0], 4096)
+    remote = DescList.from_regions(src.ctypes.data, [0], 4096)
+    return target, reader, region, local, remote
+
+
+def test_max_inflight_bounds_outstanding_transfers(make_agent):
+    target, reader, _, local, remote = stalled_link(make_agent, max_inflight=4)
+    xfers = [reader.read("target", local, remote) for _ in range(4)]
+    with pytest.raises(TransferError, match="4 transfers already in flight"):
+        reader.read("target", local, remote)
+    assert reader.inflight == 4
+    wait_until(lambda: all(x.done() for x in xfers), WAIT_S, "reads", drive=[target])
+    reader.read("target", local, remote)  # room again
+    wait_until(lambda: reader.inflight == 0, WAIT_S, "last read", drive=[target])
+
+
+def test_deregister_refuses_while_transfers_are_in_flight(make_agent):
+    target, reader, region, local, remote = stalled_link(make_agent)
+    xfer = reader.read("target", local, remote)
+    with pytest.raises(RegistrationError, match="1 transfers in flight; wait for them first"):
+        reader.deregister(region)
+    wait_until(xfer.done, WAIT_S, "read", drive=[target])
+    reader.deregister(region)
+    assert reader.regions == ()
+
+
+def test_remove_peer_fails_its_transfers_in_flight(make_agent):
+    _, reader, _, local, remote = stalled_link(make_agent)
+    xfer = reader.read("target", local, remote)
+    reader.remove_peer("target")
+    with pytest.raises(TransferError, match="removed by remove_peer"):
+        xfer.wait(WAIT_S)
+    assert reader.peers == () and reader.inflight == 0
+
+
+def test_wait_timeout_leaves_the_transfer_running(make_agent):
+    target = make_agent("target", progress="poll", ucx_options=TCP)
+    reader = make_agent("reader", ucx_options=TCP)
+    src = np.arange(4096, dtype=np.uint8)
+    dst = np.zeros(4096, dtype=np.uint8)
+    target.register(src)
+    reader.register(dst)
+    reader.add_peer(target.metadata())
+    xfer = reader.read("target", DescList([dst.ctypes.data], 4096), DescList([src.ctypes.data], 4096))
+    with pytest.raises(TransferTimeoutError, match="not complete after waiting 0.05 s"):
+        xfer.wait(0.05)
+    assert xfer.state is XferState.IN_PROGRESS
+    wait_until(xfer.done, WAIT_S, "read", drive=[target])
+    np.testing.assert_array_equal(dst, src)
+
+
+# -- poll mode and asyncio --------------------------------------------------------------------
+
+
+def test_poll_mode_agents_driven_by_the_caller(make_agent):
+    pair = connect(make_agent, progress="poll")
+    a, b = pair.a, pair.b
+    pair.buf_b[:8192] = 3
+    xfer = b.write("a", pair.desc_b([0], 8192), pair.desc_a([8192], 8192), notify=b"w")
+    wait_until(xfer.done, WAIT_S, "write with notification", drive=[a, b])
+    xfer.wait(0)
+    assert (pair.buf_a[8192:16384] == 3).all()
+    notes: list = []
+    wait_until(lambda: bool(notes.extend(a.get_notifications()) or notes), WAIT_S, "notification", drive=[b])
+    assert [(n.peer, n.payload) for n in notes] == [("b", b"w")]
+
+
+@pytest.mark.parametrize("progress", ["thread", "poll"])
+def test_transfers_are_awaitable(make_agent, progress):
+    pair = connect(make_agent, progress=progress)
+
+    async def main():  # in poll mode b's awaits drive b; a task drives the target a
+        stop = asyncio.Event()
+
+        async def drive_a():
+            while not stop.is_set():
+                if progress == "poll":
+                    pair.a.progress()
+                await asyncio.sleep(0)
+
+        driver = asyncio.create_task(drive_a())
+        xfers = [pair.b.read("a", pair.desc_b([i * 4096], 4096), pair.desc_a([i * 4096], 4096)) for i in range(16)]
+        done = await asyncio.wait_for(asyncio.gather(*xfers), WAIT_S)
+        stop.set()
+        await driver
+        return done
+
+    done = asyncio.run(main())
+    assert all(x.state is XferState.DONE for x in done)
+    np.testing.assert_array_equal(pair.buf_b[: 16 * 4096], pair.buf_a[: 16 * 4096])
+
+
+def test_awaiting_a_failed_transfer_raises(make_agent):
+    target = make_agent("target", progress="poll", ucx_options=TCP)
+    reader = make_agent("reader", ucx_options=TCP)
+    src = np.zeros(4096, dtype=np.uint8)
+    dst = np.zeros(4096, dtype=np.uint8)
+    target.register(src)
+    reader.register(dst)
+    reader.add_peer(target.metadata())
+
+    async def main():
+        xfer = reader.read("target", DescList([dst.ctypes.data], 4096), DescList([src.ctypes.data], 4096),
+                           timeout_s=0.2)
+        await asyncio.wait_for(xfer, WAIT_S)
+
+    with pytest.raises(TransferTimeoutError):
+        asyncio.run(main())
+
+
+# -- close -----------------------------------------------------------------------------------------
+
+
+def test_every_public_method_raises_closed_error_after_close(make_agent):
+    pair = connect(make_agent)
+    a, b = pair.a, pair.b
+    region = b.regions[0]
+    local = b.prep_local(pair.desc_b([0], 64))
+    remote = b.prep_remote("a", pair.desc_a([0], 64))
+    done = b.read("a", pair.desc_b([0], 64), pair.desc_a([0], 64)).wait(WAIT_S)
+    a_md = a.metadata()
+    b.close()
+    b.close()  # idempotent
+    calls = {
+        "register": lambda: b.register(np.zeros(16, dtype=np.uint8)),
+        "deregister": lambda: b.deregister(region),
+        "metadata": b.metadata,
+        "add_peer": lambda: b.add_peer(a_md),
+        "remove_peer": lambda: b.remove_peer("a"),
+        "prep_local": lambda: b.prep_local(pair.desc_b([0], 64)),
+        "prep_remote": lambda: b.prep_remote("a", pair.desc_a([0], 64)),
+        "read": lambda: b.read("a", pair.desc_b([0], 64), pair.desc_a([0], 64)),
+        "write": lambda: b.write("a", pair.desc_b([0], 64), pair.desc_a([0], 64)),
+        "read_prepared": lambda: b.read_prepared(local, [0], remote, [0]),
+        "write_prepared": lambda: b.write_prepared(local, [0], remote, [0]),
+        "flush": lambda: b.flush("a"),
+        "get_notifications": b.get_notifications,
+        "progress": b.progress,
+    }
+    silent = []
+    for name, call in calls.items():
+        try:
+            call()
+        except ClosedError as exc:
+            assert "agent 'b' is closed" in str(exc), name
+        else:
+            silent.append(name)
+    assert not silent, f"no ClosedError after close() from: {silent}"
+    assert done.state is XferState.DONE  # completed handles stay completed
+    assert (b.peers, b.regions, b.inflight) == ((), (), 0)
+
+
+def test_close_fails_transfers_in_flight(make_agent):
+    target = make_agent("target", progress="poll", ucx_options=TCP)  # never driven: the read stalls
+    reader = make_agent("reader", ucx_options=TCP)
+    src = np.zeros(4096, dtype=np.uint8)
+    dst = np.zeros(4096, dtype=np.uint8)
+    target.register(src)
+    reader.register(dst)
+    reader.add_peer(target.metadata())
+    xfer = reader.read("target", DescList([dst.ctypes.data], 4096), DescList([src.ctypes.data], 4096))
+    failed = threading.Event()
+    xfer.add_done_callback(lambda x: failed.set())
+    reader.close()
+    assert failed.is_set() and xfer.state is XferState.FAILED
+    with pytest.raises(TransferError, match="aborted: agent 'reader' was closed"):
+        xfer.wait(0)
+
+
+def test_context_manager_closes():
+    from rdma_kv.transport import Agent, AgentConfig
+
+    with Agent("cm", AgentConfig(ucx_options={"NET_DEVICES": "lo"})) as agent:
+        agent.register(np.zeros(4096, dtype=np.uint8))
+    with pytest.raises(ClosedError):
+        agent.metadata()
+
+
+def test_closing_the_target_does_not_hang_the_reader(make_agent):
+    pair = connect(make_agent)
+    pair.a.close()
+    # The reader may or may not notice at once; either way it fails or completes, bounded.
+    try:
+        pair.b.read("a", pair.desc_b([0], 4096), pair.desc_a([0], 4096), timeout_s=2.0).wait(WAIT_S)
+    except (TransferError, PeerError):
+        pass
+    pair.b.close()
+
+
+def test_invalid_ucx_option_is_a_config_error(make_agent):
+    with pytest.raises(ConfigError, match="UCX option NO_SUCH_OPTION='1' rejected"):
+        make_agent("opt", ucx_options={"NO_SUCH_OPTION": "1"})

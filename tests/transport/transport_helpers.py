@@ -1,0 +1,165 @@
+"""Helpers shared by the transport tests, their fixtures and their child
+processes: transport settings, seeded patterns, bounded waits, notification
+collection, random block plans with their byte model, agent teardown checks
+and a connected pair of agents.
+
+Imports only numpy, the stdlib and rdma_kv, so a spawned child starts fast.
+Every wait here is bounded; polling loops are waits with a deadline, never
+a sleep that hopes the other side is ready.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+LOOPBACK = {"NET_DEVICES": "lo"}  # UCX would otherwise also use eth0's address for TCP
+TCP = {"TLS": "tcp", "NET_DEVICES": "lo"}
+PROGRESS_THREAD_PREFIX = "rdma-kv-progress-"
+
+
+def pattern(seed: int, nbytes: int) -> np.ndarray:
+    """The seeded bytes a buffer is filled with (both processes agree)."""
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float, what: str,
+               drive: Iterable[object] = ()) -> None:
+    """Poll ``pred`` until true; drive the poll-mode agents in ``drive``."""
+    agents = list(drive)
+    end = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > end:
+            raise TimeoutError(f"{what}: not done after {timeout_s} s")
+        for agent in agents:
+            agent.progress()
+        if not agents:
+            time.sleep(0.0005)  # progress threads do the work; do not spin a shared core
+
+
+def collect_notifications(agent, expected: Iterable[bytes], sentinel: bytes, timeout_s: float,
+                          drive: Iterable[object] = ()) -> list:
+    """Gather ``agent``'s notifications until ``sentinel`` arrives, which the
+    sender posts after every expected one completed. Returns them all
+    (sentinel excluded); raises if any payload is missing or repeated."""
+    got: list = []
+
+    def seen_sentinel() -> bool:
+        got.extend(agent.get_notifications())
+        return any(n.payload == sentinel for n in got)
+
+    wait_until(seen_sentinel, timeout_s, f"notifications on {agent.name!r}", drive)
+    got.extend(agent.get_notifications())
+    rest = [n for n in got if n.payload != sentinel]
+    counts = Counter(n.payload for n in rest)
+    want = Counter(expected)
+    assert counts == want, (
+        f"notifications differ: missing {sorted((want - counts).elements())[:5]}, "
+        f"unexpected or repeated {sorted((counts - want).elements())[:5]}"
+    )
+    assert sum(n.payload == sentinel for n in got) == 1, "sentinel notification delivered more than once"
+    return rest
+
+
+def random_blocks(rng: np.random.Generator, local_nbytes: int, remote_nbytes: int,
+                  max_blocks: int = 512) -> tuple[int, np.ndarray, np.ndarray]:
+    """A random block size, and local / remote byte offsets of ``n`` blocks:
+    a permutation of distinct slots at random (unaligned) base offsets, made
+    of shuffled runs so that some descriptors coalesce."""
+    block = int(rng.choice([int(rng.integers(1, 64)), int(rng.integers(64, 8192)),
+                            int(rng.integers(8192, 65536))]))
+    slots = min(local_nbytes, remote_nbytes) // block
+    n = int(rng.integers(1, min(slots, max_blocks) + 1))
+
+    def side(nbytes: int) -> np.ndarray:
+        nslots = nbytes // block
+        span = int(rng.integers(n, nslots + 1))  # slots drawn from a window of span
+        start = int(rng.integers(0, nbytes - span * block + 1))
+        chosen = np.sort(rng.choice(span, n, replace=False))
+        cuts = np.flatnonzero(rng.random(n - 1) < 0.3) + 1
+        runs = np.split(chosen, cuts)
+        order = rng.permutation(len(runs))
+        return start + np.concatenate([runs[i] for i in order]).astype(np.int64) * block
+
+    return block, side(local_nbytes), side(remote_nbytes)
+
+
+def apply_blocks(dst: np.ndarray, src: np.ndarray, dst_off: np.ndarray, src_off: np.ndarray, block: int) -> None:
+    """The model: what moving ``block`` bytes from each src offset to each dst
+    offset does to ``dst``."""
+    for d, s in zip(dst_off.tolist(), src_off.tolist()):
+        dst[d:d + block] = src[s:s + block]
+
+
+def contiguous_runs(local_off: np.ndarray, remote_off: np.ndarray, block: int) -> int:
+    """Operations expected after coalescing (one region per side)."""
+    if len(local_off) == 0:
+        return 0
+    joined = (np.diff(local_off) == block) & (np.diff(remote_off) == block)
+    return int(len(local_off) - joined.sum())
+
+
+# -- agents ------------------------------------------------------------------------------
+
+
+def progress_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith(PROGRESS_THREAD_PREFIX)}
+
+
+def teardown_problems(agents: list) -> list[str]:
+    """Close ``agents`` and say what each left behind, if anything."""
+    problems = []
+    for agent in agents:
+        try:
+            agent.close()
+        except Exception as exc:  # noqa: BLE001 -- reported, not swallowed
+            problems.append(f"{agent.name}: close() raised {exc!r}")
+            continue
+        if agent.inflight or agent.regions or agent.peers:
+            problems.append(f"{agent.name}: after close() {agent!r}")
+        thread = f"{PROGRESS_THREAD_PREFIX}{agent.name}"
+        if any(t.name == thread and t.is_alive() for t in progress_threads()):
+            problems.append(f"{agent.name}: progress thread still running after close()")
+    return problems
+
+
+@dataclass
+class Pair:
+    """Two connected agents in one process, each with one registered buffer."""
+
+    a: object
+    b: object
+    buf_a: np.ndarray
+    buf_b: np.ndarray
+
+    def desc_a(self, offsets, nbytes):
+        from rdma_kv.transport import DescList
+
+        return DescList.from_regions(self.buf_a.ctypes.data, offsets, nbytes)
+
+    def desc_b(self, offsets, nbytes):
+        from rdma_kv.transport import DescList
+
+        return DescList.from_regions(self.buf_b.ctypes.data, offsets, nbytes)
+
+
+PAIR_NBYTES = 1 << 20
+
+
+def connect(make_agent: Callable[..., object], **config) -> Pair:
+    """Agents "a" and "b" from ``make_agent(name, **config)``, each a peer of
+    the other; a's buffer holds seeded random bytes, b's zeros."""
+    a = make_agent("a", **config)
+    b = make_agent("b", **config)
+    buf_a = np.random.default_rng(0xA).integers(0, 256, PAIR_NBYTES, dtype=np.uint8)
+    buf_b = np.zeros(PAIR_NBYTES, dtype=np.uint8)
+    a.register(buf_a)
+    b.register(buf_b)
+    assert a.add_peer(b.metadata()) == "b"
+    assert b.add_peer(a.metadata()) == "a"
+    return Pair(a, b, buf_a, buf_b)
