@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -29,6 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     info.add_parser(sub)
     return parser
+
+
+def pin_loopback() -> None:
+    """demo and bench move data between processes on this host only: keep UCX's
+    network transports on the loopback device (with TCP enabled, UCX would also
+    stripe RMA over eth0's address). Set in the CLI -- the application -- never
+    in the library, and only when the operator has not chosen devices."""
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

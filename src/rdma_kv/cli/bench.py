@@ -57,6 +57,9 @@ def parse_kv_shape(text: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rdma_kv.cli import pin_loopback
+
+    pin_loopback()
     from rdma_kv.bench import baselines, rdmakv_peer
     from rdma_kv.bench.report import table, to_json
     from rdma_kv.bench.workloads import PRESETS, preset

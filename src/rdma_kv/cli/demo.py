@@ -22,6 +22,9 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rdma_kv.cli import pin_loopback
+
+    pin_loopback()
     from rdma_kv.bench import rdmakv_peer
     from rdma_kv.bench.harness import BenchError
     from rdma_kv.bench.workloads import PRESETS
