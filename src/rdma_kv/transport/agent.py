@@ -49,7 +49,7 @@ from rdma_kv.errors import (
 )
 from rdma_kv.transport import metadata as wire
 from rdma_kv.transport._lib import check_status, load, status_name, ucx_version
-from rdma_kv.transport.descriptors import DescList, PreparedDescList, coalesce
+from rdma_kv.transport.descriptors import DescList, PreparedDescList, coalesce, gather_pair
 from rdma_kv.transport.memory import MemoryKind, MemoryRegion, RegionTable, kind_from_ucs, span_of
 from rdma_kv.transport.peer import Peer
 from rdma_kv.transport.transfer import Transfer, XferOp, XferState
@@ -356,13 +356,7 @@ class Agent:
                   remote_index: Any, notify: bytes | None, timeout_s: float | None) -> Transfer:
         if local.peer is not None or remote.peer is None:
             raise DescriptorError("pass a list from prep_local() as local and one from prep_remote() as remote")
-        laddr, llen, lreg = local.take(local_index)
-        raddr, rlen, rreg = remote.take(remote_index)
-        if len(laddr) != len(raddr) or not np.array_equal(llen, rlen):
-            raise DescriptorError(
-                f"selected descriptors must pair up: {len(laddr)} local vs {len(raddr)} remote"
-                + ("" if len(laddr) != len(raddr) else "; their lengths differ")
-            )
+        laddr, raddr, llen, lreg, rreg = gather_pair(local, local_index, remote, remote_index)
         with self._lock:
             self._require_open()
             if local.generation != self._local_gen:
@@ -400,6 +394,11 @@ class Agent:
             raise ConfigError(f"notification of {len(notify)} bytes exceeds notif_max_bytes={cfg.notif_max_bytes}")
         num_descs = len(laddr)
         laddr, raddr, lengths, lreg, rreg = coalesce(laddr, raddr, lengths, lreg, rreg)
+        n_ops = len(laddr)
+        if lreg is None:  # single region: index 0 for every op (calloc'd, no pass)
+            lreg = np.zeros(n_ops, dtype=np.uint32)
+        if rreg is None:
+            rreg = np.zeros(n_ops, dtype=np.uint32)
         xid = next(self._ids)
         batch = ffi.new("rk_batch_t *")
         batch.id = xid

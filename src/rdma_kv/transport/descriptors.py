@@ -11,7 +11,7 @@ May import: numpy, rdma_kv.errors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -65,42 +65,84 @@ class DescList:
 class PreparedDescList:
     """A DescList checked against one side's regions; ``regions[i]`` is the
     region index of descriptor ``i``. ``peer`` is None for the local side.
-    ``generation`` ties it to the peer incarnation it was checked against."""
+    ``generation`` ties it to the peer incarnation it was checked against.
+
+    ``uniform_length`` (every descriptor the same size, as for the blocks of
+    a paged KV cache) and ``single_region`` are computed once here, so that a
+    transfer by index skips gathering and comparing lengths and regions."""
 
     descs: DescList
     regions: np.ndarray
     peer: str | None
     generation: int
+    uniform_length: int | None = field(init=False)
+    single_region: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        lengths, regions = self.descs.lengths, self.regions
+        uniform = len(lengths) > 0 and int(lengths.min()) == int(lengths.max())
+        object.__setattr__(self, "uniform_length", int(lengths[0]) if uniform else None)
+        object.__setattr__(self, "single_region", len(regions) == 0 or int(regions.min()) == int(regions.max()))
 
     def __len__(self) -> int:
         return len(self.descs)
 
-    def take(self, index: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def index(self, index: Any) -> np.ndarray:
+        """``index`` as a checked 1-D integer array (DescriptorError if out of range)."""
         idx = np.asarray(index)
         if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "ui"):
             raise DescriptorError(f"descriptor index must be a 1-D integer array, got {idx.dtype}{idx.shape}")
         n = len(self.descs)
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
-            bad = idx[(idx < 0) | (idx >= n)][0]
-            raise DescriptorError(
-                f"descriptor index {int(bad)} out of range for a prepared list of {n} "
-                f"{'remote (' + self.peer + ')' if self.peer else 'local'} descriptors"
-            )
+        if idx.size:
+            # One pass: viewed as unsigned, a negative index is huge, so max() finds both.
+            unsigned = idx.view(idx.dtype.str.replace("i", "u")) if idx.dtype.kind == "i" else idx
+            if int(unsigned.max()) >= n:
+                bad = idx[(idx < 0) | (idx >= n)][0]
+                raise DescriptorError(
+                    f"descriptor index {int(bad)} out of range for a prepared list of {n} "
+                    f"{'remote (' + self.peer + ')' if self.peer else 'local'} descriptors"
+                )
+        return idx
+
+    def take(self, index: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        idx = self.index(index)
         return self.descs.addrs[idx], self.descs.lengths[idx], self.regions[idx]
+
+
+def gather_pair(
+    local: PreparedDescList, local_index: Any, remote: PreparedDescList, remote_index: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Select paired descriptors by index: (laddr, raddr, lengths, lreg, rreg).
+    ``lreg`` / ``rreg`` are None when that side has a single region (all 0)."""
+    li, ri = local.index(local_index), remote.index(remote_index)
+    if len(li) != len(ri):
+        raise DescriptorError(f"selected descriptors must pair up: {len(li)} local vs {len(ri)} remote")
+    laddr, raddr = local.descs.addrs[li], remote.descs.addrs[ri]
+    size = local.uniform_length
+    if size is not None and size == remote.uniform_length:
+        lengths = np.full(len(li), size, dtype=np.uint64)
+    else:
+        lengths = local.descs.lengths[li]
+        if not np.array_equal(lengths, remote.descs.lengths[ri]):
+            raise DescriptorError(f"selected descriptors must pair up: {len(li)} pairs, but their lengths differ")
+    lreg = None if local.single_region else local.regions[li]
+    rreg = None if remote.single_region else remote.regions[ri]
+    return laddr, raddr, lengths, lreg, rreg
 
 
 def coalesce(
     laddr: np.ndarray,
     raddr: np.ndarray,
     lengths: np.ndarray,
-    lreg: np.ndarray,
-    rreg: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    lreg: np.ndarray | None,
+    rreg: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Merge consecutive descriptors contiguous on both sides (same regions).
 
     Order is kept: descriptor i+1 joins i's operation when it starts where i
     ends, locally and remotely. Contiguous block ids of a paged KV cache thus
-    become one operation per run.
+    become one operation per run. A region array of None means "all in
+    region 0" and is not compared.
     """
     n = len(laddr)
     if n < 2:
@@ -110,8 +152,10 @@ def coalesce(
     prev_end = laddr[:-1] + lengths[:-1]
     np.not_equal(laddr[1:], prev_end, out=brk[1:])
     brk[1:] |= raddr[1:] != raddr[:-1] + lengths[:-1]
-    brk[1:] |= lreg[1:] != lreg[:-1]
-    brk[1:] |= rreg[1:] != rreg[:-1]
+    if lreg is not None:
+        brk[1:] |= lreg[1:] != lreg[:-1]
+    if rreg is not None:
+        brk[1:] |= rreg[1:] != rreg[:-1]
     starts = np.flatnonzero(brk)
     if len(starts) == n:
         return laddr, raddr, lengths, lreg, rreg
@@ -119,6 +163,6 @@ def coalesce(
         laddr[starts],
         raddr[starts],
         np.add.reduceat(lengths, starts),
-        lreg[starts],
-        rreg[starts],
+        None if lreg is None else lreg[starts],
+        None if rreg is None else rreg[starts],
     )
