@@ -1,0 +1,100 @@
+"""What the RDMA connector's scheduler side hands its workers each step,
+and what a worker publishes at startup.
+
+Owns :class:`RdmaConnectorMetadata` (loads with their remote block
+descriptors, lease grants, releases, renewals and aborts) and
+:class:`RdmaHandshakeMetadata`. Frozen dataclasses of plain values, so an
+engine may serialise them between processes.
+
+Imports the standard library and the connector's ``base``, ``types`` and
+``rdma.params``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rdma_kv.connector.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
+from rdma_kv.connector.rdma.params import LeaseRef, RemotePrefillParams
+from rdma_kv.connector.types import BlockId, EngineId, RequestId
+
+__all__ = [
+    "LoadSpec",
+    "PeerAddress",
+    "RdmaConnectorMetadata",
+    "RdmaHandshakeMetadata",
+    "RemoteLease",
+    "SendSpec",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerAddress:
+    """A producer engine's side channel (rank 0's port; rank ``r`` adds ``r``)."""
+
+    engine_id: EngineId
+    host: str
+    port: int
+    tp_size: int
+
+    @classmethod
+    def of(cls, params: RemotePrefillParams) -> PeerAddress:
+        return cls(params.remote_engine_id, params.remote_host, params.remote_port, params.tp_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteLease:
+    """A lease on ``peer`` (for RENEW and RELEASE)."""
+
+    peer: PeerAddress
+    lease: LeaseRef
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadSpec:
+    """Read ``remote_block_ids[i]`` of ``peer`` into ``local_block_ids[i]``.
+    ``error`` set: do not read; report the blocks as load errors."""
+
+    request_id: RequestId
+    local_block_ids: tuple[BlockId, ...]
+    remote_block_ids: tuple[BlockId, ...]
+    peer: PeerAddress
+    lease: LeaseRef
+    lease_ttl_s: float
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SendSpec:
+    """A producer-side lease to hold: ``block_ids`` stay allocated until the
+    lease is released or expires."""
+
+    request_id: RequestId
+    block_ids: tuple[BlockId, ...]
+    lease: LeaseRef
+    lease_ttl_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RdmaConnectorMetadata(KVConnectorMetadata):
+    lease_epoch: int = 0
+    """The producer scheduler's epoch (0 on a consumer-only engine)."""
+    loads: tuple[LoadSpec, ...] = ()
+    sends: tuple[SendSpec, ...] = ()
+    releases: tuple[RemoteLease, ...] = ()
+    """Leases to release without reading (full prefix hit, abort before load)."""
+    renewals: tuple[RemoteLease, ...] = ()
+    """Leases of requests still waiting for admission."""
+    aborts: tuple[RequestId, ...] = ()
+    """Requests finished while their load was handed to the worker: report
+    them in ``done_sending`` once no read can land in their blocks."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RdmaHandshakeMetadata(KVConnectorHandshakeMetadata):
+    engine_id: EngineId
+    host: str
+    port: int
+    """This rank's side-channel port (the base port is ``port - tp_rank``)."""
+    tp_rank: int
+    compat_hash: str

@@ -1,0 +1,192 @@
+"""Typed ``kv_transfer_params``: the request-level P/D protocol, parsed once.
+
+Owns the two shapes of a request's ``kv_transfer_params`` in vLLM's P/D
+convention (the one its routers and example proxy already speak):
+
+- a **prefill** request asks for remote decode: ``{"do_remote_decode": true}``
+  (routers also send ``do_remote_prefill: false`` and ``remote_*: null``,
+  which are accepted);
+- the producer's ``request_finished`` returns :class:`RemotePrefillParams`
+  as a dict; a router hands it *verbatim* to the **decode** request, which
+  then says ``do_remote_prefill: true``.
+
+Parsing happens here, at the edge: the caller's mapping is never mutated,
+unknown keys and bad values raise :class:`~rdma_kv.errors.ConfigError`
+naming the field and what is valid; inner code only sees the frozen
+dataclasses below.
+
+Imports the standard library, ``rdma_kv.errors`` and the connector's
+``types``; never the transport.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from rdma_kv.connector.types import BlockId, EngineId, RequestId
+from rdma_kv.errors import ConfigError
+
+__all__ = [
+    "PARAM_KEYS",
+    "LeaseRef",
+    "RemoteDecodeRequest",
+    "RemotePrefillParams",
+    "parse_kv_transfer_params",
+]
+
+# Keys a request's kv_transfer_params may carry: vLLM's P/D keys, then the
+# rdma-kv extensions (prefixed ``remote_`` like vLLM's, so a router that
+# forwards the producer's output verbatim forwards them too).
+_VLLM_KEYS = (
+    "do_remote_decode",
+    "do_remote_prefill",
+    "remote_engine_id",
+    "remote_host",
+    "remote_port",
+    "remote_block_ids",
+    "remote_request_id",
+    "tp_size",
+)
+_RDMA_KEYS = ("remote_lease_epoch", "remote_lease_generation", "remote_lease_ttl_s",
+              "remote_num_tokens")
+PARAM_KEYS = _VLLM_KEYS + _RDMA_KEYS
+
+MAX_BLOCK_IDS = 1 << 20  # a 16M-token prompt at block 16; anything above is an attack or a bug
+_JSON_SAFE_INT = (1 << 53) - 1  # routers written in JS or Go may parse numbers as doubles
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseRef:
+    """Names one lease on a producer: the producer scheduler's ``epoch``
+    (random per process, so a restarted producer never confirms an old lease)
+    and a ``generation`` unique within that epoch, plus the request id."""
+
+    epoch: int
+    generation: int
+    request_id: RequestId
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteDecodeRequest:
+    """A prefill request that asks the producer to keep its KV for a decoder."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RemotePrefillParams:
+    """What a producer returns for a finished prefill; the decode request carries it."""
+
+    remote_engine_id: EngineId
+    remote_host: str
+    remote_port: int
+    remote_block_ids: tuple[BlockId, ...]
+    remote_request_id: RequestId
+    tp_size: int
+    remote_lease_epoch: int
+    remote_lease_generation: int
+    remote_lease_ttl_s: float
+    remote_num_tokens: int
+    """Prompt tokens whose KV the remote blocks hold."""
+
+    @property
+    def lease(self) -> LeaseRef:
+        return LeaseRef(self.remote_lease_epoch, self.remote_lease_generation,
+                        self.remote_request_id)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A new JSON-compatible dict in vLLM's P/D convention."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.remote_engine_id,
+            "remote_host": self.remote_host,
+            "remote_port": self.remote_port,
+            "remote_block_ids": [int(b) for b in self.remote_block_ids],
+            "remote_request_id": self.remote_request_id,
+            "tp_size": self.tp_size,
+            "remote_lease_epoch": self.remote_lease_epoch,
+            "remote_lease_generation": self.remote_lease_generation,
+            "remote_lease_ttl_s": self.remote_lease_ttl_s,
+            "remote_num_tokens": self.remote_num_tokens,
+        }
+
+
+def _field_error(field: str, value: Any, expected: str) -> ConfigError:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return ConfigError(f"kv_transfer_params[{field!r}] must be {expected}, got {shown}")
+
+
+def _int(params: Mapping[str, Any], field: str, lo: int, hi: int) -> int:
+    value = params.get(field)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise _field_error(field, value, f"an integer in [{lo}, {hi}]")
+    return value
+
+
+def _str(params: Mapping[str, Any], field: str, max_len: int = 256) -> str:
+    value = params.get(field)
+    if not isinstance(value, str) or not value or len(value) > max_len:
+        raise _field_error(field, value, f"a non-empty string of at most {max_len} characters")
+    return value
+
+
+def _flag(params: Mapping[str, Any], field: str) -> bool:
+    value = params.get(field, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _field_error(field, value, "true, false or null")
+    return value
+
+
+def parse_kv_transfer_params(
+    params: Mapping[str, Any] | None,
+) -> RemoteDecodeRequest | RemotePrefillParams | None:
+    """Parse a request's ``kv_transfer_params``: ``None`` when they ask for
+    nothing from this connector, else the typed form. Raises ``ConfigError``
+    naming the field and the valid values; never mutates ``params``."""
+    if params is None or len(params) == 0:
+        return None
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"kv_transfer_params must be a mapping, got {type(params).__name__}")
+    unknown = sorted(str(k) for k in params if k not in PARAM_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"unknown kv_transfer_params key(s) {unknown}; valid keys are {list(PARAM_KEYS)}"
+        )
+    decode, prefill = _flag(params, "do_remote_decode"), _flag(params, "do_remote_prefill")
+    if decode and prefill:
+        raise ConfigError(
+            "kv_transfer_params sets both do_remote_decode and do_remote_prefill; a request "
+            "is either a prefill for a remote decoder or a decode of a remote prefill"
+        )
+    if decode:
+        return RemoteDecodeRequest()
+    if not prefill:
+        return None
+    ids = params.get("remote_block_ids")
+    if not isinstance(ids, (list, tuple)) or not ids or len(ids) > MAX_BLOCK_IDS:
+        raise _field_error("remote_block_ids", ids,
+                           f"a non-empty list of at most {MAX_BLOCK_IDS} block ids")
+    for value in ids:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 32:
+            raise _field_error("remote_block_ids", ids, "a list of integers in [0, 2**32)")
+    ttl = params.get("remote_lease_ttl_s")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= 86400:
+        raise _field_error("remote_lease_ttl_s", ttl, "a number of seconds in (0, 86400]")
+    num_tokens = _int(params, "remote_num_tokens", 1, MAX_BLOCK_IDS * 1024)
+    return RemotePrefillParams(
+        remote_engine_id=EngineId(_str(params, "remote_engine_id")),
+        remote_host=_str(params, "remote_host"),
+        remote_port=_int(params, "remote_port", 1, 65535),
+        remote_block_ids=tuple(BlockId(b) for b in ids),
+        remote_request_id=RequestId(_str(params, "remote_request_id", 1024)),
+        tp_size=_int(params, "tp_size", 1, 1024),
+        remote_lease_epoch=_int(params, "remote_lease_epoch", 1, _JSON_SAFE_INT),
+        remote_lease_generation=_int(params, "remote_lease_generation", 1, _JSON_SAFE_INT),
+        remote_lease_ttl_s=float(ttl),
+        remote_num_tokens=num_tokens,
+    )

@@ -1,0 +1,316 @@
+"""The RDMA connector's scheduler side: what to load, what to hold, what to release.
+
+Owns the per-request decisions of both roles:
+
+- **producer** (``kv_producer``/``kv_both``): a request whose params say
+  ``do_remote_decode`` and whose prompt was fully computed is held at
+  ``request_finished`` (``delay_free=True``) under a lease (a generation of
+  this scheduler's random epoch); the returned params are what a router
+  hands verbatim to the decode request. The lease is shipped to the workers
+  in the next step's metadata; they report the request in ``done_sending``
+  when the consumer releases it or the lease expires.
+- **consumer** (``kv_consumer``/``kv_both``): a request whose params say
+  ``do_remote_prefill`` loads the prompt tokens beyond its local prefix hit
+  asynchronously (``(n, True)``). Blocks already computed locally are not
+  read again; a full hit (nothing to load), a bad parameter set, or an
+  abort before the load was handed to a worker releases the producer's
+  lease at once. While the request waits for admission its lease is renewed
+  through the workers. An abort after the load was handed to a worker
+  delays the free of its blocks until the worker reports no read can land
+  in them (``done_sending``).
+
+Nothing here raises into the engine for bad peer input: bad params make the
+request computed locally (logged, naming the field).
+
+Imports the standard library and the connector's ``config``, ``types``,
+``rdma.params``, ``rdma.settings`` and ``rdma.meta``; never the transport.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from rdma_kv.connector.config import KVTransferConfig
+from rdma_kv.connector.rdma.meta import (
+    LoadSpec,
+    PeerAddress,
+    RdmaConnectorMetadata,
+    RdmaHandshakeMetadata,
+    RemoteLease,
+    SendSpec,
+)
+from rdma_kv.connector.rdma.params import (
+    RemoteDecodeRequest,
+    RemotePrefillParams,
+    parse_kv_transfer_params,
+)
+from rdma_kv.connector.rdma.settings import RdmaSettings
+from rdma_kv.connector.types import (
+    BlockId,
+    EngineId,
+    KVCacheBlocks,
+    KVConnectorOutput,
+    Request,
+    RequestId,
+    SchedulerOutput,
+)
+from rdma_kv.errors import ConfigError
+
+__all__ = ["RdmaScheduler"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Remote:
+    """A consumer request with remote-prefill params, until it finishes."""
+
+    params: RemotePrefillParams
+    num_computed: int = 0
+    count: int = 0
+    state: str = "waiting"  # waiting -> pending (load queued) -> shipped -> loaded | released
+
+
+class RdmaScheduler:
+    """Scheduler-side logic; ``RdmaConnector`` delegates to it."""
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        settings: RdmaSettings,
+        block_size: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config = config
+        self._settings = settings
+        self._block_size = block_size
+        self._clock = clock
+        self._engine_id = EngineId(str(config.engine_id))
+        self._producer = config.is_kv_producer
+        self._consumer = config.is_kv_consumer
+        # Random per process and JSON-safe: a restarted producer never
+        # confirms a lease granted by its previous life.
+        self.epoch = secrets.randbits(52) | 1
+        self._generations = itertools.count(1)
+        self._port = settings.side_channel_port
+        # producer
+        self._pending_sends: list[SendSpec] = []
+        # consumer
+        self._remote: dict[RequestId, _Remote] = {}
+        self._bad: set[RequestId] = set()
+        self._pending_loads: list[LoadSpec] = []
+        self._pending_releases: list[RemoteLease] = []
+        self._pending_aborts: list[RequestId] = []
+        self._last_renewal = clock()
+
+    # --- startup ---------------------------------------------------------------------
+
+    def set_handshake_metadata(self, metadata: Mapping[int, Any]) -> None:
+        """Learn the side-channel port the workers really bound (kv_port 0)."""
+        rank0 = metadata.get(0)
+        if isinstance(rank0, RdmaHandshakeMetadata):
+            self._port = rank0.port - rank0.tp_rank
+
+    # --- parsing at the edge -------------------------------------------------------------
+
+    def _parse(self, request: Request) -> RemoteDecodeRequest | RemotePrefillParams | None:
+        if request.request_id in self._bad:
+            return None
+        try:
+            parsed = parse_kv_transfer_params(request.kv_transfer_params)
+        except ConfigError as exc:
+            self._bad.add(request.request_id)
+            logger.warning("request %r: invalid kv_transfer_params, computing locally: %s",
+                           request.request_id, exc)
+            return None
+        if isinstance(parsed, RemotePrefillParams):
+            problem = self._check_remote(request, parsed)
+            if problem:
+                self._bad.add(request.request_id)
+                logger.warning("request %r: cannot load remote KV, computing locally: %s",
+                               request.request_id, problem)
+                self._pending_releases.append(RemoteLease(PeerAddress.of(parsed), parsed.lease))
+                return None
+        return parsed
+
+    def _check_remote(self, request: Request, params: RemotePrefillParams) -> str | None:
+        if not self._consumer:
+            return (f"this engine's kv_role is {self._config.kv_role.value!r}; loading needs "
+                    "kv_consumer or kv_both")
+        if params.remote_num_tokens != request.num_prompt_tokens:
+            return (f"kv_transfer_params['remote_num_tokens']={params.remote_num_tokens} but the "
+                    f"request's prompt has {request.num_prompt_tokens} tokens; a router must send "
+                    "the decode request the same prompt as the prefill")
+        needed = -(-request.num_prompt_tokens // self._block_size)
+        if len(params.remote_block_ids) < needed:
+            return (f"kv_transfer_params['remote_block_ids'] has {len(params.remote_block_ids)} "
+                    f"blocks; the {request.num_prompt_tokens}-token prompt needs {needed} at "
+                    f"block size {self._block_size}")
+        if params.tp_size != self._settings.tp_size:
+            return (f"producer tp_size {params.tp_size} vs consumer tp_size "
+                    f"{self._settings.tp_size}; only equal tensor-parallel sizes are supported")
+        return None
+
+    # --- consumer: admission -----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        rid = request.request_id
+        remote = self._remote.get(rid)
+        if remote is None:
+            parsed = self._parse(request)
+            if not isinstance(parsed, RemotePrefillParams):
+                return 0, False
+            remote = self._remote[rid] = _Remote(parsed)
+        if remote.state != "waiting":
+            return 0, False  # loaded (or released) already: e.g. after a preemption
+        count = request.num_prompt_tokens - num_computed_tokens
+        remote.num_computed, remote.count = num_computed_tokens, max(count, 0)
+        if count <= 0:
+            return 0, False  # full local hit; update_state_after_alloc releases the lease
+        return count, True
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        remote = self._remote.get(request.request_id)
+        if remote is None or remote.state != "waiting":
+            return
+        if num_external_tokens == 0:
+            self._release(remote)  # full hit, or the engine chose to compute locally
+            return
+        params = remote.params
+        bs = self._block_size
+        first = remote.num_computed // bs
+        last = -(-request.num_prompt_tokens // bs)
+        local = tuple(blocks.group(0)[first:last]) if blocks.num_groups else ()
+        error = None
+        if num_external_tokens != remote.count:
+            error = (f"asked to load {num_external_tokens} tokens after {remote.num_computed}, "
+                     f"but {remote.count} were offered")
+        elif remote.num_computed % bs:
+            error = f"num_computed_tokens={remote.num_computed} is not a multiple of block size {bs}"
+        elif len(local) != last - first:
+            error = f"{len(local)} blocks allocated for tokens [{first * bs}, ...), {last - first} needed"
+        remote.state = "pending"
+        self._pending_loads.append(LoadSpec(
+            request.request_id,
+            local,
+            tuple(params.remote_block_ids[first:last]),
+            PeerAddress.of(params),
+            params.lease,
+            params.remote_lease_ttl_s,
+            error,
+        ))
+
+    def _release(self, remote: _Remote) -> None:
+        if remote.state in ("waiting", "pending"):
+            remote.state = "released"
+            self._pending_releases.append(RemoteLease(PeerAddress.of(remote.params), remote.params.lease))
+
+    # --- every step ------------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> RdmaConnectorMetadata:
+        loads, self._pending_loads = tuple(self._pending_loads), []
+        for load in loads:
+            remote = self._remote.get(load.request_id)
+            if remote is not None:
+                remote.state = "shipped"
+        renewals: tuple[RemoteLease, ...] = ()
+        now = self._clock()
+        waiting = [r for r in self._remote.values() if r.state == "waiting"]
+        if waiting:
+            interval = min(self._settings.renew_interval_for(r.params.remote_lease_ttl_s) for r in waiting)
+            if now - self._last_renewal >= interval:
+                self._last_renewal = now
+                renewals = tuple(RemoteLease(PeerAddress.of(r.params), r.params.lease) for r in waiting)
+        else:
+            self._last_renewal = now
+        meta = RdmaConnectorMetadata(
+            lease_epoch=self.epoch if self._producer else 0,
+            loads=loads,
+            sends=tuple(self._pending_sends),
+            releases=tuple(self._pending_releases),
+            renewals=renewals,
+            aborts=tuple(self._pending_aborts),
+        )
+        self._pending_sends, self._pending_releases, self._pending_aborts = [], [], []
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for rid in output.finished_recving:
+            remote = self._remote.get(rid)
+            if remote is not None and remote.state == "shipped":
+                remote.state = "loaded"
+
+    # --- end of a request ---------------------------------------------------------------------------
+
+    def request_finished(
+        self, request: Request, block_ids: Sequence[BlockId]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._bad.discard(rid)
+        remote = self._remote.pop(rid, None)
+        if remote is not None:
+            if remote.state == "shipped":
+                # A read may still land in these blocks: the worker reports the
+                # request in done_sending once its transfer completed or failed.
+                self._pending_aborts.append(rid)
+                return True, None
+            if remote.state == "pending":
+                self._pending_loads = [s for s in self._pending_loads if s.request_id != rid]
+            self._release(remote)
+            return False, None
+        try:
+            parsed = parse_kv_transfer_params(request.kv_transfer_params)
+        except ConfigError as exc:
+            logger.warning("request %r: invalid kv_transfer_params, not holding its KV: %s", rid, exc)
+            return False, None
+        if isinstance(parsed, RemotePrefillParams):
+            # Aborted (or rejected) before the engine ever asked us about it:
+            # still tell the producer, or its blocks wait for the lease to expire.
+            self._release(_Remote(parsed))
+            return False, None
+        if not self._producer:
+            return False, None
+        if not isinstance(parsed, RemoteDecodeRequest) or not block_ids:
+            return False, None
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            # Aborted before its prefill completed: there is nothing to hand over.
+            return False, None
+        num_blocks = -(-request.num_prompt_tokens // self._block_size)
+        if len(block_ids) < num_blocks:
+            logger.warning("request %r: %d blocks for a %d-token prompt; not holding its KV",
+                           rid, len(block_ids), request.num_prompt_tokens)
+            return False, None
+        if not self._port:
+            logger.error("request %r: the side-channel port is unknown (kv_port 0 and no "
+                         "set_xfer_handshake_metadata from the workers); not holding its KV", rid)
+            return False, None
+        settings = self._settings
+        params = RemotePrefillParams(
+            remote_engine_id=self._engine_id,
+            remote_host=settings.advertise_host,
+            remote_port=self._port,
+            remote_block_ids=tuple(BlockId(int(b)) for b in block_ids[:num_blocks]),
+            remote_request_id=rid,
+            tp_size=settings.tp_size,
+            remote_lease_epoch=self.epoch,
+            remote_lease_generation=next(self._generations),
+            remote_lease_ttl_s=settings.lease_ttl_s,
+            remote_num_tokens=request.num_prompt_tokens,
+        )
+        self._pending_sends.append(SendSpec(rid, tuple(BlockId(int(b)) for b in block_ids),
+                                            params.lease, settings.lease_ttl_s))
+        return True, params.to_dict()
+
+    # --- introspection --------------------------------------------------------------------------------
+
+    def num_tracked(self) -> int:
+        """Consumer requests tracked (leak checks)."""
+        return len(self._remote)

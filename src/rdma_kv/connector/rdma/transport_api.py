@@ -1,0 +1,81 @@
+"""What the RDMA connector needs from a transport, as a ``typing.Protocol``.
+
+Owns :class:`Transport` and :class:`TransferHandle`: the exact surface the
+worker uses. ``rdma_kv.transport.Agent`` satisfies them structurally (the
+tests check it), and the unit tests' fake transport implements them in one
+process with ``memmove``. Nothing here imports UCX.
+
+Imports only the standard library (and the transport's ``DescList`` for
+type hints, which is plain numpy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from rdma_kv.transport.descriptors import DescList
+
+__all__ = ["TransferHandle", "Transport", "TransportFactory"]
+
+
+@runtime_checkable
+class TransferHandle(Protocol):
+    """One posted batch of reads."""
+
+    error: BaseException | None
+    """The failure once the transfer failed; None while running or after success."""
+    ops_posted: int
+    num_descs: int
+    nbytes: int
+    post_s: float
+
+    @property
+    def elapsed_s(self) -> float: ...
+
+    def done(self) -> bool: ...
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        """Call ``fn(handle)`` once on completion or failure (from any thread), or now."""
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """One process's transfer engine (``rdma_kv.transport.Agent``)."""
+
+    def register(self, obj: Any) -> Any:
+        """Register an allocation: a tensor, array or ``(address, nbytes)``."""
+
+    def metadata(self) -> bytes:
+        """What a peer passes to ``add_peer`` (after every ``register``)."""
+
+    def add_peer(self, blob: bytes) -> str:
+        """Import a peer's metadata; returns its name (replacing an older incarnation)."""
+
+    def remove_peer(self, name: str) -> None: ...
+
+    def prep_local(self, descs: DescList) -> Any:
+        """Check local descriptors once; reads then address them by index."""
+
+    def prep_remote(self, peer: str, descs: DescList) -> Any: ...
+
+    def read_prepared(
+        self,
+        local: Any,
+        local_index: Any,
+        remote: Any,
+        remote_index: Any,
+        *,
+        notify: bytes | None = None,
+        timeout_s: float | None = None,
+    ) -> TransferHandle:
+        """Read ``remote[remote_index]`` into ``local[local_index]``; descriptors
+        contiguous on both sides are merged into one operation. Fails (never
+        hangs) within ``timeout_s`` when the peer dies."""
+
+    def close(self) -> None: ...
+
+
+TransportFactory = Callable[[str, Any], Transport]
+"""``factory(agent_name, settings) -> Transport``."""

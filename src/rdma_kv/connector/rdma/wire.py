@@ -1,0 +1,289 @@
+"""The side channel's wire format: framed, versioned, schema-checked msgspec.
+
+Owns every message the side channel carries, the compatibility record two
+engines must agree on (:class:`CompatInfo`, with its hash and a mismatch
+report naming both sides' values), the wire form of block geometry, and the
+framing: a 4-byte big-endian length, then one msgpack message (a tagged
+msgspec union). Frames are size-limited before a byte of the body is read;
+bodies are decoded against the schema only (never pickle), so a malformed
+peer gets an error, not code execution.
+
+Imports the standard library, msgspec, ``rdma_kv.errors`` and the
+connector's ``geometry`` and ``params``; never the transport.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import socket
+import struct
+import time
+from typing import Annotated, Union
+
+import msgspec
+
+from rdma_kv.connector.geometry import KVCacheGeometry, LayerGeometry, Layout, Region, Segment
+from rdma_kv.connector.rdma.params import LeaseRef
+from rdma_kv.connector.types import RequestId
+from rdma_kv.errors import MetadataError, PeerError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "CompatInfo",
+    "Confirm",
+    "ErrorReply",
+    "GeometryWire",
+    "Handshake",
+    "HandshakeReply",
+    "LeaseReply",
+    "LeaseStatus",
+    "LeaseWire",
+    "Refused",
+    "Release",
+    "Renew",
+    "recv_frame",
+    "send_frame",
+]
+
+PROTOCOL_VERSION = 1
+MAX_REQUEST_BYTES = 1 << 20
+MAX_REPLY_BYTES = 16 << 20  # agent metadata (worker address + rkeys) plus geometry
+MAX_LEASES_PER_MESSAGE = 4096
+MAX_LAYERS = 4096
+
+_HEADER = struct.Struct(">I")
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 anyway
+Str = Annotated[str, msgspec.Meta(max_length=1024)]
+
+
+class LeaseStatus(enum.IntEnum):
+    """A producer's answer about one lease."""
+
+    HELD = 1
+    """The blocks are held for this lease (and were, continuously, since it was granted)."""
+    PENDING = 2
+    """Not yet known to this worker (granted by its scheduler, not yet shipped); ask again."""
+    GONE = 3
+    """Released, expired, or never granted by this producer incarnation."""
+
+
+class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What two engines must agree on to copy KV block for block."""
+
+    num_layers: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)]
+    block_size: Annotated[int, msgspec.Meta(ge=1)]
+    num_kv_heads: Annotated[int, msgspec.Meta(ge=0)]
+    head_size: Annotated[int, msgspec.Meta(ge=0)]
+    dtype: Str
+    spec: Str
+    """The KV-cache spec's ``type_id`` (kind, block size, page size)."""
+    layouts: Annotated[list[Str], msgspec.Meta(max_length=MAX_LAYERS)]
+    """Per layer: layout and segment byte lengths, e.g. ``blocks_first:65536``."""
+    tp_size: Annotated[int, msgspec.Meta(ge=1)]
+
+    def compat_hash(self) -> str:
+        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:32]
+
+    def mismatches(self, other: CompatInfo, mine: str = "local", theirs: str = "remote") -> list[str]:
+        """One line per differing field, naming both sides' values."""
+        out = []
+        for name in self.__struct_fields__:
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                if name == "layouts":
+                    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                    a = f"{len(a)} layers, layer {first}: {a[first] if first < len(a) else '-'}"
+                    b = f"{len(b)} layers, layer {first}: {b[first] if first < len(b) else '-'}"
+                out.append(f"{name}: {mine} {a!r} vs {theirs} {b!r}")
+        return out
+
+
+class SegmentWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    offset: U64
+    block_stride_bytes: U64
+    block_nbytes: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class LayerWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    name: Str
+    region_index: Annotated[int, msgspec.Meta(ge=0)]
+    num_blocks: Annotated[int, msgspec.Meta(ge=1)]
+    layout: Layout
+    segments: Annotated[list[SegmentWire], msgspec.Meta(min_length=1, max_length=8)]
+
+
+class RegionWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    base_address: U64
+    nbytes: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class GeometryWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    regions: Annotated[list[RegionWire], msgspec.Meta(min_length=1, max_length=MAX_LAYERS)]
+    layers: Annotated[list[LayerWire], msgspec.Meta(max_length=MAX_LAYERS)]
+
+    @classmethod
+    def from_geometry(cls, geometry: KVCacheGeometry) -> GeometryWire:
+        return cls(
+            [RegionWire(r.base_address, r.nbytes) for r in geometry.regions],
+            [
+                LayerWire(
+                    layer.name, layer.region_index, layer.num_blocks, layer.layout,
+                    [SegmentWire(s.offset, s.block_stride_bytes, s.block_nbytes)
+                     for s in layer.segments],
+                )
+                for layer in geometry.layers
+            ],
+        )
+
+    def to_geometry(self) -> KVCacheGeometry:
+        """Checked: every block of every segment lies inside its region, so a
+        peer cannot make us read outside what it registered."""
+        regions = tuple(Region(r.base_address, r.nbytes, "remote", ()) for r in self.regions)
+        layers = []
+        for layer in self.layers:
+            if layer.region_index >= len(regions):
+                raise MetadataError(
+                    f"peer geometry: layer {layer.name!r} names region {layer.region_index}, "
+                    f"but only {len(regions)} regions were sent"
+                )
+            size = regions[layer.region_index].nbytes
+            for seg in layer.segments:
+                end = seg.offset + (layer.num_blocks - 1) * seg.block_stride_bytes + seg.block_nbytes
+                if end > size:
+                    raise MetadataError(
+                        f"peer geometry: layer {layer.name!r} block {layer.num_blocks - 1} ends at "
+                        f"byte {end}, beyond its region of {size} bytes"
+                    )
+            layers.append(LayerGeometry(
+                layer.name, layer.region_index, layer.num_blocks, layer.layout,
+                tuple(Segment(s.offset, s.block_stride_bytes, s.block_nbytes) for s in layer.segments),
+            ))
+        return KVCacheGeometry(regions, tuple(layers))
+
+
+class LeaseWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    epoch: U64
+    generation: U64
+    request_id: Str
+
+    @classmethod
+    def of(cls, ref: LeaseRef) -> LeaseWire:
+        return cls(ref.epoch, ref.generation, ref.request_id)
+
+    def ref(self) -> LeaseRef:
+        return LeaseRef(self.epoch, self.generation, RequestId(self.request_id))
+
+
+Leases = Annotated[list[LeaseWire], msgspec.Meta(max_length=MAX_LEASES_PER_MESSAGE)]
+
+
+# --- requests (client -> server) ---------------------------------------------------
+
+
+class Handshake(msgspec.Struct, frozen=True, tag="handshake", forbid_unknown_fields=True):
+    version: int
+    engine_id: Str
+    tp_rank: Annotated[int, msgspec.Meta(ge=0)]
+    compat: CompatInfo
+
+
+class Renew(msgspec.Struct, frozen=True, tag="renew", forbid_unknown_fields=True):
+    version: int
+    leases: Leases
+
+
+class Confirm(msgspec.Struct, frozen=True, tag="confirm", forbid_unknown_fields=True):
+    """Were these leases held continuously until now? With ``release``, a
+    HELD lease is also released in the same step (one round trip)."""
+
+    version: int
+    leases: Leases
+    release: bool = False
+
+
+class Release(msgspec.Struct, frozen=True, tag="release", forbid_unknown_fields=True):
+    version: int
+    leases: Leases
+
+
+Request = Union[Handshake, Renew, Confirm, Release]
+
+
+# --- replies (server -> client) ------------------------------------------------------
+
+
+class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_ok", forbid_unknown_fields=True):
+    version: int
+    engine_id: Str
+    tp_rank: int
+    compat: CompatInfo
+    compat_hash: Str
+    agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_REPLY_BYTES)]
+    geometry: GeometryWire
+
+
+class LeaseReply(msgspec.Struct, frozen=True, tag="lease", forbid_unknown_fields=True):
+    statuses: Annotated[list[LeaseStatus], msgspec.Meta(max_length=MAX_LEASES_PER_MESSAGE)]
+    ttl_s: float
+
+
+class Refused(msgspec.Struct, frozen=True, tag="refused", forbid_unknown_fields=True):
+    """The server will not serve this client (version or compatibility)."""
+
+    reason: Annotated[str, msgspec.Meta(max_length=8192)]
+
+
+class ErrorReply(msgspec.Struct, frozen=True, tag="error", forbid_unknown_fields=True):
+    """The request was malformed; the connection is closed after this."""
+
+    message: Annotated[str, msgspec.Meta(max_length=8192)]
+
+
+Reply = Union[HandshakeReply, LeaseReply, Refused, ErrorReply]
+
+_encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+# --- framing ---------------------------------------------------------------------------
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{what}: timed out with {len(buf)} of {n} bytes received")
+        sock.settimeout(left)
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise PeerError(f"{what}: connection closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+def send_frame(sock: socket.socket, payload: bytes, timeout_s: float) -> None:
+    sock.settimeout(timeout_s)
+    sock.sendall(_HEADER.pack(len(payload)) + payload)
+
+
+def recv_frame(sock: socket.socket, max_bytes: int, timeout_s: float, what: str) -> bytes | None:
+    """One frame's body; ``None`` on a clean close before a frame starts.
+    A length above ``max_bytes`` is refused before reading the body."""
+    deadline = time.monotonic() + timeout_s
+    sock.settimeout(timeout_s)
+    first = sock.recv(_HEADER.size)
+    if not first:
+        return None
+    header = first + (_recv_exact(sock, _HEADER.size - len(first), deadline, what)
+                      if len(first) < _HEADER.size else b"")
+    (length,) = _HEADER.unpack(header)
+    if length > max_bytes:
+        raise MetadataError(f"{what}: frame of {length} bytes exceeds the {max_bytes}-byte limit")
+    return _recv_exact(sock, length, deadline, what)

@@ -1,0 +1,458 @@
+"""A small paged-attention engine that drives a KV connector, for tests, the
+demo, and as a worked example for engine authors.
+
+Owns :class:`Engine` (a scheduler loop and one worker in one process), its
+block pool with prefix caching, and :class:`ModelShape`. The KV cache is a
+torch tensor in vLLM's CPU layout: one allocation, every layer a
+``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` view of it. The
+"forward pass" writes deterministic KV (``kvfill``) so a consumer verifies
+every block it loaded from the prompt alone.
+
+**Embedding rdma-kv in an engine** (what :meth:`Engine.step` does, in order):
+
+1. Startup: create the connector twice from one ``KVTransferConfig`` (role
+   ``SCHEDULER`` and ``WORKER``), call the worker's
+   ``register_kv_caches({layer: tensor})``, hand its
+   ``get_handshake_metadata()`` to the scheduler's
+   ``set_xfer_handshake_metadata({rank: md})``.
+2. Admission: for a waiting request, compute its local prefix hit, ask
+   ``get_num_new_matched_tokens(request, num_computed)``; allocate blocks;
+   call ``update_state_after_alloc(request, blocks, n)`` (``n = 0`` when the
+   connector offered nothing). ``(n, True)``: park the request until the
+   worker reports it in ``finished_recving``.
+3. Every step: ``build_connector_meta`` -> worker ``bind_connector_metadata``
+   -> ``start_load_kv`` -> per layer ``wait_for_layer_load`` / forward /
+   ``save_kv_layer`` -> ``wait_for_save`` -> ``get_finished(finished_ids)``
+   -> ``get_block_ids_with_load_errors`` -> ``clear_connector_metadata`` ->
+   scheduler ``update_connector_output``.
+4. A parked request reported in ``finished_recving``: if any of its blocks
+   is in the load errors, ``kv_load_failure_policy`` decides: ``recompute``
+   from the first bad block, or ``fail`` the request.
+5. A finished (or aborted) request: ``request_finished(request, block_ids)``;
+   ``delay_free=True`` keeps its blocks allocated until the worker reports
+   it in ``finished_sending``; the returned params go to the request's
+   output (a router hands them to the decode request).
+
+Keep stepping while requests wait for loads or blocks are held: the worker
+reports completions (and lease expiries) only from ``get_finished``.
+
+Imports the standard library, torch, ``rdma_kv.errors``, ``rdma_kv.connector``
+and ``rdma_kv.harness.kvfill``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rdma_kv.connector import (
+    CachedRequestData,
+    FullAttentionSpec,
+    KVCacheBlocks,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    KVConnectorBase,
+    KVConnectorFactory,
+    KVConnectorOutput,
+    KVConnectorRole,
+    KVLoadFailurePolicy,
+    KVTransferConfig,
+    NewRequestData,
+    Request,
+    RequestId,
+    SchedulerOutput,
+)
+from rdma_kv.errors import ConfigError
+from rdma_kv.harness.kvfill import block_seeds, expected_block, fill_block
+
+__all__ = ["Engine", "ModelShape", "RequestResult", "Status"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    num_layers: int = 8
+    num_kv_heads: int = 8
+    head_size: int = 128
+    block_size: int = 16
+    num_blocks: int = 512
+    dtype: str = "float16"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return tuple(f"model.layers.{i}.self_attn" for i in range(self.num_layers))
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block across all layers."""
+        item = torch.empty(0, dtype=self.torch_dtype).element_size()
+        return self.num_layers * self.num_kv_heads * self.block_size * 2 * self.head_size * item
+
+
+class Status(str, enum.Enum):
+    WAITING = "waiting"
+    LOADING = "loading"  # waiting for an asynchronous load
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"  # kv_load_failure_policy=fail
+    ABORTED = "aborted"
+
+
+@dataclasses.dataclass
+class RequestResult:
+    """What happened to one request; ``Engine.results`` keeps them."""
+
+    request_id: str
+    status: Status = Status.WAITING
+    num_prompt_tokens: int = 0
+    local_hit_tokens: int = 0
+    external_tokens: int = 0
+    load_failed: bool = False
+    recomputed_from_block: int | None = None
+    bad_blocks: list[int] = dataclasses.field(default_factory=list)
+    """Prompt block indices whose content did not verify after the load."""
+    kv_transfer_params: dict[str, Any] | None = None
+    submitted_at: float = 0.0
+    admitted_at: float = 0.0
+    loaded_at: float = 0.0
+    finished_at: float = 0.0
+    error: str | None = None
+
+    @property
+    def load_s(self) -> float:
+        return self.loaded_at - self.admitted_at if self.loaded_at else 0.0
+
+
+@dataclasses.dataclass(eq=False)
+class _Req:
+    request: Request
+    result: RequestResult
+    seeds: list[int]
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    status: Status = Status.WAITING
+    scheduled_once: bool = False
+
+
+class _BlockPool:
+    """Free list (LRU) plus a prefix cache of full blocks keyed by their seed chain."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(num_blocks))
+        self.refs = [0] * num_blocks
+        self.cached: dict[int, int] = {}  # chain key -> block id
+        self.key_of: dict[int, int] = {}  # block id -> chain key
+
+    def hits(self, keys: Sequence[int]) -> list[int]:
+        out = []
+        for key in keys:
+            block = self.cached.get(key)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def allocate(self, hits: Sequence[int], count: int) -> list[int] | None:
+        fresh = [b for b in self.free if b not in hits]
+        if len(fresh) < count:
+            return None
+        for block in hits:
+            self.refs[block] += 1
+            self.free.pop(block, None)
+        out = []
+        for block in fresh[:count]:
+            self.free.pop(block)
+            old = self.key_of.pop(block, None)  # evict its cache entry: it is being overwritten
+            if old is not None and self.cached.get(old) == block:
+                del self.cached[old]
+            self.refs[block] = 1
+            out.append(block)
+        return list(hits) + out
+
+    def cache(self, key: int, block: int) -> None:
+        if key not in self.cached:
+            self.cached[key] = block
+            self.key_of[block] = key
+
+    def release(self, blocks: Sequence[int]) -> None:
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free[block] = None  # most recently freed last: evicted last
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+
+class Engine:
+    """One engine instance: scheduler loop, block pool and a single worker.
+
+    ``connector_kwargs`` go to the connector's constructor (e.g.
+    ``transport_factory`` for a fake transport). ``verify`` checks every
+    loaded block against :mod:`kvfill` in the step its load completes;
+    ``fill=False`` skips writing KV in the fake forward pass (benchmarks).
+    """
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        shape: ModelShape = ModelShape(),
+        *,
+        connector_kwargs: Mapping[str, Any] | None = None,
+        prefix_caching: bool = True,
+        verify: bool = True,
+        fill: bool = True,
+        max_running: int = 64,
+    ) -> None:
+        self.config, self.shape = config, shape
+        self.policy = config.kv_load_failure_policy
+        self.prefix_caching, self.verify, self.max_running = prefix_caching, verify, max_running
+        self.fill = fill  # False: skip the fake forward's KV writes (benchmarks)
+        names = shape.layer_names
+        self.kv = torch.zeros(shape.num_layers, shape.num_blocks, shape.num_kv_heads, shape.block_size,
+                              2 * shape.head_size, dtype=shape.torch_dtype)
+        self.kv_caches = {name: self.kv[i] for i, name in enumerate(names)}
+        spec = FullAttentionSpec(block_size=shape.block_size, num_kv_heads=shape.num_kv_heads,
+                                 head_size=shape.head_size, dtype=shape.dtype)
+        self.kv_cache_config = KVCacheConfig(
+            shape.num_blocks, (KVCacheTensor(self.kv.numel() * self.kv.element_size(), names),),
+            (KVCacheGroupSpec(names, spec),))
+        self.scheduler = self._create(KVConnectorRole.SCHEDULER, connector_kwargs)
+        self.worker = self._create(KVConnectorRole.WORKER, connector_kwargs)
+        try:
+            self.worker.register_kv_caches(self.kv_caches)
+            handshake = self.worker.get_handshake_metadata()
+            if handshake is not None:
+                self.scheduler.set_xfer_handshake_metadata({0: handshake})
+        except BaseException:
+            self.worker.shutdown()
+            raise
+        self.pool = _BlockPool(shape.num_blocks)
+        self.requests: dict[str, _Req] = {}
+        self.results: dict[str, RequestResult] = {}
+        self.waiting: collections.deque[_Req] = collections.deque()
+        self.held: dict[str, list[int]] = {}  # delayed frees, until finished_sending
+        self._finished_ids: set[RequestId] = set()
+        self._recved: set[str] = set()
+        self._load_errors: set[int] = set()
+        self.steps = 0
+        self.on_finished: Callable[[RequestResult], None] | None = None
+
+    def _create(self, role: KVConnectorRole, kwargs: Mapping[str, Any] | None) -> KVConnectorBase:
+        if kwargs:
+            cls = KVConnectorFactory.get_connector_class(self.config)
+            return cls(self.config, role, self.kv_cache_config, **kwargs)  # type: ignore[call-arg]
+        return KVConnectorFactory.create_connector(self.config, role, self.kv_cache_config)
+
+    # --- API -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    kv_transfer_params: Mapping[str, Any] | None = None) -> None:
+        if request_id in self.requests:
+            raise ConfigError(f"request {request_id!r} is already in the engine")
+        request = Request(request_id, prompt_token_ids, kv_transfer_params)
+        result = RequestResult(request_id, num_prompt_tokens=request.num_prompt_tokens,
+                               submitted_at=time.perf_counter())
+        req = _Req(request, result, block_seeds(request.prompt_token_ids, self.shape.block_size))
+        self.requests[request_id] = req
+        self.results[request_id] = result
+        self.waiting.append(req)
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+        self._finish(req, Status.ABORTED)
+
+    def has_work(self) -> bool:
+        """Requests not finished, or blocks held for a remote reader."""
+        return bool(self.requests or self.held)
+
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def run(self, until: Callable[[], bool] | None = None, timeout_s: float = 30.0) -> None:
+        """Step until ``until()`` (default: no work left); ``TimeoutError`` after ``timeout_s``."""
+        done = until or (lambda: not self.has_work())
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine not done after {timeout_s} s: {self.describe()}")
+            self.step()
+            if not self._busy():
+                time.sleep(0.0005)  # only waiting on remote work: do not spin a core
+
+    def describe(self) -> str:
+        by = collections.Counter(r.status.value for r in self.requests.values())
+        return f"requests {dict(by)}, held {len(self.held)}, free blocks {self.pool.num_free}"
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def _busy(self) -> bool:
+        return any(r.status is Status.RUNNING for r in self.requests.values()) or bool(self.waiting)
+
+    def step(self) -> KVConnectorOutput:
+        self.steps += 1
+        bs = self.shape.block_size
+        compute: list[tuple[_Req, int]] = []  # (request, first token to compute)
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        # Parked requests whose load finished in the previous step.
+        for rid in list(self._recved):
+            self._recved.discard(rid)
+            req = self.requests.get(rid)
+            if req is None or req.status is not Status.LOADING:
+                continue
+            first = self._after_load(req)
+            if first is None:
+                continue
+            req.status = Status.RUNNING
+            compute.append((req, first))
+            cached_reqs.append(CachedRequestData(req.request.request_id, None, first))
+        # Admission.
+        running = sum(1 for r in self.requests.values() if r.status in (Status.RUNNING, Status.LOADING))
+        while self.waiting and running < self.max_running:
+            req = self.waiting[0]
+            request = req.request
+            n_blocks = -(-request.num_prompt_tokens // bs)
+            keys = req.seeds[1:n_blocks + 1] if self.prefix_caching else []
+            # Block i's cache key is the seed of block i+1 (it covers tokens through i).
+            full = request.num_prompt_tokens // bs
+            hits = self.pool.hits(keys[:full]) if self.prefix_caching else []
+            num_computed = len(hits) * bs
+            n_ext, load_async = self.scheduler.get_num_new_matched_tokens(request, num_computed)
+            if n_ext is None:
+                break
+            blocks = self.pool.allocate(hits, n_blocks - len(hits))
+            if blocks is None:
+                break  # no room: try again next step
+            self.waiting.popleft()
+            running += 1
+            req.block_ids = blocks
+            request.num_computed_tokens = num_computed
+            req.result.local_hit_tokens = num_computed
+            req.result.external_tokens = n_ext
+            req.result.admitted_at = time.perf_counter()
+            self.scheduler.update_state_after_alloc(request, KVCacheBlocks.of(blocks), n_ext)
+            new_reqs.append(NewRequestData.from_request(request, KVCacheBlocks.of(blocks)))
+            if n_ext and load_async:
+                req.status = Status.LOADING
+            else:
+                request.num_computed_tokens = num_computed + n_ext
+                req.status = Status.RUNNING
+                compute.append((req, num_computed + n_ext))
+        num_scheduled = {r.request.request_id: max(1, r.request.num_prompt_tokens - first)
+                         for r, first in compute}
+        output = SchedulerOutput(tuple(new_reqs), tuple(cached_reqs), num_scheduled,
+                                 frozenset(self._finished_ids))
+        finished_ids, self._finished_ids = self._finished_ids, set()
+        # Worker side.
+        meta = self.scheduler.build_connector_meta(output)
+        worker = self.worker
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        for name in self.kv_caches:
+            worker.wait_for_layer_load(name)
+        self._forward(compute)
+        for name in self.kv_caches:
+            worker.save_kv_layer(name, self.kv_caches[name], None)
+        worker.wait_for_save()
+        sending, recving = worker.get_finished(finished_ids)
+        errors = worker.get_block_ids_with_load_errors()
+        worker.clear_connector_metadata()
+        kv_output = KVConnectorOutput.of(sending, recving, errors)
+        self.scheduler.update_connector_output(kv_output)
+        # Scheduler bookkeeping.
+        self._load_errors |= set(kv_output.invalid_block_ids)
+        for rid in kv_output.finished_recving:
+            req = self.requests.get(rid)
+            if req is not None and req.status is Status.LOADING:
+                self._recved.add(rid)
+        for rid in kv_output.finished_sending:
+            blocks = self.held.pop(rid, None)
+            if blocks is not None:
+                self.pool.release(blocks)
+        for req, _ in compute:
+            req.request.num_computed_tokens = req.request.num_prompt_tokens
+            req.request.output_token_ids.append(0)
+            self._finish(req, Status.FINISHED)
+        return kv_output
+
+    def _after_load(self, req: _Req) -> int | None:
+        """First token to compute after a load; None when the request failed."""
+        bs = self.shape.block_size
+        result = req.result
+        result.loaded_at = time.perf_counter()
+        first_block = req.request.num_computed_tokens // bs
+        bad = [i for i, b in enumerate(req.block_ids) if b in self._load_errors and i >= first_block]
+        self._load_errors -= set(req.block_ids)
+        if bad:
+            result.load_failed = True
+            if self.policy is KVLoadFailurePolicy.FAIL:
+                result.error = f"KV load failed for blocks {[req.block_ids[i] for i in bad]}"
+                self._finish(req, Status.FAILED)
+                return None
+            result.recomputed_from_block = bad[0]
+            return bad[0] * bs
+        if self.verify:
+            result.bad_blocks = self.verify_blocks(req, range(first_block, len(req.block_ids)))
+        return req.request.num_prompt_tokens
+
+    def verify_blocks(self, req: _Req, indices: Sequence[int] | range) -> list[int]:
+        """Prompt block indices whose content differs from kvfill's."""
+        tokens = req.request.prompt_token_ids
+        bad = []
+        for i in indices:
+            values, valid = expected_block(tokens, i, req.seeds[i], tuple(self.kv.shape[2:]),
+                                           self.shape.num_layers, self.kv.dtype)
+            got = self.kv[:, req.block_ids[i], :, :valid]
+            if not torch.equal(got, values[:, :, :valid]):
+                bad.append(i)
+        return bad
+
+    def _forward(self, compute: Sequence[tuple[_Req, int]]) -> None:
+        """The fake forward pass: write kvfill's KV for the computed tokens."""
+        bs = self.shape.block_size
+        for req, first in compute:
+            tokens = req.request.prompt_token_ids
+            for i in range(first // bs, len(req.block_ids) if self.fill else 0):
+                fill_block(self.kv, req.block_ids[i], tokens, i, req.seeds[i],
+                           first - i * bs if i == first // bs else 0)
+            if self.prefix_caching:
+                for i in range(len(tokens) // bs):
+                    self.pool.cache(req.seeds[i + 1], req.block_ids[i])
+
+    def _finish(self, req: _Req, status: Status) -> None:
+        rid = req.request.request_id
+        self.requests.pop(rid, None)
+        req.status = req.result.status = status
+        req.result.finished_at = time.perf_counter()
+        delay, params = self.scheduler.request_finished(req.request, list(req.block_ids))
+        req.result.kv_transfer_params = params
+        if req.block_ids:
+            if delay:
+                self.held[rid] = list(req.block_ids)
+            else:
+                self.pool.release(req.block_ids)
+        self._finished_ids.add(RequestId(rid))
+        if self.on_finished is not None:
+            self.on_finished(req.result)

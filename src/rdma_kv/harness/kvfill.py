@@ -1,0 +1,71 @@
+"""Deterministic KV content: what a model would have computed, without a model.
+
+Owns :func:`fill_block`, the KV the harness's fake forward pass writes into
+a block, and :func:`expected_block`, the same thing for verification. The
+content of token position ``p`` in layer ``l`` depends on the token prefix
+up to ``p`` (as real attention KV does): a hash chain over the prompt's
+blocks seeds each block, the token at ``p`` perturbs its position. So a
+consumer verifies every loaded block from the prompt alone, a block reused
+through a prefix-cache hit has the content a fresh computation would have,
+and a block read from the wrong place (or reused memory) does not match.
+
+Values are small integers (< 251), exact in fp16, bf16 and fp32.
+
+Imports hashlib, numpy and torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["block_seeds", "expected_block", "fill_block"]
+
+_MOD = 251
+
+
+def block_seeds(tokens: Sequence[int], block_size: int) -> list[int]:
+    """Seed of block ``i``: a hash of the tokens before it (chained). One
+    more entry than blocks: entry ``i + 1`` covers every token through block
+    ``i``, the key of block ``i`` in a prefix cache."""
+    arr = np.asarray(tokens, dtype="<i8")
+    seeds, digest = [], hashlib.sha256(b"rdma-kv-harness").digest()
+    for start in range(0, len(arr), block_size):
+        seeds.append(int.from_bytes(digest[:6], "little"))
+        digest = hashlib.sha256(digest + arr[start:start + block_size].tobytes()).digest()
+    seeds.append(int.from_bytes(digest[:6], "little"))
+    return seeds
+
+
+def expected_block(
+    tokens: Sequence[int], block_index: int, seed: int, page_shape: tuple[int, ...],
+    num_layers: int, dtype: torch.dtype,
+) -> tuple[torch.Tensor, int]:
+    """``(values, valid)``: the block's KV for every layer, shape
+    ``[num_layers, *page_shape]`` with page ``[heads, block_size, 2*head]``,
+    and how many leading positions hold tokens (the rest is undefined)."""
+    heads, block_size, width = page_shape
+    start = block_index * block_size
+    valid = min(block_size, len(tokens) - start)
+    grid = torch.arange(heads * block_size * width, dtype=torch.int64).view(1, heads, block_size, width)
+    layer = torch.arange(num_layers, dtype=torch.int64).view(num_layers, 1, 1, 1)
+    values = grid * 40503 + layer * 2654435761 + seed
+    tok = torch.zeros(block_size, dtype=torch.int64)
+    tok[:valid] = torch.as_tensor(np.asarray(tokens[start:start + valid], dtype=np.int64))
+    values = (values + tok.view(1, 1, block_size, 1) * 97) % _MOD
+    return values.to(dtype), valid
+
+
+def fill_block(
+    whole: torch.Tensor, block_id: int, tokens: Sequence[int], block_index: int, seed: int,
+    first_position: int = 0,
+) -> None:
+    """Write block ``block_index`` of ``tokens`` into ``block_id`` of the KV
+    cache ``whole`` (``[num_layers, num_blocks, heads, block_size, 2*head]``),
+    positions ``first_position`` .. the last token of the block."""
+    values, valid = expected_block(tokens, block_index, seed, tuple(whole.shape[2:]),
+                                   whole.shape[0], whole.dtype)
+    whole[:, block_id, :, first_position:valid] = values[:, :, first_position:valid]

@@ -1,0 +1,266 @@
+"""An engine in a child process (multiprocessing ``spawn``), driven over a pipe.
+
+Owns :class:`EngineProcess` (parent side) and the child's loop: step the
+engine while it has work, apply commands between steps, send each finished
+request's :class:`~rdma_kv.harness.engine.RequestResult` back as a dict.
+Every parent-side wait is bounded; a child's traceback is forwarded.
+
+Fault injection for tests (``faults``): ``gate_reads`` holds read
+completions until ``open_gate()`` (so a test can act "while the reads are in
+flight" deterministically); the ``expire_leases`` command ends every lease
+now and ``scribble_free`` overwrites every free block (memory reuse).
+
+Imports the standard library, torch (in the child) and ``rdma_kv.harness.engine``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import traceback
+from typing import Any
+
+from rdma_kv.harness.engine import ModelShape
+
+__all__ = ["EngineProcess", "HarnessError"]
+
+
+class HarnessError(RuntimeError):
+    """The child engine failed, or did not answer in time."""
+
+
+# --- fault injection: gate read completions -----------------------------------------------
+
+
+class _Gate:
+    def __init__(self) -> None:
+        self.open = True
+        self.lock = threading.Lock()
+        self.held: list[tuple[Any, Any]] = []
+
+    def set(self, is_open: bool) -> None:
+        with self.lock:
+            self.open = is_open
+            held, self.held = (self.held, []) if is_open else ([], self.held)
+        for fn, handle in held:
+            fn(handle)
+
+
+class _GatedHandle:
+    def __init__(self, inner: Any, gate: _Gate) -> None:
+        self._inner, self._gate = inner, gate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def add_done_callback(self, fn: Any) -> None:
+        def gated(_: Any) -> None:
+            with self._gate.lock:
+                if not self._gate.open:
+                    self._gate.held.append((fn, self))
+                    return
+            fn(self)
+
+        self._inner.add_done_callback(gated)
+
+
+class _GatedTransport:
+    def __init__(self, inner: Any, gate: _Gate) -> None:
+        self._inner, self._gate = inner, gate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def read_prepared(self, *args: Any, **kwargs: Any) -> Any:
+        return _GatedHandle(self._inner.read_prepared(*args, **kwargs), self._gate)
+
+
+# --- the child -------------------------------------------------------------------------------
+
+
+def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dict[str, Any]) -> None:
+    try:
+        import torch
+
+        from rdma_kv.connector import KVTransferConfig
+        from rdma_kv.connector.rdma import agent_transport
+        from rdma_kv.harness.engine import Engine
+
+        torch.set_num_threads(1)
+        gate = _Gate()
+        kwargs: dict[str, Any] = {}
+        if faults.get("gate_reads"):
+            kwargs["transport_factory"] = lambda name, s: _GatedTransport(agent_transport(name, s), gate)
+        engine = Engine(KVTransferConfig.from_dict(config), ModelShape(**shape),
+                        connector_kwargs=kwargs or None, verify=faults.get("verify", True))
+        engine.on_finished = lambda r: conn.send(("finished", _result_dict(r)))
+        port = getattr(engine.worker, "worker", None)
+        conn.send(("ready", {"pid": os.getpid(), "port": port.side_channel_port if port else None}))
+        while True:
+            while conn.poll():
+                msg = conn.recv()
+                op = msg[0]
+                if op == "add":
+                    engine.add_request(msg[1], msg[2], msg[3])
+                elif op == "abort":
+                    engine.abort_request(msg[1])
+                elif op == "gate":
+                    gate.set(msg[1])
+                    conn.send(("reply", True))
+                elif op == "expire_leases":
+                    leases = engine.worker.worker.leases
+                    conn.send(("reply", len(leases.expire(now=float("inf")))))
+                elif op == "scribble_free":
+                    free = list(engine.pool.free)
+                    engine.kv[:, free] = 7
+                    conn.send(("reply", len(free)))
+                elif op == "status":
+                    inner = getattr(engine.worker, "worker", None)
+                    conn.send(("reply", {
+                        "free_blocks": engine.num_free_blocks(), "held": len(engine.held),
+                        "held_ids": sorted(engine.held),
+                        "loading_ids": sorted(r for r, q in engine.requests.items()
+                                              if q.status.value == "loading"),
+                        "requests": len(engine.requests),
+                        "leases": len(inner.leases) if inner else 0,
+                        "inflight_loads": inner.num_inflight() if inner else 0,
+                    }))
+                elif op == "stats":
+                    conn.send(("reply", engine.worker.get_kv_connector_stats()))
+                elif op == "shutdown":
+                    engine.shutdown()
+                    conn.send(("reply", True))
+                    return
+            if engine.has_work():
+                engine.step()
+                if not engine._busy():
+                    conn.poll(0.0005)
+            else:
+                engine.step()  # keeps lease expiry and late confirmations moving
+                conn.poll(0.002)
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except Exception:
+            pass
+        raise
+
+
+def _result_dict(result: Any) -> dict[str, Any]:
+    out = dataclasses.asdict(result)
+    out["status"] = result.status.value
+    out["load_s"] = result.load_s
+    return out
+
+
+# --- the parent ---------------------------------------------------------------------------------
+
+
+class EngineProcess:
+    """A harness engine in a spawned child. Use as a context manager."""
+
+    def __init__(self, name: str, config: dict[str, Any], shape: ModelShape,
+                 faults: dict[str, Any] | None = None, start_timeout_s: float = 60.0) -> None:
+        self.name = name
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self._proc = ctx.Process(target=_child, name=name, daemon=True,
+                                 args=(child_conn, dict(config), dataclasses.asdict(shape), dict(faults or {})))
+        self._proc.start()
+        child_conn.close()
+        self.results: dict[str, dict[str, Any]] = {}
+        self.info = self._expect("ready", start_timeout_s)
+
+    @property
+    def pid(self) -> int:
+        return int(self._proc.pid or 0)
+
+    def _recv(self, timeout_s: float) -> tuple:
+        if not self._conn.poll(timeout_s):
+            raise HarnessError(f"{self.name}: no message within {timeout_s} s")
+        try:
+            msg = self._conn.recv()
+        except EOFError:
+            raise HarnessError(f"{self.name}: child exited (code {self._proc.exitcode})") from None
+        if msg[0] == "error":
+            raise HarnessError(f"{self.name} failed:\n{msg[1]}")
+        if msg[0] == "finished":
+            self.results[msg[1]["request_id"]] = msg[1]
+        return msg
+
+    def _expect(self, kind: str, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self._recv(max(0.0, deadline - time.monotonic()))
+            if msg[0] == kind:
+                return msg[1]
+
+    def add(self, request_id: str, prompt: list[int], params: dict[str, Any] | None = None) -> None:
+        self._conn.send(("add", request_id, list(prompt), params))
+
+    def abort(self, request_id: str) -> None:
+        self._conn.send(("abort", request_id))
+
+    def call(self, op: str, *args: Any, timeout_s: float = 30.0) -> Any:
+        self._conn.send((op, *args))
+        return self._expect("reply", timeout_s)
+
+    def open_gate(self) -> None:
+        self.call("gate", True)
+
+    def close_gate(self) -> None:
+        self.call("gate", False)
+
+    def wait_results(self, request_ids: Any, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
+        """Results of ``request_ids`` (blocks until all arrived, bounded)."""
+        wanted = set(request_ids)
+        deadline = time.monotonic() + timeout_s
+        while not wanted <= set(self.results):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(wanted - set(self.results))
+                raise HarnessError(f"{self.name}: no result for {len(missing)} request(s) "
+                                   f"after {timeout_s} s: {missing[:8]}")
+            try:
+                self._recv(min(left, 0.5))
+            except HarnessError as exc:
+                if "no message" not in str(exc):
+                    raise
+        return {rid: self.results[rid] for rid in wanted}
+
+    def wait_status(self, predicate: Any, timeout_s: float = 30.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self.call("status")
+            if predicate(status):
+                return status
+            if time.monotonic() > deadline:
+                raise HarnessError(f"{self.name}: status {status} did not meet the condition in {timeout_s} s")
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        """SIGKILL the child (a crash, no cleanup)."""
+        if self._proc.is_alive():
+            os.kill(self.pid, signal.SIGKILL)
+        self._proc.join(10)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        if self._proc.is_alive():
+            try:
+                self.call("shutdown", timeout_s=timeout_s)
+            except (HarnessError, OSError, BrokenPipeError):
+                pass
+            self._proc.join(timeout_s)
+            if self._proc.is_alive():
+                self.kill()
+        self._conn.close()
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,172 @@
+"""A fake transport for the RDMA connector's unit tests: agents in one
+process that "read" with ``ctypes.memmove``. Implements
+``rdma_kv.connector.rdma.transport_api.Transport`` structurally.
+
+Scripting: ``FakeFabric.hold = True`` keeps transfers pending until
+``release_all()``; ``kill(name)`` fails that agent's pending transfers and
+makes later reads from it fail (a dead peer); ``fail_next`` fails the next
+read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import msgspec
+import numpy as np
+
+from rdma_kv.errors import DescriptorError, PeerError, TransferError
+from rdma_kv.transport.descriptors import DescList, coalesce
+
+
+class FakeTransfer:
+    def __init__(self, fabric, peer, laddr, raddr, lengths, ops):
+        self._fabric = fabric
+        self.peer = peer
+        self._ops = (laddr, raddr, lengths)
+        self.error = None
+        self.ops_posted = ops
+        self.num_descs = len(lengths)
+        self.nbytes = int(lengths.sum())
+        self.post_s = 0.0
+        self._started = time.perf_counter()
+        self._finished = None
+        self._callbacks = []
+        self._lock = threading.Lock()
+
+    @property
+    def elapsed_s(self):
+        return (self._finished or time.perf_counter()) - self._started
+
+    def done(self):
+        return self._finished is not None
+
+    def add_done_callback(self, fn):
+        with self._lock:
+            if self._finished is None:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _resolve(self, error=None):
+        with self._lock:
+            if self._finished is not None:
+                return
+            if error is None:
+                laddr, raddr, lengths = self._ops
+                for d, s, n in zip(laddr.tolist(), raddr.tolist(), lengths.tolist()):
+                    ctypes.memmove(d, s, n)
+            self.error = error
+            self._finished = time.perf_counter()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+
+class FakeFabric:
+    def __init__(self):
+        self.agents = {}
+        self.dead = set()
+        self.hold = False
+        self.pending = []
+        self.fail_next = 0
+        self.reads = 0
+        self.lock = threading.Lock()
+
+    def factory(self, name, settings=None):
+        agent = FakeTransport(name, self)
+        self.agents[name] = agent
+        return agent
+
+    def release_all(self, error=None):
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for xfer in pending:
+            xfer._resolve(error)
+
+    def kill(self, name):
+        self.dead.add(name)
+        with self.lock:
+            mine = [x for x in self.pending if x.peer == name]
+            self.pending = [x for x in self.pending if x.peer != name]
+        for xfer in mine:
+            xfer._resolve(TransferError(f"fake: peer {name!r} died", status="UCS_ERR_CONNECTION_RESET"))
+
+
+class FakePrep:
+    def __init__(self, descs, peer):
+        self.descs, self.peer = descs, peer
+
+    def __len__(self):
+        return len(self.descs)
+
+
+class FakeTransport:
+    def __init__(self, name, fabric):
+        self.name, self.fabric = name, fabric
+        self.regions = []
+        self.peers = {}
+        self.closed = False
+
+    def register(self, obj):
+        base, nbytes = obj
+        self.regions.append((base, nbytes))
+        return (base, nbytes)
+
+    def metadata(self):
+        return msgspec.msgpack.encode({"name": self.name, "regions": self.regions})
+
+    def add_peer(self, blob):
+        md = msgspec.msgpack.decode(blob)
+        if md["name"] not in self.fabric.agents:
+            raise PeerError(f"fake: unknown agent {md['name']!r}")
+        self.peers[md["name"]] = [tuple(r) for r in md["regions"]]
+        return md["name"]
+
+    def remove_peer(self, name):
+        self.peers.pop(name, None)
+
+    @staticmethod
+    def _check(descs, regions, what):
+        for a, n in zip(descs.addrs.tolist(), descs.lengths.tolist()):
+            if not any(b <= a and a + n <= b + size for b, size in regions):
+                raise DescriptorError(f"fake: {what} descriptor {a:#x}+{n} outside registered memory")
+
+    def prep_local(self, descs):
+        assert isinstance(descs, DescList)
+        return FakePrep(descs, None)
+
+    def prep_remote(self, peer, descs):
+        if peer not in self.peers:
+            raise PeerError(f"fake: unknown peer {peer!r}")
+        return FakePrep(descs, peer)
+
+    def read_prepared(self, local, local_index, remote, remote_index, *, notify=None, timeout_s=None):
+        fabric = self.fabric
+        if self.closed:
+            raise PeerError("fake: closed")
+        if remote.peer in fabric.dead:
+            raise PeerError(f"fake: peer {remote.peer!r} failed")
+        li, ri = np.asarray(local_index), np.asarray(remote_index)
+        laddr, lens = local.descs.addrs[li], local.descs.lengths[li]
+        raddr = remote.descs.addrs[ri]
+        if not np.array_equal(lens, remote.descs.lengths[ri]):
+            raise DescriptorError("fake: lengths differ")
+        zeros = np.zeros(len(li), dtype=np.uint32)
+        merged = coalesce(laddr, raddr, lens, zeros, zeros)
+        xfer = FakeTransfer(fabric, remote.peer, merged[0], merged[1], merged[2], len(merged[0]))
+        fabric.reads += 1
+        if fabric.fail_next:
+            fabric.fail_next -= 1
+            xfer._resolve(TransferError("fake: injected read failure", status="UCS_ERR_IO_ERROR"))
+        elif fabric.hold:
+            with fabric.lock:
+                fabric.pending.append(xfer)
+        else:
+            xfer._resolve()
+        return xfer
+
+    def close(self):
+        self.closed = True

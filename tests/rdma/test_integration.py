@@ -1,0 +1,182 @@
+"""Prefill and decode engines in two processes, KV over UCX loopback, through
+the harness: concurrency, prefix and full hits, aborts, lease expiry during
+reads, a producer SIGKILLed mid-read, a refused handshake."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rdma_kv.harness.engine import ModelShape
+from rdma_kv.harness.process import EngineProcess
+
+pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess, pytest.mark.timeout(120)]
+
+SHAPE = ModelShape(num_layers=4, num_kv_heads=4, head_size=32, block_size=16, num_blocks=4096)
+# 48 prompts of up to 600 tokens are all held by the producer at once: room for all.
+BS = SHAPE.block_size
+
+
+def config(role, engine_id, policy="recompute", **extra):
+    return {"kv_connector": "RdmaKVConnector", "kv_role": role, "engine_id": engine_id, "kv_port": 0,
+            "kv_load_failure_policy": policy,
+            "kv_connector_extra_config": {"read_timeout_s": 2.0, "load_timeout_s": 4.0,
+                                          "rpc_timeout_s": 1.0, "connect_timeout_s": 1.0, **extra}}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    with EngineProcess("prefill", config("kv_producer", "P"), SHAPE) as p, \
+            EngineProcess("decode", config("kv_consumer", "D"), SHAPE, faults={"gate_reads": True}) as d:
+        yield p, d
+
+
+def prefill(p, prompts):
+    for rid, prompt in prompts.items():
+        p.add(rid, prompt, {"do_remote_decode": True})
+    results = p.wait_results(prompts, timeout_s=30)
+    return {rid: results[rid]["kv_transfer_params"] for rid in prompts}
+
+
+def settle(p, d):
+    p.wait_status(lambda s: s["held"] == 0 and s["leases"] == 0 and s["free_blocks"] == SHAPE.num_blocks,
+                  timeout_s=15)
+    d.wait_status(lambda s: s["held"] == 0 and s["inflight_loads"] == 0
+                  and s["free_blocks"] == SHAPE.num_blocks, timeout_s=15)
+
+
+def test_many_concurrent_requests_bit_exact(engines, rng):
+    p, d = engines
+    prompts = {"s0": list(range(1, 3 * BS + 5))}
+    for i in range(47):
+        roll = rng.random()
+        earlier = list(prompts.values())
+        if earlier and roll < 0.15:  # block-aligned repeat: a full hit on the decode side
+            base = earlier[int(rng.integers(len(earlier)))]
+            prompts[f"c{i}"] = base[: max(1, len(base) // BS) * BS] if len(base) >= BS else list(base)
+        elif earlier and roll < 0.4:  # shared prefix: a partial hit
+            base = earlier[int(rng.integers(len(earlier)))]
+            prompts[f"c{i}"] = base[: len(base) // BS * BS] + rng.integers(1, 999, int(rng.integers(1, 40))).tolist()
+        else:
+            prompts[f"c{i}"] = rng.integers(1, 999, int(rng.integers(1, 600))).tolist()
+    prompts["s1"] = prompts["s0"][: 3 * BS] + [9, 9]  # in the second wave: a certain prefix hit
+    params = prefill(p, prompts)
+    ids = list(prompts)
+    for rid in ids[:24]:  # all of the first wave in flight at once
+        d.add(rid, prompts[rid], params[rid])
+    d.wait_results(ids[:24], timeout_s=60)
+    for rid in ids[24:]:
+        d.add(rid, prompts[rid], params[rid])
+    results = d.wait_results(ids, timeout_s=60)
+    for rid, r in results.items():
+        assert r["status"] == "finished" and not r["load_failed"], (rid, r["error"])
+        assert r["bad_blocks"] == [], f"{rid}: blocks {r['bad_blocks']} differ from the producer's"
+    assert any(r["local_hit_tokens"] and r["external_tokens"] for r in results.values())
+    stats = d.call("stats")
+    assert stats["totals"]["ops_posted"] == stats["totals"]["block_runs"]
+    print(f"{len(results)} requests, {stats['totals']['nbytes']} bytes, "
+          f"{stats['totals']['num_descs']} descriptors -> {stats['totals']['ops_posted']} ops")
+    settle(p, d)
+
+
+def test_aborts_before_and_during_load(engines):
+    p, d = engines
+    prompts = {"ab0": list(range(1, 100)), "ab1": list(range(200, 333))}
+    params = prefill(p, prompts)
+    d.close_gate()
+    try:
+        d.add("ab0", prompts["ab0"], params["ab0"])
+        d.abort("ab0")  # before the engine admitted it
+        d.add("ab1", prompts["ab1"], params["ab1"])
+        d.wait_status(lambda s: "ab1" in s["loading_ids"], timeout_s=10)
+        d.abort("ab1")  # its reads are in flight (completions gated)
+        time.sleep(0.2)
+        status = d.call("status")
+        assert "ab1" in status["held_ids"], "an aborted request's blocks were freed while reads could land"
+    finally:
+        d.open_gate()
+    assert d.wait_results(prompts, timeout_s=10)["ab1"]["status"] == "aborted"
+    settle(p, d)
+
+
+def test_lease_expiry_during_reads_is_a_load_error(engines):
+    p, d = engines
+    prompt = list(range(5, 300))
+    params = prefill(p, {"lx": prompt})
+    d.close_gate()
+    try:
+        d.add("lx", prompt, params["lx"])
+        d.wait_status(lambda s: "lx" in s["loading_ids"], timeout_s=10)
+        p.wait_status(lambda s: s["leases"] == 1, timeout_s=10)  # the grant reached the worker
+        assert p.call("expire_leases") == 1
+        p.wait_status(lambda s: s["held"] == 0, timeout_s=10)  # the producer freed the blocks
+        p.call("scribble_free")  # ... and reused them
+    finally:
+        d.open_gate()
+    r = d.wait_results(["lx"], timeout_s=10)["lx"]
+    assert r["load_failed"], "a read from blocks whose lease expired was accepted"
+    assert r["status"] == "finished" and r["recomputed_from_block"] == 0
+    settle(p, d)
+
+
+def test_handshake_mismatch_is_refused(engines):
+    p, _ = engines
+    other = ModelShape(num_layers=4, num_kv_heads=4, head_size=32, block_size=32, num_blocks=512)
+    prompt = list(range(1, 70))
+    params = prefill(p, {"mm": prompt})
+    with EngineProcess("decode-mismatch", config("kv_consumer", "D2", "fail"), other) as d2:
+        d2.add("mm", prompt, params["mm"])
+        r = d2.wait_results(["mm"], timeout_s=15)["mm"]
+    assert r["status"] == "failed" and r["load_failed"]
+    p.wait_status(lambda s: s["leases"] == 0 and s["held"] == 0, timeout_s=10)  # released, not stranded
+
+
+def test_producer_killed_mid_read(rng):
+    with EngineProcess("prefill-k", config("kv_producer", "PK"), SHAPE) as p, \
+            EngineProcess("decode-k", config("kv_consumer", "DK", "fail"), SHAPE,
+                          faults={"gate_reads": True}) as d:
+        prompts = {f"k{i}": rng.integers(1, 999, int(rng.integers(20, 400))).tolist() for i in range(12)}
+        params = prefill(p, prompts)
+        ids = list(prompts)
+        d.close_gate()
+        for rid in ids[:8]:
+            d.add(rid, prompts[rid], params[rid])
+        d.wait_status(lambda s: s["inflight_loads"] == 8, timeout_s=15)
+        p.kill()
+        t0 = time.monotonic()
+        d.open_gate()
+        first = d.wait_results(ids[:8], timeout_s=5.0)  # bounded: load errors within 5 s
+        for rid in ids[8:]:  # the producer is gone: new loads fail too, still bounded
+            d.add(rid, prompts[rid], params[rid])
+        second = d.wait_results(ids[8:], timeout_s=5.0)
+        elapsed = time.monotonic() - t0
+        for rid, r in {**first, **second}.items():
+            assert r["status"] == "failed" and r["load_failed"], (rid, r)
+        print(f"12 loads from a SIGKILLed producer reported as load errors in {elapsed:.2f} s")
+        d.wait_status(lambda s: s["inflight_loads"] == 0 and s["free_blocks"] == SHAPE.num_blocks,
+                      timeout_s=10)
+
+
+def test_producer_killed_with_reads_racing(rng):
+    """No gate: the kill lands wherever the loads are (handshake, reads, confirm).
+    Each request ends verified bit-exact or as a load error, within 5 s."""
+    big = ModelShape(num_layers=8, num_kv_heads=8, head_size=64, block_size=16, num_blocks=1024)
+    with EngineProcess("prefill-r", config("kv_producer", "PR"), big) as p, \
+            EngineProcess("decode-r", config("kv_consumer", "DR", "fail"), big) as d:
+        prompts = {f"x{i}": rng.integers(1, 999, int(rng.integers(200, 900))).tolist() for i in range(10)}
+        params = prefill(p, prompts)
+        for rid in prompts:
+            d.add(rid, prompts[rid], params[rid])
+        d.wait_status(lambda s: s["inflight_loads"] >= 1, timeout_s=15)
+        p.kill()
+        results = d.wait_results(prompts, timeout_s=5.0)
+        outcomes = {"verified": 0, "load_error": 0}
+        for rid, r in results.items():
+            if r["load_failed"]:
+                assert r["status"] == "failed", (rid, r)
+                outcomes["load_error"] += 1
+            else:
+                assert r["status"] == "finished" and r["bad_blocks"] == [], (rid, r)
+                outcomes["verified"] += 1
+        print(f"kill with reads racing: {outcomes}")

@@ -1,0 +1,130 @@
+"""The side channel: framing, schema checks, bounded failures (sockets on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import msgspec
+import pytest
+
+from rdma_kv.connector.rdma import wire
+from rdma_kv.connector.rdma.sidechannel import SideChannelClient, SideChannelServer
+from rdma_kv.errors import HandshakeError, MetadataError, PeerError
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Handler:
+    def __init__(self):
+        self.calls = []
+
+    def on_handshake(self, request):
+        return wire.Refused("not today")
+
+    def on_renew(self, request):
+        self.calls.append(request)
+        return wire.LeaseReply([wire.LeaseStatus.HELD] * len(request.leases), 5.0)
+
+    on_confirm = on_release = on_renew
+
+
+@pytest.fixture
+def server():
+    with SideChannelServer(Handler(), "127.0.0.1", 0) as srv:
+        yield srv
+
+
+def renew(n=1):
+    return wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, i + 1, f"r{i}") for i in range(n)])
+
+
+def test_round_trip_and_refusal(server):
+    client = SideChannelClient("127.0.0.1", server.port)
+    try:
+        assert client.lease_call(renew(3)).statuses == [wire.LeaseStatus.HELD] * 3
+        compat = wire.CompatInfo(1, 16, 8, 128, "float16", "x", ["blocks_first:1"], 1)
+        with pytest.raises(HandshakeError, match="refused the handshake: not today"):
+            client.handshake(wire.Handshake(wire.PROTOCOL_VERSION, "D", 0, compat))
+        bad_version = wire.Renew(99, [])
+        assert isinstance(client.call(bad_version), wire.Refused)
+    finally:
+        client.close()
+
+
+def raw_exchange(port, payload):
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(payload)
+        body = wire.recv_frame(sock, wire.MAX_REPLY_BYTES, 5, "test")
+        return None if body is None else wire.reply_decoder.decode(body)
+
+
+@pytest.mark.parametrize("payload", [
+    struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1",  # not msgpack
+    struct.pack(">I", 3) + msgspec.msgpack.encode({"type": "renew"})[:3],
+    wire.struct.pack(">I", 12) + msgspec.msgpack.encode({"type": "nope", "x": 1}).ljust(12, b"\0"),
+    struct.pack(">I", wire.MAX_REQUEST_BYTES + 1),  # refused before reading the body
+])
+def test_malformed_frames_get_an_error_and_the_server_keeps_serving(server, payload):
+    reply = raw_exchange(server.port, payload)
+    assert isinstance(reply, wire.ErrorReply)
+    client = SideChannelClient("127.0.0.1", server.port)
+    assert client.lease_call(renew()).statuses == [wire.LeaseStatus.HELD]
+    client.close()
+    assert server.stats["bad_frames"] >= 1
+
+
+def test_unreachable_peer_fails_within_bounds():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once we leave: nothing listens
+    client = SideChannelClient("127.0.0.1", port, connect_timeout_s=0.5, rpc_timeout_s=0.5, retries=1)
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match="unreachable after 2 attempts"):
+        client.lease_call(renew())
+    with pytest.raises(PeerError, match="is down"):  # fails fast while marked down
+        client.lease_call(renew())
+    assert time.monotonic() - t0 < 5
+    client.close()
+
+
+def test_server_that_never_answers_times_out():
+    with socket.socket() as lst:
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(4)
+        client = SideChannelClient("127.0.0.1", lst.getsockname()[1], rpc_timeout_s=0.3, retries=0)
+        with pytest.raises(PeerError):
+            client.lease_call(renew())
+        client.close()
+
+
+def test_oversized_reply_is_refused():
+    with socket.socket() as lst:
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(1)
+        client = SideChannelClient("127.0.0.1", lst.getsockname()[1], rpc_timeout_s=2, retries=0)
+        import threading
+
+        def evil():
+            conn, _ = lst.accept()
+            wire.recv_frame(conn, 1 << 20, 2, "evil")
+            conn.sendall(struct.pack(">I", wire.MAX_REPLY_BYTES + 1))
+            time.sleep(0.5)
+            conn.close()
+
+        t = threading.Thread(target=evil)
+        t.start()
+        with pytest.raises((MetadataError, PeerError)):
+            client.lease_call(renew())
+        t.join(5)
+        client.close()
+
+
+def test_compat_mismatch_names_both_sides():
+    a = wire.CompatInfo(32, 16, 8, 128, "float16", "s", ["blocks_first:65536"] * 32, 1)
+    b = wire.CompatInfo(32, 32, 8, 128, "bfloat16", "s", ["blocks_first:65536"] * 32, 1)
+    diff = a.mismatches(b, mine="producer", theirs="consumer")
+    assert "block_size: producer 16 vs consumer 32" in diff
+    assert "dtype: producer 'float16' vs consumer 'bfloat16'" in diff
+    assert a.compat_hash() != b.compat_hash()
