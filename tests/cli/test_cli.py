@@ -46,6 +46,12 @@ def test_kv_shape_parses_and_rejects_bad_input():
             parse_kv_shape(bad)
 
 
+def test_unknown_option_is_rejected_outside_demo(capsys):
+    with pytest.raises(SystemExit):
+        main(["info", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
 def test_bench_rejects_unknown_peer(capsys):
     assert main(["bench", "--vs", "mooncake", "--reps", "1"]) == 2
     assert "unknown; valid: nixl" in capsys.readouterr().err
@@ -96,7 +102,7 @@ def test_info_json_reports_the_loaded_ucx(capsys):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_demo_moves_and_verifies_bytes(capsys):
-    assert main(["demo", "--reps", "1", "--layers", "2", "--blocks", "8", "--block-bytes", "4096"]) == 0
+    assert main(["demo", "--transport", "--reps", "1", "--layers", "2", "--blocks", "8", "--block-bytes", "4096"]) == 0
     out = capsys.readouterr().out
     assert "16 operations" in out or "32 descriptors" in out
     assert "demo passed" in out

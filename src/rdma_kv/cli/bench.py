@@ -38,7 +38,7 @@ def add_parser(sub: Any) -> None:
 
 
 def parse_kv_shape(text: str) -> Any:
-    from rdma_kv.bench.workloads import PRESETS, Workload
+    from rdma_kv.bench.workloads import PRESETS
 
     parts = text.split(":")
     if len(parts) not in (3, 4):
