@@ -572,3 +572,39 @@ def test_closing_the_target_does_not_hang_the_reader(make_agent):
 def test_invalid_ucx_option_is_a_config_error(make_agent):
     with pytest.raises(ConfigError, match="UCX option NO_SUCH_OPTION='1' rejected"):
         make_agent("opt", ucx_options={"NO_SUCH_OPTION": "1"})
+
+
+def test_engine_threads_post_and_wait_concurrently(pair: Pair, rng):
+    """Several threads share one agent (as an engine's threads do): each reads
+    random 4 KiB blocks of a's buffer into its own slice of b's, 40 times."""
+    threads_n, block, rounds = 4, 4096, 40
+    slice_nbytes = PAIR_NBYTES // threads_n
+    seeds = rng.integers(0, 2**32, threads_n)
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads_n)
+
+    def worker(t: int) -> None:
+        trng = np.random.default_rng(seeds[t])
+        base = t * slice_nbytes
+        try:
+            start.wait(WAIT_S)
+            for _ in range(rounds):
+                n = int(trng.integers(1, slice_nbytes // block))
+                local_off = base + trng.permutation(slice_nbytes // block)[:n].astype(np.uint64) * block
+                remote_off = trng.permutation(PAIR_NBYTES // block)[:n].astype(np.uint64) * block
+                pair.b.read("a", pair.desc_b(local_off, block), pair.desc_a(remote_off, block)).wait(WAIT_S)
+                for lo, ro in zip(local_off.tolist(), remote_off.tolist()):
+                    if not np.array_equal(pair.buf_b[lo:lo + block], pair.buf_a[ro:ro + block]):
+                        raise AssertionError(f"thread {t}: block at {lo} does not hold remote {ro}")
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=worker, args=(t,), name=f"engine-{t}") for t in range(threads_n)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert not any(w.is_alive() for w in workers), "a posting thread hung"
+    assert not errors, errors[0]
+    assert pair.b.inflight == 0
+    assert pair.b.stats["transfers"] == threads_n * rounds and pair.b.stats["failed"] == 0
