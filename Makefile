@@ -1,13 +1,14 @@
 # rdma-kv: the README's two commands are `make demo` and `make test`.
 # Everything installs into $(VENV); nothing is installed system-wide.
 
-PYTHON ?= python3
-VENV   ?= .venv
-PY     := $(VENV)/bin/python
-PIP    := $(PY) -m pip
-STAMP  := $(VENV)/.rdma-kv-installed
+PYTHON    ?= python3
+VENV      ?= .venv
+VENV_VLLM ?= .venv-vllm
+PY        := $(VENV)/bin/python
+PIP       := $(PY) -m pip
+STAMP     := $(VENV)/.rdma-kv-installed
 
-.PHONY: install demo test test-all bench bench-deps clean
+.PHONY: install vllm-env demo test test-core test-all bench bench-deps clean
 
 # torch is pinned and installed first: an unpinned torch (or a range that
 # admits a newer release) pulls the CUDA build with GBs of nvidia-* wheels.
@@ -22,11 +23,25 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/rdma-kv demo
 
-test: install
-	$(PY) -m pytest -m "not slow"
+# vLLM's CPU build lives in its own venv (it pins its own stack, ~3 min and
+# 2.8 GB on first install, seconds after): scripts/install-vllm.sh.
+vllm-env: install
+	bash scripts/install-vllm.sh $(VENV_VLLM)
 
-test-all: install
-	$(PY) -m pytest
+# The whole suite: the library's tests, then the end-to-end tests inside real
+# vLLM (tests/vllm) with the vLLM venv's interpreter.
+test: install vllm-env
+	$(PY) -m pytest -m "not slow" --ignore=tests/vllm
+	$(VENV_VLLM)/bin/python -m pytest tests/vllm -m "not slow"
+
+# Without vLLM: the library's tests only.
+test-core: install
+	$(PY) -m pytest -m "not slow" --ignore=tests/vllm
+
+# Everything, including the long soak and fault campaigns (marker `slow`).
+test-all: install vllm-env
+	$(PY) -m pytest --ignore=tests/vllm
+	$(VENV_VLLM)/bin/python -m pytest tests/vllm
 
 # NIXL is a benchmark peer only, never a dependency: installed without its
 # dependency tree (it would pull CUDA torch).
