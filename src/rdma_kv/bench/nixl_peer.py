@@ -56,7 +56,15 @@ def nixl_available() -> str | None:
 
 
 def _agent(name: str, options: dict[str, Any]) -> Any:
+    import logging
+    import os
+
     from nixl._api import nixl_agent, nixl_agent_config
+
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        # NIXL logs an INFO line per agent and backend; in a sweep of tens of
+        # runs they bury the progress bar. NIXL_LOG_LEVEL still wins.
+        logging.getLogger("nixl").setLevel(logging.WARNING)
 
     config = nixl_agent_config(
         enable_prog_thread=bool(options["progress_thread"]),

@@ -89,11 +89,14 @@ def parse_final(output: str) -> tuple[float, float, float, float]:
 
 
 def run_perftest(
-    message_nbytes: int, iterations: int, warmup: int = 10, outstanding: int = 0, timeout_s: float = 120.0
+    message_nbytes: int, iterations: int, warmup: int = 10, outstanding: int = 0, timeout_s: float = 120.0,
+    env: dict[str, str] | None = None,
 ) -> PerftestResult:
-    """One ``ucp_get`` run (client reads from server) over loopback."""
+    """One ``ucp_get`` run (client reads from server) over loopback; ``env``
+    adds variables (e.g. ``UCX_RNDV_THRESH``) to both processes."""
     binary = perftest_binary()
-    env = dict(os.environ, LD_LIBRARY_PATH=f"{binary.parent.parent / 'lib'}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    env = dict(os.environ, **(env or {}))
+    env["LD_LIBRARY_PATH"] = f"{binary.parent.parent / 'lib'}:{os.environ.get('LD_LIBRARY_PATH', '')}"
     port = str(_free_port())
     server = subprocess.Popen(
         [str(binary), "-p", port], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

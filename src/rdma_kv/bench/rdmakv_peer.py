@@ -98,7 +98,10 @@ def reader(chan: Channel, start: dict[str, Any]) -> None:
             "descriptors": p.descriptor_count,
         }
 
-    chan.send({"type": "ready", "config": dict(options, prep_lists_s=prep_list_s)})
+    from rdma_kv.transport._lib import library_path, ucx_version
+
+    chan.send({"type": "ready", "config": dict(options, prep_lists_s=prep_list_s, ucx_version=ucx_version(),
+                                               ucx_library=library_path() or "")})
     harness.serve_reader(chan, run_rep, agent.close)
 
 

@@ -5,6 +5,15 @@ identical workloads in one run.
 Each backend runs in its own pair of processes (target and reader) on the
 same plan: same buffers, offsets, block ids and order; every repetition is
 verified bit-exact outside the timed region.
+
+``--sweep`` (implied by ``--plot FILE.png``) runs a descriptor-size sweep
+instead of the workloads: the same bytes per point (``--sweep-bytes``,
+default 64 MiB) as random descriptors of each size (``--sizes``, default
+4KiB:4MiB, powers of two) for rdma-kv, NIXL (skipped with a note when it
+is not installed) and ``ucx_perftest ucp_get``; it prints a table of median
+GB/s [min - max] per size and backend, and ``--plot`` draws GB/s against
+descriptor size (needs matplotlib: ``pip install 'rdma-kv[plot]'``).
+Progress goes to stderr: a bar on a terminal, one final line otherwise.
 """
 
 from __future__ import annotations
@@ -34,6 +43,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--perftest", default="32768,268435456",
                    help="ucx_perftest ucp_get message sizes in bytes, comma list ('' = none)")
     p.add_argument("--json", metavar="PATH", help="also write all results as JSON")
+    s = p.add_argument_group("descriptor-size sweep")
+    s.add_argument("--sweep", action="store_true", help="run the descriptor-size sweep instead of the workloads")
+    s.add_argument("--plot", metavar="FILE.png", help="draw GB/s vs descriptor size into FILE (implies --sweep)")
+    s.add_argument("--sizes", default="4KiB:4MiB",
+                   help="descriptor sizes: MIN:MAX (powers of two) or a comma list (default 4KiB:4MiB)")
+    s.add_argument("--sweep-bytes", default="64MiB", help="bytes moved per point, at every size (default 64MiB)")
+    s.add_argument("--sweep-backends", default="rdma-kv,nixl,ucx_perftest",
+                   help="comma list of rdma-kv, nixl, ucx_perftest, cma (default rdma-kv,nixl,ucx_perftest)")
     p.set_defaults(run=run)
 
 
@@ -61,11 +78,15 @@ def run(args: argparse.Namespace) -> int:
 
     pin_loopback()
     from rdma_kv.bench import baselines, rdmakv_peer
+    from rdma_kv.bench.progress import ProgressBar
     from rdma_kv.bench.report import table, to_json
     from rdma_kv.bench.workloads import PRESETS, preset
 
     if args.reps < 1:
         raise ConfigError(f"--reps must be >= 1, got {args.reps}")
+    baselines.register_backend("rdma-kv", lambda w, reps: rdmakv_peer.run_backend(w, reps, progress=args.progress))
+    if args.sweep or args.plot:
+        return run_sweep(args)
     peers = [v for v in args.vs.split(",") if v]
     unknown = [v for v in peers if v not in ("nixl",)]
     if unknown:
@@ -73,15 +94,80 @@ def run(args: argparse.Namespace) -> int:
     names = args.workloads.split(",") if args.workloads else ([] if args.kv_shape else list(PRESETS))
     workloads = [preset(n, repetitions=args.reps) for n in names if n]
     workloads += [parse_kv_shape(s).replace(repetitions=args.reps) for s in args.kv_shape]
-    baselines.register_backend("rdma-kv", lambda w, reps: rdmakv_peer.run_backend(w, reps, progress=args.progress))
     backends = ["rdma-kv"] + peers + ([] if args.no_cma else ["cma"])
     started = datetime.datetime.now().isoformat(timespec="seconds")
-    results = baselines.run(workloads, backends, args.reps, progress=lambda m: print(m, file=sys.stderr, flush=True))
     sizes = [int(s) for s in args.perftest.split(",") if s]
-    results += baselines.run_perftests(sizes)
+    bar = ProgressBar(len(workloads) * len(backends) + len(sizes), "rdma-kv bench")
+
+    def progress(line: str) -> None:
+        bar.write(line)
+        bar.advance()
+
+    results = baselines.run(workloads, backends, args.reps, progress=progress)
+    for size in sizes:
+        bar.start(f"ucx_perftest {size} B")
+        results += baselines.run_perftests([size])
+        bar.advance()
+    bar.close(f"{sum(r.status == 'ok' for r in results)} ok of {len(results)}")
     print(table(results))
     if args.json:
         with open(args.json, "w") as fh:
             fh.write(to_json(results, started=started, argv=sys.argv, host=platform.node(),
                              python=platform.python_version(), reps=args.reps))
     return 0 if all(r.status != "failed" for r in results) else 1
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    from rdma_kv.bench import sweep
+    from rdma_kv.bench.progress import ProgressBar
+
+    sizes = sweep.parse_sizes(args.sizes)
+    total = sweep.parse_nbytes(args.sweep_bytes)
+    backends = [b for b in args.sweep_backends.split(",") if b]
+    if args.vs and "nixl" not in backends:
+        backends.append("nixl")
+    if args.plot:
+        from rdma_kv.bench.plot import require_matplotlib
+
+        require_matplotlib()  # before a long run, not after it
+    started = datetime.datetime.now()
+    bar = ProgressBar(len(sizes) * len(backends), "rdma-kv bench --sweep")
+    try:
+        points = sweep.run_sweep(sizes, backends, args.reps, total, bar=bar)
+    finally:
+        bar.close()
+    meta = sweep_meta(points, started, total, args.reps)
+    print(sweep.sweep_table(points))
+    if args.json:
+        with open(args.json, "w") as fh:
+            fh.write(sweep.to_json(points, argv=sys.argv, **meta))
+    if args.plot:
+        from rdma_kv.bench.plot import plot_sweep
+
+        path = plot_sweep(points, args.plot, title="One-sided GET bandwidth vs descriptor size",
+                          subtitle=meta["subtitle"], footer=meta["footer"], total_nbytes=total)
+        print(f"plot written to {path}", file=sys.stderr)
+    return 0 if all(p.result.status != "failed" for p in points) else 1
+
+
+def sweep_meta(points: Any, started: datetime.datetime, total: int, reps: int) -> dict[str, Any]:
+    """Host, UCX, transports and date for the JSON and the figure's title."""
+    import os
+
+    from rdma_kv.bench import sweep
+
+    version = sweep.ucx_version(points)
+    library = next((str(p.result.config["ucx_library"]) for p in points if p.result.config.get("ucx_library")), "")
+    source = "wheel" if "/libucx/" in library else "system" if library else ""
+    ucx = f"UCX {version}" + (f" ({source})" if source else "") if version else "UCX version unknown (rdma-kv not run)"
+    env = ", ".join(f"{k}={os.environ[k]}" for k in ("UCX_TLS", "UCX_NET_DEVICES") if k in os.environ)
+    host = platform.node()
+    subtitle = (f"host {host}  \u00b7  {ucx}  \u00b7  {env or 'UCX_TLS unset'}  \u00b7  two processes on one host"
+                f"  \u00b7  {started:%Y-%m-%d %H:%M}")
+    footer = (f"Each point: {sweep.format_nbytes(total)} read by one process from another on this host as "
+              f"random descriptors of one size (verified bit-exact); median of {reps} rep(s), band and bars = "
+              f"min-max. GB = 1e9 bytes. ucx_perftest: -t ucp_get -O {sweep.PERFTEST_OUTSTANDING}, "
+              f"with rdma-kv's UCX defaults (RNDV_THRESH=inf, MAX_RMA_RAILS=2) unless set.")
+    return {"started": started.isoformat(timespec="seconds"), "host": host, "ucx_version": version,
+            "ucx_library": library, "python": platform.python_version(), "reps": reps,
+            "sweep_nbytes": total, "subtitle": subtitle, "footer": footer}
