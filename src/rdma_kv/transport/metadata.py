@@ -71,7 +71,7 @@ _decoder = msgspec.msgpack.Decoder(AgentMetadata)
 _header_decoder = msgspec.msgpack.Decoder(_Header)
 
 
-def _malformed(blob: bytes, exc: msgspec.DecodeError) -> MetadataError:
+def _malformed(blob: bytes, exc: Exception) -> MetadataError:
     return MetadataError(
         f"malformed or truncated agent metadata ({len(blob)} bytes): {exc}; "
         "pass the exact bytes the peer's Agent.metadata() returned"
@@ -93,7 +93,9 @@ def decode(blob: bytes) -> AgentMetadata:
         )
     try:
         head = _header_decoder.decode(blob)
-    except msgspec.DecodeError as exc:
+    # msgspec raises UnicodeDecodeError, not DecodeError, for a str that is
+    # not UTF-8 (found by fuzzing): malformed input all the same.
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise _malformed(blob, exc) from None
     if head.magic != MAGIC:
         raise MetadataError(f"not rdma-kv agent metadata (magic {head.magic!r}, expected {MAGIC!r})")
@@ -105,7 +107,7 @@ def decode(blob: bytes) -> AgentMetadata:
         )
     try:
         md = _decoder.decode(blob)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise _malformed(blob, exc) from None
     spans = sorted((r.base, r.base + r.nbytes) for r in md.regions)
     for (b0, e0), (b1, e1) in zip(spans, spans[1:]):
