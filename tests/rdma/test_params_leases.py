@@ -136,3 +136,25 @@ def test_late_confirm_after_expiry_fails():
     assert table.confirm([ref(1)], release=True) == [GONE]  # confirm applies expiry first
     assert table.take_done() == {"r1"}
     assert table.held_block_ids() == set()
+
+
+def test_pending_lease_confirmed_before_its_grant_is_freed_by_the_grant():
+    # vLLM stops stepping when no request is left, so the last prefill's grant
+    # reaches the worker only with the next request: a consumer must be able
+    # to confirm and release the lease before that (docs/vllm-notes.md, 4).
+    table = LeaseTable(Clock())
+    table.set_epoch(7)
+    table.grant(ref(1), [1], 10.0)
+    assert table.confirm([ref(2), ref(3)], release=True) == [HELD, HELD]  # granted, not shipped
+    assert table.confirm([ref(2)], release=True) == [HELD]  # a retry still reads HELD
+    assert table.release([ref(4)]) == [PENDING]  # released unread before its grant
+    assert table.renew([ref(5)]) == [PENDING]
+    assert table.take_done() == set() and len(table) == 1
+    table.grant(ref(2), [2], 10.0)
+    table.grant(ref(3, rid="other"), [3], 10.0)  # not the request that was confirmed: held
+    table.grant(ref(4), [4], 10.0)
+    table.grant(ref(5), [5], 10.0)
+    assert table.take_done() == {"r2", "r4"}
+    assert sorted(lease.ref.generation for lease in table.leases()) == [1, 3, 5]
+    assert table.confirm([ref(2)], release=True) == [HELD]  # retry after the grant
+    assert table.confirm([ref(9, epoch=8)], release=True) == [GONE]  # another epoch

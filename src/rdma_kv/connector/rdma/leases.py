@@ -23,6 +23,16 @@ to this worker); at or below it, and not held, it is GONE. An epoch other
 than the scheduler's current one is GONE (a restarted producer never
 confirms a lease of its previous life).
 
+A grant reaches this table only with the producer engine's *next* step,
+and an engine may not step again for a long time (vLLM stops stepping when
+no request is left: the last prefill's grant waits for the next request).
+So a CONFIRM of a PENDING lease (epoch known) answers HELD: its blocks can
+only return to the engine through this table's ``done_sending``, which a
+lease not yet granted here never reached, so they are still held. A CONFIRM
+with release, or a RELEASE, of a PENDING lease is remembered (bounded), and
+its grant, when it arrives, ends at once (``done_sending`` in that step).
+RENEW of a PENDING lease stays PENDING: the TTL starts at the grant.
+
 The reaper keeps a heap of (expiry, generation) and re-checks the live
 expiry on pop, so renewals in any order are handled: it never assumes
 sorted expiries.
@@ -74,6 +84,10 @@ class LeaseTable:
         # first reply was lost must still read HELD (the reads it covers
         # completed before the first CONFIRM was sent).
         self._confirmed = collections.OrderedDict[int, RequestId]()
+        # PENDING leases a consumer confirmed-and-released or released before
+        # their grant arrived: the grant ends them at once. Bounded: a lease
+        # forgotten here is held until its TTL instead (slower, never unsafe).
+        self._released_early = collections.OrderedDict[int, RequestId]()
         self.stats = collections.Counter[str]()
 
     # --- grants (from the producer scheduler, through step metadata) -------------
@@ -88,6 +102,7 @@ class LeaseTable:
                     self._leases.clear()
                     self._heap.clear()
                     self._confirmed.clear()
+                    self._released_early.clear()
                     self._max_generation = 0
                 self._epoch = epoch
 
@@ -98,9 +113,14 @@ class LeaseTable:
                 self._epoch = ref.epoch
             if ref.epoch != self._epoch:
                 raise ValueError(f"lease {ref} is of epoch {ref.epoch}, table epoch {self._epoch}")
+            self._max_generation = max(self._max_generation, ref.generation)
+            if self._released_early.pop(ref.generation, None) == ref.request_id:
+                self._done.add(ref.request_id)  # read and released before it was shipped here
+                self.stats["granted"] += 1
+                self.stats["released_early"] += 1
+                return
             lease = Lease(ref, tuple(block_ids), ttl_s, now + ttl_s)
             self._leases[ref.generation] = lease
-            self._max_generation = max(self._max_generation, ref.generation)
             heapq.heappush(self._heap, (lease.expires_at, ref.generation))
             self.stats["granted"] += 1
 
@@ -133,7 +153,8 @@ class LeaseTable:
         return out
 
     def confirm(self, refs: Iterable[LeaseRef], release: bool) -> list[LeaseStatus]:
-        """HELD iff the lease is held now (hence was, since it was granted).
+        """HELD iff the lease is held now (hence was, since it was granted),
+        or granted and not yet shipped here (its blocks never left the engine).
         Expiry is applied first: a lease past its expiry is never confirmed."""
         self.expire()
         out = []
@@ -143,6 +164,11 @@ class LeaseTable:
                 if status is LeaseStatus.GONE and self._confirmed.get(ref.generation) == ref.request_id \
                         and ref.epoch == self._epoch:
                     status = LeaseStatus.HELD  # a retry of a CONFIRM that already released it
+                elif status is LeaseStatus.PENDING and self._epoch is not None:
+                    status = LeaseStatus.HELD  # granted, not shipped: still held (module docstring)
+                    if release:
+                        self._confirmed[ref.generation] = ref.request_id  # retries read HELD
+                        self._release_early(ref)
                 elif status is LeaseStatus.HELD and release:
                     self._end(ref.generation, "released")
                     self._confirmed[ref.generation] = ref.request_id
@@ -159,8 +185,17 @@ class LeaseTable:
                 status = self._status(ref)
                 if status is LeaseStatus.HELD:
                     self._end(ref.generation, "released")
+                elif status is LeaseStatus.PENDING and self._epoch is not None:
+                    self._release_early(ref)
                 out.append(status)
         return out
+
+    def _release_early(self, ref: LeaseRef) -> None:
+        """Remember a PENDING lease released before its grant (lock held)."""
+        self._released_early[ref.generation] = ref.request_id
+        for recent in (self._confirmed, self._released_early):
+            while len(recent) > _RECENT_CONFIRMED:
+                recent.popitem(last=False)
 
     def _end(self, generation: int, why: str) -> None:
         lease = self._leases.pop(generation)

@@ -148,14 +148,17 @@ def parse_kv_transfer_params(
     """Parse a request's ``kv_transfer_params``: ``None`` when they ask for
     nothing from this connector, else the typed form. Raises ``ConfigError``
     naming the field and the valid values; never mutates ``params``."""
-    if params is None or len(params) == 0:
+    if params is None:
         return None
-    if not isinstance(params, Mapping):
+    if not isinstance(params, Mapping):  # before len(): an int has none (found by fuzzing)
         raise ConfigError(f"kv_transfer_params must be a mapping, got {type(params).__name__}")
-    unknown = sorted(str(k) for k in params if k not in PARAM_KEYS)
+    if len(params) == 0:
+        return None
+    unknown = sorted(str(k)[:64] for k in params if k not in PARAM_KEYS)
     if unknown:
-        raise ConfigError(
-            f"unknown kv_transfer_params key(s) {unknown}; valid keys are {list(PARAM_KEYS)}"
+        more = f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
+        raise ConfigError(  # bounded: the keys come from a client request
+            f"unknown kv_transfer_params key(s) {unknown[:8]}{more}; valid keys are {list(PARAM_KEYS)}"
         )
     decode, prefill = _flag(params, "do_remote_decode"), _flag(params, "do_remote_prefill")
     if decode and prefill:

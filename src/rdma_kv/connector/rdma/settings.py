@@ -44,6 +44,14 @@ class RdmaSettings:
     """Threads for handshakes and lease RPCs (never the engine thread)."""
     ucx_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """UCX settings without the ``UCX_`` prefix, e.g. ``{"TLS": "rc,sm"}``."""
+    auth_secret_env: str | None = None
+    """*Name* of an environment variable holding the side channel's shared
+    secret (the value itself never goes into the config). Wins over the file
+    when set and non-empty."""
+    auth_secret_file: str | None = None
+    """Path of a file (mode 0600) holding the side channel's shared secret.
+    With either key set, every side-channel connection is authenticated
+    (``auth.py``, ``docs/security.md``) and peers without the secret are refused."""
 
     @classmethod
     def from_config(cls, config: KVTransferConfig) -> RdmaSettings:
@@ -71,6 +79,12 @@ class RdmaSettings:
             "side_channel_port": get("side_channel_port", config.kv_port, type=int),
             "ucx_options": dict(ucx),
         }
+        for name in ("auth_secret_env", "auth_secret_file"):
+            value = get(name, None, type=str)
+            if value is not None and not value.strip():
+                raise ConfigError(f"kv_connector_extra_config[{name!r}] is empty; remove it or "
+                                  "name an environment variable / a file")
+            values[name] = value
         for name, kind in (("tp_rank", int), ("tp_size", int), ("lease_ttl_s", float),
                            ("renew_interval_s", float), ("read_timeout_s", float),
                            ("load_timeout_s", float), ("connect_timeout_s", float),

@@ -8,12 +8,19 @@ and leases), reply. A malformed frame gets an ``ErrorReply`` and the
 connection is closed; the server keeps serving everyone else. Every socket
 operation has a timeout.
 
+Every connection opens with HELLO -> CHALLENGE. With a shared secret
+(``auth``), AUTH -> AUTH_OK must follow before any other request is
+served: a peer that fails gets ``Refused``, the connection closes, and the
+server logs a WARNING naming the peer address and the reason (never the
+secret or a proof). Nothing else (agent metadata, remote keys, lease
+answers) is sent on a connection that has not completed this opening.
+
 The client keeps one connection per peer, re-opened on failure, with
 bounded retries and backoff; every call has a deadline. Lease RPCs are
 idempotent (a retried CONFIRM of a lease its first attempt released still
 reads HELD; see ``leases``), so retrying is safe.
 
-Imports the standard library, ``rdma_kv.errors`` and ``rdma.wire``.
+Imports the standard library, ``rdma_kv.errors``, ``rdma.auth`` and ``rdma.wire``.
 """
 
 from __future__ import annotations
@@ -26,8 +33,8 @@ from typing import Protocol
 
 import msgspec
 
-from rdma_kv.connector.rdma import wire
-from rdma_kv.errors import ConfigError, HandshakeError, MetadataError, PeerError
+from rdma_kv.connector.rdma import auth, wire
+from rdma_kv.errors import AuthenticationError, ConfigError, HandshakeError, MetadataError, PeerError
 
 __all__ = ["Handler", "SideChannelClient", "SideChannelServer"]
 
@@ -59,8 +66,12 @@ class SideChannelServer:
         idle_timeout_s: float = 300.0,
         max_connections: int = 256,
         name: str = "rdma-kv-sidechannel",
+        secret: auth.Secret | None = None,
+        role: str = "producer",
     ) -> None:
         self._handler = handler
+        self._secret = secret
+        self._role = role
         self._io_timeout_s = io_timeout_s
         self._idle_timeout_s = idle_timeout_s
         self._max_connections = max_connections
@@ -87,7 +98,8 @@ class SideChannelServer:
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
-        self.stats = {"connections": 0, "refused_connections": 0, "bad_frames": 0, "requests": 0}
+        self.stats = {"connections": 0, "refused_connections": 0, "bad_frames": 0, "requests": 0,
+                      "authenticated": 0, "auth_failures": 0}
         self._thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
         self._thread.start()
 
@@ -118,21 +130,14 @@ class SideChannelServer:
 
     def _serve(self, conn: socket.socket, addr: object) -> None:
         try:
+            if not self._open(conn, addr):
+                return
             while not self._closed.is_set():
-                try:
-                    body = wire.recv_frame(conn, wire.MAX_REQUEST_BYTES, self._idle_timeout_s,
-                                           f"side channel request from {addr}")
-                except (OSError, PeerError, TimeoutError):
+                request = self._read(conn, addr, self._idle_timeout_s)
+                if request is None:
                     return
-                except MetadataError as exc:
-                    self._bad(conn, addr, str(exc))
-                    return
-                if body is None:
-                    return
-                try:
-                    request = wire.request_decoder.decode(body)
-                except msgspec.DecodeError as exc:
-                    self._bad(conn, addr, f"malformed request: {exc}")
+                if isinstance(request, (wire.Hello, wire.Auth)):
+                    self._refuse(conn, addr, f"unexpected {type(request).__name__} after the opening")
                     return
                 reply = self._dispatch(request)
                 self.stats["requests"] += 1
@@ -144,20 +149,96 @@ class SideChannelServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _bad(self, conn: socket.socket, addr: object, message: str) -> None:
-        self.stats["bad_frames"] += 1
-        logger.warning("side channel %s: closing %s: %s", self._name, addr, message)
+    def _read(self, conn: socket.socket, addr: object, timeout_s: float) -> wire.Request | None:
+        """One request; ``None`` when the connection is to be closed (bad
+        frames are answered and logged here)."""
         try:
-            wire.send_frame(conn, wire.encode(wire.ErrorReply(message[:8000])), self._io_timeout_s)
+            body = wire.recv_frame(conn, wire.MAX_REQUEST_BYTES, timeout_s,
+                                   f"side channel request from {addr}")
+        except (OSError, PeerError, TimeoutError):
+            return None
+        except MetadataError as exc:
+            self._bad(conn, addr, str(exc))
+            return None
+        if body is None:
+            return None
+        try:
+            return wire.decode_request(body)
+        except MetadataError as exc:
+            self._bad(conn, addr, str(exc))
+            return None
+
+    def _open(self, conn: socket.socket, addr: object) -> bool:
+        """HELLO -> CHALLENGE, then AUTH -> AUTH_OK when a secret is set.
+        True when the connection may carry requests. Bounded by ``io_timeout_s``
+        per message, not the idle timeout: an unauthenticated peer cannot
+        hold a connection slot for long."""
+        hello = self._read(conn, addr, self._io_timeout_s)
+        if hello is None:
+            if self._secret is not None:
+                self._auth_failed(addr, "closed or timed out before HELLO")
+            return False
+        if hello.version != wire.PROTOCOL_VERSION:
+            self._refuse(conn, addr, self._version_refusal(hello.version))
+            return False
+        if not isinstance(hello, wire.Hello):
+            self._refuse(conn, addr, f"a connection must open with HELLO (side-channel protocol "
+                                     f"{wire.PROTOCOL_VERSION}), got {type(hello).__name__}")
+            return False
+        nonce = auth.new_nonce()
+        wire.send_frame(conn, wire.encode(wire.Challenge(wire.PROTOCOL_VERSION, nonce,
+                                                         self._secret is not None)),
+                        self._io_timeout_s)
+        if self._secret is None:
+            return True
+        answer = self._read(conn, addr, self._io_timeout_s)
+        if answer is None:
+            self._auth_failed(addr, "closed or timed out instead of answering the challenge")
+            return False
+        if not isinstance(answer, wire.Auth) or answer.version != wire.PROTOCOL_VERSION:
+            reason = f"sent {type(answer).__name__} instead of AUTH"
+        elif not answer.proof:
+            reason = "peer has no shared secret configured"
+        elif not auth.verify(auth.client_proof(self._secret, nonce, hello.nonce, wire.PROTOCOL_VERSION,
+                                               hello.role), answer.proof):
+            reason = "wrong proof (the peer's secret differs)"
+        else:
+            self.stats["authenticated"] += 1
+            proof = auth.server_proof(self._secret, hello.nonce, nonce, wire.PROTOCOL_VERSION, hello.role)
+            wire.send_frame(conn, wire.encode(wire.AuthOk(proof)), self._io_timeout_s)
+            return True
+        self._auth_failed(addr, reason)
+        self._send_quietly(conn, wire.Refused(f"authentication failed: {reason}"))
+        return False
+
+    def _auth_failed(self, addr: object, reason: str) -> None:
+        self.stats["auth_failures"] += 1
+        logger.warning("side channel %s: refused %s: authentication failed: %s", self._name, addr, reason)
+
+    def _refuse(self, conn: socket.socket, addr: object, reason: str) -> None:
+        self.stats["refused_connections"] += 1
+        logger.warning("side channel %s: refused %s: %s", self._name, addr, reason)
+        self._send_quietly(conn, wire.Refused(reason[:8000]))
+
+    def _send_quietly(self, conn: socket.socket, message: msgspec.Struct) -> None:
+        try:
+            wire.send_frame(conn, wire.encode(message), self._io_timeout_s)
         except OSError:
             pass
 
+    @staticmethod
+    def _version_refusal(version: int) -> str:
+        return (f"side-channel protocol version {version} is not supported; this producer speaks "
+                f"version {wire.PROTOCOL_VERSION}: run the same rdma-kv release on both sides")
+
+    def _bad(self, conn: socket.socket, addr: object, message: str) -> None:
+        self.stats["bad_frames"] += 1
+        logger.warning("side channel %s: closing %s: %s", self._name, addr, message)
+        self._send_quietly(conn, wire.ErrorReply(message[:8000]))
+
     def _dispatch(self, request: wire.Request) -> wire.Reply:
         if request.version != wire.PROTOCOL_VERSION:
-            return wire.Refused(
-                f"side-channel protocol version {request.version} is not supported; this "
-                f"producer speaks version {wire.PROTOCOL_VERSION}: upgrade rdma-kv on one side"
-            )
+            return wire.Refused(self._version_refusal(request.version))
         try:
             if isinstance(request, wire.Handshake):
                 return self._handler.on_handshake(request)
@@ -203,8 +284,12 @@ class SideChannelClient:
         rpc_timeout_s: float = 2.0,
         retries: int = 2,
         backoff_s: float = 0.05,
+        secret: auth.Secret | None = None,
+        role: str = "consumer",
     ) -> None:
         self.host, self.port = host, port
+        self._secret = secret
+        self._role = role
         self._connect_timeout_s = connect_timeout_s
         self._rpc_timeout_s = rpc_timeout_s
         self._retries = retries
@@ -216,16 +301,72 @@ class SideChannelClient:
         # tie up every RPC thread in connect timeouts.
         self._down_until = 0.0
         self._down_reason = ""
+        self._down_error: type[PeerError] = PeerError  # a refusal stays an AuthenticationError
         self.down_s = 1.0
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def _connect(self) -> socket.socket:
+    def _connect(self, timeout_s: float) -> socket.socket:
         sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._open(sock, timeout_s)
+        except BaseException:
+            sock.close()
+            raise
         return sock
+
+    def _exchange(self, sock: socket.socket, message: msgspec.Struct, timeout_s: float) -> wire.Reply:
+        wire.send_frame(sock, wire.encode(message), timeout_s)
+        body = wire.recv_frame(sock, wire.MAX_REPLY_BYTES, timeout_s, f"reply from {self.address}")
+        if body is None:
+            raise PeerError(f"{self.address} closed the side channel")
+        return wire.decode_reply(body)
+
+    def _open(self, sock: socket.socket, timeout_s: float) -> None:
+        """HELLO -> CHALLENGE (-> AUTH -> AUTH_OK). Raises ``HandshakeError``
+        (not retried) when the peer speaks another version, and
+        ``AuthenticationError`` when the two sides' secrets disagree."""
+        nonce = auth.new_nonce()
+        reply = self._exchange(sock, wire.Hello(wire.PROTOCOL_VERSION, self._role, nonce), timeout_s)
+        if isinstance(reply, wire.Refused):
+            raise HandshakeError(f"producer at {self.address} refused the connection: {reply.reason}")
+        if isinstance(reply, wire.ErrorReply):  # a version-1 producer does not know HELLO
+            raise HandshakeError(
+                f"producer at {self.address} does not speak side-channel protocol "
+                f"{wire.PROTOCOL_VERSION} ({reply.message}); run the same rdma-kv release on both sides")
+        if not isinstance(reply, wire.Challenge) or reply.version != wire.PROTOCOL_VERSION:
+            raise HandshakeError(f"{self.address} answered HELLO with {reply!r:.200}")
+        if not reply.auth_required:
+            if self._secret is not None:
+                raise AuthenticationError(
+                    f"producer at {self.address} does not authenticate, but this consumer has a "
+                    f"shared secret ({self._secret.source}); configure the same auth_secret_file / "
+                    "auth_secret_env on the producer (refusing to trust an unauthenticated peer)")
+            return
+        if self._secret is None:
+            self._send_quietly(sock, wire.Auth(wire.PROTOCOL_VERSION, b""), timeout_s)  # its log says why
+            raise AuthenticationError(
+                f"producer at {self.address} requires a shared secret and this consumer has none; "
+                "set kv_connector_extra_config auth_secret_file or auth_secret_env")
+        proof = auth.client_proof(self._secret, reply.nonce, nonce, wire.PROTOCOL_VERSION, self._role)
+        answer = self._exchange(sock, wire.Auth(wire.PROTOCOL_VERSION, proof), timeout_s)
+        if isinstance(answer, wire.Refused):
+            raise AuthenticationError(f"producer at {self.address} refused this consumer: {answer.reason}")
+        expected = auth.server_proof(self._secret, nonce, reply.nonce, wire.PROTOCOL_VERSION, self._role)
+        if not isinstance(answer, wire.AuthOk) or not auth.verify(expected, answer.proof):
+            raise AuthenticationError(
+                f"producer at {self.address} failed to prove it knows the shared secret (its secret "
+                "differs, or it is not the producer it claims to be)")
+
+    @staticmethod
+    def _send_quietly(sock: socket.socket, message: msgspec.Struct, timeout_s: float) -> None:
+        try:
+            wire.send_frame(sock, wire.encode(message), timeout_s)
+        except OSError:
+            pass
 
     def call(self, request: wire.Request, timeout_s: float | None = None) -> wire.Reply:
         """Send ``request``, return the decoded reply. Transport failures are
@@ -240,23 +381,28 @@ class SideChannelClient:
                 if self._closed:
                     raise PeerError(f"side channel client for {self.address} is closed")
                 if time.monotonic() < self._down_until:
-                    raise PeerError(f"side channel {self.address} is down: {self._down_reason}")
+                    raise self._down_error(f"side channel {self.address} is down: {self._down_reason}")
                 try:
                     if self._sock is None:
-                        self._sock = self._connect()
+                        self._sock = self._connect(timeout)
                     wire.send_frame(self._sock, payload, timeout)
                     body = wire.recv_frame(self._sock, wire.MAX_REPLY_BYTES, timeout,
                                            f"reply from {self.address}")
                     if body is None:
                         raise PeerError(f"{self.address} closed the side channel")
-                    reply = wire.reply_decoder.decode(body)
+                    reply = wire.decode_reply(body)
+                except HandshakeError as exc:  # refused at the opening: retrying cannot help
+                    self._drop()
+                    self._down_until = time.monotonic() + self.down_s
+                    self._down_reason, self._down_error = str(exc), type(exc)
+                    raise
                 except (OSError, TimeoutError, PeerError) as exc:
                     last = exc
                     self._drop()
                     if attempt < self._retries:
                         time.sleep(self._backoff_s * (2**attempt))
                     continue
-                except msgspec.DecodeError as exc:
+                except MetadataError as exc:
                     self._drop()
                     raise MetadataError(f"malformed reply from {self.address}: {exc}") from None
                 if isinstance(reply, wire.ErrorReply):
@@ -265,6 +411,7 @@ class SideChannelClient:
                 return reply
             self._down_until = time.monotonic() + self.down_s
             self._down_reason = f"unreachable after {self._retries + 1} attempts: {last}"
+            self._down_error = PeerError
         raise PeerError(f"side channel {self.address} {self._down_reason}")
 
     def handshake(self, request: wire.Handshake) -> wire.HandshakeReply:

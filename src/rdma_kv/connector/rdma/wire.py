@@ -8,6 +8,10 @@ msgspec union). Frames are size-limited before a byte of the body is read;
 bodies are decoded against the schema only (never pickle), so a malformed
 peer gets an error, not code execution.
 
+Version 2 opens every connection with HELLO -> CHALLENGE and, when the
+producer has a shared secret, AUTH -> AUTH_OK (``auth.py``) before any other
+request is served.
+
 Imports the standard library, msgspec, ``rdma_kv.errors`` and the
 connector's ``geometry`` and ``params``; never the transport.
 """
@@ -30,27 +34,41 @@ from rdma_kv.errors import MetadataError, PeerError
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "Auth",
+    "AuthOk",
+    "Challenge",
     "CompatInfo",
     "Confirm",
     "ErrorReply",
     "GeometryWire",
     "Handshake",
     "HandshakeReply",
+    "Hello",
     "LeaseReply",
     "LeaseStatus",
     "LeaseWire",
     "Refused",
     "Release",
     "Renew",
+    "decode_reply",
+    "decode_request",
     "recv_frame",
     "send_frame",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""1: first release. 2: every connection opens with HELLO/CHALLENGE (and AUTH
+when a secret is configured). A version-1 peer is refused with a message
+naming both versions."""
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 16 << 20  # agent metadata (worker address + rkeys) plus geometry
 MAX_LEASES_PER_MESSAGE = 4096
 MAX_LAYERS = 4096
+MAX_BLOCKS_PER_LAYER = 1 << 24
+MAX_SLOTS = 1 << 26
+"""Descriptors a peer's geometry may make us prepare (20 bytes each on the
+consumer: 1.3 GB at this cap). Without it a producer could announce 2**40
+blocks of stride 0 inside a one-byte region and exhaust the consumer's memory."""
 
 _HEADER = struct.Struct(">I")
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 anyway
@@ -108,7 +126,7 @@ class SegmentWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_f
 class LayerWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     name: Str
     region_index: Annotated[int, msgspec.Meta(ge=0)]
-    num_blocks: Annotated[int, msgspec.Meta(ge=1)]
+    num_blocks: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCKS_PER_LAYER)]
     layout: Layout
     segments: Annotated[list[SegmentWire], msgspec.Meta(min_length=1, max_length=8)]
 
@@ -140,6 +158,11 @@ class GeometryWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """Checked: every block of every segment lies inside its region, so a
         peer cannot make us read outside what it registered."""
         regions = tuple(Region(r.base_address, r.nbytes, "remote", ()) for r in self.regions)
+        slots = sum(layer.num_blocks * len(layer.segments) for layer in self.layers)
+        if slots > MAX_SLOTS:
+            raise MetadataError(
+                f"peer geometry lists {slots} block descriptors, over the limit of {MAX_SLOTS}"
+            )
         layers = []
         for layer in self.layers:
             if layer.region_index >= len(regions):
@@ -147,7 +170,11 @@ class GeometryWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     f"peer geometry: layer {layer.name!r} names region {layer.region_index}, "
                     f"but only {len(regions)} regions were sent"
                 )
-            size = regions[layer.region_index].nbytes
+            region = regions[layer.region_index]
+            size = region.nbytes
+            if region.base_address + size >= 2**64:
+                raise MetadataError(f"peer geometry: region {layer.region_index} ends past the "
+                                    "64-bit address space")
             for seg in layer.segments:
                 end = seg.offset + (layer.num_blocks - 1) * seg.block_stride_bytes + seg.block_nbytes
                 if end > size:
@@ -180,6 +207,24 @@ Leases = Annotated[list[LeaseWire], msgspec.Meta(max_length=MAX_LEASES_PER_MESSA
 
 # --- requests (client -> server) ---------------------------------------------------
 
+Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
+Proof = Annotated[bytes, msgspec.Meta(max_length=64)]
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello", forbid_unknown_fields=True):
+    """The first message of every connection: the client's nonce and role."""
+
+    version: int
+    role: Annotated[str, msgspec.Meta(max_length=32)]
+    nonce: Nonce
+
+
+class Auth(msgspec.Struct, frozen=True, tag="auth", forbid_unknown_fields=True):
+    """The client's proof (``auth.client_proof``); empty when it has no secret."""
+
+    version: int
+    proof: Proof
+
 
 class Handshake(msgspec.Struct, frozen=True, tag="handshake", forbid_unknown_fields=True):
     version: int
@@ -207,10 +252,24 @@ class Release(msgspec.Struct, frozen=True, tag="release", forbid_unknown_fields=
     leases: Leases
 
 
-Request = Union[Handshake, Renew, Confirm, Release]
+Request = Union[Hello, Auth, Handshake, Renew, Confirm, Release]
 
 
 # --- replies (server -> client) ------------------------------------------------------
+
+
+class Challenge(msgspec.Struct, frozen=True, tag="challenge", forbid_unknown_fields=True):
+    """Answer to HELLO: the server's nonce, and whether AUTH must follow."""
+
+    version: int
+    nonce: Nonce
+    auth_required: bool
+
+
+class AuthOk(msgspec.Struct, frozen=True, tag="auth_ok", forbid_unknown_fields=True):
+    """The server's proof (``auth.server_proof``): it knows the secret too."""
+
+    proof: Proof
 
 
 class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_ok", forbid_unknown_fields=True):
@@ -240,7 +299,7 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error", forbid_unknown_fields
     message: Annotated[str, msgspec.Meta(max_length=8192)]
 
 
-Reply = Union[HandshakeReply, LeaseReply, Refused, ErrorReply]
+Reply = Union[Challenge, AuthOk, HandshakeReply, LeaseReply, Refused, ErrorReply]
 
 _encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(Request)
@@ -249,6 +308,27 @@ reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, body: bytes, what: str) -> object:
+    try:
+        return decoder.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        # msgspec raises UnicodeDecodeError (not DecodeError) for a string
+        # that is not UTF-8, e.g. a tag; found by fuzzing.
+        raise MetadataError(f"malformed {what} ({len(body)} bytes): {exc}") from None
+    except RecursionError:  # deeply nested arrays: msgspec recurses per level
+        raise MetadataError(f"malformed {what} ({len(body)} bytes): nested too deeply") from None
+
+
+def decode_request(body: bytes) -> Request:
+    """A side-channel request, schema-checked; ``MetadataError`` says what is wrong."""
+    return _decode(request_decoder, body, "side-channel request")  # type: ignore[return-value]
+
+
+def decode_reply(body: bytes) -> Reply:
+    """A side-channel reply, schema-checked; ``MetadataError`` says what is wrong."""
+    return _decode(reply_decoder, body, "side-channel reply")  # type: ignore[return-value]
 
 
 # --- framing ---------------------------------------------------------------------------

@@ -55,7 +55,7 @@ import numpy as np
 
 from rdma_kv.connector.config import KVTransferConfig
 from rdma_kv.connector.geometry import KVCacheGeometry, derive_geometry
-from rdma_kv.connector.rdma import wire
+from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.leases import LeaseTable
 from rdma_kv.connector.rdma.loads import (
     CONFIRMING,
@@ -83,7 +83,7 @@ from rdma_kv.connector.rdma.stats import LoadStats, summarize
 from rdma_kv.connector.rdma.transport_api import TransferHandle, Transport
 from rdma_kv.connector.specs import KVCacheConfig
 from rdma_kv.connector.types import BlockId, EngineId, RequestId
-from rdma_kv.errors import HandshakeError, NotInitializedError
+from rdma_kv.errors import HandshakeError, NotInitializedError, PeerError
 
 __all__ = ["RdmaWorker"]
 
@@ -108,6 +108,9 @@ class RdmaWorker:
         self._clock = clock
         self._engine_id = EngineId(str(config.engine_id))
         self._producer = config.is_kv_producer
+        # Loaded here, once, and kept only in this object (never in settings,
+        # params, metadata or logs; its repr hides the value).
+        self._secret = auth.load_secret(settings.auth_secret_env, settings.auth_secret_file)
         self._lock = threading.RLock()
         self._transport: Transport | None = None
         self._geometry: KVCacheGeometry | None = None
@@ -129,6 +132,7 @@ class RdmaWorker:
         self._confirm_retry: list[tuple[_Peer, _Load]] = []
         self._last_renewal = clock()
         self._stats = LoadStats()
+        self._lease_stats_seen: collections.Counter[str] = collections.Counter()
         self._closed = False
 
     # --- startup -----------------------------------------------------------------------
@@ -154,16 +158,17 @@ class RdmaWorker:
                 server = SideChannelServer(
                     self, self._settings.side_channel_host,
                     port + self._settings.tp_rank if port else 0,
-                    name=f"rdma-kv-sidechannel-{self._settings.tp_rank}")
+                    name=f"rdma-kv-sidechannel-{self._settings.tp_rank}", secret=self._secret)
         except BaseException:
             transport.close()
             raise
         self._transport, self._geometry, self._slots = transport, geometry, slots
         self._local_prep, self._compat, self._server = local_prep, compat, server
         logger.info("rdma-kv worker %s: %d layers in %d region(s), %d blocks, %d bytes per block; "
-                    "side channel %s", self.agent_name, len(geometry.layers), len(geometry.regions),
-                    slots.num_blocks, slots.bytes_per_block,
-                    f"{server.host}:{server.port}" if server else "off (consumer only)")
+                    "side channel %s, peer authentication %s", self.agent_name, len(geometry.layers),
+                    len(geometry.regions), slots.num_blocks, slots.bytes_per_block,
+                    f"{server.host}:{server.port}" if server else "off (consumer only)",
+                    f"on (secret from {self._secret.source})" if self._secret else "OFF")
 
     def handshake_metadata(self) -> RdmaHandshakeMetadata:
         compat = self._require_compat()
@@ -280,7 +285,7 @@ class RdmaWorker:
                 s = self._settings
                 client = self._clients[key] = SideChannelClient(
                     key[0], key[1], connect_timeout_s=s.connect_timeout_s,
-                    rpc_timeout_s=s.rpc_timeout_s, retries=s.rpc_retries)
+                    rpc_timeout_s=s.rpc_timeout_s, retries=s.rpc_retries, secret=self._secret)
             return client
 
     # --- handshake (RPC thread) -------------------------------------------------------------------
@@ -428,6 +433,11 @@ class RdmaWorker:
                 for load in batch:
                     self._fail(load, f"could not confirm the lease with {peer.address.engine_id!r}, so "
                                      f"the data read cannot be trusted: {exc}")
+            if isinstance(exc, PeerError):
+                # The producer is gone: drop its endpoint and rkeys now, not at
+                # the next load (found by the fault tests: a producer killed
+                # after the reads landed left its transport peer behind).
+                self._peer_failed(peer, str(exc))
             return
         now = time.perf_counter()
         with self._lock:
@@ -521,9 +531,18 @@ class RdmaWorker:
                 if load.stage == CONFIRMING:
                     self._queue_confirm(peer, load)
             renew = self._due_renewals(now)
+            self._prune_failed_peers(now)
         if renew:
             self._lease_rpc_async(wire.Renew, renew)
         return sending, recving
+
+    def _prune_failed_peers(self, now: float) -> None:
+        """Forget peers that failed more than ``PEER_RETRY_S`` ago (a new load
+        re-handshakes anyway), so producers that come and go (new engine
+        ids on restart) do not accumulate. Called with the lock held."""
+        for key, peer in list(self._peers.items()):
+            if peer.state == "failed" and not peer.waiting and now - peer.failed_at > PEER_RETRY_S:
+                del self._peers[key]
 
     def take_load_errors(self) -> set[BlockId]:
         with self._lock:
@@ -554,8 +573,8 @@ class RdmaWorker:
             reply = self._client(address).lease_call(
                 kind(wire.PROTOCOL_VERSION, [wire.LeaseWire.of(r) for r in refs]))
         except Exception as exc:
-            logger.info("%s of %d lease(s) with %r failed (the leases expire on their own): %s",
-                        kind.__name__, len(refs), address.engine_id, exc)
+            logger.debug("%s of %d lease(s) with %r failed (the leases expire on their own): %s",
+                         kind.__name__, len(refs), address.engine_id, exc)
             return
         self._stats.counters[f"{kind.__name__.lower()}_rpcs"] += 1
         if kind is wire.Renew:
@@ -577,7 +596,33 @@ class RdmaWorker:
     def stats(self) -> dict[str, Any] | None:
         with self._lock:
             records, counters = self._stats.take()
-        return summarize(records, counters, leases_held=len(self.leases))
+        lease_stats = collections.Counter(self.leases.stats)  # producer: leases granted, released...
+        for key, value in (lease_stats - self._lease_stats_seen).items():
+            counters[f"leases_{key}"] = value
+        self._lease_stats_seen = lease_stats
+        summary = summarize(records, counters, leases_held=len(self.leases))
+        if summary is not None:
+            summary["resources"] = self.resources()
+        return summary
+
+    def resources(self) -> dict[str, int]:
+        """What this worker holds now (leak checks): loads in flight, peers
+        known, side-channel clients, leases and held blocks (producer), and,
+        when the transport exposes them, registered regions, transport peers
+        (endpoints) and transfers in flight."""
+        with self._lock:
+            out = {"inflight_loads": len(self._loads), "peers": len(self._peers),
+                   "clients": len(self._clients), "unreported": len(self._finished),
+                   "confirm_queue": sum(len(v) for v in self._confirm_queue.values())}
+        out["leases"] = len(self.leases)
+        out["held_blocks"] = len(self.leases.held_block_ids())
+        transport = self._transport
+        for name, attr in (("regions", "regions"), ("transport_peers", "peers"),
+                           ("transfers_inflight", "inflight")):
+            value = getattr(transport, attr, None) if transport is not None else None
+            if value is not None:
+                out[name] = value if isinstance(value, int) else len(value)
+        return out
 
     def num_inflight(self) -> int:
         with self._lock:

@@ -1,0 +1,372 @@
+"""Aggregate metrics of the RDMA connector's loads, fed from the worker's
+per-request records, and an optional Prometheus exposition.
+
+The worker already records one entry per finished load (``stats.py``;
+``RdmaWorker.stats()`` / ``get_kv_connector_stats()`` hand them over and
+reset). This module turns those records into:
+
+- :class:`TransferMetrics`: in-process histograms (transfer seconds, GB/s,
+  bytes per request, descriptors and ops posted per request, whole-load
+  seconds), outcome counters and event counters, with quantile estimates
+  and a JSON-able ``snapshot()``. No dependency.
+- :class:`PrometheusMetrics`: the same series as ``prometheus_client``
+  histograms, counters and gauges. ``prometheus_client`` is optional
+  (``pip install 'rdma-kv[metrics]'``) and imported only when this class is
+  instantiated. The metric classes can be injected, which is how vLLM's
+  ``build_prom_metrics(vllm_config, metric_types, labelnames,
+  per_engine_labelvalues)`` hook hands over its multiprocess-safe wrappers.
+
+Both take the stats dict as the worker produces it
+(``{"requests": [...], "totals": {...}, "leases_held": n, ...}``) through
+``observe(stats)``: whoever receives ``get_kv_connector_stats()`` feeds it,
+since that call resets the worker's records. :func:`merge_stats` combines
+the dicts of several workers (TP ranks) without losing the per-request
+records. A transfer here is one request's reads on one rank: with TP > 1 a
+request appears once per rank (label by rank, never sum ranks into a
+request).
+
+Per-request lines go to this module's logger at DEBUG only, one per
+record, as ``key=value`` pairs; nothing here logs at INFO.
+
+Imports the standard library only (``prometheus_client`` lazily).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "BYTES_BUCKETS",
+    "COUNT_BUCKETS",
+    "GBPS_BUCKETS",
+    "SECONDS_BUCKETS",
+    "Histogram",
+    "PrometheusMetrics",
+    "TransferMetrics",
+    "merge_stats",
+]
+
+logger = logging.getLogger(__name__)
+
+GB = 1e9
+# Upper bucket edges. Seconds: a one-block read on a fast HCA (~50 us) up to
+# the default read deadline (10 s). GB/s: a TCP fallback (<1) up to a 400G
+# NIC (50 GB/s) and multi-rail. Bytes and counts: powers of 4, from one
+# 16 KiB block to a 16 GiB prompt / ~1M descriptors.
+SECONDS_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0, 30.0)
+GBPS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 20.0, 25.0, 37.5, 50.0, 100.0, 200.0)
+BYTES_BUCKETS = tuple(float(4**i) for i in range(7, 18))  # 16 KiB .. 16 GiB
+COUNT_BUCKETS = tuple(float(4**i) for i in range(11))  # 1 .. ~1M
+
+# Record fields -> histogram name, unit, buckets. Timing and throughput are
+# observed for successful loads only: a failed load's "transfer time" is
+# the time to its failure, which would skew the distribution.
+HISTOGRAMS: dict[str, tuple[str, Sequence[float]]] = {
+    "transfer_seconds": ("reads of one request, post to completion (s)", SECONDS_BUCKETS),
+    "post_seconds": ("posting one request's reads (one C call) (s)", SECONDS_BUCKETS),
+    "load_seconds": ("whole load: handshake, reads, confirmation (s)", SECONDS_BUCKETS),
+    "transfer_gbps": ("throughput of one request's reads (GB/s, 1e9 B/s)", GBPS_BUCKETS),
+    "request_bytes": ("bytes read per request (B)", BYTES_BUCKETS),
+    "request_descriptors": ("descriptors per request, before merging", COUNT_BUCKETS),
+    "request_ops": ("operations posted per request, after merging contiguous runs", COUNT_BUCKETS),
+}
+OUTCOMES = ("ok", "failed")
+
+
+@dataclass
+class Histogram:
+    """Fixed-bucket histogram (Prometheus semantics: bucket i counts values
+    <= ``bounds[i]``; the last, implicit bucket is +Inf)."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    count: int = 0
+    sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.bounds = tuple(float(b) for b in self.bounds)
+        if list(self.bounds) != sorted(set(self.bounds)) or not self.bounds:
+            raise ValueError(f"histogram bounds must be strictly increasing, got {self.bounds}")
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+        elif len(self.counts) != len(self.bounds) + 1:
+            raise ValueError(f"{len(self.counts)} counts for {len(self.bounds)} bounds (+Inf)")
+
+    def observe(self, value: float) -> None:
+        if math.isnan(value):
+            return
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.count += 1
+        self.sum += value
+
+    def merge(self, other: Histogram) -> None:
+        if other.bounds != self.bounds:
+            raise ValueError("cannot merge histograms with different bounds")
+        self.counts = [a + b for a, b in zip(self.counts, other.counts)]
+        self.count += other.count
+        self.sum += other.sum
+
+    def quantile(self, q: float) -> float | None:
+        """Estimate (linear within the bucket, as Prometheus'
+        ``histogram_quantile``); None when empty. Values in the +Inf bucket
+        are reported as the last finite bound."""
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"quantile must be in [0, 1], got {q}")
+        if self.count == 0:
+            return None
+        rank = q * self.count
+        seen = 0
+        for i, n in enumerate(self.counts):
+            if n and seen + n >= rank:
+                if i == len(self.bounds):
+                    return self.bounds[-1]
+                lo = self.bounds[i - 1] if i > 0 else 0.0
+                return lo + (self.bounds[i] - lo) * max(0.0, rank - seen) / n
+            seen += n
+        return self.bounds[-1]
+
+    @property
+    def mean(self) -> float | None:
+        return self.sum / self.count if self.count else None
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, cumulative count) pairs, ending with (+Inf, count)."""
+        out, running = [], 0
+        for bound, n in zip((*self.bounds, math.inf), self.counts):
+            running += n
+            out.append((bound, running))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "sum": self.sum, "mean": self.mean,
+                "p50": self.quantile(0.5), "p90": self.quantile(0.9), "p99": self.quantile(0.99),
+                "buckets": [["+Inf" if math.isinf(b) else b, c] for b, c in self.cumulative()]}
+
+
+def record_values(record: Mapping[str, Any]) -> dict[str, float]:
+    """The histogram observations one worker record yields (only those it
+    has: a load that failed before posting has no transfer)."""
+    values: dict[str, float] = {}
+    ok = bool(record.get("ok"))
+    if "total_s" in record:
+        values["load_seconds"] = float(record["total_s"])
+    if not ok:
+        return values
+    nbytes = int(record.get("nbytes", 0) or 0)
+    transfer_s = float(record.get("transfer_s", 0.0) or 0.0)
+    if "transfer_s" in record:
+        values["transfer_seconds"] = transfer_s
+    if "post_s" in record:
+        values["post_seconds"] = float(record["post_s"])
+    if nbytes:
+        values["request_bytes"] = float(nbytes)
+        if transfer_s > 0:
+            values["transfer_gbps"] = nbytes / transfer_s / GB
+    if record.get("num_descs"):
+        values["request_descriptors"] = float(record["num_descs"])
+    if record.get("ops_posted"):
+        values["request_ops"] = float(record["ops_posted"])
+    return values
+
+
+def _debug_line(record: Mapping[str, Any], values: Mapping[str, float]) -> str:
+    parts = [f"request_id={record.get('request_id')!r}", f"outcome={'ok' if record.get('ok') else 'failed'}"]
+    for key in ("nbytes", "num_descs", "ops_posted", "block_runs", "num_blocks"):
+        if key in record:
+            parts.append(f"{key}={record[key]}")
+    for key in ("plan_s", "post_s", "transfer_s", "confirm_s", "handshake_s", "total_s"):
+        if key in record:
+            parts.append(f"{key}={float(record[key]):.6f}")
+    if "transfer_gbps" in values:
+        parts.append(f"gbps={values['transfer_gbps']:.3f}")
+    if record.get("error"):
+        parts.append(f"error={record['error']!r}")
+    return "rdma-kv load " + " ".join(parts)
+
+
+class TransferMetrics:
+    """Histograms and counters over every record observed (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.histograms = {name: Histogram(buckets) for name, (_, buckets) in HISTOGRAMS.items()}
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        self.bytes_total = 0
+        self.events: dict[str, int] = {}
+        self.gauges: dict[str, int] = {}
+
+    def observe(self, stats: Mapping[str, Any] | None) -> None:
+        """Fold one ``get_kv_connector_stats()`` dict in (None: nothing happened)."""
+        if not stats:
+            return
+        records = list(stats.get("requests", ()))
+        debug = logger.isEnabledFor(logging.DEBUG)
+        with self._lock:
+            for record in records:
+                values = record_values(record)
+                for name, value in values.items():
+                    self.histograms[name].observe(value)
+                self.outcomes["ok" if record.get("ok") else "failed"] += 1
+                if record.get("ok"):
+                    self.bytes_total += int(record.get("nbytes", 0) or 0)
+                if debug:
+                    logger.debug("%s", _debug_line(record, values))
+            for name, n in event_counters(stats).items():
+                self.events[name] = self.events.get(name, 0) + n
+            self.gauges.update(gauges(stats))
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"loads": dict(self.outcomes), "bytes_total": self.bytes_total,
+                    "histograms": {n: h.to_dict() for n, h in self.histograms.items()},
+                    "events": dict(self.events), "gauges": dict(self.gauges)}
+
+    def summary(self) -> str:
+        """One line for a periodic log (the caller picks its level and rate)."""
+        with self._lock:
+            t, g = self.histograms["transfer_seconds"], self.histograms["transfer_gbps"]
+            loads = sum(self.outcomes.values())
+            text = (f"rdma-kv loads: {loads} ({self.outcomes['ok']} ok, {self.outcomes['failed']} failed), "
+                    f"{self.bytes_total / GB:.3f} GB read")
+            if t.count:
+                text += (f"; transfer p50 {t.quantile(0.5) * 1e3:.2f} ms, p99 {t.quantile(0.99) * 1e3:.2f} ms"
+                         f"; GB/s p50 {g.quantile(0.5):.2f}")
+            return text
+
+
+# Counter keys of ``totals`` that are events (not sums of the records).
+_RECORD_TOTALS = {"nbytes", "num_descs", "ops_posted", "block_runs", "num_blocks", "loads_ok", "transfer_s"}
+
+
+def event_counters(stats: Mapping[str, Any]) -> dict[str, int]:
+    """Worker event counters in ``totals``: handshakes, loads_failed,
+    loads_aborted, renew_rpcs, confirm_rpcs, release_rpcs, ..."""
+    totals = stats.get("totals") or {}
+    return {k: int(v) for k, v in totals.items() if k not in _RECORD_TOTALS and isinstance(v, (int, float))}
+
+
+def gauges(stats: Mapping[str, Any]) -> dict[str, int]:
+    """Point-in-time values: leases held (producer) and, when the worker
+    reports them, the resources it holds (loads in flight, peers, ...)."""
+    out = {}
+    if "leases_held" in stats:
+        out["leases_held"] = int(stats["leases_held"])
+    for key, value in (stats.get("resources") or {}).items():
+        if isinstance(value, (int, float)):
+            out[key] = int(value)
+    return out
+
+
+def merge_stats(parts: Iterable[Mapping[str, Any] | None]) -> dict[str, Any] | None:
+    """Several workers' stats dicts as one: records concatenated (each keeps
+    its own request id and timings), totals and gauges summed."""
+    merged: dict[str, Any] | None = None
+    for part in parts:
+        if not part:
+            continue
+        if merged is None:
+            merged = {"requests": [], "totals": {}, "leases_held": 0}
+        merged["requests"].extend(part.get("requests", ()))
+        for key, value in (part.get("totals") or {}).items():
+            merged["totals"][key] = merged["totals"].get(key, 0) + value
+        merged["leases_held"] += int(part.get("leases_held", 0))
+        if part.get("resources"):
+            res = merged.setdefault("resources", {})
+            for key, value in part["resources"].items():
+                res[key] = res.get(key, 0) + value
+    return merged
+
+
+class PrometheusMetrics:
+    """The metrics as Prometheus series. Names (``prefix`` default ``rdma_kv``)::
+
+        {prefix}_transfer_seconds, _post_seconds, _load_seconds,
+        _transfer_gbps, _request_bytes, _request_descriptors, _request_ops   histograms
+        {prefix}_loads_total{outcome="ok"|"failed"}, _read_bytes_total         counters
+        {prefix}_events_total{event="handshakes"|"loads_failed"|...}            counter
+        {prefix}_leases_held, {prefix}_resource{resource=...}                   gauges
+
+    ``labelnames``/``labelvalues`` are added to every series (e.g. engine,
+    tp_rank). ``counter_cls``/``histogram_cls``/``gauge_cls`` default to
+    ``prometheus_client``'s; pass vLLM's ``metric_types[...]`` to register
+    through vLLM. ``registry`` is passed only when given.
+    """
+
+    def __init__(self, *, prefix: str = "rdma_kv", labelnames: Sequence[str] = (),
+                 labelvalues: Sequence[object] = (), registry: Any = None,
+                 counter_cls: Any = None, histogram_cls: Any = None, gauge_cls: Any = None) -> None:
+        if len(labelnames) != len(labelvalues):
+            raise ValueError(f"labelnames {list(labelnames)} and labelvalues {list(labelvalues)} differ in length")
+        if counter_cls is None or histogram_cls is None or gauge_cls is None:
+            try:
+                import prometheus_client
+            except ImportError:
+                raise ImportError("PrometheusMetrics needs prometheus_client: "
+                                  "pip install 'rdma-kv[metrics]'") from None
+            counter_cls = counter_cls or prometheus_client.Counter
+            histogram_cls = histogram_cls or prometheus_client.Histogram
+            gauge_cls = gauge_cls or prometheus_client.Gauge
+        self.registry = registry
+        self._labels = [str(v) for v in labelvalues]
+        self._lock = threading.Lock()
+        kw = {"registry": registry} if registry is not None else {}
+        names = list(labelnames)
+
+        def make(cls: Any, name: str, doc: str, extra: Sequence[str] = (), **more: Any) -> Any:
+            return cls(name=f"{prefix}_{name}", documentation=doc, labelnames=names + list(extra), **more, **kw)
+
+        self.histograms = {name: make(histogram_cls, name, f"rdma-kv: {doc}", buckets=list(buckets))
+                           for name, (doc, buckets) in HISTOGRAMS.items()}
+        self.loads = make(counter_cls, "loads", "rdma-kv: KV loads finished, by outcome", ["outcome"])
+        self.read_bytes = make(counter_cls, "read_bytes", "rdma-kv: bytes read by successful loads")
+        self.events = make(counter_cls, "events", "rdma-kv: worker events (handshakes, lease RPCs, "
+                                                  "failed and aborted loads)", ["event"])
+        self.leases_held = make(gauge_cls, "leases_held", "rdma-kv: leases the producer holds now")
+        self.resources = make(gauge_cls, "resource", "rdma-kv: what the worker holds now", ["resource"])
+
+    def _child(self, metric: Any, *extra: str) -> Any:
+        values = [*self._labels, *extra]
+        return metric.labels(*values) if values else metric
+
+    def observe(self, stats: Mapping[str, Any] | None) -> None:
+        """Fold one ``get_kv_connector_stats()`` dict in."""
+        if not stats:
+            return
+        with self._lock:
+            for record in stats.get("requests", ()):
+                for name, value in record_values(record).items():
+                    self._child(self.histograms[name]).observe(value)
+                ok = bool(record.get("ok"))
+                self._child(self.loads, "ok" if ok else "failed").inc()
+                if ok and record.get("nbytes"):
+                    self._child(self.read_bytes).inc(int(record["nbytes"]))
+            for name, n in event_counters(stats).items():
+                if n > 0:
+                    self._child(self.events, name).inc(n)
+            for name, value in gauges(stats).items():
+                if name == "leases_held":
+                    self._child(self.leases_held).set(value)
+                else:
+                    self._child(self.resources, name).set(value)
+
+    def exposition(self) -> bytes:
+        """The text exposition format of ``registry`` (or the default one)."""
+        import prometheus_client
+
+        return prometheus_client.generate_latest(self.registry or prometheus_client.REGISTRY)
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> Any:
+        """Expose ``/metrics`` on ``addr:port`` (a daemon thread of
+        ``prometheus_client``). Binds loopback unless told otherwise: the
+        series name engines and request counts."""
+        import prometheus_client
+
+        return prometheus_client.start_http_server(port, addr=addr,
+                                                   registry=self.registry or prometheus_client.REGISTRY)

@@ -1,0 +1,188 @@
+"""Aggregate metrics from the worker's per-request records, the Prometheus
+exposition, and the logging rule (no per-transfer INFO lines)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from rdma_kv.connector.rdma import metrics
+from rdma_kv.connector.rdma.metrics import Histogram, TransferMetrics, merge_stats, record_values
+from rdma_kv.connector.rdma.stats import LoadStats, summarize
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "rdma_kv"
+
+
+def _stats(*records, counters=None, leases_held=0, resources=None):
+    """A stats dict built the way the worker builds it (stats.py)."""
+    s = LoadStats()
+    for rid, fields, ok, error in records:
+        s.record(rid, fields, ok=ok, total_s=fields.get("total_s", 0.05), error=error)
+    s.counters.update(counters or {})
+    out = summarize(*s.take(), leases_held=leases_held)
+    if resources is not None:
+        out["resources"] = resources
+    return out
+
+
+OK = {"nbytes": 64 << 20, "num_descs": 4096, "ops_posted": 128, "block_runs": 4, "num_blocks": 64,
+      "plan_s": 2e-5, "post_s": 1e-4, "transfer_s": 0.0134217728, "confirm_s": 3e-4}  # 5 GB/s
+FAILED_BEFORE_POST = {"handshake_s": 0.5}
+
+
+def test_histogram_buckets_quantiles_and_merge():
+    h = Histogram((1.0, 2.0, 4.0))
+    for v in (0.5, 1.0, 1.5, 3.0, 100.0):
+        h.observe(v)
+    h.observe(float("nan"))  # ignored
+    assert h.counts == [2, 1, 1, 1] and h.count == 5 and h.sum == pytest.approx(106.0)
+    assert h.cumulative() == [(1.0, 2), (2.0, 3), (4.0, 4), (math.inf, 5)]
+    assert h.quantile(0.0) == 0.0 and h.quantile(0.4) == pytest.approx(1.0)
+    assert h.quantile(0.5) == pytest.approx(1.5)  # linear inside (1, 2]
+    assert h.quantile(1.0) == 4.0  # +Inf bucket reported as the last bound
+    other = Histogram((1.0, 2.0, 4.0))
+    other.observe(3.5)
+    h.merge(other)
+    assert h.counts == [2, 1, 2, 1]
+    with pytest.raises(ValueError):
+        h.merge(Histogram((1.0,)))
+    with pytest.raises(ValueError):
+        Histogram((2.0, 1.0))
+    assert Histogram((1.0,)).quantile(0.5) is None
+
+
+def test_record_values_uses_successful_transfers_only():
+    v = record_values(dict(OK, ok=True, total_s=0.02))
+    assert v["transfer_gbps"] == pytest.approx(5.0)
+    assert v["request_bytes"] == 64 << 20 and v["request_ops"] == 128 and v["request_descriptors"] == 4096
+    assert v["load_seconds"] == 0.02 and v["post_seconds"] == 1e-4
+    failed = record_values(dict(OK, ok=False, total_s=10.0, error="peer died"))
+    assert failed == {"load_seconds": 10.0}  # time-to-failure is not a transfer time
+
+
+def test_transfer_metrics_aggregate_records_and_counters():
+    m = TransferMetrics()
+    m.observe(None)
+    m.observe(_stats(("a", OK, True, None), ("b", OK, True, None),
+                     ("c", FAILED_BEFORE_POST, False, "handshake refused"),
+                     counters={"handshakes": 1, "loads_failed": 1, "confirm_rpcs": 2}, leases_held=3,
+                     resources={"inflight_loads": 0, "peers": 1}))
+    m.observe(_stats(("d", OK, True, None), counters={"handshakes": 1}))
+    snap = m.snapshot()
+    assert snap["loads"] == {"ok": 3, "failed": 1} and snap["bytes_total"] == 3 * (64 << 20)
+    gbps = snap["histograms"]["transfer_gbps"]
+    assert gbps["count"] == 3 and 4.0 < gbps["p50"] <= 8.0  # 5 GB/s sits in the (4, 8] bucket
+    assert snap["histograms"]["load_seconds"]["count"] == 4
+    assert snap["events"] == {"handshakes": 2, "loads_failed": 1, "confirm_rpcs": 2}
+    assert snap["gauges"] == {"leases_held": 0, "inflight_loads": 0, "peers": 1}
+    assert re.match(r"rdma-kv loads: 4 \(3 ok, 1 failed\), 0\.201 GB read; transfer p50 [\d.]+ ms", m.summary())
+
+
+def test_merge_stats_keeps_each_ranks_records():
+    a = _stats(("r1", OK, True, None), counters={"handshakes": 1}, leases_held=2)
+    b = _stats(("r1", OK, True, None), ("r2", OK, False, "x"), counters={"handshakes": 1}, leases_held=1)
+    merged = merge_stats([a, None, b])
+    assert [r["request_id"] for r in merged["requests"]] == ["r1", "r1", "r2"]
+    assert merged["totals"]["handshakes"] == 2 and merged["leases_held"] == 3
+    assert merged["totals"]["nbytes"] == 3 * (64 << 20)
+    assert merge_stats([None, {}]) is None
+
+
+def test_per_request_lines_are_debug_only(caplog):
+    m = TransferMetrics()
+    with caplog.at_level(logging.DEBUG, logger=metrics.__name__):
+        m.observe(_stats(("req-7", OK, True, None), ("req-8", FAILED_BEFORE_POST, False, "refused")))
+    lines = [r for r in caplog.records if r.name == metrics.__name__]
+    assert [r.levelno for r in lines] == [logging.DEBUG, logging.DEBUG]
+    assert "request_id='req-7' outcome=ok nbytes=67108864" in lines[0].getMessage()
+    assert "gbps=5.000" in lines[0].getMessage() and "error='refused'" in lines[1].getMessage()
+
+
+def test_no_info_logging_on_the_transfer_path():
+    """Per-request and per-transfer logging is DEBUG; INFO is left for
+    once-per-process events (startup). A new logger.info in these modules
+    must be one of the allowed ones."""
+    allowed = {"rdma-kv worker %s: %d layers in %d region(s), %d blocks, %d bytes per block; "}
+    found = []
+    for name in ("worker.py", "scheduler.py", "sidechannel.py", "connector.py", "leases.py", "metrics.py"):
+        text = (SRC / "connector" / "rdma" / name).read_text()
+        for m in re.finditer(r"logger\.info\(\s*(f?\"[^\"]*\")", text):
+            found.append((name, m.group(1).lstrip("f").strip('"')))
+    assert all(msg in allowed for _, msg in found), found
+
+
+def test_prometheus_exposition():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    pm = metrics.PrometheusMetrics(registry=registry, labelnames=["engine", "tp_rank"],
+                                   labelvalues=["decode-0", 0])
+    pm.observe(_stats(("a", OK, True, None), ("b", FAILED_BEFORE_POST, False, "refused"),
+                      counters={"handshakes": 1, "loads_failed": 1}, leases_held=0,
+                      resources={"inflight_loads": 2}))
+    text = pm.exposition().decode()
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+               for fam in text_string_to_metric_families(text) for smp in fam.samples}
+
+    def value(name, **labels):
+        return samples[(name, tuple(sorted(dict(labels, engine="decode-0", tp_rank="0").items())))]
+
+    assert value("rdma_kv_loads_total", outcome="ok") == 1 and value("rdma_kv_loads_total", outcome="failed") == 1
+    assert value("rdma_kv_read_bytes_total") == 64 << 20
+    assert value("rdma_kv_transfer_gbps_bucket", le="8.0") == 1 and value("rdma_kv_transfer_gbps_bucket", le="4.0") == 0
+    assert value("rdma_kv_load_seconds_count") == 2 and value("rdma_kv_transfer_seconds_count") == 1
+    assert value("rdma_kv_events_total", event="handshakes") == 1
+    assert value("rdma_kv_resource", resource="inflight_loads") == 2 and value("rdma_kv_leases_held") == 0
+    assert "# HELP rdma_kv_transfer_gbps rdma-kv: throughput of one request's reads (GB/s, 1e9 B/s)" in text
+    with pytest.raises(ValueError, match="differ in length"):
+        metrics.PrometheusMetrics(registry=registry, labelnames=["engine"])
+
+
+def test_prometheus_accepts_injected_metric_classes():
+    """vLLM's build_prom_metrics hands over its own metric classes."""
+    created = []
+
+    class Fake:
+        def __init__(self, name, documentation, labelnames, **kw):
+            created.append((type(self).__name__, name, tuple(labelnames), kw.get("buckets")))
+            self.values = []
+
+        def labels(self, *values):
+            return self
+
+        def observe(self, v=1):
+            self.values.append(v)
+
+        inc = set = observe
+
+    class Counter(Fake): ...
+    class Histogram(Fake): ...
+    class Gauge(Fake): ...
+
+    pm = metrics.PrometheusMetrics(prefix="vllm:rdma_kv", labelnames=["engine"], labelvalues=[0],
+                                   counter_cls=Counter, histogram_cls=Histogram, gauge_cls=Gauge)
+    pm.observe(_stats(("a", OK, True, None)))
+    names = {name for _, name, _, _ in created}
+    assert "vllm:rdma_kv_transfer_seconds" in names and "vllm:rdma_kv_loads" in names
+    assert pm.histograms["transfer_gbps"].values == [pytest.approx(5.0)]
+    assert all(labels[0] == "engine" for _, _, labels, _ in created)
+
+
+def test_missing_prometheus_client_says_what_to_install(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name == "prometheus_client":
+            raise ImportError("no")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    with pytest.raises(ImportError, match=r"rdma-kv\[metrics\]"):
+        metrics.PrometheusMetrics()
