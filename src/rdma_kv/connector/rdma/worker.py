@@ -21,7 +21,7 @@ Owns the byte movement of both roles in one worker:
 Guarantees, and where they are kept:
 
 - ``done_recving`` without load errors only after the producer confirmed
-  the lease was held during the whole read (``_on_confirmed``).
+  the lease was held during the whole read (``_confirm``).
 - A failed, unconfirmed, refused or unreachable load is reported in
   ``done_recving`` *and* its blocks in ``get_block_ids_with_load_errors``,
   in the same step (``get_finished``); the deadlines (read: the transport's
@@ -56,16 +56,9 @@ import numpy as np
 from rdma_kv.connector.config import KVTransferConfig
 from rdma_kv.connector.geometry import KVCacheGeometry, derive_geometry
 from rdma_kv.connector.rdma import auth, wire
+from rdma_kv.connector.rdma.lease_rpc import call_lease_rpc, submit_lease_rpcs
 from rdma_kv.connector.rdma.leases import LeaseTable
-from rdma_kv.connector.rdma.loads import (
-    CONFIRMING,
-    DONE,
-    FAILED,
-    HANDSHAKE,
-    PEER_RETRY_S,
-    READING,
-    due_renewals,
-)
+from rdma_kv.connector.rdma.loads import CONFIRMING, DONE, FAILED, HANDSHAKE, PEER_RETRY_S, READING, due_renewals
 from rdma_kv.connector.rdma.loads import LoadState as _Load
 from rdma_kv.connector.rdma.loads import PeerState as _Peer
 from rdma_kv.connector.rdma.meta import (
@@ -76,6 +69,7 @@ from rdma_kv.connector.rdma.meta import (
     RemoteLease,
 )
 from rdma_kv.connector.rdma.params import LeaseRef
+from rdma_kv.connector.rdma.producer import ProducerHandler
 from rdma_kv.connector.rdma.planning import SlotTable, compat_info, count_runs
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sidechannel import SideChannelClient, SideChannelServer
@@ -90,8 +84,9 @@ __all__ = ["RdmaWorker"]
 logger = logging.getLogger(__name__)
 
 class RdmaWorker:
-    """Worker-side logic; ``RdmaConnector`` delegates to it. Also the side
-    channel's :class:`~rdma_kv.connector.rdma.sidechannel.Handler`."""
+    """Worker-side logic; ``RdmaConnector`` delegates to it. On a producer,
+    its side channel is served by a :class:`ProducerHandler` over the same
+    lease table."""
 
     def __init__(
         self,
@@ -132,6 +127,7 @@ class RdmaWorker:
         self._confirm_retry: list[tuple[_Peer, _Load]] = []
         self._last_renewal = clock()
         self._stats = LoadStats()
+        self.side_channel_handler: ProducerHandler | None = None  # producer, after register_kv_caches
         self._lease_stats_seen: collections.Counter[str] = collections.Counter()
         self._closed = False
 
@@ -155,8 +151,11 @@ class RdmaWorker:
             server = None
             if self._producer:
                 port = self._settings.side_channel_port
+                self.side_channel_handler = ProducerHandler(
+                    self._engine_id, self._settings.tp_rank, self._settings.lease_ttl_s, self.leases, compat,
+                    transport.metadata, geometry)
                 server = SideChannelServer(
-                    self, self._settings.side_channel_host,
+                    self.side_channel_handler, self._settings.side_channel_host,
                     port + self._settings.tp_rank if port else 0,
                     name=f"rdma-kv-sidechannel-{self._settings.tp_rank}", secret=self._secret)
         except BaseException:
@@ -185,36 +184,6 @@ class RdmaWorker:
     @property
     def side_channel_port(self) -> int | None:
         return self._server.port if self._server else None
-
-    # --- the side channel's handler (producer) ------------------------------------------------
-
-    def on_handshake(self, request: wire.Handshake) -> wire.HandshakeReply | wire.Refused:
-        compat = self._require_compat()
-        if request.compat != compat:
-            diff = "; ".join(compat.mismatches(request.compat, mine="producer", theirs="consumer"))
-            logger.warning("refused handshake from consumer %r: %s", request.engine_id, diff)
-            return wire.Refused(f"incompatible KV caches ({diff}); both engines must run the same "
-                                "model, dtype, block size, layout and tensor-parallel size")
-        if request.tp_rank != self._settings.tp_rank:
-            return wire.Refused(f"consumer rank {request.tp_rank} dialled producer rank "
-                                f"{self._settings.tp_rank}; rank r must dial port + r")
-        assert self._transport is not None and self._geometry is not None
-        return wire.HandshakeReply(
-            wire.PROTOCOL_VERSION, self._engine_id, self._settings.tp_rank, compat,
-            compat.compat_hash(), self._transport.metadata(),
-            wire.GeometryWire.from_geometry(self._geometry))
-
-    def on_renew(self, request: wire.Renew) -> wire.LeaseReply:
-        return wire.LeaseReply(self.leases.renew(w.ref() for w in request.leases),
-                               self._settings.lease_ttl_s)
-
-    def on_confirm(self, request: wire.Confirm) -> wire.LeaseReply:
-        return wire.LeaseReply(self.leases.confirm([w.ref() for w in request.leases], request.release),
-                               self._settings.lease_ttl_s)
-
-    def on_release(self, request: wire.Release) -> wire.LeaseReply:
-        return wire.LeaseReply(self.leases.release(w.ref() for w in request.leases),
-                               self._settings.lease_ttl_s)
 
     # --- every step: start_load_kv -------------------------------------------------------------
 
@@ -555,37 +524,20 @@ class RdmaWorker:
         return due
 
     def _lease_rpc_async(self, kind: type, leases: Iterable[RemoteLease]) -> None:
-        by_peer: dict[PeerAddress, list[LeaseRef]] = collections.defaultdict(list)
-        for item in leases:
-            by_peer[item.peer].append(item.lease)
-        if self._closed:
-            return
-        for address, refs in by_peer.items():
-            for start in range(0, len(refs), wire.MAX_LEASES_PER_MESSAGE):
-                chunk = refs[start:start + wire.MAX_LEASES_PER_MESSAGE]
-                try:
-                    self._executor.submit(self._lease_rpc, kind, address, chunk)
-                except RuntimeError:  # executor shut down
-                    return
+        if not self._closed:
+            submit_lease_rpcs(self._executor, self._lease_rpc, kind, leases)
 
     def _lease_rpc(self, kind: type, address: PeerAddress, refs: list[LeaseRef]) -> None:
-        try:
-            reply = self._client(address).lease_call(
-                kind(wire.PROTOCOL_VERSION, [wire.LeaseWire.of(r) for r in refs]))
-        except Exception as exc:
-            logger.debug("%s of %d lease(s) with %r failed (the leases expire on their own): %s",
-                         kind.__name__, len(refs), address.engine_id, exc)
+        lost = call_lease_rpc(self._client(address), kind, address, refs)
+        if lost is None:
             return
         self._stats.counters[f"{kind.__name__.lower()}_rpcs"] += 1
-        if kind is wire.Renew:
-            lost = {r.request_id for r, s in zip(refs, reply.statuses) if s is wire.LeaseStatus.GONE}
-            if lost:
-                with self._lock:
-                    for rid in lost:
-                        load = self._loads.get(rid)
-                        if load is not None and load.stage == HANDSHAKE:
-                            self._fail(load, "the producer no longer holds the blocks (lease gone)",
-                                       release=False)
+        if lost:
+            with self._lock:
+                for rid in lost:
+                    load = self._loads.get(rid)
+                    if load is not None and load.stage == HANDSHAKE:
+                        self._fail(load, "the producer no longer holds the blocks (lease gone)", release=False)
 
     # --- stats and shutdown -----------------------------------------------------------------------------------
 
