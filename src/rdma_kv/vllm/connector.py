@@ -1,0 +1,226 @@
+"""``RdmaKVConnector``: rdma-kv's RDMA connector inside vLLM (v1 API, 0.32).
+
+Owns the vLLM-facing class only: a ``KVConnectorBase_V1`` with vLLM's
+3-argument constructor whose every method translates its arguments
+(``translate.py``), calls the engine-neutral
+:class:`~rdma_kv.connector.rdma.RdmaConnector` and translates the result
+back. No transfer logic lives here. Metadata crossing vLLM's processes is
+wrapped in vLLM's base types (``RdmaKVConnectorMetadata``,
+``RdmaKVHandshakeMetadata``), both plain picklable dataclasses.
+
+Imports vLLM's KV-connector base and ``rdma_kv.connector`` (the RDMA
+connector, hence UCX, only when an instance is created).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from rdma_kv.connector.base import KVConnectorRole as Role
+from rdma_kv.connector.types import as_block_ids
+from rdma_kv.errors import ConfigError
+from rdma_kv.vllm import translate
+from rdma_kv.vllm.stats import RdmaKVConnectorStats
+
+if TYPE_CHECKING:
+    from rdma_kv.connector.rdma.connector import RdmaConnector
+    from rdma_kv.connector.rdma.meta import RdmaConnectorMetadata, RdmaHandshakeMetadata
+
+__all__ = ["RdmaKVConnector", "RdmaKVConnectorMetadata", "RdmaKVHandshakeMetadata"]
+
+logger = logging.getLogger(__name__)
+
+_RECVED_MEMORY = 1 << 16
+"""How many request ids reported in ``finished_recving`` a worker remembers
+(see ``RdmaKVConnector.get_finished``); the oldest are forgotten first."""
+
+_ROLES = {KVConnectorRole.SCHEDULER: Role.SCHEDULER, KVConnectorRole.WORKER: Role.WORKER}
+
+
+@dataclasses.dataclass(frozen=True)
+class RdmaKVConnectorMetadata(KVConnectorMetadata):
+    """One step's metadata, scheduler -> workers (the connector's own, wrapped)."""
+
+    inner: RdmaConnectorMetadata
+
+
+@dataclasses.dataclass(frozen=True)
+class RdmaKVHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """A worker's side-channel address and compatibility hash, wrapped."""
+
+    inner: RdmaHandshakeMetadata
+
+
+def _log_through_vllm() -> None:
+    """Send rdma-kv's log records to vLLM's handlers, once per process.
+
+    rdma-kv only adds a ``NullHandler`` (a library does not configure
+    logging), so without this its warnings (e.g. why a KV load failed)
+    would be invisible in a vLLM server's log. vLLM is the application
+    here: its ``vllm`` logger's handlers and level are reused, mirroring
+    ``propagate=False``. Nothing is done when the application already
+    gave ``rdma_kv`` a handler, or vLLM's logging is off
+    (``VLLM_CONFIGURE_LOGGING=0``: no handlers to reuse).
+    """
+    ours, theirs = logging.getLogger("rdma_kv"), logging.getLogger("vllm")
+    if any(not isinstance(h, logging.NullHandler) for h in ours.handlers) or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
+
+
+def _parallel(vllm_config: Any, role: KVConnectorRole) -> tuple[int, int, int]:
+    """(tp_rank, tp_size, dp_rank) of this process, from vLLM's config."""
+    parallel = vllm_config.parallel_config
+    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+        raise ConfigError("RdmaKVConnector does not support pipeline parallelism "
+                          f"(pipeline_parallel_size={parallel.pipeline_parallel_size})")
+    tp_size = int(getattr(parallel, "tensor_parallel_size", 1))
+    tp_rank = 0
+    if role is KVConnectorRole.WORKER and tp_size > 1:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        tp_rank = get_tensor_model_parallel_rank()
+    return tp_rank, tp_size, int(getattr(parallel, "data_parallel_rank", 0) or 0)
+
+
+class RdmaKVConnector(KVConnectorBase_V1):
+    """Disaggregated prefill -> decode over one-sided UCX reads; see
+    ``docs/vllm.md``. Enable with ``kv_transfer_config={"kv_connector":
+    "RdmaKVConnector", "kv_connector_module_path": "rdma_kv.vllm",
+    "kv_role": "kv_producer" | "kv_consumer" | "kv_both"}``."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        from rdma_kv.connector.rdma.connector import RdmaConnector
+
+        _log_through_vllm()
+
+        tp_rank, tp_size, dp_rank = _parallel(vllm_config, role)
+        config = translate.transfer_config(vllm_config.kv_transfer_config, tp_rank=tp_rank,
+                                           tp_size=tp_size, dp_rank=dp_rank)
+        if kv_cache_config is None:
+            raise ConfigError("RdmaKVConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
+        self._connector: RdmaConnector = RdmaConnector(
+            config, _ROLES[role], translate.kv_cache_config(kv_cache_config))
+        self._recved: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    @property
+    def connector(self) -> RdmaConnector:
+        """The engine-neutral connector this adapter drives."""
+        return self._connector
+
+    # --- either role ---------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> RdmaKVConnectorStats | None:
+        data = translate.stats_dict(self._connector.get_kv_connector_stats())
+        return RdmaKVConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> RdmaKVConnectorStats:
+        return RdmaKVConnectorStats(data=data or {})
+
+    def shutdown(self) -> None:
+        self._connector.shutdown()
+
+    # --- worker side -----------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._connector.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> RdmaKVHandshakeMetadata | None:
+        inner = self._connector.get_handshake_metadata()
+        return None if inner is None else RdmaKVHandshakeMetadata(inner)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, RdmaKVConnectorMetadata):
+            self._connector.bind_connector_metadata(connector_metadata.inner)
+        else:
+            logger.error("RdmaKVConnector got %s metadata; ignoring the step",
+                         type(connector_metadata).__name__)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._connector.clear_connector_metadata()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._connector.has_connector_metadata():
+            self._connector.start_load_kv(forward_context)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._connector.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        self._connector.save_kv_layer(layer_name, kv_layer, attn_metadata)
+
+    def wait_for_save(self) -> None:
+        self._connector.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """vLLM frees a finished request's blocks when it appears in
+        ``finished_recving``: a load that failed under ``fail`` is reported
+        there, then vLLM finishes the request and calls ``request_finished``
+        *before* ``update_connector_output``, so the connector still sees
+        the load in flight, delays the free and later reports
+        ``done_sending`` for blocks vLLM already freed (an assertion in its
+        scheduler). Such reports are dropped here."""
+        sending, recving = self._connector.get_finished(set(finished_req_ids))
+        stale = {rid for rid in sending if rid in self._recved}
+        for rid in stale:
+            del self._recved[rid]
+        for rid in recving:
+            self._recved[rid] = None
+        while len(self._recved) > _RECVED_MEMORY:
+            self._recved.popitem(last=False)
+        return translate.finished_sets(set(sending) - stale, recving)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return {int(b) for b in self._connector.get_block_ids_with_load_errors()}
+
+    # --- scheduler side ----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        return self._connector.get_num_new_matched_tokens(translate.request(request),
+                                                          num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        self._connector.update_state_after_alloc(translate.request(request),
+                                                 translate.block_ids(blocks), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> RdmaKVConnectorMetadata:
+        inner = self._connector.build_connector_meta(translate.scheduler_output(scheduler_output))
+        return RdmaKVConnectorMetadata(inner)  # type: ignore[arg-type]
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._connector.update_connector_output(translate.connector_output(connector_output))
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """``(delay_free, params)``: a prefill that asked ``do_remote_decode``
+        is held under a lease and returns the params a router hands verbatim
+        to the decode request (``do_remote_prefill: true``, ``remote_*``)."""
+        return self._connector.request_finished(translate.request(request),
+                                                as_block_ids(block_ids))
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
+                                    ) -> None:
+        self._connector.set_xfer_handshake_metadata(
+            {rank: m.inner for rank, m in metadata.items() if isinstance(m, RdmaKVHandshakeMetadata)})

@@ -1,0 +1,65 @@
+"""``RdmaKVConnectorStats``: the connector's transfer records as vLLM stats.
+
+Owns the ``KVConnectorStats`` subclass vLLM moves from the worker to the
+front end (``to_dict`` -> ``build_kv_connector_stats``), aggregates across
+workers and intervals, and logs through ``reduce()`` ("KV Transfer metrics:
+..."). The payload is the worker's ``get_kv_connector_stats()`` summary:
+per-request records (bytes, descriptors, ops posted, block runs, plan /
+post / transfer / confirm / total seconds, outcome) plus totals.
+
+Imports vLLM's ``metrics`` module (only ``rdma_kv.vllm`` may).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+__all__ = ["RdmaKVConnectorStats"]
+
+MAX_RECORDS = 10_000
+"""Per-request records kept across aggregations (the oldest are dropped)."""
+
+
+@dataclasses.dataclass
+class RdmaKVConnectorStats(KVConnectorStats):
+    """``data``: ``{"requests": [record, ...], "totals": {name: number}}``."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def is_empty(self) -> bool:
+        return not self.data.get("requests") and not any(self.data.get("totals", {}).values())
+
+    def aggregate(self, other: KVConnectorStats) -> RdmaKVConnectorStats:
+        if not isinstance(other, RdmaKVConnectorStats):
+            raise TypeError(f"cannot aggregate {type(other).__name__} into RdmaKVConnectorStats")
+        if other.is_empty():
+            return self
+        requests = [*self.data.get("requests", ()), *other.data.get("requests", ())]
+        totals = dict(self.data.get("totals", {}))
+        for key, value in other.data.get("totals", {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                totals[key] = totals.get(key, 0) + value
+        self.data = {"requests": requests[-MAX_RECORDS:], "totals": totals}
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        records = self.data.get("requests", [])
+        totals = self.data.get("totals", {})
+        ok = [r for r in records if r.get("ok")]
+        out: dict[str, int | float] = {
+            "loads": len(records),
+            "loads_failed": len(records) - len(ok),
+            "bytes": int(totals.get("nbytes", 0)),
+            "descriptors": int(totals.get("num_descs", 0)),
+            "ops_posted": int(totals.get("ops_posted", 0)),
+            "handshakes": int(totals.get("handshakes", 0)),
+        }
+        for key in ("transfer_s", "total_s"):
+            values = [float(r[key]) for r in ok if key in r]
+            if values:
+                out[f"median_{key[:-2]}_ms"] = round(1e3 * statistics.median(values), 3)
+        return out

@@ -1,0 +1,230 @@
+"""vLLM 0.32 objects -> rdma-kv's engine-neutral ones (and results back).
+
+Owns the pure translation functions the adapter (``connector.py``) calls:
+vLLM's ``KVTransferConfig`` and parallel layout -> our ``KVTransferConfig``;
+vLLM's ``KVCacheConfig`` (specs, groups, ``KVCacheTensor(size, layers,
+layer_stride, block_stride, offset, host_resident)``) -> ours;
+``Request``, ``KVCacheBlocks``, ``SchedulerOutput`` (whose cached requests
+are parallel lists) and ``KVConnectorOutput`` -> ours. No transfer logic.
+
+Duck-typed on purpose: it reads attributes and never imports vLLM, so it
+is unit-testable without vLLM and costs nothing to import. Imports the
+standard library, ``rdma_kv.errors`` and ``rdma_kv.connector``'s
+``config``, ``specs`` and ``types``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from rdma_kv.connector.config import KVTransferConfig
+from rdma_kv.connector.specs import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheTensor,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from rdma_kv.connector.types import (
+    CachedRequestData,
+    KVCacheBlocks,
+    KVConnectorOutput,
+    NewRequestData,
+    Request,
+    RequestId,
+    SchedulerOutput,
+    as_block_ids,
+)
+from rdma_kv.errors import ConfigError, SpecError
+
+__all__ = [
+    "DEFAULT_HOST",
+    "VLLM_PARAM_ANNOTATIONS",
+    "block_ids",
+    "connector_output",
+    "kv_cache_config",
+    "kv_cache_spec",
+    "request",
+    "scheduler_output",
+    "transfer_config",
+]
+
+DEFAULT_HOST = "127.0.0.1"
+"""Side-channel host when ``kv_connector_extra_config`` names none: vLLM
+0.32's ``KVTransferConfig`` has no ``kv_ip``. Loopback, so that nothing is
+exposed by default; set ``side_channel_host`` (and ``advertise_host`` when
+binding ``0.0.0.0``) for a real cluster."""
+
+VLLM_PARAM_ANNOTATIONS = ("remote_prefill_cached_tokens",)
+"""Keys vLLM itself adds to the params a producer returned (the scheduler
+annotates params that say ``do_remote_prefill`` with the prefill's cache
+hits, for the decode's usage report). A router forwards them verbatim;
+they are vLLM's, not the connector's, so they are dropped before parsing."""
+
+
+# --- configuration ----------------------------------------------------------------
+
+
+def transfer_config(vllm_kv: Any, *, tp_rank: int = 0, tp_size: int = 1,
+                    dp_rank: int = 0) -> KVTransferConfig:
+    """Our ``KVTransferConfig`` from vLLM's (``vllm.config.KVTransferConfig``).
+
+    vLLM's fields map one to one (``kv_connector``, ``engine_id``,
+    ``kv_buffer_device``, ``kv_role``, ``kv_port``, ``kv_connector_extra_config``,
+    ``kv_connector_module_path``, ``kv_load_failure_policy``). The host comes
+    from the extra config's ``side_channel_host`` (default ``DEFAULT_HOST``).
+    The tensor-parallel rank and size come from vLLM's parallel config, never
+    from the user; with data parallelism, DP rank ``d`` uses base port
+    ``port + d * tp_size`` (rank ``r`` adds ``r``), so ranks never collide.
+    """
+    extra = dict(getattr(vllm_kv, "kv_connector_extra_config", None) or {})
+    for key in ("tp_rank", "tp_size"):
+        if key in extra:
+            raise ConfigError(
+                f"kv_connector_extra_config[{key!r}] is set, but under vLLM the tensor-parallel "
+                "rank and size come from vLLM's parallel config; remove it")
+    host = extra.get("side_channel_host", DEFAULT_HOST)
+    if not isinstance(host, str) or not host:
+        raise ConfigError(f"kv_connector_extra_config['side_channel_host'] must be a host, got {host!r}")
+    port = extra.get("side_channel_port", getattr(vllm_kv, "kv_port", 14579))
+    if dp_rank and isinstance(port, int) and port:
+        extra["side_channel_port"] = port + dp_rank * tp_size
+    extra.update(tp_rank=tp_rank, tp_size=tp_size)
+    device = getattr(vllm_kv, "kv_buffer_device", None) or "cpu"
+    policy = getattr(vllm_kv, "kv_load_failure_policy", None) or "fail"
+    return KVTransferConfig(
+        kv_connector=vllm_kv.kv_connector,
+        engine_id=None if vllm_kv.engine_id is None else str(vllm_kv.engine_id),
+        kv_buffer_device=device,
+        kv_role=vllm_kv.kv_role,
+        kv_ip=host,
+        kv_port=getattr(vllm_kv, "kv_port", 14579),
+        kv_connector_extra_config=extra,
+        kv_connector_module_path=getattr(vllm_kv, "kv_connector_module_path", None),
+        kv_load_failure_policy=policy,
+    )
+
+
+def kv_cache_spec(spec: Any) -> KVCacheSpec:
+    """Our spec for a vLLM ``FullAttentionSpec``, ``MLAAttentionSpec`` or
+    ``SlidingWindowSpec``. Other kinds (Mamba, chunked-local, sink, cross
+    attention...) and anything whose page differs from the plain K/V page
+    (padding, quantised KV, a V head of another size) raise ``SpecError``:
+    the connector moves whole pages and must know their size exactly."""
+    kind = type(spec).__name__
+    common = dict(block_size=int(spec.block_size), num_kv_heads=int(spec.num_kv_heads),
+                  head_size=int(spec.head_size), dtype=spec.dtype)
+    if kind == "MLAAttentionSpec":
+        ours: KVCacheSpec = MLAAttentionSpec(**common)
+    elif kind == "FullAttentionSpec":
+        head_v = getattr(spec, "head_size_v", None)
+        if head_v not in (None, spec.head_size):
+            raise SpecError(f"FullAttentionSpec with head_size_v={head_v} != head_size="
+                            f"{spec.head_size} is not supported by RdmaKVConnector")
+        ours = FullAttentionSpec(**common, sliding_window=getattr(spec, "sliding_window", None))
+    elif kind == "SlidingWindowSpec":
+        ours = SlidingWindowSpec(**common, sliding_window=int(spec.sliding_window))
+    else:
+        raise SpecError(f"RdmaKVConnector supports FullAttentionSpec, MLAAttentionSpec and "
+                        f"SlidingWindowSpec KV caches; this model has a {kind}")
+    theirs = getattr(spec, "page_size_bytes", ours.page_size_bytes)
+    if theirs != ours.page_size_bytes:
+        raise SpecError(f"vLLM's {kind} has pages of {theirs} bytes, rdma-kv computes "
+                        f"{ours.page_size_bytes} for {common} (padded or quantised KV is not "
+                        "supported)")
+    return ours
+
+
+def kv_cache_config(config: Any) -> KVCacheConfig:
+    """Our ``KVCacheConfig`` from vLLM's. vLLM 0.32's ``KVCacheTensor`` names
+    its layers ``layers`` (older releases: ``shared_by``); its placement
+    fields (``layer_stride``, ``block_stride``, ``offset``) are not copied:
+    the connector derives every layer's geometry from the registered tensors
+    themselves (shape, strides, storage), whatever the backend's layout."""
+    groups = tuple(KVCacheGroupSpec(tuple(g.layer_names), kv_cache_spec(g.kv_cache_spec))
+                   for g in config.kv_cache_groups)
+    tensors = []
+    for t in config.kv_cache_tensors:
+        layers = getattr(t, "layers", None)
+        if layers is None:
+            layers = getattr(t, "shared_by", ())
+        tensors.append(KVCacheTensor(size=int(t.size), shared_by=tuple(layers)))
+    return KVCacheConfig(int(config.num_blocks), tuple(tensors), groups)
+
+
+# --- per request and per step ------------------------------------------------------------
+
+
+def request(req: Any) -> Request:
+    """Our ``Request`` for a vLLM ``Request`` (the engine's id, with its random
+    suffix, is the id everywhere in the connector).
+
+    ``kv_transfer_params`` lose ``VLLM_PARAM_ANNOTATIONS``; the rest goes to
+    the connector as is (it rejects unknown keys). A prompt given as
+    embeddings has no token ids: the connector only counts prompt tokens,
+    so zeros of the right length stand in for them.
+    """
+    ids = req.prompt_token_ids
+    if ids is None:
+        ids = [0] * int(req.num_prompt_tokens)
+    params = req.kv_transfer_params
+    if params and any(k in params for k in VLLM_PARAM_ANNOTATIONS):
+        params = {k: v for k, v in params.items() if k not in VLLM_PARAM_ANNOTATIONS}
+    ours = Request(str(req.request_id), ids, params)
+    ours.num_computed_tokens = int(req.num_computed_tokens)
+    ours.output_token_ids = list(req.output_token_ids)
+    return ours
+
+
+def block_ids(blocks: Any) -> KVCacheBlocks:
+    """Our ``KVCacheBlocks`` from vLLM's (``get_block_ids()``: a list per group)."""
+    return KVCacheBlocks.of(*blocks.get_block_ids())
+
+
+def _groups(ids: Iterable[Iterable[int]] | None) -> tuple[tuple[Any, ...], ...] | None:
+    return None if ids is None else tuple(as_block_ids(list(g)) for g in ids)
+
+
+def scheduler_output(out: Any) -> SchedulerOutput:
+    """Our ``SchedulerOutput``: one record per cached request from vLLM's
+    struct of arrays (``req_ids[i]``, ``new_block_ids[i]``, ...);
+    ``resumed_req_ids`` (a set) becomes each record's flag."""
+    new = tuple(
+        NewRequestData(RequestId(r.req_id), tuple(r.prompt_token_ids or ()),
+                       _groups(r.block_ids) or (), int(r.num_computed_tokens))
+        for r in out.scheduled_new_reqs
+    )
+    cached_in = out.scheduled_cached_reqs
+    resumed = getattr(cached_in, "resumed_req_ids", None) or set()
+    cached = tuple(
+        CachedRequestData(RequestId(rid), _groups(cached_in.new_block_ids[i]),
+                          int(cached_in.num_computed_tokens[i]), rid in resumed)
+        for i, rid in enumerate(cached_in.req_ids)
+    )
+    return SchedulerOutput(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={RequestId(k): int(v) for k, v in out.num_scheduled_tokens.items()},
+        finished_req_ids=frozenset(RequestId(r) for r in out.finished_req_ids),
+    )
+
+
+def connector_output(out: Any) -> KVConnectorOutput:
+    """Our ``KVConnectorOutput`` from vLLM's (its ``None`` sets are empty)."""
+    return KVConnectorOutput.of(out.finished_sending, out.finished_recving,
+                                getattr(out, "invalid_block_ids", None))
+
+
+def finished_sets(sending: Iterable[str], recving: Iterable[str]
+                  ) -> tuple[set[str] | None, set[str] | None]:
+    """vLLM's ``get_finished`` form: ``None`` for an empty set."""
+    return (set(sending) or None, set(recving) or None)
+
+
+def stats_dict(data: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A plain, serialisable copy of the connector's stats (crosses processes)."""
+    return None if not data else {k: (dict(v) if isinstance(v, Mapping) else v)
+                                   for k, v in data.items()}

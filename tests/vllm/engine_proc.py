@@ -1,0 +1,194 @@
+"""One offline vLLM engine in a child process, driven over pipes: the
+building block of the P/D tests and of ``bench/vllm_pd.py``.
+
+Child (this file run as a script): reads JSON commands on stdin, one per
+line, answers each on a result pipe of its own (vLLM logs to stdout, which
+goes to a log file):
+
+    {"op": "start", "kv_transfer_config": {...} | null, "llm": {...}}
+    {"op": "generate", "prompts": [...], "max_tokens": 8,
+     "kv_transfer_params": [... | null]}          -> {"outputs": [...], "elapsed_s"}
+    {"op": "stop"}                                -> engine shut down, child exits
+
+Parent: :class:`EngineProcess` (``start``, ``generate``, ``kill``,
+``close``, ``log``); every wait is bounded (``timeout_s``), and a child
+that dies or times out raises with the tail of its log.
+
+Imports only the standard library at module level: vLLM runs in children.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+class EngineProcess:
+    """A child process holding at most one ``vllm.LLM``."""
+
+    def __init__(self, name: str, model_dir: str, log_dir: Path, *,
+                 multiprocessing: bool = False, env: Mapping[str, str] | None = None,
+                 timeout_s: float = 120.0) -> None:
+        self.name, self.timeout_s = name, timeout_s
+        self.log_path = Path(log_dir) / f"{name}.log"
+        read_fd, write_fd = os.pipe()
+        child_env = {**os.environ, **(env or {}), "UCX_NET_DEVICES": "lo"}
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, __file__, "--result-fd", str(write_fd), "--model-dir", model_dir,
+                 *(["--multiprocessing"] if multiprocessing else [])],
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
+                env=child_env, pass_fds=(write_fd,), start_new_session=True)
+        os.close(write_fd)
+        self._results = os.fdopen(read_fd)
+
+    def _call(self, command: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(command) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # reported below with the log
+        ready, _, _ = select.select([self._results], [], [], timeout_s or self.timeout_s)
+        line = self._results.readline() if ready else ""
+        if not line:
+            self.kill()
+            raise RuntimeError(f"{self.name}: no answer to {command['op']!r} "
+                               f"(rc={self.proc.returncode}); log tail ({self.log_path}):\n"
+                               f"{self.log()[-4000:]}")
+        reply = json.loads(line)
+        if not reply.get("ok"):
+            raise RuntimeError(f"{self.name}: {command['op']} failed:\n{reply.get('error')}")
+        return reply
+
+    def start(self, kv_transfer_config: Mapping[str, Any] | None = None, *,
+              model: Mapping[str, Any] | None = None, **llm: Any) -> dict[str, Any]:
+        """Build (or reuse) the tiny model with ``model`` (``build_tiny_llama``
+        keywords) and start an engine with ``llm`` overrides (``llm_kwargs``)."""
+        return self._call({"op": "start", "kv_transfer_config": kv_transfer_config,
+                           "model": dict(model or {}), "llm": llm})
+
+    def generate(self, prompts: Sequence[str], *, max_tokens: int = 8,
+                 kv_transfer_params: Sequence[Mapping[str, Any] | None] | None = None
+                 ) -> dict[str, Any]:
+        return self._call({"op": "generate", "prompts": list(prompts), "max_tokens": max_tokens,
+                           "kv_transfer_params": kv_transfer_params})
+
+    def kill(self) -> None:
+        """SIGKILL the child and everything it started (its session)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=30)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                self._call({"op": "stop"}, timeout_s)
+                self.proc.wait(timeout=timeout_s)
+            except Exception:
+                self.kill()
+        self._results.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --- the child ----------------------------------------------------------------------
+
+
+def _child(result_fd: int, model_dir: str, multiprocessing: bool) -> None:
+    sys.path.insert(0, str(HERE))
+    from tiny_model import apply_vllm_env, build_tiny_llama
+
+    apply_vllm_env(multiprocessing=multiprocessing)
+    results = os.fdopen(result_fd, "w")
+    llm = None
+
+    def reply(obj: dict[str, Any]) -> None:
+        results.write(json.dumps(obj) + "\n")
+        results.flush()
+
+    for line in sys.stdin:
+        command = json.loads(line)
+        op = command["op"]
+        try:
+            if op == "start":
+                from tiny_model import make_llm
+
+                model = build_tiny_llama(model_dir, **command.get("model", {}))
+                t0 = time.monotonic()
+                llm = make_llm(model, kv_transfer_config=command["kv_transfer_config"],
+                               **command.get("llm", {}))
+                reply({"ok": True, "elapsed_s": time.monotonic() - t0})
+            elif op == "generate":
+                reply({"ok": True, **_generate(llm, command)})
+            elif op == "stop":
+                if llm is not None:
+                    from tiny_model import shutdown_llm
+
+                    shutdown_llm(llm)
+                reply({"ok": True})
+                return
+            else:
+                raise ValueError(f"unknown op {op!r}")
+        except Exception:
+            reply({"ok": False, "error": traceback.format_exc()})
+
+
+def _generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    params = command.get("kv_transfer_params") or [None] * len(command["prompts"])
+    sampling = [SamplingParams(temperature=0.0, max_tokens=command["max_tokens"], ignore_eos=True,
+                               extra_args=None if p is None else {"kv_transfer_params": p})
+                for p in params]
+    t0 = time.monotonic()
+    outputs = llm.generate(command["prompts"], sampling, use_tqdm=False)
+    elapsed = time.monotonic() - t0
+    return {"elapsed_s": elapsed, "outputs": [
+        {"request_id": o.request_id, "prompt_token_ids": list(o.prompt_token_ids),
+         "token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
+         "kv_transfer_params": o.kv_transfer_params, "num_cached_tokens": o.num_cached_tokens,
+         "queued_to_first_token_s": _queued_to_first_token(o)}
+        for o in outputs]}
+
+
+def _queued_to_first_token(output: Any) -> float | None:
+    """Engine-core time from queueing to the first token (needs the engine's
+    stats on: ``disable_log_stats=False``); for a decode with a remote
+    prefill: the KV load plus one step."""
+    m = getattr(output, "metrics", None)
+    if m is None or not getattr(m, "first_token_ts", 0) or not getattr(m, "queued_ts", 0):
+        return None
+    return m.first_token_ts - m.queued_ts
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--result-fd", type=int, required=True)
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--multiprocessing", action="store_true")
+    a = ap.parse_args()
+    _child(a.result_fd, a.model_dir, a.multiprocessing)

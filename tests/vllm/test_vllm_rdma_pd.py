@@ -1,0 +1,168 @@
+"""End to end inside real vLLM: prefill instance -> rdma-kv -> decode instance.
+
+Each engine is a separate process (``engine_proc.EngineProcess``), loaded
+with ``kv_connector_module_path="rdma_kv.vllm"``; the tiny random Llama is
+built locally (``tiny_model``). Greedy token ids of the decode instance are
+compared with a plain run of the same prompts (all submitted together):
+
+- ``test_pd_tokens_match_and_control``: identical for prompts of 7, 37,
+  51, 64 and 71 tokens (shorter than a block, partial last blocks, exactly
+  two blocks); then the control: the same decode pointed at the wrong
+  remote blocks of a second, live prefill changes every output, so the KV
+  really came over the wire (a decode that recomputed would still match).
+- ``test_producer_killed_recompute_and_fail``: the producer is SIGKILLed
+  after the prefill, before any read. ``kv_load_failure_policy=recompute``:
+  output still identical; ``fail``: every request ends with an error, and
+  the log says why. Every wait is bounded.
+- ``test_pd_multiprocessing_on``: the first test's match with
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (connector in EngineCore and Worker
+  processes, handshake metadata crossing processes).
+
+Run in the vLLM venv (scripts/install-vllm.sh); skipped elsewhere:
+
+    .venv-vllm/bin/python -m pytest tests/vllm -q -m vllm
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM not installed (scripts/install-vllm.sh)")
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from engine_proc import EngineProcess  # noqa: E402
+from tiny_model import BLOCK_SIZE, PROMPTS  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+# BOS + one token per word: 7, 37, 71 (tiny_model.PROMPTS), 51 and 64 tokens.
+PD_PROMPTS = (
+    *PROMPTS,
+    " ".join(["one two three four five six seven eight nine ten"] * 5),
+    " ".join(["red green blue yellow black white orange purple"] * 8).rsplit(" ", 1)[0],
+)
+MAX_TOKENS = 8
+WRONG_BLOCK_OFFSET = 200  # well inside the 512-block cache, far from any prompt's blocks
+
+
+def rdma_config(role: str, **extra: Any) -> dict[str, Any]:
+    """kv_transfer_config for RdmaKVConnector. ``kv_port`` 0: the producer's
+    side channel takes a free port, published through vLLM's handshake
+    metadata exchange (so parallel CI jobs never collide)."""
+    policy = extra.pop("kv_load_failure_policy", "fail")
+    return {"kv_connector": "RdmaKVConnector", "kv_connector_module_path": "rdma_kv.vllm",
+            "kv_role": role, "kv_port": 0, "kv_load_failure_policy": policy,
+            "kv_connector_extra_config": {"side_channel_host": "127.0.0.1", **extra}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engine-logs")
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir: str, log_dir: Path) -> list[list[int]]:
+    """Reference token ids: no connector, one engine."""
+    with EngineProcess("plain", model_dir, log_dir) as engine:
+        engine.start()
+        outputs = engine.generate(PD_PROMPTS, max_tokens=MAX_TOKENS)["outputs"]
+    lengths = [len(o["prompt_token_ids"]) for o in outputs]
+    assert lengths == [7, 37, 71, 51, 64], lengths
+    assert lengths[0] < BLOCK_SIZE and any(n % BLOCK_SIZE for n in lengths[1:])
+    return [o["token_ids"] for o in outputs]
+
+
+def prefill(engine: EngineProcess) -> list[dict[str, Any]]:
+    """Run the prompts as prefill requests; the params a router would forward."""
+    outputs = engine.generate(PD_PROMPTS, max_tokens=1,
+                              kv_transfer_params=[{"do_remote_decode": True}] * len(PD_PROMPTS)
+                              )["outputs"]
+    params = [o["kv_transfer_params"] for o in outputs]
+    for o, p in zip(outputs, params):
+        assert p is not None and p["do_remote_prefill"] is True and p["do_remote_decode"] is False
+        assert p["remote_num_tokens"] == len(o["prompt_token_ids"])
+        assert len(p["remote_block_ids"]) == -(-len(o["prompt_token_ids"]) // BLOCK_SIZE)
+    return params
+
+
+def tokens(reply: dict[str, Any]) -> list[list[int]]:
+    return [o["token_ids"] for o in reply["outputs"]]
+
+
+def run_match_and_control(plain: list[list[int]], model_dir: str, log_dir: Path,
+                          *, multiprocessing: bool) -> None:
+    tag = "mp" if multiprocessing else "inproc"
+    producer = EngineProcess(f"prefill-{tag}", model_dir, log_dir, multiprocessing=multiprocessing)
+    try:
+        producer.start(rdma_config("kv_producer"))
+        with EngineProcess(f"decode-{tag}", model_dir, log_dir,
+                           multiprocessing=multiprocessing) as consumer:
+            # Both instances up before the first prefill, as in a deployment: a
+            # lease unclaimed for lease_ttl_s (30 s) expires, and an engine start
+            # with multiprocessing on takes about that long here.
+            consumer.start(rdma_config("kv_consumer"))
+            good = prefill(producer)
+            spare = prefill(producer)  # a second set of live leases, for the control
+            # The params go verbatim, as a router forwards them (including the
+            # remote_prefill_cached_tokens vLLM adds to them).
+            assert tokens(consumer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS,
+                                            kv_transfer_params=good)) == plain
+            if multiprocessing:
+                return
+            wrong = [{**p, "remote_block_ids": [b + WRONG_BLOCK_OFFSET for b in p["remote_block_ids"]]}
+                     for p in spare]
+            control = tokens(consumer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS,
+                                               kv_transfer_params=wrong))
+            differ = [c != p for c, p in zip(control, plain)]
+            assert all(differ), f"reading the wrong remote blocks left outputs unchanged: {differ}"
+            assert "KV load failed" not in consumer.log()
+    finally:
+        producer.close()
+
+
+def test_pd_tokens_match_and_control(plain: list[list[int]], model_dir: str,
+                                     log_dir: Path) -> None:
+    run_match_and_control(plain, model_dir, log_dir, multiprocessing=False)
+
+
+def test_producer_killed_recompute_and_fail(plain: list[list[int]], model_dir: str,
+                                            log_dir: Path) -> None:
+    producer = EngineProcess("prefill-killed", model_dir, log_dir)
+    try:
+        producer.start(rdma_config("kv_producer"))
+        params = prefill(producer)
+    finally:
+        producer.kill()  # SIGKILL, before any decode read
+    port = params[0]["remote_port"]
+
+    with EngineProcess("decode-recompute", model_dir, log_dir) as consumer:
+        consumer.start(rdma_config("kv_consumer", kv_load_failure_policy="recompute",
+                                   connect_timeout_s=1.0, rpc_retries=1))
+        reply = consumer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+        assert tokens(reply) == plain
+        assert f"handshake with 127.0.0.1:{port} failed" in consumer.log()
+
+    with EngineProcess("decode-fail", model_dir, log_dir) as consumer:
+        consumer.start(rdma_config("kv_consumer", kv_load_failure_policy="fail",
+                                   connect_timeout_s=1.0, rpc_retries=1))
+        reply = consumer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+        reasons = [o["finish_reason"] for o in reply["outputs"]]
+        assert reasons == ["error"] * len(PD_PROMPTS), reasons
+        log = consumer.log()
+        assert "KV load failed" in log and f"handshake with 127.0.0.1:{port} failed" in log
+
+
+def test_pd_multiprocessing_on(plain: list[list[int]], model_dir: str, log_dir: Path) -> None:
+    run_match_and_control(plain, model_dir, log_dir, multiprocessing=True)

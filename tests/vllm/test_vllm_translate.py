@@ -1,0 +1,136 @@
+"""The adapter's translation against vLLM 0.32's real classes, no engine
+(well under a second): config, KV-cache config and specs, requests and
+their params, scheduler output, finished sets, stats, lazy import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM not installed (scripts/install-vllm.sh)")
+
+import torch  # noqa: E402
+from vllm.config import KVTransferConfig as VllmKVTransferConfig  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+
+from rdma_kv.connector import specs  # noqa: E402
+from rdma_kv.errors import ConfigError, SpecError  # noqa: E402
+from rdma_kv.vllm import RdmaKVConnector, RdmaKVConnectorStats, translate  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+
+def test_transfer_config_maps_vllm_fields_and_host_default() -> None:
+    vllm_kv = VllmKVTransferConfig(
+        kv_connector="RdmaKVConnector", kv_connector_module_path="rdma_kv.vllm",
+        kv_role="kv_consumer", kv_port=15000, kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"lease_ttl_s": 5})
+    ours = translate.transfer_config(vllm_kv, tp_rank=1, tp_size=2, dp_rank=3)
+    assert ours.kv_role.value == "kv_consumer" and ours.kv_port == 15000
+    assert ours.engine_id == vllm_kv.engine_id and ours.kv_buffer_device.value == "cpu"
+    assert ours.kv_load_failure_policy.value == "recompute" and ours.kv_ip == "127.0.0.1"
+    extra = ours.kv_connector_extra_config
+    assert (extra["tp_rank"], extra["tp_size"], extra["lease_ttl_s"]) == (1, 2, 5)
+    assert extra["side_channel_port"] == 15000 + 3 * 2  # data-parallel rank 3
+    with pytest.raises(ConfigError, match="tp_size"):
+        translate.transfer_config(SimpleNamespace(**{**vars(vllm_kv),
+                                  "kv_connector_extra_config": {"tp_size": 4}}))
+
+
+def test_kv_cache_config_from_vllm_032() -> None:
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    config = KVCacheConfig(
+        num_blocks=512,
+        kv_cache_tensors=[KVCacheTensor(size=16 << 20, layers=LAYERS, layer_stride=8 << 20,
+                                        block_stride=16384, offset=0)],
+        kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
+    ours = translate.kv_cache_config(config)
+    assert ours.num_blocks == 512 and ours.layer_names == tuple(LAYERS)
+    assert ours.kv_cache_tensors[0].shared_by == tuple(LAYERS)
+    group = ours.single_group().kv_cache_spec
+    assert isinstance(group, specs.FullAttentionSpec) and group.dtype == "float32"
+    assert group.page_size_bytes == spec.page_size_bytes == 16384
+
+
+def test_unsupported_spec_is_refused_with_its_kind() -> None:
+    class MambaSpec(SimpleNamespace):
+        pass
+
+    with pytest.raises(SpecError, match="MambaSpec"):
+        translate.kv_cache_spec(MambaSpec(block_size=32, num_kv_heads=1, head_size=32,
+                                          dtype=torch.float32))
+
+
+def test_request_drops_vllm_annotation_and_keeps_engine_id() -> None:
+    params = {"do_remote_decode": True, "remote_prefill_cached_tokens": 0}
+    vreq = SimpleNamespace(request_id="0-9ebb2ecc", prompt_token_ids=[1, 2, 3],
+                           num_prompt_tokens=3, kv_transfer_params=params,
+                           num_computed_tokens=2, output_token_ids=[7])
+    ours = translate.request(vreq)
+    assert ours.request_id == "0-9ebb2ecc" and ours.num_computed_tokens == 2
+    assert dict(ours.kv_transfer_params) == {"do_remote_decode": True}
+    assert params == {"do_remote_decode": True, "remote_prefill_cached_tokens": 0}  # untouched
+    embeds = translate.request(SimpleNamespace(**{**vars(vreq), "prompt_token_ids": None}))
+    assert embeds.num_prompt_tokens == 3
+
+
+def test_scheduler_output_struct_of_arrays() -> None:
+    out = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="a", prompt_token_ids=[1, 2],
+                                            block_ids=([4, 5],), num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["b", "c"], resumed_req_ids={"c"},
+                                              new_block_ids=[None, ([9],)],
+                                              num_computed_tokens=[33, 64]),
+        num_scheduled_tokens={"a": 2, "b": 1, "c": 1}, finished_req_ids={"z"})
+    ours = translate.scheduler_output(out)
+    assert ours.scheduled_new_reqs[0].block_ids == ((4, 5),)
+    b, c = ours.scheduled_cached_reqs
+    assert (b.new_block_ids, b.resumed_from_preemption) == (None, False)
+    assert (c.new_block_ids, c.num_computed_tokens, c.resumed_from_preemption) == (((9,),), 64, True)
+    assert ours.finished_req_ids == frozenset({"z"})
+
+
+def test_finished_sending_after_recving_is_dropped() -> None:
+    """vLLM frees a finished request on finished_recving (the ``fail`` policy
+    path): a later finished_sending for it would trip vLLM's scheduler."""
+    import collections
+
+    reports = iter([({"p1"}, {"d1"}), ({"d1", "p2"}, set()), (set(), set())])
+    adapter = object.__new__(RdmaKVConnector)
+    adapter._connector = SimpleNamespace(get_finished=lambda ids: next(reports))
+    adapter._recved = collections.OrderedDict()
+    assert adapter.get_finished(set()) == ({"p1"}, {"d1"})
+    assert adapter.get_finished(set()) == ({"p2"}, None)
+    assert adapter.get_finished(set()) == (None, None)
+
+
+def test_stats_aggregate_and_reduce() -> None:
+    rec = {"request_id": "r", "ok": True, "nbytes": 100, "transfer_s": 0.002, "total_s": 0.01}
+    a = RdmaKVConnector.build_kv_connector_stats(
+        {"requests": [rec], "totals": {"nbytes": 100, "num_descs": 4, "handshakes": 1}})
+    b = RdmaKVConnectorStats(data={"requests": [{**rec, "ok": False}],
+                                   "totals": {"nbytes": 0, "num_descs": 0}})
+    assert RdmaKVConnectorStats().is_empty() and not a.is_empty()
+    reduced = a.aggregate(b).reduce()
+    assert reduced["loads"] == 2 and reduced["loads_failed"] == 1
+    assert reduced["bytes"] == 100 and reduced["descriptors"] == 4 and reduced["handshakes"] == 1
+    assert reduced["median_transfer_ms"] == 2.0
+
+
+def test_import_rdma_kv_does_not_import_vllm_nor_start_anything() -> None:
+    code = ("import sys, threading, rdma_kv, rdma_kv.connector, rdma_kv.transport\n"
+            "assert 'vllm' not in sys.modules\n"
+            "import rdma_kv.vllm\n"
+            "assert 'rdma_kv.connector.rdma.worker' not in sys.modules\n"
+            "assert threading.active_count() == 1, threading.enumerate()\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
