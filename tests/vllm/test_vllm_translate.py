@@ -134,3 +134,30 @@ def test_import_rdma_kv_does_not_import_vllm_nor_start_anything() -> None:
             "assert 'rdma_kv.connector.rdma.worker' not in sys.modules\n"
             "assert threading.active_count() == 1, threading.enumerate()\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_prometheus_series_through_vllms_hook():
+    """build_prom_metrics registers rdma_kv_* series with the metric classes vLLM
+    hands over, labelled per engine, and observe() folds stats in."""
+    import functools
+    import types
+
+    import prometheus_client
+    from prometheus_client import Counter, Gauge, Histogram  # the keys vLLM uses
+
+    from rdma_kv.vllm import RdmaKVConnector
+
+    registry = prometheus_client.CollectorRegistry()
+    metric_types = {Gauge: functools.partial(prometheus_client.Gauge, registry=registry),
+                    Counter: functools.partial(prometheus_client.Counter, registry=registry),
+                    Histogram: functools.partial(prometheus_client.Histogram, registry=registry)}
+    prom = RdmaKVConnector.build_prom_metrics(types.SimpleNamespace(kv_transfer_config=None), metric_types,
+                                              ["model_name", "engine"], {0: ["tiny", "0"], 1: ["tiny", "1"]})
+    record = {"request_id": "r1", "ok": True, "nbytes": 4096, "num_descs": 4, "ops_posted": 1,
+              "transfer_s": 0.001, "post_s": 0.0001, "total_s": 0.002}
+    prom.observe({"requests": [record], "totals": {"handshakes": 1}}, engine_idx=1)
+    assert registry.get_sample_value("rdma_kv_loads_total",
+                                     {"model_name": "tiny", "engine": "1", "outcome": "ok"}) == 1
+    assert registry.get_sample_value("rdma_kv_read_bytes_total", {"model_name": "tiny", "engine": "1"}) == 4096
+    assert registry.get_sample_value("rdma_kv_loads_total",
+                                     {"model_name": "tiny", "engine": "0", "outcome": "ok"}) is None

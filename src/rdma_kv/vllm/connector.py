@@ -30,7 +30,7 @@ from rdma_kv.connector.base import KVConnectorRole as Role
 from rdma_kv.connector.types import as_block_ids
 from rdma_kv.errors import ConfigError
 from rdma_kv.vllm import translate
-from rdma_kv.vllm.stats import RdmaKVConnectorStats
+from rdma_kv.vllm.stats import RdmaKVConnectorStats, RdmaKVPromMetrics
 
 if TYPE_CHECKING:
     from rdma_kv.connector.rdma.connector import RdmaConnector
@@ -132,6 +132,11 @@ class RdmaKVConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> RdmaKVConnectorStats:
         return RdmaKVConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> RdmaKVPromMetrics:
+        return RdmaKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         self._connector.shutdown()

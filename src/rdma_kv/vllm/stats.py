@@ -1,4 +1,6 @@
-"""``RdmaKVConnectorStats``: the connector's transfer records as vLLM stats.
+"""``RdmaKVConnectorStats`` and ``RdmaKVPromMetrics``: the connector's
+transfer records as vLLM stats, and as Prometheus series through vLLM's
+metrics hook (``build_prom_metrics``).
 
 Owns the ``KVConnectorStats`` subclass vLLM moves from the worker to the
 front end (``to_dict`` -> ``build_kv_connector_stats``), aggregates across
@@ -15,9 +17,11 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from typing import Any
 
-__all__ = ["RdmaKVConnectorStats"]
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+__all__ = ["RdmaKVConnectorStats", "RdmaKVPromMetrics"]
 
 MAX_RECORDS = 10_000
 """Per-request records kept across aggregations (the oldest are dropped)."""
@@ -63,3 +67,26 @@ class RdmaKVConnectorStats(KVConnectorStats):
             if values:
                 out[f"median_{key[:-2]}_ms"] = round(1e3 * statistics.median(values), 3)
         return out
+
+
+class RdmaKVPromMetrics(KVConnectorPromMetrics):
+    """vLLM's per-connector Prometheus hook: rdma-kv's series (``rdma_kv_*``:
+    transfer/post/load seconds, GB/s, bytes, descriptors and ops per request,
+    loads by outcome, events), registered with the metric classes vLLM hands
+    over and labelled per engine."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        # Lazy: the rdma package pulls in the worker; vLLM imports this module
+        # in its front-end process, where it must stay cheap.
+        from rdma_kv.connector.rdma.metrics import PrometheusMetrics
+
+        first = next(iter(per_engine_labelvalues.values()), [""] * len(labelnames))
+        self._metrics = PrometheusMetrics(labelnames=labelnames, labelvalues=first,
+                                          counter_cls=self._counter_cls, histogram_cls=self._histogram_cls,
+                                          gauge_cls=self._gauge_cls)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        self._metrics.observe(transfer_stats_data, labelvalues=self.per_engine_labelvalues[engine_idx])
+

@@ -315,6 +315,7 @@ class PrometheusMetrics:
             gauge_cls = gauge_cls or prometheus_client.Gauge
         self.registry = registry
         self._labels = [str(v) for v in labelvalues]
+        self._observing = self._labels
         self._lock = threading.Lock()
         kw = {"registry": registry} if registry is not None else {}
         names = list(labelnames)
@@ -332,14 +333,19 @@ class PrometheusMetrics:
         self.resources = make(gauge_cls, "resource", "rdma-kv: what the worker holds now", ["resource"])
 
     def _child(self, metric: Any, *extra: str) -> Any:
-        values = [*self._labels, *extra]
+        values = [*self._observing, *extra]
         return metric.labels(*values) if values else metric
 
-    def observe(self, stats: Mapping[str, Any] | None) -> None:
-        """Fold one ``get_kv_connector_stats()`` dict in."""
+    def observe(self, stats: Mapping[str, Any] | None, labelvalues: Sequence[object] | None = None) -> None:
+        """Fold one ``get_kv_connector_stats()`` dict in; ``labelvalues``
+        overrides the constructor's for this call (vLLM observes per engine)."""
         if not stats:
             return
+        labels = self._labels if labelvalues is None else [str(v) for v in labelvalues]
+        if len(labels) != len(self._labels):
+            raise ValueError(f"labelvalues {list(labels)} do not match labelnames of length {len(self._labels)}")
         with self._lock:
+            self._observing = labels
             for record in stats.get("requests", ()):
                 for name, value in record_values(record).items():
                     self._child(self.histograms[name]).observe(value)
