@@ -608,3 +608,32 @@ def test_engine_threads_post_and_wait_concurrently(pair: Pair, rng):
     assert not errors, errors[0]
     assert pair.b.inflight == 0
     assert pair.b.stats["transfers"] == threads_n * rounds and pair.b.stats["failed"] == 0
+
+
+def test_prepared_reads_merge_runs_but_never_across_adjacent_regions(make_agent):
+    """The C gather-merge-post loop: contiguous slots become one op, but two
+    regions that happen to be adjacent in memory are never merged into one."""
+    a, b = make_agent("a"), make_agent("b")
+    half, block = 64 * 1024, 4096
+    src = np.random.default_rng(7).integers(0, 256, 2 * half, dtype=np.uint8)
+    dst = np.zeros(2 * half, dtype=np.uint8)
+    a.register(src)
+    b.register((dst.ctypes.data, half))          # two regions, adjacent in memory
+    b.register((dst.ctypes.data + half, half))
+    b.add_peer(a.metadata())
+    a.add_peer(b.metadata())
+    slots = np.arange(2 * half // block, dtype=np.uint64) * block
+    local = b.prep_local(DescList(dst.ctypes.data + slots, block))
+    remote = b.prep_remote("a", DescList(src.ctypes.data + slots, block))
+    assert not local.single_region
+    every = np.arange(len(slots))
+    xfer = b.read_prepared(local, every, remote, every).wait(WAIT_S)
+    assert xfer.ops_posted == 2 and xfer.num_descs == len(slots)  # one run per local region
+    np.testing.assert_array_equal(dst, src)
+    dst[:] = 0
+    gaps = np.array([0, 1, 3, 4, 5], dtype=np.int32)              # runs {0,1} and {3,4,5}
+    xfer = b.read_prepared(local, gaps, remote, gaps).wait(WAIT_S)
+    assert xfer.ops_posted == 2 and xfer.nbytes == 5 * block
+    for s in gaps.tolist():
+        np.testing.assert_array_equal(dst[s * block:(s + 1) * block], src[s * block:(s + 1) * block])
+    assert not dst[2 * block:3 * block].any()

@@ -219,31 +219,27 @@ def _prepared(addrs, lengths, regions, peer=None):
     return PreparedDescList(DescList(addrs, lengths), np.asarray(regions, dtype=np.uint32), peer, 1)
 
 
-def test_gather_pair_uniform_single_region_fast_path_matches_general_path():
-    from rdma_kv.transport.descriptors import gather_pair
+def test_pair_indices_uniform_lists_need_no_per_descriptor_length_check():
+    from rdma_kv.transport.descriptors import pair_indices
 
     local = _prepared(np.arange(8, dtype=np.uint64) * 64 + 4096, 64, [0] * 8)
     remote = _prepared(np.arange(8, dtype=np.uint64) * 64 + 8192, 64, [0] * 8, peer="p")
     assert local.uniform_length == 64 and local.single_region
-    laddr, raddr, lengths, lreg, rreg = gather_pair(local, [3, 4, 7], remote, [0, 1, 2])
-    assert lreg is None and rreg is None
-    assert list(lengths) == [64, 64, 64]
-    assert list(laddr) == [4096 + 3 * 64, 4096 + 4 * 64, 4096 + 7 * 64]
-    merged = coalesce(laddr, raddr, lengths, lreg, rreg)
-    assert list(merged[2]) == [128, 64]  # 3,4 contiguous on both sides; 7 is not
+    li, ri, nbytes = pair_indices(local, np.array([3, 4, 7], dtype=np.int32), remote, [0, 1, 2])
+    assert li.dtype == np.int64 and ri.dtype == np.int64 and li.flags.c_contiguous
+    assert list(li) == [3, 4, 7] and list(ri) == [0, 1, 2] and nbytes == 3 * 64
 
 
-def test_gather_pair_general_path_checks_lengths_and_keeps_regions():
-    from rdma_kv.transport.descriptors import gather_pair
+def test_pair_indices_general_path_checks_lengths_and_ranges():
+    from rdma_kv.transport.descriptors import pair_indices
 
     local = _prepared([4096, 8192, 12288], [64, 128, 64], [0, 1, 1])
     remote = _prepared([4096, 8192, 12288], [64, 64, 64], [0, 0, 0], peer="p")
     assert local.uniform_length is None and not local.single_region and remote.single_region
-    laddr, raddr, lengths, lreg, rreg = gather_pair(local, [0, 2], remote, [0, 1])
-    assert list(lreg) == [0, 1] and rreg is None
+    assert pair_indices(local, [0, 2], remote, [0, 1])[2] == 128
     with pytest.raises(DescriptorError, match="lengths differ"):
-        gather_pair(local, [1], remote, [1])
+        pair_indices(local, [1], remote, [1])
     with pytest.raises(DescriptorError, match="out of range"):
-        gather_pair(local, [-1], remote, [0])
+        pair_indices(local, [-1], remote, [0])
     with pytest.raises(DescriptorError, match="pair up"):
-        gather_pair(local, [0, 1], remote, [0])
+        pair_indices(local, [0, 1], remote, [0])

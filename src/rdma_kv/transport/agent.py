@@ -49,7 +49,7 @@ from rdma_kv.errors import (
 )
 from rdma_kv.transport import metadata as wire
 from rdma_kv.transport._lib import check_status, load, status_name, ucx_version
-from rdma_kv.transport.descriptors import DescList, PreparedDescList, coalesce, gather_pair
+from rdma_kv.transport.descriptors import DescList, PreparedDescList, coalesce, pair_indices
 from rdma_kv.transport.memory import MemoryKind, MemoryRegion, RegionTable, kind_from_ucs, span_of
 from rdma_kv.transport.peer import Peer
 from rdma_kv.transport.transfer import Transfer, XferOp, XferState
@@ -356,7 +356,7 @@ class Agent:
                   remote_index: Any, notify: bytes | None, timeout_s: float | None) -> Transfer:
         if local.peer is not None or remote.peer is None:
             raise DescriptorError("pass a list from prep_local() as local and one from prep_remote() as remote")
-        laddr, raddr, llen, lreg, rreg = gather_pair(local, local_index, remote, remote_index)
+        li, ri, nbytes = pair_indices(local, local_index, remote, remote_index)
         with self._lock:
             self._require_open()
             if local.generation != self._local_gen:
@@ -370,7 +370,7 @@ class Agent:
                     f"remote prepared list was not made by prep_remote() of agent {self.name!r} or is for an "
                     f"earlier incarnation of {remote.peer!r}; prepare it again"
                 )
-            return self._post(op, p, laddr, raddr, llen, lreg, rreg, notify, timeout_s)
+            return self._post_indexed(op, p, local, li, remote, ri, nbytes, notify, timeout_s)
 
     def flush(self, peer: str, *, timeout_s: float | None = None) -> Transfer:
         """A transfer that completes once every earlier operation to ``peer``
@@ -383,7 +383,51 @@ class Agent:
                               empty.astype(np.uint32), None, timeout_s)
 
     def _post(self, op: XferOp, p: Peer, laddr: np.ndarray, raddr: np.ndarray, lengths: np.ndarray,
-              lreg: np.ndarray, rreg: np.ndarray, notify: bytes | None, timeout_s: float | None) -> Transfer:
+              lreg: np.ndarray | None, rreg: np.ndarray | None, notify: bytes | None,
+              timeout_s: float | None) -> Transfer:
+        """Post explicit descriptors: merge contiguous runs, then one rk_post."""
+        ffi, lib = self._ffi, self._lib
+        num_descs = len(laddr)
+        nbytes = int(lengths.sum()) if num_descs else 0
+        laddr, raddr, lengths, lreg, rreg = coalesce(laddr, raddr, lengths, lreg, rreg)
+        n_ops = len(laddr)
+        if lreg is None:  # single region: index 0 for every op (calloc'd, no pass)
+            lreg = np.zeros(n_ops, dtype=np.uint32)
+        if rreg is None:
+            rreg = np.zeros(n_ops, dtype=np.uint32)
+
+        def post(batch: Any, opcode: int, flush: int) -> int:
+            return int(lib.rk_post(
+                batch, opcode, n_ops, ffi.from_buffer("uint64_t[]", laddr), ffi.from_buffer("uint64_t[]", raddr),
+                ffi.from_buffer("uint64_t[]", lengths), ffi.from_buffer("uint32_t[]", lreg),
+                self._memhs if self._regions else ffi.NULL, ffi.from_buffer("uint32_t[]", rreg), p.rkeys, flush))
+
+        return self._submit(op, p, nbytes, num_descs, notify, timeout_s, post)
+
+    def _post_indexed(self, op: XferOp, p: Peer, local: PreparedDescList, li: np.ndarray,
+                      remote: PreparedDescList, ri: np.ndarray, nbytes: int, notify: bytes | None,
+                      timeout_s: float | None) -> Transfer:
+        """Post by index into prepared lists: the C loop gathers, merges and
+        posts in one pass (no per-descriptor numpy work: with caches cold after
+        a model step, that work cost ~300 us for 64 descriptors)."""
+        ffi, lib = self._ffi, self._lib
+        n = len(li)
+        lreg = ffi.NULL if local.single_region else ffi.from_buffer("uint32_t[]", local.regions)
+        rreg = ffi.NULL if remote.single_region else ffi.from_buffer("uint32_t[]", remote.regions)
+
+        def post(batch: Any, opcode: int, flush: int) -> int:
+            return int(lib.rk_post_indexed(
+                batch, opcode, n, ffi.from_buffer("int64_t[]", li), ffi.from_buffer("int64_t[]", ri),
+                ffi.from_buffer("uint64_t[]", local.descs.addrs), ffi.from_buffer("uint64_t[]", remote.descs.addrs),
+                ffi.from_buffer("uint64_t[]", local.descs.lengths), lreg, rreg,
+                self._memhs if self._regions else ffi.NULL, p.rkeys, flush))
+
+        return self._submit(op, p, nbytes, n, notify, timeout_s, post)
+
+    def _submit(self, op: XferOp, p: Peer, nbytes: int, num_descs: int, notify: bytes | None,
+                timeout_s: float | None, post: Callable[[Any, int, int], int]) -> Transfer:
+        """Create the batch record and its Transfer, call ``post`` (one C call)
+        and account for it. Caller holds the lock and has checked the peer."""
         ffi, lib, cfg = self._ffi, self._lib, self.config
         if len(self._inflight) + len(self._zombies) >= cfg.max_inflight:
             raise TransferError(
@@ -392,13 +436,6 @@ class Agent:
             )
         if notify is not None and len(notify) > cfg.notif_max_bytes:
             raise ConfigError(f"notification of {len(notify)} bytes exceeds notif_max_bytes={cfg.notif_max_bytes}")
-        num_descs = len(laddr)
-        laddr, raddr, lengths, lreg, rreg = coalesce(laddr, raddr, lengths, lreg, rreg)
-        n_ops = len(laddr)
-        if lreg is None:  # single region: index 0 for every op (calloc'd, no pass)
-            lreg = np.zeros(n_ops, dtype=np.uint32)
-        if rreg is None:
-            rreg = np.zeros(n_ops, dtype=np.uint32)
         xid = next(self._ids)
         batch = ffi.new("rk_batch_t *")
         batch.id = xid
@@ -416,7 +453,6 @@ class Agent:
             keep = (data,)
         timeout = cfg.transfer_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
-        nbytes = int(lengths.sum()) if len(lengths) else 0
         xfer = Transfer(self, xid, op, p.name, batch, keep, nbytes, num_descs, deadline)
         xfer._peer_ref = p
         self._inflight[xid] = xfer
@@ -424,13 +460,8 @@ class Agent:
         heapq.heappush(self._deadlines, (deadline, xid))
         is_put = op is XferOp.WRITE
         t0 = time.perf_counter()
-        xfer.ops_posted = int(lib.rk_post(
-            batch, lib.RK_OP_PUT if is_put else lib.RK_OP_GET, len(laddr),
-            ffi.from_buffer("uint64_t[]", laddr), ffi.from_buffer("uint64_t[]", raddr),
-            ffi.from_buffer("uint64_t[]", lengths), ffi.from_buffer("uint32_t[]", lreg),
-            self._memhs if self._regions else ffi.NULL, ffi.from_buffer("uint32_t[]", rreg),
-            p.rkeys, 1 if (op is XferOp.FLUSH or (is_put and notify is not None)) else 0,
-        ))
+        xfer.ops_posted = post(batch, lib.RK_OP_PUT if is_put else lib.RK_OP_GET,
+                               1 if (op is XferOp.FLUSH or (is_put and notify is not None)) else 0)
         xfer.post_s = time.perf_counter() - t0
         s = self.stats
         s["transfers"] += 1

@@ -109,25 +109,24 @@ class PreparedDescList:
         return self.descs.addrs[idx], self.descs.lengths[idx], self.regions[idx]
 
 
-def gather_pair(
+def pair_indices(
     local: PreparedDescList, local_index: Any, remote: PreparedDescList, remote_index: Any
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """Select paired descriptors by index: (laddr, raddr, lengths, lreg, rreg).
-    ``lreg`` / ``rreg`` are None when that side has a single region (all 0)."""
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Checked int64 index arrays of a transfer between prepared lists, and its
+    byte count. Paired lengths must match: with uniform lists that is one
+    comparison, otherwise one vectorised check."""
     li, ri = local.index(local_index), remote.index(remote_index)
     if len(li) != len(ri):
         raise DescriptorError(f"selected descriptors must pair up: {len(li)} local vs {len(ri)} remote")
-    laddr, raddr = local.descs.addrs[li], remote.descs.addrs[ri]
     size = local.uniform_length
     if size is not None and size == remote.uniform_length:
-        lengths = np.full(len(li), size, dtype=np.uint64)
+        nbytes = size * len(li)
     else:
         lengths = local.descs.lengths[li]
         if not np.array_equal(lengths, remote.descs.lengths[ri]):
             raise DescriptorError(f"selected descriptors must pair up: {len(li)} pairs, but their lengths differ")
-    lreg = None if local.single_region else local.regions[li]
-    rreg = None if remote.single_region else remote.regions[ri]
-    return laddr, raddr, lengths, lreg, rreg
+        nbytes = int(lengths.sum())
+    return (np.ascontiguousarray(li, dtype=np.int64), np.ascontiguousarray(ri, dtype=np.int64), nbytes)
 
 
 def coalesce(

@@ -140,6 +140,79 @@ uint64_t rk_post(rk_batch_t *b, int op, uint64_t n,
     return b->posted;
 }
 
+/* Post one merged run; false (and the batch's status set) on error. */
+static int rk_post_one(rk_batch_t *b, int op, ucp_request_param_t *p,
+                       uint64_t laddr, uint64_t raddr, uint64_t len,
+                       ucp_mem_h const *memhs, uint32_t lreg, ucp_rkey_h rkey)
+{
+    ucs_status_ptr_t r;
+
+    if (memhs != NULL) {
+        p->memh = memhs[lreg];
+    }
+    if (op == RK_OP_GET) {
+        r = ucp_get_nbx(b->ep, (void *)(uintptr_t)laddr, len, raddr, rkey, p);
+    } else {
+        r = ucp_put_nbx(b->ep, (const void *)(uintptr_t)laddr, len, raddr, rkey, p);
+    }
+    if (rk_account(b, r) != UCS_OK) {
+        return 0;
+    }
+    b->posted++;
+    return 1;
+}
+
+uint64_t rk_post_indexed(rk_batch_t *b, int op, uint64_t n,
+                         const int64_t *lidx, const int64_t *ridx,
+                         const uint64_t *laddr_tab, const uint64_t *raddr_tab,
+                         const uint64_t *len_tab, const uint32_t *lreg_tab,
+                         const uint32_t *rreg_tab, ucp_mem_h const *memhs,
+                         ucp_rkey_h const *rkeys, int flush)
+{
+    ucp_request_param_t p;
+    ucs_status_ptr_t r;
+    uint64_t i, la = 0, ra = 0, len = 0, l, x, y;
+    uint32_t lr = 0, rr = 0, lr_i, rr_i;
+    int open = 0, ok = 1;
+
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                     UCP_OP_ATTR_FLAG_MULTI_SEND;
+    if (memhs != NULL) {
+        p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    }
+    p.cb.send = rk_op_cb;
+    p.user_data = b;
+
+    b->pending = 1;                     /* guard: no completion while posting */
+    for (i = 0; i < n && ok; ++i) {
+        x = laddr_tab[lidx[i]];
+        y = raddr_tab[ridx[i]];
+        l = len_tab[lidx[i]];
+        lr_i = lreg_tab != NULL ? lreg_tab[lidx[i]] : 0;
+        rr_i = rreg_tab != NULL ? rreg_tab[ridx[i]] : 0;
+        if (open && x == la + len && y == ra + len && lr_i == lr && rr_i == rr) {
+            len += l;                   /* contiguous on both sides: extend */
+            continue;
+        }
+        if (open) {
+            ok = rk_post_one(b, op, &p, la, ra, len, memhs, lr, rkeys[rr]);
+        }
+        la = x; ra = y; len = l; lr = lr_i; rr = rr_i; open = 1;
+    }
+    if (open && ok) {
+        rk_post_one(b, op, &p, la, ra, len, memhs, lr, rkeys[rr]);
+    }
+    if (flush && b->status == UCS_OK) {
+        p.op_attr_mask &= ~(uint32_t)(UCP_OP_ATTR_FIELD_MEMH |
+                                      UCP_OP_ATTR_FLAG_MULTI_SEND);
+        r = ucp_ep_flush_nbx(b->ep, &p);
+        rk_account(b, r);
+    }
+    rk_batch_dec(b);                    /* drop the guard */
+    return b->posted;
+}
+
 uint64_t rk_progress(ucp_worker_h worker, uint64_t max_rounds)
 {
     uint64_t total = 0, i;

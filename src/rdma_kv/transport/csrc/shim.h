@@ -69,6 +69,20 @@ uint64_t rk_post(rk_batch_t *batch, int op, uint64_t n,
                  ucp_mem_h const *memhs, const uint32_t *rreg,
                  ucp_rkey_h const *rkeys, int flush);
 
+/* rk_post for prepared lists: descriptor i is local slot lidx[i] (address
+ * laddr_tab[], length len_tab[], region lreg_tab[] or 0 when NULL) paired with
+ * remote slot ridx[i] (raddr_tab[], rreg_tab[] or 0 when NULL). Gathers,
+ * merges runs contiguous on both sides within the same regions, and posts,
+ * in one pass -- no per-descriptor work is left to the caller. The caller
+ * has checked every index and that paired lengths are equal. Returns the
+ * number of operations posted (see rk_post). */
+uint64_t rk_post_indexed(rk_batch_t *batch, int op, uint64_t n,
+                         const int64_t *lidx, const int64_t *ridx,
+                         const uint64_t *laddr_tab, const uint64_t *raddr_tab,
+                         const uint64_t *len_tab, const uint32_t *lreg_tab,
+                         const uint32_t *rreg_tab, ucp_mem_h const *memhs,
+                         ucp_rkey_h const *rkeys, int flush);
+
 /* Call ucp_worker_progress until it reports no event or max_rounds calls
  * were made. Returns the number of events progressed. */
 uint64_t rk_progress(ucp_worker_h worker, uint64_t max_rounds);
