@@ -91,52 +91,34 @@ void rk_ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
     }
 }
 
-uint64_t rk_post(rk_batch_t *b, int op, uint64_t n,
-                 const uint64_t *laddr, const uint64_t *raddr,
-                 const uint64_t *len, const uint32_t *lreg,
-                 ucp_mem_h const *memhs, const uint32_t *rreg,
-                 ucp_rkey_h const *rkeys, int flush)
+/* Request parameters shared by every operation of a batch; the guard count
+ * keeps the batch from completing while it is still being posted. */
+static void rk_begin(rk_batch_t *b, ucp_request_param_t *p, ucp_mem_h const *memhs)
 {
-    ucp_request_param_t p;
-    ucs_status_ptr_t r;
-    uint64_t i;
-
-    memset(&p, 0, sizeof(p));
+    memset(p, 0, sizeof(*p));
     /* MULTI_SEND: UCX may batch doorbells, more operations follow. */
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                     UCP_OP_ATTR_FLAG_MULTI_SEND;
+    p->op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                      UCP_OP_ATTR_FLAG_MULTI_SEND;
     if (memhs != NULL) {
         /* A memory handle spares UCX a registration-cache lookup per op
          * (it matters on verbs, where every local buffer needs an lkey). */
-        p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+        p->op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
     }
-    p.cb.send = rk_op_cb;
-    p.user_data = b;
+    p->cb.send = rk_op_cb;
+    p->user_data = b;
+    b->pending = 1;
+}
 
-    b->pending = 1;                     /* guard: no completion while posting */
-    for (i = 0; i < n; ++i) {
-        if (memhs != NULL) {
-            p.memh = memhs[lreg[i]];
-        }
-        if (op == RK_OP_GET) {
-            r = ucp_get_nbx(b->ep, (void *)(uintptr_t)laddr[i], len[i],
-                            raddr[i], rkeys[rreg[i]], &p);
-        } else {
-            r = ucp_put_nbx(b->ep, (const void *)(uintptr_t)laddr[i], len[i],
-                            raddr[i], rkeys[rreg[i]], &p);
-        }
-        if (rk_account(b, r) != UCS_OK) {
-            break;
-        }
-        b->posted++;
-    }
+/* Optional endpoint flush (remote completion before a notification), then
+ * drop the guard; returns the operations posted. */
+static uint64_t rk_end(rk_batch_t *b, ucp_request_param_t *p, int flush)
+{
     if (flush && b->status == UCS_OK) {
-        p.op_attr_mask &= ~(uint32_t)(UCP_OP_ATTR_FIELD_MEMH |
-                                      UCP_OP_ATTR_FLAG_MULTI_SEND);
-        r = ucp_ep_flush_nbx(b->ep, &p);
-        rk_account(b, r);
+        p->op_attr_mask &= ~(uint32_t)(UCP_OP_ATTR_FIELD_MEMH |
+                                       UCP_OP_ATTR_FLAG_MULTI_SEND);
+        rk_account(b, ucp_ep_flush_nbx(b->ep, p));
     }
-    rk_batch_dec(b);                    /* drop the guard */
+    rk_batch_dec(b);
     return b->posted;
 }
 
@@ -162,6 +144,25 @@ static int rk_post_one(rk_batch_t *b, int op, ucp_request_param_t *p,
     return 1;
 }
 
+uint64_t rk_post(rk_batch_t *b, int op, uint64_t n,
+                 const uint64_t *laddr, const uint64_t *raddr,
+                 const uint64_t *len, const uint32_t *lreg,
+                 ucp_mem_h const *memhs, const uint32_t *rreg,
+                 ucp_rkey_h const *rkeys, int flush)
+{
+    ucp_request_param_t p;
+    uint64_t i;
+
+    rk_begin(b, &p, memhs);
+    for (i = 0; i < n; ++i) {
+        if (!rk_post_one(b, op, &p, laddr[i], raddr[i], len[i], memhs, lreg[i],
+                         rkeys[rreg[i]])) {
+            break;
+        }
+    }
+    return rk_end(b, &p, flush);
+}
+
 uint64_t rk_post_indexed(rk_batch_t *b, int op, uint64_t n,
                          const int64_t *lidx, const int64_t *ridx,
                          const uint64_t *laddr_tab, const uint64_t *raddr_tab,
@@ -170,21 +171,11 @@ uint64_t rk_post_indexed(rk_batch_t *b, int op, uint64_t n,
                          ucp_rkey_h const *rkeys, int flush)
 {
     ucp_request_param_t p;
-    ucs_status_ptr_t r;
     uint64_t i, la = 0, ra = 0, len = 0, l, x, y;
     uint32_t lr = 0, rr = 0, lr_i, rr_i;
     int open = 0, ok = 1;
 
-    memset(&p, 0, sizeof(p));
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                     UCP_OP_ATTR_FLAG_MULTI_SEND;
-    if (memhs != NULL) {
-        p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-    }
-    p.cb.send = rk_op_cb;
-    p.user_data = b;
-
-    b->pending = 1;                     /* guard: no completion while posting */
+    rk_begin(b, &p, memhs);
     for (i = 0; i < n && ok; ++i) {
         x = laddr_tab[lidx[i]];
         y = raddr_tab[ridx[i]];
@@ -203,14 +194,7 @@ uint64_t rk_post_indexed(rk_batch_t *b, int op, uint64_t n,
     if (open && ok) {
         rk_post_one(b, op, &p, la, ra, len, memhs, lr, rkeys[rr]);
     }
-    if (flush && b->status == UCS_OK) {
-        p.op_attr_mask &= ~(uint32_t)(UCP_OP_ATTR_FIELD_MEMH |
-                                      UCP_OP_ATTR_FLAG_MULTI_SEND);
-        r = ucp_ep_flush_nbx(b->ep, &p);
-        rk_account(b, r);
-    }
-    rk_batch_dec(b);                    /* drop the guard */
-    return b->posted;
+    return rk_end(b, &p, flush);
 }
 
 uint64_t rk_progress(ucp_worker_h worker, uint64_t max_rounds)
