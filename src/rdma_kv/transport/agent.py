@@ -1,5 +1,9 @@
 """The transfer agent: one per process, the façade of the transport.
 
+``Agent`` owns the API (memory, metadata, peers, descriptors, posting,
+closing); the progress, completion and failure machinery it inherits from
+``progress.ProgressEngine``.
+
 An ``Agent`` registers memory, publishes its metadata (worker address and
 packed remote keys), imports peers' metadata, and posts batches of
 one-sided READ / WRITE operations, each batch one C call
@@ -27,31 +31,28 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import select
-import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from rdma_kv.errors import (
-    ClosedError,
     ConfigError,
     DescriptorError,
     PeerError,
     RegistrationError,
     TransferError,
-    TransferTimeoutError,
 )
 from rdma_kv.transport import metadata as wire
 from rdma_kv.transport._lib import check_status, load, status_name, ucx_version
 from rdma_kv.transport.descriptors import DescList, PreparedDescList, coalesce, pair_indices
 from rdma_kv.transport.memory import MemoryKind, MemoryRegion, RegionTable, kind_from_ucs, span_of
 from rdma_kv.transport.peer import Peer
+from rdma_kv.transport.progress import Notification, ProgressEngine
 from rdma_kv.transport.transfer import Transfer, XferOp, XferState
 from rdma_kv.transport.ucx import Context, Worker
 
@@ -90,15 +91,7 @@ class AgentConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-@dataclass(frozen=True)
-class Notification:
-    """A notification from ``peer``, delivered after its transfer completed."""
-
-    peer: str
-    payload: bytes
-
-
-class Agent:
+class Agent(ProgressEngine):
     """One UCX worker, its registered memory and its peers. Use as a context
     manager or call ``close()``."""
 
@@ -488,221 +481,7 @@ class Agent:
             self._notifs.clear()
             return out
 
-    # ----------------------------------------------------------------- progress
-
-    @property
-    def manual_progress(self) -> bool:
-        return self._thread is None
-
-    @property
-    def inflight(self) -> int:
-        return len(self._inflight)
-
-    def progress(self) -> int:
-        """Drive the worker once (polling mode). Returns UCX events handled."""
-        self._require_open()
-        return self._progress()
-
-    def _progress(self) -> int:
-        # Internal callers (Transfer.wait/done) may race with close(): then
-        # their transfer has been failed by close() and they just return.
-        with self._lock:
-            if self._closed:
-                return 0
-            events = self._progress_locked()
-            callbacks = self._take_callbacks()
-        self._run_callbacks(callbacks)
-        return events
-
-    def _poll_if_manual(self) -> None:
-        if self._thread is None:
-            self._progress()
-
-    def _progress_once(self, block_s: float | None) -> None:
-        """Polling mode: progress; if idle, sleep on the event fd briefly."""
-        if self._progress():
-            return
-        with self._lock:
-            armed = not self._closed and self._worker.arm()
-        if armed:
-            wait = 0.001 if block_s is None else max(0.0, min(block_s, 0.001))
-            select.select([self._worker.efd], [], [], wait)
-
-    def _progress_locked(self) -> int:
-        events = self._worker.progress()
-        self._drain_completions()
-        self._drain_notifications()
-        for peer in list(self._peers.values()) + self._retired:
-            if peer.ep is not None and peer.ep_state.failed:
-                self._fail_peer(peer, f"endpoint error {status_name(peer.ep_state.status)}")
-        self._expire()
-        if self._retired:
-            for peer in [p for p in self._retired if p.inflight == 0]:
-                self._retired.remove(peer)
-                peer.close(force=True)
-        return events
-
-    def _drain_completions(self) -> None:
-        head = self._ctx.done_head
-        cap = self.config.max_inflight
-        while self._done_tail < head:
-            xid = self._done_ring[self._done_tail % cap]
-            self._done_tail += 1
-            if self._zombies.pop(xid, None) is not None:
-                continue
-            xfer = self._inflight.pop(xid)
-            status = xfer._batch.status
-            xfer._peer_ref.inflight -= 1
-            error = None if status == 0 else self._error_for(xfer, status)
-            self._queue(xfer, error)
-
-    def _error_for(self, xfer: Transfer, status: int) -> TransferError:
-        if xfer._expired:
-            return self._timeout_error(xfer)
-        name = status_name(status)
-        if self._closed:  # cancelled by our own close(), not by the peer
-            return TransferError(
-                f"{xfer.op.value} transfer {xfer.id} with peer {xfer.peer!r} aborted: agent "
-                f"{self.name!r} was closed ({xfer.num_descs} descriptors, {xfer.nbytes} bytes)",
-                status=name,
-            )
-        peer = xfer._peer_ref
-        why = peer.failure
-        if why is None and peer.ep_state.failed:
-            why = f"endpoint error {status_name(peer.ep_state.status)}"
-        detail = f"; peer {xfer.peer!r} {why}" if why else ""
-        return TransferError(
-            f"{xfer.op.value} transfer {xfer.id} with peer {xfer.peer!r} failed: {name}{detail} "
-            f"({xfer.num_descs} descriptors, {xfer.nbytes} bytes); if the peer restarted, "
-            "re-import its metadata with add_peer()",
-            status=name,
-        )
-
-    def _queue(self, xfer: Transfer, error: TransferError | None) -> None:
-        if error is not None:
-            self.stats["failed"] += 1
-        for cb in xfer._resolve(error):
-            self._callbacks.append((cb, xfer))
-
-    def _take_callbacks(self) -> list[tuple[Callable[[Transfer], None], Transfer]]:
-        callbacks, self._callbacks = self._callbacks, []
-        return callbacks
-
-    @staticmethod
-    def _run_callbacks(callbacks: Iterable[tuple[Callable[[Transfer], None], Transfer]]) -> None:
-        for cb, xfer in callbacks:
-            try:
-                cb(xfer)
-            except Exception:  # a caller's callback must not kill progress
-                log.exception("transfer completion callback %r raised", cb)
-
-    def _drain_notifications(self) -> None:
-        ctx = self._ctx
-        head = ctx.notif_head
-        if head != ctx.notif_tail:
-            size, nslots, view = ctx.notif_slot_size, ctx.notif_nslots, self._notif_view
-            tail = ctx.notif_tail
-            while tail < head:
-                off = (tail % nslots) * size
-                hl, dl = struct.unpack_from("<II", view, off)
-                sender = bytes(view[off + 8:off + 8 + hl]).decode("utf-8", "replace")
-                self._notifs.append(Notification(sender, bytes(view[off + 8 + hl:off + 8 + hl + dl])))
-                tail += 1
-            ctx.notif_tail = tail
-        dropped = ctx.notif_dropped_full + ctx.notif_dropped_rndv
-        if dropped != self._notif_dropped:
-            log.warning("agent %s dropped %d notifications (ring of %d full or oversized); "
-                        "call get_notifications() more often or raise notif_slots",
-                        self.name, dropped - self._notif_dropped, self.config.notif_slots)
-            self._notif_dropped = dropped
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, xid = heapq.heappop(self._deadlines)
-            xfer = self._inflight.get(xid)
-            if xfer is None:
-                continue
-            xfer._expired = True
-            peer = xfer._peer_ref
-            if peer.ep is not None:
-                # Cancels every operation to the peer; completions are drained
-                # inside and this transfer resolves with _timeout_error().
-                self._fail_peer(peer, f"did not complete transfer {xid} within its deadline; "
-                                      "the peer is considered dead and its endpoint was closed")
-            if xid in self._inflight:  # UCX did not cancel it: resolve it anyway
-                self._inflight.pop(xid)
-                self._zombies[xid] = (xfer._batch, xfer._keepalive)
-                peer.inflight -= 1
-                self._queue(xfer, self._timeout_error(xfer))
-
-    @staticmethod
-    def _timeout_error(xfer: Transfer) -> TransferTimeoutError:
-        return TransferTimeoutError(
-            f"{xfer.op.value} transfer {xfer.id} with peer {xfer.peer!r} did not complete within "
-            f"its deadline ({xfer.num_descs} descriptors, {xfer.nbytes} bytes); the peer's "
-            "endpoint was closed: re-import its metadata with add_peer() once it is back",
-            # Same convention as every other TransferError.status: UCX's own
-            # ucs_status_string() text ("Operation timed out"), not an enum name.
-            status=status_name(load()[1].UCS_ERR_TIMED_OUT))
-
-    def _fail_peer(self, peer: Peer, reason: str) -> None:
-        """Mark failed and force-close the endpoint; UCX cancels its operations,
-        whose completions are drained right away."""
-        if peer.failure is None:
-            peer.failure = reason
-            if peer.inflight:
-                log.warning("peer %s failed with %d transfers in flight: %s", peer.name, peer.inflight, reason)
-        if peer.ep is not None:
-            peer.close(force=True)
-            self._drain_completions()
-
-    def _progress_loop(self) -> None:
-        poller = select.poll()
-        poller.register(self._worker.efd, select.POLLIN)
-        last_event = 0.0
-        while True:
-            with self._lock:
-                if self._closed:
-                    return
-                try:
-                    events = self._progress_locked()
-                except Exception:
-                    log.exception("rdma-kv progress thread failed; failing in-flight transfers")
-                    self._fail_all("the progress thread failed (see the log)")
-                    return
-                now = time.monotonic()
-                if events:
-                    last_event = now
-                busy = bool(self._inflight)
-                armed = False
-                if not (busy and now - last_event < self.config.spin_s):
-                    armed = self._worker.arm()
-                callbacks = self._take_callbacks()
-                next_deadline = self._deadlines[0][0] if self._deadlines else now + 1.0
-            self._run_callbacks(callbacks)
-            if armed:
-                # Sleep on the worker's event fd; wake for the next deadline at the latest.
-                timeout_ms = max(1, min(1000, int((next_deadline - time.monotonic()) * 1000) + 1))
-                poller.poll(timeout_ms)
-            elif not events:
-                time.sleep(0)  # idle spin: let posting threads take the lock
-
     # ------------------------------------------------------------------ closing
-
-    def _require_open(self) -> None:
-        if self._closed:
-            raise ClosedError(f"agent {self.name!r} is closed")
-
-    def _fail_all(self, why: str) -> None:
-        for peer in list(self._peers.values()):
-            if peer.inflight:
-                self._fail_peer(peer, why)
-        for xid, xfer in list(self._inflight.items()):
-            self._inflight.pop(xid)
-            self._zombies[xid] = (xfer._batch, xfer._keepalive)
-            xfer._peer_ref.inflight -= 1
-            self._queue(xfer, TransferError(f"{xfer.op.value} transfer {xid} with {xfer.peer!r} aborted: {why}"))
 
     def close(self) -> None:
         """Fail what is in flight, then tear down: remote keys and endpoints,
