@@ -12,7 +12,8 @@ layer-outermost, the way vLLM's CPU KV cache is laid out::
     slot(layer, region, block) = (layer * regions + region) * pool_blocks + block
     offset(...)                = slot * block_nbytes
 
-Imports numpy, the stdlib and ``rdma_kv.errors`` only.
+Imports numpy, the stdlib and ``rdma_kv.errors``; ``coalesce`` borrows the
+transport's merge (``rdma_kv.transport.descriptors``) when called.
 """
 
 from __future__ import annotations
@@ -206,17 +207,17 @@ def coalesce(
     Descriptor i+1 joins i's run when it starts where i ends locally and
     remotely. Order is kept (no sorting), so merging never reorders data.
     """
-    lo = np.asarray(local_offsets, dtype=np.uint64)
-    ro = np.asarray(remote_offsets, dtype=np.uint64)
-    ln = np.asarray(lengths, dtype=np.uint64)
+    # The transport's merge, so the baselines merge exactly as rdma-kv does
+    # (imported here: the bench modules load without the transport).
+    from rdma_kv.transport.descriptors import coalesce as merge_runs
+
+    lo = np.ascontiguousarray(local_offsets, dtype=np.uint64)
+    ro = np.ascontiguousarray(remote_offsets, dtype=np.uint64)
+    ln = np.ascontiguousarray(lengths, dtype=np.uint64)
     if lo.shape != ro.shape or lo.shape != ln.shape or lo.ndim != 1:
         raise ConfigError(f"descriptor arrays disagree: shapes {lo.shape}, {ro.shape}, {ln.shape}")
-    if lo.size == 0:
-        return lo.copy(), ro.copy(), ln.copy()
-    joins = (lo[1:] == lo[:-1] + ln[:-1]) & (ro[1:] == ro[:-1] + ln[:-1])
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    merged_lengths = np.add.reduceat(ln, starts).astype(np.uint64)
-    return lo[starts], ro[starts], merged_lengths
+    lo, ro, ln, _, _ = merge_runs(lo, ro, ln, None, None)
+    return lo, ro, ln
 
 
 def op_count(p: Plan) -> int:
