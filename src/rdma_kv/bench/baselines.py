@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import sys
 import time
 from typing import Callable, Iterable, Sequence
 
 from rdma_kv.bench import cma, nixl_peer, perftest, rdmakv_peer
 from rdma_kv.bench.harness import BackendUnavailableError, BenchError
-from rdma_kv.bench.report import Result, table, to_json
+from rdma_kv.bench.report import Result, run_meta, table, to_json
 from rdma_kv.bench.workloads import PRESETS, Workload, preset
 from rdma_kv.errors import ConfigError
 
@@ -104,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    started = datetime.datetime.now().isoformat(timespec="seconds")
+    started = datetime.datetime.now()
     workloads = [preset(name, repetitions=args.reps) for name in args.workloads.split(",") if name]
     results = run(workloads, [b for b in args.backends.split(",") if b], args.reps, progress=say)
     sizes = [int(s) for s in args.perftest.split(",") if s]
@@ -117,8 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{r.config['iterations']} iterations")
     if args.json:
         with open(args.json, "w") as fh:
-            fh.write(to_json(results, started=started, argv=sys.argv, host=platform.node(),
-                             python=platform.python_version(), reps=args.reps))
+            fh.write(to_json(results, **run_meta(started, args.reps)))
     return 0 if all(r.status != "failed" for r in results) else 1
 
 

@@ -13,8 +13,11 @@ Imports the stdlib and ``rdma_kv.bench.workloads`` only.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
+import platform
 import statistics
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -122,6 +125,12 @@ class Result:
 
 
 # --- output ------------------------------------------------------------------------------
+
+
+def run_meta(started: datetime.datetime, reps: int) -> dict[str, Any]:
+    """What every results file records about the run that made it."""
+    return {"started": started.isoformat(timespec="seconds"), "argv": list(sys.argv),
+            "host": platform.node(), "python": platform.python_version(), "reps": reps}
 
 
 def to_json(results: Iterable[Result], **meta: Any) -> str:

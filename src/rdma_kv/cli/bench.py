@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     pin_loopback()
     from rdma_kv.bench import baselines, rdmakv_peer
     from rdma_kv.bench.progress import ProgressBar
-    from rdma_kv.bench.report import table, to_json
+    from rdma_kv.bench.report import run_meta, table, to_json
     from rdma_kv.bench.workloads import PRESETS, preset
 
     if args.reps < 1:
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     workloads = [preset(n, repetitions=args.reps) for n in names if n]
     workloads += [parse_kv_shape(s).replace(repetitions=args.reps) for s in args.kv_shape]
     backends = ["rdma-kv"] + peers + ([] if args.no_cma else ["cma"])
-    started = datetime.datetime.now().isoformat(timespec="seconds")
+    started = datetime.datetime.now()
     sizes = [int(s) for s in args.perftest.split(",") if s]
     bar = ProgressBar(len(workloads) * len(backends) + len(sizes), "rdma-kv bench")
 
@@ -112,8 +112,7 @@ def run(args: argparse.Namespace) -> int:
     print(table(results))
     if args.json:
         with open(args.json, "w") as fh:
-            fh.write(to_json(results, started=started, argv=sys.argv, host=platform.node(),
-                             python=platform.python_version(), reps=args.reps))
+            fh.write(to_json(results, **run_meta(started, args.reps)))
     return 0 if all(r.status != "failed" for r in results) else 1
 
 
@@ -140,7 +139,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     print(sweep.sweep_table(points))
     if args.json:
         with open(args.json, "w") as fh:
-            fh.write(sweep.to_json(points, argv=sys.argv, **meta))
+            fh.write(sweep.to_json(points, **meta))
     if args.plot:
         from rdma_kv.bench.plot import plot_sweep
 
@@ -155,6 +154,7 @@ def sweep_meta(points: Any, started: datetime.datetime, total: int, reps: int) -
     import os
 
     from rdma_kv.bench import sweep
+    from rdma_kv.bench.report import run_meta
 
     version = sweep.ucx_version(points)
     library = next((str(p.result.config["ucx_library"]) for p in points if p.result.config.get("ucx_library")), "")
@@ -168,6 +168,5 @@ def sweep_meta(points: Any, started: datetime.datetime, total: int, reps: int) -
               f"random descriptors of one size (verified bit-exact); median of {reps} rep(s), band and bars = "
               f"min-max. GB = 1e9 bytes. ucx_perftest: -t ucp_get -O {sweep.PERFTEST_OUTSTANDING}, "
               f"with rdma-kv's UCX defaults (RNDV_THRESH=inf, MAX_RMA_RAILS=2) unless set.")
-    return {"started": started.isoformat(timespec="seconds"), "host": host, "ucx_version": version,
-            "ucx_library": library, "python": platform.python_version(), "reps": reps,
+    return {**run_meta(started, reps), "ucx_version": version, "ucx_library": library,
             "sweep_nbytes": total, "subtitle": subtitle, "footer": footer}
