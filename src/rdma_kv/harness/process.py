@@ -5,6 +5,9 @@ engine while it has work, apply commands between steps, send each finished
 request's :class:`~rdma_kv.harness.engine.RequestResult` back as a dict.
 Every parent-side wait is bounded; a child's traceback is forwarded.
 
+``netns``: run the child in that network namespace (``harness.netns``), a
+separate host for partition tests.
+
 Fault injection for tests (``faults``): ``gate_reads`` holds read
 completions until ``open_gate()`` (so a test can act "while the reads are in
 flight" deterministically); the ``expire_leases`` command ends every lease
@@ -16,6 +19,7 @@ Imports the standard library, torch (in the child) and ``rdma_kv.harness.engine`
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -82,8 +86,17 @@ class _GatedTransport:
 # --- the child -------------------------------------------------------------------------------
 
 
-def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dict[str, Any]) -> None:
+def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dict[str, Any],
+           netns: str | None) -> None:
     try:
+        if netns is not None:
+            from rdma_kv.harness.netns import enter
+
+            enter(netns)  # before UCX or any thread starts
+        # An engine process configures logging: warnings (a failed load and
+        # why) reach stderr, tagged with the engine's name.
+        logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {config.get('engine_id')} "
+                            "%(levelname)s %(name)s: %(message)s")
         import torch
 
         from rdma_kv.connector import KVTransferConfig
@@ -120,7 +133,12 @@ def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dic
                     conn.send(("reply", len(free)))
                 elif op == "status":
                     inner = getattr(engine.worker, "worker", None)
+                    # Reads first: blocks are freed only in step(), never while
+                    # this runs, so "reads on the wire, yet their blocks already
+                    # free" cannot be an artefact of the sampling order.
+                    reading = inner.reads_on_the_wire() if inner else []
                     conn.send(("reply", {
+                        "reading_ids": reading,
                         "free_blocks": engine.num_free_blocks(), "held": len(engine.held),
                         "held_ids": sorted(engine.held),
                         "loading_ids": sorted(r for r, q in engine.requests.items()
@@ -164,12 +182,14 @@ class EngineProcess:
     """A harness engine in a spawned child. Use as a context manager."""
 
     def __init__(self, name: str, config: dict[str, Any], shape: ModelShape,
-                 faults: dict[str, Any] | None = None, start_timeout_s: float = 60.0) -> None:
+                 faults: dict[str, Any] | None = None, start_timeout_s: float = 60.0,
+                 netns: str | None = None) -> None:
         self.name = name
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(target=_child, name=name, daemon=True,
-                                 args=(child_conn, dict(config), dataclasses.asdict(shape), dict(faults or {})))
+                                 args=(child_conn, dict(config), dataclasses.asdict(shape),
+                                       dict(faults or {}), netns))
         self._proc.start()
         child_conn.close()
         self.results: dict[str, dict[str, Any]] = {}

@@ -580,6 +580,13 @@ class RdmaWorker:
         with self._lock:
             return len(self._loads)
 
+    def reads_on_the_wire(self) -> list[str]:
+        """Request ids (aborted ones included) whose read transfer the
+        transport has not yet resolved: their blocks can still be written."""
+        with self._lock:
+            return sorted(rid for rid, ld in self._loads.items()
+                          if ld.transfer is not None and not ld.transfer.done())
+
     def shutdown(self) -> None:
         if self._closed:
             return
