@@ -192,6 +192,61 @@ def test_prepared_lists_by_index(pair: Pair, rng):
     assert b.inflight == 0
 
 
+def test_prepared_index_checks_happen_before_anything_is_posted(pair: Pair):
+    """Index pairs are checked in C (rk_check_indexed) before the first post:
+    a bad pair anywhere in the list fails the whole transfer with the precise
+    error, and the good pairs before it move nothing."""
+    b, block = pair.b, 4096
+    nslots = PAIR_NBYTES // block
+    slots = np.arange(nslots) * block
+    local, remote = b.prep_local(pair.desc_b(slots, block)), b.prep_remote("a", pair.desc_a(slots, block))
+    posted = b.stats["ops_posted"]
+    good = np.arange(8, dtype=np.int64)
+    cases = [
+        (np.append(good, nslots), np.append(good, 0), f"descriptor index {nslots} out of range .* local"),
+        (np.append(good, 0), np.append(good, -1), "descriptor index -1 out of range .* remote"),
+        (np.append(good, 0), np.append(good, 2**63).astype(np.uint64), f"index {2**63} out of range .* remote"),
+    ]
+    for li, ri, message in cases:
+        with pytest.raises(DescriptorError, match=message):
+            b.read_prepared(local, li, remote, ri)
+    assert b.stats["ops_posted"] == posted and b.inflight == 0
+    assert not pair.buf_b.any(), "a rejected transfer moved bytes"
+    # Lengths are compared per pair only when the lists are not uniform.
+    mixed = b.prep_local(pair.desc_b([0, block], [block, 2 * block]))
+    with pytest.raises(DescriptorError, match="lengths differ"):
+        b.read_prepared(mixed, [1], remote, [0])
+    assert b.stats["ops_posted"] == posted
+
+
+@pytest.mark.parametrize("kind", ["list", "int32", "big-endian", "strided", "uint64"])
+def test_prepared_reads_accept_any_integer_index(pair: Pair, kind):
+    b, block = pair.b, 4096
+    slots = np.arange(PAIR_NBYTES // block) * block
+    local, remote = b.prep_local(pair.desc_b(slots, block)), b.prep_remote("a", pair.desc_a(slots, block))
+    base = np.array([9, 3, 3, 17, 40, 41, 42, 5, 6, 7])
+    index = {"list": base.tolist(), "int32": base.astype(np.int32), "big-endian": base.astype(">i8"),
+             "strided": np.repeat(base, 2)[::2], "uint64": base.astype(np.uint64)}[kind]
+    xfer = b.read_prepared(local, np.arange(len(base)), remote, index).wait(WAIT_S)
+    assert (xfer.num_descs, xfer.nbytes) == (len(base), len(base) * block)
+    for i, r in enumerate(base):
+        np.testing.assert_array_equal(pair.buf_b[i * block:(i + 1) * block], pair.buf_a[r * block:(r + 1) * block])
+
+
+def test_wait_after_completion_and_from_other_threads(pair: Pair):
+    """The completion event is made on demand: a wait() that starts after
+    the transfer resolved returns at once, and concurrent waiters all wake."""
+    xfer = pair.b.read("a", pair.desc_b([0], 1 << 20), pair.desc_a([0], 1 << 20))
+    woke: list = []
+    waiters = [threading.Thread(target=lambda: woke.append(xfer.wait(WAIT_S))) for _ in range(4)]
+    for t in waiters:
+        t.start()
+    for t in waiters:
+        t.join(WAIT_S)
+    assert woke == [xfer] * 4
+    assert xfer.wait(0.001) is xfer  # already done: no blocking, no timeout
+
+
 def test_flush_completes_after_writes(pair: Pair):
     pair.buf_b[:4096] = 7
     pair.b.write("a", pair.desc_b([0], 4096), pair.desc_a([0], 4096))

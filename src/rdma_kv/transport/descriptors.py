@@ -77,6 +77,9 @@ class PreparedDescList:
     generation: int
     uniform_length: int | None = field(init=False)
     single_region: bool = field(init=False)
+    c_tables: Any = field(default=None, init=False, repr=False)
+    """The agent's C views of (addrs, lengths, regions or NULL), made once at
+    prep time so that a transfer does not rebuild them."""
 
     def __post_init__(self) -> None:
         lengths, regions = self.descs.lengths, self.regions
@@ -107,6 +110,23 @@ class PreparedDescList:
     def take(self, index: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         idx = self.index(index)
         return self.descs.addrs[idx], self.descs.lengths[idx], self.regions[idx]
+
+
+_INT64 = np.dtype(np.int64)
+
+
+def as_index(index: Any) -> np.ndarray:
+    """``index`` as a contiguous 1-D int64 array, without a copy (or any
+    numpy call) when it already is one. Ranges are not checked here: the
+    agent checks every pair in C before posting (``rk_check_indexed``)."""
+    if type(index) is np.ndarray and index.dtype is _INT64 and index.ndim == 1 and index.flags.c_contiguous:
+        return index
+    idx = np.asarray(index)
+    if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "ui"):
+        raise DescriptorError(f"descriptor index must be a 1-D integer array, got {idx.dtype}{idx.shape}")
+    if idx.dtype.kind == "u" and idx.size and int(idx.max()) > np.iinfo(np.int64).max:
+        idx = np.where(idx > np.iinfo(np.int64).max, -1, idx)  # out of range either way, reported as such
+    return np.ascontiguousarray(idx, dtype=np.int64)
 
 
 def pair_indices(

@@ -67,7 +67,7 @@ class Transfer:
         self.deadline = deadline
         self.state = XferState.IN_PROGRESS
         self.error: TransferError | None = None
-        self._event = threading.Event()
+        self._event: threading.Event | None = None  # made by the first blocking wait()
         self._callbacks: list[Callable[[Transfer], None]] = []
         self._peer_ref: Any = None  # the Peer incarnation it was posted to
         self._expired = False
@@ -83,7 +83,8 @@ class Transfer:
         self._batch = None
         self._keepalive = ()
         self._peer_ref = None
-        self._event.set()
+        if self._event is not None:
+            self._event.set()
         callbacks, self._callbacks = self._callbacks, []
         return callbacks
 
@@ -122,10 +123,20 @@ class Transfer:
             if self._agent.manual_progress:
                 self._agent._progress_once(block_s=left)
             else:
-                self._event.wait(left if left is None else min(left, 1.0))
+                self._completion_event().wait(left if left is None else min(left, 1.0))
         if self.error is not None:
             raise self.error
         return self
+
+    def _completion_event(self) -> threading.Event:
+        # Made on demand (a transfer nobody blocks on never pays for it) and
+        # under the agent's lock, as _resolve runs: set if already resolved.
+        with self._agent._lock:
+            if self._event is None:
+                self._event = threading.Event()
+                if self.state is not XferState.IN_PROGRESS:
+                    self._event.set()
+            return self._event
 
     def add_done_callback(self, fn: Callable[[Transfer], None]) -> None:
         """Call ``fn(self)`` on completion (from the progress thread), or now."""

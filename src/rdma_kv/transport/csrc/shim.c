@@ -163,6 +163,28 @@ uint64_t rk_post(rk_batch_t *b, int op, uint64_t n,
     return rk_end(b, &p, flush);
 }
 
+uint64_t rk_check_indexed(uint64_t n, const int64_t *lidx, const int64_t *ridx,
+                          uint64_t nl, uint64_t nr, const uint64_t *llen_tab,
+                          const uint64_t *rlen_tab, uint64_t *nbytes)
+{
+    uint64_t i, total = 0;
+
+    for (i = 0; i < n; ++i) {
+        /* A negative index, cast, is larger than any list. */
+        if ((uint64_t)lidx[i] >= nl || (uint64_t)ridx[i] >= nr) {
+            break;
+        }
+        if (llen_tab != NULL) {
+            if (rlen_tab == NULL || llen_tab[lidx[i]] != rlen_tab[ridx[i]]) {
+                break;
+            }
+            total += llen_tab[lidx[i]];
+        }
+    }
+    *nbytes = total;
+    return i;
+}
+
 uint64_t rk_post_indexed(rk_batch_t *b, int op, uint64_t n,
                          const int64_t *lidx, const int64_t *ridx,
                          const uint64_t *laddr_tab, const uint64_t *raddr_tab,

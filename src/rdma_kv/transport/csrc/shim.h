@@ -69,12 +69,22 @@ uint64_t rk_post(rk_batch_t *batch, int op, uint64_t n,
                  ucp_mem_h const *memhs, const uint32_t *rreg,
                  ucp_rkey_h const *rkeys, int flush);
 
+/* Check a transfer by index before anything is posted: every lidx[i] in
+ * [0, nl), every ridx[i] in [0, nr) and, when llen_tab and rlen_tab are
+ * given (lengths not uniform), llen_tab[lidx[i]] == rlen_tab[ridx[i]].
+ * *nbytes receives the sum of the paired lengths (0 when llen_tab is NULL:
+ * the caller multiplies). Returns n when every pair passes, else the
+ * position of the first pair that does not. */
+uint64_t rk_check_indexed(uint64_t n, const int64_t *lidx, const int64_t *ridx,
+                          uint64_t nl, uint64_t nr, const uint64_t *llen_tab,
+                          const uint64_t *rlen_tab, uint64_t *nbytes);
+
 /* rk_post for prepared lists: descriptor i is local slot lidx[i] (address
  * laddr_tab[], length len_tab[], region lreg_tab[] or 0 when NULL) paired with
  * remote slot ridx[i] (raddr_tab[], rreg_tab[] or 0 when NULL). Gathers,
  * merges runs contiguous on both sides within the same regions, and posts,
  * in one pass -- no per-descriptor work is left to the caller. The caller
- * has checked every index and that paired lengths are equal. Returns the
+ * has checked the pairs with rk_check_indexed. Returns the
  * number of operations posted (see rk_post). */
 uint64_t rk_post_indexed(rk_batch_t *batch, int op, uint64_t n,
                          const int64_t *lidx, const int64_t *ridx,
