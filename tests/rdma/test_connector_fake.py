@@ -190,6 +190,27 @@ def test_dead_producer_becomes_load_errors(fabric):
         pair.close()
 
 
+def test_a_dead_producer_logs_a_burst_of_failures_then_a_count(fabric, caplog):
+    """20 loads lost with one producer: every one is a load error and counted
+    in the stats, but the log gets the first five reasons, not twenty lines."""
+    pair = Pair(fabric, policy="fail")
+    try:
+        prompts = {f"k{i}": list(range(i * 50 + 1, i * 50 + 30)) for i in range(20)}
+        params = pair.prefill(prompts)
+        fabric.hold = True
+        with caplog.at_level(logging.WARNING, logger="rdma_kv"):
+            pair.decode(prompts, params, wait=False)
+            wait_until(lambda: len(fabric.pending) == 20, step=pair.pump, what="reads in flight")
+            fabric.kill("P/tp0")
+            wait_until(lambda: all(r in pair.D.results and pair.D.results[r].status.value == "failed"
+                                   for r in prompts), step=pair.D.step, what="load errors")
+        lines = [r.getMessage() for r in caplog.records if "KV load failed" in r.getMessage()]
+        assert len(lines) == 5, lines
+        assert pair.D.worker.worker.stats()["totals"]["loads_failed"] == 20
+    finally:
+        pair.close()
+
+
 def test_handshake_mismatch_is_refused_naming_both_sides(fabric, caplog):
     other = ModelShape(num_layers=2, num_kv_heads=2, head_size=8, block_size=8, num_blocks=512)
     pair = Pair(fabric, d_shape=other)

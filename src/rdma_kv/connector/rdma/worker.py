@@ -32,6 +32,10 @@ Guarantees, and where they are kept:
 - Nothing raises into the engine loop: every step entry point catches,
   logs, and turns the failure into load errors.
 
+Peers (side-channel clients, handshakes, failed peers) are
+``handshakes.PeerHandshakes``, which this class inherits. Load-failure
+warnings are rate-limited per producer (``lograte``).
+
 Lock discipline: ``self._lock`` guards load and peer state; the transport
 is never called while holding it (its completion callbacks take it).
 
@@ -56,11 +60,14 @@ import numpy as np
 from rdma_kv.connector.config import KVTransferConfig
 from rdma_kv.connector.geometry import KVCacheGeometry, derive_geometry
 from rdma_kv.connector.rdma import auth, wire
+from rdma_kv.connector.rdma.clients import ClientPool
+from rdma_kv.connector.rdma.handshakes import PeerHandshakes
 from rdma_kv.connector.rdma.lease_rpc import call_lease_rpc, submit_lease_rpcs
 from rdma_kv.connector.rdma.leases import LeaseTable
 from rdma_kv.connector.rdma.loads import CONFIRMING, DONE, FAILED, HANDSHAKE, PEER_RETRY_S, READING, due_renewals
 from rdma_kv.connector.rdma.loads import LoadState as _Load
 from rdma_kv.connector.rdma.loads import PeerState as _Peer
+from rdma_kv.connector.rdma.lograte import RateLimitedWarnings
 from rdma_kv.connector.rdma.meta import (
     LoadSpec,
     PeerAddress,
@@ -72,18 +79,18 @@ from rdma_kv.connector.rdma.params import LeaseRef
 from rdma_kv.connector.rdma.producer import ProducerHandler
 from rdma_kv.connector.rdma.planning import SlotTable, compat_info, count_runs
 from rdma_kv.connector.rdma.settings import RdmaSettings
-from rdma_kv.connector.rdma.sidechannel import SideChannelClient, SideChannelServer
+from rdma_kv.connector.rdma.sidechannel import SideChannelServer
 from rdma_kv.connector.rdma.stats import LoadStats, summarize
 from rdma_kv.connector.rdma.transport_api import TransferHandle, Transport
 from rdma_kv.connector.specs import KVCacheConfig
 from rdma_kv.connector.types import BlockId, EngineId, RequestId
-from rdma_kv.errors import HandshakeError, NotInitializedError, PeerError
+from rdma_kv.errors import NotInitializedError, PeerError
 
 __all__ = ["RdmaWorker"]
 
 logger = logging.getLogger(__name__)
 
-class RdmaWorker:
+class RdmaWorker(PeerHandshakes):
     """Worker-side logic; ``RdmaConnector`` delegates to it. On a producer,
     its side channel is served by a :class:`ProducerHandler` over the same
     lease table."""
@@ -116,7 +123,8 @@ class RdmaWorker:
         self.leases = LeaseTable(clock)
         self._executor = concurrent.futures.ThreadPoolExecutor(
             settings.rpc_threads, thread_name_prefix=f"rdma-kv-rpc-{settings.tp_rank}")
-        self._clients: dict[tuple[str, int], SideChannelClient] = {}
+        self._clients = ClientPool(self._make_client, clock=clock)
+        self._failure_warnings = RateLimitedWarnings(logger, "KV load failures", clock=clock)
         self._peers: dict[tuple[str, str, int], _Peer] = {}
         self._loads: dict[RequestId, _Load] = {}
         self._finished: list[_Load] = []  # DONE or FAILED, to report
@@ -243,80 +251,6 @@ class RdmaWorker:
                 return
         self._post(load, peer)
 
-    def _peer_key(self, address: PeerAddress) -> tuple[str, str, int]:
-        return (address.engine_id, address.host, address.port + self._settings.tp_rank)
-
-    def _client(self, address: PeerAddress) -> SideChannelClient:
-        key = (address.host, address.port + self._settings.tp_rank)
-        with self._lock:
-            client = self._clients.get(key)
-            if client is None:
-                s = self._settings
-                client = self._clients[key] = SideChannelClient(
-                    key[0], key[1], connect_timeout_s=s.connect_timeout_s,
-                    rpc_timeout_s=s.rpc_timeout_s, retries=s.rpc_retries, secret=self._secret)
-            return client
-
-    # --- handshake (RPC thread) -------------------------------------------------------------------
-
-    def _handshake(self, peer: _Peer) -> None:
-        address, t0 = peer.address, time.perf_counter()
-        name = None
-        try:
-            compat = self._require_compat()
-            client = self._client(address)
-            reply = client.handshake(wire.Handshake(
-                wire.PROTOCOL_VERSION, self._engine_id, self._settings.tp_rank, compat))
-            if reply.engine_id != address.engine_id:
-                raise HandshakeError(
-                    f"expected producer engine {address.engine_id!r} at {client.address}, found "
-                    f"{reply.engine_id!r}; the request's kv_transfer_params point at another engine")
-            if reply.compat != compat:
-                diff = "; ".join(compat.mismatches(reply.compat, mine="consumer", theirs="producer"))
-                raise HandshakeError(f"producer {reply.engine_id!r} has an incompatible KV cache: {diff}")
-            slots = SlotTable(reply.geometry.to_geometry())
-            assert self._transport is not None
-            name = self._transport.add_peer(reply.agent_metadata)
-            prep = self._transport.prep_remote(name, slots.descs)
-        except Exception as exc:
-            if name is not None:
-                self._safe_remove_peer(name)
-            reason = f"handshake with {address.host}:{address.port + self._settings.tp_rank} failed: {exc}"
-            logger.warning("producer %r: %s", address.engine_id, reason)
-            with self._lock:
-                peer.state, peer.error, peer.failed_at = "failed", reason, self._clock()
-                waiting, peer.waiting = peer.waiting, []
-                for load in waiting:
-                    self._fail(load, reason)
-            return
-        with self._lock:
-            peer.state, peer.name, peer.slots, peer.prep = "ready", name, slots, prep
-            peer.handshake_s = time.perf_counter() - t0
-            waiting, peer.waiting = peer.waiting, []
-            self._stats.counters["handshakes"] += 1
-        for load in waiting:
-            load.stats["handshake_s"] = peer.handshake_s
-            self._post(load, peer)
-
-    def _safe_remove_peer(self, name: str) -> None:
-        try:
-            assert self._transport is not None
-            self._transport.remove_peer(name)
-        except Exception:
-            pass
-
-    def _peer_failed(self, peer: _Peer, reason: str) -> None:
-        """Forget a peer whose reads failed: the next load re-handshakes (a
-        restarted producer has a new agent). Called without the lock held."""
-        with self._lock:
-            key = self._peer_key(peer.address)
-            if self._peers.get(key) is peer and peer.state == "ready":
-                peer.state, peer.error, peer.failed_at = "failed", reason, self._clock()
-            else:
-                return
-        if peer.name is not None:
-            self._safe_remove_peer(peer.name)
-
     # --- reads -----------------------------------------------------------------------------------------
 
     def _post(self, load: _Load, peer: _Peer) -> None:
@@ -440,7 +374,8 @@ class RdmaWorker:
             return
         load.stage, load.error = FAILED, load.error or reason
         self._stats.counters["loads_failed"] += 1
-        logger.warning("request %r: KV load failed: %s", load.spec.request_id, load.error)
+        self._failure_warnings.warn(load.spec.peer.engine_id, "request %r: KV load failed: %s",
+                                    load.spec.request_id, load.error)
         if release:
             self._lease_rpc_async(wire.Release, [RemoteLease(load.spec.peer, load.spec.lease)])
         if load.aborted:
@@ -503,15 +438,9 @@ class RdmaWorker:
             self._prune_failed_peers(now)
         if renew:
             self._lease_rpc_async(wire.Renew, renew)
+        self._clients.prune(self._addresses_in_use, now)
+        self._failure_warnings.flush(now)
         return sending, recving
-
-    def _prune_failed_peers(self, now: float) -> None:
-        """Forget peers that failed more than ``PEER_RETRY_S`` ago (a new load
-        re-handshakes anyway), so producers that come and go (new engine
-        ids on restart) do not accumulate. Called with the lock held."""
-        for key, peer in list(self._peers.items()):
-            if peer.state == "failed" and not peer.waiting and now - peer.failed_at > PEER_RETRY_S:
-                del self._peers[key]
 
     def take_load_errors(self) -> set[BlockId]:
         with self._lock:
@@ -594,10 +523,6 @@ class RdmaWorker:
         if self._server is not None:
             self._server.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            clients = list(self._clients.values())
-            self._clients.clear()
-        for client in clients:
-            client.close()
+        self._clients.close()
         if self._transport is not None:
             self._transport.close()

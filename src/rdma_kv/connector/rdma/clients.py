@@ -1,0 +1,69 @@
+"""The consumer's side-channel clients, one per producer address, made on
+first use and closed once idle.
+
+A client holds a socket to one producer rank. Producers come and go (a
+restart with an OS-chosen port is a new address), so a client nobody
+used for ``idle_s`` and that no peer or load refers to is closed and
+forgotten; the next load that needs the address makes a new one.
+
+Imports the standard library and the connector's ``sidechannel``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Collection
+
+from rdma_kv.connector.rdma.sidechannel import SideChannelClient
+
+__all__ = ["ClientPool"]
+
+Address = tuple[str, int]
+
+
+class ClientPool:
+    def __init__(self, make: Callable[[str, int], SideChannelClient], idle_s: float = 120.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._make, self._idle_s, self._clock = make, idle_s, clock
+        self._lock = threading.Lock()
+        self._clients: dict[Address, tuple[SideChannelClient, float]] = {}
+        self._closed = False
+
+    def get(self, host: str, port: int) -> SideChannelClient:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the side-channel client pool is closed")
+            entry = self._clients.get((host, port))
+            client = entry[0] if entry is not None else self._make(host, port)
+            self._clients[(host, port)] = (client, self._clock())
+            return client
+
+    def prune(self, in_use: Callable[[], Collection[Address]], now: float | None = None) -> int:
+        """Close clients idle for ``idle_s`` whose address is not in
+        ``in_use()`` (known peers, loads in flight; asked only when some
+        client is idle, so a step pays nothing otherwise); returns how many."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            if not any(now - used >= self._idle_s for _, used in self._clients.values()):
+                return 0
+        busy = in_use()  # may take the caller's lock: not under ours
+        with self._lock:
+            idle = [addr for addr, (_, used) in self._clients.items()
+                    if now - used >= self._idle_s and addr not in busy]
+            dropped = [self._clients.pop(addr)[0] for addr in idle]
+        for client in dropped:
+            client.close()
+        return len(dropped)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            clients = [c for c, _ in self._clients.values()]
+            self._clients.clear()
+        for client in clients:
+            client.close()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._clients)
