@@ -85,6 +85,20 @@ class EngineProcess:
         return self._call({"op": "generate", "prompts": list(prompts), "max_tokens": max_tokens,
                            "kv_transfer_params": kv_transfer_params})
 
+    def abort_during_load(self, prompts: Sequence[str], kv_transfer_params: Sequence[Mapping[str, Any]],
+                          *, settle_s: float = 30.0) -> dict[str, Any]:
+        """Submit decode requests, step until their KV loads are in flight,
+        abort them all, then keep stepping until the engine has handed every
+        block back (bounded by ``settle_s``). Needs multiprocessing off."""
+        return self._call({"op": "abort_during_load", "prompts": list(prompts),
+                           "kv_transfer_params": list(kv_transfer_params), "settle_s": settle_s})
+
+    def free_blocks(self, settle_s: float = 0.0) -> int:
+        """Free blocks in the engine's KV cache (multiprocessing off); with
+        ``settle_s``, first step the engine until no request is left (finished
+        ones whose blocks a connector still holds included), at most that long."""
+        return int(self._call({"op": "free_blocks", "settle_s": settle_s})["free"])
+
     def kill(self) -> None:
         """SIGKILL the child and everything it started (its session)."""
         if self.proc.poll() is None:
@@ -142,6 +156,11 @@ def _child(result_fd: int, model_dir: str, multiprocessing: bool) -> None:
                 reply({"ok": True, "elapsed_s": time.monotonic() - t0})
             elif op == "generate":
                 reply({"ok": True, **_generate(llm, command)})
+            elif op == "abort_during_load":
+                reply({"ok": True, **_abort_during_load(llm, command)})
+            elif op == "free_blocks":
+                _settle(llm, command["settle_s"])
+                reply({"ok": True, "free": _block_pool(llm).get_num_free_blocks()})
             elif op == "stop":
                 if llm is not None:
                     from tiny_model import shutdown_llm
@@ -171,6 +190,54 @@ def _generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
          "kv_transfer_params": o.kv_transfer_params, "num_cached_tokens": o.num_cached_tokens,
          "queued_to_first_token_s": _queued_to_first_token(o)}
         for o in outputs]}
+
+
+def _scheduler(llm: Any) -> Any:
+    # vLLM 0.32, multiprocessing off: LLMEngine -> InprocClient -> EngineCore.
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def _block_pool(llm: Any) -> Any:
+    return _scheduler(llm).kv_cache_manager.block_pool
+
+
+def _settle(llm: Any, settle_s: float) -> None:
+    deadline = time.monotonic() + settle_s
+    while _scheduler(llm).requests and time.monotonic() < deadline:
+        llm.llm_engine.step()
+        time.sleep(0.001)
+
+
+def _abort_during_load(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.v1.request import RequestStatus
+
+    engine, sched, pool = llm.llm_engine, _scheduler(llm), _block_pool(llm)
+    free_before = pool.get_num_free_blocks()
+    ids = [f"abort-{i}-{time.monotonic_ns()}" for i in range(len(command["prompts"]))]
+    for rid, prompt, params in zip(ids, command["prompts"], command["kv_transfer_params"]):
+        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                       extra_args={"kv_transfer_params": params}))
+    deadline = time.monotonic() + 30.0
+    loading: list[str] = []
+    while len(loading) < len(ids):  # the scheduler admitted them: their reads are posted
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(loading)} of {len(ids)} requests started loading")
+        engine.step()
+        loading = [r.request_id for r in sched.requests.values()
+                   if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+    held_at_abort = free_before - pool.get_num_free_blocks()
+    engine.abort_request(ids)
+    steps, deadline = 0, time.monotonic() + command["settle_s"]
+    while pool.get_num_free_blocks() < free_before or sched.requests:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"after the abort, {free_before - pool.get_num_free_blocks()} blocks "
+                               f"and {len(sched.requests)} requests still held after {command['settle_s']} s")
+        engine.step()
+        steps += 1
+        time.sleep(0.001)
+    return {"loading_at_abort": len(loading), "held_at_abort": held_at_abort, "steps_to_settle": steps,
+            "free_before": free_before, "free_after": pool.get_num_free_blocks()}
 
 
 def _queued_to_first_token(output: Any) -> float | None:

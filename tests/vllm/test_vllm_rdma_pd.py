@@ -14,6 +14,10 @@ compared with a plain run of the same prompts (all submitted together):
   after the prefill, before any read. ``kv_load_failure_policy=recompute``:
   output still identical; ``fail``: every request ends with an error, and
   the log says why. Every wait is bounded.
+- ``test_abort_during_load_frees_both_sides_and_serves_on``: decode
+  requests aborted with their loads in flight; both engines get every block
+  back (the producer through the released leases, not their expiry) and
+  the pair then decodes like the plain run.
 - ``test_pd_multiprocessing_on``: the first test's match with
   ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (connector in EngineCore and Worker
   processes, handshake metadata crossing processes).
@@ -162,6 +166,33 @@ def test_producer_killed_recompute_and_fail(plain: list[list[int]], model_dir: s
         assert reasons == ["error"] * len(PD_PROMPTS), reasons
         log = consumer.log()
         assert "KV load failed" in log and f"handshake with 127.0.0.1:{port} failed" in log
+
+
+def test_abort_during_load_frees_both_sides_and_serves_on(plain: list[list[int]], model_dir: str,
+                                                          log_dir: Path) -> None:
+    """Decode requests aborted while their KV loads are in flight (vLLM's
+    WAITING_FOR_REMOTE_KVS): the decode engine hands every block back once
+    the reads resolved, the producer frees its blocks because the leases were
+    released (long before their 30 s TTL), and the same pair then decodes
+    the prompts bit-for-bit like the plain run."""
+    producer = EngineProcess("prefill-abort", model_dir, log_dir)
+    try:
+        producer.start(rdma_config("kv_producer"))
+        with EngineProcess("decode-abort", model_dir, log_dir) as consumer:
+            consumer.start(rdma_config("kv_consumer"))
+            idle = producer.free_blocks()
+            doomed = prefill(producer)
+            assert producer.free_blocks() < idle, "the producer did not hold the prefilled blocks"
+            report = consumer.abort_during_load(PD_PROMPTS, doomed)
+            print(f"abort during load in vLLM: {report}")
+            assert report["loading_at_abort"] == len(PD_PROMPTS), report
+            assert report["held_at_abort"] > 0 and report["free_after"] == report["free_before"], report
+            assert producer.free_blocks(settle_s=10.0) == idle, "aborted loads left blocks held on the producer"
+            assert tokens(consumer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS,
+                                            kv_transfer_params=prefill(producer))) == plain
+            assert "Traceback" not in consumer.log() and "Traceback" not in producer.log()
+    finally:
+        producer.close()
 
 
 def test_pd_multiprocessing_on(plain: list[list[int]], model_dir: str, log_dir: Path) -> None:
