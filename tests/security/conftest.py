@@ -1,27 +1,16 @@
-"""Fixtures for the security tests: the RDMA test helpers (fakes,
-rdma_testutil) on sys.path, a seeded RNG that prints its seed, and a
-summary of the fuzz cases run (for docs/reliability.md)."""
+"""Setup for the security tests: the RDMA test helpers (fakes,
+rdma_testutil) on sys.path and a summary of the fuzz cases run (for
+docs/reliability.md); ``rng`` comes from tests/conftest.py."""
 
 from __future__ import annotations
 
 import os
-import random
 import sys
-
-import numpy as np
-import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "rdma"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from fuzz_counts import COUNTS, SEEDS  # noqa: E402
-
-
-@pytest.fixture
-def rng(request) -> np.random.Generator:
-    seed = int(os.environ.get("RDMA_KV_TEST_SEED", random.SystemRandom().randrange(2**32)))
-    print(f"{request.node.nodeid}: seed {seed} (rerun with RDMA_KV_TEST_SEED={seed})")
-    return np.random.default_rng(seed)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -10,12 +10,11 @@ import logging
 import os
 import pickle
 import socket
-import struct
 import threading
 
 import pytest
 from fakes import FakeFabric
-from rdma_testutil import wait_until
+from rdma_testutil import decode_replies, frame, wait_until
 
 from rdma_kv.connector import KVTransferConfig
 from rdma_kv.connector.rdma import auth, wire
@@ -240,11 +239,6 @@ def test_consumer_refuses_a_producer_that_cannot_prove_the_secret(how):
 # --- raw attackers: what does a refused peer receive? ------------------------------------
 
 
-def frame(message):
-    body = wire.encode(message)
-    return struct.pack(">I", len(body)) + body
-
-
 def read_all(sock, timeout_s=5.0):
     """Every byte the server sends until it closes (bounded)."""
     sock.settimeout(timeout_s)
@@ -258,15 +252,6 @@ def read_all(sock, timeout_s=5.0):
             break
         data += chunk
     return bytes(data)
-
-
-def frames_in(data):
-    out, offset = [], 0
-    while offset + 4 <= len(data):
-        (n,) = struct.unpack(">I", data[offset:offset + 4])
-        out.append(wire.decode_reply(data[offset + 4:offset + 4 + n]))
-        offset += 4 + n
-    return out
 
 
 @pytest.mark.parametrize("attack", ["wrong_proof", "empty_proof", "skip_auth", "no_hello",
@@ -290,10 +275,10 @@ def test_refused_peer_receives_no_metadata(server, handler, attack):
                 pass
         data = read_all(sock)
     assert MARKER not in data, "agent metadata reached an unauthenticated peer"
-    kinds = [type(m).__name__ for m in frames_in(data)]
+    kinds = [type(m).__name__ for m in decode_replies(data)]
     assert set(kinds) <= {"Challenge", "Refused"} and kinds[-1] == "Refused", kinds
     if attack == "version_1_handshake":
-        assert "version 1 is not supported" in frames_in(data)[-1].reason
+        assert "version 1 is not supported" in decode_replies(data)[-1].reason
     assert handler.calls == 0
 
 

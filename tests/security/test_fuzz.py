@@ -26,7 +26,7 @@ from fakes import FakeFabric
 from fuzz_counts import COUNTS, SEEDS
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
-from rdma_testutil import wait_until
+from rdma_testutil import decode_replies, frame, wait_until
 
 from rdma_kv.connector import KVTransferConfig, Request
 from rdma_kv.connector.rdma import auth, wire
@@ -447,8 +447,7 @@ def _close_live():
 
 
 def hello_frame():
-    body = wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "consumer", os.urandom(32)))
-    return struct.pack(">I", len(body)) + body
+    return frame(wire.Hello(wire.PROTOCOL_VERSION, "consumer", os.urandom(32)))
 
 
 def exchange(port, data, timeout_s=5.0):
@@ -474,21 +473,12 @@ def exchange(port, data, timeout_s=5.0):
         return bytes(out)
 
 
-def replies(data):
-    out, offset = [], 0
-    while offset + 4 <= len(data):
-        (n,) = struct.unpack(">I", data[offset:offset + 4])
-        out.append(wire.decode_reply(data[offset + 4:offset + 4 + n]))
-        offset += 4 + n
-    return out
-
-
 def live_campaign(authenticated, name):
     def check(frames, opened):
         COUNTS[name] += 1
         server = live_server(authenticated)
         data = (hello_frame() if opened else b"") + b"".join(frames)
-        got = replies(exchange(server.port, data))  # every reply is well-formed
+        got = decode_replies(exchange(server.port, data))  # every reply is well-formed
         if authenticated:
             assert not any(isinstance(r, (wire.HandshakeReply, wire.LeaseReply)) for r in got), \
                 "an unauthenticated peer was served"

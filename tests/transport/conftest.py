@@ -1,4 +1,4 @@
-"""Fixtures for the transport tests: a seeded RNG that prints its seed, an
+"""Fixtures for the transport tests (``rng`` comes from tests/conftest.py): an
 agent factory that closes every Agent a test made and fails loudly when
 teardown leaks, a guard against progress threads left running, and two
 connected agents in one process.
@@ -12,12 +12,9 @@ load; everything else runs anywhere.
 from __future__ import annotations
 
 import gc
-import os
-import random
 import sys
 from collections.abc import Callable, Iterator
 
-import numpy as np
 import pytest
 
 from rdma_kv.errors import UCXUnavailableError
@@ -45,12 +42,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("ucx") is not None and ucx_problem() is not None:
         pytest.skip(f"UCX unavailable: {ucx_problem()}")
 
-
-@pytest.fixture
-def rng(request: pytest.FixtureRequest) -> np.random.Generator:
-    seed = int(os.environ.get("RDMA_KV_TEST_SEED", random.SystemRandom().randrange(2**32)))
-    print(f"{request.node.nodeid}: seed {seed} (rerun with RDMA_KV_TEST_SEED={seed})")
-    return np.random.default_rng(seed)
 
 
 @pytest.fixture(autouse=True)
