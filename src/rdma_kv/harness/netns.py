@@ -38,6 +38,11 @@ def _run(*argv: str) -> str:
     return proc.stdout
 
 
+def _delete(ns: str) -> None:
+    """Delete namespace ``ns`` (and the veth end inside it); quiet if gone."""
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
 def unavailable() -> str | None:
     """Why namespaces cannot be made here, or None when they can."""
     if os.geteuid() != 0:
@@ -101,7 +106,7 @@ class VethLink:
                 _run("ip", "-n", ns, "link", "set", dev, "up")
         except BaseException:
             for ns in made:
-                subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+                _delete(ns)
             raise
 
     def set_link(self, side: int, up: bool) -> None:
@@ -123,7 +128,7 @@ class VethLink:
 
     def close(self) -> None:
         for ns in self.ns:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+            _delete(ns)
 
     def __enter__(self) -> VethLink:
         return self

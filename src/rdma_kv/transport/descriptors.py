@@ -61,6 +61,17 @@ class DescList:
         return f"DescList({len(self)} descriptors, {self.nbytes} bytes)"
 
 
+_INT64 = np.dtype(np.int64)
+
+
+def _integer_index(index: Any) -> np.ndarray:
+    """``index`` as a 1-D integer array (its own dtype); DescriptorError otherwise."""
+    idx = np.asarray(index)
+    if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "ui"):
+        raise DescriptorError(f"descriptor index must be a 1-D integer array, got {idx.dtype}{idx.shape}")
+    return idx
+
+
 @dataclass(frozen=True, eq=False)
 class PreparedDescList:
     """A DescList checked against one side's regions; ``regions[i]`` is the
@@ -92,9 +103,7 @@ class PreparedDescList:
 
     def index(self, index: Any) -> np.ndarray:
         """``index`` as a checked 1-D integer array (DescriptorError if out of range)."""
-        idx = np.asarray(index)
-        if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "ui"):
-            raise DescriptorError(f"descriptor index must be a 1-D integer array, got {idx.dtype}{idx.shape}")
+        idx = _integer_index(index)
         n = len(self.descs)
         if idx.size:
             # One pass: viewed as unsigned, a negative index is huge, so max() finds both.
@@ -112,18 +121,13 @@ class PreparedDescList:
         return self.descs.addrs[idx], self.descs.lengths[idx], self.regions[idx]
 
 
-_INT64 = np.dtype(np.int64)
-
-
 def as_index(index: Any) -> np.ndarray:
     """``index`` as a contiguous 1-D int64 array, without a copy (or any
     numpy call) when it already is one. Ranges are not checked here: the
     agent checks every pair in C before posting (``rk_check_indexed``)."""
     if type(index) is np.ndarray and index.dtype is _INT64 and index.ndim == 1 and index.flags.c_contiguous:
         return index
-    idx = np.asarray(index)
-    if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "ui"):
-        raise DescriptorError(f"descriptor index must be a 1-D integer array, got {idx.dtype}{idx.shape}")
+    idx = _integer_index(index)
     if idx.dtype.kind == "u" and idx.size and int(idx.max()) > np.iinfo(np.int64).max:
         idx = np.where(idx > np.iinfo(np.int64).max, -1, idx)  # out of range either way, reported as such
     return np.ascontiguousarray(idx, dtype=np.int64)

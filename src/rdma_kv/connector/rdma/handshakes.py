@@ -53,14 +53,15 @@ class PeerHandshakes:
     def _fail(self, load: _Load, reason: str, *, release: bool = True) -> None: ...
     def _post(self, load: _Load, peer: _Peer) -> None: ...
 
+    def _client_key(self, address: PeerAddress) -> tuple[str, int]:
+        """The side channel of this rank at ``address``: host, base port + rank."""
+        return address.host, address.port + self._settings.tp_rank
+
     def _peer_key(self, address: PeerAddress) -> tuple[str, str, int]:
-        return (address.engine_id, address.host, address.port + self._settings.tp_rank)
+        return (address.engine_id, *self._client_key(address))
 
     def _client(self, address: PeerAddress) -> SideChannelClient:
         return self._clients.get(*self._client_key(address))
-
-    def _client_key(self, address: PeerAddress) -> tuple[str, int]:
-        return address.host, address.port + self._settings.tp_rank
 
     def _make_client(self, host: str, port: int) -> SideChannelClient:
         s = self._settings
@@ -89,7 +90,8 @@ class PeerHandshakes:
         except Exception as exc:
             if name is not None:
                 self._safe_remove_peer(name)
-            reason = f"handshake with {address.host}:{address.port + self._settings.tp_rank} failed: {exc}"
+            host, port = self._client_key(address)
+            reason = f"handshake with {host}:{port} failed: {exc}"
             logger.warning("producer %r: %s", address.engine_id, reason)
             with self._lock:
                 peer.state, peer.error, peer.failed_at = "failed", reason, self._clock()
