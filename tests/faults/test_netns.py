@@ -26,6 +26,7 @@ of each; ``-m slow`` repeats them.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -73,17 +74,35 @@ def prompts(rng, prefix, n, tokens=TOKENS):
     return {f"{prefix}{i}": rng.integers(1, 999, tokens).tolist() for i in range(n)}
 
 
-def load(p, d, batch, timeout_s=30.0):
-    params = prefill(p, batch)
+def submit(d, batch, params):
     for rid, prompt in batch.items():
         d.add(rid, prompt, params[rid])
+
+
+def load(p, d, batch, timeout_s=30.0):
+    submit(d, batch, prefill(p, batch))
     return d.wait_results(batch, timeout_s=timeout_s)
 
 
-def assert_recovers(rng, p, d, tag):
+def keep_max(outcomes, key, seconds):
+    outcomes[key] = max(outcomes[key], round(seconds, 3))
+
+
+@contextlib.contextmanager
+def connected_pair(link, rng):
+    """A producer and a consumer, one per namespace, with the handshake done
+    and the UCX endpoint up (a first load verified)."""
+    with engine(link, PRODUCER, "P", "kv_producer") as p, engine(link, CONSUMER, "D", "kv_consumer") as d:
+        print(f"producer pid {p.pid}, consumer pid {d.pid}")
+        for rid, r in load(p, d, prompts(rng, "warm", 2)).items():
+            assert check_loaded(rid, r) == "verified"
+        yield p, d
+
+
+def assert_recovers(rng, p, d, tag, outcomes):
     """After the link is back: loads between the same engines verify again
-    within RECOVERY_BOUND_S (returns how long that took), and both sides
-    settle with nothing held, leased or in flight."""
+    within RECOVERY_BOUND_S (the time taken goes to ``max_recovery_s``), and
+    both sides settle with nothing held, leased or in flight."""
     t0 = time.monotonic()
     for attempt in itertools.count():
         (rid, r), = load(p, d, prompts(rng, f"{tag}-probe{attempt}", 1)).items()
@@ -94,14 +113,13 @@ def assert_recovers(rng, p, d, tag):
         assert time.monotonic() - t0 < RECOVERY_BOUND_S, \
             f"no load verified {RECOVERY_BOUND_S} s after the link returned"
         time.sleep(0.2)
-    recovered_s = time.monotonic() - t0
+    keep_max(outcomes, "max_recovery_s", time.monotonic() - t0)
     for rid, r in load(p, d, prompts(rng, f"{tag}-after", 3)).items():
         assert check_loaded(rid, r) == "verified", f"{rid}: not loaded after the link returned: {r}"
     d.wait_status(idle(), timeout_s=15)
     p.wait_status(idle(), timeout_s=LEASE_TTL_S + 15)  # leases of failed loads expire
     left = d.call("stats")["resources"]
     assert left["transfers_inflight"] == 0 and left["transport_peers"] <= 1, left
-    return recovered_s
 
 
 def partition_during_handshake(rng, link, side, trials):
@@ -115,8 +133,7 @@ def partition_during_handshake(rng, link, side, trials):
                 link.set_link(side, False)
                 try:
                     t0 = time.monotonic()
-                    for rid, prompt in batch.items():
-                        d.add(rid, prompt, params[rid])
+                    submit(d, batch, params)
                     results = d.wait_results(batch, timeout_s=FAIL_BOUND_S + 5)
                     detect = time.monotonic() - t0
                 finally:
@@ -125,9 +142,8 @@ def partition_during_handshake(rng, link, side, trials):
                     assert check_loaded(rid, r) == "load_error", f"{rid}: loaded through a partition: {r}"
                 assert detect < FAIL_BOUND_S, f"handshake partition took {detect:.2f} s to fail"
                 outcomes["load_error"] += len(results)
-                outcomes["max_detect_s"] = max(outcomes["max_detect_s"], round(detect, 3))
-                recovered = assert_recovers(rng, p, d, f"h{trial}")
-                outcomes["max_recovery_s"] = max(outcomes["max_recovery_s"], round(recovered, 3))
+                keep_max(outcomes, "max_detect_s", detect)
+                assert_recovers(rng, p, d, f"h{trial}", outcomes)
             outcomes["trials"] += 1
     print(f"partition during handshake ({'producer' if side == PRODUCER else 'consumer'} end down): {outcomes}")
     return outcomes
@@ -138,10 +154,7 @@ def partition_during_reads(rng, link, side, trials, flap_s=None):
     (shorter than the read deadline) and expect the loads to verify."""
     outcomes = {"trials": 0, "load_error": 0, "verified": 0, "max_detect_s": 0.0, "max_recovery_s": 0.0,
                 "cut_at_fraction": []}
-    with engine(link, PRODUCER, "P", "kv_producer") as p, engine(link, CONSUMER, "D", "kv_consumer") as d:
-        print(f"producer pid {p.pid}, consumer pid {d.pid}")
-        for rid, r in load(p, d, prompts(rng, "warm", 2)).items():  # handshake done, endpoint up
-            assert check_loaded(rid, r) == "verified"
+    with connected_pair(link, rng) as (p, d):
         for trial in range(trials):
             batch = prompts(rng, f"r{trial}-", 3)
             total = len(batch) * (TOKENS // SHAPE.block_size) * SHAPE.block_nbytes
@@ -149,8 +162,7 @@ def partition_during_reads(rng, link, side, trials, flap_s=None):
             link.throttle(PRODUCER, 16)  # ~2 MB/s: these loads take about a second
             try:
                 sent0 = link.tx_bytes(PRODUCER)
-                for rid, prompt in batch.items():
-                    d.add(rid, prompt, params[rid])
+                submit(d, batch, params)
                 d.wait_status(lambda s: s["inflight_loads"] == len(batch), timeout_s=10)
                 time.sleep(0.3)
                 link.set_link(side, False)
@@ -176,9 +188,8 @@ def partition_during_reads(rng, link, side, trials, flap_s=None):
                 outcomes[kind] += 1
             if flap_s is None:
                 assert detect < FAIL_BOUND_S, f"read partition took {detect:.2f} s to fail"
-                outcomes["max_detect_s"] = max(outcomes["max_detect_s"], round(detect, 3))
-            recovered = assert_recovers(rng, p, d, f"r{trial}")
-            outcomes["max_recovery_s"] = max(outcomes["max_recovery_s"], round(recovered, 3))
+                keep_max(outcomes, "max_detect_s", detect)
+            assert_recovers(rng, p, d, f"r{trial}", outcomes)
             outcomes["trials"] += 1
     print(f"partition during reads ({'producer' if side == PRODUCER else 'consumer'} end down"
           f"{'' if flap_s is None else f', back after {flap_s} s'}): {outcomes}")
@@ -218,17 +229,14 @@ def abort_while_reading(rng, link, trials, cut=False):
     """Abort every load of a batch while its reads are on the wire (``cut``:
     then take the producer's end down, so only the deadline ends them)."""
     outcomes = {"trials": 0, "aborted": 0, "finished_first": 0, "samples_in_flight": 0, "bytes_after_abort": 0,
-                "max_reads_on_wire_after_abort_s": 0.0}
-    with engine(link, PRODUCER, "P", "kv_producer") as p, engine(link, CONSUMER, "D", "kv_consumer") as d:
-        for rid, r in load(p, d, prompts(rng, "warm", 2)).items():
-            assert check_loaded(rid, r) == "verified"
+                "max_reads_on_wire_after_abort_s": 0.0, "max_recovery_s": 0.0}
+    with connected_pair(link, rng) as (p, d):
         for trial in range(trials):
             batch = prompts(rng, f"a{trial}-", 3)
             params = prefill(p, batch)
             link.throttle(PRODUCER, 16)
             try:
-                for rid, prompt in batch.items():
-                    d.add(rid, prompt, params[rid])
+                submit(d, batch, params)
                 d.wait_status(lambda s: s["inflight_loads"] == len(batch), timeout_s=10)
                 time.sleep(float(rng.uniform(0.05, 0.5)))
                 for rid in batch:
@@ -243,8 +251,10 @@ def abort_while_reading(rng, link, trials, cut=False):
                         break
                     in_flight += 1
                     freed = set(s["reading_ids"]) - set(s["held_ids"])
-                    assert not freed, f"blocks of aborted {sorted(freed)} freed while their reads could still land"
-                    assert time.monotonic() - t0 < FAIL_BOUND_S, f"reads still in flight {FAIL_BOUND_S} s after abort"
+                    assert not freed, \
+                        f"blocks of aborted {sorted(freed)} freed while their reads could still land"
+                    assert time.monotonic() - t0 < FAIL_BOUND_S, \
+                        f"reads still in flight {FAIL_BOUND_S} s after abort"
                     time.sleep(0.01)
                 held_s = time.monotonic() - t0
                 after = link.tx_bytes(PRODUCER) - sent0
@@ -262,10 +272,8 @@ def abort_while_reading(rng, link, trials, cut=False):
             outcomes["finished_first"] += len(batch) - len(aborted)
             outcomes["samples_in_flight"] += in_flight
             outcomes["bytes_after_abort"] += after
-            outcomes["max_reads_on_wire_after_abort_s"] = max(outcomes["max_reads_on_wire_after_abort_s"], round(held_s, 3))
-            recovered = assert_recovers(rng, p, d, f"a{trial}")  # leases released, nothing stranded
-            outcomes.setdefault("max_recovery_s", 0.0)
-            outcomes["max_recovery_s"] = max(outcomes["max_recovery_s"], round(recovered, 3))
+            keep_max(outcomes, "max_reads_on_wire_after_abort_s", held_s)
+            assert_recovers(rng, p, d, f"a{trial}", outcomes)  # leases released, nothing stranded
             outcomes["trials"] += 1
     if not cut:  # the reads went on landing after the abort, into blocks still held
         assert outcomes["bytes_after_abort"] > 0, outcomes
