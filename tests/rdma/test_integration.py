@@ -180,3 +180,26 @@ def test_producer_killed_with_reads_racing(rng):
                 assert r["status"] == "finished" and r["bad_blocks"] == [], (rid, r)
                 outcomes["verified"] += 1
         print(f"kill with reads racing: {outcomes}")
+
+
+def test_two_lanes_split_reads_bit_exact(rng):
+    """A decode engine with ``lanes: 2``: loads above 8 MiB are read by two
+    workers at once, and every block still matches the producer's."""
+    with EngineProcess("prefill-l", config("kv_producer", "PL"), SHAPE) as p, \
+            EngineProcess("decode-l", config("kv_consumer", "DL", lanes=2), SHAPE) as d:
+        # A block is 4 layers x 8 KiB: 4,200+ tokens (263+ blocks) is over 8 MiB,
+        # twice the default lane_min_bytes (4 MiB), so those loads are split.
+        sizes = [int(rng.integers(4200, 4500)) for _ in range(4)] + [int(rng.integers(300, 900)) for _ in range(8)]
+        prompts = {f"l{i}": rng.integers(1, 999, n).tolist() for i, n in enumerate(sizes)}
+        params = prefill(p, prompts)
+        for rid in prompts:
+            d.add(rid, prompts[rid], params[rid])
+        results = d.wait_results(list(prompts), timeout_s=60)
+        for rid, r in results.items():
+            assert r["status"] == "finished" and not r["load_failed"], (rid, r["error"])
+            assert r["bad_blocks"] == [], f"{rid}: blocks {r['bad_blocks']} differ from the producer's"
+        totals = d.call("stats")["totals"]
+        # A run the cut falls into is posted once per part.
+        assert totals["nbytes"] > 4 * (8 << 20)
+        assert totals["block_runs"] <= totals["ops_posted"] <= totals["block_runs"] + len(prompts)
+        settle(p, d)

@@ -692,3 +692,26 @@ def test_prepared_reads_merge_runs_but_never_across_adjacent_regions(make_agent)
     for s in gaps.tolist():
         np.testing.assert_array_equal(dst[s * block:(s + 1) * block], src[s * block:(s + 1) * block])
     assert not dst[2 * block:3 * block].any()
+
+
+def test_a_prepared_list_inside_one_region_other_than_the_first_keeps_its_region(make_agent):
+    """The C loop reads a missing region table as region 0 for every slot; a
+    list wholly inside region 1 must still hand it region 1 (its memory
+    handle and remote key: on verbs the wrong one is a protection error)."""
+    a, b = make_agent("a"), make_agent("b")
+    first, second = np.zeros(1 << 16, dtype=np.uint8), np.random.default_rng(5).integers(0, 256, 1 << 16, np.uint8)
+    a.register(first)
+    a.register(second)  # a's region 1
+    b.register(np.zeros(1 << 12, dtype=np.uint8))  # b's region 0 (the registration keeps it alive)
+    dst = np.zeros(1 << 16, dtype=np.uint8)
+    b.register(dst)  # b's region 1
+    b.add_peer(a.metadata())
+    slots = np.arange(16, dtype=np.uint64) * 4096
+    local = b.prep_local(DescList(dst.ctypes.data + slots, 4096))
+    remote = b.prep_remote("a", DescList(second.ctypes.data + slots, 4096))
+    for prepared in (local, remote):
+        assert prepared.single_region and prepared.c_tables[2] != b._ffi.NULL
+        assert prepared.c_tables[2][0] == 1
+    every = np.arange(16)
+    b.read_prepared(local, every, remote, every).wait(WAIT_S)
+    np.testing.assert_array_equal(dst, second)

@@ -49,6 +49,16 @@ def register_backend(name: str, fn: Backend) -> None:
     BACKENDS[name] = fn
 
 
+_MODULES = {"rdma-kv": rdmakv_peer, "nixl": nixl_peer}
+
+
+def add_variant(name: str, base: str, **options: object) -> str:
+    """Register ``name``: backend ``base`` (rdma-kv or nixl) with ``options``; returns ``name``."""
+    module = _MODULES[base]
+    register_backend(name, lambda w, reps: _renamed(module.run_backend(w, reps, **options), name))
+    return name
+
+
 def run_one(name: str, workload: Workload, reps: int) -> Result:
     try:
         fn = BACKENDS[name]

@@ -41,6 +41,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "progress_thread": False,  # reader's: it polls check_xfer_state itself
     "target_progress_thread": True,  # the idle target must progress UCX wire-up
     "telemetry": True,  # needed for descCount (ops NIXL really posted)
+    "num_threads": 0,  # NIXL's own default; vLLM's NixlConnector passes 4
 }
 _LIST_MODES = ("blocks", "strided")
 
@@ -70,6 +71,7 @@ def _agent(name: str, options: dict[str, Any]) -> Any:
         enable_prog_thread=bool(options["progress_thread"]),
         enable_listen_thread=False,
         capture_telemetry=bool(options["telemetry"]),
+        num_threads=int(options["num_threads"]),
         backends=["UCX"],
     )
     agent = nixl_agent(name, config)

@@ -31,13 +31,14 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "progress": "poll",  # reader: waits by driving progress itself, as NIXL's reader does
     "target_progress": "thread",  # the idle target sleeps on its event fd
     "ucx_options": {},
+    "lanes": 1,  # reader's workers per transfer (AgentConfig.lanes)
 }
 
 
-def _agent(name: str, progress: str, ucx_options: dict[str, str]) -> Any:
+def _agent(name: str, progress: str, ucx_options: dict[str, str], lanes: int = 1) -> Any:
     from rdma_kv.transport import Agent, AgentConfig
 
-    return Agent(name, AgentConfig(progress=progress, ucx_options=dict(ucx_options)))
+    return Agent(name, AgentConfig(progress=progress, ucx_options=dict(ucx_options), lanes=lanes))
 
 
 def slot_descs(workload: Workload, base: int) -> Any:
@@ -65,7 +66,7 @@ def target(chan: Channel, start: dict[str, Any]) -> None:
 def reader(chan: Channel, start: dict[str, Any]) -> None:
     workload = Workload.from_dict(start["workload"])
     options = dict(DEFAULT_OPTIONS, **start["options"])
-    agent = _agent("bench-reader", options["progress"], options["ucx_options"])
+    agent = _agent("bench-reader", options["progress"], options["ucx_options"], int(options["lanes"]))
     peer, metadata = chan.expect("peer")
     remote = agent.add_peer(metadata)
     local = page_aligned_buffer(workload.buffer_nbytes)

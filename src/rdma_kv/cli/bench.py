@@ -39,6 +39,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--reps", type=int, default=5, help="repetitions per workload and backend (default 5)")
     p.add_argument("--progress", choices=("poll", "thread"), default="poll",
                    help="rdma-kv reader progress mode (default poll, like NIXL's reader)")
+    p.add_argument("--lanes", type=int, default=2,
+                   help="rdma-kv reader's workers per transfer (AgentConfig.lanes, default 2); with N > 1 the "
+                        "run adds rdma-kv-l1 (one worker) and, with --vs nixl, nixl-tN (NIXL num_threads=N)")
     p.add_argument("--no-cma", action="store_true", help="skip the batched process_vm_readv baseline")
     p.add_argument("--perftest", default="32768,268435456",
                    help="ucx_perftest ucp_get message sizes in bytes, comma list ('' = none)")
@@ -84,7 +87,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.reps < 1:
         raise ConfigError(f"--reps must be >= 1, got {args.reps}")
-    baselines.register_backend("rdma-kv", lambda w, reps: rdmakv_peer.run_backend(w, reps, progress=args.progress))
+    if not 1 <= args.lanes <= 16:
+        raise ConfigError(f"--lanes must be 1..16, got {args.lanes}")
+    lanes = args.lanes
+    baselines.register_backend(
+        "rdma-kv", lambda w, reps: rdmakv_peer.run_backend(w, reps, progress=args.progress, lanes=lanes))
     if args.sweep or args.plot:
         return run_sweep(args)
     peers = [v for v in args.vs.split(",") if v]
@@ -94,7 +101,14 @@ def run(args: argparse.Namespace) -> int:
     names = args.workloads.split(",") if args.workloads else ([] if args.kv_shape else list(PRESETS))
     workloads = [preset(n, repetitions=args.reps) for n in names if n]
     workloads += [parse_kv_shape(s).replace(repetitions=args.reps) for s in args.kv_shape]
-    backends = ["rdma-kv"] + peers + ([] if args.no_cma else ["cma"])
+    backends = ["rdma-kv"]
+    if lanes > 1:  # the same run, one worker: what the lanes add
+        backends.append(baselines.add_variant("rdma-kv-l1", "rdma-kv", progress=args.progress, lanes=1))
+    for peer in peers:
+        backends.append(peer)
+        if peer == "nixl" and lanes > 1:  # NIXL's own parallelism at the same thread count
+            backends.append(baselines.add_variant(f"nixl-t{lanes}", "nixl", num_threads=lanes))
+    backends += [] if args.no_cma else ["cma"]
     started = datetime.datetime.now()
     sizes = [int(s) for s in args.perftest.split(",") if s]
     bar = ProgressBar(len(workloads) * len(backends) + len(sizes), "rdma-kv bench")
@@ -110,9 +124,14 @@ def run(args: argparse.Namespace) -> int:
         bar.advance()
     bar.close(f"{sum(r.status == 'ok' for r in results)} ok of {len(results)}")
     print(table(results))
+    print(f"rdma-kv: AgentConfig(lanes={lanes}), progress={args.progress}"
+          + ("; rdma-kv-l1: lanes=1" if lanes > 1 else "")
+          + ("; nixl: nixl_agent_config defaults (num_threads=0)" if "nixl" in peers else "")
+          + (f"; nixl-t{lanes}: num_threads={lanes} (vLLM's NixlConnector passes 4)"
+             if "nixl" in peers and lanes > 1 else ""))
     if args.json:
         with open(args.json, "w") as fh:
-            fh.write(to_json(results, **run_meta(started, args.reps)))
+            fh.write(to_json(results, **run_meta(started, args.reps), lanes=lanes))
     return 0 if all(r.status != "failed" for r in results) else 1
 
 

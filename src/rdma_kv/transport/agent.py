@@ -35,7 +35,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,8 @@ from rdma_kv.errors import (
 from rdma_kv.transport import metadata as wire
 from rdma_kv.transport._lib import check_status, load, status_name, ucx_version
 from rdma_kv.transport.descriptors import DescList, PreparedDescList, as_index, coalesce, pair_indices
+from rdma_kv.transport.config import AgentConfig
+from rdma_kv.transport.lanes import Lanes, lane_factory
 from rdma_kv.transport.memory import MemoryKind, MemoryRegion, RegionTable, kind_from_ucs, span_of
 from rdma_kv.transport.peer import Peer
 from rdma_kv.transport.progress import Notification, ProgressEngine
@@ -59,7 +61,6 @@ from rdma_kv.transport.ucx import Context, Worker
 log = logging.getLogger(__name__)
 
 NOTIF_AM_ID = 0x524B  # "RK": active-message id of rdma-kv notifications
-PROGRESS_MODES = ("thread", "poll")
 
 # Generations of prepared lists come from one process-wide counter, so a list
 # prepared by another Agent never matches: its region indices would address
@@ -68,35 +69,15 @@ PROGRESS_MODES = ("thread", "poll")
 _generations = itertools.count(1)
 
 
-@dataclass(frozen=True)
-class AgentConfig:
-    """Agent settings. ``ucx_options`` are UCX settings without the ``UCX_``
-    prefix, applied to this agent's context only."""
+class Agent(ProgressEngine, Lanes):
+    """One UCX worker (plus ``config.lanes - 1`` lanes), its registered memory
+    and its peers. Use as a context manager or call ``close()``.
 
-    progress: str = "thread"
-    ucx_options: dict[str, str] = field(default_factory=dict)
-    transfer_timeout_s: float = 30.0
-    max_inflight: int = 16384
-    notif_slots: int = 4096
-    notif_max_bytes: int = 1024
-    spin_s: float = 0.0002
+    ``_context`` is internal: a lane is an Agent on its owner's context,
+    which it neither maps memory into nor closes."""
 
-    def __post_init__(self) -> None:
-        if self.progress not in PROGRESS_MODES:
-            raise ConfigError(f"progress={self.progress!r} is not valid; valid values: {', '.join(PROGRESS_MODES)}")
-        if not self.transfer_timeout_s > 0:
-            raise ConfigError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
-        for name in ("max_inflight", "notif_slots", "notif_max_bytes"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-class Agent(ProgressEngine):
-    """One UCX worker, its registered memory and its peers. Use as a context
-    manager or call ``close()``."""
-
-    def __init__(self, name: str, config: AgentConfig | None = None) -> None:
-        if not name or len(name.encode()) > wire.MAX_NAME_BYTES:
+    def __init__(self, name: str, config: AgentConfig | None = None, *, _context: Context | None = None) -> None:
+        if _context is None and (not name or len(name.encode()) > wire.MAX_NAME_BYTES):
             raise ConfigError(f"agent name must be 1..{wire.MAX_NAME_BYTES} bytes, got {name!r}")
         self.name = name
         self.config = cfg = config or AgentConfig()
@@ -104,11 +85,14 @@ class Agent(ProgressEngine):
         ffi, lib = self._ffi, self._lib
         self._lock = threading.RLock()
         self._closed = False
-        self._context = Context(cfg.ucx_options, name=name)
+        self._lanes: list[Agent] = []
+        self._owns_context = _context is None
+        self._context = _context or Context(cfg.ucx_options, name=name, shared_workers=cfg.lanes > 1)
         try:
             self._worker = Worker(self._context)
         except BaseException:
-            self._context.close()
+            if self._owns_context:
+                self._context.close()
             raise
         # Caller-owned rings the shim writes into (see csrc/shim.h).
         self._ctx = ffi.new("rk_ctx_t *")
@@ -133,6 +117,7 @@ class Agent(ProgressEngine):
         self._local_table = RegionTable([], f"agent {name!r}")
         self._local_gen = next(_generations)
         self._memhs = ffi.new("ucp_mem_h[]", 1)
+        self._memhs_c = ffi.NULL  # _memhs once a region is registered (what rk_post* get)
         self._peers: dict[str, Peer] = {}
         self._retired: list[Peer] = []
         self._inflight: dict[int, Transfer] = {}
@@ -148,6 +133,14 @@ class Agent(ProgressEngine):
         if cfg.progress == "thread":
             self._thread = threading.Thread(target=self._progress_loop, name=f"rdma-kv-progress-{name}", daemon=True)
             self._thread.start()
+        if cfg.lanes > 1:
+            lane_cfg = replace(cfg, lanes=1, progress="thread")
+            try:
+                self._lanes = lane_factory(lambda i: Agent(f"{name}.lane{i}", lane_cfg, _context=self._context),
+                                           cfg.lanes - 1)
+            except BaseException:
+                self.close()
+                raise
 
     # ------------------------------------------------------------------ memory
 
@@ -215,9 +208,9 @@ class Agent(ProgressEngine):
             if region.refs > 1:
                 region.refs -= 1
                 return
-            if self._inflight:
+            if self.inflight:
                 raise RegistrationError(
-                    f"cannot deregister {region}: {len(self._inflight)} transfers in flight; wait for them first"
+                    f"cannot deregister {region}: {self.inflight} transfers in flight; wait for them first"
                 )
             self._regions.remove(region)
             check_status(self._lib.ucp_mem_unmap(self._context.handle, region.memh), "ucp_mem_unmap")
@@ -228,6 +221,10 @@ class Agent(ProgressEngine):
     def _rebuild_local(self) -> None:
         self._local_table = RegionTable([(r.base, r.nbytes) for r in self._regions], f"agent {self.name!r}")
         self._memhs = self._ffi.new("ucp_mem_h[]", [r.memh for r in self._regions] or 1)
+        self._memhs_c = self._memhs if self._regions else self._ffi.NULL
+        for lane in self._lanes:  # same context: the same memory handles serve every lane
+            with lane._lock:
+                lane._memhs, lane._memhs_c = self._memhs, self._memhs_c
 
     @property
     def regions(self) -> tuple[MemoryRegion, ...]:
@@ -251,12 +248,21 @@ class Agent(ProgressEngine):
             raise PeerError(f"metadata names this agent itself ({self.name!r}); pass the peer's metadata")
         with self._lock:
             self._require_open()
-            old = self._peers.pop(md.name, None)
-            if old is not None:
-                self._fail_peer(old, "replaced by newly imported metadata")
-                self._retire(old)
-            self._peers[md.name] = Peer(self._worker, md, next(_generations))
+            generation = next(_generations)
+            self._install_peer(md, generation)
+            try:
+                self._install_on_lanes(md, generation)
+            except BaseException:
+                self.remove_peer(md.name)
+                raise
             return md.name
+
+    def _install_peer(self, md: wire.AgentMetadata, generation: int) -> None:
+        old = self._peers.pop(md.name, None)
+        if old is not None:
+            self._fail_peer(old, "replaced by newly imported metadata")
+            self._retire(old)
+        self._peers[md.name] = Peer(self._worker, md, generation)
 
     def remove_peer(self, name: str) -> None:
         with self._lock:
@@ -266,6 +272,7 @@ class Agent(ProgressEngine):
             if peer.inflight:
                 self._fail_peer(peer, "removed by remove_peer()")
             self._retire(peer)
+            self._remove_from_lanes(name)
 
     def _retire(self, peer: Peer) -> None:
         if peer.inflight == 0:
@@ -291,6 +298,8 @@ class Agent(ProgressEngine):
                 f"peer {name!r} failed ({peer.failure or status_name(peer.ep_state.status)}); "
                 "re-import its metadata with add_peer() once it is back"
             )
+        if self._lanes:
+            self._check_lanes(peer)
         return peer
 
     # ------------------------------------------------------------- descriptors
@@ -378,6 +387,10 @@ class Agent(ProgressEngine):
                 pair_indices(local, local_index, remote, remote_index)  # raises the precise error
                 raise DescriptorError(f"descriptor pair {ok} of {n} failed the range or length check")
             nbytes = uniform * n if uniform is not None else int(self._nbytes_out[0])
+            parts = self._split_parts(nbytes) if notify is None else 1
+            if parts > 1:
+                return self._post_split(parts, op, p, local, li, li_c, remote, ri, ri_c, n, nbytes, uniform,
+                                        timeout_s)
             return self._post_indexed(op, p, local, li_c, remote, ri_c, n, nbytes, notify, timeout_s)
 
     def flush(self, peer: str, *, timeout_s: float | None = None) -> Transfer:
@@ -392,7 +405,7 @@ class Agent(ProgressEngine):
 
     def _post(self, op: XferOp, p: Peer, laddr: np.ndarray, raddr: np.ndarray, lengths: np.ndarray,
               lreg: np.ndarray | None, rreg: np.ndarray | None, notify: bytes | None,
-              timeout_s: float | None) -> Transfer:
+              timeout_s: float | None, part_of: Any = None) -> Transfer:
         """Post explicit descriptors: merge contiguous runs, then one rk_post."""
         ffi, lib = self._ffi, self._lib
         num_descs = len(laddr)
@@ -408,40 +421,44 @@ class Agent(ProgressEngine):
             return int(lib.rk_post(
                 batch, opcode, n_ops, ffi.from_buffer("uint64_t[]", laddr), ffi.from_buffer("uint64_t[]", raddr),
                 ffi.from_buffer("uint64_t[]", lengths), ffi.from_buffer("uint32_t[]", lreg),
-                self._memhs if self._regions else ffi.NULL, ffi.from_buffer("uint32_t[]", rreg), p.rkeys, flush))
+                self._memhs_c, ffi.from_buffer("uint32_t[]", rreg), p.rkeys, flush))
 
-        return self._submit(op, p, nbytes, num_descs, notify, timeout_s, post)
+        return self._submit(op, p, nbytes, num_descs, notify, timeout_s, post, part_of)
 
     def _post_indexed(self, op: XferOp, p: Peer, local: PreparedDescList, li_c: Any,
                       remote: PreparedDescList, ri_c: Any, n: int, nbytes: int, notify: bytes | None,
-                      timeout_s: float | None) -> Transfer:
+                      timeout_s: float | None, part_of: Any = None) -> Transfer:
         """Post checked index pairs into prepared lists: the C loop gathers,
         merges and posts in one pass (no per-descriptor numpy work: with caches
         cold after a model step, that work cost ~300 us for 64 descriptors)."""
         lib = self._lib
         laddr, llen, lreg = local.c_tables
         raddr, _, rreg = remote.c_tables
-        memhs = self._memhs if self._regions else self._ffi.NULL
+        memhs = self._memhs_c
 
         def post(batch: Any, opcode: int, flush: int) -> int:
             return int(lib.rk_post_indexed(batch, opcode, n, li_c, ri_c, laddr, raddr, llen, lreg, rreg,
                                            memhs, p.rkeys, flush))
 
-        return self._submit(op, p, nbytes, n, notify, timeout_s, post)
+        return self._submit(op, p, nbytes, n, notify, timeout_s, post, part_of)
 
     def _c_tables(self, prepared: PreparedDescList) -> PreparedDescList:
         """Attach C views of the prepared list's tables (made once, here)."""
         ffi = self._ffi
-        regions = ffi.NULL if prepared.single_region else ffi.from_buffer("uint32_t[]", prepared.regions)
+        # NULL means region 0 for every descriptor: only then may the table be skipped.
+        region_zero = prepared.single_region and (len(prepared.regions) == 0 or int(prepared.regions[0]) == 0)
+        regions = ffi.NULL if region_zero else ffi.from_buffer("uint32_t[]", prepared.regions)
         tables = (ffi.from_buffer("uint64_t[]", prepared.descs.addrs),
                   ffi.from_buffer("uint64_t[]", prepared.descs.lengths), regions)
         object.__setattr__(prepared, "c_tables", tables)
         return prepared
 
     def _submit(self, op: XferOp, p: Peer, nbytes: int, num_descs: int, notify: bytes | None,
-                timeout_s: float | None, post: Callable[[Any, int, int], int]) -> Transfer:
+                timeout_s: float | None, post: Callable[[Any, int, int], int], part_of: Any = None) -> Transfer:
         """Create the batch record and its Transfer, call ``post`` (one C call)
-        and account for it. Caller holds the lock and has checked the peer."""
+        and account for it -- unless it is a part of ``part_of`` (a
+        SplitTransfer), which accounts for itself and is told first when the
+        part resolves. Caller holds the lock and has checked the peer."""
         ffi, lib, cfg = self._ffi, self._lib, self.config
         if len(self._inflight) + len(self._zombies) >= cfg.max_inflight:
             raise TransferError(
@@ -469,6 +486,10 @@ class Agent(ProgressEngine):
         deadline = time.monotonic() + timeout
         xfer = Transfer(self, xid, op, p.name, batch, keep, nbytes, num_descs, deadline)
         xfer._peer_ref = p
+        part = part_of is not None
+        xfer._part = part
+        if part:
+            xfer._callbacks.append(part_of._part_done)
         self._inflight[xid] = xfer
         p.inflight += 1
         heapq.heappush(self._deadlines, (deadline, xid))
@@ -477,11 +498,12 @@ class Agent(ProgressEngine):
         xfer.ops_posted = post(batch, lib.RK_OP_PUT if is_put else lib.RK_OP_GET,
                                1 if (op is XferOp.FLUSH or (is_put and notify is not None)) else 0)
         xfer.post_s = time.perf_counter() - t0
-        s = self.stats
-        s["transfers"] += 1
-        s["ops_posted"] += xfer.ops_posted
-        s["descs"] += num_descs
-        s["bytes"] += nbytes
+        if not part:
+            s = self.stats
+            s["transfers"] += 1
+            s["ops_posted"] += xfer.ops_posted
+            s["descs"] += num_descs
+            s["bytes"] += nbytes
         if self._ctx.done_head != self._done_tail:  # some batch completed in place
             self._drain_completions()
         if self._thread is not None and xfer.state is XferState.IN_PROGRESS:
@@ -505,8 +527,9 @@ class Agent(ProgressEngine):
     # ------------------------------------------------------------------ closing
 
     def close(self) -> None:
-        """Fail what is in flight, then tear down: remote keys and endpoints,
-        memory, worker, context. Idempotent."""
+        """Let what is in flight finish (at most ``close_drain_s``), fail the
+        rest, then tear down: lanes, remote keys and endpoints, memory,
+        worker, context. Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -514,19 +537,25 @@ class Agent(ProgressEngine):
             self._worker.signal()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
+        self._close_lanes()  # their workers go before the context; their parts fail first
         with self._lock:
+            end = time.monotonic() + self.config.close_drain_s
+            while self._inflight and time.monotonic() < end:
+                if not self._progress_locked():
+                    time.sleep(0.0001)
             self._fail_all(f"agent {self.name!r} closed")
             callbacks = self._take_callbacks()
             for peer in list(self._peers.values()) + self._retired:
                 peer.close(force=not peer.healthy)
             self._peers.clear()
             self._retired.clear()
-            for region in self._regions:
+            for region in self._regions:  # a lane has none: they are its owner's
                 self._lib.ucp_mem_unmap(self._context.handle, region.memh)
                 region.owners.clear()
             self._regions.clear()
             self._worker.close()
-            self._context.close()
+            if self._owns_context:
+                self._context.close()
         self._run_callbacks(callbacks)
 
     def __enter__(self) -> Agent:
@@ -544,4 +573,4 @@ class Agent(ProgressEngine):
 
     def __repr__(self) -> str:
         return (f"Agent({self.name!r}, regions={len(self._regions)}, peers={len(self._peers)}, "
-                f"inflight={len(self._inflight)}, closed={self._closed})")
+                f"lanes={len(self._lanes) + 1}, inflight={self.inflight}, closed={self._closed})")

@@ -62,7 +62,8 @@ class ProgressEngine:
 
     @property
     def inflight(self) -> int:
-        return len(self._inflight)
+        """Transfers in flight, parts on lanes counted one each."""
+        return len(self._inflight) + self._lanes_inflight()  # type: ignore[attr-defined]
 
     def progress(self) -> int:
         """Drive the worker once (polling mode). Returns UCX events handled."""
@@ -145,7 +146,7 @@ class ProgressEngine:
         )
 
     def _queue(self, xfer: Transfer, error: TransferError | None) -> None:
-        if error is not None:
+        if error is not None and not xfer._part:  # a SplitTransfer counts its own failure
             self.stats["failed"] += 1
         for cb in xfer._resolve(error):
             self._callbacks.append((cb, xfer))

@@ -71,6 +71,7 @@ class Transfer:
         self._callbacks: list[Callable[[Transfer], None]] = []
         self._peer_ref: Any = None  # the Peer incarnation it was posted to
         self._expired = False
+        self._part = False  # one part of a SplitTransfer (lanes.py)
 
     # -- completion (called by the agent, under its lock) --------------------
 
@@ -120,13 +121,17 @@ class Transfer:
                     f"after waiting {timeout_s} s ({self.num_descs} descriptors, "
                     f"{self.nbytes} bytes)"
                 )
-            if self._agent.manual_progress:
+            if self._drives_progress():
                 self._agent._progress_once(block_s=left)
             else:
                 self._completion_event().wait(left if left is None else min(left, 1.0))
         if self.error is not None:
             raise self.error
         return self
+
+    def _drives_progress(self) -> bool:
+        """Whether ``wait`` must drive the agent's worker itself."""
+        return self._agent.manual_progress
 
     def _completion_event(self) -> threading.Event:
         # Made on demand (a transfer nobody blocks on never pays for it) and

@@ -43,7 +43,8 @@ class Context:
     over rdma-kv's ``DEFAULT_OPTIONS``.
     """
 
-    def __init__(self, options: Mapping[str, str] | None = None, name: str = "rdma-kv") -> None:
+    def __init__(self, options: Mapping[str, str] | None = None, name: str = "rdma-kv",
+                 shared_workers: bool = False) -> None:
         ffi, lib = load()
         self._ffi, self._lib = ffi, lib
         config_p = ffi.new("ucp_config_t **")
@@ -63,6 +64,9 @@ class Context:
             params.features = lib.UCP_FEATURE_RMA | lib.UCP_FEATURE_AM | lib.UCP_FEATURE_WAKEUP
             self._name = ffi.new("char[]", name.encode())
             params.name = self._name
+            if shared_workers:  # workers of this context run on different threads
+                params.field_mask |= lib.UCP_PARAM_FIELD_MT_WORKERS_SHARED
+                params.mt_workers_shared = 1
             handle = ffi.new("ucp_context_h *")
             check_status(lib.ucp_init(params, config, handle), "ucp_init")
         finally:

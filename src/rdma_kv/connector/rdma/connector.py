@@ -55,7 +55,7 @@ def agent_transport(name: str, settings: RdmaSettings) -> Transport:
     from rdma_kv.transport import Agent, AgentConfig
 
     return Agent(name, AgentConfig(progress="thread", ucx_options=dict(settings.ucx_options),
-                                   transfer_timeout_s=settings.read_timeout_s))
+                                   transfer_timeout_s=settings.read_timeout_s, lanes=settings.lanes))
 
 
 class RdmaConnector(KVConnectorBase):

@@ -44,6 +44,9 @@ class RdmaSettings:
     """Threads for handshakes and lease RPCs (never the engine thread)."""
     ucx_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """UCX settings without the ``UCX_`` prefix, e.g. ``{"TLS": "rc,sm"}``."""
+    lanes: int = 1
+    """UCX workers that carry one request's reads in parallel (``AgentConfig.lanes``):
+    each extra lane is a worker, an endpoint per producer and a progress thread."""
     auth_secret_env: str | None = None
     """*Name* of an environment variable holding the side channel's shared
     secret (the value itself never goes into the config). Wins over the file
@@ -88,7 +91,8 @@ class RdmaSettings:
         for name, kind in (("tp_rank", int), ("tp_size", int), ("lease_ttl_s", float),
                            ("renew_interval_s", float), ("read_timeout_s", float),
                            ("load_timeout_s", float), ("connect_timeout_s", float),
-                           ("rpc_timeout_s", float), ("rpc_retries", int), ("rpc_threads", int)):
+                           ("rpc_timeout_s", float), ("rpc_retries", int), ("rpc_threads", int),
+                           ("lanes", int)):
             if name in extra:
                 values[name] = get(name, type=kind)
         settings = cls(**values)
@@ -113,6 +117,8 @@ class RdmaSettings:
             raise ConfigError(f"renew_interval_s must be >= 0, got {self.renew_interval_s}")
         if self.rpc_retries < 0 or self.rpc_threads < 1:
             raise ConfigError("rpc_retries must be >= 0 and rpc_threads >= 1")
+        if not 1 <= self.lanes <= 16:
+            raise ConfigError(f"lanes must be 1..16, got {self.lanes}")
 
     def renew_interval_for(self, remote_ttl_s: float) -> float:
         third = remote_ttl_s / 3.0

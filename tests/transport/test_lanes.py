@@ -1,0 +1,264 @@
+"""Lanes (``AgentConfig(lanes=N)``): one prepared transfer carried by several
+UCX workers of one context. Bit-exact whatever the split; a split transfer
+resolves only once every part has (a part may still be writing); a failed
+lane endpoint fails the peer for the whole agent; close() takes the lanes
+down first; small or notifying transfers stay on one worker.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from rdma_kv.errors import ConfigError, PeerError, TransferError, TransferTimeoutError
+from rdma_kv.transport import AgentConfig, DescList, XferState
+from rdma_kv.transport.lanes import PAGE, SplitTransfer, byte_ranges
+from transport_child import Child
+from transport_helpers import LOOPBACK, PAIR_NBYTES, TCP, connect, pattern, progress_threads, wait_until
+
+pytestmark = [pytest.mark.ucx]
+
+BLOCK = 4096
+SLOTS = PAIR_NBYTES // BLOCK
+WAIT_S = 20.0
+
+
+def prepared(pair):
+    """b reads a: prepared lists of every 4 KiB slot on both sides."""
+    slots = np.arange(SLOTS) * BLOCK
+    local = pair.b.prep_local(pair.desc_b(slots, BLOCK))
+    remote = pair.b.prep_remote("a", pair.desc_a(slots, BLOCK))
+    return local, remote
+
+
+def runs(li: np.ndarray, ri: np.ndarray) -> int:
+    return 1 + int(np.count_nonzero((np.diff(li) != 1) | (np.diff(ri) != 1)))
+
+
+@pytest.mark.parametrize("progress", ["poll", "thread"])
+@pytest.mark.parametrize("lanes", [2, 3])
+def test_split_reads_are_bit_exact_and_count_every_part(make_agent, rng, progress, lanes):
+    pair = connect(make_agent, lanes=lanes, lane_min_bytes=16 * BLOCK, progress=progress)
+    local, remote = prepared(pair)
+    for trial in range(20):
+        n = int(rng.integers(lanes * 16, SLOTS))
+        li = rng.permutation(SLOTS)[:n]
+        ri = np.sort(rng.choice(SLOTS, n, replace=False)) if trial % 2 else rng.permutation(SLOTS)[:n]
+        pair.buf_b[:] = 0
+        xfer = pair.b.read_prepared(local, li, remote, ri).wait(WAIT_S)
+        assert isinstance(xfer, SplitTransfer) and len(xfer.parts) == lanes
+        assert all(p.state is XferState.DONE for p in xfer.parts)
+        assert sum(p.nbytes for p in xfer.parts) == xfer.nbytes == n * BLOCK
+        assert sum(p.num_descs for p in xfer.parts) == xfer.num_descs == n
+        # A run cut by a part boundary is posted once per part it touches.
+        assert runs(li, ri) <= xfer.ops_posted <= runs(li, ri) + lanes - 1
+        got = pair.buf_b.reshape(SLOTS, BLOCK)
+        np.testing.assert_array_equal(got[li], pair.buf_a.reshape(SLOTS, BLOCK)[ri])
+        untouched = np.setdiff1d(np.arange(SLOTS), li)
+        assert not got[untouched].any()
+    assert pair.b.stats["transfers"] == 20 and pair.b.stats["failed"] == 0
+    assert pair.b.inflight == 0
+
+
+def test_mixed_lengths_split_by_pairs_with_their_own_byte_counts(make_agent, rng):
+    pair = connect(make_agent, lanes=2, lane_min_bytes=1024)
+    lengths = rng.integers(1, 9, 200) * 512
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    assert offsets[-1] + lengths[-1] <= PAIR_NBYTES
+    local = pair.b.prep_local(DescList(pair.buf_b.ctypes.data + offsets, lengths))
+    remote = pair.b.prep_remote("a", DescList(pair.buf_a.ctypes.data + offsets, lengths))
+    idx = rng.permutation(200)
+    xfer = pair.b.read_prepared(local, idx, remote, idx).wait(WAIT_S)
+    assert isinstance(xfer, SplitTransfer)
+    half = len(idx) // 2
+    assert [p.nbytes for p in xfer.parts] == [int(lengths[idx[:half]].sum()), int(lengths[idx[half:]].sum())]
+    end = int(offsets[-1] + lengths[-1])
+    np.testing.assert_array_equal(pair.buf_b[:end], pair.buf_a[:end])
+
+
+def test_few_large_descriptors_split_by_byte_ranges(make_agent, rng):
+    """One 1 MiB descriptor, or three of odd sizes: too few pairs to share
+    out, so the byte stream is cut (on 4 KiB boundaries) instead."""
+    pair = connect(make_agent, lanes=3, lane_min_bytes=BLOCK)
+    whole = pair.b.read_prepared(pair.b.prep_local(pair.desc_b([0], PAIR_NBYTES)), [0],
+                                 pair.b.prep_remote("a", pair.desc_a([0], PAIR_NBYTES)), [0]).wait(WAIT_S)
+    assert isinstance(whole, SplitTransfer) and len(whole.parts) == 3
+    assert [p.nbytes for p in whole.parts] == [348160, 348160, 352256]  # cuts at 1/3, 2/3 rounded down to 4 KiB
+    np.testing.assert_array_equal(pair.buf_b, pair.buf_a)
+    pair.buf_b[:] = 0
+    lengths = np.array([100_003, 7, 400_001])
+    offsets = np.array([0, 200_000, 300_000])
+    local = pair.b.prep_local(DescList(pair.buf_b.ctypes.data + offsets, lengths))
+    remote = pair.b.prep_remote("a", DescList(pair.buf_a.ctypes.data + offsets[::-1].copy(), lengths[::-1].copy()))
+    xfer = pair.b.read_prepared(local, [2, 0, 1], remote, [0, 2, 1]).wait(WAIT_S)
+    assert isinstance(xfer, SplitTransfer) and sum(p.nbytes for p in xfer.parts) == xfer.nbytes == lengths.sum()
+    for i, j in ((2, 0), (0, 2), (1, 1)):  # local i <- remote j (remote list is reversed)
+        lo, ro, n = offsets[i], offsets[::-1][j], lengths[i]
+        np.testing.assert_array_equal(pair.buf_b[lo:lo + n], pair.buf_a[ro:ro + n])
+
+
+def test_byte_ranges_cover_every_byte_once(rng):
+    """Every (local byte, remote byte, regions) of the input appears in
+    exactly one piece; the region arrays follow their descriptor."""
+    for _ in range(200):
+        n = int(rng.integers(1, 6))
+        lengths = rng.integers(1, 3 * PAGE, n).astype(np.uint64)
+        laddr = rng.integers(0, 1 << 40, n).astype(np.uint64)
+        raddr = rng.integers(0, 1 << 40, n).astype(np.uint64)
+        lreg = np.arange(n, dtype=np.uint32)  # region = descriptor number, to trace each byte
+        rreg = lreg[::-1].copy()
+        parts = int(rng.integers(2, 5))
+        pieces = byte_ranges(laddr, raddr, lengths, lreg, rreg, parts)
+        assert 1 <= len(pieces) <= parts
+        want = {(int(la) + k, int(ra) + k, i) for i, (la, ra, ln) in enumerate(zip(laddr, raddr, lengths))
+                for k in range(int(ln))}
+        got = []
+        for la, ra, ln, lr, rr in pieces:
+            assert (ln > 0).all() and np.array_equal(rr, rreg[lr])
+            got += [(int(x) + k, int(y) + k, int(i)) for x, y, m, i in zip(la, ra, ln, lr) for k in range(int(m))]
+        assert len(got) == len(want) and set(got) == want
+
+
+def test_small_and_notifying_transfers_stay_on_one_worker(make_agent):
+    pair = connect(make_agent, lanes=2, lane_min_bytes=64 * BLOCK)
+    local, remote = prepared(pair)
+    small = np.arange(100)  # 400 KiB < 2 x 256 KiB
+    assert not isinstance(pair.b.read_prepared(local, small, remote, small).wait(WAIT_S), SplitTransfer)
+    big = np.arange(200)
+    assert isinstance(pair.b.read_prepared(local, big, remote, big).wait(WAIT_S), SplitTransfer)
+    # The notification must follow every byte: such a transfer is not split.
+    xfer = pair.b.read_prepared(local, big, remote, big, notify=b"done").wait(WAIT_S)
+    assert not isinstance(xfer, SplitTransfer)
+    wait_until(lambda: any(n.payload == b"done" for n in pair.a.get_notifications()), WAIT_S, "notification")
+
+
+def test_a_failed_lane_endpoint_fails_the_peer_for_the_whole_agent(make_agent):
+    pair = connect(make_agent, lanes=3, lane_min_bytes=BLOCK)
+    local, remote = prepared(pair)
+    idx = np.arange(64)
+    pair.b.read_prepared(local, idx, remote, idx).wait(WAIT_S)
+    lane = pair.b._lanes[1]
+    with lane._lock:
+        lane._fail_peer(lane._peers["a"], "injected by the test")
+    with pytest.raises(PeerError, match=r"peer 'a' failed \(lane 2's endpoint failed \(injected by the test\)\)"):
+        pair.b.read_prepared(local, idx, remote, idx)
+    with pytest.raises(PeerError, match="lane 2"):  # the agent's own endpoint is failed too
+        pair.b.read_prepared(local, idx, remote, idx)
+    assert all(not ln._peers["a"].healthy for ln in pair.b._lanes)
+    # Re-importing the peer installs fresh endpoints on every lane.
+    pair.b.add_peer(pair.a.metadata())
+    local, remote = prepared(pair)
+    pair.buf_b[:] = 0
+    xfer = pair.b.read_prepared(local, idx, remote, idx).wait(WAIT_S)
+    assert isinstance(xfer, SplitTransfer) and len(xfer.parts) == 3
+    np.testing.assert_array_equal(pair.buf_b[: 64 * BLOCK], pair.buf_a[: 64 * BLOCK])
+
+
+def test_remove_and_replace_peer_reach_every_lane(make_agent):
+    pair = connect(make_agent, lanes=2)
+    lane = pair.b._lanes[0]
+    first_ep = lane._peers["a"].ep
+    pair.b.add_peer(pair.a.metadata())
+    assert lane._peers["a"].ep != first_ep
+    pair.b.remove_peer("a")
+    assert "a" not in lane._peers and pair.b.peers == ()
+
+
+def test_close_takes_the_lanes_and_their_threads_down(make_agent):
+    pair = connect(make_agent, lanes=3, lane_min_bytes=BLOCK)
+    local, remote = prepared(pair)
+    idx = np.arange(SLOTS)
+    xfers = [pair.b.read_prepared(local, idx, remote, idx) for _ in range(8)]
+    lanes = list(pair.b._lanes)
+    pair.b.close()
+    assert all(x.state is not XferState.IN_PROGRESS for x in xfers)
+    for x in xfers:  # each one either landed or failed with the close as its reason
+        assert x.error is None or "closed" in str(x.error)
+    assert all(ln._closed and ln._worker.handle is None for ln in lanes)
+    names = {t.name for t in progress_threads() if t.is_alive()}
+    assert not names & {f"rdma-kv-progress-b.lane{i}" for i in (1, 2)}
+
+
+def test_lane_settings_are_checked():
+    with pytest.raises(ConfigError, match="lanes must be 1..16, got 0"):
+        AgentConfig(lanes=0)
+    with pytest.raises(ConfigError, match="lanes must be 1..16, got 17"):
+        AgentConfig(lanes=17)
+    with pytest.raises(ConfigError, match="lane_min_bytes must be >= 1"):
+        AgentConfig(lane_min_bytes=0)
+
+
+# -- two processes --------------------------------------------------------------------------
+
+TRANSPORTS = {
+    "default": (LOOPBACK, {"UCX_NET_DEVICES": "lo"}),
+    "tcp": (TCP, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}),
+}
+REMOTE_NBYTES = 8 << 20
+CHILD_SEED = 77
+
+
+def start_pair(make_agent, transport: str, timeout_s: float = 30.0):
+    options, env = TRANSPORTS[transport]
+    child = Child(f"lanes-{transport}", env, [REMOTE_NBYTES], CHILD_SEED)
+    reader = make_agent("reader", ucx_options=options, lanes=2, lane_min_bytes=256 << 10,
+                        transfer_timeout_s=timeout_s)
+    local = np.zeros(REMOTE_NBYTES, dtype=np.uint8)
+    reader.register(local)
+    reader.add_peer(child.metadata)
+    child.call("add_peer", reader.metadata())
+    block = 64 << 10
+    slots = np.arange(REMOTE_NBYTES // block) * block
+    lp = reader.prep_local(DescList.from_regions(local.ctypes.data, slots, block))
+    rp = reader.prep_remote(child.name, DescList.from_regions(child.addrs[0], slots, block))
+    return child, reader, local, lp, rp, block
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_split_reads_between_processes_are_bit_exact(make_agent, rng, transport):
+    child, reader, local, lp, rp, block = start_pair(make_agent, transport)
+    try:
+        n = REMOTE_NBYTES // block
+        remote = pattern(CHILD_SEED, REMOTE_NBYTES).reshape(n, block)
+        for _ in range(5):
+            li, ri = rng.permutation(n), rng.permutation(n)
+            local[:] = 0
+            xfer = reader.read_prepared(lp, li, rp, ri).wait(WAIT_S)
+            assert isinstance(xfer, SplitTransfer)
+            np.testing.assert_array_equal(local.reshape(n, block)[li], remote[ri])
+    finally:
+        child.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_a_split_transfer_resolves_only_after_its_last_part(make_agent):
+    """Over TCP a SIGSTOPped peer serves no get: every part fails at its
+    deadline. The handle must not resolve before its last part has (the
+    caller frees the blocks it reads into when it resolves)."""
+    child, reader, local, lp, rp, block = start_pair(make_agent, "tcp", timeout_s=1.5)
+    try:
+        n = REMOTE_NBYTES // block
+        idx = np.arange(n)
+        reader.read_prepared(lp, idx, rp, idx).wait(WAIT_S)  # wired up
+        child.stop()
+        seen: list[list[XferState]] = []
+        resolved = threading.Event()
+        xfers = [reader.read_prepared(lp, idx, rp, idx[::-1]) for _ in range(3)]
+        for x in xfers:
+            x.add_done_callback(lambda x: (seen.append([p.state for p in x.parts]), resolved.set()))
+        for x in xfers:
+            with pytest.raises(TransferError) as err:
+                x.wait(WAIT_S)
+            assert isinstance(err.value, TransferTimeoutError) or "lanes-tcp" in str(err.value)
+        assert len(seen) == 3
+        assert all(XferState.IN_PROGRESS not in states for states in seen), seen
+        assert reader.inflight == 0 and reader.stats["failed"] == 3
+        with pytest.raises(PeerError):
+            reader.read_prepared(lp, idx, rp, idx)
+    finally:
+        child.terminate()
