@@ -453,6 +453,14 @@ class Agent(ProgressEngine, Lanes):
         object.__setattr__(prepared, "c_tables", tables)
         return prepared
 
+    def _require_room(self) -> None:
+        """TransferError when this worker already has ``max_inflight`` batches
+        (UCX may still touch the zombies' records: they count too)."""
+        cap = self.config.max_inflight
+        if len(self._inflight) + len(self._zombies) >= cap:
+            raise TransferError(f"{cap} transfers already in flight on {self.name!r} "
+                                "(AgentConfig.max_inflight); wait for some to complete")
+
     def _submit(self, op: XferOp, p: Peer, nbytes: int, num_descs: int, notify: bytes | None,
                 timeout_s: float | None, post: Callable[[Any, int, int], int], part_of: Any = None) -> Transfer:
         """Create the batch record and its Transfer, call ``post`` (one C call)
@@ -460,11 +468,7 @@ class Agent(ProgressEngine, Lanes):
         SplitTransfer), which accounts for itself and is told first when the
         part resolves. Caller holds the lock and has checked the peer."""
         ffi, lib, cfg = self._ffi, self._lib, self.config
-        if len(self._inflight) + len(self._zombies) >= cfg.max_inflight:
-            raise TransferError(
-                f"{cfg.max_inflight} transfers already in flight (AgentConfig.max_inflight); "
-                "wait for some to complete"
-            )
+        self._require_room()
         if notify is not None and len(notify) > cfg.notif_max_bytes:
             raise ConfigError(f"notification of {len(notify)} bytes exceeds notif_max_bytes={cfg.notif_max_bytes}")
         xid = next(self._ids)

@@ -190,10 +190,8 @@ class Lanes:
         agent: Any = self
         cfg = agent.config
         workers: list[Agent] = self._lanes[:len(posts) - 1] + [agent]
-        for w in workers:
-            if len(w._inflight) + len(w._zombies) >= cfg.max_inflight:
-                raise TransferError(f"{cfg.max_inflight} transfers already in flight (AgentConfig.max_inflight) "
-                                    f"on {w.name!r}; wait for some to complete")
+        for w in workers:  # before anything is posted: no part may be refused for room
+            w._require_room()
         timeout = cfg.transfer_timeout_s if timeout_s is None else timeout_s
         split = SplitTransfer(agent, next(self._ids), op, p.name, nbytes, n, time.monotonic() + timeout, len(posts))
         parts: list[Transfer] = []
