@@ -7,6 +7,7 @@ down first; small or notifying transfers stay on one worker.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -166,7 +167,74 @@ def test_remove_and_replace_peer_reach_every_lane(make_agent):
     assert "a" not in lane._peers and pair.b.peers == ()
 
 
+def pump_threads() -> int:
+    """OS threads of this process named by the shim's pump (C threads:
+    invisible to ``threading``)."""
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                count += f.read().strip() == "rdma-kv-pump"
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return count
+
+
+def test_lanes_are_pumped_by_c_threads_not_python_threads(make_agent):
+    """A lane's worker is progressed by a C thread that never takes the
+    interpreter lock; the agent alone settles the lanes' completions."""
+    before, python_before = pump_threads(), {t.name for t in progress_threads()}
+    pair = connect(make_agent, lanes=3, progress="poll")  # a and b: two lanes each
+    assert pump_threads() == before + 4
+    assert {t.name for t in progress_threads()} == python_before  # polling agents, pumped lanes: none new
+    assert all(not ln.manual_progress for ln in pair.b._lanes)
+    pair.b.close()
+    assert pump_threads() == before + 2
+    assert all(ln._pump is None for ln in pair.b._lanes)
+
+
+@pytest.mark.parametrize("progress", ["poll", "thread"])
+def test_split_reads_posted_from_several_threads_at_once(make_agent, progress):
+    """Parts complete on the pumps while other threads post on the same
+    lanes: the shared counts (batch pending, completion ring) must neither
+    lose nor double a completion."""
+    pair = connect(make_agent, lanes=3, lane_min_bytes=4 * BLOCK, progress=progress)
+    local, remote = prepared(pair)
+    posters, rounds, batch = 4, 10, 4  # each poster keeps `batch` transfers in flight
+    share = SLOTS // posters // batch
+    errors: list[BaseException] = []
+    done = []
+
+    def poster(k: int) -> None:
+        pick = np.random.default_rng(k)
+        try:
+            mine = np.arange(k * share * batch, (k + 1) * share * batch).reshape(batch, share)
+            for _ in range(rounds):
+                # Random remote slots: one operation per descriptor, many per part.
+                srcs = [pick.permutation(SLOTS)[:share] for _ in mine]
+                xfers = [pair.b.read_prepared(local, m, remote, src) for m, src in zip(mine, srcs)]
+                for m, src, xfer in zip(mine, srcs, xfers):
+                    xfer.wait(WAIT_S)
+                    got = pair.buf_b.reshape(SLOTS, BLOCK)[m]
+                    np.testing.assert_array_equal(got, pair.buf_a.reshape(SLOTS, BLOCK)[src])
+                    done.append(len(xfer.parts))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=poster, args=(k,)) for k in range(posters)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[0]
+    assert done == [3] * (posters * rounds * batch)
+    assert pair.b.inflight == 0 and pair.b.stats["transfers"] == posters * rounds * batch
+    for w in [pair.b, *pair.b._lanes]:  # every batch begun was published exactly once
+        assert w._lib.rk_done_head(w._ctx) == w._done_tail == w._ctx.batches == w._ctx.done_claim
+
+
 def test_close_takes_the_lanes_and_their_threads_down(make_agent):
+    before = pump_threads()
     pair = connect(make_agent, lanes=3, lane_min_bytes=BLOCK)
     local, remote = prepared(pair)
     idx = np.arange(SLOTS)
@@ -176,9 +244,8 @@ def test_close_takes_the_lanes_and_their_threads_down(make_agent):
     assert all(x.state is not XferState.IN_PROGRESS for x in xfers)
     for x in xfers:  # each one either landed or failed with the close as its reason
         assert x.error is None or "closed" in str(x.error)
-    assert all(ln._closed and ln._worker.handle is None for ln in lanes)
-    names = {t.name for t in progress_threads() if t.is_alive()}
-    assert not names & {f"rdma-kv-progress-b.lane{i}" for i in (1, 2)}
+    assert all(ln._closed and ln._worker.handle is None and ln._pump is None for ln in lanes)
+    assert pump_threads() == before + 2  # a's lanes only
 
 
 def test_lane_settings_are_checked():

@@ -56,8 +56,9 @@ def make_ffi() -> FFI:
         library_dirs=[lib_dir],
         libraries=["ucp", "uct", "ucs"],
         # -isystem: warnings are errors for our code, not for UCX's headers.
-        extra_compile_args=["-isystem", include_dir, "-O2", "-Wall", "-Wextra",
+        extra_compile_args=["-isystem", include_dir, "-O2", "-pthread", "-Wall", "-Wextra",
                             "-Werror", "-Wno-unused-parameter"],
+        extra_link_args=["-pthread"],  # the pump's thread (shim.c)
     )
     return ffi
 

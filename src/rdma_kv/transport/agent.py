@@ -51,7 +51,7 @@ from rdma_kv.transport import metadata as wire
 from rdma_kv.transport._lib import check_status, load, status_name, ucx_version
 from rdma_kv.transport.descriptors import DescList, PreparedDescList, as_index, coalesce, pair_indices
 from rdma_kv.transport.config import AgentConfig
-from rdma_kv.transport.lanes import Lanes, lane_factory
+from rdma_kv.transport.lanes import Lanes, lane_factory, start_pump
 from rdma_kv.transport.memory import MemoryKind, MemoryRegion, RegionTable, kind_from_ucs, span_of
 from rdma_kv.transport.peer import Peer
 from rdma_kv.transport.progress import Notification, ProgressEngine
@@ -73,10 +73,12 @@ class Agent(ProgressEngine, Lanes):
     """One UCX worker (plus ``config.lanes - 1`` lanes), its registered memory
     and its peers. Use as a context manager or call ``close()``.
 
-    ``_context`` is internal: a lane is an Agent on its owner's context,
-    which it neither maps memory into nor closes."""
+    ``_owner`` is internal: a lane is an Agent on its owner's context, which
+    it neither maps memory into nor closes; a C pump progresses its worker
+    and the owner settles its completions (lanes.py)."""
 
-    def __init__(self, name: str, config: AgentConfig | None = None, *, _context: Context | None = None) -> None:
+    def __init__(self, name: str, config: AgentConfig | None = None, *, _owner: Agent | None = None) -> None:
+        _context = None if _owner is None else _owner._context
         if _context is None and (not name or len(name.encode()) > wire.MAX_NAME_BYTES):
             raise ConfigError(f"agent name must be 1..{wire.MAX_NAME_BYTES} bytes, got {name!r}")
         self.name = name
@@ -86,10 +88,12 @@ class Agent(ProgressEngine, Lanes):
         self._lock = threading.RLock()
         self._closed = False
         self._lanes: list[Agent] = []
+        self._pump: Any = None
+        self._last_event = 0.0
         self._owns_context = _context is None
         self._context = _context or Context(cfg.ucx_options, name=name, shared_workers=cfg.lanes > 1)
         try:
-            self._worker = Worker(self._context)
+            self._worker = Worker(self._context, multi_thread=_owner is not None)
         except BaseException:
             if self._owns_context:
                 self._context.close()
@@ -133,11 +137,16 @@ class Agent(ProgressEngine, Lanes):
         if cfg.progress == "thread":
             self._thread = threading.Thread(target=self._progress_loop, name=f"rdma-kv-progress-{name}", daemon=True)
             self._thread.start()
-        if cfg.lanes > 1:
-            lane_cfg = replace(cfg, lanes=1, progress="thread")
+        if _owner is not None:
             try:
-                self._lanes = lane_factory(lambda i: Agent(f"{name}.lane{i}", lane_cfg, _context=self._context),
-                                           cfg.lanes - 1)
+                self._pump = start_pump(self, _owner)
+            except BaseException:
+                self._worker.close()
+                raise
+        if cfg.lanes > 1:
+            lane_cfg = replace(cfg, lanes=1, progress="poll")
+            try:
+                self._lanes = lane_factory(lambda i: Agent(f"{name}.lane{i}", lane_cfg, _owner=self), cfg.lanes - 1)
             except BaseException:
                 self.close()
                 raise
@@ -508,9 +517,9 @@ class Agent(ProgressEngine, Lanes):
             s["ops_posted"] += xfer.ops_posted
             s["descs"] += num_descs
             s["bytes"] += nbytes
-        if self._ctx.done_head != self._done_tail:  # some batch completed in place
+        if lib.rk_done_head(self._ctx) != self._done_tail:  # some batch completed in place
             self._drain_completions()
-        if self._thread is not None and xfer.state is XferState.IN_PROGRESS:
+        if (self._thread is not None or self._pump is not None) and xfer.state is XferState.IN_PROGRESS:
             self._worker.signal()
         if self._callbacks:
             # Posting thread holds the (reentrant) lock; callbacks run now.
@@ -541,6 +550,9 @@ class Agent(ProgressEngine, Lanes):
             self._worker.signal()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
+        if self._pump is not None:
+            self._lib.rk_pump_stop(self._pump)  # joins the C thread; from here on, Python progresses
+            self._pump = None
         self._close_lanes()  # their workers go before the context; their parts fail first
         with self._lock:
             end = time.monotonic() + self.config.close_drain_s

@@ -3,9 +3,12 @@
 With ``AgentConfig(lanes=N)`` the agent owns N-1 lanes besides its own
 worker. A lane is a second ``Agent`` on the *same* UCP context (created
 with ``mt_workers_shared``): the memory handles and the remote keys' packed
-bytes are shared, but it has its own worker, its own endpoint to every
-peer (remote keys unpacked on it), its own lock, completion ring and
-progress thread. A prepared transfer of at least ``2 * lane_min_bytes``
+bytes are shared, but it has its own worker (``UCS_THREAD_MODE_MULTI``),
+its own endpoint to every peer (remote keys unpacked on it), its own lock
+and completion ring. Its worker is progressed by a *pump*, a C thread of
+the shim that never takes the interpreter lock; the owner settles the
+lane's completions, failures and deadlines in its own progress
+(``_service_lanes``), woken by the pump's signal on its worker. A prepared transfer of at least ``2 * lane_min_bytes``
 without a notification is cut into contiguous slices of its index pairs,
 one per lane plus the agent's own worker, each posted by one C call; the
 caller gets one ``SplitTransfer``.
@@ -24,8 +27,8 @@ Rules the split keeps:
 - Each part has the transfer's deadline and fails on its own lane's
   endpoint like any transfer. A lane endpoint that failed fails the peer
   for the whole agent at the next post (``_check_lanes``).
-- Lock order is agent -> lane, never the other way: lane threads run part
-  callbacks holding no lock.
+- Lock order is agent -> lane, never the other way: the owner collects a
+  lane's part callbacks under both and runs them holding neither.
 - Peers are installed on, and removed from, every lane with the agent;
   ``close`` closes the lanes (their workers) before the agent unmaps the
   memory and destroys the context.
@@ -92,10 +95,9 @@ class SplitTransfer(Transfer):
         return [(cb, self) for cb in self._resolve(self._first_error)]
 
     def _drives_progress(self) -> bool:
-        # Lanes progress on their own threads; the caller drives only the
-        # agent's own worker, and only while its part is unresolved.
-        own = self._own
-        return self._agent.manual_progress and own is not None and own.state is XferState.IN_PROGRESS
+        # Lanes' pumps copy; in polling mode the caller progresses the own
+        # part and settles the lanes' (the agent's progress does both).
+        return self._agent.manual_progress
 
 
 class Lanes:
@@ -141,6 +143,18 @@ class Lanes:
 
     def _lanes_inflight(self) -> int:
         return sum(len(lane._inflight) for lane in self._lanes)
+
+    def _service_lanes(self) -> int:
+        """Settle what the lanes' pumps finished (caller holds the agent's
+        lock): their completions, failed endpoints and deadlines. Their
+        callbacks (a part's first is ``SplitTransfer._part_done``) join the
+        agent's, to run outside the lock. Returns completions drained."""
+        drained = 0
+        for lane in self._lanes:
+            with lane._lock:
+                drained += lane._service_locked()
+                self._callbacks.extend(lane._take_callbacks())  # type: ignore[attr-defined]
+        return drained
 
     def _close_lanes(self) -> None:
         for lane in self._lanes:
@@ -248,6 +262,17 @@ def byte_ranges(laddr: np.ndarray, raddr: np.ndarray, lengths: np.ndarray, lreg:
         hi = np.minimum(e, np.uint64(b)) - s
         out.append((laddr[i0:i1] + lo, raddr[i0:i1] + lo, hi - lo, lreg[i0:i1], rreg[i0:i1]))
     return out
+
+
+def start_pump(lane: Agent, owner: Agent) -> Any:
+    """Start the C thread that progresses ``lane``'s worker; it signals the
+    owner's worker whenever batches complete, so a thread sleeping there
+    settles them."""
+    pump = lane._lib.rk_pump_start(lane._worker.handle, lane._worker.efd, lane._ctx, owner._worker.handle,
+                                   int(lane.config.spin_s * 1e9))
+    if pump == lane._ffi.NULL:
+        raise TransferError(f"cannot start the progress thread of lane {lane.name!r} (pthread_create failed)")
+    return pump
 
 
 def lane_factory(make: Callable[[int], Agent], count: int) -> list[Agent]:

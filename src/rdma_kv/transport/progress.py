@@ -46,6 +46,10 @@ class ProgressEngine:
     _lock: threading.RLock
     _closed: bool
     _thread: threading.Thread | None
+    _lib: Any
+    _ctx: Any
+    _pump: Any  # rk_pump_t * of a lane (progressed by a C thread), else None
+    _last_event: float
     _inflight: dict[int, Transfer]
     _zombies: dict[int, Any]
     _deadlines: list[tuple[float, int]]
@@ -58,7 +62,7 @@ class ProgressEngine:
 
     @property
     def manual_progress(self) -> bool:
-        return self._thread is None
+        return self._thread is None and self._pump is None
 
     @property
     def inflight(self) -> int:
@@ -86,8 +90,15 @@ class ProgressEngine:
             self._progress()
 
     def _progress_once(self, block_s: float | None) -> None:
-        """Polling mode: progress; if idle, sleep on the event fd briefly."""
+        """Polling mode: progress; if idle, sleep on the event fd briefly --
+        but keep polling for ``spin_s`` after the last event while lanes
+        carry work (their pumps signal this worker when it completes, so
+        the sleep ends then, at the price of a wake-up)."""
+        now = time.monotonic()
         if self._progress():
+            self._last_event = now
+            return
+        if now - self._last_event < self.config.spin_s and self._lanes_inflight():  # type: ignore[attr-defined]
             return
         with self._lock:
             armed = not self._closed and self._worker.arm()
@@ -96,8 +107,17 @@ class ProgressEngine:
             select.select([self._worker.efd], [], [], wait)
 
     def _progress_locked(self) -> int:
-        events = self._worker.progress()
-        self._drain_completions()
+        """Progress the worker, then settle what it finished (and what the
+        lanes finished). Returns events plus completions drained."""
+        return self._worker.progress() + self._service_locked()
+
+    def _service_locked(self) -> int:
+        """Everything after progress: completions, notifications, failed
+        endpoints, deadlines, retired peers. A lane's is run by its owner
+        (the lane's worker is progressed by its pump)."""
+        drained = self._drain_completions()
+        if self._lanes:  # type: ignore[attr-defined]
+            drained += self._service_lanes()  # type: ignore[attr-defined]
         self._drain_notifications()
         for peer in list(self._peers.values()) + self._retired:
             if peer.ep is not None and peer.ep_state.failed:
@@ -107,10 +127,12 @@ class ProgressEngine:
             for peer in [p for p in self._retired if p.inflight == 0]:
                 self._retired.remove(peer)
                 peer.close(force=True)
-        return events
+        return drained
 
-    def _drain_completions(self) -> None:
-        head = self._ctx.done_head
+    def _drain_completions(self) -> int:
+        """Resolve the batches the shim finished; returns how many."""
+        head = self._lib.rk_done_head(self._ctx)
+        drained = head - self._done_tail
         cap = self.config.max_inflight
         while self._done_tail < head:
             xid = self._done_ring[self._done_tail % cap]
@@ -122,6 +144,7 @@ class ProgressEngine:
             xfer._peer_ref.inflight -= 1
             error = None if status == 0 else self._error_for(xfer, status)
             self._queue(xfer, error)
+        return drained
 
     def _error_for(self, xfer: Transfer, status: int) -> TransferError:
         if xfer._expired:
@@ -241,12 +264,13 @@ class ProgressEngine:
                 now = time.monotonic()
                 if events:
                     last_event = now
-                busy = bool(self._inflight)
+                busy = bool(self._inflight) or bool(self._lanes_inflight())  # type: ignore[attr-defined]
                 armed = False
                 if not (busy and now - last_event < self.config.spin_s):
                     armed = self._worker.arm()
                 callbacks = self._take_callbacks()
-                next_deadline = self._deadlines[0][0] if self._deadlines else now + 1.0
+                next_deadline = min([now + 1.0] + [a._deadlines[0][0] for a in [self, *self._lanes]  # type: ignore[attr-defined]
+                                                   if a._deadlines])
             self._run_callbacks(callbacks)
             if armed:
                 # Sleep on the worker's event fd; wake for the next deadline at the latest.

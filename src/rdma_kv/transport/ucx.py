@@ -3,7 +3,9 @@
 A ``Context`` owns its ``Worker``; ``Worker.close()`` must run before
 ``Context.close()`` (the agent tears down in that order). Neither class is
 thread-safe on its own: the agent serialises every call with its lock, which
-is why the worker is created in ``UCS_THREAD_MODE_SERIALIZED``.
+is why its worker is created in ``UCS_THREAD_MODE_SERIALIZED``. A lane's
+worker is progressed by a C thread (the shim's pump) while Python posts on
+it, so it is created in ``UCS_THREAD_MODE_MULTI`` (UCX's own worker lock).
 
 May import: rdma_kv.errors, rdma_kv.transport._lib.
 """
@@ -98,7 +100,7 @@ class Context:
 class Worker:
     """A UCP worker with an event fd for sleeping progress."""
 
-    def __init__(self, context: Context) -> None:
+    def __init__(self, context: Context, multi_thread: bool = False) -> None:
         context.require_open()
         ffi, lib = load()
         self._ffi, self._lib = ffi, lib
@@ -106,7 +108,7 @@ class Worker:
         params.field_mask = (
             lib.UCP_WORKER_PARAM_FIELD_THREAD_MODE | lib.UCP_WORKER_PARAM_FIELD_EVENTS
         )
-        params.thread_mode = lib.UCS_THREAD_MODE_SERIALIZED
+        params.thread_mode = lib.UCS_THREAD_MODE_MULTI if multi_thread else lib.UCS_THREAD_MODE_SERIALIZED
         params.events = lib.UCP_WAKEUP_RMA | lib.UCP_WAKEUP_TX | lib.UCP_WAKEUP_RX
         handle = ffi.new("ucp_worker_h *")
         check_status(lib.ucp_worker_create(context.handle, params, handle), "ucp_worker_create")

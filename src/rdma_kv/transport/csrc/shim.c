@@ -3,23 +3,48 @@
  * logging: every decision is made by the Python caller. Declarations and
  * ownership rules are in shim.h. */
 
+#define _GNU_SOURCE /* pthread_setname_np */
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <ucp/api/ucp.h>
 #include "shim.h"
 
 static void rk_batch_complete(rk_batch_t *b);
 
+static inline void rk_cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
 static void rk_record(rk_batch_t *b, ucs_status_t status)
 {
-    if (status != UCS_OK && b->status == UCS_OK) {
-        b->status = status;
+    int32_t ok = UCS_OK;
+
+    if (status != UCS_OK) {             /* first failure wins */
+        __atomic_compare_exchange_n(&b->status, &ok, (int32_t)status, 0,
+                                    __ATOMIC_RELAXED, __ATOMIC_RELAXED);
     }
+}
+
+/* One more operation will be handed to UCX: counted *before* the call, so
+ * a completion on another thread can never see the count reach zero early. */
+static void rk_batch_inc(rk_batch_t *b)
+{
+    __atomic_fetch_add(&b->pending, 1, __ATOMIC_RELAXED);
 }
 
 /* One operation of the batch completed (UCX callback or inline). */
 static void rk_batch_dec(rk_batch_t *b)
 {
-    if (--b->pending == 0) {
+    if (__atomic_sub_fetch(&b->pending, 1, __ATOMIC_ACQ_REL) == 0) {
         rk_batch_complete(b);
     }
 }
@@ -34,23 +59,43 @@ static void rk_op_cb(void *request, ucs_status_t status, void *user_data)
     rk_batch_dec(b);
 }
 
+/* After a UCX call preceded by rk_batch_inc: done in place or refused
+ * count down now; pending completes through rk_op_cb. */
 static ucs_status_t rk_account(rk_batch_t *b, ucs_status_ptr_t r)
 {
-    if (r == NULL) {
-        return UCS_OK;                      /* completed in place */
-    }
+    ucs_status_t status = UCS_OK;
+
     if (UCS_PTR_IS_ERR(r)) {
-        rk_record(b, UCS_PTR_STATUS(r));
-        return UCS_PTR_STATUS(r);
+        status = UCS_PTR_STATUS(r);
+        rk_record(b, status);
     }
-    /* Pending: rk_op_cb completes and releases it. */
-    b->pending++;
-    return UCS_OK;
+    if (r == NULL || UCS_PTR_IS_ERR(r)) {
+        rk_batch_dec(b);
+    }
+    return status;
+}
+
+/* Publish a finished batch: claim a slot, fill it, then advance done_head
+ * in claim order (a concurrent producer that claimed earlier publishes
+ * first; the wait is the few instructions between its claim and store). */
+static void rk_ring_push(rk_ctx_t *ctx, uint64_t id)
+{
+    uint64_t slot = __atomic_fetch_add(&ctx->done_claim, 1, __ATOMIC_RELAXED);
+
+    ctx->done_ring[slot % ctx->done_cap] = id;
+    while (__atomic_load_n(&ctx->done_head, __ATOMIC_ACQUIRE) != slot) {
+        rk_cpu_relax();
+    }
+    __atomic_store_n(&ctx->done_head, slot + 1, __ATOMIC_RELEASE);
+}
+
+uint64_t rk_done_head(rk_ctx_t *ctx)
+{
+    return __atomic_load_n(&ctx->done_head, __ATOMIC_ACQUIRE);
 }
 
 static void rk_batch_complete(rk_batch_t *b)
 {
-    rk_ctx_t *ctx = b->ctx;
     ucp_request_param_t p;
     ucs_status_ptr_t r;
 
@@ -58,7 +103,7 @@ static void rk_batch_complete(rk_batch_t *b)
         /* Every operation completed locally (for PUT also remotely, via the
          * flush), so the peer may now act on the notification. */
         b->notif_sent = 1;
-        b->pending = 1;
+        __atomic_store_n(&b->pending, 2, __ATOMIC_RELAXED); /* guard + send */
         memset(&p, 0, sizeof(p));
         p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
                          UCP_OP_ATTR_FIELD_USER_DATA |
@@ -72,13 +117,12 @@ static void rk_batch_complete(rk_batch_t *b)
                             b->notif_header_len, b->notif_data,
                             b->notif_data_len, &p);
         rk_account(b, r);
-        if (--b->pending > 0) {
+        if (__atomic_sub_fetch(&b->pending, 1, __ATOMIC_ACQ_REL) > 0) {
             return;
         }
     }
     b->done = 1;
-    ctx->done_ring[ctx->done_head % ctx->done_cap] = b->id;
-    ctx->done_head++;
+    rk_ring_push(b->ctx, b->id);
 }
 
 void rk_ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
@@ -107,6 +151,7 @@ static void rk_begin(rk_batch_t *b, ucp_request_param_t *p, ucp_mem_h const *mem
     p->cb.send = rk_op_cb;
     p->user_data = b;
     b->pending = 1;
+    __atomic_fetch_add(&b->ctx->batches, 1, __ATOMIC_RELEASE);
 }
 
 /* Optional endpoint flush (remote completion before a notification), then
@@ -116,6 +161,7 @@ static uint64_t rk_end(rk_batch_t *b, ucp_request_param_t *p, int flush)
     if (flush && b->status == UCS_OK) {
         p->op_attr_mask &= ~(uint32_t)(UCP_OP_ATTR_FIELD_MEMH |
                                        UCP_OP_ATTR_FLAG_MULTI_SEND);
+        rk_batch_inc(b);
         rk_account(b, ucp_ep_flush_nbx(b->ep, p));
     }
     rk_batch_dec(b);
@@ -132,6 +178,7 @@ static int rk_post_one(rk_batch_t *b, int op, ucp_request_param_t *p,
     if (memhs != NULL) {
         p->memh = memhs[lreg];
     }
+    rk_batch_inc(b);
     if (op == RK_OP_GET) {
         r = ucp_get_nbx(b->ep, (void *)(uintptr_t)laddr, len, raddr, rkey, p);
     } else {
@@ -302,4 +349,101 @@ ucs_status_t rk_wait_request(ucp_worker_h worker, ucs_status_ptr_t request,
     }
     ucp_request_free(request);
     return status;
+}
+
+/* ------------------------------------------------------------------ pump */
+
+struct rk_pump {
+    ucp_worker_h worker;
+    ucp_worker_h wake;
+    rk_ctx_t *ctx;
+    int efd;
+    int stop;
+    uint64_t spin_ns;
+    pthread_t thread;
+};
+
+static uint64_t rk_now_ns(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static void *rk_pump_main(void *arg)
+{
+    rk_pump_t *pump = (rk_pump_t *)arg;
+    rk_ctx_t *ctx = pump->ctx;
+    struct pollfd pfd;
+    uint64_t last_event = 0, head, seen = rk_done_head(ctx), begun;
+    ucs_status_t status;
+
+    pthread_setname_np(pthread_self(), "rdma-kv-pump"); /* top -H, /proc/PID/task */
+    pfd.fd = pump->efd;
+    pfd.events = POLLIN;
+    while (!__atomic_load_n(&pump->stop, __ATOMIC_ACQUIRE)) {
+        if (ucp_worker_progress(pump->worker) != 0) {
+            last_event = rk_now_ns();
+        }
+        head = rk_done_head(ctx);
+        if (head != seen) {
+            seen = head;
+            if (pump->wake != NULL) {
+                ucp_worker_signal(pump->wake);
+            }
+        }
+        begun = __atomic_load_n(&ctx->batches, __ATOMIC_ACQUIRE);
+        /* Completions may lag the begin count by the zombies Python gave up
+         * on; the spin window bounds the cost of counting them as busy. */
+        if (begun != head && rk_now_ns() - last_event < pump->spin_ns) {
+            continue;
+        }
+        status = ucp_worker_arm(pump->worker);
+        if (status == UCS_ERR_BUSY) {
+            last_event = rk_now_ns();   /* events pending: progress again */
+            continue;
+        }
+        if (status != UCS_OK) {
+            /* Cannot sleep on the fd: poll slowly rather than spin. */
+            poll(NULL, 0, 1);
+            continue;
+        }
+        /* 100 ms: the longest a stop request waits if nobody signals. */
+        if (poll(&pfd, 1, 100) < 0 && errno != EINTR) {
+            poll(NULL, 0, 1);
+        }
+    }
+    return NULL;
+}
+
+rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *ctx,
+                         ucp_worker_h wake, uint64_t spin_ns)
+{
+    rk_pump_t *pump = calloc(1, sizeof(*pump));
+
+    if (pump == NULL) {
+        return NULL;
+    }
+    pump->worker = worker;
+    pump->wake = wake;
+    pump->ctx = ctx;
+    pump->efd = efd;
+    pump->spin_ns = spin_ns;
+    if (pthread_create(&pump->thread, NULL, rk_pump_main, pump) != 0) {
+        free(pump);
+        return NULL;
+    }
+    return pump;
+}
+
+void rk_pump_stop(rk_pump_t *pump)
+{
+    if (pump == NULL) {
+        return;
+    }
+    __atomic_store_n(&pump->stop, 1, __ATOMIC_RELEASE);
+    ucp_worker_signal(pump->worker);
+    pthread_join(pump->thread, NULL);
+    free(pump);
 }

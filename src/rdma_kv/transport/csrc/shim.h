@@ -13,10 +13,15 @@
 typedef struct rk_ctx {
     /* Completion ring: ids of finished batches, written by the shim. The
      * caller keeps at most done_cap batches in flight, so it never
-     * overflows. */
+     * overflows. Completions may be pushed by two threads at once (the
+     * poster, for work done in place, and a pump): a producer claims a slot
+     * by done_claim, then publishes in claim order through done_head
+     * (release store; read it with rk_done_head). */
     uint64_t *done_ring;
     uint64_t done_cap;
     uint64_t done_head;
+    uint64_t done_claim;
+    uint64_t batches;       /* batches begun on this worker (rk_post*) */
     /* Notification ring: fixed-size slots; slot layout is
      * [uint32 header_len][uint32 data_len][header][data]. */
     uint8_t *notif_slots;
@@ -32,7 +37,9 @@ typedef struct rk_batch {
     uint64_t id;
     rk_ctx_t *ctx;
     ucp_ep_h ep;
-    int64_t pending;        /* operations not completed yet (+1 while posting) */
+    /* Operations not completed yet (+1 while posting). Atomic: on a pumped
+     * worker completions run on the pump's thread while the poster posts. */
+    int64_t pending;
     uint64_t posted;        /* operations handed to UCX */
     int32_t status;         /* first failure, UCS_OK if none */
     int32_t done;           /* 1 once every operation (and notification) completed */
@@ -96,6 +103,26 @@ uint64_t rk_post_indexed(rk_batch_t *batch, int op, uint64_t n,
 /* Call ucp_worker_progress until it reports no event or max_rounds calls
  * were made. Returns the number of events progressed. */
 uint64_t rk_progress(ucp_worker_h worker, uint64_t max_rounds);
+
+/* done_head with acquire ordering: every ring slot below it, and the
+ * batch records they name, are fully written. */
+uint64_t rk_done_head(rk_ctx_t *ctx);
+
+/* A pump: a C thread that progresses one worker (created with
+ * UCS_THREAD_MODE_MULTI, so other threads may post on it meanwhile) without
+ * the Python interpreter lock. While batches begun on the worker are
+ * unfinished it progresses without sleeping for up to spin_ns after the
+ * last event; otherwise it arms the worker and sleeps on its event fd
+ * (ucp_worker_signal wakes it). Each time batches complete it calls
+ * ucp_worker_signal(wake) (the owner's worker; may be NULL) so a thread
+ * sleeping there drains the ring. Returns NULL if the thread cannot start. */
+typedef struct rk_pump rk_pump_t;
+rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *ctx,
+                         ucp_worker_h wake, uint64_t spin_ns);
+
+/* Stop the pump's thread, join it and free the pump (bounded by one
+ * progress call plus its wake-up). */
+void rk_pump_stop(rk_pump_t *pump);
 
 /* Install the notification receive handler for am_id on the worker. */
 ucs_status_t rk_set_notif_handler(ucp_worker_h worker, uint32_t am_id,
