@@ -396,11 +396,8 @@ class Agent(ProgressEngine, Lanes):
                 pair_indices(local, local_index, remote, remote_index)  # raises the precise error
                 raise DescriptorError(f"descriptor pair {ok} of {n} failed the range or length check")
             nbytes = uniform * n if uniform is not None else int(self._nbytes_out[0])
-            parts = self._split_parts(nbytes) if notify is None else 1
-            if parts > 1:
-                return self._post_split(parts, op, p, local, li, li_c, remote, ri, ri_c, n, nbytes, uniform,
-                                        timeout_s)
-            return self._post_indexed(op, p, local, li_c, remote, ri_c, n, nbytes, notify, timeout_s)
+            parts = self._split_parts(nbytes) if notify is None and self._lanes else 1
+            return self._post_indexed(op, p, local, li_c, remote, ri_c, n, nbytes, notify, timeout_s, parts)
 
     def flush(self, peer: str, *, timeout_s: float | None = None) -> Transfer:
         """A transfer that completes once every earlier operation to ``peer``
@@ -414,7 +411,7 @@ class Agent(ProgressEngine, Lanes):
 
     def _post(self, op: XferOp, p: Peer, laddr: np.ndarray, raddr: np.ndarray, lengths: np.ndarray,
               lreg: np.ndarray | None, rreg: np.ndarray | None, notify: bytes | None,
-              timeout_s: float | None, part_of: Any = None) -> Transfer:
+              timeout_s: float | None) -> Transfer:
         """Post explicit descriptors: merge contiguous runs, then one rk_post."""
         ffi, lib = self._ffi, self._lib
         num_descs = len(laddr)
@@ -432,24 +429,35 @@ class Agent(ProgressEngine, Lanes):
                 ffi.from_buffer("uint64_t[]", lengths), ffi.from_buffer("uint32_t[]", lreg),
                 self._memhs_c, ffi.from_buffer("uint32_t[]", rreg), p.rkeys, flush))
 
-        return self._submit(op, p, nbytes, num_descs, notify, timeout_s, post, part_of)
+        return self._submit(op, p, nbytes, num_descs, notify, timeout_s, post)
 
     def _post_indexed(self, op: XferOp, p: Peer, local: PreparedDescList, li_c: Any,
                       remote: PreparedDescList, ri_c: Any, n: int, nbytes: int, notify: bytes | None,
-                      timeout_s: float | None, part_of: Any = None) -> Transfer:
+                      timeout_s: float | None, parts: int) -> Transfer:
         """Post checked index pairs into prepared lists: the C loop gathers,
         merges and posts in one pass (no per-descriptor numpy work: with caches
-        cold after a model step, that work cost ~300 us for 64 descriptors)."""
+        cold after a model step, that work cost ~300 us for 64 descriptors),
+        striped over ``parts`` workers when more than one (lanes.py)."""
         lib = self._lib
         laddr, llen, lreg = local.c_tables
         raddr, _, rreg = remote.c_tables
         memhs = self._memhs_c
+        if parts > 1:
+            stripe, ops = self._stripe(p)[:2]
+
+            def post(batch: Any, opcode: int, flush: int) -> int:
+                return int(lib.rk_post_striped(batch, opcode, n, li_c, ri_c, laddr, raddr, llen, lreg, rreg,
+                                               memhs, stripe, parts, nbytes, ops))
+
+            xfer = self._submit(op, p, nbytes, n, notify, timeout_s, post)
+            xfer.worker_ops = tuple(ops[0:parts])
+            return xfer
 
         def post(batch: Any, opcode: int, flush: int) -> int:
             return int(lib.rk_post_indexed(batch, opcode, n, li_c, ri_c, laddr, raddr, llen, lreg, rreg,
                                            memhs, p.rkeys, flush))
 
-        return self._submit(op, p, nbytes, n, notify, timeout_s, post, part_of)
+        return self._submit(op, p, nbytes, n, notify, timeout_s, post)
 
     def _c_tables(self, prepared: PreparedDescList) -> PreparedDescList:
         """Attach C views of the prepared list's tables (made once, here)."""
@@ -471,11 +479,9 @@ class Agent(ProgressEngine, Lanes):
                                 "(AgentConfig.max_inflight); wait for some to complete")
 
     def _submit(self, op: XferOp, p: Peer, nbytes: int, num_descs: int, notify: bytes | None,
-                timeout_s: float | None, post: Callable[[Any, int, int], int], part_of: Any = None) -> Transfer:
+                timeout_s: float | None, post: Callable[[Any, int, int], int]) -> Transfer:
         """Create the batch record and its Transfer, call ``post`` (one C call)
-        and account for it -- unless it is a part of ``part_of`` (a
-        SplitTransfer), which accounts for itself and is told first when the
-        part resolves. Caller holds the lock and has checked the peer."""
+        and account for it. Caller holds the lock and has checked the peer."""
         ffi, lib, cfg = self._ffi, self._lib, self.config
         self._require_room()
         if notify is not None and len(notify) > cfg.notif_max_bytes:
@@ -499,10 +505,6 @@ class Agent(ProgressEngine, Lanes):
         deadline = time.monotonic() + timeout
         xfer = Transfer(self, xid, op, p.name, batch, keep, nbytes, num_descs, deadline)
         xfer._peer_ref = p
-        part = part_of is not None
-        xfer._part = part
-        if part:
-            xfer._callbacks.append(part_of._part_done)
         self._inflight[xid] = xfer
         p.inflight += 1
         heapq.heappush(self._deadlines, (deadline, xid))
@@ -511,12 +513,11 @@ class Agent(ProgressEngine, Lanes):
         xfer.ops_posted = post(batch, lib.RK_OP_PUT if is_put else lib.RK_OP_GET,
                                1 if (op is XferOp.FLUSH or (is_put and notify is not None)) else 0)
         xfer.post_s = time.perf_counter() - t0
-        if not part:
-            s = self.stats
-            s["transfers"] += 1
-            s["ops_posted"] += xfer.ops_posted
-            s["descs"] += num_descs
-            s["bytes"] += nbytes
+        s = self.stats
+        s["transfers"] += 1
+        s["ops_posted"] += xfer.ops_posted
+        s["descs"] += num_descs
+        s["bytes"] += nbytes
         if lib.rk_done_head(self._ctx) != self._done_tail:  # some batch completed in place
             self._drain_completions()
         if (self._thread is not None or self._pump is not None) and xfer.state is XferState.IN_PROGRESS:
@@ -553,14 +554,18 @@ class Agent(ProgressEngine, Lanes):
         if self._pump is not None:
             self._lib.rk_pump_stop(self._pump)  # joins the C thread; from here on, Python progresses
             self._pump = None
-        self._close_lanes()  # their workers go before the context; their parts fail first
         with self._lock:
+            # The lanes' pumps still run: they progress their share meanwhile.
             end = time.monotonic() + self.config.close_drain_s
             while self._inflight and time.monotonic() < end:
                 if not self._progress_locked():
                     time.sleep(0.0001)
-            self._fail_all(f"agent {self.name!r} closed")
+            self._fail_all(f"agent {self.name!r} closed")  # also force-closes lane endpoints with work left
             callbacks = self._take_callbacks()
+        self._close_lanes()  # their workers go before the context
+        with self._lock:
+            self._drain_completions()
+            callbacks += self._take_callbacks()
             for peer in list(self._peers.values()) + self._retired:
                 peer.close(force=not peer.healthy)
             self._peers.clear()

@@ -35,6 +35,7 @@ class Peer:
         self.ucx_version = md.ucx_version
         self.inflight = 0
         self.failure: str | None = None
+        self.stripe: Any = None  # rk_stripe_t and its arrays, made by the agent (lanes.py)
         self.ep_state = ffi.new("rk_ep_state_t *")
         self._addr_buf = ffi.from_buffer(md.worker_address)
         params = ffi.new("ucp_ep_params_t *")

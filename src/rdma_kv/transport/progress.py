@@ -67,7 +67,7 @@ class ProgressEngine:
     @property
     def inflight(self) -> int:
         """Transfers in flight, parts on lanes counted one each."""
-        return len(self._inflight) + self._lanes_inflight()  # type: ignore[attr-defined]
+        return len(self._inflight)
 
     def progress(self) -> int:
         """Drive the worker once (polling mode). Returns UCX events handled."""
@@ -91,14 +91,15 @@ class ProgressEngine:
 
     def _progress_once(self, block_s: float | None) -> None:
         """Polling mode: progress; if idle, sleep on the event fd briefly --
-        but keep polling for ``spin_s`` after the last event while lanes
-        carry work (their pumps signal this worker when it completes, so
-        the sleep ends then, at the price of a wake-up)."""
+        but with lanes keep polling for ``spin_s`` after the last event while
+        transfers are in flight: the lanes' share may finish any moment (a
+        pump signals this worker when it does, so a sleep ends then too, at
+        the price of a wake-up)."""
         now = time.monotonic()
         if self._progress():
             self._last_event = now
             return
-        if now - self._last_event < self.config.spin_s and self._lanes_inflight():  # type: ignore[attr-defined]
+        if self._lanes and self._inflight and now - self._last_event < self.config.spin_s:  # type: ignore[attr-defined]
             return
         with self._lock:
             armed = not self._closed and self._worker.arm()
@@ -107,17 +108,10 @@ class ProgressEngine:
             select.select([self._worker.efd], [], [], wait)
 
     def _progress_locked(self) -> int:
-        """Progress the worker, then settle what it finished (and what the
-        lanes finished). Returns events plus completions drained."""
-        return self._worker.progress() + self._service_locked()
-
-    def _service_locked(self) -> int:
-        """Everything after progress: completions, notifications, failed
-        endpoints, deadlines, retired peers. A lane's is run by its owner
-        (the lane's worker is progressed by its pump)."""
+        """Progress the worker, then settle what it (or a lane's pump)
+        finished. Returns events plus completions drained."""
+        events = self._worker.progress()
         drained = self._drain_completions()
-        if self._lanes:  # type: ignore[attr-defined]
-            drained += self._service_lanes()  # type: ignore[attr-defined]
         self._drain_notifications()
         for peer in list(self._peers.values()) + self._retired:
             if peer.ep is not None and peer.ep_state.failed:
@@ -127,7 +121,7 @@ class ProgressEngine:
             for peer in [p for p in self._retired if p.inflight == 0]:
                 self._retired.remove(peer)
                 peer.close(force=True)
-        return drained
+        return events + drained
 
     def _drain_completions(self) -> int:
         """Resolve the batches the shim finished; returns how many."""
@@ -169,7 +163,7 @@ class ProgressEngine:
         )
 
     def _queue(self, xfer: Transfer, error: TransferError | None) -> None:
-        if error is not None and not xfer._part:  # a SplitTransfer counts its own failure
+        if error is not None:
             self.stats["failed"] += 1
         for cb in xfer._resolve(error):
             self._callbacks.append((cb, xfer))
@@ -245,7 +239,9 @@ class ProgressEngine:
                 log.warning("peer %s failed with %d transfers in flight: %s", peer.name, peer.inflight, reason)
         if peer.ep is not None:
             peer.close(force=True)
-            self._drain_completions()
+        if self._lanes:  # type: ignore[attr-defined]
+            self._fail_lane_eps(peer.name, reason)  # type: ignore[attr-defined]
+        self._drain_completions()
 
     def _progress_loop(self) -> None:
         poller = select.poll()
@@ -264,13 +260,12 @@ class ProgressEngine:
                 now = time.monotonic()
                 if events:
                     last_event = now
-                busy = bool(self._inflight) or bool(self._lanes_inflight())  # type: ignore[attr-defined]
+                busy = bool(self._inflight)
                 armed = False
                 if not (busy and now - last_event < self.config.spin_s):
                     armed = self._worker.arm()
                 callbacks = self._take_callbacks()
-                next_deadline = min([now + 1.0] + [a._deadlines[0][0] for a in [self, *self._lanes]  # type: ignore[attr-defined]
-                                                   if a._deadlines])
+                next_deadline = self._deadlines[0][0] if self._deadlines else now + 1.0
             self._run_callbacks(callbacks)
             if armed:
                 # Sleep on the worker's event fd; wake for the next deadline at the latest.

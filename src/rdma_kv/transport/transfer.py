@@ -71,7 +71,9 @@ class Transfer:
         self._callbacks: list[Callable[[Transfer], None]] = []
         self._peer_ref: Any = None  # the Peer incarnation it was posted to
         self._expired = False
-        self._part = False  # one part of a SplitTransfer (lanes.py)
+        # Operations posted on each worker (own first, then lanes) when
+        # striped over lanes (lanes.py), else None.
+        self.worker_ops: tuple[int, ...] | None = None
 
     # -- completion (called by the agent, under its lock) --------------------
 

@@ -168,10 +168,10 @@ static uint64_t rk_end(rk_batch_t *b, ucp_request_param_t *p, int flush)
     return b->posted;
 }
 
-/* Post one merged run; false (and the batch's status set) on error. */
-static int rk_post_one(rk_batch_t *b, int op, ucp_request_param_t *p,
-                       uint64_t laddr, uint64_t raddr, uint64_t len,
-                       ucp_mem_h const *memhs, uint32_t lreg, ucp_rkey_h rkey)
+/* Post one merged run on ep; false (and the batch's status set) on error. */
+static int rk_post_on(rk_batch_t *b, ucp_ep_h ep, int op, ucp_request_param_t *p,
+                      uint64_t laddr, uint64_t raddr, uint64_t len,
+                      ucp_mem_h const *memhs, uint32_t lreg, ucp_rkey_h rkey)
 {
     ucs_status_ptr_t r;
 
@@ -180,9 +180,9 @@ static int rk_post_one(rk_batch_t *b, int op, ucp_request_param_t *p,
     }
     rk_batch_inc(b);
     if (op == RK_OP_GET) {
-        r = ucp_get_nbx(b->ep, (void *)(uintptr_t)laddr, len, raddr, rkey, p);
+        r = ucp_get_nbx(ep, (void *)(uintptr_t)laddr, len, raddr, rkey, p);
     } else {
-        r = ucp_put_nbx(b->ep, (const void *)(uintptr_t)laddr, len, raddr, rkey, p);
+        r = ucp_put_nbx(ep, (const void *)(uintptr_t)laddr, len, raddr, rkey, p);
     }
     if (rk_account(b, r) != UCS_OK) {
         return 0;
@@ -202,8 +202,8 @@ uint64_t rk_post(rk_batch_t *b, int op, uint64_t n,
 
     rk_begin(b, &p, memhs);
     for (i = 0; i < n; ++i) {
-        if (!rk_post_one(b, op, &p, laddr[i], raddr[i], len[i], memhs, lreg[i],
-                         rkeys[rreg[i]])) {
+        if (!rk_post_on(b, b->ep, op, &p, laddr[i], raddr[i], len[i], memhs, lreg[i],
+                        rkeys[rreg[i]])) {
             break;
         }
     }
@@ -232,6 +232,85 @@ uint64_t rk_check_indexed(uint64_t n, const int64_t *lidx, const int64_t *ridx,
     return i;
 }
 
+/* End of part k of nparts in a stream of total bytes: a 4 KiB boundary
+ * (the last part ends at the total). */
+static uint64_t rk_cut(uint64_t total, uint32_t k, uint32_t nparts)
+{
+    return k >= nparts ? total : (uint64_t)(((__uint128_t)total * k / nparts) & ~(uint64_t)4095);
+}
+
+/* The byte stream of the index pairs, cut into nparts parts of about equal
+ * bytes (a descriptor may be cut, at a 4 KiB boundary of the stream);
+ * part j is posted on worker w = nparts-1-j (so the lanes' parts go first
+ * and the poster's own worker, w = 0, takes the last). Runs contiguous on
+ * both sides, in the same regions and the same part, merge into one op. */
+static int rk_stream(rk_batch_t *b, int op, ucp_request_param_t *p, uint64_t n,
+                     const int64_t *lidx, const int64_t *ridx,
+                     const uint64_t *laddr_tab, const uint64_t *raddr_tab,
+                     const uint64_t *len_tab, const uint32_t *lreg_tab,
+                     const uint32_t *rreg_tab, ucp_mem_h const *memhs,
+                     const rk_stripe_t *s, uint32_t nparts, uint64_t nbytes,
+                     uint64_t *worker_ops)
+{
+    uint64_t i, off, take, l, x, y, pos = 0, la = 0, ra = 0, len = 0;
+    uint64_t cut = rk_cut(nbytes, 1, nparts);
+    uint32_t part = 0, w = nparts - 1, lr = 0, rr = 0, lr_i, rr_i;
+    int open = 0;
+
+#define RK_FLUSH_RUN()                                                      \
+    do {                                                                    \
+        if (open) {                                                         \
+            if (!rk_post_on(b, s->eps[w], op, p, la, ra, len, memhs, lr,    \
+                            s->rkeys[w][rr])) {                             \
+                return 0;                                                   \
+            }                                                               \
+            worker_ops[w]++;                                                \
+            open = 0;                                                       \
+        }                                                                   \
+    } while (0)
+
+    for (i = 0; i < n; ++i) {
+        x = laddr_tab[lidx[i]];
+        y = raddr_tab[ridx[i]];
+        l = len_tab[lidx[i]];
+        lr_i = lreg_tab != NULL ? lreg_tab[lidx[i]] : 0;
+        rr_i = rreg_tab != NULL ? rreg_tab[ridx[i]] : 0;
+        for (off = 0; off < l;) {
+            if (pos >= cut && part + 1 < nparts) {
+                /* This part is full: post its last run, wake its worker. */
+                RK_FLUSH_RUN();
+                if (w > 0 && worker_ops[w] > 0) {
+                    ucp_worker_signal(s->workers[w]);
+                }
+                part++;
+                w--;
+                cut = rk_cut(nbytes, part + 1, nparts);
+                continue;
+            }
+            take = l - off;
+            if (part + 1 < nparts && take > cut - pos) {
+                take = cut - pos;
+            }
+            if (open && x + off == la + len && y + off == ra + len &&
+                lr_i == lr && rr_i == rr) {
+                len += take;            /* contiguous on both sides: extend */
+            } else {
+                RK_FLUSH_RUN();
+                la = x + off; ra = y + off; len = take; lr = lr_i; rr = rr_i;
+                open = 1;
+            }
+            off += take;
+            pos += take;
+        }
+    }
+    RK_FLUSH_RUN();
+    if (w > 0 && worker_ops[w] > 0) {
+        ucp_worker_signal(s->workers[w]);
+    }
+#undef RK_FLUSH_RUN
+    return 1;
+}
+
 uint64_t rk_post_indexed(rk_batch_t *b, int op, uint64_t n,
                          const int64_t *lidx, const int64_t *ridx,
                          const uint64_t *laddr_tab, const uint64_t *raddr_tab,
@@ -240,30 +319,36 @@ uint64_t rk_post_indexed(rk_batch_t *b, int op, uint64_t n,
                          ucp_rkey_h const *rkeys, int flush)
 {
     ucp_request_param_t p;
-    uint64_t i, la = 0, ra = 0, len = 0, l, x, y;
-    uint32_t lr = 0, rr = 0, lr_i, rr_i;
-    int open = 0, ok = 1;
+    rk_stripe_t one;
+    uint64_t ops = 0;
 
+    one.eps = &b->ep;
+    one.rkeys = &rkeys;
+    one.workers = NULL;
     rk_begin(b, &p, memhs);
-    for (i = 0; i < n && ok; ++i) {
-        x = laddr_tab[lidx[i]];
-        y = raddr_tab[ridx[i]];
-        l = len_tab[lidx[i]];
-        lr_i = lreg_tab != NULL ? lreg_tab[lidx[i]] : 0;
-        rr_i = rreg_tab != NULL ? rreg_tab[ridx[i]] : 0;
-        if (open && x == la + len && y == ra + len && lr_i == lr && rr_i == rr) {
-            len += l;                   /* contiguous on both sides: extend */
-            continue;
-        }
-        if (open) {
-            ok = rk_post_one(b, op, &p, la, ra, len, memhs, lr, rkeys[rr]);
-        }
-        la = x; ra = y; len = l; lr = lr_i; rr = rr_i; open = 1;
-    }
-    if (open && ok) {
-        rk_post_one(b, op, &p, la, ra, len, memhs, lr, rkeys[rr]);
-    }
+    rk_stream(b, op, &p, n, lidx, ridx, laddr_tab, raddr_tab, len_tab, lreg_tab,
+              rreg_tab, memhs, &one, 1, 0, &ops);
     return rk_end(b, &p, flush);
+}
+
+uint64_t rk_post_striped(rk_batch_t *b, int op, uint64_t n,
+                         const int64_t *lidx, const int64_t *ridx,
+                         const uint64_t *laddr_tab, const uint64_t *raddr_tab,
+                         const uint64_t *len_tab, const uint32_t *lreg_tab,
+                         const uint32_t *rreg_tab, ucp_mem_h const *memhs,
+                         const rk_stripe_t *stripe, uint32_t nparts,
+                         uint64_t nbytes, uint64_t *worker_ops)
+{
+    ucp_request_param_t p;
+    uint32_t w;
+
+    for (w = 0; w < nparts; ++w) {
+        worker_ops[w] = 0;
+    }
+    rk_begin(b, &p, memhs);
+    rk_stream(b, op, &p, n, lidx, ridx, laddr_tab, raddr_tab, len_tab, lreg_tab,
+              rreg_tab, memhs, stripe, nparts, nbytes, worker_ops);
+    return rk_end(b, &p, 0);
 }
 
 uint64_t rk_progress(ucp_worker_h worker, uint64_t max_rounds)
@@ -356,7 +441,7 @@ ucs_status_t rk_wait_request(ucp_worker_h worker, ucs_status_ptr_t request,
 struct rk_pump {
     ucp_worker_h worker;
     ucp_worker_h wake;
-    rk_ctx_t *ctx;
+    rk_ctx_t *watch;
     int efd;
     int stop;
     uint64_t spin_ns;
@@ -374,9 +459,8 @@ static uint64_t rk_now_ns(void)
 static void *rk_pump_main(void *arg)
 {
     rk_pump_t *pump = (rk_pump_t *)arg;
-    rk_ctx_t *ctx = pump->ctx;
     struct pollfd pfd;
-    uint64_t last_event = 0, head, seen = rk_done_head(ctx), begun;
+    uint64_t last_event = 0, head, seen = rk_done_head(pump->watch);
     ucs_status_t status;
 
     pthread_setname_np(pthread_self(), "rdma-kv-pump"); /* top -H, /proc/PID/task */
@@ -386,18 +470,13 @@ static void *rk_pump_main(void *arg)
         if (ucp_worker_progress(pump->worker) != 0) {
             last_event = rk_now_ns();
         }
-        head = rk_done_head(ctx);
-        if (head != seen) {
+        head = rk_done_head(pump->watch);
+        if (head != seen) {             /* this thread finished a batch */
             seen = head;
-            if (pump->wake != NULL) {
-                ucp_worker_signal(pump->wake);
-            }
+            ucp_worker_signal(pump->wake);
         }
-        begun = __atomic_load_n(&ctx->batches, __ATOMIC_ACQUIRE);
-        /* Completions may lag the begin count by the zombies Python gave up
-         * on; the spin window bounds the cost of counting them as busy. */
-        if (begun != head && rk_now_ns() - last_event < pump->spin_ns) {
-            continue;
+        if (rk_now_ns() - last_event < pump->spin_ns) {
+            continue;                   /* more may be queued right behind */
         }
         status = ucp_worker_arm(pump->worker);
         if (status == UCS_ERR_BUSY) {
@@ -417,7 +496,7 @@ static void *rk_pump_main(void *arg)
     return NULL;
 }
 
-rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *ctx,
+rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
                          ucp_worker_h wake, uint64_t spin_ns)
 {
     rk_pump_t *pump = calloc(1, sizeof(*pump));
@@ -427,7 +506,7 @@ rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *ctx,
     }
     pump->worker = worker;
     pump->wake = wake;
-    pump->ctx = ctx;
+    pump->watch = watch;
     pump->efd = efd;
     pump->spin_ns = spin_ns;
     if (pthread_create(&pump->thread, NULL, rk_pump_main, pump) != 0) {

@@ -100,6 +100,31 @@ uint64_t rk_post_indexed(rk_batch_t *batch, int op, uint64_t n,
                          const uint32_t *rreg_tab, ucp_mem_h const *memhs,
                          ucp_rkey_h const *rkeys, int flush);
 
+/* The workers one transfer may be striped over (lanes.py): index w = 0 is
+ * the poster's own worker, 1.. its lanes. eps[w] is the endpoint to the
+ * peer on worker w, rkeys[w] the peer's remote keys unpacked on it. */
+typedef struct rk_stripe {
+    ucp_ep_h const *eps;
+    ucp_rkey_h const *const *rkeys;
+    ucp_worker_h const *workers;
+} rk_stripe_t;
+
+/* rk_post_indexed striped over the first nparts workers of stripe: the
+ * byte stream of the pairs (nbytes in all) is cut into nparts parts of about
+ * equal bytes at 4 KiB boundaries (a descriptor may be cut), each posted on
+ * its worker -- the lanes' first, each worker signalled once its part is
+ * posted, the own worker's last. One batch: it completes when every
+ * operation on every worker has (the count is atomic; the pumps complete
+ * operations on their threads). worker_ops[w] receives the operations
+ * posted on worker w. No flush, no notification. */
+uint64_t rk_post_striped(rk_batch_t *batch, int op, uint64_t n,
+                         const int64_t *lidx, const int64_t *ridx,
+                         const uint64_t *laddr_tab, const uint64_t *raddr_tab,
+                         const uint64_t *len_tab, const uint32_t *lreg_tab,
+                         const uint32_t *rreg_tab, ucp_mem_h const *memhs,
+                         const rk_stripe_t *stripe, uint32_t nparts,
+                         uint64_t nbytes, uint64_t *worker_ops);
+
 /* Call ucp_worker_progress until it reports no event or max_rounds calls
  * were made. Returns the number of events progressed. */
 uint64_t rk_progress(ucp_worker_h worker, uint64_t max_rounds);
@@ -108,16 +133,16 @@ uint64_t rk_progress(ucp_worker_h worker, uint64_t max_rounds);
  * batch records they name, are fully written. */
 uint64_t rk_done_head(rk_ctx_t *ctx);
 
-/* A pump: a C thread that progresses one worker (created with
+/* A pump: a C thread that progresses one worker (a lane's, created with
  * UCS_THREAD_MODE_MULTI, so other threads may post on it meanwhile) without
- * the Python interpreter lock. While batches begun on the worker are
- * unfinished it progresses without sleeping for up to spin_ns after the
- * last event; otherwise it arms the worker and sleeps on its event fd
- * (ucp_worker_signal wakes it). Each time batches complete it calls
- * ucp_worker_signal(wake) (the owner's worker; may be NULL) so a thread
- * sleeping there drains the ring. Returns NULL if the thread cannot start. */
+ * the Python interpreter lock. It progresses without sleeping until spin_ns
+ * have passed since the last event, then arms the worker and sleeps on its
+ * event fd (ucp_worker_signal wakes it). Whenever batches of the watched
+ * ring (the owner's: striped batches complete there) are published during
+ * its progress, it calls ucp_worker_signal(wake), the owner's worker, so a
+ * thread sleeping there drains the ring. NULL if the thread cannot start. */
 typedef struct rk_pump rk_pump_t;
-rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *ctx,
+rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
                          ucp_worker_h wake, uint64_t spin_ns);
 
 /* Stop the pump's thread, join it and free the pump (bounded by one
