@@ -49,11 +49,11 @@ def register_backend(name: str, fn: Backend) -> None:
     BACKENDS[name] = fn
 
 
-_MODULES = {"rdma-kv": rdmakv_peer, "nixl": nixl_peer}
+_MODULES = {"rdma-kv": rdmakv_peer, "nixl": nixl_peer, "cma": cma}
 
 
 def add_variant(name: str, base: str, **options: object) -> str:
-    """Register ``name``: backend ``base`` (rdma-kv or nixl) with ``options``; returns ``name``."""
+    """Register ``name``: backend ``base`` (rdma-kv, nixl or cma) with ``options``; returns ``name``."""
     module = _MODULES[base]
     register_backend(name, lambda w, reps: _renamed(module.run_backend(w, reps, **options), name))
     return name

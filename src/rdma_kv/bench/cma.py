@@ -5,6 +5,14 @@ UCX: the reader hands the kernel up to IOV_MAX (1024) descriptors per
 syscall and the kernel copies straight from the target's pages. It bounds
 what any one-sided read engine can reach between two processes here.
 
+With ``threads=N`` (the ``cma-tN`` rows of ``rdma-kv bench --lanes N``) the
+plan is cut into N slices of about equal bytes (runs of iovec pairs, or
+page-aligned pieces of each pair when there are fewer pairs than threads),
+read by N threads at once (ctypes drops the GIL for the syscall). The time
+reported is the longest *single thread's* syscall span, as if all started
+together: no wake-up or hand-off is counted, so it is the kernel's own
+limit for N readers, a bound no N-worker engine can beat.
+
 Owns the cma backend: ``target`` / ``reader`` child bodies for
 ``harness.run_pair`` and ``run_backend(workload, reps) -> Result``.
 Imports numpy, ctypes, the stdlib and ``rdma_kv.bench`` siblings only.
@@ -15,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import threading
 import time
 from typing import Any
 
@@ -94,6 +103,81 @@ def read_batched(libc: ctypes.CDLL, pid: int, local: np.ndarray, remote: np.ndar
     return syscalls
 
 
+PAGE = 4096
+
+
+def split_iovecs(local: np.ndarray, remote: np.ndarray, parts: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``parts`` (local, remote) iovec slices of about equal bytes: runs of
+    pairs, or with fewer pairs than parts each pair cut at page boundaries.
+    Empty slices are dropped."""
+    n = local.shape[0]
+    if n >= parts:
+        ends = np.cumsum(local["len"], dtype=np.uint64)
+        total = int(ends[-1]) if n else 0
+        bounds = [0] + [int(np.searchsorted(ends, total * k // parts, side="right")) for k in range(1, parts)] + [n]
+        bounds = sorted(set(bounds))
+        return [(local[a:b], remote[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
+    pieces: list[tuple[list[tuple[int, int]], list[tuple[int, int]]]] = [([], []) for _ in range(parts)]
+    for lv, rv in zip(local.tolist(), remote.tolist()):
+        size = int(lv[1])
+        cuts = sorted({0, size} | {size * k // parts // PAGE * PAGE for k in range(1, parts)})
+        for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
+            pieces[k][0].append((lv[0] + a, b - a))
+            pieces[k][1].append((rv[0] + a, b - a))
+    return [(np.array(lp, dtype=IOVEC), np.array(rp, dtype=IOVEC)) for lp, rp in pieces if lp]
+
+
+class ThreadedReads:
+    """``threads`` readers started once; each ``read`` hands every one a
+    slice and returns (syscalls, longest single-thread span in seconds)."""
+
+    def __init__(self, libc: ctypes.CDLL, pid: int, threads: int) -> None:
+        self._libc, self._pid, self._n = libc, pid, threads
+        self._start = threading.Barrier(threads)
+        self._end = threading.Barrier(threads)
+        self._work: list[tuple[np.ndarray, np.ndarray]] = []
+        self._out: list[tuple[int, float, BaseException | None]] = [(0, 0.0, None)] * threads
+        self._stop = False
+        self._helpers = [threading.Thread(target=self._loop, args=(k,), daemon=True) for k in range(1, threads)]
+        for t in self._helpers:
+            t.start()
+
+    def _one(self, k: int) -> None:
+        syscalls, span, err = 0, 0.0, None
+        if k < len(self._work):
+            try:
+                t0 = time.perf_counter()
+                syscalls = read_batched(self._libc, self._pid, *self._work[k])
+                span = time.perf_counter() - t0
+            except BaseException as exc:  # re-raised by read() in the caller's thread
+                err = exc
+        self._out[k] = (syscalls, span, err)
+
+    def _loop(self, k: int) -> None:
+        while True:
+            self._start.wait()
+            if self._stop:
+                return
+            self._one(k)
+            self._end.wait()
+
+    def read(self, local: np.ndarray, remote: np.ndarray) -> tuple[int, float]:
+        self._work = split_iovecs(local, remote, self._n)
+        self._start.wait(30)
+        self._one(0)
+        self._end.wait(30)
+        for _, _, err in self._out:
+            if err is not None:
+                raise err
+        return sum(o[0] for o in self._out), max(o[1] for o in self._out)
+
+    def close(self) -> None:
+        self._stop = True
+        self._start.wait(30)
+        for t in self._helpers:
+            t.join(5)
+
+
 # --- child bodies ------------------------------------------------------------------
 
 
@@ -109,12 +193,14 @@ def target(chan: Channel, start: dict[str, Any]) -> None:
 def reader(chan: Channel, start: dict[str, Any]) -> None:
     workload = Workload.from_dict(start["workload"])
     merge = bool(start["options"].get("coalesce", True))
+    threads = int(start["options"].get("threads", 1))
     peer, _ = chan.expect("peer")
     pid, remote_base = int(peer["pid"]), int(peer["address"])
     libc = _libc()
     local = page_aligned_buffer(workload.buffer_nbytes)
     local_base = local.ctypes.data
-    chan.send({"type": "ready", "config": {"coalesce": merge, "iov_max": IOV_MAX}})
+    pool = ThreadedReads(libc, pid, threads) if threads > 1 else None
+    chan.send({"type": "ready", "config": {"coalesce": merge, "iov_max": IOV_MAX, "threads": threads}})
 
     def run_rep(rep: int) -> dict[str, Any]:
         p = plan(workload, rep)
@@ -127,11 +213,14 @@ def reader(chan: Channel, start: dict[str, Any]) -> None:
         )
         liov, riov = build_iovecs(local_base, remote_base, lo, ro, ln)
         t1 = time.perf_counter()
-        syscalls = read_batched(libc, pid, liov, riov)
-        t2 = time.perf_counter()
+        if pool is None:
+            syscalls = read_batched(libc, pid, liov, riov)
+            seconds = time.perf_counter() - t1
+        else:
+            syscalls, seconds = pool.read(liov, riov)
         harness.verify(local, p, "cma reader")
         return {
-            "seconds": t2 - t1,
+            "seconds": seconds,
             "prep_seconds": t1 - t0,
             "ops": int(ln.shape[0]),
             "nbytes": p.nbytes,
@@ -139,7 +228,7 @@ def reader(chan: Channel, start: dict[str, Any]) -> None:
             "syscalls": syscalls,
         }
 
-    harness.serve_reader(chan, run_rep, lambda: None)
+    harness.serve_reader(chan, run_rep, pool.close if pool is not None else lambda: None)
 
 
 # --- backend ----------------------------------------------------------------------------

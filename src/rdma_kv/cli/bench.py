@@ -41,7 +41,8 @@ def add_parser(sub: Any) -> None:
                    help="rdma-kv reader progress mode (default poll, like NIXL's reader)")
     p.add_argument("--lanes", type=int, default=2,
                    help="rdma-kv reader's workers per transfer (AgentConfig.lanes, default 2); with N > 1 the "
-                        "run adds rdma-kv-l1 (one worker) and, with --vs nixl, nixl-tN (NIXL num_threads=N)")
+                        "run adds rdma-kv-l1 (one worker), cma-tN (the kernel copy on N threads) and, with --vs nixl, "
+                        "nixl-tN (NIXL num_threads=N)")
     p.add_argument("--no-cma", action="store_true", help="skip the batched process_vm_readv baseline")
     p.add_argument("--perftest", default="32768,268435456",
                    help="ucx_perftest ucp_get message sizes in bytes, comma list ('' = none)")
@@ -108,7 +109,10 @@ def run(args: argparse.Namespace) -> int:
         backends.append(peer)
         if peer == "nixl" and lanes > 1:  # NIXL's own parallelism at the same thread count
             backends.append(baselines.add_variant(f"nixl-t{lanes}", "nixl", num_threads=lanes))
-    backends += [] if args.no_cma else ["cma"]
+    if not args.no_cma:
+        backends.append("cma")
+        if lanes > 1:  # the kernel's own copy with as many threads: what any N workers can reach
+            backends.append(baselines.add_variant(f"cma-t{lanes}", "cma", threads=lanes))
     started = datetime.datetime.now()
     sizes = [int(s) for s in args.perftest.split(",") if s]
     bar = ProgressBar(len(workloads) * len(backends) + len(sizes), "rdma-kv bench")
@@ -128,7 +132,9 @@ def run(args: argparse.Namespace) -> int:
           + ("; rdma-kv-l1: lanes=1" if lanes > 1 else "")
           + ("; nixl: nixl_agent_config defaults (num_threads=0)" if "nixl" in peers else "")
           + (f"; nixl-t{lanes}: num_threads={lanes} (vLLM's NixlConnector passes 4)"
-             if "nixl" in peers and lanes > 1 else ""))
+             if "nixl" in peers and lanes > 1 else "")
+          + (f"; cma-t{lanes}: {lanes} threads, longest single-thread syscall span"
+             if not args.no_cma and lanes > 1 else ""))
     if args.json:
         with open(args.json, "w") as fh:
             fh.write(to_json(results, **run_meta(started, args.reps), lanes=lanes))
