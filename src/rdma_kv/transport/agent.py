@@ -366,6 +366,9 @@ class Agent(ProgressEngine, Lanes):
 
     def _prepared(self, op: XferOp, local: PreparedDescList, local_index: Any, remote: PreparedDescList,
                   remote_index: Any, notify: bytes | None, timeout_s: float | None) -> Transfer:
+        # The engine's per-request path, often run with caches cold after a
+        # model step, where each Python step costs microseconds: few calls,
+        # and every pair checked in one C pass before anything is posted.
         if local.peer is not None or remote.peer is None:
             raise DescriptorError("pass a list from prep_local() as local and one from prep_remote() as remote")
         li, ri = as_index(local_index), as_index(remote_index)
@@ -373,7 +376,8 @@ class Agent(ProgressEngine, Lanes):
         if n != len(ri):
             raise DescriptorError(f"selected descriptors must pair up: {n} local vs {len(ri)} remote")
         with self._lock:
-            self._require_open()
+            if self._closed:
+                self._require_open()
             if local.generation != self._local_gen or local.c_tables is None:
                 raise DescriptorError(
                     f"local prepared list was not made by prep_local() of agent {self.name!r} or predates "
@@ -385,19 +389,39 @@ class Agent(ProgressEngine, Lanes):
                     f"remote prepared list was not made by prep_remote() of agent {self.name!r} or is for an "
                     f"earlier incarnation of {remote.peer!r}; prepare it again"
                 )
-            # Every pair checked in one C pass before anything is posted (numpy
-            # here cost ~100 us per transfer with caches cold after a model step).
-            ffi = self._ffi
+            ffi, lib = self._ffi, self._lib
+            laddr, llen, lreg, nl = local.c_tables
+            raddr, rlen, rreg, nr = remote.c_tables
             li_c, ri_c = ffi.from_buffer("int64_t[]", li), ffi.from_buffer("int64_t[]", ri)
-            uniform = local.uniform_length if local.uniform_length == remote.uniform_length else None
-            lengths = (ffi.NULL, ffi.NULL) if uniform is not None else (local.c_tables[1], remote.c_tables[1])
-            ok = self._lib.rk_check_indexed(n, li_c, ri_c, len(local), len(remote), *lengths, self._nbytes_out)
+            uniform = local.uniform_length
+            if uniform is not None and uniform == remote.uniform_length:
+                ok = lib.rk_check_indexed(n, li_c, ri_c, nl, nr, ffi.NULL, ffi.NULL, self._nbytes_out)
+                nbytes = uniform * n
+            else:
+                ok = lib.rk_check_indexed(n, li_c, ri_c, nl, nr, llen, rlen, self._nbytes_out)
+                nbytes = int(self._nbytes_out[0])
             if ok != n:
                 pair_indices(local, local_index, remote, remote_index)  # raises the precise error
                 raise DescriptorError(f"descriptor pair {ok} of {n} failed the range or length check")
-            nbytes = uniform * n if uniform is not None else int(self._nbytes_out[0])
-            parts = self._split_parts(nbytes) if notify is None and self._lanes else 1
-            return self._post_indexed(op, p, local, li_c, remote, ri_c, n, nbytes, notify, timeout_s, parts)
+            memhs = self._memhs_c
+            parts = self._split_parts(nbytes) if self._lanes and notify is None else 1
+            if parts > 1:  # striped over the lanes (lanes.py)
+                stripe, ops = self._stripe(p)[:2]
+
+                def post(batch: Any, opcode: int, flush: int) -> int:
+                    return int(lib.rk_post_striped(batch, opcode, n, li_c, ri_c, laddr, raddr, llen, lreg, rreg,
+                                                   memhs, stripe, parts, nbytes, ops))
+
+                xfer = self._submit(op, p, nbytes, n, notify, timeout_s, post)
+                xfer.worker_ops = tuple(ops[0:parts])
+                return xfer
+
+            def post(batch: Any, opcode: int, flush: int) -> int:
+                # Gathers, merges contiguous runs and posts in one pass.
+                return int(lib.rk_post_indexed(batch, opcode, n, li_c, ri_c, laddr, raddr, llen, lreg, rreg,
+                                               memhs, p.rkeys, flush))
+
+            return self._submit(op, p, nbytes, n, notify, timeout_s, post)
 
     def flush(self, peer: str, *, timeout_s: float | None = None) -> Transfer:
         """A transfer that completes once every earlier operation to ``peer``
@@ -431,34 +455,6 @@ class Agent(ProgressEngine, Lanes):
 
         return self._submit(op, p, nbytes, num_descs, notify, timeout_s, post)
 
-    def _post_indexed(self, op: XferOp, p: Peer, local: PreparedDescList, li_c: Any,
-                      remote: PreparedDescList, ri_c: Any, n: int, nbytes: int, notify: bytes | None,
-                      timeout_s: float | None, parts: int) -> Transfer:
-        """Post checked index pairs into prepared lists: the C loop gathers,
-        merges and posts in one pass (no per-descriptor numpy work: with caches
-        cold after a model step, that work cost ~300 us for 64 descriptors),
-        striped over ``parts`` workers when more than one (lanes.py)."""
-        lib = self._lib
-        laddr, llen, lreg = local.c_tables
-        raddr, _, rreg = remote.c_tables
-        memhs = self._memhs_c
-        if parts > 1:
-            stripe, ops = self._stripe(p)[:2]
-
-            def post(batch: Any, opcode: int, flush: int) -> int:
-                return int(lib.rk_post_striped(batch, opcode, n, li_c, ri_c, laddr, raddr, llen, lreg, rreg,
-                                               memhs, stripe, parts, nbytes, ops))
-
-            xfer = self._submit(op, p, nbytes, n, notify, timeout_s, post)
-            xfer.worker_ops = tuple(ops[0:parts])
-            return xfer
-
-        def post(batch: Any, opcode: int, flush: int) -> int:
-            return int(lib.rk_post_indexed(batch, opcode, n, li_c, ri_c, laddr, raddr, llen, lreg, rreg,
-                                           memhs, p.rkeys, flush))
-
-        return self._submit(op, p, nbytes, n, notify, timeout_s, post)
-
     def _c_tables(self, prepared: PreparedDescList) -> PreparedDescList:
         """Attach C views of the prepared list's tables (made once, here)."""
         ffi = self._ffi
@@ -466,33 +462,26 @@ class Agent(ProgressEngine, Lanes):
         region_zero = prepared.single_region and (len(prepared.regions) == 0 or int(prepared.regions[0]) == 0)
         regions = ffi.NULL if region_zero else ffi.from_buffer("uint32_t[]", prepared.regions)
         tables = (ffi.from_buffer("uint64_t[]", prepared.descs.addrs),
-                  ffi.from_buffer("uint64_t[]", prepared.descs.lengths), regions)
+                  ffi.from_buffer("uint64_t[]", prepared.descs.lengths), regions, len(prepared))
         object.__setattr__(prepared, "c_tables", tables)
         return prepared
-
-    def _require_room(self) -> None:
-        """TransferError when this worker already has ``max_inflight`` batches
-        (UCX may still touch the zombies' records: they count too)."""
-        cap = self.config.max_inflight
-        if len(self._inflight) + len(self._zombies) >= cap:
-            raise TransferError(f"{cap} transfers already in flight on {self.name!r} "
-                                "(AgentConfig.max_inflight); wait for some to complete")
 
     def _submit(self, op: XferOp, p: Peer, nbytes: int, num_descs: int, notify: bytes | None,
                 timeout_s: float | None, post: Callable[[Any, int, int], int]) -> Transfer:
         """Create the batch record and its Transfer, call ``post`` (one C call)
         and account for it. Caller holds the lock and has checked the peer."""
         ffi, lib, cfg = self._ffi, self._lib, self.config
-        self._require_room()
-        if notify is not None and len(notify) > cfg.notif_max_bytes:
-            raise ConfigError(f"notification of {len(notify)} bytes exceeds notif_max_bytes={cfg.notif_max_bytes}")
+        if len(self._inflight) + len(self._zombies) >= cfg.max_inflight:
+            # UCX may still write the zombies' records: they count too.
+            raise TransferError(f"{cfg.max_inflight} transfers already in flight on {self.name!r} "
+                                "(AgentConfig.max_inflight); wait for some to complete")
         xid = next(self._ids)
-        batch = ffi.new("rk_batch_t *")
-        batch.id = xid
-        batch.ctx = self._ctx
-        batch.ep = p.ep
+        batch = ffi.new("rk_batch_t *", (xid, self._ctx, p.ep))
         keep: tuple[Any, ...] = ()
         if notify is not None:
+            if len(notify) > cfg.notif_max_bytes:
+                raise ConfigError(f"notification of {len(notify)} bytes exceeds "
+                                  f"notif_max_bytes={cfg.notif_max_bytes}")
             data = ffi.from_buffer(bytes(notify)) if notify else ffi.NULL
             batch.has_notif = 1
             batch.am_id = NOTIF_AM_ID
@@ -501,15 +490,14 @@ class Agent(ProgressEngine, Lanes):
             batch.notif_data = data
             batch.notif_data_len = len(notify)
             keep = (data,)
-        timeout = cfg.transfer_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (cfg.transfer_timeout_s if timeout_s is None else timeout_s)
         xfer = Transfer(self, xid, op, p.name, batch, keep, nbytes, num_descs, deadline)
         xfer._peer_ref = p
         self._inflight[xid] = xfer
         p.inflight += 1
         heapq.heappush(self._deadlines, (deadline, xid))
-        is_put = op is XferOp.WRITE
         t0 = time.perf_counter()
+        is_put = op is XferOp.WRITE
         xfer.ops_posted = post(batch, lib.RK_OP_PUT if is_put else lib.RK_OP_GET,
                                1 if (op is XferOp.FLUSH or (is_put and notify is not None)) else 0)
         xfer.post_s = time.perf_counter() - t0
@@ -520,7 +508,7 @@ class Agent(ProgressEngine, Lanes):
         s["bytes"] += nbytes
         if lib.rk_done_head(self._ctx) != self._done_tail:  # some batch completed in place
             self._drain_completions()
-        if (self._thread is not None or self._pump is not None) and xfer.state is XferState.IN_PROGRESS:
+        if self._thread is not None and xfer.state is XferState.IN_PROGRESS:
             self._worker.signal()
         if self._callbacks:
             # Posting thread holds the (reentrant) lock; callbacks run now.

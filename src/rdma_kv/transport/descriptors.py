@@ -89,7 +89,7 @@ class PreparedDescList:
     uniform_length: int | None = field(init=False)
     single_region: bool = field(init=False)
     c_tables: Any = field(default=None, init=False, repr=False)
-    """The agent's C views of (addrs, lengths, regions or NULL), made once at
+    """The agent's C views of (addrs, lengths, regions or NULL) and the count, made once at
     prep time so that a transfer does not rebuild them."""
 
     def __post_init__(self) -> None:

@@ -40,6 +40,21 @@ class Transfer:
     """A batch in flight. Poll ``state`` / ``done()``, block on ``wait()``, or
     ``await`` it. After failure ``error`` holds the exception ``wait`` raises."""
 
+    # Defaults as class attributes: a transfer is made per request on the
+    # engine's hot path (often with caches cold), so __init__ stores only
+    # what differs per transfer.
+    ops_posted = 0
+    post_s = 0.0
+    finished: float | None = None
+    error: TransferError | None = None
+    _event: threading.Event | None = None  # made by the first blocking wait()
+    _peer_ref: Any = None  # the Peer incarnation it was posted to
+    _expired = False
+    _keepalive: tuple[Any, ...] = ()  # buffers UCX may still read (notification)
+    # Operations posted on each worker (own first, then lanes) when striped
+    # over lanes (lanes.py), else None.
+    worker_ops: tuple[int, ...] | None = None
+
     def __init__(
         self,
         agent: Agent,
@@ -57,23 +72,14 @@ class Transfer:
         self.op = op
         self.peer = peer
         self._batch = batch
-        self._keepalive = keepalive  # buffers UCX may still read (notification)
+        if keepalive:
+            self._keepalive = keepalive
         self.nbytes = nbytes
         self.num_descs = num_descs
-        self.ops_posted = 0
-        self.post_s = 0.0
         self.started = time.perf_counter()
-        self.finished: float | None = None
         self.deadline = deadline
         self.state = XferState.IN_PROGRESS
-        self.error: TransferError | None = None
-        self._event: threading.Event | None = None  # made by the first blocking wait()
         self._callbacks: list[Callable[[Transfer], None]] = []
-        self._peer_ref: Any = None  # the Peer incarnation it was posted to
-        self._expired = False
-        # Operations posted on each worker (own first, then lanes) when
-        # striped over lanes (lanes.py), else None.
-        self.worker_ops: tuple[int, ...] | None = None
 
     # -- completion (called by the agent, under its lock) --------------------
 
