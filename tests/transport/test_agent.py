@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -715,3 +716,19 @@ def test_a_prepared_list_inside_one_region_other_than_the_first_keeps_its_region
     every = np.arange(16)
     b.read_prepared(local, every, remote, every).wait(WAIT_S)
     np.testing.assert_array_equal(dst, second)
+
+
+def test_thread_mode_is_pumped_in_c_and_burns_no_core_while_idle(make_agent):
+    """progress="thread": a C pump progresses the worker and the Python
+    thread sleeps on an eventfd; after the work is done neither spins."""
+    pair = connect(make_agent, progress="thread")
+    assert pair.b._pump is not None and pair.b._wake_fd >= 0 and not pair.b.manual_progress
+    xfer = pair.b.read("a", pair.desc_b([0], 4096), pair.desc_a([0], 4096)).wait(WAIT_S)
+    assert xfer.state is XferState.DONE
+    time.sleep(0.05)  # past the pumps' spin window
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    time.sleep(0.5)
+    cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    # Two agents, each a pump and a service thread: a spinning one alone would use ~100% of a core.
+    assert cpu < 0.25 * wall, f"{cpu:.3f} s of CPU in {wall:.3f} s idle"
+    np.testing.assert_array_equal(pair.buf_b[:4096], pair.buf_a[:4096])

@@ -230,7 +230,7 @@ def test_close_takes_the_lanes_and_their_threads_down(make_agent):
     for x in xfers:  # each one either landed or failed with the close as its reason
         assert x.error is None or "closed" in str(x.error)
     assert all(ln._closed and ln._worker.handle is None and ln._pump is None for ln in lanes)
-    assert pump_threads() == before + 2  # a's lanes only
+    assert pump_threads() == before + 3  # a's: its own worker's (progress="thread") and two lanes'
 
 
 def test_lane_settings_are_checked():

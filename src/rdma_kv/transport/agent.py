@@ -11,12 +11,14 @@ one-sided READ / WRITE operations, each batch one C call
 waited on or awaited, and an optional notification reaches the peer once
 the batch has completed.
 
-Threading: every UCX call happens under ``self._lock`` (the worker runs in
-``UCS_THREAD_MODE_SERIALIZED``), so the agent may be used from any of the
-engine's threads. With ``progress="thread"`` a background thread drives
-the worker and sleeps on its event fd when nothing moves; with
-``progress="poll"`` the caller drives it through ``progress()`` (``wait``
-and ``done`` do so too).
+Threading: every UCX call from Python happens under ``self._lock``, so the
+agent may be used from any of the engine's threads. With
+``progress="thread"`` a C thread of the shim (the pump) progresses the
+worker (``UCS_THREAD_MODE_MULTI``) without the interpreter lock, and a
+Python thread sleeps on an eventfd until the pump reports something to
+settle; with ``progress="poll"`` (worker ``UCS_THREAD_MODE_SERIALIZED``)
+the caller drives it through ``progress()`` (``wait`` and ``done`` do so
+too).
 
 Bounded failure: every transfer has a deadline. When it passes, or when UCX
 reports the peer's endpoint failed, the peer is marked failed, its endpoint
@@ -31,6 +33,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -89,11 +92,14 @@ class Agent(ProgressEngine, Lanes):
         self._closed = False
         self._lanes: list[Agent] = []
         self._pump: Any = None
+        self._wake_fd = -1  # progress="thread": the eventfd the pumps wake this agent's thread on
         self._last_event = 0.0
         self._owns_context = _context is None
         self._context = _context or Context(cfg.ucx_options, name=name, shared_workers=cfg.lanes > 1)
         try:
-            self._worker = Worker(self._context, multi_thread=_owner is not None)
+            # A pumped worker (progress="thread", or a lane) is progressed by a
+            # C thread while Python posts: UCX's own worker lock.
+            self._worker = Worker(self._context, multi_thread=_owner is not None or cfg.progress == "thread")
         except BaseException:
             if self._owns_context:
                 self._context.close()
@@ -134,15 +140,22 @@ class Agent(ProgressEngine, Lanes):
         self._callbacks: list[tuple[Callable[[Transfer], None], Transfer]] = []
         self.stats = {"transfers": 0, "ops_posted": 0, "descs": 0, "bytes": 0, "failed": 0}
         self._thread: threading.Thread | None = None
-        if cfg.progress == "thread":
-            self._thread = threading.Thread(target=self._progress_loop, name=f"rdma-kv-progress-{name}", daemon=True)
-            self._thread.start()
-        if _owner is not None:
-            try:
+        try:
+            if _owner is not None:
                 self._pump = start_pump(self, _owner)
-            except BaseException:
-                self._worker.close()
-                raise
+            elif cfg.progress == "thread":
+                self._wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+                self._pump = start_pump(self, self)
+        except BaseException:
+            if self._wake_fd >= 0:
+                os.close(self._wake_fd)
+            self._worker.close()
+            if self._owns_context:
+                self._context.close()
+            raise
+        if self._pump is not None and _owner is None:
+            self._thread = threading.Thread(target=self._service_loop, name=f"rdma-kv-progress-{name}", daemon=True)
+            self._thread.start()
         if cfg.lanes > 1:
             lane_cfg = replace(cfg, lanes=1, progress="poll")
             try:
@@ -271,7 +284,7 @@ class Agent(ProgressEngine, Lanes):
         if old is not None:
             self._fail_peer(old, "replaced by newly imported metadata")
             self._retire(old)
-        self._peers[md.name] = Peer(self._worker, md, generation)
+        self._peers[md.name] = Peer(self._worker, md, generation, self._ctx)
 
     def remove_peer(self, name: str) -> None:
         with self._lock:
@@ -536,7 +549,9 @@ class Agent(ProgressEngine, Lanes):
             if self._closed:
                 return
             self._closed = True
-            self._worker.signal()
+            self._worker.signal()  # a caller sleeping in wait() (polling mode)
+            if self._wake_fd >= 0:
+                os.eventfd_write(self._wake_fd, 1)  # the service thread
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
         if self._pump is not None:
@@ -565,6 +580,9 @@ class Agent(ProgressEngine, Lanes):
             self._worker.close()
             if self._owns_context:
                 self._context.close()
+            if self._wake_fd >= 0:  # every pump writing to it has stopped
+                os.close(self._wake_fd)
+                self._wake_fd = -1
         self._run_callbacks(callbacks)
 
     def __enter__(self) -> Agent:

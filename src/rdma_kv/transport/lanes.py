@@ -125,14 +125,17 @@ class Lanes:
         return p.stripe
 
 
-def start_pump(lane: Agent, owner: Agent) -> Any:
-    """Start the C thread that progresses ``lane``'s worker; it signals the
-    owner's worker whenever it publishes a batch on the owner's ring, so a
-    thread sleeping there settles it."""
-    pump = lane._lib.rk_pump_start(lane._worker.handle, lane._worker.efd, owner._ctx, owner._worker.handle,
-                                   int(lane.config.spin_s * 1e9))
-    if pump == lane._ffi.NULL:
-        raise TransferError(f"cannot start the progress thread of lane {lane.name!r} (pthread_create failed)")
+def start_pump(agent: Agent, owner: Agent) -> Any:
+    """Start the C thread that progresses ``agent``'s worker (a lane's, or
+    the owner's own in progress="thread" mode). It watches the owner's
+    context and wakes whoever settles it: the owner's service thread through
+    its eventfd, or a polling owner's caller through the owner's worker."""
+    lib, ffi = agent._lib, agent._ffi
+    wake_worker = owner._worker.handle if owner._wake_fd < 0 else ffi.NULL
+    pump = lib.rk_pump_start(agent._worker.handle, agent._worker.efd, owner._ctx, wake_worker, owner._wake_fd,
+                             int(agent.config.spin_s * 1e9))
+    if pump == ffi.NULL:
+        raise TransferError(f"cannot start the progress thread of {agent.name!r} (pthread_create failed)")
     return pump
 
 

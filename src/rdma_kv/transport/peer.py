@@ -25,7 +25,7 @@ CLOSE_ROUNDS = 200_000
 
 
 class Peer:
-    def __init__(self, worker: Any, md: AgentMetadata, generation: int) -> None:
+    def __init__(self, worker: Any, md: AgentMetadata, generation: int, ctx: Any = None) -> None:
         ffi, lib = load()
         self._ffi, self._lib = ffi, lib
         self._worker = worker
@@ -37,6 +37,8 @@ class Peer:
         self.failure: str | None = None
         self.stripe: Any = None  # rk_stripe_t and its arrays, made by the agent (lanes.py)
         self.ep_state = ffi.new("rk_ep_state_t *")
+        if ctx is not None:  # the error callback counts ep_errors there (wakes a pump's owner)
+            self.ep_state.ctx = ctx
         self._addr_buf = ffi.from_buffer(md.worker_address)
         params = ffi.new("ucp_ep_params_t *")
         params.field_mask = (

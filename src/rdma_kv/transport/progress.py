@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import os
 import select
 import struct
 import threading
@@ -48,6 +49,7 @@ class ProgressEngine:
     _thread: threading.Thread | None
     _lib: Any
     _ctx: Any
+    _wake_fd: int
     _pump: Any  # rk_pump_t * of a lane (progressed by a C thread), else None
     _last_event: float
     _inflight: dict[int, Transfer]
@@ -108,9 +110,13 @@ class ProgressEngine:
             select.select([self._worker.efd], [], [], wait)
 
     def _progress_locked(self) -> int:
-        """Progress the worker, then settle what it (or a lane's pump)
-        finished. Returns events plus completions drained."""
-        events = self._worker.progress()
+        """Progress the worker, then settle what it (or a pump) finished.
+        Returns events plus completions drained."""
+        return self._worker.progress() + self._service_locked()
+
+    def _service_locked(self) -> int:
+        """Settle what progress produced: completions, notifications, failed
+        endpoints, deadlines, retired peers. Returns completions drained."""
         drained = self._drain_completions()
         self._drain_notifications()
         for peer in list(self._peers.values()) + self._retired:
@@ -121,7 +127,7 @@ class ProgressEngine:
             for peer in [p for p in self._retired if p.inflight == 0]:
                 self._retired.remove(peer)
                 peer.close(force=True)
-        return events + drained
+        return drained
 
     def _drain_completions(self) -> int:
         """Resolve the batches the shim finished; returns how many."""
@@ -243,36 +249,34 @@ class ProgressEngine:
             self._fail_lane_eps(peer.name, reason)  # type: ignore[attr-defined]
         self._drain_completions()
 
-    def _progress_loop(self) -> None:
+    def _service_loop(self) -> None:
+        """progress="thread": the pump (a C thread, csrc/shim.c) progresses
+        the worker without the interpreter lock; this thread sleeps on the
+        agent's eventfd until a pump reports something to settle (a batch
+        published, a notification, an endpoint error) or the next deadline
+        is due, and settles it: the GIL is taken per event, not per
+        progress round."""
         poller = select.poll()
-        poller.register(self._worker.efd, select.POLLIN)
-        last_event = 0.0
+        poller.register(self._wake_fd, select.POLLIN)
         while True:
             with self._lock:
                 if self._closed:
                     return
                 try:
-                    events = self._progress_locked()
+                    self._service_locked()
                 except Exception:
                     log.exception("rdma-kv progress thread failed; failing in-flight transfers")
                     self._fail_all("the progress thread failed (see the log)")
                     return
-                now = time.monotonic()
-                if events:
-                    last_event = now
-                busy = bool(self._inflight)
-                armed = False
-                if not (busy and now - last_event < self.config.spin_s):
-                    armed = self._worker.arm()
                 callbacks = self._take_callbacks()
-                next_deadline = self._deadlines[0][0] if self._deadlines else now + 1.0
+                next_deadline = self._deadlines[0][0] if self._deadlines else time.monotonic() + 1.0
             self._run_callbacks(callbacks)
-            if armed:
-                # Sleep on the worker's event fd; wake for the next deadline at the latest.
-                timeout_ms = max(1, min(1000, int((next_deadline - time.monotonic()) * 1000) + 1))
-                poller.poll(timeout_ms)
-            elif not events:
-                time.sleep(0)  # idle spin: let posting threads take the lock
+            timeout_ms = max(1, min(1000, int((next_deadline - time.monotonic()) * 1000) + 1))
+            if poller.poll(timeout_ms):
+                try:
+                    os.eventfd_read(self._wake_fd)
+                except BlockingIOError:  # another read took it
+                    pass
 
     # ------------------------------------------------- failing what is in flight
 

@@ -3,9 +3,10 @@
 A ``Context`` owns its ``Worker``; ``Worker.close()`` must run before
 ``Context.close()`` (the agent tears down in that order). Neither class is
 thread-safe on its own: the agent serialises every call with its lock, which
-is why its worker is created in ``UCS_THREAD_MODE_SERIALIZED``. A lane's
-worker is progressed by a C thread (the shim's pump) while Python posts on
-it, so it is created in ``UCS_THREAD_MODE_MULTI`` (UCX's own worker lock).
+is why a polling agent's worker is created in ``UCS_THREAD_MODE_SERIALIZED``.
+A worker progressed by a C thread (the shim's pump: progress="thread", and
+lanes) while Python posts on it is created in ``UCS_THREAD_MODE_MULTI``
+(UCX's own worker lock).
 
 May import: rdma_kv.errors, rdma_kv.transport._lib.
 """

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include <ucp/api/ucp.h>
 #include "shim.h"
 
@@ -132,6 +133,9 @@ void rk_ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
     if (!st->failed) {
         st->status = status;
         st->failed = 1;
+        if (st->ctx != NULL) {
+            __atomic_fetch_add(&st->ctx->ep_errors, 1, __ATOMIC_RELEASE);
+        }
     }
 }
 
@@ -396,7 +400,7 @@ static ucs_status_t rk_notif_cb(void *arg, const void *header,
     if (dl) {
         memcpy(slot + 8 + hl, data, dl);
     }
-    ctx->notif_head++;
+    __atomic_store_n(&ctx->notif_head, ctx->notif_head + 1, __ATOMIC_RELEASE);
     return UCS_OK;
 }
 
@@ -440,7 +444,8 @@ ucs_status_t rk_wait_request(ucp_worker_h worker, ucs_status_ptr_t request,
 
 struct rk_pump {
     ucp_worker_h worker;
-    ucp_worker_h wake;
+    ucp_worker_h wake_worker;
+    int wake_fd;
     rk_ctx_t *watch;
     int efd;
     int stop;
@@ -456,11 +461,33 @@ static uint64_t rk_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+/* A number that changes whenever the context has something to settle:
+ * the three counters only grow. */
+static uint64_t rk_ctx_stamp(rk_ctx_t *ctx)
+{
+    return rk_done_head(ctx) +
+           __atomic_load_n(&ctx->notif_head, __ATOMIC_ACQUIRE) +
+           __atomic_load_n(&ctx->ep_errors, __ATOMIC_ACQUIRE);
+}
+
+static void rk_pump_wake(rk_pump_t *pump)
+{
+    uint64_t one = 1;
+
+    if (pump->wake_worker != NULL) {
+        ucp_worker_signal(pump->wake_worker);
+    }
+    /* EAGAIN (counter saturated) is fine: the reader is due to wake. */
+    if (pump->wake_fd >= 0 && write(pump->wake_fd, &one, sizeof(one)) < 0) {
+        return;
+    }
+}
+
 static void *rk_pump_main(void *arg)
 {
     rk_pump_t *pump = (rk_pump_t *)arg;
     struct pollfd pfd;
-    uint64_t last_event = 0, head, seen = rk_done_head(pump->watch);
+    uint64_t last_event = 0, stamp, seen = rk_ctx_stamp(pump->watch);
     ucs_status_t status;
 
     pthread_setname_np(pthread_self(), "rdma-kv-pump"); /* top -H, /proc/PID/task */
@@ -470,10 +497,10 @@ static void *rk_pump_main(void *arg)
         if (ucp_worker_progress(pump->worker) != 0) {
             last_event = rk_now_ns();
         }
-        head = rk_done_head(pump->watch);
-        if (head != seen) {             /* this thread finished a batch */
-            seen = head;
-            ucp_worker_signal(pump->wake);
+        stamp = rk_ctx_stamp(pump->watch);
+        if (stamp != seen) {            /* something to settle */
+            seen = stamp;
+            rk_pump_wake(pump);
         }
         if (rk_now_ns() - last_event < pump->spin_ns) {
             continue;                   /* more may be queued right behind */
@@ -497,7 +524,8 @@ static void *rk_pump_main(void *arg)
 }
 
 rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
-                         ucp_worker_h wake, uint64_t spin_ns)
+                         ucp_worker_h wake_worker, int wake_fd,
+                         uint64_t spin_ns)
 {
     rk_pump_t *pump = calloc(1, sizeof(*pump));
 
@@ -505,7 +533,8 @@ rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
         return NULL;
     }
     pump->worker = worker;
-    pump->wake = wake;
+    pump->wake_worker = wake_worker;
+    pump->wake_fd = wake_fd;
     pump->watch = watch;
     pump->efd = efd;
     pump->spin_ns = spin_ns;

@@ -31,6 +31,7 @@ typedef struct rk_ctx {
     uint64_t notif_tail;
     uint64_t notif_dropped_full;
     uint64_t notif_dropped_rndv;
+    uint64_t ep_errors;     /* endpoint error callbacks so far (atomic) */
 } rk_ctx_t;
 
 typedef struct rk_batch {
@@ -55,6 +56,7 @@ typedef struct rk_batch {
 typedef struct rk_ep_state {
     int32_t status;          /* set by the endpoint error callback */
     int32_t failed;
+    rk_ctx_t *ctx;           /* its agent's: the callback counts ep_errors */
 } rk_ep_state_t;
 
 enum {
@@ -133,17 +135,21 @@ uint64_t rk_progress(ucp_worker_h worker, uint64_t max_rounds);
  * batch records they name, are fully written. */
 uint64_t rk_done_head(rk_ctx_t *ctx);
 
-/* A pump: a C thread that progresses one worker (a lane's, created with
+/* A pump: a C thread that progresses one worker (created with
  * UCS_THREAD_MODE_MULTI, so other threads may post on it meanwhile) without
- * the Python interpreter lock. It progresses without sleeping until spin_ns
- * have passed since the last event, then arms the worker and sleeps on its
- * event fd (ucp_worker_signal wakes it). Whenever batches of the watched
- * ring (the owner's: striped batches complete there) are published during
- * its progress, it calls ucp_worker_signal(wake), the owner's worker, so a
- * thread sleeping there drains the ring. NULL if the thread cannot start. */
+ * the Python interpreter lock: an agent's own worker in progress="thread"
+ * mode, and every lane's. It progresses without sleeping until spin_ns have
+ * passed since the last event, then arms the worker and sleeps on its event
+ * fd (ucp_worker_signal wakes it). Whenever the watched context changes
+ * during its progress (a batch published, a notification received, an
+ * endpoint error), it wakes whoever settles it: ucp_worker_signal(wake_worker)
+ * when not NULL (a polling owner sleeps on its worker's fd), and an 8-byte
+ * write to wake_fd when >= 0 (an eventfd a Python thread sleeps on). NULL
+ * if the thread cannot start. */
 typedef struct rk_pump rk_pump_t;
 rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
-                         ucp_worker_h wake, uint64_t spin_ns);
+                         ucp_worker_h wake_worker, int wake_fd,
+                         uint64_t spin_ns);
 
 /* Stop the pump's thread, join it and free the pump (bounded by one
  * progress call plus its wake-up). */
