@@ -1,9 +1,9 @@
 """Progress, completion and failure handling of an ``Agent``.
 
 ``ProgressEngine`` is the half of the agent that runs after operations are
-posted: it drives the UCX worker (a background thread sleeping on the
-worker's event fd, or the caller polling), drains the shim's completion and
-notification rings, resolves transfer handles and runs their callbacks
+posted: it has the UCX worker driven (by the shim's C pump, with a Python
+thread asleep on an eventfd until the pump reports something, or by the
+caller polling), drains the shim's completion and notification rings, resolves transfer handles and runs their callbacks
 outside the lock, enforces each transfer's deadline, and fails a peer --
 force-closing its endpoint -- when UCX reports it dead or a deadline passes.
 ``Agent`` (agent.py) inherits it and owns the attributes used here.
@@ -50,7 +50,7 @@ class ProgressEngine:
     _lib: Any
     _ctx: Any
     _wake_fd: int
-    _pump: Any  # rk_pump_t * of a lane (progressed by a C thread), else None
+    _pump: Any  # rk_pump_t * when a C thread progresses the worker (progress="thread", lanes), else None
     _last_event: float
     _inflight: dict[int, Transfer]
     _zombies: dict[int, Any]
@@ -68,7 +68,7 @@ class ProgressEngine:
 
     @property
     def inflight(self) -> int:
-        """Transfers in flight, parts on lanes counted one each."""
+        """Transfers in flight (a transfer striped over lanes counts once)."""
         return len(self._inflight)
 
     def progress(self) -> int:
