@@ -157,7 +157,9 @@ class Agent(ProgressEngine, Lanes):
             self._thread = threading.Thread(target=self._service_loop, name=f"rdma-kv-progress-{name}", daemon=True)
             self._thread.start()
         if cfg.lanes > 1:
-            lane_cfg = replace(cfg, lanes=1, progress="poll")
+            # A lane posts no batch of its own (the agent stripes onto its
+            # endpoints) and receives no notification: minimal rings.
+            lane_cfg = replace(cfg, lanes=1, progress="poll", max_inflight=1, notif_slots=1)
             try:
                 self._lanes = lane_factory(lambda i: Agent(f"{name}.lane{i}", lane_cfg, _owner=self), cfg.lanes - 1)
             except BaseException:
@@ -244,9 +246,6 @@ class Agent(ProgressEngine, Lanes):
         self._local_table = RegionTable([(r.base, r.nbytes) for r in self._regions], f"agent {self.name!r}")
         self._memhs = self._ffi.new("ucp_mem_h[]", [r.memh for r in self._regions] or 1)
         self._memhs_c = self._memhs if self._regions else self._ffi.NULL
-        for lane in self._lanes:  # same context: the same memory handles serve every lane
-            with lane._lock:
-                lane._memhs, lane._memhs_c = self._memhs, self._memhs_c
 
     @property
     def regions(self) -> tuple[MemoryRegion, ...]:
@@ -331,14 +330,14 @@ class Agent(ProgressEngine, Lanes):
         with self._lock:
             self._require_open()
             regions = self._local_table.locate(descs.addrs, descs.lengths, "local descriptors")
-            return self._c_tables(PreparedDescList(descs, regions, None, self._local_gen))
+            return PreparedDescList(descs, regions, None, self._local_gen).attach_c_tables(self._ffi)
 
     def prep_remote(self, peer: str, descs: DescList) -> PreparedDescList:
         with self._lock:
             self._require_open()
             p = self._peer(peer)
             regions = p.table.locate(descs.addrs, descs.lengths, f"remote descriptors for {peer!r}")
-            return self._c_tables(PreparedDescList(descs, regions, peer, p.generation))
+            return PreparedDescList(descs, regions, peer, p.generation).attach_c_tables(self._ffi)
 
     # ---------------------------------------------------------------- transfers
 
@@ -467,17 +466,6 @@ class Agent(ProgressEngine, Lanes):
                 self._memhs_c, ffi.from_buffer("uint32_t[]", rreg), p.rkeys, flush))
 
         return self._submit(op, p, nbytes, num_descs, notify, timeout_s, post)
-
-    def _c_tables(self, prepared: PreparedDescList) -> PreparedDescList:
-        """Attach C views of the prepared list's tables (made once, here)."""
-        ffi = self._ffi
-        # NULL means region 0 for every descriptor: only then may the table be skipped.
-        region_zero = prepared.single_region and (len(prepared.regions) == 0 or int(prepared.regions[0]) == 0)
-        regions = ffi.NULL if region_zero else ffi.from_buffer("uint32_t[]", prepared.regions)
-        tables = (ffi.from_buffer("uint64_t[]", prepared.descs.addrs),
-                  ffi.from_buffer("uint64_t[]", prepared.descs.lengths), regions, len(prepared))
-        object.__setattr__(prepared, "c_tables", tables)
-        return prepared
 
     def _submit(self, op: XferOp, p: Peer, nbytes: int, num_descs: int, notify: bytes | None,
                 timeout_s: float | None, post: Callable[[Any, int, int], int]) -> Transfer:

@@ -101,6 +101,17 @@ class PreparedDescList:
     def __len__(self) -> int:
         return len(self.descs)
 
+    def attach_c_tables(self, ffi: Any) -> PreparedDescList:
+        """Attach ``c_tables`` (C views made once, at prep time, so that a
+        transfer does not rebuild them) and return this list."""
+        # NULL means region 0 for every descriptor: only then may the table be skipped.
+        region_zero = self.single_region and (len(self.regions) == 0 or int(self.regions[0]) == 0)
+        regions = ffi.NULL if region_zero else ffi.from_buffer("uint32_t[]", self.regions)
+        tables = (ffi.from_buffer("uint64_t[]", self.descs.addrs),
+                  ffi.from_buffer("uint64_t[]", self.descs.lengths), regions, len(self))
+        object.__setattr__(self, "c_tables", tables)
+        return self
+
     def index(self, index: Any) -> np.ndarray:
         """``index`` as a checked 1-D integer array (DescriptorError if out of range)."""
         idx = _integer_index(index)

@@ -61,7 +61,6 @@ class Lanes:
     _lock: threading.RLock
     _lanes: list[Agent]
     _peers: dict[str, Peer]
-    _ids: Any
     name: str
 
     def _check_lanes(self, p: Peer) -> None:
@@ -103,8 +102,6 @@ class Lanes:
 
     def _split_parts(self, nbytes: int) -> int:
         """How many workers carry a transfer of ``nbytes`` (1: no split)."""
-        if not self._lanes:
-            return 1
         return max(1, min(len(self._lanes) + 1, nbytes // self.config.lane_min_bytes))  # type: ignore[attr-defined]
 
     def _stripe(self, p: Peer) -> Any:

@@ -129,17 +129,13 @@ class Transfer:
                     f"after waiting {timeout_s} s ({self.num_descs} descriptors, "
                     f"{self.nbytes} bytes)"
                 )
-            if self._drives_progress():
+            if self._agent.manual_progress:
                 self._agent._progress_once(block_s=left)
             else:
                 self._completion_event().wait(left if left is None else min(left, 1.0))
         if self.error is not None:
             raise self.error
         return self
-
-    def _drives_progress(self) -> bool:
-        """Whether ``wait`` must drive the agent's worker itself."""
-        return self._agent.manual_progress
 
     def _completion_event(self) -> threading.Event:
         # Made on demand (a transfer nobody blocks on never pays for it) and

@@ -155,7 +155,6 @@ static void rk_begin(rk_batch_t *b, ucp_request_param_t *p, ucp_mem_h const *mem
     p->cb.send = rk_op_cb;
     p->user_data = b;
     b->pending = 1;
-    __atomic_fetch_add(&b->ctx->batches, 1, __ATOMIC_RELEASE);
 }
 
 /* Optional endpoint flush (remote completion before a notification), then

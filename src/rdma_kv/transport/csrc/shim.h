@@ -21,7 +21,6 @@ typedef struct rk_ctx {
     uint64_t done_cap;
     uint64_t done_head;
     uint64_t done_claim;
-    uint64_t batches;       /* batches begun on this worker (rk_post*) */
     /* Notification ring: fixed-size slots; slot layout is
      * [uint32 header_len][uint32 data_len][header][data]. */
     uint8_t *notif_slots;
