@@ -113,10 +113,10 @@ def split_iovecs(local: np.ndarray, remote: np.ndarray, parts: int) -> list[tupl
     n = local.shape[0]
     if n >= parts:
         ends = np.cumsum(local["len"], dtype=np.uint64)
-        total = int(ends[-1]) if n else 0
-        bounds = [0] + [int(np.searchsorted(ends, total * k // parts, side="right")) for k in range(1, parts)] + [n]
-        bounds = sorted(set(bounds))
-        return [(local[a:b], remote[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
+        total = int(ends[-1])
+        cuts = {int(np.searchsorted(ends, total * k // parts, side="right")) for k in range(1, parts)}
+        bounds = sorted({0, n} | cuts)
+        return [(local[a:b], remote[a:b]) for a, b in zip(bounds, bounds[1:])]
     pieces: list[tuple[list[tuple[int, int]], list[tuple[int, int]]]] = [([], []) for _ in range(parts)]
     for lv, rv in zip(local.tolist(), remote.tolist()):
         size = int(lv[1])

@@ -4,8 +4,9 @@
 posted: it has the UCX worker driven (by the shim's C pump, with a Python
 thread asleep on an eventfd until the pump reports something, or by the
 caller polling), drains the shim's completion and notification rings,
-resolves transfer handles and runs their callbacks outside the lock, enforces each transfer's deadline, and fails a peer --
-force-closing its endpoint -- when UCX reports it dead or a deadline passes.
+resolves transfer handles and runs their callbacks outside the lock,
+enforces each transfer's deadline, and fails a peer -- force-closing its
+endpoint -- when UCX reports it dead or a deadline passes.
 ``Agent`` (agent.py) inherits it and owns the attributes used here.
 
 May import: rdma_kv.errors and the other rdma_kv.transport modules, never agent.py.
