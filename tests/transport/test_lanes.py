@@ -152,17 +152,68 @@ def test_remove_and_replace_peer_reach_every_lane(make_agent):
     assert "a" not in lane._peers and pair.b.peers == () and first.ep is None
 
 
-def pump_threads() -> int:
+def pump_tids() -> set[int]:
     """OS threads of this process named by the shim's pump (C threads:
     invisible to ``threading``)."""
-    count = 0
+    tids = set()
     for task in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{task}/comm") as f:
-                count += f.read().strip() == "rdma-kv-pump"
+                if f.read().strip() == "rdma-kv-pump":
+                    tids.add(int(task))
         except FileNotFoundError:  # the thread ended meanwhile
             pass
-    return count
+    return tids
+
+
+def pump_threads() -> int:
+    return len(pump_tids())
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_lanes_pump_is_kept_off_the_posters_cpu(make_agent):
+    """The scheduler may wake a lane's pump on the poster's CPU and let it
+    preempt the poster, which serialises the copy: before it is signalled,
+    a lane's pump is bound to the agent's CPUs minus the poster's."""
+    allowed = os.sched_getaffinity(0)
+    before = pump_tids()
+    a = make_agent("a", lanes=1)
+    before |= pump_tids()
+    pair = connect(lambda name, **cfg: a if name == "a" else make_agent(name, **cfg), lanes=2,
+                   lane_min_bytes=BLOCK, progress="poll")
+    (lane_pump,) = pump_tids() - before  # b's one lane
+    local, remote = prepared(pair)
+    idx = np.arange(64)
+    try:
+        for cpu in sorted(allowed)[:2] * 2:
+            os.sched_setaffinity(0, {cpu})  # the calling thread only
+            xfer = pair.b.read_prepared(local, idx, remote, idx).wait(WAIT_S)
+            assert min(xfer.worker_ops) > 0  # striped: the lane was signalled
+            assert os.sched_getaffinity(lane_pump) == allowed - {cpu}
+    finally:
+        os.sched_setaffinity(0, allowed)
+    np.testing.assert_array_equal(pair.buf_b[: 64 * BLOCK], pair.buf_a[: 64 * BLOCK])
+
+
+def test_steering_keeps_to_the_cpus_the_agent_was_made_with(make_agent):
+    """An agent made by a thread bound to one CPU keeps its lanes there
+    (an operator's binding wins; steering never widens it), and the
+    transfer still completes."""
+    allowed = os.sched_getaffinity(0)
+    cpu = min(allowed)
+    before = pump_tids()
+    os.sched_setaffinity(0, {cpu})
+    try:
+        pair = connect(make_agent, lanes=2, lane_min_bytes=BLOCK, progress="poll")
+        pumps = pump_tids() - before
+        local, remote = prepared(pair)
+        idx = np.arange(64)
+        xfer = pair.b.read_prepared(local, idx, remote, idx).wait(WAIT_S)
+        assert min(xfer.worker_ops) > 0
+        assert all(os.sched_getaffinity(t) == {cpu} for t in pumps)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    np.testing.assert_array_equal(pair.buf_b[: 64 * BLOCK], pair.buf_a[: 64 * BLOCK])
 
 
 def test_lanes_are_pumped_by_c_threads_not_python_threads(make_agent):

@@ -116,9 +116,10 @@ class Lanes:
             eps = ffi.new("ucp_ep_h[]", [q.ep for q in peers])
             rkeys = ffi.new("ucp_rkey_h *[]", [q.rkeys for q in peers])
             handles = ffi.new("ucp_worker_h[]", [w._worker.handle for w in workers])  # type: ignore[attr-defined]
-            stripe = ffi.new("rk_stripe_t *", {"eps": eps, "rkeys": rkeys, "workers": handles})
+            pumps = ffi.new("rk_pump_t *[]", [w._pump or ffi.NULL for w in workers])  # type: ignore[attr-defined]
+            stripe = ffi.new("rk_stripe_t *", {"eps": eps, "rkeys": rkeys, "workers": handles, "pumps": pumps})
             ops = ffi.new("uint64_t[]", len(workers))
-            p.stripe = (stripe, ops, eps, rkeys, handles, peers)  # the last four keep the arrays alive
+            p.stripe = (stripe, ops, eps, rkeys, handles, pumps, peers)  # the last five keep the arrays alive
         return p.stripe
 
 

@@ -7,6 +7,8 @@
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
+#include <sys/syscall.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -15,6 +17,7 @@
 #include "shim.h"
 
 static void rk_batch_complete(rk_batch_t *b);
+static void rk_steer(rk_pump_t *pump);
 
 static inline void rk_cpu_relax(void)
 {
@@ -328,6 +331,7 @@ uint64_t rk_post_indexed(rk_batch_t *b, int op, uint64_t n,
     one.eps = &b->ep;
     one.rkeys = &rkeys;
     one.workers = NULL;
+    one.pumps = NULL;
     rk_begin(b, &p, memhs);
     rk_stream(b, op, &p, n, lidx, ridx, laddr_tab, raddr_tab, len_tab, lreg_tab,
               rreg_tab, memhs, &one, 1, 0, &ops);
@@ -347,6 +351,11 @@ uint64_t rk_post_striped(rk_batch_t *b, int op, uint64_t n,
 
     for (w = 0; w < nparts; ++w) {
         worker_ops[w] = 0;
+    }
+    for (w = 1; w < nparts && stripe->pumps != NULL; ++w) {
+        if (stripe->pumps[w] != NULL) {
+            rk_steer(stripe->pumps[w]);
+        }
     }
     rk_begin(b, &p, memhs);
     rk_stream(b, op, &p, n, lidx, ridx, laddr_tab, raddr_tab, len_tab, lreg_tab,
@@ -450,7 +459,33 @@ struct rk_pump {
     int stop;
     uint64_t spin_ns;
     pthread_t thread;
+    pid_t tid;      /* set by the thread itself once running (0 before) */
+    int steered_from; /* the poster CPU the pump was last kept off, or -1 */
+    cpu_set_t allowed; /* the CPUs the agent's creator could run on */
 };
+
+/* Keep a lane's pump off the CPU the poster runs on. A lane only adds
+ * bandwidth on another core, but the scheduler may wake a thread on its
+ * waker's CPU (it skips the idle-CPU search when the cache domain looks
+ * busy) and then let it preempt the waker: the poster's and the lane's
+ * parts are then copied one after the other on one core. So before it is
+ * signalled the pump's affinity becomes the creator's CPU set minus the
+ * poster's current CPU; a syscall only when the poster has moved. */
+static void rk_steer(rk_pump_t *pump)
+{
+    int cpu = sched_getcpu();
+    pid_t tid = __atomic_load_n(&pump->tid, __ATOMIC_ACQUIRE);
+    cpu_set_t set;
+
+    if (cpu < 0 || cpu >= CPU_SETSIZE || tid == 0 || cpu == pump->steered_from) {
+        return;
+    }
+    set = pump->allowed;
+    CPU_CLR(cpu, &set);
+    if (CPU_COUNT(&set) == 0 || sched_setaffinity(tid, sizeof(set), &set) == 0) {
+        pump->steered_from = cpu; /* (one CPU only: nowhere else to go) */
+    }
+}
 
 static uint64_t rk_now_ns(void)
 {
@@ -490,6 +525,7 @@ static void *rk_pump_main(void *arg)
     ucs_status_t status;
 
     pthread_setname_np(pthread_self(), "rdma-kv-pump"); /* top -H, /proc/PID/task */
+    __atomic_store_n(&pump->tid, (pid_t)syscall(SYS_gettid), __ATOMIC_RELEASE);
     pfd.fd = pump->efd;
     pfd.events = POLLIN;
     while (!__atomic_load_n(&pump->stop, __ATOMIC_ACQUIRE)) {
@@ -537,6 +573,10 @@ rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
     pump->watch = watch;
     pump->efd = efd;
     pump->spin_ns = spin_ns;
+    pump->steered_from = -1;
+    if (sched_getaffinity(0, sizeof(pump->allowed), &pump->allowed) != 0) {
+        CPU_ZERO(&pump->allowed); /* unknown: never steer */
+    }
     if (pthread_create(&pump->thread, NULL, rk_pump_main, pump) != 0) {
         free(pump);
         return NULL;

@@ -65,6 +65,9 @@ enum {
 
 void rk_ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t status);
 
+/* A C thread progressing one worker; see rk_pump_start below. */
+typedef struct rk_pump rk_pump_t;
+
 /* Post n one-sided operations of one batch on batch->ep. Descriptor i moves
  * len[i] bytes between local address laddr[i] and remote address raddr[i];
  * lreg[i] / rreg[i] index memhs / rkeys. memhs may be NULL. When flush is
@@ -103,11 +106,13 @@ uint64_t rk_post_indexed(rk_batch_t *batch, int op, uint64_t n,
 
 /* The workers one transfer may be striped over (lanes.py): index w = 0 is
  * the poster's own worker, 1.. its lanes. eps[w] is the endpoint to the
- * peer on worker w, rkeys[w] the peer's remote keys unpacked on it. */
+ * peer on worker w, rkeys[w] the peer's remote keys unpacked on it,
+ * pumps[w] the pump progressing worker w (NULL: none). */
 typedef struct rk_stripe {
     ucp_ep_h const *eps;
     ucp_rkey_h const *const *rkeys;
     ucp_worker_h const *workers;
+    rk_pump_t *const *pumps;
 } rk_stripe_t;
 
 /* rk_post_indexed striped over the first nparts workers of stripe: the
@@ -145,7 +150,6 @@ uint64_t rk_done_head(rk_ctx_t *ctx);
  * when not NULL (a polling owner sleeps on its worker's fd), and an 8-byte
  * write to wake_fd when >= 0 (an eventfd a Python thread sleeps on). NULL
  * if the thread cannot start. */
-typedef struct rk_pump rk_pump_t;
 rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
                          ucp_worker_h wake_worker, int wake_fd,
                          uint64_t spin_ns);
