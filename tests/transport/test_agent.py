@@ -207,6 +207,10 @@ def test_prepared_index_checks_happen_before_anything_is_posted(pair: Pair):
         (np.append(good, nslots), np.append(good, 0), f"descriptor index {nslots} out of range .* local"),
         (np.append(good, 0), np.append(good, -1), "descriptor index -1 out of range .* remote"),
         (np.append(good, 0), np.append(good, 2**63).astype(np.uint64), f"index {2**63} out of range .* remote"),
+        # int32 index arrays are read by C as they are: a negative one must not wrap into range.
+        (np.append(good, -1).astype(np.int32), np.append(good, 0), "descriptor index -1 out of range .* local"),
+        (np.append(good, 0).astype(np.int32), np.append(good, nslots).astype(np.int32),
+         f"descriptor index {nslots} out of range .* remote"),
     ]
     for li, ri, message in cases:
         with pytest.raises(DescriptorError, match=message):
@@ -220,15 +224,18 @@ def test_prepared_index_checks_happen_before_anything_is_posted(pair: Pair):
     assert b.stats["ops_posted"] == posted
 
 
-@pytest.mark.parametrize("kind", ["list", "int32", "big-endian", "strided", "uint64"])
+@pytest.mark.parametrize("kind", ["list", "int32", "int32-both", "big-endian", "big-endian-int32", "strided",
+                                  "uint64"])
 def test_prepared_reads_accept_any_integer_index(pair: Pair, kind):
     b, block = pair.b, 4096
     slots = np.arange(PAIR_NBYTES // block) * block
     local, remote = b.prep_local(pair.desc_b(slots, block)), b.prep_remote("a", pair.desc_a(slots, block))
     base = np.array([9, 3, 3, 17, 40, 41, 42, 5, 6, 7])
-    index = {"list": base.tolist(), "int32": base.astype(np.int32), "big-endian": base.astype(">i8"),
+    index = {"list": base.tolist(), "int32": base.astype(np.int32), "int32-both": base.astype(np.int32),
+             "big-endian": base.astype(">i8"), "big-endian-int32": base.astype(">i4"),
              "strided": np.repeat(base, 2)[::2], "uint64": base.astype(np.uint64)}[kind]
-    xfer = b.read_prepared(local, np.arange(len(base)), remote, index).wait(WAIT_S)
+    local_index = np.arange(len(base), dtype=np.int32 if kind == "int32-both" else np.int64)
+    xfer = b.read_prepared(local, local_index, remote, index).wait(WAIT_S)
     assert (xfer.num_descs, xfer.nbytes) == (len(base), len(base) * block)
     for i, r in enumerate(base):
         np.testing.assert_array_equal(pair.buf_b[i * block:(i + 1) * block], pair.buf_a[r * block:(r + 1) * block])

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
 
-from rdma_kv.errors import ConfigError, PeerError, TransferError, TransferTimeoutError
+from rdma_kv.errors import ConfigError, DescriptorError, PeerError, TransferError, TransferTimeoutError
 from rdma_kv.transport import AgentConfig, DescList, XferState
 from transport_child import Child
 from transport_helpers import LOOPBACK, PAIR_NBYTES, TCP, connect, pattern, progress_threads, wait_until
@@ -48,7 +49,10 @@ def test_striped_reads_are_bit_exact_and_use_every_worker(make_agent, rng, progr
         li = rng.permutation(SLOTS)[:n]
         ri = np.sort(rng.choice(SLOTS, n, replace=False)) if trial % 2 else rng.permutation(SLOTS)[:n]
         pair.buf_b[:] = 0
-        xfer = pair.b.read_prepared(local, li, remote, ri).wait(WAIT_S)
+        # int32 block tables are read as they are, on either side.
+        li_arg = li.astype(np.int32) if trial % 3 == 1 else li
+        ri_arg = ri.astype(np.int32) if trial % 3 == 2 else ri
+        xfer = pair.b.read_prepared(local, li_arg, remote, ri_arg).wait(WAIT_S)
         assert xfer.state is XferState.DONE and xfer.nbytes == n * BLOCK and xfer.num_descs == n
         assert len(xfer.worker_ops) == lanes and min(xfer.worker_ops) > 0
         assert sum(xfer.worker_ops) == xfer.ops_posted
@@ -193,6 +197,27 @@ def test_a_lanes_pump_is_kept_off_the_posters_cpu(make_agent):
     finally:
         os.sched_setaffinity(0, allowed)
     np.testing.assert_array_equal(pair.buf_b[: 64 * BLOCK], pair.buf_a[: 64 * BLOCK])
+
+
+def test_kicked_and_held_pumps_go_back_to_sleep(make_agent, rng):
+    """A striped transfer kicks its lanes' pumps awake early (rk_pump_kick)
+    and holds each off its worker while its part is posted: every hold is
+    released and every kick only buys ``spin_s``, so once the transfers are
+    done no pump spins -- a leaked hold would keep one at 100% of a core."""
+    pair = connect(make_agent, lanes=3, lane_min_bytes=BLOCK, progress="poll")
+    local, remote = prepared(pair)
+    for _ in range(30):
+        idx = rng.permutation(SLOTS)[: int(rng.integers(8, SLOTS))]
+        xfer = pair.b.read_prepared(local, idx, remote, idx).wait(WAIT_S)
+        assert len(xfer.worker_ops) == 3 and min(xfer.worker_ops) > 0
+    # Kicked, then rejected by the index check: nothing posted, nothing held.
+    with pytest.raises(DescriptorError, match=f"index {SLOTS} out of range"):
+        pair.b.read_prepared(local, np.arange(SLOTS), remote, np.append(np.arange(SLOTS - 1), SLOTS))
+    time.sleep(0.05)  # past the spin window
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    time.sleep(0.5)
+    cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    assert cpu < 0.25 * wall, f"{cpu:.3f} s of CPU in {wall:.3f} s idle after striped transfers"
 
 
 def test_steering_keeps_to_the_cpus_the_agent_was_made_with(make_agent):

@@ -51,14 +51,14 @@ def make_ffi() -> FFI:
         "rdma_kv.transport._ucp",
         '#include <ucp/api/ucp.h>\n#include "shim.h"\n',
         # setuptools wants sources relative to the project root (cwd).
-        sources=[os.path.relpath(CSRC / "shim.c")],
+        sources=[os.path.relpath(CSRC / "shim.c"), os.path.relpath(CSRC / "pump.c")],
         include_dirs=[str(CSRC)],
         library_dirs=[lib_dir],
         libraries=["ucp", "uct", "ucs"],
         # -isystem: warnings are errors for our code, not for UCX's headers.
         extra_compile_args=["-isystem", include_dir, "-O2", "-pthread", "-Wall", "-Wextra",
                             "-Werror", "-Wno-unused-parameter"],
-        extra_link_args=["-pthread"],  # the pump's thread (shim.c)
+        extra_link_args=["-pthread"],  # the pumps' threads (pump.c)
     )
     return ffi
 

@@ -52,7 +52,7 @@ from rdma_kv.errors import (
 )
 from rdma_kv.transport import metadata as wire
 from rdma_kv.transport._lib import check_status, load, status_name, ucx_version
-from rdma_kv.transport.descriptors import DescList, PreparedDescList, as_index, coalesce, pair_indices
+from rdma_kv.transport.descriptors import INT32, DescList, PreparedDescList, as_index, coalesce, pair_indices
 from rdma_kv.transport.config import AgentConfig
 from rdma_kv.transport.lanes import Lanes, lane_factory, start_pump
 from rdma_kv.transport.memory import MemoryKind, MemoryRegion, RegionTable, kind_from_ucs, span_of
@@ -92,6 +92,7 @@ class Agent(ProgressEngine, Lanes):
         self._closed = False
         self._lanes: list[Agent] = []
         self._pump: Any = None
+        self._lane_pumps: Any = None  # rk_pump_t *[] of the lanes, for rk_pump_kick
         self._wake_fd = -1  # progress="thread": the eventfd the pumps wake this agent's thread on
         self._last_event = 0.0
         self._owns_context = _context is None
@@ -165,6 +166,7 @@ class Agent(ProgressEngine, Lanes):
             except BaseException:
                 self.close()
                 raise
+            self._lane_pumps = ffi.new("rk_pump_t *[]", [lane._pump for lane in self._lanes])
 
     # ------------------------------------------------------------------ memory
 
@@ -390,6 +392,10 @@ class Agent(ProgressEngine, Lanes):
         with self._lock:
             if self._closed:
                 self._require_open()
+            if self._lanes and notify is None and local.uniform_length:
+                parts = self._split_parts(n * local.uniform_length)
+                if parts > 1:  # to be striped: wake the lanes now, their wake-up overlaps what follows
+                    self._lib.rk_pump_kick(self._lane_pumps, parts - 1)
             if local.generation != self._local_gen or local.c_tables is None:
                 raise DescriptorError(
                     f"local prepared list was not made by prep_local() of agent {self.name!r} or predates "
@@ -404,13 +410,14 @@ class Agent(ProgressEngine, Lanes):
             ffi, lib = self._ffi, self._lib
             laddr, llen, lreg, nl = local.c_tables
             raddr, rlen, rreg, nr = remote.c_tables
-            li_c, ri_c = ffi.from_buffer("int64_t[]", li), ffi.from_buffer("int64_t[]", ri)
+            li_c, ri_c = ffi.from_buffer(li), ffi.from_buffer(ri)
+            idx32 = (li.dtype is INT32) | (ri.dtype is INT32) << 1  # RK_IDX_L32 | RK_IDX_R32
             uniform = local.uniform_length
             if uniform is not None and uniform == remote.uniform_length:
-                ok = lib.rk_check_indexed(n, li_c, ri_c, nl, nr, ffi.NULL, ffi.NULL, self._nbytes_out)
+                ok = lib.rk_check_indexed(n, li_c, ri_c, idx32, nl, nr, ffi.NULL, ffi.NULL, self._nbytes_out)
                 nbytes = uniform * n
             else:
-                ok = lib.rk_check_indexed(n, li_c, ri_c, nl, nr, llen, rlen, self._nbytes_out)
+                ok = lib.rk_check_indexed(n, li_c, ri_c, idx32, nl, nr, llen, rlen, self._nbytes_out)
                 nbytes = int(self._nbytes_out[0])
             if ok != n:
                 pair_indices(local, local_index, remote, remote_index)  # raises the precise error
@@ -421,8 +428,8 @@ class Agent(ProgressEngine, Lanes):
                 stripe, ops = self._stripe(p)[:2]
 
                 def post(batch: Any, opcode: int, flush: int) -> int:
-                    return int(lib.rk_post_striped(batch, opcode, n, li_c, ri_c, laddr, raddr, llen, lreg, rreg,
-                                                   memhs, stripe, parts, nbytes, ops))
+                    return int(lib.rk_post_striped(batch, opcode, n, li_c, ri_c, idx32, laddr, raddr, llen, lreg,
+                                                   rreg, memhs, stripe, parts, nbytes, ops))
 
                 xfer = self._submit(op, p, nbytes, n, notify, timeout_s, post)
                 xfer.worker_ops = tuple(ops[0:parts])
@@ -430,8 +437,8 @@ class Agent(ProgressEngine, Lanes):
 
             def post(batch: Any, opcode: int, flush: int) -> int:
                 # Gathers, merges contiguous runs and posts in one pass.
-                return int(lib.rk_post_indexed(batch, opcode, n, li_c, ri_c, laddr, raddr, llen, lreg, rreg,
-                                               memhs, p.rkeys, flush))
+                return int(lib.rk_post_indexed(batch, opcode, n, li_c, ri_c, idx32, laddr, raddr, llen, lreg,
+                                               rreg, memhs, p.rkeys, flush))
 
             return self._submit(op, p, nbytes, n, notify, timeout_s, post)
 

@@ -62,6 +62,7 @@ class DescList:
 
 
 _INT64 = np.dtype(np.int64)
+INT32 = np.dtype(np.int32)
 
 
 def _integer_index(index: Any) -> np.ndarray:
@@ -133,10 +134,12 @@ class PreparedDescList:
 
 
 def as_index(index: Any) -> np.ndarray:
-    """``index`` as a contiguous 1-D int64 array, without a copy (or any
-    numpy call) when it already is one. Ranges are not checked here: the
-    agent checks every pair in C before posting (``rk_check_indexed``)."""
-    if type(index) is np.ndarray and index.dtype is _INT64 and index.ndim == 1 and index.flags.c_contiguous:
+    """``index`` as a contiguous 1-D int32 or int64 array (the C side reads
+    both), without a copy (or any numpy call) when it already is one; other
+    integer input becomes int64. Ranges are not checked here: the agent
+    checks every pair in C before posting (``rk_check_indexed``)."""
+    if (type(index) is np.ndarray and (index.dtype is _INT64 or index.dtype is INT32)
+            and index.ndim == 1 and index.flags.c_contiguous):
         return index
     idx = _integer_index(index)
     if idx.dtype.kind == "u" and idx.size and int(idx.max()) > np.iinfo(np.int64).max:

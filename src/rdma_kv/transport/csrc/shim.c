@@ -3,29 +3,37 @@
  * logging: every decision is made by the Python caller. Declarations and
  * ownership rules are in shim.h. */
 
-#define _GNU_SOURCE /* pthread_setname_np */
-#include <errno.h>
-#include <poll.h>
-#include <pthread.h>
-#include <sched.h>
-#include <sys/syscall.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-#include <unistd.h>
 #include <ucp/api/ucp.h>
 #include "shim.h"
+#include "pump.h"
 
 static void rk_batch_complete(rk_batch_t *b);
-static void rk_steer(rk_pump_t *pump);
 
-static inline void rk_cpu_relax(void)
+/* Hold the pumps of workers 1..nparts-1 of a stripe (bit w of *held set)
+ * while their parts are posted: a kicked pump spins on the worker, taking
+ * its lock for every progress call and again at once, and on cma each call
+ * copies -- a poster contending for that lock waits out the copy. */
+static void rk_hold(const rk_stripe_t *s, uint32_t nparts, uint64_t *held)
 {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
+    uint32_t w;
+
+    *held = 0;
+    for (w = 1; w < nparts && w < 64 && s->pumps != NULL; ++w) {
+        if (s->pumps[w] != NULL) {
+            rk_pump_hold(s->pumps[w], 1);
+            *held |= (uint64_t)1 << w;
+        }
+    }
+}
+
+static void rk_release(const rk_stripe_t *s, uint64_t *held, uint32_t w)
+{
+    if (w < 64 && ((*held >> w) & 1)) {
+        *held &= ~((uint64_t)1 << w);
+        rk_pump_hold(s->pumps[w], -1);
+    }
 }
 
 static void rk_record(rk_batch_t *b, ucs_status_t status)
@@ -216,22 +224,33 @@ uint64_t rk_post(rk_batch_t *b, int op, uint64_t n,
     return rk_end(b, &p, flush);
 }
 
-uint64_t rk_check_indexed(uint64_t n, const int64_t *lidx, const int64_t *ridx,
+/* Index i of an index array of int32 (is32) or int64, as unsigned: a
+ * negative index becomes larger than any list. */
+static inline uint64_t rk_at(const void *a, uint32_t is32, uint64_t i)
+{
+    return is32 ? (uint64_t)(int64_t)((const int32_t *)a)[i] : (uint64_t)((const int64_t *)a)[i];
+}
+
+uint64_t rk_check_indexed(uint64_t n, const void *lidx, const void *ridx, uint32_t idx32,
                           uint64_t nl, uint64_t nr, const uint64_t *llen_tab,
                           const uint64_t *rlen_tab, uint64_t *nbytes)
 {
     uint64_t i, total = 0;
 
+    uint64_t li, ri;
+
     for (i = 0; i < n; ++i) {
         /* A negative index, cast, is larger than any list. */
-        if ((uint64_t)lidx[i] >= nl || (uint64_t)ridx[i] >= nr) {
+        li = rk_at(lidx, idx32 & RK_IDX_L32, i);
+        ri = rk_at(ridx, idx32 & RK_IDX_R32, i);
+        if (li >= nl || ri >= nr) {
             break;
         }
         if (llen_tab != NULL) {
-            if (rlen_tab == NULL || llen_tab[lidx[i]] != rlen_tab[ridx[i]]) {
+            if (rlen_tab == NULL || llen_tab[li] != rlen_tab[ri]) {
                 break;
             }
-            total += llen_tab[lidx[i]];
+            total += llen_tab[li];
         }
     }
     *nbytes = total;
@@ -251,14 +270,14 @@ static uint64_t rk_cut(uint64_t total, uint32_t k, uint32_t nparts)
  * and the poster's own worker, w = 0, takes the last). Runs contiguous on
  * both sides, in the same regions and the same part, merge into one op. */
 static int rk_stream(rk_batch_t *b, int op, ucp_request_param_t *p, uint64_t n,
-                     const int64_t *lidx, const int64_t *ridx,
+                     const void *lidx, const void *ridx, uint32_t idx32,
                      const uint64_t *laddr_tab, const uint64_t *raddr_tab,
                      const uint64_t *len_tab, const uint32_t *lreg_tab,
                      const uint32_t *rreg_tab, ucp_mem_h const *memhs,
                      const rk_stripe_t *s, uint32_t nparts, uint64_t nbytes,
-                     uint64_t *worker_ops)
+                     uint64_t *worker_ops, uint64_t *held)
 {
-    uint64_t i, off, take, l, x, y, pos = 0, la = 0, ra = 0, len = 0;
+    uint64_t i, li, ri, off, take, l, x, y, pos = 0, la = 0, ra = 0, len = 0;
     uint64_t cut = rk_cut(nbytes, 1, nparts);
     uint32_t part = 0, w = nparts - 1, lr = 0, rr = 0, lr_i, rr_i;
     int open = 0;
@@ -276,15 +295,18 @@ static int rk_stream(rk_batch_t *b, int op, ucp_request_param_t *p, uint64_t n,
     } while (0)
 
     for (i = 0; i < n; ++i) {
-        x = laddr_tab[lidx[i]];
-        y = raddr_tab[ridx[i]];
-        l = len_tab[lidx[i]];
-        lr_i = lreg_tab != NULL ? lreg_tab[lidx[i]] : 0;
-        rr_i = rreg_tab != NULL ? rreg_tab[ridx[i]] : 0;
+        li = rk_at(lidx, idx32 & RK_IDX_L32, i);
+        ri = rk_at(ridx, idx32 & RK_IDX_R32, i);
+        x = laddr_tab[li];
+        y = raddr_tab[ri];
+        l = len_tab[li];
+        lr_i = lreg_tab != NULL ? lreg_tab[li] : 0;
+        rr_i = rreg_tab != NULL ? rreg_tab[ri] : 0;
         for (off = 0; off < l;) {
             if (pos >= cut && part + 1 < nparts) {
                 /* This part is full: post its last run, wake its worker. */
                 RK_FLUSH_RUN();
+                rk_release(s, held, w);
                 if (w > 0 && worker_ops[w] > 0) {
                     ucp_worker_signal(s->workers[w]);
                 }
@@ -310,6 +332,7 @@ static int rk_stream(rk_batch_t *b, int op, ucp_request_param_t *p, uint64_t n,
         }
     }
     RK_FLUSH_RUN();
+    rk_release(s, held, w);
     if (w > 0 && worker_ops[w] > 0) {
         ucp_worker_signal(s->workers[w]);
     }
@@ -318,7 +341,7 @@ static int rk_stream(rk_batch_t *b, int op, ucp_request_param_t *p, uint64_t n,
 }
 
 uint64_t rk_post_indexed(rk_batch_t *b, int op, uint64_t n,
-                         const int64_t *lidx, const int64_t *ridx,
+                         const void *lidx, const void *ridx, uint32_t idx32,
                          const uint64_t *laddr_tab, const uint64_t *raddr_tab,
                          const uint64_t *len_tab, const uint32_t *lreg_tab,
                          const uint32_t *rreg_tab, ucp_mem_h const *memhs,
@@ -326,20 +349,20 @@ uint64_t rk_post_indexed(rk_batch_t *b, int op, uint64_t n,
 {
     ucp_request_param_t p;
     rk_stripe_t one;
-    uint64_t ops = 0;
+    uint64_t ops = 0, held = 0;
 
     one.eps = &b->ep;
     one.rkeys = &rkeys;
     one.workers = NULL;
     one.pumps = NULL;
     rk_begin(b, &p, memhs);
-    rk_stream(b, op, &p, n, lidx, ridx, laddr_tab, raddr_tab, len_tab, lreg_tab,
-              rreg_tab, memhs, &one, 1, 0, &ops);
+    rk_stream(b, op, &p, n, lidx, ridx, idx32, laddr_tab, raddr_tab, len_tab, lreg_tab,
+              rreg_tab, memhs, &one, 1, 0, &ops, &held);
     return rk_end(b, &p, flush);
 }
 
 uint64_t rk_post_striped(rk_batch_t *b, int op, uint64_t n,
-                         const int64_t *lidx, const int64_t *ridx,
+                         const void *lidx, const void *ridx, uint32_t idx32,
                          const uint64_t *laddr_tab, const uint64_t *raddr_tab,
                          const uint64_t *len_tab, const uint32_t *lreg_tab,
                          const uint32_t *rreg_tab, ucp_mem_h const *memhs,
@@ -347,6 +370,7 @@ uint64_t rk_post_striped(rk_batch_t *b, int op, uint64_t n,
                          uint64_t nbytes, uint64_t *worker_ops)
 {
     ucp_request_param_t p;
+    uint64_t held;
     uint32_t w;
 
     for (w = 0; w < nparts; ++w) {
@@ -354,12 +378,16 @@ uint64_t rk_post_striped(rk_batch_t *b, int op, uint64_t n,
     }
     for (w = 1; w < nparts && stripe->pumps != NULL; ++w) {
         if (stripe->pumps[w] != NULL) {
-            rk_steer(stripe->pumps[w]);
+            rk_pump_steer(stripe->pumps[w]);
         }
     }
+    rk_hold(stripe, nparts, &held);
     rk_begin(b, &p, memhs);
-    rk_stream(b, op, &p, n, lidx, ridx, laddr_tab, raddr_tab, len_tab, lreg_tab,
-              rreg_tab, memhs, stripe, nparts, nbytes, worker_ops);
+    rk_stream(b, op, &p, n, lidx, ridx, idx32, laddr_tab, raddr_tab, len_tab, lreg_tab,
+              rreg_tab, memhs, stripe, nparts, nbytes, worker_ops, &held);
+    for (w = 1; w < nparts; ++w) {  /* parts a failed post never reached */
+        rk_release(stripe, &held, w);
+    }
     return rk_end(b, &p, 0);
 }
 
@@ -446,151 +474,4 @@ ucs_status_t rk_wait_request(ucp_worker_h worker, ucs_status_ptr_t request,
     }
     ucp_request_free(request);
     return status;
-}
-
-/* ------------------------------------------------------------------ pump */
-
-struct rk_pump {
-    ucp_worker_h worker;
-    ucp_worker_h wake_worker;
-    int wake_fd;
-    rk_ctx_t *watch;
-    int efd;
-    int stop;
-    uint64_t spin_ns;
-    pthread_t thread;
-    pid_t tid;      /* set by the thread itself once running (0 before) */
-    int steered_from; /* the poster CPU the pump was last kept off, or -1 */
-    cpu_set_t allowed; /* the CPUs the agent's creator could run on */
-};
-
-/* Keep a lane's pump off the CPU the poster runs on. A lane only adds
- * bandwidth on another core, but the scheduler may wake a thread on its
- * waker's CPU (it skips the idle-CPU search when the cache domain looks
- * busy) and then let it preempt the waker: the poster's and the lane's
- * parts are then copied one after the other on one core. So before it is
- * signalled the pump's affinity becomes the creator's CPU set minus the
- * poster's current CPU; a syscall only when the poster has moved. */
-static void rk_steer(rk_pump_t *pump)
-{
-    int cpu = sched_getcpu();
-    pid_t tid = __atomic_load_n(&pump->tid, __ATOMIC_ACQUIRE);
-    cpu_set_t set;
-
-    if (cpu < 0 || cpu >= CPU_SETSIZE || tid == 0 || cpu == pump->steered_from) {
-        return;
-    }
-    set = pump->allowed;
-    CPU_CLR(cpu, &set);
-    if (CPU_COUNT(&set) == 0 || sched_setaffinity(tid, sizeof(set), &set) == 0) {
-        pump->steered_from = cpu; /* (one CPU only: nowhere else to go) */
-    }
-}
-
-static uint64_t rk_now_ns(void)
-{
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-/* A number that changes whenever the context has something to settle:
- * the three counters only grow. */
-static uint64_t rk_ctx_stamp(rk_ctx_t *ctx)
-{
-    return rk_done_head(ctx) +
-           __atomic_load_n(&ctx->notif_head, __ATOMIC_ACQUIRE) +
-           __atomic_load_n(&ctx->ep_errors, __ATOMIC_ACQUIRE);
-}
-
-static void rk_pump_wake(rk_pump_t *pump)
-{
-    uint64_t one = 1;
-
-    if (pump->wake_worker != NULL) {
-        ucp_worker_signal(pump->wake_worker);
-    }
-    /* EAGAIN (counter saturated) is fine: the reader is due to wake. */
-    if (pump->wake_fd >= 0 && write(pump->wake_fd, &one, sizeof(one)) < 0) {
-        return;
-    }
-}
-
-static void *rk_pump_main(void *arg)
-{
-    rk_pump_t *pump = (rk_pump_t *)arg;
-    struct pollfd pfd;
-    uint64_t last_event = 0, stamp, seen = rk_ctx_stamp(pump->watch);
-    ucs_status_t status;
-
-    pthread_setname_np(pthread_self(), "rdma-kv-pump"); /* top -H, /proc/PID/task */
-    __atomic_store_n(&pump->tid, (pid_t)syscall(SYS_gettid), __ATOMIC_RELEASE);
-    pfd.fd = pump->efd;
-    pfd.events = POLLIN;
-    while (!__atomic_load_n(&pump->stop, __ATOMIC_ACQUIRE)) {
-        if (ucp_worker_progress(pump->worker) != 0) {
-            last_event = rk_now_ns();
-        }
-        stamp = rk_ctx_stamp(pump->watch);
-        if (stamp != seen) {            /* something to settle */
-            seen = stamp;
-            rk_pump_wake(pump);
-        }
-        if (rk_now_ns() - last_event < pump->spin_ns) {
-            continue;                   /* more may be queued right behind */
-        }
-        status = ucp_worker_arm(pump->worker);
-        if (status == UCS_ERR_BUSY) {
-            last_event = rk_now_ns();   /* events pending: progress again */
-            continue;
-        }
-        if (status != UCS_OK) {
-            /* Cannot sleep on the fd: poll slowly rather than spin. */
-            poll(NULL, 0, 1);
-            continue;
-        }
-        /* 100 ms: the longest a stop request waits if nobody signals. */
-        if (poll(&pfd, 1, 100) < 0 && errno != EINTR) {
-            poll(NULL, 0, 1);
-        }
-    }
-    return NULL;
-}
-
-rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
-                         ucp_worker_h wake_worker, int wake_fd,
-                         uint64_t spin_ns)
-{
-    rk_pump_t *pump = calloc(1, sizeof(*pump));
-
-    if (pump == NULL) {
-        return NULL;
-    }
-    pump->worker = worker;
-    pump->wake_worker = wake_worker;
-    pump->wake_fd = wake_fd;
-    pump->watch = watch;
-    pump->efd = efd;
-    pump->spin_ns = spin_ns;
-    pump->steered_from = -1;
-    if (sched_getaffinity(0, sizeof(pump->allowed), &pump->allowed) != 0) {
-        CPU_ZERO(&pump->allowed); /* unknown: never steer */
-    }
-    if (pthread_create(&pump->thread, NULL, rk_pump_main, pump) != 0) {
-        free(pump);
-        return NULL;
-    }
-    return pump;
-}
-
-void rk_pump_stop(rk_pump_t *pump)
-{
-    if (pump == NULL) {
-        return;
-    }
-    __atomic_store_n(&pump->stop, 1, __ATOMIC_RELEASE);
-    ucp_worker_signal(pump->worker);
-    pthread_join(pump->thread, NULL);
-    free(pump);
 }

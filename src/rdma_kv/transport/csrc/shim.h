@@ -63,6 +63,13 @@ enum {
     RK_OP_PUT = 1
 };
 
+/* Index arrays (lidx, ridx) are int64, or int32 where idx32 has the bit:
+ * int32 block tables (NIXL's, many engines') are read as they are. */
+enum {
+    RK_IDX_L32 = 1,
+    RK_IDX_R32 = 2
+};
+
 void rk_ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t status);
 
 /* A C thread progressing one worker; see rk_pump_start below. */
@@ -86,7 +93,7 @@ uint64_t rk_post(rk_batch_t *batch, int op, uint64_t n,
  * *nbytes receives the sum of the paired lengths (0 when llen_tab is NULL:
  * the caller multiplies). Returns n when every pair passes, else the
  * position of the first pair that does not. */
-uint64_t rk_check_indexed(uint64_t n, const int64_t *lidx, const int64_t *ridx,
+uint64_t rk_check_indexed(uint64_t n, const void *lidx, const void *ridx, uint32_t idx32,
                           uint64_t nl, uint64_t nr, const uint64_t *llen_tab,
                           const uint64_t *rlen_tab, uint64_t *nbytes);
 
@@ -98,7 +105,7 @@ uint64_t rk_check_indexed(uint64_t n, const int64_t *lidx, const int64_t *ridx,
  * has checked the pairs with rk_check_indexed. Returns the
  * number of operations posted (see rk_post). */
 uint64_t rk_post_indexed(rk_batch_t *batch, int op, uint64_t n,
-                         const int64_t *lidx, const int64_t *ridx,
+                         const void *lidx, const void *ridx, uint32_t idx32,
                          const uint64_t *laddr_tab, const uint64_t *raddr_tab,
                          const uint64_t *len_tab, const uint32_t *lreg_tab,
                          const uint32_t *rreg_tab, ucp_mem_h const *memhs,
@@ -124,7 +131,7 @@ typedef struct rk_stripe {
  * operations on their threads). worker_ops[w] receives the operations
  * posted on worker w. No flush, no notification. */
 uint64_t rk_post_striped(rk_batch_t *batch, int op, uint64_t n,
-                         const int64_t *lidx, const int64_t *ridx,
+                         const void *lidx, const void *ridx, uint32_t idx32,
                          const uint64_t *laddr_tab, const uint64_t *raddr_tab,
                          const uint64_t *len_tab, const uint32_t *lreg_tab,
                          const uint32_t *rreg_tab, ucp_mem_h const *memhs,
@@ -157,6 +164,14 @@ rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
 /* Stop the pump's thread, join it and free the pump (bounded by one
  * progress call plus its wake-up). */
 void rk_pump_stop(rk_pump_t *pump);
+
+/* A transfer is about to be striped over these n lanes' pumps: steer each
+ * off the caller's CPU and wake it now, so that its wake-up (an interrupt
+ * to an idle CPU: tens of microseconds on a VM) overlaps the caller's
+ * remaining work; a kicked pump spins for spin_ns as after an event.
+ * rk_post_striped holds each lane's pump off its worker while it posts
+ * that lane's part. */
+void rk_pump_kick(rk_pump_t *const *pumps, uint32_t n);
 
 /* Install the notification receive handler for am_id on the worker. */
 ucs_status_t rk_set_notif_handler(ucp_worker_h worker, uint32_t am_id,

@@ -1,0 +1,198 @@
+/* rdma-kv pumps: C threads that progress a UCX worker without the Python
+ * interpreter lock (an agent's own worker in progress="thread" mode, and
+ * every lane's), and what a poster does to them: steer (keep a lane off the
+ * poster's CPU), kick (wake it early) and hold (keep it off its worker
+ * while its part is posted). Declarations: shim.h (public), pump.h (for
+ * shim.c). */
+
+#define _GNU_SOURCE /* pthread_setname_np, sched_getcpu, CPU_* */
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#include <ucp/api/ucp.h>
+#include "shim.h"
+#include "pump.h"
+
+struct rk_pump {
+    ucp_worker_h worker;
+    ucp_worker_h wake_worker;
+    int wake_fd;
+    rk_ctx_t *watch;
+    int efd;
+    int stop;
+    uint64_t spin_ns;
+    pthread_t thread;
+    pid_t tid;      /* set by the thread itself once running (0 before) */
+    int steered_from; /* the poster CPU the pump was last kept off, or -1 */
+    cpu_set_t allowed; /* the CPUs the agent's creator could run on */
+    int hold;       /* > 0: a poster is posting on the worker; keep off it */
+    uint64_t kicks; /* bumped by rk_pump_kick: stay awake for spin_ns */
+};
+
+/* Keep a lane's pump off the CPU the poster runs on. A lane only adds
+ * bandwidth on another core, but the scheduler may wake a thread on its
+ * waker's CPU (it skips the idle-CPU search when the cache domain looks
+ * busy) and then let it preempt the waker: the poster's and the lane's
+ * parts are then copied one after the other on one core. So before it is
+ * signalled the pump's affinity becomes the creator's CPU set minus the
+ * poster's current CPU; a syscall only when the poster has moved. */
+void rk_pump_steer(rk_pump_t *pump)
+{
+    int cpu = sched_getcpu();
+    pid_t tid = __atomic_load_n(&pump->tid, __ATOMIC_ACQUIRE);
+    cpu_set_t set;
+
+    if (cpu < 0 || cpu >= CPU_SETSIZE || tid == 0 || cpu == pump->steered_from) {
+        return;
+    }
+    set = pump->allowed;
+    CPU_CLR(cpu, &set);
+    if (CPU_COUNT(&set) == 0 || sched_setaffinity(tid, sizeof(set), &set) == 0) {
+        pump->steered_from = cpu; /* (one CPU only: nowhere else to go) */
+    }
+}
+
+void rk_pump_hold(rk_pump_t *pump, int delta)
+{
+    __atomic_fetch_add(&pump->hold, delta, __ATOMIC_ACQ_REL);
+}
+
+void rk_pump_kick(rk_pump_t *const *pumps, uint32_t n)
+{
+    uint32_t i;
+
+    for (i = 0; i < n; ++i) {
+        rk_pump_steer(pumps[i]);
+        __atomic_fetch_add(&pumps[i]->kicks, 1, __ATOMIC_RELEASE);
+        ucp_worker_signal(pumps[i]->worker);
+    }
+}
+
+static uint64_t rk_now_ns(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* A number that changes whenever the context has something to settle:
+ * the three counters only grow. */
+static uint64_t rk_ctx_stamp(rk_ctx_t *ctx)
+{
+    return rk_done_head(ctx) +
+           __atomic_load_n(&ctx->notif_head, __ATOMIC_ACQUIRE) +
+           __atomic_load_n(&ctx->ep_errors, __ATOMIC_ACQUIRE);
+}
+
+static void rk_pump_wake(rk_pump_t *pump)
+{
+    uint64_t one = 1;
+
+    if (pump->wake_worker != NULL) {
+        ucp_worker_signal(pump->wake_worker);
+    }
+    /* EAGAIN (counter saturated) is fine: the reader is due to wake. */
+    if (pump->wake_fd >= 0 && write(pump->wake_fd, &one, sizeof(one)) < 0) {
+        return;
+    }
+}
+
+static void *rk_pump_main(void *arg)
+{
+    rk_pump_t *pump = (rk_pump_t *)arg;
+    struct pollfd pfd;
+    uint64_t last_event = 0, kicks = 0, spins = 0, k, stamp;
+    uint64_t seen = rk_ctx_stamp(pump->watch);
+    ucs_status_t status;
+
+    pthread_setname_np(pthread_self(), "rdma-kv-pump"); /* top -H, /proc/PID/task */
+    __atomic_store_n(&pump->tid, (pid_t)syscall(SYS_gettid), __ATOMIC_RELEASE);
+    pfd.fd = pump->efd;
+    pfd.events = POLLIN;
+    while (!__atomic_load_n(&pump->stop, __ATOMIC_ACQUIRE)) {
+        k = __atomic_load_n(&pump->kicks, __ATOMIC_ACQUIRE);
+        if (k != kicks) {               /* work is on its way: stay awake */
+            kicks = k;
+            last_event = rk_now_ns();
+        }
+        if (__atomic_load_n(&pump->hold, __ATOMIC_ACQUIRE) > 0) {
+            /* The poster is posting this worker's part (microseconds); yield
+             * now and then in case it was preempted meanwhile. */
+            if (++spins % 256 == 0) {
+                sched_yield();
+            }
+            rk_cpu_relax();
+            last_event = rk_now_ns();
+            continue;
+        }
+        if (ucp_worker_progress(pump->worker) != 0) {
+            last_event = rk_now_ns();
+        }
+        stamp = rk_ctx_stamp(pump->watch);
+        if (stamp != seen) {            /* something to settle */
+            seen = stamp;
+            rk_pump_wake(pump);
+        }
+        if (rk_now_ns() - last_event < pump->spin_ns) {
+            continue;                   /* more may be queued right behind */
+        }
+        status = ucp_worker_arm(pump->worker);
+        if (status == UCS_ERR_BUSY) {
+            last_event = rk_now_ns();   /* events pending: progress again */
+            continue;
+        }
+        if (status != UCS_OK) {
+            /* Cannot sleep on the fd: poll slowly rather than spin. */
+            poll(NULL, 0, 1);
+            continue;
+        }
+        /* 100 ms: the longest a stop request waits if nobody signals. */
+        if (poll(&pfd, 1, 100) < 0 && errno != EINTR) {
+            poll(NULL, 0, 1);
+        }
+    }
+    return NULL;
+}
+
+rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
+                         ucp_worker_h wake_worker, int wake_fd,
+                         uint64_t spin_ns)
+{
+    rk_pump_t *pump = calloc(1, sizeof(*pump));
+
+    if (pump == NULL) {
+        return NULL;
+    }
+    pump->worker = worker;
+    pump->wake_worker = wake_worker;
+    pump->wake_fd = wake_fd;
+    pump->watch = watch;
+    pump->efd = efd;
+    pump->spin_ns = spin_ns;
+    pump->steered_from = -1;
+    if (sched_getaffinity(0, sizeof(pump->allowed), &pump->allowed) != 0) {
+        CPU_ZERO(&pump->allowed); /* unknown: never steer */
+    }
+    if (pthread_create(&pump->thread, NULL, rk_pump_main, pump) != 0) {
+        free(pump);
+        return NULL;
+    }
+    return pump;
+}
+
+void rk_pump_stop(rk_pump_t *pump)
+{
+    if (pump == NULL) {
+        return;
+    }
+    __atomic_store_n(&pump->stop, 1, __ATOMIC_RELEASE);
+    ucp_worker_signal(pump->worker);
+    pthread_join(pump->thread, NULL);
+    free(pump);
+}

@@ -1,0 +1,24 @@
+/* Internal to the shim (not part of the cffi interface): what shim.c's
+ * posting code needs from pump.c. Include after shim.h (which has no
+ * include guard: cffi's cdef reads it as it is). */
+#ifndef RDMA_KV_PUMP_H
+#define RDMA_KV_PUMP_H
+
+static inline void rk_cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Bind the pump to the CPUs its creator had, minus the calling thread's
+ * current CPU (see pump.c). */
+void rk_pump_steer(rk_pump_t *pump);
+
+/* Add delta (+1 / -1) to the pump's hold count: while it is above zero the
+ * pump does not progress its worker. */
+void rk_pump_hold(rk_pump_t *pump, int delta);
+
+#endif
