@@ -27,7 +27,7 @@ from rdma_kv.errors import (
     TransferError,
     TransferTimeoutError,
 )
-from rdma_kv.transport import DescList, MemoryKind, XferOp, XferState
+from rdma_kv.transport import AgentConfig, DescList, MemoryKind, XferOp, XferState
 from rdma_kv.transport._lib import load, status_name
 from transport_helpers import (
     PAIR_NBYTES,
@@ -739,3 +739,17 @@ def test_thread_mode_is_pumped_in_c_and_burns_no_core_while_idle(make_agent):
     # Two agents, each a pump and a service thread: a spinning one alone would use ~100% of a core.
     assert cpu < 0.25 * wall, f"{cpu:.3f} s of CPU in {wall:.3f} s idle"
     np.testing.assert_array_equal(pair.buf_b[:4096], pair.buf_a[:4096])
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("progress", "busy", "progress='busy' is not valid; valid values: thread, poll"),
+    ("spin_s", -0.001, "spin_s must be >= 0 seconds"),
+    ("spin_s", float("nan"), "spin_s must be >= 0 seconds, got nan"),
+    ("close_drain_s", -1, "close_drain_s must be >= 0"),
+    ("transfer_timeout_s", 0, "transfer_timeout_s must be > 0"),
+    ("max_inflight", 0, "max_inflight must be >= 1"),
+    ("notif_slots", 0, "notif_slots must be >= 1"),
+])
+def test_agent_settings_are_checked(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        AgentConfig(**{field: value})

@@ -45,6 +45,8 @@ class AgentConfig:
             raise ConfigError(f"lanes must be 1..{MAX_LANES}, got {self.lanes}")
         if self.lane_min_bytes < 1:
             raise ConfigError(f"lane_min_bytes must be >= 1, got {self.lane_min_bytes}")
+        if not self.spin_s >= 0:  # also rejects NaN
+            raise ConfigError(f"spin_s must be >= 0 seconds, got {self.spin_s}")
         if self.close_drain_s < 0:
             raise ConfigError(f"close_drain_s must be >= 0, got {self.close_drain_s}")
         if not self.transfer_timeout_s > 0:
