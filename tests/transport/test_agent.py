@@ -397,6 +397,13 @@ def test_prepared_lists_of_another_agent_are_rejected(make_agent):
     with pytest.raises(DescriptorError, match="remote prepared list"):
         pair.b.read_prepared(local, [0], foreign_remote, [0])
     assert pair.b.inflight == 0 and not other.any()
+    # Used by their own agent first (which caches a route on the remote list),
+    # they are still foreign to b: the route is c's, not b's.
+    c.read_prepared(foreign_local, [0], foreign_remote, [0]).wait(WAIT_S)
+    assert other[:4096].any()
+    with pytest.raises(DescriptorError, match="local prepared list"):
+        pair.b.read_prepared(foreign_local, [0], foreign_remote, [0])
+    assert pair.b.inflight == 0 and pair.b.stats["transfers"] == 0
 
 
 def test_deadline_fails_a_stalled_transfer_and_re_import_recovers(make_agent):

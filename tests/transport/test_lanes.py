@@ -18,7 +18,8 @@ import pytest
 from rdma_kv.errors import ConfigError, DescriptorError, PeerError, TransferError, TransferTimeoutError
 from rdma_kv.transport import AgentConfig, DescList, XferState
 from transport_child import Child
-from transport_helpers import LOOPBACK, PAIR_NBYTES, TCP, connect, pattern, progress_threads, wait_until
+from transport_helpers import (LOOPBACK, PAIR_NBYTES, TCP, connect, pattern, prepare_slots, progress_threads,
+                               wait_until)
 
 pytestmark = [pytest.mark.ucx]
 
@@ -28,11 +29,7 @@ WAIT_S = 20.0
 
 
 def prepared(pair):
-    """b reads a: prepared lists of every 4 KiB slot on both sides."""
-    slots = np.arange(SLOTS) * BLOCK
-    local = pair.b.prep_local(pair.desc_b(slots, BLOCK))
-    remote = pair.b.prep_remote("a", pair.desc_a(slots, BLOCK))
-    return local, remote
+    return prepare_slots(pair, BLOCK)
 
 
 def runs(li: np.ndarray, ri: np.ndarray) -> int:
@@ -396,3 +393,4 @@ def test_a_striped_transfer_to_a_stopped_peer_fails_on_every_worker(make_agent):
             reader.read_prepared(lp, idx, rp, idx)
     finally:
         child.terminate()
+

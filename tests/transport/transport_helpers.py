@@ -163,3 +163,10 @@ def connect(make_agent: Callable[..., object], **config) -> Pair:
     assert a.add_peer(b.metadata()) == "b"
     assert b.add_peer(a.metadata()) == "a"
     return Pair(a, b, buf_a, buf_b)
+
+
+def prepare_slots(pair: Pair, block: int = 4096):
+    """b reads a: prepared lists of every ``block``-byte slot of the pair's
+    buffers, on both sides (local, remote)."""
+    slots = np.arange(PAIR_NBYTES // block) * block
+    return pair.b.prep_local(pair.desc_b(slots, block)), pair.b.prep_remote("a", pair.desc_a(slots, block))

@@ -52,11 +52,12 @@ from rdma_kv.errors import (
 )
 from rdma_kv.transport import metadata as wire
 from rdma_kv.transport._lib import check_status, load, status_name, ucx_version
-from rdma_kv.transport.descriptors import INT32, DescList, PreparedDescList, as_index, coalesce, pair_indices
+from rdma_kv.transport.descriptors import DescList, PreparedDescList, coalesce
 from rdma_kv.transport.config import AgentConfig
-from rdma_kv.transport.lanes import Lanes, lane_factory, start_pump
+from rdma_kv.transport.lanes import MAX_LANES, Lanes, lane_factory, start_pump
 from rdma_kv.transport.memory import MemoryKind, MemoryRegion, RegionTable, kind_from_ucs, span_of
 from rdma_kv.transport.peer import Peer
+from rdma_kv.transport.prepared import PreparedTransfers
 from rdma_kv.transport.progress import Notification, ProgressEngine
 from rdma_kv.transport.transfer import Transfer, XferOp, XferState
 from rdma_kv.transport.ucx import Context, Worker
@@ -72,7 +73,7 @@ NOTIF_AM_ID = 0x524B  # "RK": active-message id of rdma-kv notifications
 _generations = itertools.count(1)
 
 
-class Agent(ProgressEngine, Lanes):
+class Agent(ProgressEngine, Lanes, PreparedTransfers):
     """One UCX worker (plus ``config.lanes - 1`` lanes), its registered memory
     and its peers. Use as a context manager or call ``close()``.
 
@@ -92,7 +93,6 @@ class Agent(ProgressEngine, Lanes):
         self._closed = False
         self._lanes: list[Agent] = []
         self._pump: Any = None
-        self._lane_pumps: Any = None  # rk_pump_t *[] of the lanes, for rk_pump_kick
         self._wake_fd = -1  # progress="thread": the eventfd the pumps wake this agent's thread on
         self._last_event = 0.0
         self._owns_context = _context is None
@@ -107,7 +107,10 @@ class Agent(ProgressEngine, Lanes):
             raise
         # Caller-owned rings the shim writes into (see csrc/shim.h).
         self._ctx = ffi.new("rk_ctx_t *")
-        self._nbytes_out = ffi.new("uint64_t *")  # rk_check_indexed's byte total, used under the lock
+        self._submit_out = ffi.new("uint64_t[]", 2 + MAX_LANES)  # rk_submit's out (bytes, parts, ops), under the lock
+        # Routes (prepared.py) are current while the epoch stays put. A lane
+        # moves its owner's: a lane endpoint failed or closed stales them too.
+        self._epoch = _owner._epoch if _owner is not None else ffi.new("uint64_t *")
         self._done_ring = ffi.new("uint64_t[]", cfg.max_inflight)
         self._ctx.done_ring = self._done_ring
         self._ctx.done_cap = cfg.max_inflight
@@ -166,7 +169,6 @@ class Agent(ProgressEngine, Lanes):
             except BaseException:
                 self.close()
                 raise
-            self._lane_pumps = ffi.new("rk_pump_t *[]", [lane._pump for lane in self._lanes])
 
     # ------------------------------------------------------------------ memory
 
@@ -245,6 +247,7 @@ class Agent(ProgressEngine, Lanes):
             self._rebuild_local()
 
     def _rebuild_local(self) -> None:
+        self._invalidate_routes()  # their memory handles and tables
         self._local_table = RegionTable([(r.base, r.nbytes) for r in self._regions], f"agent {self.name!r}")
         self._memhs = self._ffi.new("ucp_mem_h[]", [r.memh for r in self._regions] or 1)
         self._memhs_c = self._memhs if self._regions else self._ffi.NULL
@@ -281,6 +284,7 @@ class Agent(ProgressEngine, Lanes):
             return md.name
 
     def _install_peer(self, md: wire.AgentMetadata, generation: int) -> None:
+        self._invalidate_routes()
         old = self._peers.pop(md.name, None)
         if old is not None:
             self._fail_peer(old, "replaced by newly imported metadata")
@@ -292,6 +296,7 @@ class Agent(ProgressEngine, Lanes):
             self._require_open()
             peer = self._peer(name)
             del self._peers[name]
+            self._invalidate_routes()
             if peer.inflight:
                 self._fail_peer(peer, "removed by remove_peer()")
             self._retire(peer)
@@ -378,70 +383,6 @@ class Agent(ProgressEngine, Lanes):
                        timeout_s: float | None = None) -> Transfer:
         return self._prepared(XferOp.WRITE, local, local_index, remote, remote_index, notify, timeout_s)
 
-    def _prepared(self, op: XferOp, local: PreparedDescList, local_index: Any, remote: PreparedDescList,
-                  remote_index: Any, notify: bytes | None, timeout_s: float | None) -> Transfer:
-        # The engine's per-request path, often run with caches cold after a
-        # model step, where each Python step costs microseconds: few calls,
-        # and every pair checked in one C pass before anything is posted.
-        if local.peer is not None or remote.peer is None:
-            raise DescriptorError("pass a list from prep_local() as local and one from prep_remote() as remote")
-        li, ri = as_index(local_index), as_index(remote_index)
-        n = len(li)
-        if n != len(ri):
-            raise DescriptorError(f"selected descriptors must pair up: {n} local vs {len(ri)} remote")
-        with self._lock:
-            if self._closed:
-                self._require_open()
-            if self._lanes and notify is None and local.uniform_length:
-                parts = self._split_parts(n * local.uniform_length)
-                if parts > 1:  # to be striped: wake the lanes now, their wake-up overlaps what follows
-                    self._lib.rk_pump_kick(self._lane_pumps, parts - 1)
-            if local.generation != self._local_gen or local.c_tables is None:
-                raise DescriptorError(
-                    f"local prepared list was not made by prep_local() of agent {self.name!r} or predates "
-                    "a deregister(); prepare it again"
-                )
-            p = self._usable_peer(remote.peer)
-            if remote.generation != p.generation or remote.c_tables is None:
-                raise DescriptorError(
-                    f"remote prepared list was not made by prep_remote() of agent {self.name!r} or is for an "
-                    f"earlier incarnation of {remote.peer!r}; prepare it again"
-                )
-            ffi, lib = self._ffi, self._lib
-            laddr, llen, lreg, nl = local.c_tables
-            raddr, rlen, rreg, nr = remote.c_tables
-            li_c, ri_c = ffi.from_buffer(li), ffi.from_buffer(ri)
-            idx32 = (li.dtype is INT32) | (ri.dtype is INT32) << 1  # RK_IDX_L32 | RK_IDX_R32
-            uniform = local.uniform_length
-            if uniform is not None and uniform == remote.uniform_length:
-                ok = lib.rk_check_indexed(n, li_c, ri_c, idx32, nl, nr, ffi.NULL, ffi.NULL, self._nbytes_out)
-                nbytes = uniform * n
-            else:
-                ok = lib.rk_check_indexed(n, li_c, ri_c, idx32, nl, nr, llen, rlen, self._nbytes_out)
-                nbytes = int(self._nbytes_out[0])
-            if ok != n:
-                pair_indices(local, local_index, remote, remote_index)  # raises the precise error
-                raise DescriptorError(f"descriptor pair {ok} of {n} failed the range or length check")
-            memhs = self._memhs_c
-            parts = self._split_parts(nbytes) if self._lanes and notify is None else 1
-            if parts > 1:  # striped over the lanes (lanes.py)
-                stripe, ops = self._stripe(p)[:2]
-
-                def post(batch: Any, opcode: int, flush: int) -> int:
-                    return int(lib.rk_post_striped(batch, opcode, n, li_c, ri_c, idx32, laddr, raddr, llen, lreg,
-                                                   rreg, memhs, stripe, parts, nbytes, ops))
-
-                xfer = self._submit(op, p, nbytes, n, notify, timeout_s, post)
-                xfer.worker_ops = tuple(ops[0:parts])
-                return xfer
-
-            def post(batch: Any, opcode: int, flush: int) -> int:
-                # Gathers, merges contiguous runs and posts in one pass.
-                return int(lib.rk_post_indexed(batch, opcode, n, li_c, ri_c, idx32, laddr, raddr, llen, lreg,
-                                               rreg, memhs, p.rkeys, flush))
-
-            return self._submit(op, p, nbytes, n, notify, timeout_s, post)
-
     def flush(self, peer: str, *, timeout_s: float | None = None) -> Transfer:
         """A transfer that completes once every earlier operation to ``peer``
         has completed remotely."""
@@ -474,17 +415,23 @@ class Agent(ProgressEngine, Lanes):
 
         return self._submit(op, p, nbytes, num_descs, notify, timeout_s, post)
 
-    def _submit(self, op: XferOp, p: Peer, nbytes: int, num_descs: int, notify: bytes | None,
-                timeout_s: float | None, post: Callable[[Any, int, int], int]) -> Transfer:
-        """Create the batch record and its Transfer, call ``post`` (one C call)
-        and account for it. Caller holds the lock and has checked the peer."""
-        ffi, lib, cfg = self._ffi, self._lib, self.config
+    def _new_batch(self, ep: Any) -> tuple[int, Any]:
+        """A transfer id and its batch record (for endpoint ``ep``; NULL:
+        set by the C call), if there is room. Caller holds the lock."""
+        cfg = self.config
         if len(self._inflight) + len(self._zombies) >= cfg.max_inflight:
             # UCX may still write the zombies' records: they count too.
             raise TransferError(f"{cfg.max_inflight} transfers already in flight on {self.name!r} "
                                 "(AgentConfig.max_inflight); wait for some to complete")
         xid = next(self._ids)
-        batch = ffi.new("rk_batch_t *", (xid, self._ctx, p.ep))
+        return xid, self._ffi.new("rk_batch_t *", (xid, self._ctx, ep))
+
+    def _submit(self, op: XferOp, p: Peer, nbytes: int, num_descs: int, notify: bytes | None,
+                timeout_s: float | None, post: Callable[[Any, int, int], int]) -> Transfer:
+        """Create the batch record, call ``post`` (one C call) and track the
+        transfer. Caller holds the lock and has checked the peer."""
+        ffi, lib, cfg = self._ffi, self._lib, self.config
+        xid, batch = self._new_batch(p.ep)
         keep: tuple[Any, ...] = ()
         if notify is not None:
             if len(notify) > cfg.notif_max_bytes:
@@ -498,23 +445,30 @@ class Agent(ProgressEngine, Lanes):
             batch.notif_data = data
             batch.notif_data_len = len(notify)
             keep = (data,)
-        deadline = time.monotonic() + (cfg.transfer_timeout_s if timeout_s is None else timeout_s)
+        is_put = op is XferOp.WRITE
+        t0 = time.perf_counter()
+        ops = post(batch, lib.RK_OP_PUT if is_put else lib.RK_OP_GET,
+                   1 if (op is XferOp.FLUSH or (is_put and notify is not None)) else 0)
+        return self._track(op, p, xid, batch, keep, nbytes, num_descs, timeout_s, ops, time.perf_counter() - t0)
+
+    def _track(self, op: XferOp, p: Peer, xid: int, batch: Any, keep: tuple[Any, ...], nbytes: int,
+               num_descs: int, timeout_s: float | None, ops: int, post_s: float) -> Transfer:
+        """The Transfer of a batch just posted, tracked until it resolves.
+        Caller holds the lock (so no completion is drained before this)."""
+        deadline = time.monotonic() + (self.config.transfer_timeout_s if timeout_s is None else timeout_s)
         xfer = Transfer(self, xid, op, p.name, batch, keep, nbytes, num_descs, deadline)
         xfer._peer_ref = p
+        xfer.ops_posted = ops
+        xfer.post_s = post_s
         self._inflight[xid] = xfer
         p.inflight += 1
         heapq.heappush(self._deadlines, (deadline, xid))
-        t0 = time.perf_counter()
-        is_put = op is XferOp.WRITE
-        xfer.ops_posted = post(batch, lib.RK_OP_PUT if is_put else lib.RK_OP_GET,
-                               1 if (op is XferOp.FLUSH or (is_put and notify is not None)) else 0)
-        xfer.post_s = time.perf_counter() - t0
         s = self.stats
         s["transfers"] += 1
-        s["ops_posted"] += xfer.ops_posted
+        s["ops_posted"] += ops
         s["descs"] += num_descs
         s["bytes"] += nbytes
-        if lib.rk_done_head(self._ctx) != self._done_tail:  # some batch completed in place
+        if self._lib.rk_done_head(self._ctx) != self._done_tail:  # some batch completed in place
             self._drain_completions()
         if self._thread is not None and xfer.state is XferState.IN_PROGRESS:
             self._worker.signal()

@@ -92,6 +92,9 @@ class PreparedDescList:
     c_tables: Any = field(default=None, init=False, repr=False)
     """The agent's C views of (addrs, lengths, regions or NULL) and the count, made once at
     prep time so that a transfer does not rebuild them."""
+    route: Any = field(default=None, init=False, repr=False)
+    """A remote list's route (prepared.py) for the local list it was last
+    used with: the request path's C record, rebuilt when stale."""
 
     def __post_init__(self) -> None:
         lengths, regions = self.descs.lengths, self.regions

@@ -100,10 +100,6 @@ class Lanes:
         for lane in self._lanes:
             lane.close()
 
-    def _split_parts(self, nbytes: int) -> int:
-        """How many workers carry a transfer of ``nbytes`` (1: no split)."""
-        return max(1, min(len(self._lanes) + 1, nbytes // self.config.lane_min_bytes))  # type: ignore[attr-defined]
-
     def _stripe(self, p: Peer) -> Any:
         """The ``rk_stripe_t`` of peer ``p`` (its endpoint and remote keys on
         the agent's worker, then on each lane's), made at the first striped

@@ -240,6 +240,7 @@ class ProgressEngine:
     def _fail_peer(self, peer: Peer, reason: str) -> None:
         """Mark failed and force-close the endpoint; UCX cancels its operations,
         whose completions are drained right away."""
+        self._invalidate_routes()  # type: ignore[attr-defined]
         if peer.failure is None:
             peer.failure = reason
             if peer.inflight:

@@ -21,4 +21,11 @@ void rk_pump_steer(rk_pump_t *pump);
  * pump does not progress its worker. */
 void rk_pump_hold(rk_pump_t *pump, int delta);
 
+/* A transfer is about to be striped over these n lanes' pumps: steer each
+ * off the caller's CPU and wake it now, so that its wake-up (an interrupt
+ * to an idle CPU: tens of microseconds on a VM) overlaps the posting; a
+ * kicked pump spins for spin_ns as after an event. rk_post_striped holds
+ * each lane's pump off its worker while it posts that lane's part. */
+void rk_pump_kick(rk_pump_t *const *pumps, uint32_t n);
+
 #endif

@@ -391,6 +391,48 @@ uint64_t rk_post_striped(rk_batch_t *b, int op, uint64_t n,
     return rk_end(b, &p, 0);
 }
 
+int64_t rk_submit(const rk_route_t *r, rk_batch_t *b, int op, uint64_t n,
+                  const void *lidx, const void *ridx, uint32_t idx32, uint64_t *out)
+{
+    uint64_t nbytes, ok, parts = 1;
+    uint32_t w;
+
+    if (*r->epoch != r->built_at) {
+        return RK_SUBMIT_STALE;
+    }
+    b->ep = r->ep;
+    for (w = 0; w < r->nworkers; ++w) {
+        if (__atomic_load_n(&r->ep_states[w]->failed, __ATOMIC_ACQUIRE)) {
+            return RK_SUBMIT_PEER_FAILED;
+        }
+    }
+    if (r->uniform != 0) {
+        ok = rk_check_indexed(n, lidx, ridx, idx32, r->nl, r->nr, NULL, NULL, &nbytes);
+        nbytes = r->uniform * n;
+    } else {
+        ok = rk_check_indexed(n, lidx, ridx, idx32, r->nl, r->nr, r->llen, r->rlen, &nbytes);
+    }
+    if (ok != n) {
+        out[0] = ok;
+        return RK_SUBMIT_BAD_PAIR;
+    }
+    if (r->nworkers > 1 && r->lane_min_bytes > 0) {
+        parts = nbytes / r->lane_min_bytes;
+        parts = parts < 2 ? 1 : (parts > r->nworkers ? r->nworkers : parts);
+    }
+    out[0] = nbytes;
+    out[1] = parts;
+    if (parts > 1) {
+        rk_pump_kick(&r->stripe->pumps[1], (uint32_t)parts - 1);
+        return (int64_t)rk_post_striped(b, op, n, lidx, ridx, idx32, r->laddr, r->raddr,
+                                        r->llen, r->lreg, r->rreg, r->memhs, r->stripe,
+                                        (uint32_t)parts, nbytes, out + 2);
+    }
+    out[2] = rk_post_indexed(b, op, n, lidx, ridx, idx32, r->laddr, r->raddr, r->llen,
+                             r->lreg, r->rreg, r->memhs, r->rkeys, 0);
+    return (int64_t)out[2];
+}
+
 uint64_t rk_progress(ucp_worker_h worker, uint64_t max_rounds)
 {
     uint64_t total = 0, i;

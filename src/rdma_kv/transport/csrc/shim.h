@@ -138,6 +138,51 @@ uint64_t rk_post_striped(rk_batch_t *batch, int op, uint64_t n,
                          const rk_stripe_t *stripe, uint32_t nparts,
                          uint64_t nbytes, uint64_t *worker_ops);
 
+/* A route: what a prepared transfer between one local and one remote list
+ * needs, gathered once by the agent (prepared.py) so that a request is one
+ * C call. Valid while *epoch == built_at: the agent moves its epoch when a
+ * peer is added, replaced, failed or removed and when its own regions
+ * change. ep_states[w] is the peer's endpoint state on worker w (0: the
+ * agent's, 1..: its lanes'), checked per request because UCX fails an
+ * endpoint asynchronously. */
+typedef struct rk_route {
+    const uint64_t *laddr;
+    const uint64_t *llen;
+    const uint32_t *lreg;
+    uint64_t nl;
+    const uint64_t *raddr;
+    const uint64_t *rlen;
+    const uint32_t *rreg;
+    uint64_t nr;
+    uint64_t uniform;            /* the one length of both lists, 0: not uniform */
+    ucp_mem_h const *memhs;      /* NULL: none */
+    ucp_ep_h ep;                 /* the peer's endpoint on the agent's worker */
+    ucp_rkey_h const *rkeys;     /* the peer's remote keys, unpacked on it */
+    const rk_stripe_t *stripe;   /* NULL: no lanes */
+    uint32_t nworkers;           /* 1 + lanes */
+    uint64_t lane_min_bytes;     /* a striped part is at least this large */
+    rk_ep_state_t *const *ep_states;
+    const uint64_t *epoch;
+    uint64_t built_at;
+} rk_route_t;
+
+enum {
+    RK_SUBMIT_STALE = -1,        /* the route must be rebuilt */
+    RK_SUBMIT_PEER_FAILED = -2,  /* an endpoint of the peer failed */
+    RK_SUBMIT_BAD_PAIR = -3      /* out[0]: the first pair that failed the check */
+};
+
+/* One prepared request on a route (batch->ep is set to route->ep once the
+ * route is found current): check every index pair (as
+ * rk_check_indexed), then post it on the agent's worker (rk_post_indexed)
+ * or, when it is at least 2 * lane_min_bytes, striped over the lanes
+ * (rk_post_striped, after rk_pump_kick). Returns the operations posted, or
+ * a negative RK_SUBMIT_* with nothing posted. out[0] receives the bytes,
+ * out[1] the workers used, out[2 + w] the operations on worker w. No flush,
+ * no notification. */
+int64_t rk_submit(const rk_route_t *route, rk_batch_t *batch, int op, uint64_t n,
+                  const void *lidx, const void *ridx, uint32_t idx32, uint64_t *out);
+
 /* Call ucp_worker_progress until it reports no event or max_rounds calls
  * were made. Returns the number of events progressed. */
 uint64_t rk_progress(ucp_worker_h worker, uint64_t max_rounds);
@@ -164,14 +209,6 @@ rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
 /* Stop the pump's thread, join it and free the pump (bounded by one
  * progress call plus its wake-up). */
 void rk_pump_stop(rk_pump_t *pump);
-
-/* A transfer is about to be striped over these n lanes' pumps: steer each
- * off the caller's CPU and wake it now, so that its wake-up (an interrupt
- * to an idle CPU: tens of microseconds on a VM) overlaps the caller's
- * remaining work; a kicked pump spins for spin_ns as after an event.
- * rk_post_striped holds each lane's pump off its worker while it posts
- * that lane's part. */
-void rk_pump_kick(rk_pump_t *const *pumps, uint32_t n);
 
 /* Install the notification receive handler for am_id on the worker. */
 ucs_status_t rk_set_notif_handler(ucp_worker_h worker, uint32_t am_id,
