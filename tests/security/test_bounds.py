@@ -70,6 +70,21 @@ def test_wildcard_bind_needs_an_advertised_host():
         RdmaSettings.from_config(config)
 
 
+def test_the_connectors_lane_bound_is_the_transports():
+    from rdma_kv.connector.rdma import settings
+    from rdma_kv.transport.lanes import MAX_LANES
+
+    assert settings.MAX_LANES == MAX_LANES
+    for lanes, ok in ((MAX_LANES, True), (MAX_LANES + 1, False), (0, False)):
+        config = KVTransferConfig(kv_connector="RdmaKVConnector", kv_role="kv_consumer", kv_port=0,
+                                  kv_ip="127.0.0.1", kv_connector_extra_config={"lanes": lanes})
+        if ok:
+            assert RdmaSettings.from_config(config).lanes == lanes
+        else:
+            with pytest.raises(ConfigError, match=f"lanes must be 1..{MAX_LANES}, got {lanes}"):
+                RdmaSettings.from_config(config)
+
+
 @pytest.mark.parametrize("ids", [[-1], [2**32], [True], [1.5], ["3"], []])
 def test_params_reject_impossible_block_ids(ids):
     params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "h", "remote_port": 1,

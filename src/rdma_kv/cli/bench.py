@@ -88,8 +88,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.reps < 1:
         raise ConfigError(f"--reps must be >= 1, got {args.reps}")
-    if not 1 <= args.lanes <= 16:
-        raise ConfigError(f"--lanes must be 1..16, got {args.lanes}")
+    from rdma_kv.transport.lanes import MAX_LANES
+
+    if not 1 <= args.lanes <= MAX_LANES:
+        raise ConfigError(f"--lanes must be 1..{MAX_LANES}, got {args.lanes}")
     lanes = args.lanes
     baselines.register_backend(
         "rdma-kv", lambda w, reps: rdmakv_peer.run_backend(w, reps, progress=args.progress, lanes=lanes))

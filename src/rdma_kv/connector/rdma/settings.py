@@ -16,6 +16,10 @@ from typing import Any
 from rdma_kv.connector.config import KVTransferConfig
 from rdma_kv.errors import ConfigError
 
+# The transport's bound (rdma_kv.transport.lanes.MAX_LANES), repeated so
+# that parsing settings does not import the transport; a test ties the two.
+MAX_LANES = 16
+
 __all__ = ["EXTRA_KEYS", "RdmaSettings"]
 
 
@@ -117,8 +121,8 @@ class RdmaSettings:
             raise ConfigError(f"renew_interval_s must be >= 0, got {self.renew_interval_s}")
         if self.rpc_retries < 0 or self.rpc_threads < 1:
             raise ConfigError("rpc_retries must be >= 0 and rpc_threads >= 1")
-        if not 1 <= self.lanes <= 16:
-            raise ConfigError(f"lanes must be 1..16, got {self.lanes}")
+        if not 1 <= self.lanes <= MAX_LANES:
+            raise ConfigError(f"lanes must be 1..{MAX_LANES}, got {self.lanes}")
 
     def renew_interval_for(self, remote_ttl_s: float) -> float:
         third = remote_ttl_s / 3.0
