@@ -445,29 +445,41 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
             batch.notif_data = data
             batch.notif_data_len = len(notify)
             keep = (data,)
+        xfer = self._track(op, p, xid, batch, keep, nbytes, num_descs, timeout_s)
         is_put = op is XferOp.WRITE
         t0 = time.perf_counter()
         ops = post(batch, lib.RK_OP_PUT if is_put else lib.RK_OP_GET,
                    1 if (op is XferOp.FLUSH or (is_put and notify is not None)) else 0)
-        return self._track(op, p, xid, batch, keep, nbytes, num_descs, timeout_s, ops, time.perf_counter() - t0)
+        return self._posted(xfer, ops, time.perf_counter() - t0)
 
     def _track(self, op: XferOp, p: Peer, xid: int, batch: Any, keep: tuple[Any, ...], nbytes: int,
-               num_descs: int, timeout_s: float | None, ops: int, post_s: float) -> Transfer:
-        """The Transfer of a batch just posted, tracked until it resolves.
-        Caller holds the lock (so no completion is drained before this)."""
+               num_descs: int, timeout_s: float | None) -> Transfer:
+        """The Transfer of a batch about to be posted, tracked from now on:
+        UCX may write its record (and complete it on a pump) as soon as
+        anything is posted. Caller holds the lock."""
         deadline = time.monotonic() + (self.config.transfer_timeout_s if timeout_s is None else timeout_s)
         xfer = Transfer(self, xid, op, p.name, batch, keep, nbytes, num_descs, deadline)
         xfer._peer_ref = p
-        xfer.ops_posted = ops
-        xfer.post_s = post_s
         self._inflight[xid] = xfer
         p.inflight += 1
-        heapq.heappush(self._deadlines, (deadline, xid))
+        heapq.heappush(self._deadlines, (deadline, xid))  # _expire skips ids no longer in flight
+        return xfer
+
+    def _untrack(self, xfer: Transfer) -> None:
+        """Forget a tracked transfer whose batch was not posted at all."""
+        del self._inflight[xfer.id]
+        xfer._peer_ref.inflight -= 1
+
+    def _posted(self, xfer: Transfer, ops: int, post_s: float) -> Transfer:
+        """Account for a tracked transfer's post (``ops`` operations).
+        Caller holds the lock."""
+        xfer.ops_posted = ops
+        xfer.post_s = post_s
         s = self.stats
         s["transfers"] += 1
         s["ops_posted"] += ops
-        s["descs"] += num_descs
-        s["bytes"] += nbytes
+        s["descs"] += xfer.num_descs
+        s["bytes"] += xfer.nbytes
         if self._lib.rk_done_head(self._ctx) != self._done_tail:  # some batch completed in place
             self._drain_completions()
         if self._thread is not None and xfer.state is XferState.IN_PROGRESS:

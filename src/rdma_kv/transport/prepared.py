@@ -81,23 +81,22 @@ class PreparedTransfers:
                 return self._prepared_checked(op, local, li, local_index, remote, ri, remote_index, notify,
                                               timeout_s)
             ffi, lib = self._ffi, self._lib
-            p = route.peer
             xid, batch = self._new_batch(ffi.NULL)  # type: ignore[attr-defined]
+            xfer = self._track(op, route.peer, xid, batch, (), 0, n, timeout_s)  # type: ignore[attr-defined]
             out = self._submit_out
             idx32 = (li.dtype is INT32) | (ri.dtype is INT32) << 1  # RK_IDX_L32 | RK_IDX_R32
             t0 = perf_counter()
             ops = lib.rk_submit(route.c, batch, lib.RK_OP_PUT if op is XferOp.WRITE else lib.RK_OP_GET, n,
                                 ffi.from_buffer(li), ffi.from_buffer(ri), idx32, out)
             if ops < 0:  # nothing posted: the slow path says why, or rebuilds the route
+                self._untrack(xfer)  # type: ignore[attr-defined]
                 return self._prepared_checked(op, local, li, local_index, remote, ri, remote_index, notify,
                                               timeout_s)
-            # Posted: from here nothing may raise before _track registers it.
+            xfer.nbytes = out[0]
             parts = out[1]
-            xfer = self._track(op, p, xid, batch, (), out[0], n, timeout_s, ops,  # type: ignore[attr-defined]
-                               perf_counter() - t0)
             if parts > 1:
                 xfer.worker_ops = tuple(out[2:2 + parts])
-            return xfer
+            return self._posted(xfer, ops, perf_counter() - t0)  # type: ignore[attr-defined]
 
     def _prepared_checked(self, op: XferOp, local: PreparedDescList, li: Any, local_index: Any,
                           remote: PreparedDescList, ri: Any, remote_index: Any, notify: bytes | None,
