@@ -396,12 +396,28 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
     def _post(self, op: XferOp, p: Peer, laddr: np.ndarray, raddr: np.ndarray, lengths: np.ndarray,
               lreg: np.ndarray | None, rreg: np.ndarray | None, notify: bytes | None,
               timeout_s: float | None) -> Transfer:
-        """Post explicit descriptors: merge contiguous runs, then one rk_post."""
+        """Post explicit descriptors: merge contiguous runs, then one rk_post
+        (or, large and without a notification, one rk_post_striped over the
+        lanes, the merged runs read as tables by identity indices)."""
         ffi, lib = self._ffi, self._lib
         num_descs = len(laddr)
         nbytes = int(lengths.sum()) if num_descs else 0
         laddr, raddr, lengths, lreg, rreg = coalesce(laddr, raddr, lengths, lreg, rreg)
         n_ops = len(laddr)
+        parts = min(len(self._lanes) + 1, nbytes // self.config.lane_min_bytes) if self._lanes else 1
+        if parts > 1 and notify is None and op is not XferOp.FLUSH:
+            stripe, ops = self._stripe(p)[:2]
+            ident = ffi.from_buffer("int64_t[]", np.arange(n_ops, dtype=np.int64))
+            tables = [ffi.from_buffer("uint64_t[]", t) for t in (laddr, raddr, lengths)]
+            regs = [ffi.NULL if r is None else ffi.from_buffer("uint32_t[]", r) for r in (lreg, rreg)]
+
+            def striped(batch: Any, opcode: int, flush: int) -> int:
+                return int(lib.rk_post_striped(batch, opcode, n_ops, ident, ident, 0, *tables, *regs,
+                                               self._memhs_c, stripe, parts, nbytes, ops))
+
+            xfer = self._submit(op, p, nbytes, num_descs, None, timeout_s, striped)
+            xfer.worker_ops = tuple(ops[0:parts])
+            return xfer
         if lreg is None:  # single region: index 0 for every op (calloc'd, no pass)
             lreg = np.zeros(n_ops, dtype=np.uint32)
         if rreg is None:

@@ -8,9 +8,10 @@ its own endpoint to every peer (remote keys unpacked on it). Its worker is
 progressed by a *pump*, a C thread of the shim that never takes the
 interpreter lock.
 
-A prepared transfer of at least ``2 * lane_min_bytes`` without a
-notification is *striped*: one C call (``rk_post_striped``) cuts the byte
-stream of its index pairs into parts of about equal bytes (at 4 KiB
+A transfer of at least ``2 * lane_min_bytes`` without a notification
+(prepared, or explicit: its merged runs then serve as the tables) is
+*striped*: one C call (``rk_post_striped``) cuts the byte stream of its
+index pairs into parts of about equal bytes (at 4 KiB
 boundaries, so one 256 MiB descriptor is cut too) and posts each part on
 its worker's endpoint -- the lanes' parts first, each lane signalled as
 soon as its part is posted, the agent's own part last. It is still *one*
