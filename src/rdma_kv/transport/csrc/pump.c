@@ -28,7 +28,8 @@ struct rk_pump {
     uint64_t spin_ns;
     pthread_t thread;
     pid_t tid;      /* set by the thread itself once running (0 before) */
-    int steered_from; /* the poster CPU the pump was last kept off, or -1 */
+    int steered_from; /* the poster CPU it was last kept off, or -1 (posters
+                       * touch it under their agent's lock) */
     cpu_set_t allowed; /* the CPUs the agent's creator could run on */
     int hold;       /* > 0: a poster is posting on the worker; keep off it */
     uint64_t kicks; /* bumped by rk_pump_kick: stay awake for spin_ns */

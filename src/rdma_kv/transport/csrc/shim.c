@@ -235,9 +235,7 @@ uint64_t rk_check_indexed(uint64_t n, const void *lidx, const void *ridx, uint32
                           uint64_t nl, uint64_t nr, const uint64_t *llen_tab,
                           const uint64_t *rlen_tab, uint64_t *nbytes)
 {
-    uint64_t i, total = 0;
-
-    uint64_t li, ri;
+    uint64_t i, li, ri, total = 0;
 
     for (i = 0; i < n; ++i) {
         /* A negative index, cast, is larger than any list. */
