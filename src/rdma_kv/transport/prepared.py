@@ -15,6 +15,8 @@ error or rebuilds the route.
 A route is current while the agent's *epoch* has not moved: the agent
 moves it when a peer is added, replaced, failed or removed and when its own
 regions change (``_invalidate_routes``), so a stale route is never used.
+A route holds its agent, peer and local list: a remote list that outlives
+its agent keeps them (closed, never used again) until the list goes.
 
 May import: numpy, rdma_kv.errors and the other rdma_kv.transport modules, never agent.py.
 """
