@@ -59,6 +59,7 @@ class PreparedTransfers:
     _epoch: Any  # uint64_t *: moved by _invalidate_routes
     _ffi: Any
     _lib: Any
+    _ctx: Any  # rk_ctx_t *
     _submit_out: Any  # uint64_t[]: rk_submit's and rk_check_indexed's out
     _local_gen: int
     _memhs: Any
@@ -83,12 +84,12 @@ class PreparedTransfers:
                 return self._prepared_checked(op, local, li, local_index, remote, ri, remote_index, notify,
                                               timeout_s)
             ffi, lib = self._ffi, self._lib
-            xid, batch = self._new_batch(ffi.NULL)  # type: ignore[attr-defined]
+            xid, batch = self._new_batch(None)  # type: ignore[attr-defined]
             xfer = self._track(op, route.peer, xid, batch, (), 0, n, timeout_s)  # type: ignore[attr-defined]
             out = self._submit_out
             idx32 = (li.dtype is INT32) | (ri.dtype is INT32) << 1  # RK_IDX_L32 | RK_IDX_R32
             t0 = perf_counter()
-            ops = lib.rk_submit(route.c, batch, lib.RK_OP_PUT if op is XferOp.WRITE else lib.RK_OP_GET, n,
+            ops = lib.rk_submit(route.c, batch, xid, lib.RK_OP_PUT if op is XferOp.WRITE else lib.RK_OP_GET, n,
                                 ffi.from_buffer(li), ffi.from_buffer(ri), idx32, out)
             if ops < 0:  # nothing posted: the slow path says why, or rebuilds the route
                 self._untrack(xfer)  # type: ignore[attr-defined]
@@ -147,7 +148,7 @@ class PreparedTransfers:
             "laddr": laddr, "llen": llen, "lreg": lreg, "nl": nl,
             "raddr": raddr, "rlen": rlen, "rreg": rreg, "nr": nr,
             "uniform": uniform if uniform is not None and uniform == remote.uniform_length else 0,
-            "memhs": self._memhs_c, "ep": p.ep, "rkeys": p.rkeys,
+            "memhs": self._memhs_c, "ctx": self._ctx, "ep": p.ep, "rkeys": p.rkeys,
             "stripe": stripe[0] if stripe else ffi.NULL, "nworkers": len(peers),
             "lane_min_bytes": self.config.lane_min_bytes,
             "ep_states": states, "epoch": self._epoch, "built_at": self._epoch[0],

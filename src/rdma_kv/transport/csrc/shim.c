@@ -389,7 +389,7 @@ uint64_t rk_post_striped(rk_batch_t *b, int op, uint64_t n,
     return rk_end(b, &p, 0);
 }
 
-int64_t rk_submit(const rk_route_t *r, rk_batch_t *b, int op, uint64_t n,
+int64_t rk_submit(const rk_route_t *r, rk_batch_t *b, uint64_t id, int op, uint64_t n,
                   const void *lidx, const void *ridx, uint32_t idx32, uint64_t *out)
 {
     uint64_t nbytes, ok, parts = 1;
@@ -398,6 +398,8 @@ int64_t rk_submit(const rk_route_t *r, rk_batch_t *b, int op, uint64_t n,
     if (*r->epoch != r->built_at) {
         return RK_SUBMIT_STALE;
     }
+    b->id = id;
+    b->ctx = r->ctx;
     b->ep = r->ep;
     for (w = 0; w < r->nworkers; ++w) {
         if (__atomic_load_n(&r->ep_states[w]->failed, __ATOMIC_ACQUIRE)) {

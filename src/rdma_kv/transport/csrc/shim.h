@@ -156,6 +156,7 @@ typedef struct rk_route {
     uint64_t nr;
     uint64_t uniform;            /* the one length of both lists, 0: not uniform */
     ucp_mem_h const *memhs;      /* NULL: none */
+    rk_ctx_t *ctx;               /* the agent's */
     ucp_ep_h ep;                 /* the peer's endpoint on the agent's worker */
     ucp_rkey_h const *rkeys;     /* the peer's remote keys, unpacked on it */
     const rk_stripe_t *stripe;   /* NULL: no lanes */
@@ -172,15 +173,16 @@ enum {
     RK_SUBMIT_BAD_PAIR = -3      /* out[0]: the first pair that failed the check */
 };
 
-/* One prepared request on a route (batch->ep is set to route->ep once the
- * route is found current): check every index pair (as
+/* One prepared request on a route, in a zeroed batch record whose id, ctx
+ * and ep are set here once the route is found current: check every index
+ * pair (as
  * rk_check_indexed), then post it on the agent's worker (rk_post_indexed)
  * or, when it is at least 2 * lane_min_bytes, striped over the lanes
  * (rk_post_striped, after rk_pump_kick). Returns the operations posted, or
  * a negative RK_SUBMIT_* with nothing posted. out[0] receives the bytes,
  * out[1] the workers used, out[2 + w] the operations on worker w. No flush,
  * no notification. */
-int64_t rk_submit(const rk_route_t *route, rk_batch_t *batch, int op, uint64_t n,
+int64_t rk_submit(const rk_route_t *route, rk_batch_t *batch, uint64_t id, int op, uint64_t n,
                   const void *lidx, const void *ridx, uint32_t idx32, uint64_t *out);
 
 /* Call ucp_worker_progress until it reports no event or max_rounds calls
