@@ -1,6 +1,6 @@
 """cffi build script (API mode) for ``rdma_kv.transport._ucp``.
 
-Compiles ``csrc/shim.c`` and the cffi wrappers of ``csrc/ucp.cdef`` against
+Compiles ``csrc/shim.c``, ``csrc/pump.c`` and the cffi wrappers of ``csrc/ucp.cdef`` against
 the UCP headers of the libucx wheel -- or of a system UCX when
 ``RDMA_KV_UCX_PREFIX`` names its install prefix (e.g. ``/opt/hpcx/ucx``).
 The extension links libucp by soname without an rpath: at run time

@@ -405,8 +405,8 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
         nbytes = int(lengths.sum()) if num_descs else 0
         laddr, raddr, lengths, lreg, rreg = coalesce(laddr, raddr, lengths, lreg, rreg)
         n_ops = len(laddr)
-        parts = min(len(self._lanes) + 1, nbytes // self.config.lane_min_bytes) if self._lanes else 1
-        if parts > 1 and notify is None and op is not XferOp.FLUSH:
+        parts = lib.rk_stripe_parts(nbytes, len(self._lanes) + 1, self.config.lane_min_bytes)
+        if parts > 1 and notify is None:  # (a flush moves no bytes: never striped)
             stripe, ops = self._stripe(p)[:2]
             ident = ffi.from_buffer("int64_t[]", np.arange(n_ops, dtype=np.int64))
             tables = [ffi.from_buffer("uint64_t[]", t) for t in (laddr, raddr, lengths)]

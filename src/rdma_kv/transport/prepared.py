@@ -77,24 +77,24 @@ class PreparedTransfers:
         n = len(li)
         if n != len(ri):
             raise DescriptorError(f"selected descriptors must pair up: {n} local vs {len(ri)} remote")
+        idx32 = (li.dtype is INT32) | (ri.dtype is INT32) << 1  # RK_IDX_L32 | RK_IDX_R32
         with self._lock:
             route = remote.route
             if (route is None or route.local is not local or route.agent is not self or notify is not None
                     or self._closed):
-                return self._prepared_checked(op, local, li, local_index, remote, ri, remote_index, notify,
-                                              timeout_s)
+                return self._prepared_checked(op, local, li, local_index, remote, ri, remote_index, idx32,
+                                              notify, timeout_s)
             ffi, lib = self._ffi, self._lib
             xid, batch = self._new_batch(None)  # type: ignore[attr-defined]
             xfer = self._track(op, route.peer, xid, batch, (), 0, n, timeout_s)  # type: ignore[attr-defined]
             out = self._submit_out
-            idx32 = (li.dtype is INT32) | (ri.dtype is INT32) << 1  # RK_IDX_L32 | RK_IDX_R32
             t0 = perf_counter()
             ops = lib.rk_submit(route.c, batch, xid, lib.RK_OP_PUT if op is XferOp.WRITE else lib.RK_OP_GET, n,
                                 ffi.from_buffer(li), ffi.from_buffer(ri), idx32, out)
             if ops < 0:  # nothing posted: the slow path says why, or rebuilds the route
                 self._untrack(xfer)  # type: ignore[attr-defined]
-                return self._prepared_checked(op, local, li, local_index, remote, ri, remote_index, notify,
-                                              timeout_s)
+                return self._prepared_checked(op, local, li, local_index, remote, ri, remote_index, idx32,
+                                              notify, timeout_s)
             xfer.nbytes = out[0]
             parts = out[1]
             if parts > 1:
@@ -102,8 +102,8 @@ class PreparedTransfers:
             return self._posted(xfer, ops, perf_counter() - t0)  # type: ignore[attr-defined]
 
     def _prepared_checked(self, op: XferOp, local: PreparedDescList, li: Any, local_index: Any,
-                          remote: PreparedDescList, ri: Any, remote_index: Any, notify: bytes | None,
-                          timeout_s: float | None) -> Transfer:
+                          remote: PreparedDescList, ri: Any, remote_index: Any, idx32: int,
+                          notify: bytes | None, timeout_s: float | None) -> Transfer:
         """Every check in Python, with the precise error; builds the pair's
         route for the next request. Caller holds the lock."""
         if local.peer is not None or remote.peer is None:
@@ -123,14 +123,13 @@ class PreparedTransfers:
         ffi, lib = self._ffi, self._lib
         n = len(li)
         out = self._submit_out
-        ok = lib.rk_check_indexed(n, ffi.from_buffer(li), ffi.from_buffer(ri),
-                                  (li.dtype is INT32) | (ri.dtype is INT32) << 1, local.c_tables[3],
+        ok = lib.rk_check_indexed(n, ffi.from_buffer(li), ffi.from_buffer(ri), idx32, local.c_tables[3],
                                   remote.c_tables[3], local.c_tables[1], remote.c_tables[1], out)
         if ok != n:
             pair_indices(local, local_index, remote, remote_index)  # raises the precise error
             raise DescriptorError(f"descriptor pair {ok} of {n} failed the range or length check")
         if notify is not None:
-            return self._notifying(op, p, local, remote, li, ri, int(out[0]), notify, timeout_s)
+            return self._notifying(op, p, local, remote, li, ri, idx32, int(out[0]), notify, timeout_s)
         object.__setattr__(remote, "route", self._route(local, remote, p))
         return self._prepared(op, local, li, remote, ri, None, timeout_s)  # now one C call
 
@@ -156,7 +155,7 @@ class PreparedTransfers:
         return Route(c, self, local, p, (states, local.c_tables, remote.c_tables, stripe, self._memhs))
 
     def _notifying(self, op: XferOp, p: Peer, local: PreparedDescList, remote: PreparedDescList, li: Any,
-                   ri: Any, nbytes: int, notify: bytes, timeout_s: float | None) -> Transfer:
+                   ri: Any, idx32: int, nbytes: int, notify: bytes, timeout_s: float | None) -> Transfer:
         """A prepared transfer with a notification: on the agent's own worker
         (a notification follows one batch on one endpoint), flushed first
         for WRITE. Caller holds the lock and has checked everything."""
@@ -165,7 +164,6 @@ class PreparedTransfers:
         raddr, _, rreg, _ = remote.c_tables
         n = len(li)
         li_c, ri_c = ffi.from_buffer(li), ffi.from_buffer(ri)
-        idx32 = (li.dtype is INT32) | (ri.dtype is INT32) << 1
         memhs = self._memhs_c
 
         def post(batch: Any, opcode: int, flush: int) -> int:

@@ -252,7 +252,7 @@ class ProgressEngine:
         self._drain_completions()
 
     def _service_loop(self) -> None:
-        """progress="thread": the pump (a C thread, csrc/shim.c) progresses
+        """progress="thread": the pump (a C thread, csrc/pump.c) progresses
         the worker without the interpreter lock; this thread sleeps on the
         agent's eventfd until a pump reports something to settle (a batch
         published, a notification, an endpoint error) or the next deadline

@@ -42,7 +42,7 @@ struct rk_pump {
  * parts are then copied one after the other on one core. So before it is
  * signalled the pump's affinity becomes the creator's CPU set minus the
  * poster's current CPU; a syscall only when the poster has moved. */
-void rk_pump_steer(rk_pump_t *pump)
+static void rk_pump_steer(rk_pump_t *pump)
 {
     int cpu = sched_getcpu();
     pid_t tid = __atomic_load_n(&pump->tid, __ATOMIC_ACQUIRE);
@@ -63,15 +63,11 @@ void rk_pump_hold(rk_pump_t *pump, int delta)
     __atomic_fetch_add(&pump->hold, delta, __ATOMIC_ACQ_REL);
 }
 
-void rk_pump_kick(rk_pump_t *const *pumps, uint32_t n)
+void rk_pump_kick(rk_pump_t *pump)
 {
-    uint32_t i;
-
-    for (i = 0; i < n; ++i) {
-        rk_pump_steer(pumps[i]);
-        __atomic_fetch_add(&pumps[i]->kicks, 1, __ATOMIC_RELEASE);
-        ucp_worker_signal(pumps[i]->worker);
-    }
+    rk_pump_steer(pump);
+    __atomic_fetch_add(&pump->kicks, 1, __ATOMIC_RELEASE);
+    ucp_worker_signal(pump->worker);
 }
 
 static uint64_t rk_now_ns(void)

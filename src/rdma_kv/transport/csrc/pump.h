@@ -13,19 +13,16 @@ static inline void rk_cpu_relax(void)
 #endif
 }
 
-/* Bind the pump to the CPUs its creator had, minus the calling thread's
- * current CPU (see pump.c). */
-void rk_pump_steer(rk_pump_t *pump);
-
 /* Add delta (+1 / -1) to the pump's hold count: while it is above zero the
  * pump does not progress its worker. */
 void rk_pump_hold(rk_pump_t *pump, int delta);
 
-/* A transfer is about to be striped over these n lanes' pumps: steer each
- * off the caller's CPU and wake it now, so that its wake-up (an interrupt
- * to an idle CPU: tens of microseconds on a VM) overlaps the posting; a
- * kicked pump spins for spin_ns as after an event. rk_post_striped holds
- * each lane's pump off its worker while it posts that lane's part. */
-void rk_pump_kick(rk_pump_t *const *pumps, uint32_t n);
+/* A transfer is about to be striped onto this lane's worker: bind the
+ * pump to the CPUs its creator had minus the caller's current CPU (see
+ * pump.c) and wake it now, so that its wake-up (an interrupt to an idle
+ * CPU: tens of microseconds on a VM) overlaps the posting; a kicked pump
+ * spins for spin_ns as after an event. rk_post_striped kicks each lane it
+ * uses, then holds its pump off the worker while it posts that part. */
+void rk_pump_kick(rk_pump_t *pump);
 
 #endif

@@ -376,7 +376,7 @@ uint64_t rk_post_striped(rk_batch_t *b, int op, uint64_t n,
     }
     for (w = 1; w < nparts && stripe->pumps != NULL; ++w) {
         if (stripe->pumps[w] != NULL) {
-            rk_pump_steer(stripe->pumps[w]);
+            rk_pump_kick(stripe->pumps[w]); /* its wake-up overlaps the posting */
         }
     }
     rk_hold(stripe, nparts, &held);
@@ -389,11 +389,18 @@ uint64_t rk_post_striped(rk_batch_t *b, int op, uint64_t n,
     return rk_end(b, &p, 0);
 }
 
+uint32_t rk_stripe_parts(uint64_t nbytes, uint32_t nworkers, uint64_t lane_min_bytes)
+{
+    uint64_t parts = lane_min_bytes > 0 ? nbytes / lane_min_bytes : 0;
+
+    return parts < 2 ? 1 : (parts > nworkers ? nworkers : (uint32_t)parts);
+}
+
 int64_t rk_submit(const rk_route_t *r, rk_batch_t *b, uint64_t id, int op, uint64_t n,
                   const void *lidx, const void *ridx, uint32_t idx32, uint64_t *out)
 {
-    uint64_t nbytes, ok, parts = 1;
-    uint32_t w;
+    uint64_t nbytes, ok;
+    uint32_t w, parts;
 
     if (*r->epoch != r->built_at) {
         return RK_SUBMIT_STALE;
@@ -416,17 +423,13 @@ int64_t rk_submit(const rk_route_t *r, rk_batch_t *b, uint64_t id, int op, uint6
         out[0] = ok;
         return RK_SUBMIT_BAD_PAIR;
     }
-    if (r->nworkers > 1 && r->lane_min_bytes > 0) {
-        parts = nbytes / r->lane_min_bytes;
-        parts = parts < 2 ? 1 : (parts > r->nworkers ? r->nworkers : parts);
-    }
+    parts = rk_stripe_parts(nbytes, r->nworkers, r->lane_min_bytes);
     out[0] = nbytes;
     out[1] = parts;
     if (parts > 1) {
-        rk_pump_kick(&r->stripe->pumps[1], (uint32_t)parts - 1);
         return (int64_t)rk_post_striped(b, op, n, lidx, ridx, idx32, r->laddr, r->raddr,
                                         r->llen, r->lreg, r->rreg, r->memhs, r->stripe,
-                                        (uint32_t)parts, nbytes, out + 2);
+                                        parts, nbytes, out + 2);
     }
     out[2] = rk_post_indexed(b, op, n, lidx, ridx, idx32, r->laddr, r->raddr, r->llen,
                              r->lreg, r->rreg, r->memhs, r->rkeys, 0);

@@ -125,8 +125,9 @@ typedef struct rk_stripe {
 /* rk_post_indexed striped over the first nparts workers of stripe: the
  * byte stream of the pairs (nbytes in all) is cut into nparts parts of about
  * equal bytes at 4 KiB boundaries (a descriptor may be cut), each posted on
- * its worker -- the lanes' first, each worker signalled once its part is
- * posted, the own worker's last. One batch: it completes when every
+ * its worker -- the lanes' first (each lane's pump kicked before anything is
+ * posted, held off its worker while its part is posted, then signalled),
+ * the own worker's last. One batch: it completes when every
  * operation on every worker has (the count is atomic; the pumps complete
  * operations on their threads). worker_ops[w] receives the operations
  * posted on worker w. No flush, no notification. */
@@ -173,12 +174,15 @@ enum {
     RK_SUBMIT_BAD_PAIR = -3      /* out[0]: the first pair that failed the check */
 };
 
+/* How many workers carry a transfer of nbytes: nbytes / lane_min_bytes,
+ * at most nworkers; 1 (not striped) below two parts. */
+uint32_t rk_stripe_parts(uint64_t nbytes, uint32_t nworkers, uint64_t lane_min_bytes);
+
 /* One prepared request on a route, in a zeroed batch record whose id, ctx
  * and ep are set here once the route is found current: check every index
- * pair (as
- * rk_check_indexed), then post it on the agent's worker (rk_post_indexed)
- * or, when it is at least 2 * lane_min_bytes, striped over the lanes
- * (rk_post_striped, after rk_pump_kick). Returns the operations posted, or
+ * pair (as rk_check_indexed), then post it on the agent's worker
+ * (rk_post_indexed) or, over rk_stripe_parts workers when that is more than
+ * one, striped (rk_post_striped). Returns the operations posted, or
  * a negative RK_SUBMIT_* with nothing posted. out[0] receives the bytes,
  * out[1] the workers used, out[2 + w] the operations on worker w. No flush,
  * no notification. */
