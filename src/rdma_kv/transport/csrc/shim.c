@@ -12,9 +12,10 @@
 static void rk_batch_complete(rk_batch_t *b);
 
 /* Hold the pumps of workers 1..nparts-1 of a stripe (bit w of *held set)
- * while their parts are posted: a kicked pump spins on the worker, taking
- * its lock for every progress call and again at once, and on cma each call
- * copies -- a poster contending for that lock waits out the copy. */
+ * while their parts are posted, and kick each one held so that its wake-up
+ * overlaps the posting. Held first: a kicked pump spins on the worker,
+ * taking its lock for every progress call and again at once, and on cma
+ * each call copies -- a poster contending for that lock waits out the copy. */
 static void rk_hold(const rk_stripe_t *s, uint32_t nparts, uint64_t *held)
 {
     uint32_t w;
@@ -24,6 +25,7 @@ static void rk_hold(const rk_stripe_t *s, uint32_t nparts, uint64_t *held)
         if (s->pumps[w] != NULL) {
             rk_pump_hold(s->pumps[w], 1);
             *held |= (uint64_t)1 << w;
+            rk_pump_kick(s->pumps[w]);
         }
     }
 }
@@ -373,11 +375,6 @@ uint64_t rk_post_striped(rk_batch_t *b, int op, uint64_t n,
 
     for (w = 0; w < nparts; ++w) {
         worker_ops[w] = 0;
-    }
-    for (w = 1; w < nparts && stripe->pumps != NULL; ++w) {
-        if (stripe->pumps[w] != NULL) {
-            rk_pump_kick(stripe->pumps[w]); /* its wake-up overlaps the posting */
-        }
     }
     rk_hold(stripe, nparts, &held);
     rk_begin(b, &p, memhs);

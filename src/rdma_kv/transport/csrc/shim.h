@@ -125,8 +125,9 @@ typedef struct rk_stripe {
 /* rk_post_indexed striped over the first nparts workers of stripe: the
  * byte stream of the pairs (nbytes in all) is cut into nparts parts of about
  * equal bytes at 4 KiB boundaries (a descriptor may be cut), each posted on
- * its worker -- the lanes' first (each lane's pump kicked before anything is
- * posted, held off its worker while its part is posted, then signalled),
+ * its worker -- the lanes' first (each lane's pump held off its worker and
+ * kicked before anything is posted, released once its part is posted, then
+ * signalled),
  * the own worker's last. One batch: it completes when every
  * operation on every worker has (the count is atomic; the pumps complete
  * operations on their threads). worker_ops[w] receives the operations
