@@ -103,6 +103,10 @@ int main(int argc, char **argv)
     if (argc > 2) {
         ngaps = argc - 2;
         gaps = calloc((size_t)ngaps, sizeof(*gaps));
+        if (gaps == NULL) {
+            perror("wake_latency: calloc");
+            return 2;
+        }
         for (g = 0; g < ngaps; ++g) {
             gaps[g] = atoi(argv[g + 2]);
             if (gaps[g] < 0 || gaps[g] > 1000000) {

@@ -29,9 +29,14 @@ from typing import Any
 SOURCE = Path(__file__).with_name("wake_latency.c")
 
 
+def compiler() -> str | None:
+    """The C compiler to build the probe with: ``$CC``, else ``cc`` or ``gcc``."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def build(out_dir: str) -> str:
     """Compile the probe into ``out_dir``; returns the executable's path."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = compiler()
     if not cc:
         raise SystemExit("wake_latency: no C compiler (set CC or install gcc)")
     exe = os.path.join(out_dir, "wake_latency")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -13,18 +12,18 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
-pytestmark = [
-    pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")),
-                       reason="no C compiler"),
-    pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the probe needs two CPUs"),
-]
-
 
 def _module():
     spec = importlib.util.spec_from_file_location("wake_latency", BENCH / "wake_latency.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+pytestmark = [
+    pytest.mark.skipif(not _module().compiler(), reason="no C compiler"),
+    pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the probe needs two CPUs"),
+]
 
 
 def test_probe_reports_every_gap_with_ordered_quantiles():
