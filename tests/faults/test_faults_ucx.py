@@ -84,22 +84,38 @@ def consumer_killed_trials(rng, trials):
     freed = 0
     with EngineProcess("prefill-c", config("kv_producer", "PC", lease_ttl_s=LEASE_TTL_S), SHAPE) as p:
         for trial in range(trials):
-            prompts = random_prompts(rng, f"c{trial}-", 8)
-            params = prefill(p, prompts)
-            held = p.call("status")["held"]
-            assert held == len(prompts)
+            # The decode engine starts first: an engine's start can take longer
+            # than the TTL, and the leases must be alive when it claims them.
             with EngineProcess(f"decode-c{trial}", config("kv_consumer", f"DC{trial}"), SHAPE,
                                faults={"gate_reads": True}) as d:
+                prompts = random_prompts(rng, f"c{trial}-", 8)
+                params = prefill(p, prompts)
+                held = p.call("status")["held"]
+                assert held == len(prompts)
                 d.close_gate()
                 ids = list(prompts)
                 for rid in ids[:6]:  # six loading (renewing their leases), two never sent
                     d.add(rid, prompts[rid], params[rid])
                 d.wait_status(lambda s: s["inflight_loads"] == 6, timeout_s=15)
+                # The consumer was alive and renewing: each of its leases was
+                # claimed and renewed by it before the kill, the others never.
+                leases = wait_leases(p, lambda ls: sum(x["renewals"] > 0 for x in ls) == 6, timeout_s=10)
+                renewed = {x["request_id"] for x in leases if x["renewals"] > 0 and x["claimed"]}
+                assert renewed == set(ids[:6]), leases
                 d.kill()
             # No consumer renews now: every lease expires, every block frees.
             p.wait_status(idle(), timeout_s=LEASE_TTL_S * 3 + 10)
             freed += held
     print(f"consumer killed holding leases: {trials} trials, {freed} held requests all freed on expiry")
+
+
+def wait_leases(p, predicate, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        leases = p.call("leases")
+        if predicate(leases) or time.monotonic() > deadline:
+            return leases
+        time.sleep(0.02)
 
 
 @pytest.mark.timeout(300)

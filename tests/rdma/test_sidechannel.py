@@ -37,7 +37,7 @@ def server():
 
 
 def renew(n=1):
-    return wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, i + 1, f"r{i}") for i in range(n)])
+    return wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, i + 1, f"r{i}", b"t" * 16, b"c" * 16) for i in range(n)])
 
 
 def test_round_trip_and_refusal(server):

@@ -141,7 +141,7 @@ def test_right_secret_authenticates_both_ways(server, handler, caplog):
     try:
         reply = client.handshake(handshake())
         assert reply.agent_metadata == MARKER
-        assert client.lease_call(wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, 1, "r")])).statuses
+        assert client.lease_call(wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, 1, "r", b"t" * 16, b"c" * 16)])).statuses
     finally:
         client.close()
     assert server.stats["authenticated"] == 1 and server.stats["auth_failures"] == 0
@@ -257,7 +257,7 @@ def read_all(sock, timeout_s=5.0):
 @pytest.mark.parametrize("attack", ["wrong_proof", "empty_proof", "skip_auth", "no_hello",
                                     "version_1_handshake"])
 def test_refused_peer_receives_no_metadata(server, handler, attack):
-    sent_after = frame(handshake()) + frame(wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, 1, "r")]))
+    sent_after = frame(handshake()) + frame(wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, 1, "r", b"t" * 16, b"c" * 16)]))
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
         if attack == "no_hello":
             sock.sendall(sent_after)

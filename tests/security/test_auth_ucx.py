@@ -33,26 +33,28 @@ def test_two_processes_with_and_without_the_secret(tmp_path, rng):
     for path in (good, bad):
         os.chmod(path, 0o600)
     prompts = {f"a{i}": rng.integers(1, 999, int(rng.integers(20, 200))).tolist() for i in range(6)}
-    with EngineProcess("prefill-auth", config("kv_producer", "PA", str(good)), SHAPE) as p:
+    # Both decode engines start before the prefill: the leases' 3 s TTL runs
+    # from the prefill, and an engine's start on a loaded machine can take longer.
+    with EngineProcess("prefill-auth", config("kv_producer", "PA", str(good)), SHAPE) as p, \
+            EngineProcess("decode-auth", config("kv_consumer", "DA", str(good)), SHAPE) as d, \
+            EngineProcess("decode-wrong", config("kv_consumer", "DW", str(bad)), SHAPE) as d2:
         for rid, prompt in prompts.items():
             p.add(rid, prompt, {"do_remote_decode": True})
         params = {rid: r["kv_transfer_params"] for rid, r in p.wait_results(prompts, timeout_s=30).items()}
         for value in params.values():
             assert good.read_text() not in repr(value)
         ids = list(prompts)
-        with EngineProcess("decode-auth", config("kv_consumer", "DA", str(good)), SHAPE) as d:
-            for rid in ids[:4]:
-                d.add(rid, prompts[rid], params[rid])
-            results = d.wait_results(ids[:4], timeout_s=30)
-            errors = [x.get("error") for x in (d.call("stats") or {}).get("requests", []) if x.get("error")]
-            for rid, r in results.items():
-                assert r["status"] == "finished" and not r["load_failed"] and r["bad_blocks"] == [], (rid, errors)
-        with EngineProcess("decode-wrong", config("kv_consumer", "DW", str(bad)), SHAPE) as d2:
-            for rid in ids[4:]:
-                d2.add(rid, prompts[rid], params[rid])
-            for rid, r in d2.wait_results(ids[4:], timeout_s=15).items():
-                assert r["status"] == "failed" and r["load_failed"], (rid, r)
-                assert "authentication" in (r["error"] or "") or r["error"], r
+        for rid in ids[:4]:
+            d.add(rid, prompts[rid], params[rid])
+        results = d.wait_results(ids[:4], timeout_s=30)
+        errors = [x.get("error") for x in (d.call("stats") or {}).get("requests", []) if x.get("error")]
+        for rid, r in results.items():
+            assert r["status"] == "finished" and not r["load_failed"] and r["bad_blocks"] == [], (rid, errors)
+        for rid in ids[4:]:
+            d2.add(rid, prompts[rid], params[rid])
+        for rid, r in d2.wait_results(ids[4:], timeout_s=15).items():
+            assert r["status"] == "failed" and r["load_failed"], (rid, r)
+            assert "authentication" in (r["error"] or "") or r["error"], r
         # The refused consumer could not release its leases: they expire, nothing stranded.
         p.wait_status(lambda s: s["leases"] == 0 and s["held"] == 0 and s["free_blocks"] == SHAPE.num_blocks,
                       timeout_s=LEASE_TTL_S + 10)

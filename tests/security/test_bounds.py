@@ -89,7 +89,7 @@ def test_the_connectors_lane_bound_is_the_transports():
 def test_params_reject_impossible_block_ids(ids):
     params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "h", "remote_port": 1,
               "remote_block_ids": ids, "remote_request_id": "r", "tp_size": 1, "remote_lease_epoch": 1,
-              "remote_lease_generation": 1, "remote_lease_ttl_s": 5, "remote_num_tokens": 1}
+              "remote_lease_generation": 1, "remote_lease_token": "ab" * 16, "remote_lease_ttl_s": 5, "remote_num_tokens": 1}
     with pytest.raises(ConfigError, match="remote_block_ids"):
         parse_kv_transfer_params(params)
 
@@ -136,7 +136,7 @@ def test_step_metadata_with_bad_block_ids_posts_nothing(pair, local, remote):
     fabric, p, d = pair
     worker = d.worker.worker
     spec = LoadSpec("m", local, remote, PeerAddress("P", "127.0.0.1", p.worker.worker.side_channel_port, 1),
-                    LeaseRef(1, 1, "m"), 30.0)
+                    LeaseRef(1, 1, "m", b"t" * 16), 30.0, b"c" * 16)
     reads = fabric.reads
     worker.on_step(RdmaConnectorMetadata(loads=(spec,)))
     done: set = set()

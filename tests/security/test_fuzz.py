@@ -75,7 +75,7 @@ GEOMETRY = wire.GeometryWire(
     [wire.RegionWire(1 << 20, 65536)],
     [wire.LayerWire("l0", 0, 128, "blocks_first", [wire.SegmentWire(0, 256, 128)]),
      wire.LayerWire("l1", 0, 128, "blocks_first", [wire.SegmentWire(32768, 256, 128)])])
-LEASES = [wire.LeaseWire(7, 3, "req-1"), wire.LeaseWire(2**52, 1, "r")]
+LEASES = [wire.LeaseWire(7, 3, "req-1", b"t" * 16, b"c" * 16), wire.LeaseWire(2**52, 1, "r", b"\0" * 16, b"\xff" * 16)]
 VALID_REQUESTS = [
     wire.Hello(wire.PROTOCOL_VERSION, "consumer", b"\x01" * 32),
     wire.Auth(wire.PROTOCOL_VERSION, b"\x02" * 32),
@@ -261,7 +261,7 @@ def test_agent_metadata_non_utf8_is_a_metadata_error():
         agent_metadata.decode(b"\x81\xa5magic\xa1\x80")
 
 
-VALID_PARAMS = RemotePrefillParams("P", "127.0.0.1", 5555, (3, 4, 5), "req", 1, 99, 7, 30.0, 40).to_dict()
+VALID_PARAMS = RemotePrefillParams("P", "127.0.0.1", 5555, (3, 4, 5), "req", 1, 99, 7, b"t" * 16, 30.0, 40).to_dict()
 param_values = st.one_of(json_like, st.lists(st.integers(-5, 2**33), max_size=8),
                          st.sampled_from([True, False, None, 0, 1, -1, 2**53, 86400.5, float("nan"), "", "x" * 2000]))
 
@@ -366,7 +366,7 @@ def worker_step_metadata(local, remote, generation, dead_peer):
         port = 1  # nothing listens on 127.0.0.1:1
     rid = f"w{COUNTS['worker_step_metadata']}"
     spec = LoadSpec(rid, tuple(local), tuple(remote), PeerAddress("P", "127.0.0.1", port, 1),
-                    LeaseRef(7, generation, rid), 30.0)
+                    LeaseRef(7, generation, rid, b"t" * 16), 30.0, b"c" * 16)
     reads_before = fabric.reads
     in_range = (len(local) == len(remote)
                 and all(0 <= b < SHAPE.num_blocks for b in (*local, *remote)))
@@ -499,12 +499,14 @@ def test_live_servers_still_serve_honest_peers_after_the_campaigns():
         server = live_server(authenticated)
         client = SideChannelClient("127.0.0.1", server.port, secret=LIVE_SECRET if authenticated else None)
         try:
-            reply = client.lease_call(wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, 1, "honest")]))
-            # A lease this worker never saw: GONE, or PENDING when its generation is
-            # newer than any grant delivered so far (the grant may still be on its
-            # way, see leases.py) -- either way a well-formed answer, not a crash.
+            reply = client.lease_call(wire.Renew(wire.PROTOCOL_VERSION, [
+                wire.LeaseWire(1, 1, "honest", b"t" * 16, b"c" * 16)]))
+            # A lease this worker never granted: UNKNOWN (its token does not
+            # verify), GONE (of another epoch than the worker's), or PENDING
+            # before the worker learnt its epoch -- a well-formed refusal, not a crash.
             assert len(reply.statuses) == 1
-            assert reply.statuses[0] in (wire.LeaseStatus.GONE, wire.LeaseStatus.PENDING)
+            assert reply.statuses[0] in (wire.LeaseStatus.UNKNOWN, wire.LeaseStatus.GONE,
+                                         wire.LeaseStatus.PENDING)
         finally:
             client.close()
         print(f"server ({'authenticated' if authenticated else 'open'}) stats after fuzzing: {server.stats}")

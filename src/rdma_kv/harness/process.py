@@ -127,6 +127,11 @@ def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dic
                 elif op == "expire_leases":
                     leases = engine.worker.worker.leases
                     conn.send(("reply", len(leases.expire(now=float("inf")))))
+                elif op == "leases":
+                    conn.send(("reply", [
+                        {"request_id": lease.ref.request_id, "generation": lease.ref.generation,
+                         "renewals": lease.renewals, "claimed": lease.owner is not None}
+                        for lease in engine.worker.worker.leases.leases()]))
                 elif op == "scribble_free":
                     free = list(engine.pool.free)
                     engine.kv[:, free] = 7

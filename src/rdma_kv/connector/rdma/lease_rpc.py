@@ -5,8 +5,8 @@ Owns batching (per producer, at most ``wire.MAX_LEASES_PER_MESSAGE`` leases
 a message), submission to the worker's RPC thread pool, and the call itself.
 A failed RPC is logged at DEBUG and dropped: the producer's lease then
 expires on its own, which is the design, not an error. What to do with a
-lease the producer no longer holds is the worker's decision (it is told
-which requests' leases are gone).
+lease the producer no longer holds for this consumer is the worker's
+decision (it is told each refused lease and the producer's answer).
 
 Imports the standard library and the connector's ``rdma`` wire/meta/params
 modules.
@@ -21,21 +21,20 @@ from collections.abc import Callable, Iterable
 
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.meta import PeerAddress, RemoteLease
-from rdma_kv.connector.rdma.params import LeaseRef
 from rdma_kv.connector.rdma.sidechannel import SideChannelClient
 
-__all__ = ["call_lease_rpc", "submit_lease_rpcs"]
+__all__ = ["REFUSALS", "call_lease_rpc", "refusal_reason", "submit_lease_rpcs"]
 
 logger = logging.getLogger(__name__)
 
 
 def submit_lease_rpcs(executor: concurrent.futures.Executor,
-                      call: Callable[[type, PeerAddress, list[LeaseRef]], None],
+                      call: Callable[[type, PeerAddress, list[RemoteLease]], None],
                       kind: type, leases: Iterable[RemoteLease]) -> None:
     """Group ``leases`` by producer and submit ``call(kind, address, chunk)``."""
-    by_peer: dict[PeerAddress, list[LeaseRef]] = collections.defaultdict(list)
+    by_peer: dict[PeerAddress, list[RemoteLease]] = collections.defaultdict(list)
     for item in leases:
-        by_peer[item.peer].append(item.lease)
+        by_peer[item.peer].append(item)
     for address, refs in by_peer.items():
         for start in range(0, len(refs), wire.MAX_LEASES_PER_MESSAGE):
             try:
@@ -44,16 +43,33 @@ def submit_lease_rpcs(executor: concurrent.futures.Executor,
                 return
 
 
+REFUSALS = frozenset({wire.LeaseStatus.GONE, wire.LeaseStatus.CLAIMED, wire.LeaseStatus.UNKNOWN})
+"""Answers that mean the producer holds nothing for this consumer under the lease."""
+
+
 def call_lease_rpc(client: SideChannelClient, kind: type, address: PeerAddress,
-                   refs: list[LeaseRef]) -> set[str] | None:
-    """One RENEW or RELEASE; the request ids whose lease is gone (RENEW), or
-    None if the call failed (logged; the leases expire on their own)."""
+                   leases: list[RemoteLease]) -> list[tuple[RemoteLease, wire.LeaseStatus]] | None:
+    """One RENEW or RELEASE; the leases the producer refused (GONE, CLAIMED,
+    UNKNOWN) with its answers, or None if the call failed (logged at DEBUG:
+    the leases expire on their own)."""
     try:
-        reply = client.lease_call(kind(wire.PROTOCOL_VERSION, [wire.LeaseWire.of(r) for r in refs]))
+        reply = client.lease_call(kind(wire.PROTOCOL_VERSION,
+                                       [wire.LeaseWire.of(r.lease, r.claim) for r in leases]))
     except Exception as exc:
         logger.debug("%s of %d lease(s) with %r failed (the leases expire on their own): %s",
-                     kind.__name__, len(refs), address.engine_id, exc)
+                     kind.__name__, len(leases), address.engine_id, exc)
         return None
-    if kind is not wire.Renew:
-        return set()
-    return {r.request_id for r, s in zip(refs, reply.statuses) if s is wire.LeaseStatus.GONE}
+    return [(r, s) for r, s in zip(leases, reply.statuses) if s in REFUSALS]
+
+
+def refusal_reason(status: wire.LeaseStatus, producer: str, generation: int) -> str:
+    """Why a load cannot trust (or start) its reads, for a producer's refusal."""
+    if status is wire.LeaseStatus.CLAIMED:
+        return (f"producer {producer!r} refused lease {generation}: another consumer claimed it first "
+                "(the same kv_transfer_params were loaded twice, e.g. a router retry or a duplicate "
+                "request); the blocks belong to that load")
+    if status is wire.LeaseStatus.UNKNOWN:
+        return (f"producer {producer!r} never granted lease {generation} (its token does not verify): "
+                "the kv_transfer_params were altered or come from another producer")
+    return (f"producer {producer!r} no longer holds lease {generation} (released or expired): the "
+            "blocks may have been reused")

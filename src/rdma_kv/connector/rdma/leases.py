@@ -1,37 +1,44 @@
-"""The producer's lease table: which delayed blocks are held for which consumer.
+"""The producer's lease table: which delayed blocks are held, for whom, until when.
 
-Owns leases (request id -> block ids, epoch and generation, expiry), their
-renewal, release and expiry, the answers to a consumer's RENEW / CONFIRM /
-RELEASE, and the request ids ``get_finished`` reports in ``done_sending``.
+Owns leases (request id -> block ids, epoch and generation, owner, expiry),
+the answers to a consumer's RENEW / CONFIRM / RELEASE, and the request ids
+``get_finished`` reports in ``done_sending`` (the only way a lease's blocks
+go back to the engine).
 
-Why leases and generations. A producer that frees delayed blocks on a timer
-while a consumer still reads them hands the consumer reused memory, and the
-consumer decodes garbage with confidence. Here blocks stay held while the
-consumer renews; a consumer that disappears stops renewing, the lease
-expires and the blocks free (nothing stranded). And because the lease is
-removed from this table *before* its request is reported in
-``done_sending`` (the only way its blocks return to the engine), a CONFIRM
-that finds the lease HELD after the consumer's reads completed proves the
-blocks were never reused during those reads. A late CONFIRM of an expired
-lease finds it GONE: the consumer reports a load error instead of
-corrupting.
+What HELD means. A CONFIRM answers HELD to a claimant only if the lease's
+blocks were held, unreleased and unexpired, from its grant until this
+answer; a consumer that posted its reads after it was handed the lease and
+confirms after they completed therefore read blocks no one reused. Once a
+lease ends (released, expired, or its epoch replaced) it never comes back:
+every later CONFIRM or RENEW answers GONE, whoever asks, except the one
+retry this table recognises, the releasing CONFIRM's own claimant asking
+again (its reads completed before that first CONFIRM was sent).
 
-Generations come from the producer's scheduler (``request_finished``),
-monotonically within an epoch (random per scheduler process). A generation
-above the highest this table has seen is PENDING (granted, not yet shipped
-to this worker); at or below it, and not held, it is GONE. An epoch other
-than the scheduler's current one is GONE (a restarted producer never
-confirms a lease of its previous life).
+The state machine of one lease (``docs/rdma-connector.md`` draws it):
 
-A grant reaches this table only with the producer engine's *next* step,
-and an engine may not step again for a long time (vLLM stops stepping when
-no request is left: the last prefill's grant waits for the next request).
-So a CONFIRM of a PENDING lease (epoch known) answers HELD: its blocks can
-only return to the engine through this table's ``done_sending``, which a
-lease not yet granted here never reached, so they are still held. A CONFIRM
-with release, or a RELEASE, of a PENDING lease is remembered (bounded), and
-its grant, when it arrives, ends at once (``done_sending`` in that step).
-RENEW of a PENDING lease stays PENDING: the TTL starts at the grant.
+- *issued*: the producer scheduler's ``request_finished`` created it (epoch,
+  generation, request id and a token, ``params.lease_token``) and the engine
+  holds its blocks (``delay_free``). Its grant reaches this table only with
+  the engine's next step, which may be long coming (vLLM stops stepping
+  when no request is left), so a lease whose token verifies under the
+  epoch's key and whose generation this table has not seen is known to be
+  held: its blocks can only leave through this table's ``done_sending``.
+- *granted*: in the table, unclaimed; the TTL runs from the grant.
+- *claimed*: the first RENEW, CONFIRM or RELEASE that names it with a valid
+  token records the caller's claim key as its owner (a claim may arrive
+  while the lease is only issued; the grant then keeps it). From then on
+  only the owner may renew, confirm or release it; anyone else gets CLAIMED
+  and changes nothing. A router that retries the same params on another
+  decode engine, or an engine that loads them twice, is refused instead of
+  reading blocks the first loader may already have released.
+- *ended*: released by its owner (RELEASE, or CONFIRM with ``release``),
+  expired (no renewal within the TTL), or ended by a new epoch. A tombstone
+  remembers how (bounded; a generation this table has seen but no longer
+  remembers is GONE too).
+
+A call naming a lease whose token does not verify is refused (UNKNOWN) and
+records nothing, so nobody can claim, release or renew a lease they were
+not handed. A call before this worker knows its epoch answers PENDING.
 
 The reaper keeps a heap of (expiry, generation) and re-checks the live
 expiry on pop, so renewals in any order are handled: it never assumes
@@ -46,18 +53,42 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import heapq
+import hmac
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from rdma_kv.connector.rdma.params import LeaseRef
+from rdma_kv.connector.rdma.params import LeaseRef, lease_token
 from rdma_kv.connector.rdma.wire import LeaseStatus
 from rdma_kv.connector.types import BlockId, RequestId
 
-__all__ = ["Lease", "LeaseTable"]
+__all__ = ["Lease", "LeaseCall", "LeaseTable"]
 
-_RECENT_CONFIRMED = 8192
+MAX_TOMBSTONES = 1 << 16
+"""Ended leases remembered (a few hundred bytes each). A forgotten one is GONE
+to everyone, its owner's retried CONFIRM included: a load error, never a lie."""
+MAX_EARLY = 1 << 14
+"""Claims recorded on leases issued but not yet shipped here. Past this a new
+one is answered PENDING without being recorded (the caller asks again)."""
+
+HELD, PENDING, GONE, CLAIMED, UNKNOWN = (LeaseStatus.HELD, LeaseStatus.PENDING, LeaseStatus.GONE,
+                                         LeaseStatus.CLAIMED, LeaseStatus.UNKNOWN)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseCall:
+    """One lease named in a RENEW, CONFIRM or RELEASE, with the caller's claim."""
+
+    ref: LeaseRef
+    claim: bytes = dataclasses.field(repr=False)
+
+
+class Ending(enum.Enum):
+    RELEASED = "released"
+    EXPIRED = "expired"
+    EPOCH = "epoch"
 
 
 @dataclasses.dataclass
@@ -66,7 +97,24 @@ class Lease:
     block_ids: tuple[BlockId, ...]
     ttl_s: float
     expires_at: float
+    owner: bytes | None = dataclasses.field(default=None, repr=False)
     renewals: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tombstone:
+    how: Ending
+    confirmed_by: bytes | None = dataclasses.field(default=None, repr=False)
+    """The claim whose CONFIRM released the lease: its retries read HELD."""
+
+
+@dataclasses.dataclass
+class _Early:
+    """A claim on a lease issued but not yet shipped here."""
+
+    owner: bytes = dataclasses.field(repr=False)
+    released: bool = False
+    confirmed: bool = False
 
 
 class LeaseTable:
@@ -76,131 +124,193 @@ class LeaseTable:
         self._clock = clock
         self._lock = threading.Lock()
         self._epoch: int | None = None
+        self._key = b""
         self._max_generation = 0
         self._leases: dict[int, Lease] = {}  # generation -> lease
         self._heap: list[tuple[float, int]] = []
         self._done: set[RequestId] = set()
-        # Leases released by a CONFIRM(release=True): a retried CONFIRM whose
-        # first reply was lost must still read HELD (the reads it covers
-        # completed before the first CONFIRM was sent).
-        self._confirmed = collections.OrderedDict[int, RequestId]()
-        # PENDING leases a consumer confirmed-and-released or released before
-        # their grant arrived: the grant ends them at once. Bounded: a lease
-        # forgotten here is held until its TTL instead (slower, never unsafe).
-        self._released_early = collections.OrderedDict[int, RequestId]()
+        self._ended = collections.OrderedDict[int, _Tombstone]()
+        self._early: dict[int, _Early] = {}
         self.stats = collections.Counter[str]()
 
     # --- grants (from the producer scheduler, through step metadata) -------------
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, key: bytes) -> None:
+        """The scheduler's epoch and lease key (every step's metadata). A new
+        epoch is a new scheduler incarnation: every lease of the old one ends."""
         with self._lock:
-            if self._epoch != epoch:
-                if self._epoch is not None:
-                    # A new scheduler incarnation: nothing it did not grant is held.
-                    for lease in self._leases.values():
-                        self._done.add(lease.ref.request_id)
-                    self._leases.clear()
-                    self._heap.clear()
-                    self._confirmed.clear()
-                    self._released_early.clear()
-                    self._max_generation = 0
-                self._epoch = epoch
+            if self._epoch == epoch:
+                return
+            for lease in self._leases.values():
+                self._done.add(lease.ref.request_id)
+                self.stats[Ending.EPOCH.value] += 1
+            self._leases.clear()
+            self._heap.clear()
+            self._ended.clear()
+            self._early.clear()
+            self._max_generation = 0
+            self._epoch, self._key = epoch, key
 
     def grant(self, ref: LeaseRef, block_ids: Sequence[BlockId], ttl_s: float) -> None:
         now = self._clock()
         with self._lock:
-            if self._epoch is None:
-                self._epoch = ref.epoch
             if ref.epoch != self._epoch:
                 raise ValueError(f"lease {ref} is of epoch {ref.epoch}, table epoch {self._epoch}")
+            if ref.generation in self._leases or ref.generation in self._ended:
+                raise ValueError(f"lease {ref} was granted already")
             self._max_generation = max(self._max_generation, ref.generation)
-            if self._released_early.pop(ref.generation, None) == ref.request_id:
-                self._done.add(ref.request_id)  # read and released before it was shipped here
-                self.stats["granted"] += 1
+            self.stats["granted"] += 1
+            early = self._early.pop(ref.generation, None)
+            lease = Lease(ref, tuple(block_ids), ttl_s, now + ttl_s,
+                          owner=early.owner if early is not None else None)
+            if early is not None and early.released:
+                # Its owner read, confirmed and released it before the grant got here.
+                self._done.add(ref.request_id)
+                self._bury(ref.generation, Ending.RELEASED, early.owner if early.confirmed else None)
                 self.stats["released_early"] += 1
                 return
-            lease = Lease(ref, tuple(block_ids), ttl_s, now + ttl_s)
             self._leases[ref.generation] = lease
             heapq.heappush(self._heap, (lease.expires_at, ref.generation))
-            self.stats["granted"] += 1
 
-    # --- consumer RPCs ---------------------------------------------------------------
+    # --- consumer calls ----------------------------------------------------------------
 
-    def _status(self, ref: LeaseRef) -> LeaseStatus:
+    def _verify(self, ref: LeaseRef) -> LeaseStatus | None:
+        """None when the table may act on ``ref``; else the answer (lock held)."""
         if self._epoch is None:
-            return LeaseStatus.PENDING
+            return PENDING  # no step metadata yet: nothing is known, nothing is recorded
         if ref.epoch != self._epoch:
-            return LeaseStatus.GONE
-        lease = self._leases.get(ref.generation)
-        if lease is not None:
-            return LeaseStatus.HELD if lease.ref.request_id == ref.request_id else LeaseStatus.GONE
-        if ref.generation > self._max_generation:
-            return LeaseStatus.PENDING
-        return LeaseStatus.GONE
+            return GONE  # another incarnation of the producer
+        expected = lease_token(self._key, ref.epoch, ref.generation, ref.request_id)
+        if not hmac.compare_digest(expected, ref.token):
+            self.stats["refused_unknown"] += 1
+            return UNKNOWN
+        return None
 
-    def renew(self, refs: Iterable[LeaseRef]) -> list[LeaseStatus]:
+    def _early_claim(self, call: LeaseCall) -> _Early | LeaseStatus:
+        """The claim record of an issued, unshipped lease, made for ``call``
+        if there is none (lock held)."""
+        early = self._early.get(call.ref.generation)
+        if early is None:
+            if len(self._early) >= MAX_EARLY:
+                return PENDING
+            early = self._early[call.ref.generation] = _Early(call.claim)
+        if early.owner != call.claim:
+            self.stats["refused_claimed"] += 1
+            return CLAIMED
+        return early
+
+    def _claim(self, lease: Lease, claim: bytes) -> bool:
+        """Own an unclaimed lease; True when ``claim`` owns it (lock held)."""
+        if lease.owner is None:
+            lease.owner = claim
+        if lease.owner != claim:
+            self.stats["refused_claimed"] += 1
+            return False
+        return True
+
+    def renew(self, calls: Iterable[LeaseCall]) -> list[LeaseStatus]:
+        """HELD (expiry pushed back), PENDING (issued, not shipped: the TTL
+        starts at the grant), GONE, CLAIMED or UNKNOWN."""
+        self.expire()
         now = self._clock()
         out = []
         with self._lock:
-            for ref in refs:
-                status = self._status(ref)
-                if status is LeaseStatus.HELD:
-                    lease = self._leases[ref.generation]
-                    lease.expires_at = now + lease.ttl_s  # the heap entry is re-checked on pop
-                    lease.renewals += 1
-                    self.stats["renewed"] += 1
+            for call in calls:
+                status = self._verify(call.ref)
+                if status is None:
+                    gen = call.ref.generation
+                    lease = self._leases.get(gen)
+                    if lease is not None:
+                        status = HELD if self._claim(lease, call.claim) else CLAIMED
+                        if status is HELD:
+                            lease.expires_at = now + lease.ttl_s  # the heap entry is re-checked on pop
+                            lease.renewals += 1
+                            self.stats["renewed"] += 1
+                    elif gen <= self._max_generation:
+                        status = GONE
+                    else:
+                        early = self._early_claim(call)
+                        status = early if isinstance(early, LeaseStatus) else (
+                            GONE if early.released else PENDING)
                 out.append(status)
         return out
 
-    def confirm(self, refs: Iterable[LeaseRef], release: bool) -> list[LeaseStatus]:
-        """HELD iff the lease is held now (hence was, since it was granted),
-        or granted and not yet shipped here (its blocks never left the engine).
-        Expiry is applied first: a lease past its expiry is never confirmed."""
+    def confirm(self, calls: Iterable[LeaseCall], release: bool) -> list[LeaseStatus]:
+        """HELD iff the lease's blocks were held from its grant until now and
+        ``claim`` owns it (claiming it if no one did); with ``release`` the
+        lease then ends. Expiry is applied first: a lease past its expiry is
+        never confirmed."""
         self.expire()
         out = []
         with self._lock:
-            for ref in refs:
-                status = self._status(ref)
-                if status is LeaseStatus.GONE and self._confirmed.get(ref.generation) == ref.request_id \
-                        and ref.epoch == self._epoch:
-                    status = LeaseStatus.HELD  # a retry of a CONFIRM that already released it
-                elif status is LeaseStatus.PENDING and self._epoch is not None:
-                    status = LeaseStatus.HELD  # granted, not shipped: still held (module docstring)
-                    if release:
-                        self._confirmed[ref.generation] = ref.request_id  # retries read HELD
-                        self._release_early(ref)
-                elif status is LeaseStatus.HELD and release:
-                    self._end(ref.generation, "released")
-                    self._confirmed[ref.generation] = ref.request_id
-                    while len(self._confirmed) > _RECENT_CONFIRMED:
-                        self._confirmed.popitem(last=False)
-                self.stats["confirmed" if status is LeaseStatus.HELD else "refused_confirm"] += 1
+            for call in calls:
+                status = self._verify(call.ref)
+                if status is None:
+                    status = self._confirm_one(call, release)
+                self.stats["confirmed" if status is HELD else "refused_confirm"] += 1
                 out.append(status)
         return out
 
-    def release(self, refs: Iterable[LeaseRef]) -> list[LeaseStatus]:
+    def _confirm_one(self, call: LeaseCall, release: bool) -> LeaseStatus:
+        gen = call.ref.generation
+        lease = self._leases.get(gen)
+        if lease is not None:
+            if not self._claim(lease, call.claim):
+                return CLAIMED
+            if release:
+                self._end(gen, Ending.RELEASED, confirmed_by=call.claim)
+            return HELD
+        if gen <= self._max_generation:
+            tomb = self._ended.get(gen)
+            if tomb is not None and tomb.confirmed_by is not None and tomb.confirmed_by == call.claim:
+                return HELD  # the releasing CONFIRM's retry: its reads preceded that CONFIRM
+            return GONE
+        # Issued, not shipped here: its blocks cannot have left the engine.
+        early = self._early_claim(call)
+        if isinstance(early, LeaseStatus):
+            return early
+        if early.released:
+            return HELD if early.confirmed else GONE
+        if release:
+            early.released = early.confirmed = True
+        return HELD
+
+    def release(self, calls: Iterable[LeaseCall]) -> list[LeaseStatus]:
+        """HELD (it was held; now released), PENDING (issued, not shipped: it
+        ends when its grant arrives), GONE, CLAIMED or UNKNOWN."""
         out = []
         with self._lock:
-            for ref in refs:
-                status = self._status(ref)
-                if status is LeaseStatus.HELD:
-                    self._end(ref.generation, "released")
-                elif status is LeaseStatus.PENDING and self._epoch is not None:
-                    self._release_early(ref)
+            for call in calls:
+                status = self._verify(call.ref)
+                if status is None:
+                    gen = call.ref.generation
+                    lease = self._leases.get(gen)
+                    if lease is not None:
+                        status = HELD if self._claim(lease, call.claim) else CLAIMED
+                        if status is HELD:
+                            self._end(gen, Ending.RELEASED)
+                    elif gen <= self._max_generation:
+                        status = GONE
+                    else:
+                        early = self._early_claim(call)
+                        if isinstance(early, LeaseStatus):
+                            status = early
+                        else:
+                            early.released = True
+                            status = PENDING
                 out.append(status)
         return out
 
-    def _release_early(self, ref: LeaseRef) -> None:
-        """Remember a PENDING lease released before its grant (lock held)."""
-        self._released_early[ref.generation] = ref.request_id
-        for recent in (self._confirmed, self._released_early):
-            while len(recent) > _RECENT_CONFIRMED:
-                recent.popitem(last=False)
-
-    def _end(self, generation: int, why: str) -> None:
+    def _end(self, generation: int, how: Ending, confirmed_by: bytes | None = None) -> None:
         lease = self._leases.pop(generation)
         self._done.add(lease.ref.request_id)
-        self.stats[why] += 1
+        self._bury(generation, how, confirmed_by)
+
+    def _bury(self, generation: int, how: Ending, confirmed_by: bytes | None) -> None:
+        self._ended[generation] = _Tombstone(how, confirmed_by)
+        while len(self._ended) > MAX_TOMBSTONES:
+            self._ended.popitem(last=False)
+        self.stats[how.value] += 1
 
     # --- reaper and done_sending --------------------------------------------------------
 
@@ -213,11 +323,11 @@ class LeaseTable:
                 _, generation = heapq.heappop(self._heap)
                 lease = self._leases.get(generation)
                 if lease is None:
-                    continue  # released earlier
+                    continue  # ended earlier
                 if lease.expires_at > now:  # renewed since this entry was pushed
                     heapq.heappush(self._heap, (lease.expires_at, generation))
                     continue
-                self._end(generation, "expired")
+                self._end(generation, Ending.EXPIRED)
                 expired.append(lease.ref.request_id)
         return expired
 
@@ -227,10 +337,6 @@ class LeaseTable:
         with self._lock:
             done, self._done = self._done, set()
             return done
-
-    def next_expiry(self) -> float | None:
-        with self._lock:
-            return min((lease.expires_at for lease in self._leases.values()), default=None)
 
     # --- introspection (stats, leak checks) -------------------------------------------------
 

@@ -35,6 +35,7 @@ class LoadState:
     """The transfer completed or failed (or was never posted): no read can land."""
     transfer: TransferHandle | None = None
     error: str | None = None
+    renewed_at: float | None = None
     stats: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -51,14 +52,15 @@ class PeerState:
     handshake_s: float = 0.0
 
 
-def due_renewals(loads: Iterable[LoadState], last_renewal: float, now: float,
-                 interval_for: Callable[[float], float]) -> tuple[list[RemoteLease], float]:
-    """Leases to renew now, and the new time of the last renewal. Renewals go
-    out at the shortest interval any active load's lease TTL asks for."""
-    active = [ld for ld in loads if ld.stage in (HANDSHAKE, READING, CONFIRMING)]
-    if not active:
-        return [], now
-    interval = min(interval_for(ld.spec.lease_ttl_s) for ld in active)
-    if now - last_renewal < interval:
-        return [], last_renewal
-    return [RemoteLease(ld.spec.peer, ld.spec.lease) for ld in active], now
+def due_renewals(loads: Iterable[LoadState], now: float,
+                 interval_for: Callable[[float], float]) -> list[RemoteLease]:
+    """Leases to renew now, marked renewed: a load's first renewal (which
+    also claims its lease) goes out at the first step after it starts, later
+    ones every ``interval_for(its lease TTL)``."""
+    due = []
+    for load in loads:
+        if load.stage in (HANDSHAKE, READING, CONFIRMING) and (
+                load.renewed_at is None or now - load.renewed_at >= interval_for(load.spec.lease_ttl_s)):
+            load.renewed_at = now
+            due.append(load.spec.remote_lease)
+    return due

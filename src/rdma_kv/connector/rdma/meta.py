@@ -44,10 +44,15 @@ class PeerAddress:
 
 @dataclasses.dataclass(frozen=True)
 class RemoteLease:
-    """A lease on ``peer`` (for RENEW and RELEASE)."""
+    """A lease on ``peer`` (for RENEW and RELEASE), and this consumer's
+    ``claim`` on it: a random key the consumer scheduler draws once per
+    request. The first claim a producer sees for a lease owns it; every
+    lease call of this request carries the same claim (and so a retried
+    CONFIRM is recognised by it)."""
 
     peer: PeerAddress
     lease: LeaseRef
+    claim: bytes = dataclasses.field(repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +66,13 @@ class LoadSpec:
     peer: PeerAddress
     lease: LeaseRef
     lease_ttl_s: float
+    claim: bytes = dataclasses.field(repr=False)
+    """This request's claim on ``lease`` (see :class:`RemoteLease`)."""
     error: str | None = None
+
+    @property
+    def remote_lease(self) -> RemoteLease:
+        return RemoteLease(self.peer, self.lease, self.claim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +90,10 @@ class SendSpec:
 class RdmaConnectorMetadata(KVConnectorMetadata):
     lease_epoch: int = 0
     """The producer scheduler's epoch (0 on a consumer-only engine)."""
+    lease_key: bytes = dataclasses.field(default=b"", repr=False)
+    """The epoch's lease key (``params.lease_token``): lets a worker verify
+    that its scheduler granted a lease it has not been shipped yet. Stays
+    inside the producer engine (never on the side channel, never logged)."""
     loads: tuple[LoadSpec, ...] = ()
     sends: tuple[SendSpec, ...] = ()
     releases: tuple[RemoteLease, ...] = ()

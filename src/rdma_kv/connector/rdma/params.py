@@ -22,6 +22,9 @@ Imports the standard library, ``rdma_kv.errors`` and the connector's
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
+import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,9 +33,11 @@ from rdma_kv.errors import ConfigError
 
 __all__ = [
     "PARAM_KEYS",
+    "LEASE_TOKEN_BYTES",
     "LeaseRef",
     "RemoteDecodeRequest",
     "RemotePrefillParams",
+    "lease_token",
     "parse_kv_transfer_params",
 ]
 
@@ -49,23 +54,39 @@ _VLLM_KEYS = (
     "remote_request_id",
     "tp_size",
 )
-_RDMA_KEYS = ("remote_lease_epoch", "remote_lease_generation", "remote_lease_ttl_s",
-              "remote_num_tokens")
+_RDMA_KEYS = ("remote_lease_epoch", "remote_lease_generation", "remote_lease_token",
+              "remote_lease_ttl_s", "remote_num_tokens")
 PARAM_KEYS = _VLLM_KEYS + _RDMA_KEYS
 
 MAX_BLOCK_IDS = 1 << 20  # a 16M-token prompt at block 16; anything above is an attack or a bug
 _JSON_SAFE_INT = (1 << 53) - 1  # routers written in JS or Go may parse numbers as doubles
 
 
+LEASE_TOKEN_BYTES = 16
+
+
 @dataclasses.dataclass(frozen=True)
 class LeaseRef:
     """Names one lease on a producer: the producer scheduler's ``epoch``
     (random per process, so a restarted producer never confirms an old lease)
-    and a ``generation`` unique within that epoch, plus the request id."""
+    and a ``generation`` unique within that epoch, plus the request id and
+    the ``token`` that proves the producer granted it (:func:`lease_token`)."""
 
     epoch: int
     generation: int
     request_id: RequestId
+    token: bytes = dataclasses.field(repr=False)
+
+
+def lease_token(key: bytes, epoch: int, generation: int, request_id: str) -> bytes:
+    """The producer's proof that it granted lease ``(epoch, generation,
+    request_id)``: an HMAC-SHA256 under the scheduler's per-epoch lease key,
+    which only the producer engine's own processes know. A worker verifies it
+    before it records anything about a lease its scheduler has granted but
+    not yet shipped to it, so a peer cannot claim, renew or release a lease
+    by guessing the (sequential) generation."""
+    message = b"rdma-kv lease 1" + struct.pack(">QQ", epoch, generation) + request_id.encode()
+    return hmac.new(key, message, hashlib.sha256).digest()[:LEASE_TOKEN_BYTES]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +106,7 @@ class RemotePrefillParams:
     tp_size: int
     remote_lease_epoch: int
     remote_lease_generation: int
+    remote_lease_token: bytes
     remote_lease_ttl_s: float
     remote_num_tokens: int
     """Prompt tokens whose KV the remote blocks hold."""
@@ -92,7 +114,7 @@ class RemotePrefillParams:
     @property
     def lease(self) -> LeaseRef:
         return LeaseRef(self.remote_lease_epoch, self.remote_lease_generation,
-                        self.remote_request_id)
+                        self.remote_request_id, self.remote_lease_token)
 
     def to_dict(self) -> dict[str, Any]:
         """A new JSON-compatible dict in vLLM's P/D convention."""
@@ -107,6 +129,7 @@ class RemotePrefillParams:
             "tp_size": self.tp_size,
             "remote_lease_epoch": self.remote_lease_epoch,
             "remote_lease_generation": self.remote_lease_generation,
+            "remote_lease_token": self.remote_lease_token.hex(),
             "remote_lease_ttl_s": self.remote_lease_ttl_s,
             "remote_num_tokens": self.remote_num_tokens,
         }
@@ -131,6 +154,17 @@ def _str(params: Mapping[str, Any], field: str, max_len: int = 256) -> str:
     if not isinstance(value, str) or not value or len(value) > max_len:
         raise _field_error(field, value, f"a non-empty string of at most {max_len} characters")
     return value
+
+
+def _token(params: Mapping[str, Any], field: str) -> bytes:
+    value = params.get(field)
+    expected = f"{2 * LEASE_TOKEN_BYTES} hex digits (the producer's request_finished output, verbatim)"
+    if not isinstance(value, str) or len(value) != 2 * LEASE_TOKEN_BYTES:
+        raise _field_error(field, value, expected)
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise _field_error(field, value, expected) from None
 
 
 def _flag(params: Mapping[str, Any], field: str) -> bool:
@@ -190,6 +224,7 @@ def parse_kv_transfer_params(
         tp_size=_int(params, "tp_size", 1, 1024),
         remote_lease_epoch=_int(params, "remote_lease_epoch", 1, _JSON_SAFE_INT),
         remote_lease_generation=_int(params, "remote_lease_generation", 1, _JSON_SAFE_INT),
+        remote_lease_token=_token(params, "remote_lease_token"),
         remote_lease_ttl_s=float(ttl),
         remote_num_tokens=num_tokens,
     )

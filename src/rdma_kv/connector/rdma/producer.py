@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma import wire
-from rdma_kv.connector.rdma.leases import LeaseTable
+from rdma_kv.connector.rdma.leases import LeaseCall, LeaseTable
 from rdma_kv.connector.types import EngineId
 
 __all__ = ["ProducerHandler"]
@@ -56,11 +56,14 @@ class ProducerHandler:
             self._agent_metadata(), wire.GeometryWire.from_geometry(self._geometry))
 
     def on_renew(self, request: wire.Renew) -> wire.LeaseReply:
-        return wire.LeaseReply(self._leases.renew(w.ref() for w in request.leases), self._lease_ttl_s)
+        return wire.LeaseReply(self._leases.renew(_calls(request)), self._lease_ttl_s)
 
     def on_confirm(self, request: wire.Confirm) -> wire.LeaseReply:
-        return wire.LeaseReply(self._leases.confirm([w.ref() for w in request.leases], request.release),
-                               self._lease_ttl_s)
+        return wire.LeaseReply(self._leases.confirm(_calls(request), request.release), self._lease_ttl_s)
 
     def on_release(self, request: wire.Release) -> wire.LeaseReply:
-        return wire.LeaseReply(self._leases.release(w.ref() for w in request.leases), self._lease_ttl_s)
+        return wire.LeaseReply(self._leases.release(_calls(request)), self._lease_ttl_s)
+
+
+def _calls(request: wire.Renew | wire.Confirm | wire.Release) -> list[LeaseCall]:
+    return [LeaseCall(w.ref(), w.claim) for w in request.leases]

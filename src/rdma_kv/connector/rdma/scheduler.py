@@ -48,8 +48,10 @@ from rdma_kv.connector.rdma.meta import (
 from rdma_kv.connector.rdma.params import (
     RemoteDecodeRequest,
     RemotePrefillParams,
+    lease_token,
     parse_kv_transfer_params,
 )
+from rdma_kv.connector.rdma.wire import CLAIM_BYTES
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.types import (
     BlockId,
@@ -75,6 +77,17 @@ class _Remote:
     num_computed: int = 0
     count: int = 0
     state: str = "waiting"  # waiting -> pending (load queued) -> shipped -> loaded | released
+    claim: bytes = dataclasses.field(default_factory=lambda: secrets.token_bytes(CLAIM_BYTES), repr=False)
+    """This request's claim on the producer's lease: the same in every lease
+    call made for it, so the producer can tell this request from another
+    load of the same params (``leases``)."""
+    renewed_at: float | None = None
+    """When its lease was last renewed while waiting (None: not yet; the first
+    renewal, which also claims the lease, goes out with the next step)."""
+
+    @property
+    def lease(self) -> RemoteLease:
+        return RemoteLease(PeerAddress.of(self.params), self.params.lease, self.claim)
 
 
 class RdmaScheduler:
@@ -97,6 +110,9 @@ class RdmaScheduler:
         # Random per process and JSON-safe: a restarted producer never
         # confirms a lease granted by its previous life.
         self.epoch = secrets.randbits(52) | 1
+        # Signs this epoch's leases (params.lease_token); shipped to this
+        # engine's workers only, in the step metadata.
+        self._lease_key = secrets.token_bytes(32)
         self._generations = itertools.count(1)
         self._port = settings.side_channel_port
         # producer
@@ -107,7 +123,6 @@ class RdmaScheduler:
         self._pending_loads: list[LoadSpec] = []
         self._pending_releases: list[RemoteLease] = []
         self._pending_aborts: list[RequestId] = []
-        self._last_renewal = clock()
 
     # --- startup ---------------------------------------------------------------------
 
@@ -135,7 +150,7 @@ class RdmaScheduler:
                 self._bad.add(request.request_id)
                 logger.warning("request %r: cannot load remote KV, computing locally: %s",
                                request.request_id, problem)
-                self._pending_releases.append(RemoteLease(PeerAddress.of(parsed), parsed.lease))
+                self._pending_releases.append(_Remote(parsed).lease)
                 return None
         return parsed
 
@@ -205,13 +220,14 @@ class RdmaScheduler:
             PeerAddress.of(params),
             params.lease,
             params.remote_lease_ttl_s,
+            remote.claim,
             error,
         ))
 
     def _release(self, remote: _Remote) -> None:
         if remote.state in ("waiting", "pending"):
             remote.state = "released"
-            self._pending_releases.append(RemoteLease(PeerAddress.of(remote.params), remote.params.lease))
+            self._pending_releases.append(remote.lease)
 
     # --- every step ------------------------------------------------------------------------------
 
@@ -221,22 +237,19 @@ class RdmaScheduler:
             remote = self._remote.get(load.request_id)
             if remote is not None:
                 remote.state = "shipped"
-        renewals: tuple[RemoteLease, ...] = ()
         now = self._clock()
-        waiting = [r for r in self._remote.values() if r.state == "waiting"]
-        if waiting:
-            interval = min(self._settings.renew_interval_for(r.params.remote_lease_ttl_s) for r in waiting)
-            if now - self._last_renewal >= interval:
-                self._last_renewal = now
-                renewals = tuple(RemoteLease(PeerAddress.of(r.params), r.params.lease) for r in waiting)
-        else:
-            self._last_renewal = now
+        due = [r for r in self._remote.values() if r.state == "waiting" and (
+            r.renewed_at is None
+            or now - r.renewed_at >= self._settings.renew_interval_for(r.params.remote_lease_ttl_s))]
+        for remote in due:
+            remote.renewed_at = now
         meta = RdmaConnectorMetadata(
             lease_epoch=self.epoch if self._producer else 0,
+            lease_key=self._lease_key if self._producer else b"",
             loads=loads,
             sends=tuple(self._pending_sends),
             releases=tuple(self._pending_releases),
-            renewals=renewals,
+            renewals=tuple(r.lease for r in due),
             aborts=tuple(self._pending_aborts),
         )
         self._pending_sends, self._pending_releases, self._pending_aborts = [], [], []
@@ -301,7 +314,8 @@ class RdmaScheduler:
             remote_request_id=rid,
             tp_size=settings.tp_size,
             remote_lease_epoch=self.epoch,
-            remote_lease_generation=next(self._generations),
+            remote_lease_generation=(generation := next(self._generations)),
+            remote_lease_token=lease_token(self._lease_key, self.epoch, generation, rid),
             remote_lease_ttl_s=settings.lease_ttl_s,
             remote_num_tokens=request.num_prompt_tokens,
         )

@@ -28,11 +28,12 @@ from typing import Annotated, Union
 import msgspec
 
 from rdma_kv.connector.geometry import KVCacheGeometry, LayerGeometry, Layout, Region, Segment
-from rdma_kv.connector.rdma.params import LeaseRef
+from rdma_kv.connector.rdma.params import LEASE_TOKEN_BYTES, LeaseRef
 from rdma_kv.connector.types import RequestId
 from rdma_kv.errors import MetadataError, PeerError
 
 __all__ = [
+    "CLAIM_BYTES",
     "PROTOCOL_VERSION",
     "Auth",
     "AuthOk",
@@ -56,13 +57,15 @@ __all__ = [
     "send_frame",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """1: first release. 2: every connection opens with HELLO/CHALLENGE (and AUTH
-when a secret is configured). A version-1 peer is refused with a message
-naming both versions."""
+when a secret is configured). 3: a lease names its grant token and the
+consumer's claim; CLAIMED and UNKNOWN answers. A peer of another version is
+refused with a message naming both versions."""
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 16 << 20  # agent metadata (worker address + rkeys) plus geometry
 MAX_LEASES_PER_MESSAGE = 4096
+CLAIM_BYTES = 16
 MAX_LAYERS = 4096
 MAX_BLOCKS_PER_LAYER = 1 << 24
 MAX_SLOTS = 1 << 26
@@ -76,14 +79,23 @@ Str = Annotated[str, msgspec.Meta(max_length=1024)]
 
 
 class LeaseStatus(enum.IntEnum):
-    """A producer's answer about one lease."""
+    """A producer's answer about one lease (``leases`` has the state machine)."""
 
     HELD = 1
-    """The blocks are held for this lease (and were, continuously, since it was granted)."""
+    """The blocks are held for this claimant: to a CONFIRM, they were held,
+    unreleased and unexpired, from the grant until this answer."""
     PENDING = 2
-    """Not yet known to this worker (granted by its scheduler, not yet shipped); ask again."""
+    """Granted by the producer's scheduler but not yet shipped to this worker
+    (RENEW, RELEASE), or this worker has not learnt its epoch yet: ask again."""
     GONE = 3
-    """Released, expired, or never granted by this producer incarnation."""
+    """Released or expired (for good: a lease never comes back), or of another
+    producer incarnation."""
+    CLAIMED = 4
+    """Refused: another consumer claimed this lease first (the same
+    kv_transfer_params loaded twice, e.g. a router retry). Nothing changed."""
+    UNKNOWN = 5
+    """Refused: this producer never granted such a lease (its token does not
+    verify). Nothing was recorded."""
 
 
 class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -189,17 +201,26 @@ class GeometryWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return KVCacheGeometry(regions, tuple(layers))
 
 
+Token = Annotated[bytes, msgspec.Meta(min_length=LEASE_TOKEN_BYTES, max_length=LEASE_TOKEN_BYTES)]
+ClaimKey = Annotated[bytes, msgspec.Meta(min_length=CLAIM_BYTES, max_length=CLAIM_BYTES)]
+
+
 class LeaseWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """One lease in a RENEW, CONFIRM or RELEASE: the producer's name for it
+    (with its grant token) and the asking consumer's claim."""
+
     epoch: U64
     generation: U64
     request_id: Str
+    token: Token
+    claim: ClaimKey
 
     @classmethod
-    def of(cls, ref: LeaseRef) -> LeaseWire:
-        return cls(ref.epoch, ref.generation, ref.request_id)
+    def of(cls, ref: LeaseRef, claim: bytes) -> LeaseWire:
+        return cls(ref.epoch, ref.generation, ref.request_id, ref.token, claim)
 
     def ref(self) -> LeaseRef:
-        return LeaseRef(self.epoch, self.generation, RequestId(self.request_id))
+        return LeaseRef(self.epoch, self.generation, RequestId(self.request_id), self.token)
 
 
 Leases = Annotated[list[LeaseWire], msgspec.Meta(max_length=MAX_LEASES_PER_MESSAGE)]

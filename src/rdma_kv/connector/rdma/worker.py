@@ -62,7 +62,7 @@ from rdma_kv.connector.geometry import KVCacheGeometry, derive_geometry
 from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.clients import ClientPool
 from rdma_kv.connector.rdma.handshakes import PeerHandshakes
-from rdma_kv.connector.rdma.lease_rpc import call_lease_rpc, submit_lease_rpcs
+from rdma_kv.connector.rdma.lease_rpc import call_lease_rpc, refusal_reason, submit_lease_rpcs
 from rdma_kv.connector.rdma.leases import LeaseTable
 from rdma_kv.connector.rdma.loads import CONFIRMING, DONE, FAILED, HANDSHAKE, PEER_RETRY_S, READING, due_renewals
 from rdma_kv.connector.rdma.loads import LoadState as _Load
@@ -75,7 +75,6 @@ from rdma_kv.connector.rdma.meta import (
     RdmaHandshakeMetadata,
     RemoteLease,
 )
-from rdma_kv.connector.rdma.params import LeaseRef
 from rdma_kv.connector.rdma.producer import ProducerHandler
 from rdma_kv.connector.rdma.planning import SlotTable, compat_info, count_runs
 from rdma_kv.connector.rdma.settings import RdmaSettings
@@ -133,7 +132,6 @@ class RdmaWorker(PeerHandshakes):
         self._confirm_queue: dict[tuple[str, str, int], list[_Load]] = collections.defaultdict(list)
         self._confirm_scheduled: set[tuple[str, str, int]] = set()
         self._confirm_retry: list[tuple[_Peer, _Load]] = []
-        self._last_renewal = clock()
         self._stats = LoadStats()
         self.side_channel_handler: ProducerHandler | None = None  # producer, after register_kv_caches
         self._lease_stats_seen: collections.Counter[str] = collections.Counter()
@@ -200,7 +198,7 @@ class RdmaWorker(PeerHandshakes):
         if self._closed:
             return
         if meta.lease_epoch:
-            self.leases.set_epoch(meta.lease_epoch)
+            self.leases.set_epoch(meta.lease_epoch, meta.lease_key)
         for send in meta.sends:
             try:
                 self.leases.grant(send.lease, send.block_ids, send.lease_ttl_s)
@@ -327,8 +325,8 @@ class RdmaWorker(PeerHandshakes):
             batch = [ld for ld in self._confirm_queue.pop(key, []) if ld.stage == CONFIRMING]
         if not batch:
             return
-        request = wire.Confirm(wire.PROTOCOL_VERSION, [wire.LeaseWire.of(ld.spec.lease) for ld in batch],
-                               release=True)
+        request = wire.Confirm(wire.PROTOCOL_VERSION,
+                               [wire.LeaseWire.of(ld.spec.lease, ld.spec.claim) for ld in batch], release=True)
         try:
             statuses = self._client(peer.address).lease_call(request).statuses
         except Exception as exc:
@@ -357,10 +355,8 @@ class RdmaWorker(PeerHandshakes):
                 elif status is wire.LeaseStatus.PENDING:
                     self._confirm_retry.append((peer, load))  # re-sent at the next step
                 else:
-                    self._fail(load, f"producer {peer.address.engine_id!r} did not hold the blocks for "
-                                     f"the whole read (lease {load.spec.lease.generation} expired or was "
-                                     "released): the data read may come from reused memory, discarded",
-                               release=False)
+                    reason = refusal_reason(status, peer.address.engine_id, load.spec.lease.generation)
+                    self._fail(load, f"{reason}; the data read cannot be trusted, discarded", release=False)
 
     # --- endings (called with the lock held) ---------------------------------------------------------------
 
@@ -377,7 +373,7 @@ class RdmaWorker(PeerHandshakes):
         self._failure_warnings.warn(load.spec.peer.engine_id, "request %r: KV load failed: %s",
                                     load.spec.request_id, load.error)
         if release:
-            self._lease_rpc_async(wire.Release, [RemoteLease(load.spec.peer, load.spec.lease)])
+            self._lease_rpc_async(wire.Release, [load.spec.remote_lease])
         if load.aborted:
             self._loads.pop(load.spec.request_id, None)
             self._aborted_done.add(load.spec.request_id)
@@ -386,7 +382,7 @@ class RdmaWorker(PeerHandshakes):
 
     def _finish_aborted(self, load: _Load) -> None:
         if load.stage in (HANDSHAKE, READING, CONFIRMING):
-            self._lease_rpc_async(wire.Release, [RemoteLease(load.spec.peer, load.spec.lease)])
+            self._lease_rpc_async(wire.Release, [load.spec.remote_lease])
         load.stage = DONE
         self._loads.pop(load.spec.request_id, None)
         self._aborted_done.add(load.spec.request_id)
@@ -448,25 +444,27 @@ class RdmaWorker(PeerHandshakes):
             return errors
 
     def _due_renewals(self, now: float) -> list[RemoteLease]:
-        due, self._last_renewal = due_renewals(self._loads.values(), self._last_renewal, now,
-                                               self._settings.renew_interval_for)
-        return due
+        return due_renewals(self._loads.values(), now, self._settings.renew_interval_for)
 
     def _lease_rpc_async(self, kind: type, leases: Iterable[RemoteLease]) -> None:
         if not self._closed:
             submit_lease_rpcs(self._executor, self._lease_rpc, kind, leases)
 
-    def _lease_rpc(self, kind: type, address: PeerAddress, refs: list[LeaseRef]) -> None:
-        lost = call_lease_rpc(self._client(address), kind, address, refs)
-        if lost is None:
+    def _lease_rpc(self, kind: type, address: PeerAddress, leases: list[RemoteLease]) -> None:
+        refused = call_lease_rpc(self._client(address), kind, address, leases)
+        if refused is None:
             return
         self._stats.counters[f"{kind.__name__.lower()}_rpcs"] += 1
-        if lost:
+        if refused and kind is wire.Renew:
+            # A load not yet reading gives up now; one whose reads are in
+            # flight learns the same from its CONFIRM, once no read can land.
             with self._lock:
-                for rid in lost:
-                    load = self._loads.get(rid)
+                by_claim = {ld.spec.claim: ld for ld in self._loads.values()}
+                for lease, status in refused:
+                    load = by_claim.get(lease.claim)
                     if load is not None and load.stage == HANDSHAKE:
-                        self._fail(load, "the producer no longer holds the blocks (lease gone)", release=False)
+                        self._fail(load, refusal_reason(status, address.engine_id, lease.lease.generation),
+                                   release=False)
 
     # --- stats and shutdown -----------------------------------------------------------------------------------
 

@@ -1,0 +1,71 @@
+"""kv_transfer_params parsing (no UCX, no sockets); the lease table is tests/rdma/test_leases.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from rdma_kv.connector.rdma.params import (
+    LeaseRef,
+    RemoteDecodeRequest,
+    RemotePrefillParams,
+    parse_kv_transfer_params,
+)
+from rdma_kv.errors import ConfigError
+
+TOKEN = bytes(range(16))
+
+
+def producer_params(**changes):
+    params = RemotePrefillParams("P", "127.0.0.1", 5000, (3, 4, 9), "req-1", 1, 77, 5, TOKEN, 30.0, 40).to_dict()
+    params.update(changes)
+    return params
+
+
+def test_round_trip_and_never_mutates():
+    params = producer_params()
+    before = copy.deepcopy(params)
+    parsed = parse_kv_transfer_params(params)
+    assert params == before
+    assert isinstance(parsed, RemotePrefillParams)
+    assert parsed.remote_block_ids == (3, 4, 9) and parsed.lease == LeaseRef(77, 5, "req-1", TOKEN)
+    assert parsed.to_dict() == params  # verbatim forwarding reproduces the same value
+
+
+def test_prefill_request_shapes_routers_send():
+    assert isinstance(parse_kv_transfer_params({"do_remote_decode": True}), RemoteDecodeRequest)
+    # vLLM's example proxy sends the remote_* keys as null on the prefill request
+    proxy = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+             "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    assert isinstance(parse_kv_transfer_params(proxy), RemoteDecodeRequest)
+    assert parse_kv_transfer_params(None) is None
+    assert parse_kv_transfer_params({}) is None
+    assert parse_kv_transfer_params({"do_remote_decode": False}) is None
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"remote_port": "5000"}, "remote_port"),
+    ({"remote_port": 0}, "remote_port"),
+    ({"remote_block_ids": []}, "remote_block_ids"),
+    ({"remote_block_ids": [1, -2]}, "remote_block_ids"),
+    ({"remote_block_ids": [1, True]}, "remote_block_ids"),
+    ({"remote_engine_id": ""}, "remote_engine_id"),
+    ({"remote_lease_generation": None}, "remote_lease_generation"),
+    ({"remote_lease_ttl_s": 0}, "remote_lease_ttl_s"),
+    ({"remote_lease_token": None}, "remote_lease_token"),
+    ({"remote_lease_token": "ab" * 15}, "remote_lease_token"),
+    ({"remote_lease_token": "zz" * 16}, "remote_lease_token"),
+    ({"tp_size": 0}, "tp_size"),
+    ({"do_remote_decode": "yes"}, "do_remote_decode"),
+])
+def test_bad_fields_are_named(changes, field):
+    with pytest.raises(ConfigError, match=field):
+        parse_kv_transfer_params(producer_params(**changes))
+
+
+def test_unknown_keys_and_conflicts():
+    with pytest.raises(ConfigError, match=r"unknown kv_transfer_params key\(s\) \['bogus'\]; valid keys"):
+        parse_kv_transfer_params({"do_remote_decode": True, "bogus": 1})
+    with pytest.raises(ConfigError, match="both do_remote_decode and do_remote_prefill"):
+        parse_kv_transfer_params(producer_params(do_remote_decode=True))
