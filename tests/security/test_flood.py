@@ -264,10 +264,21 @@ def test_event_summary_logs_a_burst_per_reason_then_one_line_with_counts_and_top
         clock.t += 10.0
         events.flush()
         events.flush()  # reported once
-    lines = [r.getMessage() for r in caplog.records]
-    assert lines[4:] == ["side channel x: 1030 connections refused or closed in the last 10 s (1026 not logged "
-                         "one by one): untrusted_per_source 1000, opening_deadline 30; top sources: "
-                         "10.0.0.9 (1000), 10.0.1.0 (10)"]
+        lines = [r.getMessage() for r in caplog.records]
+        assert lines[4:] == ["side channel x: 1030 connections refused or closed in the last 10 s (1026 not "
+                             "logged one by one): untrusted_per_source 1000, opening_deadline 30; top sources: "
+                             "10.0.0.9 (1000), 10.0.1.0 (10)"]
+        for minute in range(6):  # the flood goes on: one line per window, nothing in full
+            clock.t += 1.0
+            for i in range(500):
+                events.event("untrusted_per_source", "10.0.0.9", "refused %d", i)
+            clock.t += 10.0
+            events.flush()
+        assert len(caplog.records) == 5 + 6
+        assert all(r.getMessage().startswith("side channel x: 500 connections") for r in caplog.records[5:])
+        clock.t += 60.0  # quiet for longer than a window: the next incident is logged in full again
+        events.event("auth_failed", "10.0.0.5", "wrong proof")
+        assert caplog.records[-1].getMessage() == "wrong proof"
 
 
 def test_event_summary_is_silent_when_nothing_was_held_back(caplog):

@@ -70,7 +70,9 @@ class EventSummary:
     of each ``reason`` in a window in full; every event is counted, and when
     a window in which some were held back ends, ``flush()`` (called
     periodically, and by ``event``) logs one line: the count per reason and
-    the ``top`` sources. Lines per window: at most ``burst`` per reason + 1."""
+    the ``top`` sources. A window that starts within ``window_s`` of such a
+    line continues the same incident: it logs nothing in full, so a
+    sustained flood costs one line per window after its first."""
 
     def __init__(self, logger: logging.Logger, what: str, noun: str, burst: int = 3,
                  window_s: float = 10.0, top: int = 3, clock: Callable[[], float] = time.monotonic) -> None:
@@ -83,6 +85,8 @@ class EventSummary:
         self._reasons: collections.Counter[str] = collections.Counter()
         self._sources: collections.Counter[str] = collections.Counter()
         self._held_back = 0
+        self._window_burst = burst
+        self._flood_seen_at: float | None = None  # when the last window with held-back events ended
 
     def event(self, reason: str, source: str, msg: str, *args: object) -> None:
         now = self._clock()
@@ -90,9 +94,11 @@ class EventSummary:
         with self._lock:
             if self._start is None:
                 self._start = now
+                continuing = self._flood_seen_at is not None and now - self._flood_seen_at < self._window_s
+                self._window_burst = 0 if continuing else self._burst
             self._reasons[reason] += 1
             self._sources[source] += 1
-            if self._reasons[reason] > self._burst:
+            if self._reasons[reason] > self._window_burst:
                 self._held_back += 1
                 return
         self._logger.warning(msg, *args, stacklevel=2)
@@ -104,6 +110,7 @@ class EventSummary:
                 return
             reasons, sources, held_back = self._reasons, self._sources, self._held_back
             self._start, self._held_back = None, 0
+            self._flood_seen_at = now if held_back else None
             self._reasons, self._sources = collections.Counter(), collections.Counter()
         if not held_back:
             return
