@@ -3,6 +3,8 @@
 Modules, each owning one responsibility (see their docstrings):
 ``params`` (typed kv_transfer_params), ``settings`` (extra config),
 ``wire`` (side-channel messages), ``sidechannel`` (server and client),
+``admission`` (the side channel's connection limits), ``auth`` (the
+shared secret), ``lograte`` (rate-limited warnings),
 ``leases`` (the producer's lease table), ``planning`` (block ids to
 descriptor indices, compatibility record), ``meta`` (step metadata),
 ``transport_api`` (the transport Protocol), ``scheduler``, ``worker`` and

@@ -10,6 +10,7 @@ Imports the standard library, ``rdma_kv.errors`` and the connector's ``config``.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,6 +60,9 @@ class RdmaSettings:
     """Path of a file (mode 0600) holding the side channel's shared secret.
     With either key set, every side-channel connection is authenticated
     (``auth.py``, ``docs/security.md``) and peers without the secret are refused."""
+    allow_unauthenticated: bool = False
+    """Let a producer whose side channel listens on a non-loopback address
+    start without a shared secret. Off: such a producer refuses to start."""
 
     @classmethod
     def from_config(cls, config: KVTransferConfig) -> RdmaSettings:
@@ -92,6 +96,9 @@ class RdmaSettings:
                 raise ConfigError(f"kv_connector_extra_config[{name!r}] is empty; remove it or "
                                   "name an environment variable / a file")
             values[name] = value
+        values["allow_unauthenticated"] = get("allow_unauthenticated", False, type=bool)
+        if config.is_kv_producer:
+            _require_secret_off_loopback(host, values)
         for name, kind in (("tp_rank", int), ("tp_size", int), ("lease_ttl_s", float),
                            ("renew_interval_s", float), ("read_timeout_s", float),
                            ("load_timeout_s", float), ("connect_timeout_s", float),
@@ -127,6 +134,26 @@ class RdmaSettings:
     def renew_interval_for(self, remote_ttl_s: float) -> float:
         third = remote_ttl_s / 3.0
         return min(self.renew_interval_s, third) if self.renew_interval_s else third
+
+
+def _require_secret_off_loopback(host: str, values: Mapping[str, Any]) -> None:
+    """A producer hands out remote keys of its KV cache to whoever completes
+    the side channel's opening: off loopback, only with a secret, or when
+    the operator said explicitly that the network is trusted."""
+    if values["auth_secret_env"] or values["auth_secret_file"] or values["allow_unauthenticated"]:
+        return
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        loopback = False
+    if not loopback:
+        raise ConfigError(
+            f"RdmaKVConnector: this producer's side channel listens on {host!r}, not a loopback address, "
+            "and no shared secret is configured, so any peer that reaches it would get the remote keys "
+            "of this engine's KV cache. Set kv_connector_extra_config 'auth_secret_file' (path of a "
+            "mode-0600 file holding >= 16 random bytes, e.g. from `openssl rand -hex 32`) or "
+            "'auth_secret_env' (name of an environment variable holding it) on every producer and "
+            "consumer; or, on a network you trust, set 'allow_unauthenticated': true (docs/security.md)")
 
 
 EXTRA_KEYS = tuple(f.name for f in dataclasses.fields(RdmaSettings))

@@ -1,12 +1,12 @@
 """The side channel: a small TCP server per worker, and its client.
 
 Owns the sockets. The server binds only the configured interface
-(``kv_ip:kv_port + tp_rank``), accepts a bounded number of connections, and
-serves each in a thread: read a size-limited frame, decode it against the
-schema (``wire``), dispatch to a :class:`Handler` (the worker: handshake
-and leases), reply. A malformed frame gets an ``ErrorReply`` and the
-connection is closed; the server keeps serving everyone else. Every socket
-operation has a timeout.
+(``kv_ip:kv_port + tp_rank``), admits connections within per-source and
+total limits (``admission``), and serves each in a thread: read a
+size-limited frame, decode it against the schema (``wire``), dispatch to a
+:class:`Handler` (the worker: handshake and leases), reply. A malformed
+frame gets an ``ErrorReply`` and the connection is closed; the server keeps
+serving everyone else. Every socket operation has a timeout.
 
 Every connection opens with HELLO -> CHALLENGE. With a shared secret
 (``auth``), AUTH -> AUTH_OK must follow before any other request is
@@ -15,18 +15,28 @@ server logs a WARNING naming the peer address and the reason (never the
 secret or a proof). Nothing else (agent metadata, remote keys, lease
 answers) is sent on a connection that has not completed this opening.
 
+A connection is untrusted until it authenticates (with a secret) or a lease
+request of it is answered HELD or PENDING (without one); an untrusted
+connection is closed at its opening deadline, a few seconds after its
+accept, whatever it sends. Floods therefore hold slots only briefly, only
+within their source's budget, and never the slots kept for trusted peers.
+Refusals are logged a few lines per window plus one summary line
+(``lograte.EventSummary``), never one line per connection.
+
 The client keeps one connection per peer, re-opened on failure, with
 bounded retries and backoff; every call has a deadline. Lease RPCs are
 idempotent (a retried CONFIRM of a lease its first attempt released still
 reads HELD; see ``leases``), so retrying is safe.
 
-Imports the standard library, ``rdma_kv.errors``, ``rdma.auth`` and ``rdma.wire``.
+Imports the standard library, ``rdma_kv.errors``, ``rdma.admission``, ``rdma.auth``,
+``rdma.lograte`` and ``rdma.wire``.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import struct
 import threading
 import time
 from typing import Protocol
@@ -34,9 +44,11 @@ from typing import Protocol
 import msgspec
 
 from rdma_kv.connector.rdma import auth, wire
+from rdma_kv.connector.rdma.admission import Admission, ConnectionLimits
+from rdma_kv.connector.rdma.lograte import EventSummary
 from rdma_kv.errors import AuthenticationError, ConfigError, HandshakeError, MetadataError, PeerError
 
-__all__ = ["Handler", "SideChannelClient", "SideChannelServer"]
+__all__ = ["ConnectionLimits", "Handler", "SideChannelClient", "SideChannelServer"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +65,45 @@ class Handler(Protocol):
     def on_release(self, request: wire.Release) -> wire.LeaseReply: ...
 
 
+class _Connection:
+    """One accepted connection's standing: untrusted until it authenticates
+    (secret) or proves it holds a lease (no secret); until then it must get
+    there before ``deadline``."""
+
+    __slots__ = ("source", "deadline", "trusted", "requests", "expired")
+
+    def __init__(self, source: str, deadline: float) -> None:
+        self.source, self.deadline = source, deadline
+        self.trusted, self.requests, self.expired = False, 0, False
+
+
+# A lease reply with one of these proves the connection knows a live lease.
+_LIVE_STATUSES = frozenset((wire.LeaseStatus.HELD, wire.LeaseStatus.PENDING))
+
+
+def _abort(conn: socket.socket) -> None:
+    """Close with a reset (SO_LINGER 0): a refused or expired flood
+    connection leaves no TIME_WAIT entry behind on this host."""
+    try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    conn.close()
+
+
 class SideChannelServer:
-    """Serves ``handler`` on ``host:port`` (port 0: the OS picks; see ``port``)."""
+    """Serves ``handler`` on ``host:port`` (port 0: the OS picks; see ``port``).
+
+    Admission (``limits``, see :class:`ConnectionLimits` for the defaults)
+    happens in the accept loop; a refused connection is reset without a
+    thread or a byte. An untrusted connection is closed ``opening_deadline_s``
+    after its accept; a trusted one after ``idle_timeout_s`` without a
+    request. ``backlog`` is the listen queue (the kernel caps it at
+    ``net.core.somaxconn``): deep enough that a legitimate SYN is not
+    dropped while the accept loop drains a flood. Refusals and closures are
+    logged through :class:`EventSummary`: ``log_burst`` lines per reason per
+    ``log_window_s``, then one summary line; ``stats`` counts every one.
+    """
 
     def __init__(
         self,
@@ -64,7 +113,10 @@ class SideChannelServer:
         *,
         io_timeout_s: float = 5.0,
         idle_timeout_s: float = 300.0,
-        max_connections: int = 256,
+        limits: ConnectionLimits | None = None,
+        backlog: int = 1024,
+        log_burst: int = 3,
+        log_window_s: float = 10.0,
         name: str = "rdma-kv-sidechannel",
         secret: auth.Secret | None = None,
         role: str = "producer",
@@ -74,7 +126,10 @@ class SideChannelServer:
         self._role = role
         self._io_timeout_s = io_timeout_s
         self._idle_timeout_s = idle_timeout_s
-        self._max_connections = max_connections
+        self.limits = limits if limits is not None else ConnectionLimits()
+        self._admission = Admission(self.limits)
+        self._events = EventSummary(logger, f"side channel {name}", "connections refused or closed",
+                                    burst=log_burst, window_s=log_window_s)
         self._name = name
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -91,7 +146,7 @@ class SideChannelServer:
                 f"side channel cannot bind {host}:{port}: {exc}; choose another kv_port "
                 "(each tensor-parallel rank uses kv_port + rank) or kv_ip"
             ) from None
-        self._sock.listen(128)
+        self._sock.listen(backlog)
         self._sock.settimeout(0.2)  # the accept loop checks for close() this often
         self.host = host
         self.port = self._sock.getsockname()[1]
@@ -99,12 +154,19 @@ class SideChannelServer:
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self.stats = {"connections": 0, "refused_connections": 0, "bad_frames": 0, "requests": 0,
-                      "authenticated": 0, "auth_failures": 0}
+                      "authenticated": 0, "auth_failures": 0, "trusted": 0, "closed_at_deadline": 0,
+                      **{f"refused_{reason}": 0 for reason in Admission.REASONS}}
         self._thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
         self._thread.start()
 
+    def _count(self, *keys: str) -> None:
+        with self._lock:
+            for key in keys:
+                self.stats[key] += 1
+
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
+            self._events.flush()
             try:
                 conn, addr = self._sock.accept()
             except (TimeoutError, socket.timeout):
@@ -115,75 +177,119 @@ class SideChannelServer:
                 logger.exception("side channel %s: accept failed", self._name)
                 time.sleep(0.05)
                 continue
+            source = str(addr[0])
+            refusal = self._admission.admit(source)
+            if refusal is not None:
+                reason, why = refusal
+                self._count("refused_connections", f"refused_{reason}")
+                _abort(conn)
+                self._events.event(reason, source, "side channel %s: refused %s: %s", self._name, addr, why)
+                continue
             with self._lock:
-                if len(self._conns) >= self._max_connections:
-                    self.stats["refused_connections"] += 1
-                    conn.close()
-                    logger.warning("side channel %s: refused %s, %d connections open",
-                                   self._name, addr, len(self._conns))
-                    continue
                 self._conns.add(conn)
                 self.stats["connections"] += 1
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn, addr), daemon=True,
-                             name=f"{self._name}-conn").start()
+            state = _Connection(source, time.monotonic() + self.limits.opening_deadline_s)
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                threading.Thread(target=self._serve, args=(conn, addr, state), daemon=True,
+                                 name=f"{self._name}-conn").start()
+            except (OSError, RuntimeError) as exc:  # reset by the peer already, or no thread to be had
+                self._admission.leave(source, trusted=False)
+                with self._lock:
+                    self._conns.discard(conn)
+                _abort(conn)
+                logger.debug("side channel %s: dropped %s at accept: %s", self._name, addr, exc)
 
-    def _serve(self, conn: socket.socket, addr: object) -> None:
+    def _serve(self, conn: socket.socket, addr: object, state: _Connection) -> None:
         try:
-            if not self._open(conn, addr):
+            if not self._open(conn, addr, state):
                 return
             while not self._closed.is_set():
-                request = self._read(conn, addr, self._idle_timeout_s)
+                request = self._read(conn, addr, state)
                 if request is None:
                     return
                 if isinstance(request, (wire.Hello, wire.Auth)):
-                    self._refuse(conn, addr, f"unexpected {type(request).__name__} after the opening")
+                    self._refuse(conn, addr, state, f"unexpected {type(request).__name__.upper()} "
+                                                    "after the opening")
                     return
                 reply = self._dispatch(request)
-                self.stats["requests"] += 1
+                self._count("requests")
+                state.requests += 1
+                if (not state.trusted and isinstance(reply, wire.LeaseReply)
+                        and any(status in _LIVE_STATUSES for status in reply.statuses)):
+                    self._trust(state)
                 wire.send_frame(conn, wire.encode(reply), self._io_timeout_s)
         except OSError:
             return
         finally:
+            self._admission.leave(state.source, state.trusted)
             with self._lock:
                 self._conns.discard(conn)
-            conn.close()
+            if state.expired:
+                _abort(conn)
+            else:
+                conn.close()
 
-    def _read(self, conn: socket.socket, addr: object, timeout_s: float) -> wire.Request | None:
+    def _trust(self, state: _Connection) -> None:
+        state.trusted = True
+        self._admission.trust(state.source)
+        self._count("trusted")
+
+    def _read(self, conn: socket.socket, addr: object, state: _Connection) -> wire.Request | None:
         """One request; ``None`` when the connection is to be closed (bad
-        frames are answered and logged here)."""
+        frames are answered and logged here). An untrusted connection reads
+        against its opening deadline, a trusted one against the idle timeout."""
+        timeout_s = self._idle_timeout_s if state.trusted else state.deadline - time.monotonic()
         try:
+            if timeout_s <= 0:
+                raise TimeoutError("opening deadline passed")
             body = wire.recv_frame(conn, wire.MAX_REQUEST_BYTES, timeout_s,
                                    f"side channel request from {addr}")
-        except (OSError, PeerError, TimeoutError):
+        except TimeoutError:
+            if not state.trusted:
+                self._expire(addr, state)
+            return None
+        except (OSError, PeerError):
             return None
         except MetadataError as exc:
-            self._bad(conn, addr, str(exc))
+            self._bad(conn, addr, state, str(exc))
             return None
         if body is None:
             return None
         try:
             return wire.decode_request(body)
         except MetadataError as exc:
-            self._bad(conn, addr, str(exc))
+            self._bad(conn, addr, state, str(exc))
             return None
 
-    def _open(self, conn: socket.socket, addr: object) -> bool:
+    def _expire(self, addr: object, state: _Connection) -> None:
+        state.expired = True
+        self._count("closed_at_deadline")
+        if state.requests:  # a consumer that handshook and has no lease yet: it reconnects when it needs to
+            logger.debug("side channel %s: closed %s: not trusted %.1f s after connecting",
+                         self._name, addr, self.limits.opening_deadline_s)
+            return
+        what = "authenticated" if self._secret is not None else "holding a lease"
+        self._events.event("opening_deadline", state.source,
+                           "side channel %s: closed %s: not %s %.1f s after connecting (opening_deadline_s)",
+                           self._name, addr, what, self.limits.opening_deadline_s)
+
+    def _open(self, conn: socket.socket, addr: object, state: _Connection) -> bool:
         """HELLO -> CHALLENGE, then AUTH -> AUTH_OK when a secret is set.
-        True when the connection may carry requests. Bounded by ``io_timeout_s``
-        per message, not the idle timeout: an unauthenticated peer cannot
-        hold a connection slot for long."""
-        hello = self._read(conn, addr, self._io_timeout_s)
+        True when the connection may carry requests. Bounded by the opening
+        deadline, not the idle timeout: an unauthenticated peer cannot hold
+        a connection slot for long."""
+        hello = self._read(conn, addr, state)
         if hello is None:
-            if self._secret is not None:
-                self._auth_failed(addr, "closed or timed out before HELLO")
+            if self._secret is not None and not state.expired:
+                self._auth_failed(addr, state, "closed before HELLO")
             return False
         if hello.version != wire.PROTOCOL_VERSION:
-            self._refuse(conn, addr, self._version_refusal(hello.version))
+            self._refuse(conn, addr, state, self._version_refusal(hello.version))
             return False
         if not isinstance(hello, wire.Hello):
-            self._refuse(conn, addr, f"a connection must open with HELLO (side-channel protocol "
-                                     f"{wire.PROTOCOL_VERSION}), got {type(hello).__name__}")
+            self._refuse(conn, addr, state, f"a connection must open with HELLO (side-channel protocol "
+                                            f"{wire.PROTOCOL_VERSION}), got {type(hello).__name__.upper()}")
             return False
         nonce = auth.new_nonce()
         wire.send_frame(conn, wire.encode(wire.Challenge(wire.PROTOCOL_VERSION, nonce,
@@ -191,33 +297,39 @@ class SideChannelServer:
                         self._io_timeout_s)
         if self._secret is None:
             return True
-        answer = self._read(conn, addr, self._io_timeout_s)
+        answer = self._read(conn, addr, state)
         if answer is None:
-            self._auth_failed(addr, "closed or timed out instead of answering the challenge")
+            if not state.expired:
+                self._auth_failed(addr, state, "closed instead of answering the challenge")
             return False
-        if not isinstance(answer, wire.Auth) or answer.version != wire.PROTOCOL_VERSION:
-            reason = f"sent {type(answer).__name__} instead of AUTH"
+        if not isinstance(answer, wire.Auth):
+            reason = f"sent {type(answer).__name__.upper()} instead of AUTH"
+        elif answer.version != wire.PROTOCOL_VERSION:
+            reason = (f"sent AUTH for side-channel protocol version {answer.version}; this producer "
+                      f"expects version {wire.PROTOCOL_VERSION}: run the same rdma-kv release on both sides")
         elif not answer.proof:
             reason = "peer has no shared secret configured"
         elif not auth.verify(auth.client_proof(self._secret, nonce, hello.nonce, wire.PROTOCOL_VERSION,
                                                hello.role), answer.proof):
             reason = "wrong proof (the peer's secret differs)"
         else:
-            self.stats["authenticated"] += 1
+            self._count("authenticated")
+            self._trust(state)
             proof = auth.server_proof(self._secret, hello.nonce, nonce, wire.PROTOCOL_VERSION, hello.role)
             wire.send_frame(conn, wire.encode(wire.AuthOk(proof)), self._io_timeout_s)
             return True
-        self._auth_failed(addr, reason)
+        self._auth_failed(addr, state, reason)
         self._send_quietly(conn, wire.Refused(f"authentication failed: {reason}"))
         return False
 
-    def _auth_failed(self, addr: object, reason: str) -> None:
-        self.stats["auth_failures"] += 1
-        logger.warning("side channel %s: refused %s: authentication failed: %s", self._name, addr, reason)
+    def _auth_failed(self, addr: object, state: _Connection, reason: str) -> None:
+        self._count("auth_failures")
+        self._events.event("auth_failed", state.source, "side channel %s: refused %s: authentication failed: %s",
+                           self._name, addr, reason)
 
-    def _refuse(self, conn: socket.socket, addr: object, reason: str) -> None:
-        self.stats["refused_connections"] += 1
-        logger.warning("side channel %s: refused %s: %s", self._name, addr, reason)
+    def _refuse(self, conn: socket.socket, addr: object, state: _Connection, reason: str) -> None:
+        self._count("refused_connections")
+        self._events.event("protocol", state.source, "side channel %s: refused %s: %s", self._name, addr, reason)
         self._send_quietly(conn, wire.Refused(reason[:8000]))
 
     def _send_quietly(self, conn: socket.socket, message: msgspec.Struct) -> None:
@@ -231,9 +343,9 @@ class SideChannelServer:
         return (f"side-channel protocol version {version} is not supported; this producer speaks "
                 f"version {wire.PROTOCOL_VERSION}: run the same rdma-kv release on both sides")
 
-    def _bad(self, conn: socket.socket, addr: object, message: str) -> None:
-        self.stats["bad_frames"] += 1
-        logger.warning("side channel %s: closing %s: %s", self._name, addr, message)
+    def _bad(self, conn: socket.socket, addr: object, state: _Connection, message: str) -> None:
+        self._count("bad_frames")
+        self._events.event("bad_frame", state.source, "side channel %s: closing %s: %s", self._name, addr, message)
         self._send_quietly(conn, wire.ErrorReply(message[:8000]))
 
     def _dispatch(self, request: wire.Request) -> wire.Reply:

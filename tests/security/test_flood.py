@@ -1,0 +1,335 @@
+"""The side channel under floods: per-source and untrusted limits decided at
+accept, the opening deadline, trust (AUTH with a secret, a live lease
+without), bounded logging and the refusal messages. Sockets on loopback;
+attacker sockets bound to 127.0.0.2 / 127.0.0.3 (loopback routes all of
+127/8). No assertion on time: deadlines are small, waits are bounded."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import pytest
+from rdma_testutil import frame, wait_until
+
+from rdma_kv.connector.rdma import auth, wire
+from rdma_kv.connector.rdma.admission import Admission, ConnectionLimits
+from rdma_kv.connector.rdma.lograte import EventSummary
+from rdma_kv.connector.rdma.sidechannel import SideChannelClient, SideChannelServer
+from rdma_kv.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = b"flood-test-secret-0123456789abcdef"
+COMPAT = wire.CompatInfo(1, 16, 8, 128, "float16", "x", ["blocks_first:1"], 1)
+SERVER_LOGGER = "rdma_kv.connector.rdma.sidechannel"
+LONG = 3600.0  # a deadline that never passes during a test
+
+
+class Handler:
+    """HANDSHAKE answered; a lease whose request id starts with "gone" is GONE, others HELD."""
+
+    def on_handshake(self, request):
+        geometry = wire.GeometryWire([wire.RegionWire(4096, 4096)], [])
+        return wire.HandshakeReply(wire.PROTOCOL_VERSION, "P", 0, COMPAT, COMPAT.compat_hash(), b"md", geometry)
+
+    def on_renew(self, request):
+        return wire.LeaseReply([wire.LeaseStatus.GONE if lease.request_id.startswith("gone")
+                                else wire.LeaseStatus.HELD for lease in request.leases], 5.0)
+
+    on_confirm = on_release = on_renew
+
+
+def limits(**kw):
+    base = dict(max_connections=16, max_per_source=8, max_untrusted=8, max_untrusted_per_source=2,
+                opening_deadline_s=LONG)
+    return ConnectionLimits(**{**base, **kw})
+
+
+def server(secret=False, **kw):
+    log = {k: kw.pop(k) for k in ("log_burst", "log_window_s") if k in kw}
+    return SideChannelServer(Handler(), "127.0.0.1", 0, limits=limits(**kw),
+                             secret=auth.Secret(SECRET, "test") if secret else None, **log)
+
+
+def connect(srv, source="127.0.0.2"):
+    sock = socket.socket()
+    sock.bind((source, 0))
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", srv.port))
+    return sock
+
+
+def exchange(sock, message):
+    sock.sendall(frame(message))
+    body = wire.recv_frame(sock, wire.MAX_REPLY_BYTES, 10, "test")
+    assert body is not None, f"the server closed the connection instead of answering {message!r:.80}"
+    return wire.decode_reply(body)
+
+
+def hello(sock):
+    reply = exchange(sock, wire.Hello(wire.PROTOCOL_VERSION, "consumer", os.urandom(32)))
+    assert isinstance(reply, wire.Challenge), reply
+    return reply
+
+
+def renew(request_id="r"):
+    return wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, 1, request_id)])
+
+
+def handshake():
+    return wire.Handshake(wire.PROTOCOL_VERSION, "D", 0, COMPAT)
+
+
+def closed_by_server(sock, timeout_s=20.0):
+    """True once the server has closed ``sock`` (EOF or reset), False if it
+    is still open after ``timeout_s`` (a bound, not a measurement)."""
+    sock.settimeout(timeout_s)
+    try:
+        return sock.recv(1) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def refused(srv, source="127.0.0.2"):
+    """True when a new connection from ``source`` is reset or closed without
+    a byte (the kernel completes the TCP handshake; the accept loop resets it,
+    sometimes before ``connect`` returns)."""
+    try:
+        sock = connect(srv, source)
+    except ConnectionResetError:
+        return True
+    with sock:
+        return closed_by_server(sock)
+
+
+def authenticate(sock):
+    """HELLO, CHALLENGE, AUTH, AUTH_OK with the right secret."""
+    client_nonce = os.urandom(32)
+    challenge = exchange(sock, wire.Hello(wire.PROTOCOL_VERSION, "consumer", client_nonce))
+    secret = auth.Secret(SECRET, "test")
+    proof = auth.client_proof(secret, challenge.nonce, client_nonce, wire.PROTOCOL_VERSION, "consumer")
+    assert isinstance(exchange(sock, wire.Auth(wire.PROTOCOL_VERSION, proof)), wire.AuthOk)
+
+
+# --- admission at accept -------------------------------------------------------------------
+
+
+def test_one_source_over_its_untrusted_limit_is_refused_while_another_is_served():
+    with server(max_untrusted_per_source=2) as srv:
+        held = [connect(srv), connect(srv)]
+        wait_until(lambda: srv.stats["connections"] == 2, what="both admitted")
+        try:
+            assert refused(srv), "the third untrusted connection from 127.0.0.2 stayed open"
+            assert srv.stats["refused_untrusted_per_source"] == 1
+            client = SideChannelClient("127.0.0.1", srv.port, retries=0)  # another source: served
+            try:
+                assert isinstance(client.handshake(handshake()), wire.HandshakeReply)
+            finally:
+                client.close()
+            for sock in held:  # the admitted ones were not touched
+                assert isinstance(hello(sock), wire.Challenge)
+        finally:
+            for sock in held:
+                sock.close()
+
+
+def test_untrusted_connections_in_all_are_capped_and_trusted_ones_keep_their_slots():
+    with server(max_untrusted=2, max_untrusted_per_source=2) as srv:
+        a, b = connect(srv), connect(srv)
+        wait_until(lambda: srv.stats["connections"] == 2, what="both admitted")
+        assert refused(srv, "127.0.0.3"), "a third untrusted connection got in past max_untrusted"
+        assert srv.stats["refused_untrusted_total"] == 1
+        hello(a)
+        assert exchange(a, renew()).statuses == [wire.LeaseStatus.HELD]  # a now holds a lease: trusted
+        assert srv.stats["trusted"] == 1
+        late = connect(srv, "127.0.0.3")  # its untrusted slot is free again
+        try:
+            assert isinstance(hello(late), wire.Challenge)
+        finally:
+            for sock in (a, b, late):
+                sock.close()
+
+
+def test_per_source_limit_counts_trusted_connections_too():
+    with server(max_per_source=2, max_untrusted_per_source=2) as srv:
+        a, b = connect(srv), connect(srv)
+        for sock in (a, b):
+            hello(sock)
+            exchange(sock, renew())
+        try:
+            assert refused(srv)
+            assert srv.stats["refused_per_source"] == 1 and srv.stats["trusted"] == 2
+        finally:
+            for sock in (a, b):
+                sock.close()
+
+
+# --- the opening deadline ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("opening", ["nothing", "half a header", "hello", "hello+handshake",
+                                     "hello+renew of a gone lease"])
+def test_an_untrusted_connection_is_closed_at_the_opening_deadline(opening):
+    with server(opening_deadline_s=0.5) as srv:
+        sock = connect(srv, "127.0.0.1")
+        try:
+            if opening == "half a header":
+                sock.sendall(frame(renew())[:2])
+            elif opening != "nothing":
+                hello(sock)
+            if opening == "hello+handshake":
+                assert isinstance(exchange(sock, handshake()), wire.HandshakeReply)  # served, not trusted
+            if opening == "hello+renew of a gone lease":
+                assert exchange(sock, renew("gone-1")).statuses == [wire.LeaseStatus.GONE]
+            assert closed_by_server(sock), f"an untrusted connection ({opening}) outlived the deadline"
+            wait_until(lambda: srv.stats["closed_at_deadline"] == 1, what="the deadline counted")
+            assert srv.stats["trusted"] == 0
+        finally:
+            sock.close()
+
+
+@pytest.mark.parametrize("secret", [False, True])
+def test_a_trusted_connection_survives_the_opening_deadline(secret):
+    deadline_s = 0.3
+    with server(secret=secret, opening_deadline_s=deadline_s) as srv:
+        sock = connect(srv, "127.0.0.1")
+        try:
+            if secret:
+                authenticate(sock)  # trusted by AUTH
+            else:
+                hello(sock)
+                assert exchange(sock, renew()).statuses == [wire.LeaseStatus.HELD]  # trusted by a lease
+            time.sleep(4 * deadline_s)  # well past the deadline (the assertion does not depend on how far)
+            assert isinstance(exchange(sock, handshake()), wire.HandshakeReply)
+            assert srv.stats["closed_at_deadline"] == 0 and srv.stats["trusted"] == 1
+        finally:
+            sock.close()
+
+
+def test_a_client_reconnects_after_its_untrusted_connection_was_closed():
+    with server(opening_deadline_s=0.3) as srv:
+        client = SideChannelClient("127.0.0.1", srv.port, retries=2)
+        try:
+            assert isinstance(client.handshake(handshake()), wire.HandshakeReply)
+            wait_until(lambda: srv.stats["closed_at_deadline"] == 1, what="the deadline closing it")
+            assert client.lease_call(renew()).statuses == [wire.LeaseStatus.HELD]  # on a new connection
+            assert srv.stats["connections"] == 2
+        finally:
+            client.close()
+
+
+# --- logging and messages ------------------------------------------------------------------
+
+
+def test_a_burst_of_refusals_logs_a_bounded_number_of_lines(caplog):
+    caplog.set_level(logging.WARNING, logger=SERVER_LOGGER)
+    with server(max_untrusted_per_source=1, log_burst=2, log_window_s=LONG) as srv:
+        held = connect(srv)
+        wait_until(lambda: srv.stats["connections"] == 1, what="the first admitted")
+        for _ in range(60):
+            assert refused(srv)
+        wait_until(lambda: srv.stats["refused_untrusted_per_source"] == 60, what="60 refusals")
+        held.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == SERVER_LOGGER]
+    assert len(lines) == 2, lines
+    assert all("max_untrusted_per_source 1" in line and "127.0.0.2" in line for line in lines)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_event_summary_logs_a_burst_per_reason_then_one_line_with_counts_and_top_sources(caplog):
+    log = logging.getLogger("test.event_summary")
+    clock = Clock()
+    events = EventSummary(log, "side channel x", "connections refused or closed", burst=2, window_s=10.0,
+                          top=2, clock=clock)
+    with caplog.at_level(logging.WARNING, logger="test.event_summary"):
+        for i in range(1000):
+            events.event("untrusted_per_source", "10.0.0.9", "refused %d", i)
+        for i in range(30):
+            events.event("opening_deadline", f"10.0.1.{i % 3}", "closed %d", i)
+        assert [r.getMessage() for r in caplog.records] == ["refused 0", "refused 1", "closed 0", "closed 1"]
+        events.flush()
+        assert len(caplog.records) == 4  # the window has not ended
+        clock.t += 10.0
+        events.flush()
+        events.flush()  # reported once
+        lines = [r.getMessage() for r in caplog.records]
+        assert lines[4:] == ["side channel x: 1030 connections refused or closed in the last 10 s (1026 not "
+                             "logged one by one): untrusted_per_source 1000, opening_deadline 30; top sources: "
+                             "10.0.0.9 (1000), 10.0.1.0 (10)"]
+        for minute in range(6):  # the flood goes on: one line per window, nothing in full
+            clock.t += 1.0
+            for i in range(500):
+                events.event("untrusted_per_source", "10.0.0.9", "refused %d", i)
+            clock.t += 10.0
+            events.flush()
+        assert len(caplog.records) == 5 + 6
+        assert all(r.getMessage().startswith("side channel x: 500 connections") for r in caplog.records[5:])
+        clock.t += 60.0  # quiet for longer than a window: the next incident is logged in full again
+        events.event("auth_failed", "10.0.0.5", "wrong proof")
+        assert caplog.records[-1].getMessage() == "wrong proof"
+
+
+def test_event_summary_is_silent_when_nothing_was_held_back(caplog):
+    clock = Clock()
+    events = EventSummary(logging.getLogger("test.event_summary2"), "x", "events", burst=2, clock=clock)
+    with caplog.at_level(logging.WARNING, logger="test.event_summary2"):
+        events.event("a", "s", "one")
+        clock.t += 60
+        events.flush()
+    assert [r.getMessage() for r in caplog.records] == ["one"]
+
+
+@pytest.mark.parametrize("answer, says", [
+    (wire.Auth(99, b"x" * 32), f"sent AUTH for side-channel protocol version 99; this producer expects "
+                               f"version {wire.PROTOCOL_VERSION}"),
+    (renew(), "sent RENEW instead of AUTH"),
+])
+def test_a_wrong_auth_is_refused_naming_what_was_wrong(answer, says):
+    with server(secret=True) as srv:
+        sock = connect(srv, "127.0.0.1")
+        try:
+            hello(sock)
+            reply = exchange(sock, answer)
+            assert isinstance(reply, wire.Refused) and says in reply.reason, reply
+            assert srv.stats["auth_failures"] == 1
+        finally:
+            sock.close()
+
+
+# --- the limits themselves -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"max_untrusted": 0}, "max_untrusted must be >= 1"),
+    ({"max_untrusted": 20}, "exceeds max_connections"),
+    ({"max_untrusted_per_source": 9}, "exceeds max_per_source"),
+    ({"opening_deadline_s": 0}, "opening_deadline_s must be > 0"),
+])
+def test_inconsistent_limits_are_refused(kw, says):
+    with pytest.raises(ConfigError, match=says):
+        limits(**kw)
+
+
+def test_admission_counts_return_to_zero():
+    adm = Admission(limits(max_untrusted_per_source=1, max_per_source=2))
+    assert adm.admit("a") is None
+    assert adm.admit("a")[0] == "untrusted_per_source"
+    adm.trust("a")
+    assert adm.admit("a") is None  # trusted ones do not count against the untrusted limit
+    assert adm.admit("a")[0] == "per_source"
+    assert adm.counts() == (2, 1)
+    adm.leave("a", trusted=True)
+    adm.leave("a", trusted=False)
+    assert adm.counts() == (0, 0)
