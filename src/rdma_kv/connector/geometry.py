@@ -78,6 +78,17 @@ class Region:
     device: str
     layer_names: tuple[str, ...]
 
+    @property
+    def memory_type(self) -> str:
+        """The transport's name for this memory: "cuda" (``device`` is
+        ``cuda`` or ``cuda:N``) or "host" (``cpu``). Other devices cannot be
+        registered."""
+        kind = self.device.partition(":")[0]
+        if kind not in ("cpu", "cuda"):
+            raise SpecError(f"KV cache on device {self.device!r} cannot be registered; "
+                            "rdma-kv moves KV caches in host (cpu) or CUDA memory")
+        return "host" if kind == "cpu" else "cuda"
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerGeometry:

@@ -55,7 +55,16 @@ from rdma_kv.transport._lib import check_status, load, status_name, ucx_version
 from rdma_kv.transport.descriptors import DescList, PreparedDescList, coalesce
 from rdma_kv.transport.config import AgentConfig
 from rdma_kv.transport.lanes import MAX_LANES, Lanes, lane_factory, start_pump
-from rdma_kv.transport.memory import MemoryKind, MemoryRegion, RegionTable, kind_from_ucs, span_of
+from rdma_kv.transport.memory import (
+    MemoryKind,
+    MemoryRegion,
+    RegionTable,
+    declared_kind,
+    kind_from_ucs,
+    kinds_in_mask,
+    same_memory,
+    span_of,
+)
 from rdma_kv.transport.peer import Peer
 from rdma_kv.transport.prepared import PreparedTransfers
 from rdma_kv.transport.progress import Notification, ProgressEngine
@@ -173,16 +182,32 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
 
     # ------------------------------------------------------------------ memory
 
-    def register(self, obj: Any) -> MemoryRegion:
+    def register(self, obj: Any, *, memory_type: str | None = None) -> MemoryRegion:
         """Register a tensor, array or ``(address, nbytes)``. A view of an
         allocation already registered returns that allocation's region.
-        The region keeps a tensor or array alive until it is unmapped."""
+        The region keeps a tensor or array alive until it is unmapped.
+
+        ``memory_type`` ("host" or "cuda") says what the memory is; a tensor
+        or array says it itself. UCX detects the type of the memory it maps,
+        and memory it maps as another type than the declared one is refused
+        (RegistrationError): device memory mapped as host memory would be
+        touched by the CPU and registered without GPUDirect."""
         span = span_of(obj)
+        kind = span.kind
+        if memory_type is not None:
+            kind = declared_kind(memory_type)
+            if span.kind is not None and span.kind is not kind:
+                raise RegistrationError(f"memory_type={memory_type!r} contradicts the {span.kind.value} "
+                                        f"{type(obj).__name__} passed; omit memory_type for tensors and arrays")
         owner = None if isinstance(obj, tuple) else obj
         with self._lock:
             self._require_open()
             for region in self._regions:
                 if region.contains(span.base, span.nbytes):
+                    if kind is not None and not same_memory(kind, region.kind):
+                        raise RegistrationError(
+                            f"[{span.base:#x}, +{span.nbytes}) is declared {kind.value} memory but lies in "
+                            f"{region}, which UCX mapped as {region.kind.value}")
                     region.refs += 1
                     if owner is not None:
                         region.owners.append(owner)
@@ -193,7 +218,7 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
                         f"[{region.base:#x}, +{region.nbytes}) without lying inside it; "
                         "register the enclosing allocation once instead"
                     )
-            region = self._map(span.base, span.nbytes, span.kind)
+            region = self._map(span.base, span.nbytes, kind)
             if owner is not None:
                 region.owners.append(owner)
             self._regions.append(region)
@@ -201,14 +226,15 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
             return region
 
     def _map(self, base: int, nbytes: int, kind: MemoryKind | None) -> MemoryRegion:
+        """``ucp_mem_map`` without a memory-type hint: UCX detects the type
+        through the memory domains of its enabled transports (a hint would be
+        trusted and echoed by ucp_mem_query, hiding a UCX that cannot reach
+        device memory). The detected type must be the declared ``kind``."""
         ffi, lib = self._ffi, self._lib
         params = ffi.new("ucp_mem_map_params_t *")
         params.field_mask = lib.UCP_MEM_MAP_PARAM_FIELD_ADDRESS | lib.UCP_MEM_MAP_PARAM_FIELD_LENGTH
         params.address = ffi.cast("void *", base)
         params.length = nbytes
-        if kind is MemoryKind.CUDA:
-            params.field_mask |= lib.UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE
-            params.memory_type = lib.UCS_MEMORY_TYPE_CUDA
         memh_p = ffi.new("ucp_mem_h *")
         check_status(lib.ucp_mem_map(self._context.handle, params, memh_p), f"ucp_mem_map of [{base:#x}, +{nbytes})")
         memh = memh_p[0]
@@ -217,6 +243,8 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
             attr.field_mask = lib.UCP_MEM_ATTR_FIELD_MEM_TYPE
             check_status(lib.ucp_mem_query(memh, attr), "ucp_mem_query")
             ucx_kind = kind_from_ucs(attr.mem_type)
+            if kind is not None and not same_memory(kind, ucx_kind):
+                raise RegistrationError(self._type_mismatch(base, nbytes, kind, ucx_kind))
             buf = ffi.new("void **")
             size = ffi.new("size_t *")
             check_status(lib.ucp_rkey_pack(self._context.handle, memh, buf, size), "ucp_rkey_pack")
@@ -226,6 +254,17 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
             lib.ucp_mem_unmap(self._context.handle, memh)
             raise
         return MemoryRegion(base, nbytes, ucx_kind, memh, packed)
+
+    def _type_mismatch(self, base: int, nbytes: int, kind: MemoryKind, ucx_kind: MemoryKind) -> str:
+        mask = self._context.memory_types()
+        supported = [k.value for k in kinds_in_mask(mask)]
+        tls = self.config.ucx_options.get("TLS") or os.environ.get("UCX_TLS") or "all (default)"
+        hint = ("this UCX context cannot detect device memory: enable a CUDA transport (cuda_copy in UCX_TLS) "
+                "and use a UCX built with CUDA" if kind is not MemoryKind.HOST and kind.value not in supported
+                else "check that the address really is " + kind.value + " memory")
+        return (f"[{base:#x}, +{nbytes}) is declared {kind.value} memory but UCX maps it as "
+                f"{ucx_kind.value} memory (this context supports: {', '.join(supported)}; TLS={tls}); "
+                f"refusing to register it: {hint}")
 
     def deregister(self, region: MemoryRegion) -> None:
         """Drop one reference; unmap when the last one goes. Peers must

@@ -40,6 +40,36 @@ def kind_from_ucs(value: int) -> MemoryKind:
     return _UCS_KINDS.get(int(value), MemoryKind.UNKNOWN)
 
 
+def kinds_in_mask(mask: int) -> list[MemoryKind]:
+    """The kinds a ``ucs_memory_type_t`` bitmask holds (``ucp_context_attr_t.memory_types``)."""
+    return [kind for value, kind in sorted(_UCS_KINDS.items()) if mask >> value & 1]
+
+
+# What a caller may declare (``register(..., memory_type=...)``).
+DECLARABLE = (MemoryKind.HOST, MemoryKind.CUDA)
+
+
+def declared_kind(memory_type: str | MemoryKind) -> MemoryKind:
+    """The ``MemoryKind`` a caller names ("host", "cuda"), or RegistrationError."""
+    try:
+        kind = MemoryKind(memory_type)
+    except ValueError:
+        kind = None
+    if kind not in DECLARABLE:
+        raise RegistrationError(
+            f"memory_type {memory_type!r} is not valid; valid values: {', '.join(k.value for k in DECLARABLE)}"
+        )
+    return kind
+
+
+def same_memory(declared: MemoryKind, mapped: MemoryKind) -> bool:
+    """Whether UCX mapping memory declared ``declared`` as ``mapped`` is
+    right. Managed memory is device memory UCX also reaches: accepted for a
+    CUDA declaration (its pages may live on either side, and UCX's CUDA
+    transports handle both)."""
+    return mapped is declared or (declared is MemoryKind.CUDA and mapped is MemoryKind.CUDA_MANAGED)
+
+
 @dataclass(frozen=True)
 class Span:
     """The allocation an object lives in: base address, size, device kind."""

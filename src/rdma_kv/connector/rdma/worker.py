@@ -152,7 +152,7 @@ class RdmaWorker(PeerHandshakes):
         transport = self._transport_factory(self.agent_name, self._settings)
         try:
             for region in geometry.regions:
-                transport.register((region.base_address, region.nbytes))
+                transport.register((region.base_address, region.nbytes), memory_type=region.memory_type)
             slots = SlotTable(geometry)
             local_prep = transport.prep_local(slots.descs)
             compat = compat_info(self._kv_cache_config, geometry, self._settings.tp_size)
