@@ -52,6 +52,7 @@ from rdma_kv.errors import (
 )
 from rdma_kv.transport import metadata as wire
 from rdma_kv.transport._lib import check_status, load, status_name, ucx_version
+from rdma_kv.transport.cuda import creator_context
 from rdma_kv.transport.descriptors import DescList, PreparedDescList, coalesce
 from rdma_kv.transport.config import AgentConfig
 from rdma_kv.transport.lanes import MAX_LANES, Lanes, lane_factory, start_pump
@@ -154,6 +155,9 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
         self._callbacks: list[tuple[Callable[[Transfer], None], Transfer]] = []
         self.stats = {"transfers": 0, "ops_posted": 0, "descs": 0, "bytes": 0, "failed": 0}
         self._thread: threading.Thread | None = None
+        # The creator's CUDA context (None without CUDA): every pump makes it
+        # current before it progresses (cuda.py).
+        self._cuda = _owner._cuda if _owner is not None else creator_context()
         try:
             if _owner is not None:
                 self._pump = start_pump(self, _owner)
