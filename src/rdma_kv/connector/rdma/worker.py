@@ -149,7 +149,8 @@ class RdmaWorker(PeerHandshakes):
         if self._transport is not None:
             raise NotInitializedError("register_kv_caches() was already called on this worker")
         geometry = derive_geometry(kv_caches, self._kv_cache_config)
-        transport = self._transport_factory(self.agent_name, self._settings)
+        # This rank's UCX context gets its own NICs (the GPU's, from the KV cache's device).
+        transport = self._transport_factory(self.agent_name, self._settings.for_device(geometry.regions[0].device))
         try:
             for region in geometry.regions:
                 transport.register((region.base_address, region.nbytes), memory_type=region.memory_type)
