@@ -57,6 +57,10 @@ class RdmaSettings:
     map from TP rank to devices, e.g. ``{"0": "mlx5_0:1", "1": "mlx5_1:1"}``
     (every rank present). Unset: UCX's default, every device, each GPU's
     memory registered on the HCAs closest to it (``MAX_HCA_PER_GPU=auto``)."""
+    attention_backend: str = ""
+    """The engine's attention backend, part of the compatibility check (an
+    NHD and an HND backend must not exchange blocks). The vLLM adapter sets
+    it from vLLM (e.g. ``FLASH_ATTN``); elsewhere, any name both sides use."""
     lanes: int = 1
     """UCX workers that carry one request's reads in parallel (``AgentConfig.lanes``):
     each extra lane is a worker, an endpoint per producer and a progress thread."""
@@ -96,6 +100,7 @@ class RdmaSettings:
             "ucx_options": dict(ucx),
             "ucx_net_devices": _net_devices(extra.get("ucx_net_devices"), ucx),
         }
+        values["attention_backend"] = get("attention_backend", "", type=str)
         for name in ("auth_secret_env", "auth_secret_file"):
             value = get(name, None, type=str)
             if value is not None and not value.strip():

@@ -156,7 +156,8 @@ class RdmaWorker(PeerHandshakes):
                 transport.register((region.base_address, region.nbytes), memory_type=region.memory_type)
             slots = SlotTable(geometry)
             local_prep = transport.prep_local(slots.descs)
-            compat = compat_info(self._kv_cache_config, geometry, self._settings.tp_size)
+            compat = compat_info(self._kv_cache_config, geometry, self._settings.tp_size,
+                                 self._settings.attention_backend)
             server = None
             if self._producer:
                 port = self._settings.side_channel_port
