@@ -60,11 +60,11 @@ from rdma_kv.transport.memory import (
     MemoryKind,
     MemoryRegion,
     RegionTable,
-    declared_kind,
+    declared_span,
     kind_from_ucs,
     kinds_in_mask,
+    mismatch_error,
     same_memory,
-    span_of,
 )
 from rdma_kv.transport.peer import Peer
 from rdma_kv.transport.prepared import PreparedTransfers
@@ -196,13 +196,8 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
         and memory it maps as another type than the declared one is refused
         (RegistrationError): device memory mapped as host memory would be
         touched by the CPU and registered without GPUDirect."""
-        span = span_of(obj)
+        span = declared_span(obj, memory_type)
         kind = span.kind
-        if memory_type is not None:
-            kind = declared_kind(memory_type)
-            if span.kind is not None and span.kind is not kind:
-                raise RegistrationError(f"memory_type={memory_type!r} contradicts the {span.kind.value} "
-                                        f"{type(obj).__name__} passed; omit memory_type for tensors and arrays")
         owner = None if isinstance(obj, tuple) else obj
         with self._lock:
             self._require_open()
@@ -248,7 +243,8 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
             check_status(lib.ucp_mem_query(memh, attr), "ucp_mem_query")
             ucx_kind = kind_from_ucs(attr.mem_type)
             if kind is not None and not same_memory(kind, ucx_kind):
-                raise RegistrationError(self._type_mismatch(base, nbytes, kind, ucx_kind))
+                tls = self.config.ucx_options.get("TLS") or os.environ.get("UCX_TLS") or "all (default)"
+                raise mismatch_error(base, nbytes, kind, ucx_kind, kinds_in_mask(self._context.memory_types()), tls)
             buf = ffi.new("void **")
             size = ffi.new("size_t *")
             check_status(lib.ucp_rkey_pack(self._context.handle, memh, buf, size), "ucp_rkey_pack")
@@ -258,17 +254,6 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
             lib.ucp_mem_unmap(self._context.handle, memh)
             raise
         return MemoryRegion(base, nbytes, ucx_kind, memh, packed)
-
-    def _type_mismatch(self, base: int, nbytes: int, kind: MemoryKind, ucx_kind: MemoryKind) -> str:
-        mask = self._context.memory_types()
-        supported = [k.value for k in kinds_in_mask(mask)]
-        tls = self.config.ucx_options.get("TLS") or os.environ.get("UCX_TLS") or "all (default)"
-        hint = ("this UCX context cannot detect device memory: enable a CUDA transport (cuda_copy in UCX_TLS) "
-                "and use a UCX built with CUDA" if kind is not MemoryKind.HOST and kind.value not in supported
-                else "check that the address really is " + kind.value + " memory")
-        return (f"[{base:#x}, +{nbytes}) is declared {kind.value} memory but UCX maps it as "
-                f"{ucx_kind.value} memory (this context supports: {', '.join(supported)}; TLS={tls}); "
-                f"refusing to register it: {hint}")
 
     def deregister(self, region: MemoryRegion) -> None:
         """Drop one reference; unmap when the last one goes. Peers must
