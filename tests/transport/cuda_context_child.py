@@ -1,15 +1,18 @@
 """Child of test_cuda_context.py, run with the stub libcuda preloaded: makes
 a context current on the main thread (as torch does when it initialises
 CUDA), runs two agents with pumps (one with lanes) through a striped read,
-and prints the stub's per-thread records as JSON on its last line."""
+and prints the stub's per-thread records as JSON on its last line. With
+``fail`` (and STUB_CU_SET_FAIL set), reports the agent's refusal to start."""
 
 from __future__ import annotations
 
 import ctypes
 import json
+import sys
 
 import numpy as np
 
+from rdma_kv.errors import TransferError
 from rdma_kv.transport import Agent, AgentConfig, DescList
 
 CTX = 0x5EED0000
@@ -31,6 +34,13 @@ def main() -> None:
     cuda = ctypes.CDLL("libcuda.so.1")  # the preloaded stub
     cuda.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
     assert cuda.cuCtxSetCurrent(CTX) == 0
+    if sys.argv[1:] == ["fail"]:  # the stub fails every later cuCtxSetCurrent
+        try:
+            Agent("a", AgentConfig(ucx_options={"NET_DEVICES": "lo"})).close()
+        except TransferError as exc:
+            print(json.dumps({"error": str(exc), "threads": records(cuda)}))
+            return
+        raise SystemExit("the agent started although its pump could not set the CUDA context")
     options = {"NET_DEVICES": "lo"}
     src = np.random.default_rng(7).integers(0, 256, NBYTES, dtype=np.uint8)
     dst = np.zeros(NBYTES, dtype=np.uint8)

@@ -33,10 +33,10 @@ def stub_libcuda(tmp_path_factory) -> pathlib.Path:
     return out
 
 
-def run_child(stub: pathlib.Path) -> dict:
+def run_child(stub: pathlib.Path, *args: str, **env_extra: str) -> dict:
     env = dict(os.environ, LD_PRELOAD=str(stub),
-               UCX_MODULES="^cu*")  # UCX's own CUDA modules must not bind to the stub
-    proc = subprocess.run([sys.executable, str(HERE / "cuda_context_child.py")], capture_output=True,
+               UCX_MODULES="^cu*", **env_extra)  # UCX's own CUDA modules must not bind to the stub
+    proc = subprocess.run([sys.executable, str(HERE / "cuda_context_child.py"), *args], capture_output=True,
                           text=True, timeout=150, env=env)
     assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -54,3 +54,11 @@ def test_every_pump_makes_the_creators_context_current_before_it_progresses(stub
         assert t["progress"] > 0 and t["sets"] == 1 and t["ctx_set"] == report["ctx"], t
     bare = [t for t in progressed if t["progress_bare"]]
     assert not bare, f"threads progressed a worker with no current CUDA context: {bare}"
+
+
+def test_a_pump_that_cannot_set_the_context_fails_the_agent_with_the_curesult(stub_libcuda):
+    report = run_child(stub_libcuda, "fail", STUB_CU_SET_FAIL="1")
+    assert "cannot make the creator's CUDA context 0x5eed0000 current" in report["error"]
+    assert "CUresult 201" in report["error"]
+    pump = [t for t in report["threads"] if t["name"] == "rdma-kv-pump"]
+    assert pump and all(t["progress"] == 0 for t in pump), pump  # it never progressed

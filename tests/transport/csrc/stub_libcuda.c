@@ -9,6 +9,7 @@
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -59,10 +60,17 @@ int cuCtxGetCurrent(void **ctx)
     return 0;
 }
 
+/* With STUB_CU_SET_FAIL set, every call after the first fails with
+ * CUDA_ERROR_INVALID_CONTEXT (201): the test's own call succeeds, the
+ * pumps' fail. */
 int cuCtxSetCurrent(void *ctx)
 {
+    static int calls;
     stub_thread_t *rec = stub_self();
 
+    if (__atomic_fetch_add(&calls, 1, __ATOMIC_RELAXED) > 0 && getenv("STUB_CU_SET_FAIL") != NULL) {
+        return 201;
+    }
     stub_current = ctx;
     if (rec != NULL) {
         __atomic_store_n(&rec->ctx_set, (uintptr_t)ctx, __ATOMIC_RELAXED);
