@@ -83,6 +83,34 @@ def test_dockerfile_uses_system_ucx_with_verbs():
         assert needle in text, needle
 
 
+def _run_steps(text: str) -> list[str]:
+    """The Dockerfile's RUN instructions, continuation lines joined."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    return [line.strip()[4:] for line in joined.splitlines() if line.strip().startswith("RUN ")]
+
+
+def test_dockerfile_requires_mlx5_and_cuda_and_checks_the_modules():
+    """mlx5 and CUDA are required at configure time and their transport
+    modules checked after the build (configure's --with-verbs alone builds
+    without verbs when it finds none); gdrcopy is not built, and the docs
+    say exactly that."""
+    text = (DOCKER / "Dockerfile").read_text()
+    steps = _run_steps(text)
+    configure = next(s for s in steps if "configure-release" in s)
+    for flag in ("--with-verbs", "--with-mlx5", "--with-rdmacm", "--with-cuda=/usr/local/cuda", "--without-gdrcopy"):
+        assert re.search(re.escape(flag) + r"(\s|$)", configure), flag
+    check = next(s for s in steps if "libuct_ib_mlx5.so" in s)
+    for module in ("libuct_ib.so", "libuct_ib_mlx5.so", "libuct_rdmacm.so", "libuct_cuda.so"):
+        assert module in check.split("do")[0], module
+    assert 'test -e "${UCX_PREFIX}/lib/ucx/${module}"' in check and "exit 1" in check
+    assert steps.index(check) == steps.index(configure) + 1  # in the build stage, right after make install
+    readme = (DOCKER / "README.md").read_text()
+    for words in ("--with-mlx5", "--without-gdrcopy", "libuct_ib_mlx5.so", "libuct_cuda.so"):
+        assert words in readme, words
+    design = (DOCKER.parent / "docs" / "design.md").read_text()
+    assert "gdr_copy" not in design.replace("no `gdr_copy`", "")
+
+
 def test_router_forwards_prefill_params_to_decode():
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")

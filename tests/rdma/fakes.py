@@ -107,12 +107,14 @@ class FakeTransport:
     def __init__(self, name, fabric):
         self.name, self.fabric = name, fabric
         self.regions = []
+        self.memory_types = []  # register()'s memory_type, per region
         self.peers = {}
         self.closed = False
 
-    def register(self, obj):
+    def register(self, obj, *, memory_type=None):
         base, nbytes = obj
         self.regions.append((base, nbytes))
+        self.memory_types.append(memory_type)
         return (base, nbytes)
 
     def metadata(self):

@@ -644,6 +644,25 @@ def test_invalid_ucx_option_is_a_config_error(make_agent):
         make_agent("opt", ucx_options={"NO_SUCH_OPTION": "1"})
 
 
+def test_defaults_this_ucx_does_not_know_are_skipped_not_fatal(monkeypatch):
+    """NIXL's defaults include an option of UCX's IB module; a UCX without
+    verbs (the libucx wheel) does not know it, and the context still starts
+    with the others. The same option passed explicitly is an error there."""
+    from rdma_kv.transport import ucx
+
+    for key in ucx.DEFAULT_OPTIONS:
+        monkeypatch.delenv(f"UCX_{key}", raising=False)
+    monkeypatch.setitem(ucx.DEFAULT_OPTIONS, "NO_SUCH_DEFAULT", "1")
+    context = ucx.Context({"NET_DEVICES": "lo"})
+    try:
+        assert "NO_SUCH_DEFAULT" in context.skipped_defaults
+        assert not {"RNDV_THRESH", "MAX_RMA_RAILS", "MAX_HCA_PER_GPU"} & set(context.skipped_defaults)
+    finally:
+        context.close()
+    with pytest.raises(ConfigError, match="NO_SUCH_DEFAULT='1' rejected"):
+        ucx.Context({"NET_DEVICES": "lo", "NO_SUCH_DEFAULT": "1"})
+
+
 def test_engine_threads_post_and_wait_concurrently(pair: Pair, rng):
     """Several threads share one agent (as an engine's threads do): each reads
     random 4 KiB blocks of a's buffer into its own slice of b's, 40 times."""

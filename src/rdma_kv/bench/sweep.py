@@ -51,8 +51,10 @@ DEFAULT_BACKENDS = ("rdma-kv", "nixl", "ucx_perftest")
 BACKENDS = ("rdma-kv", "nixl", "ucx_perftest", "cma")
 PERFTEST_OUTSTANDING = 64
 PERFTEST_MIN_ITERATIONS = 100
-# The settings rdma-kv's Agent applies unless the operator set them
-# (rdma_kv.transport.ucx.DEFAULT_OPTIONS; not imported: no UCX in this process).
+# The settings rdma-kv's Agent applies unless the operator set them that
+# change a host-memory transfer (rdma_kv.transport.ucx.DEFAULT_OPTIONS, whose
+# other two act on GPU memory and IB devices only; not imported: no UCX in
+# this process).
 RDMA_KV_UCX_DEFAULTS = {"UCX_RNDV_THRESH": "inf", "UCX_MAX_RMA_RAILS": "2"}
 
 _UNITS = {"": 1, "b": 1, "k": KiB, "kb": KiB, "kib": KiB, "m": MiB, "mb": MiB, "mib": MiB,

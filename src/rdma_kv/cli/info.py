@@ -45,6 +45,10 @@ class Report:
     verbs: bool = False
     cuda: str = ""
     findings: list[Finding] = field(default_factory=list)
+    # CUDA memory support: what a UCP context made with this environment's
+    # UCX_* settings supports (see cuda_memory_support below).
+    context_memory_types: list[str] = field(default_factory=list)
+    cuda_memory: str = ""
 
 
 def add_parser(sub: Any) -> None:
@@ -124,6 +128,7 @@ def probe() -> Report:
             "warning", f"InfiniBand devices {report.ib_devices} exist but the loaded UCX has no verbs "
             "transport; set RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true to use the system UCX (MOFED/HPC-X)"))
     report.cuda = _cuda_state(names)
+    cuda_memory_support(report)
     return report
 
 
@@ -138,6 +143,43 @@ def _cuda_state(transports: set[str]) -> str:
     if gpu:
         return "available" + ("" if ucx_cuda else " to torch, but UCX has no cuda transport")
     return "no CUDA device" + (" (torch not installed)" if gpu is None else "")
+
+
+# --- CUDA memory support ------------------------------------------------------
+
+
+def cuda_memory_support(report: Report) -> None:
+    """Whether the loaded UCX, with the transports this environment enables
+    (``UCX_TLS``...), can register CUDA memory as CUDA memory: the memory
+    types of a UCP context made as the agent makes its own
+    (``ucp_context_attr_t.memory_types``: host, plus the types of the memory
+    domains whose transports stayed enabled). Without ``cuda`` there, the
+    agent refuses a CUDA KV cache (UCX would map it as host memory)."""
+    try:
+        from rdma_kv.transport.memory import MemoryKind, kinds_in_mask
+        from rdma_kv.transport.ucx import Context
+
+        context = Context(name="rdma-kv-info")
+        try:
+            kinds = kinds_in_mask(context.memory_types())
+        finally:
+            context.close()
+    except Exception as exc:  # a diagnostic: report it, do not crash
+        report.cuda_memory = f"unknown (no UCP context: {exc})"
+        report.findings.append(Finding("warning", f"cannot create a UCP context to query memory types: {exc}"))
+        return
+    report.context_memory_types = [k.value for k in kinds]
+    tls = os.environ.get("UCX_TLS", "all (default)")
+    if MemoryKind.CUDA in kinds:
+        report.cuda_memory = f"supported (context memory types: {', '.join(report.context_memory_types)})"
+        return
+    cuda_built = any(t["transport"].startswith("cuda") for t in report.transports)
+    why = ("UCX has CUDA transports but UCX_TLS leaves them out; add cuda_copy" if cuda_built
+           else "this UCX has no usable CUDA transport (no GPU driver here, or UCX built without CUDA)")
+    report.cuda_memory = f"not supported: {why} (UCX_TLS={tls})"
+    if report.cuda.startswith("available"):
+        report.findings.append(Finding("error", f"a GPU is present but UCX cannot register CUDA memory as CUDA: "
+                                       f"{why}; a CUDA KV cache would be refused at register_kv_caches"))
 
 
 def check_config(text: str, report: Report) -> None:
@@ -182,6 +224,7 @@ def render(report: Report) -> str:
         f"memory types  {', '.join(report.memory_types) or '-'}",
         f"IB verbs      {'yes' if report.verbs else 'no'}; IB devices: {', '.join(report.ib_devices) or 'none'}",
         f"CUDA          {report.cuda}",
+        f"CUDA memory   {report.cuda_memory or '-'}",
         "transports:",
     ]
     lines += [f"  {t['transport']:<12} {t['device']:<12} {t['type']}" for t in report.transports] or ["  -"]

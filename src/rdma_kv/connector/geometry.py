@@ -78,6 +78,17 @@ class Region:
     device: str
     layer_names: tuple[str, ...]
 
+    @property
+    def memory_type(self) -> str:
+        """The transport's name for this memory: "cuda" (``device`` is
+        ``cuda`` or ``cuda:N``) or "host" (``cpu``). Other devices cannot be
+        registered."""
+        kind = self.device.partition(":")[0]
+        if kind not in ("cpu", "cuda"):
+            raise SpecError(f"KV cache on device {self.device!r} cannot be registered; "
+                            "rdma-kv moves KV caches in host (cpu) or CUDA memory")
+        return "host" if kind == "cpu" else "cuda"
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerGeometry:
@@ -88,6 +99,15 @@ class LayerGeometry:
     num_blocks: int
     layout: Layout
     segments: tuple[Segment, ...]
+    memory_order: str = ""
+    """The tensor's logical shape (``B`` for the block dim) and its dims from
+    outermost to innermost in memory, e.g. ``(2,B,16,8,128) order 0,1,2,3,4``
+    (NHD) against ``... order 0,1,3,2,4`` (HND): what two engines must share
+    to copy block for block. Independent of ``num_blocks``."""
+    kv_layout: str = ""
+    """``NHD`` (a block's tokens outside its heads), ``HND`` (heads outside
+    tokens) or ``MLA``; empty when the sizes cannot tell (block size equal to
+    the number of KV heads): ``memory_order`` still decides."""
 
     @property
     def block_nbytes(self) -> int:
@@ -333,7 +353,29 @@ def derive_layer_geometry(
                 f"layer {name!r}: block {num_blocks - 1} ends at byte {end}, past the "
                 f"{info.storage_nbytes}-byte allocation"
             )
-    return LayerGeometry(name, region_index, num_blocks, layout, segments)
+    block_dim = 0 if layout is Layout.BLOCKS_FIRST else 1
+    return LayerGeometry(name, region_index, num_blocks, layout, segments,
+                         _memory_order(info, block_dim), _kv_layout(info, spec, block_dim))
+
+
+def _memory_order(info: _TensorInfo, block_dim: int) -> str:
+    # Dims of size 1 have no meaningful stride (torch gives them any).
+    dims = sorted((d for d in range(len(info.shape)) if info.shape[d] != 1), key=lambda d: -info.strides[d])
+    shape = ",".join("B" if d == block_dim else str(n) for d, n in enumerate(info.shape))
+    return f"({shape}) order {','.join(map(str, dims))}"
+
+
+def _kv_layout(info: _TensorInfo, spec: AttentionSpec, block_dim: int) -> str:
+    if spec.use_mla:
+        return "MLA"
+    if spec.num_kv_heads == 1:
+        return "NHD"  # one head: both orders are the same bytes
+    inner = [d for d in range(len(info.shape)) if d != block_dim]
+    tokens = [d for d in inner if info.shape[d] == spec.block_size]
+    heads = [d for d in inner if info.shape[d] == spec.num_kv_heads]
+    if len(tokens) != 1 or len(heads) != 1 or tokens == heads:
+        return ""
+    return "NHD" if info.strides[tokens[0]] > info.strides[heads[0]] else "HND"
 
 
 def derive_geometry(

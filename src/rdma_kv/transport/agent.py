@@ -52,10 +52,20 @@ from rdma_kv.errors import (
 )
 from rdma_kv.transport import metadata as wire
 from rdma_kv.transport._lib import check_status, load, status_name, ucx_version
+from rdma_kv.transport.cuda import creator_context
 from rdma_kv.transport.descriptors import DescList, PreparedDescList, coalesce
 from rdma_kv.transport.config import AgentConfig
 from rdma_kv.transport.lanes import MAX_LANES, Lanes, lane_factory, start_pump
-from rdma_kv.transport.memory import MemoryKind, MemoryRegion, RegionTable, kind_from_ucs, span_of
+from rdma_kv.transport.memory import (
+    MemoryKind,
+    MemoryRegion,
+    RegionTable,
+    declared_span,
+    kind_from_ucs,
+    kinds_in_mask,
+    mismatch_error,
+    same_memory,
+)
 from rdma_kv.transport.peer import Peer
 from rdma_kv.transport.prepared import PreparedTransfers
 from rdma_kv.transport.progress import Notification, ProgressEngine
@@ -145,6 +155,9 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
         self._callbacks: list[tuple[Callable[[Transfer], None], Transfer]] = []
         self.stats = {"transfers": 0, "ops_posted": 0, "descs": 0, "bytes": 0, "failed": 0}
         self._thread: threading.Thread | None = None
+        # The creator's CUDA context (None without CUDA): every pump makes it
+        # current before it progresses (cuda.py).
+        self._cuda = _owner._cuda if _owner is not None else creator_context()
         try:
             if _owner is not None:
                 self._pump = start_pump(self, _owner)
@@ -173,16 +186,27 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
 
     # ------------------------------------------------------------------ memory
 
-    def register(self, obj: Any) -> MemoryRegion:
+    def register(self, obj: Any, *, memory_type: str | None = None) -> MemoryRegion:
         """Register a tensor, array or ``(address, nbytes)``. A view of an
         allocation already registered returns that allocation's region.
-        The region keeps a tensor or array alive until it is unmapped."""
-        span = span_of(obj)
+        The region keeps a tensor or array alive until it is unmapped.
+
+        ``memory_type`` ("host" or "cuda") says what the memory is; a tensor
+        or array says it itself. UCX detects the type of the memory it maps,
+        and memory it maps as another type than the declared one is refused
+        (RegistrationError): device memory mapped as host memory would be
+        touched by the CPU and registered without GPUDirect."""
+        span = declared_span(obj, memory_type)
+        kind = span.kind
         owner = None if isinstance(obj, tuple) else obj
         with self._lock:
             self._require_open()
             for region in self._regions:
                 if region.contains(span.base, span.nbytes):
+                    if kind is not None and not same_memory(kind, region.kind):
+                        raise RegistrationError(
+                            f"[{span.base:#x}, +{span.nbytes}) is declared {kind.value} memory but lies in "
+                            f"{region}, which UCX mapped as {region.kind.value}")
                     region.refs += 1
                     if owner is not None:
                         region.owners.append(owner)
@@ -193,7 +217,7 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
                         f"[{region.base:#x}, +{region.nbytes}) without lying inside it; "
                         "register the enclosing allocation once instead"
                     )
-            region = self._map(span.base, span.nbytes, span.kind)
+            region = self._map(span.base, span.nbytes, kind)
             if owner is not None:
                 region.owners.append(owner)
             self._regions.append(region)
@@ -201,14 +225,15 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
             return region
 
     def _map(self, base: int, nbytes: int, kind: MemoryKind | None) -> MemoryRegion:
+        """``ucp_mem_map`` without a memory-type hint: UCX detects the type
+        through the memory domains of its enabled transports (a hint would be
+        trusted and echoed by ucp_mem_query, hiding a UCX that cannot reach
+        device memory). The detected type must be the declared ``kind``."""
         ffi, lib = self._ffi, self._lib
         params = ffi.new("ucp_mem_map_params_t *")
         params.field_mask = lib.UCP_MEM_MAP_PARAM_FIELD_ADDRESS | lib.UCP_MEM_MAP_PARAM_FIELD_LENGTH
         params.address = ffi.cast("void *", base)
         params.length = nbytes
-        if kind is MemoryKind.CUDA:
-            params.field_mask |= lib.UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE
-            params.memory_type = lib.UCS_MEMORY_TYPE_CUDA
         memh_p = ffi.new("ucp_mem_h *")
         check_status(lib.ucp_mem_map(self._context.handle, params, memh_p), f"ucp_mem_map of [{base:#x}, +{nbytes})")
         memh = memh_p[0]
@@ -217,6 +242,9 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
             attr.field_mask = lib.UCP_MEM_ATTR_FIELD_MEM_TYPE
             check_status(lib.ucp_mem_query(memh, attr), "ucp_mem_query")
             ucx_kind = kind_from_ucs(attr.mem_type)
+            if kind is not None and not same_memory(kind, ucx_kind):
+                tls = self.config.ucx_options.get("TLS") or os.environ.get("UCX_TLS") or "all (default)"
+                raise mismatch_error(base, nbytes, kind, ucx_kind, kinds_in_mask(self._context.memory_types()), tls)
             buf = ffi.new("void **")
             size = ffi.new("size_t *")
             check_status(lib.ucp_rkey_pack(self._context.handle, memh, buf, size), "ucp_rkey_pack")

@@ -127,9 +127,16 @@ def start_pump(agent: Agent, owner: Agent) -> Any:
     its eventfd, or a polling owner's caller through the owner's worker."""
     lib, ffi = agent._lib, agent._ffi
     wake_worker = owner._worker.handle if owner._wake_fd < 0 else ffi.NULL
+    cuda = owner._cuda  # made current in the pump's thread before it progresses
+    set_ctx = ffi.cast("rk_cu_set_ctx_t", cuda.set_current) if cuda else ffi.NULL
+    cu_status = ffi.new("int *")
     pump = lib.rk_pump_start(agent._worker.handle, agent._worker.efd, owner._ctx, wake_worker, owner._wake_fd,
-                             int(agent.config.spin_s * 1e9))
+                             int(agent.config.spin_s * 1e9), set_ctx,
+                             ffi.cast("void *", cuda.handle) if cuda else ffi.NULL, cu_status)
     if pump == ffi.NULL:
+        if cu_status[0]:
+            raise TransferError(f"the progress thread of {agent.name!r} cannot make the creator's CUDA context "
+                                f"{cuda.handle:#x} current: cuCtxSetCurrent returned CUresult {cu_status[0]}")
         raise TransferError(f"cannot start the progress thread of {agent.name!r} (pthread_create failed)")
     return pump
 

@@ -40,6 +40,61 @@ def kind_from_ucs(value: int) -> MemoryKind:
     return _UCS_KINDS.get(int(value), MemoryKind.UNKNOWN)
 
 
+def kinds_in_mask(mask: int) -> list[MemoryKind]:
+    """The kinds a ``ucs_memory_type_t`` bitmask holds (``ucp_context_attr_t.memory_types``)."""
+    return [kind for value, kind in sorted(_UCS_KINDS.items()) if mask >> value & 1]
+
+
+# What a caller may declare (``register(..., memory_type=...)``).
+DECLARABLE = (MemoryKind.HOST, MemoryKind.CUDA)
+
+
+def declared_kind(memory_type: str | MemoryKind) -> MemoryKind:
+    """The ``MemoryKind`` a caller names ("host", "cuda"), or RegistrationError."""
+    try:
+        kind = MemoryKind(memory_type)
+    except ValueError:
+        kind = None
+    if kind not in DECLARABLE:
+        raise RegistrationError(
+            f"memory_type {memory_type!r} is not valid; valid values: {', '.join(k.value for k in DECLARABLE)}"
+        )
+    return kind
+
+
+def declared_span(obj: Any, memory_type: str | None) -> Span:
+    """``span_of(obj)`` with the kind the caller declares: a tensor's or
+    array's own, or ``memory_type`` ("host", "cuda"), which must agree."""
+    span = span_of(obj)
+    if memory_type is None:
+        return span
+    kind = declared_kind(memory_type)
+    if span.kind is not None and span.kind is not kind:
+        raise RegistrationError(f"memory_type={memory_type!r} contradicts the {span.kind.value} "
+                                f"{type(obj).__name__} passed; omit memory_type for tensors and arrays")
+    return Span(span.base, span.nbytes, kind)
+
+
+def mismatch_error(base: int, nbytes: int, declared: MemoryKind, mapped: MemoryKind,
+                   supported: list[MemoryKind], tls: str) -> RegistrationError:
+    """The refusal of memory UCX mapped as ``mapped`` though declared ``declared``."""
+    names = [k.value for k in supported]
+    hint = ("this UCX context cannot detect device memory: enable a CUDA transport (cuda_copy in UCX_TLS) "
+            "and use a UCX built with CUDA" if declared is not MemoryKind.HOST and declared not in supported
+            else f"check that the address really is {declared.value} memory")
+    return RegistrationError(
+        f"[{base:#x}, +{nbytes}) is declared {declared.value} memory but UCX maps it as {mapped.value} "
+        f"memory (this context supports: {', '.join(names)}; TLS={tls}); refusing to register it: {hint}")
+
+
+def same_memory(declared: MemoryKind, mapped: MemoryKind) -> bool:
+    """Whether UCX mapping memory declared ``declared`` as ``mapped`` is
+    right. Managed memory is device memory UCX also reaches: accepted for a
+    CUDA declaration (its pages may live on either side, and UCX's CUDA
+    transports handle both)."""
+    return mapped is declared or (declared is MemoryKind.CUDA and mapped is MemoryKind.CUDA_MANAGED)
+
+
 @dataclass(frozen=True)
 class Span:
     """The allocation an object lives in: base address, size, device kind."""

@@ -13,11 +13,14 @@ May import: rdma_kv.errors, rdma_kv.transport._lib.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 
 from rdma_kv.errors import ClosedError, ConfigError
 from rdma_kv.transport._lib import check_status, load, status_name
+
+log = logging.getLogger(__name__)
 
 
 # Applied unless the operator sets UCX_<NAME> or passes the option. Measured
@@ -25,8 +28,13 @@ from rdma_kv.transport._lib import check_status, load, status_name
 # sent as one process_vm_readv and 16,384 of them ran at 0.7-0.9 GB/s; with
 # RNDV_THRESH=inf each get is one CMA zero-copy read (4.5-5.6 GB/s).
 # MAX_RMA_RAILS=2 lets large gets stripe over two lanes (two HCA ports on IB).
-# NIXL's UCX backend sets the same values.
-DEFAULT_OPTIONS = {"RNDV_THRESH": "inf", "MAX_RMA_RAILS": "2"}
+# MAX_HCA_PER_GPU=auto registers GPU memory only on the HCAs closest to the
+# GPU (UCX >= 1.21; its default registers it on every HCA of the node), and
+# IB_PCI_RELAXED_ORDERING=try enables PCIe relaxed ordering where the HCA
+# supports it (an option of UCX's IB module: unknown to a UCX without verbs,
+# such as the libucx wheel). NIXL's UCX backend sets the same values.
+DEFAULT_OPTIONS = {"RNDV_THRESH": "inf", "MAX_RMA_RAILS": "2", "MAX_HCA_PER_GPU": "auto",
+                   "IB_PCI_RELAXED_ORDERING": "try"}
 
 
 def effective_options(options: Mapping[str, str] | None) -> dict[str, str]:
@@ -50,13 +58,19 @@ class Context:
                  shared_workers: bool = False) -> None:
         ffi, lib = load()
         self._ffi, self._lib = ffi, lib
+        self.skipped_defaults: list[str] = []  # DEFAULT_OPTIONS keys this UCX rejected
         config_p = ffi.new("ucp_config_t **")
         check_status(lib.ucp_config_read(ffi.NULL, ffi.NULL, config_p), "ucp_config_read")
         config = config_p[0]
         try:
             for key, value in effective_options(options).items():
                 status = lib.ucp_config_modify(config, key.encode(), str(value).encode())
-                if status != lib.UCS_OK:
+                if status != lib.UCS_OK and key not in (options or {}):
+                    # A default this UCX does not know (its version, or a
+                    # module it was built without): UCX's own default stays.
+                    log.debug("UCX default %s=%s not applied: %s", key, value, status_name(status))
+                    self.skipped_defaults.append(key)
+                elif status != lib.UCS_OK:
                     raise ConfigError(
                         f"UCX option {key}={value!r} rejected: {status_name(status)}; "
                         "options are UCX settings without the UCX_ prefix "

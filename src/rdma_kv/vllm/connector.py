@@ -97,6 +97,16 @@ def _parallel(vllm_config: Any, role: KVConnectorRole) -> tuple[int, int, int]:
     return tp_rank, tp_size, int(getattr(parallel, "data_parallel_rank", 0) or 0)
 
 
+def _attention_backend(vllm_config: Any, role: KVConnectorRole) -> str:
+    """The worker's attention backend name(s) (as NixlConnector reads them),
+    for the compatibility check; empty on the scheduler, which checks none."""
+    if role is not KVConnectorRole.WORKER:
+        return ""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    return ",".join(sorted({backend.get_name() for backend in get_current_attn_backends(vllm_config)}))
+
+
 class RdmaKVConnector(KVConnectorBase_V1):
     """Disaggregated prefill -> decode over one-sided UCX reads; see
     ``docs/vllm.md``. Enable with ``kv_transfer_config={"kv_connector":
@@ -111,7 +121,8 @@ class RdmaKVConnector(KVConnectorBase_V1):
 
         tp_rank, tp_size, dp_rank = _parallel(vllm_config, role)
         config = translate.transfer_config(vllm_config.kv_transfer_config, tp_rank=tp_rank,
-                                           tp_size=tp_size, dp_rank=dp_rank)
+                                           tp_size=tp_size, dp_rank=dp_rank,
+                                           attention_backend=_attention_backend(vllm_config, role))
         if kv_cache_config is None:
             raise ConfigError("RdmaKVConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
         self._connector: RdmaConnector = RdmaConnector(

@@ -69,7 +69,7 @@ they are vLLM's, not the connector's, so they are dropped before parsing."""
 
 
 def transfer_config(vllm_kv: Any, *, tp_rank: int = 0, tp_size: int = 1,
-                    dp_rank: int = 0) -> KVTransferConfig:
+                    dp_rank: int = 0, attention_backend: str = "") -> KVTransferConfig:
     """Our ``KVTransferConfig`` from vLLM's (``vllm.config.KVTransferConfig``).
 
     vLLM's fields map one to one (``kv_connector``, ``engine_id``,
@@ -81,11 +81,11 @@ def transfer_config(vllm_kv: Any, *, tp_rank: int = 0, tp_size: int = 1,
     ``port + d * tp_size`` (rank ``r`` adds ``r``), so ranks never collide.
     """
     extra = dict(getattr(vllm_kv, "kv_connector_extra_config", None) or {})
-    for key in ("tp_rank", "tp_size"):
+    for key in ("tp_rank", "tp_size", "attention_backend"):
         if key in extra:
             raise ConfigError(
                 f"kv_connector_extra_config[{key!r}] is set, but under vLLM the tensor-parallel "
-                "rank and size come from vLLM's parallel config; remove it")
+                "rank and size and the attention backend come from vLLM's config; remove it")
     host = extra.get("side_channel_host", DEFAULT_HOST)
     if not isinstance(host, str) or not host:
         raise ConfigError(f"kv_connector_extra_config['side_channel_host'] must be a host, got {host!r}")
@@ -93,6 +93,8 @@ def transfer_config(vllm_kv: Any, *, tp_rank: int = 0, tp_size: int = 1,
     if dp_rank and isinstance(port, int) and port:
         extra["side_channel_port"] = port + dp_rank * tp_size
     extra.update(tp_rank=tp_rank, tp_size=tp_size)
+    if attention_backend:  # part of the compatibility check (worker side)
+        extra["attention_backend"] = attention_backend
     device = getattr(vllm_kv, "kv_buffer_device", None) or "cpu"
     policy = getattr(vllm_kv, "kv_load_failure_policy", None) or "fail"
     return KVTransferConfig(

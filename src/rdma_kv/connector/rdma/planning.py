@@ -71,10 +71,16 @@ def count_runs(local_ids: np.ndarray, remote_ids: np.ndarray, rows: int) -> int:
     return rows * (1 + int(breaks.sum()))
 
 
-def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, tp_size: int) -> CompatInfo:
+def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, tp_size: int,
+                attention_backend: str = "") -> CompatInfo:
+    """What this engine's KV cache is, for the handshake to compare: model
+    shape, dtype, block size, spec, TP size, the attention backend, and per
+    layer the layout, segment sizes and memory order (so an NHD and an HND
+    cache of one shape differ)."""
     spec = kv_cache_config.single_group().kv_cache_spec
     layouts = [
         f"{layer.layout.value}:" + ",".join(str(s.block_nbytes) for s in layer.segments)
+        + (f":{layer.memory_order}" if layer.memory_order else "")
         for layer in geometry.layers
     ]
     attention = isinstance(spec, AttentionSpec)
@@ -87,4 +93,6 @@ def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, tp_si
         spec=spec.type_id,
         layouts=layouts,
         tp_size=tp_size,
+        kv_layout="/".join(sorted({layer.kv_layout for layer in geometry.layers})),
+        attention_backend=attention_backend,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import string
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,6 +50,18 @@ class RdmaSettings:
     """Threads for handshakes and lease RPCs (never the engine thread)."""
     ucx_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """UCX settings without the ``UCX_`` prefix, e.g. ``{"TLS": "rc,sm"}``."""
+    ucx_net_devices: str | Mapping[int, str] | None = None
+    """``UCX_NET_DEVICES`` of each rank's UCX context, so that every GPU uses
+    the NIC next to it: a template, where ``{local_rank}`` is the CUDA
+    device index of the rank's KV cache (its TP rank for a host-memory
+    cache) and ``{rank}`` its TP rank, e.g. ``"mlx5_{local_rank}:1"``; or a
+    map from TP rank to devices, e.g. ``{"0": "mlx5_0:1", "1": "mlx5_1:1"}``
+    (every rank present). Unset: UCX's default, every device, each GPU's
+    memory registered on the HCAs closest to it (``MAX_HCA_PER_GPU=auto``)."""
+    attention_backend: str = ""
+    """The engine's attention backend, part of the compatibility check (an
+    NHD and an HND backend must not exchange blocks). The vLLM adapter sets
+    it from vLLM (e.g. ``FLASH_ATTN``); elsewhere, any name both sides use."""
     lanes: int = 1
     """UCX workers that carry one request's reads in parallel (``AgentConfig.lanes``):
     each extra lane is a worker, an endpoint per producer and a progress thread."""
@@ -89,7 +102,9 @@ class RdmaSettings:
             "advertise_host": advertise,
             "side_channel_port": get("side_channel_port", config.kv_port, type=int),
             "ucx_options": dict(ucx),
+            "ucx_net_devices": _net_devices(extra.get("ucx_net_devices"), ucx),
         }
+        values["attention_backend"] = get("attention_backend", "", type=str)
         for name in ("auth_secret_env", "auth_secret_file"):
             value = get(name, None, type=str)
             if value is not None and not value.strip():
@@ -130,6 +145,26 @@ class RdmaSettings:
             raise ConfigError("rpc_retries must be >= 0 and rpc_threads >= 1")
         if not 1 <= self.lanes <= MAX_LANES:
             raise ConfigError(f"lanes must be 1..{MAX_LANES}, got {self.lanes}")
+        if isinstance(self.ucx_net_devices, Mapping):
+            ranks = sorted(self.ucx_net_devices)
+            if ranks != list(range(self.tp_size)):
+                raise ConfigError(f"ucx_net_devices names ranks {ranks}; name every rank 0..{self.tp_size - 1} "
+                                  f"(tp_size={self.tp_size}) exactly once, or use a template such as "
+                                  '"mlx5_{local_rank}:1"')
+
+    def for_device(self, device: str) -> RdmaSettings:
+        """These settings for a rank whose KV cache lives on ``device``
+        (``cuda:N`` or ``cpu``): ``ucx_options`` with its ``NET_DEVICES``."""
+        spec = self.ucx_net_devices
+        if spec is None:
+            return self
+        if isinstance(spec, str):
+            kind, _, index = device.partition(":")
+            local = int(index) if kind == "cuda" and index.isdigit() else self.tp_rank
+            devices = spec.format(rank=self.tp_rank, local_rank=local)
+        else:
+            devices = spec[self.tp_rank]
+        return dataclasses.replace(self, ucx_options={**self.ucx_options, "NET_DEVICES": devices})
 
     def renew_interval_for(self, remote_ttl_s: float) -> float:
         third = remote_ttl_s / 3.0
@@ -154,6 +189,39 @@ def _require_secret_off_loopback(host: str, values: Mapping[str, Any]) -> None:
             "mode-0600 file holding >= 16 random bytes, e.g. from `openssl rand -hex 32`) or "
             "'auth_secret_env' (name of an environment variable holding it) on every producer and "
             "consumer; or, on a network you trust, set 'allow_unauthenticated': true (docs/security.md)")
+
+
+def _net_devices(value: Any, ucx_options: Mapping[str, str]) -> str | dict[int, str] | None:
+    """``ucx_net_devices`` checked: a template naming only {rank} and
+    {local_rank}, or a map from rank (an int, or its decimal string as JSON
+    keys are) to a non-empty string."""
+    if value is None:
+        return None
+    if "NET_DEVICES" in ucx_options:
+        raise ConfigError("both ucx_net_devices and ucx_options['NET_DEVICES'] are set; keep one "
+                          "(ucx_net_devices can differ per rank)")
+    if isinstance(value, str):
+        try:
+            fields = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
+        except ValueError as exc:
+            raise ConfigError(f"ucx_net_devices template {value!r} is malformed: {exc}") from None
+        if not value.strip() or not fields <= {"rank", "local_rank"}:
+            raise ConfigError(f"ucx_net_devices template {value!r} may name only {{rank}} and {{local_rank}} "
+                              '(e.g. "mlx5_{local_rank}:1")')
+        return value
+    if isinstance(value, Mapping):
+        out: dict[int, str] = {}
+        for key, devices in value.items():
+            rank = key if isinstance(key, int) and not isinstance(key, bool) else None
+            if isinstance(key, str) and key.isdigit():
+                rank = int(key)
+            if rank is None or not isinstance(devices, str) or not devices.strip():
+                raise ConfigError(f"ucx_net_devices maps rank {key!r} to {devices!r}; map each TP rank "
+                                  'to its devices, e.g. {"0": "mlx5_0:1"}')
+            out[rank] = devices
+        return out
+    raise ConfigError(f"ucx_net_devices must be a template string or a map from rank to devices, "
+                      f"got {type(value).__name__} {value!r}")
 
 
 EXTRA_KEYS = tuple(f.name for f in dataclasses.fields(RdmaSettings))

@@ -44,8 +44,10 @@ class TransferHandle(Protocol):
 class Transport(Protocol):
     """One process's transfer engine (``rdma_kv.transport.Agent``)."""
 
-    def register(self, obj: Any) -> Any:
-        """Register an allocation: a tensor, array or ``(address, nbytes)``."""
+    def register(self, obj: Any, *, memory_type: str | None = None) -> Any:
+        """Register an allocation: a tensor, array or ``(address, nbytes)``.
+        ``memory_type`` ("host", "cuda") is what the allocation is; the
+        transport refuses memory its UCX would map as another type."""
 
     def metadata(self) -> bytes:
         """What a peer passes to ``add_peer`` (after every ``register``)."""

@@ -109,8 +109,13 @@ class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     spec: Str
     """The KV-cache spec's ``type_id`` (kind, block size, page size)."""
     layouts: Annotated[list[Str], msgspec.Meta(max_length=MAX_LAYERS)]
-    """Per layer: layout and segment byte lengths, e.g. ``blocks_first:65536``."""
+    """Per layer: layout, segment byte lengths and memory order, e.g.
+    ``kv_first:4096,4096:(2,B,16,8,128) order 0,1,2,3,4``."""
     tp_size: Annotated[int, msgspec.Meta(ge=1)]
+    kv_layout: Str = ""
+    """``NHD``, ``HND`` or ``MLA`` (geometry.LayerGeometry.kv_layout)."""
+    attention_backend: Str = ""
+    """The engine's attention backend (vLLM's name, e.g. ``FLASH_ATTN``); empty outside vLLM."""
 
     def compat_hash(self) -> str:
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:32]

@@ -147,13 +147,15 @@ class RdmaWorker(PeerHandshakes):
         if self._transport is not None:
             raise NotInitializedError("register_kv_caches() was already called on this worker")
         geometry = derive_geometry(kv_caches, self._kv_cache_config)
-        transport = self._transport_factory(self.agent_name, self._settings)
+        # This rank's UCX context gets its own NICs (the GPU's, from the KV cache's device).
+        transport = self._transport_factory(self.agent_name, self._settings.for_device(geometry.regions[0].device))
         try:
             for region in geometry.regions:
-                transport.register((region.base_address, region.nbytes))
+                transport.register((region.base_address, region.nbytes), memory_type=region.memory_type)
             slots = SlotTable(geometry)
             local_prep = transport.prep_local(slots.descs)
-            compat = compat_info(self._kv_cache_config, geometry, self._settings.tp_size)
+            compat = compat_info(self._kv_cache_config, geometry, self._settings.tp_size,
+                                 self._settings.attention_backend)
             server = None
             if self._producer:
                 port = self._settings.side_channel_port

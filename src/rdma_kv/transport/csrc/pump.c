@@ -33,6 +33,12 @@ struct rk_pump {
     cpu_set_t allowed; /* the CPUs the agent's creator could run on */
     int hold;       /* > 0: a poster is posting on the worker; keep off it */
     uint64_t kicks; /* bumped by rk_pump_kick: stay awake for spin_ns */
+    rk_cu_set_ctx_t set_ctx; /* NULL: no CUDA context to make current */
+    void *cu_ctx;
+    int cu_status;  /* set_ctx's result, written before started */
+    int started;    /* 1 once the thread is ready to progress (under lock) */
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
 };
 
 /* Keep a lane's pump off the CPU the poster runs on. A lane only adds
@@ -110,6 +116,17 @@ static void *rk_pump_main(void *arg)
 
     pthread_setname_np(pthread_self(), "rdma-kv-pump"); /* top -H, /proc/PID/task */
     __atomic_store_n(&pump->tid, (pid_t)syscall(SYS_gettid), __ATOMIC_RELEASE);
+    /* The creator's CUDA context before the first progress: UCX's CUDA
+     * transports call the driver (cuEventQuery...) from progress, and a
+     * thread without a current context fails or crashes there. */
+    pump->cu_status = pump->set_ctx != NULL ? pump->set_ctx(pump->cu_ctx) : 0;
+    pthread_mutex_lock(&pump->lock);
+    pump->started = 1;
+    pthread_cond_signal(&pump->cond);
+    pthread_mutex_unlock(&pump->lock);
+    if (pump->cu_status != 0) {
+        return NULL;
+    }
     pfd.fd = pump->efd;
     pfd.events = POLLIN;
     while (!__atomic_load_n(&pump->stop, __ATOMIC_ACQUIRE)) {
@@ -157,12 +174,21 @@ static void *rk_pump_main(void *arg)
     return NULL;
 }
 
+static void rk_pump_free(rk_pump_t *pump)
+{
+    pthread_cond_destroy(&pump->cond);
+    pthread_mutex_destroy(&pump->lock);
+    free(pump);
+}
+
 rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
                          ucp_worker_h wake_worker, int wake_fd,
-                         uint64_t spin_ns)
+                         uint64_t spin_ns, rk_cu_set_ctx_t set_ctx,
+                         void *cu_ctx, int *cu_status)
 {
     rk_pump_t *pump = calloc(1, sizeof(*pump));
 
+    *cu_status = 0;
     if (pump == NULL) {
         return NULL;
     }
@@ -173,11 +199,27 @@ rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
     pump->efd = efd;
     pump->spin_ns = spin_ns;
     pump->steered_from = -1;
+    pump->set_ctx = set_ctx;
+    pump->cu_ctx = cu_ctx;
+    pthread_mutex_init(&pump->lock, NULL);
+    pthread_cond_init(&pump->cond, NULL);
     if (sched_getaffinity(0, sizeof(pump->allowed), &pump->allowed) != 0) {
         CPU_ZERO(&pump->allowed); /* unknown: never steer */
     }
     if (pthread_create(&pump->thread, NULL, rk_pump_main, pump) != 0) {
-        free(pump);
+        rk_pump_free(pump);
+        return NULL;
+    }
+    /* A created thread runs: this waits for its first few instructions. */
+    pthread_mutex_lock(&pump->lock);
+    while (!pump->started) {
+        pthread_cond_wait(&pump->cond, &pump->lock);
+    }
+    pthread_mutex_unlock(&pump->lock);
+    if (pump->cu_status != 0) {
+        *cu_status = pump->cu_status;
+        pthread_join(pump->thread, NULL); /* it has returned */
+        rk_pump_free(pump);
         return NULL;
     }
     return pump;
@@ -191,5 +233,5 @@ void rk_pump_stop(rk_pump_t *pump)
     __atomic_store_n(&pump->stop, 1, __ATOMIC_RELEASE);
     ucp_worker_signal(pump->worker);
     pthread_join(pump->thread, NULL);
-    free(pump);
+    rk_pump_free(pump);
 }

@@ -198,6 +198,11 @@ uint64_t rk_progress(ucp_worker_h worker, uint64_t max_rounds);
  * batch records they name, are fully written. */
 uint64_t rk_done_head(rk_ctx_t *ctx);
 
+/* cuCtxSetCurrent's shape: CUresult (*)(CUcontext). The agent hands in
+ * libcuda's function (found with dlsym at run time), so the shim has no
+ * link-time CUDA dependency. */
+typedef int (*rk_cu_set_ctx_t)(void *ctx);
+
 /* A pump: a C thread that progresses one worker (created with
  * UCS_THREAD_MODE_MULTI, so other threads may post on it meanwhile) without
  * the Python interpreter lock: an agent's own worker in progress="thread"
@@ -207,11 +212,15 @@ uint64_t rk_done_head(rk_ctx_t *ctx);
  * during its progress (a batch published, a notification received, an
  * endpoint error), it wakes whoever settles it: ucp_worker_signal(wake_worker)
  * when not NULL (a polling owner sleeps on its worker's fd), and an 8-byte
- * write to wake_fd when >= 0 (an eventfd a Python thread sleeps on). NULL
- * if the thread cannot start. */
+ * write to wake_fd when >= 0 (an eventfd a Python thread sleeps on).
+ * With set_ctx not NULL the thread first calls set_ctx(cu_ctx), making the
+ * creator's CUDA context current (UCX's CUDA transports call the driver
+ * during progress); rk_pump_start returns once it has. NULL if the thread
+ * cannot start or set_ctx failed (its result in *cu_status, else 0). */
 rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
                          ucp_worker_h wake_worker, int wake_fd,
-                         uint64_t spin_ns);
+                         uint64_t spin_ns, rk_cu_set_ctx_t set_ctx,
+                         void *cu_ctx, int *cu_status);
 
 /* Stop the pump's thread, join it and free the pump (bounded by one
  * progress call plus its wake-up). */

@@ -1,0 +1,58 @@
+"""Fake CUDA tensors for tests that need no GPU: objects with the storage,
+stride and device interfaces of ``torch.Tensor`` (what rdma-kv reads from a
+tensor, duck-typed), laid over a host tensor's memory. The device says
+``cuda:N``; the bytes are host memory, so UCX detects them as host memory.
+
+Importable from every test directory (tests/ is on sys.path through its
+conftest.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class FakeDevice:
+    def __init__(self, index: int) -> None:
+        self.type, self.index = "cuda", index
+
+    def __str__(self) -> str:
+        return f"cuda:{self.index}"
+
+    __repr__ = __str__
+
+
+class FakeStorage:
+    def __init__(self, storage: Any) -> None:
+        self._storage = storage
+
+    def data_ptr(self) -> int:
+        return self._storage.data_ptr()
+
+    def nbytes(self) -> int:
+        return self._storage.nbytes()
+
+
+class FakeCudaTensor:
+    """A view of ``host`` (a CPU ``torch.Tensor``) that claims to live on ``cuda:index``."""
+
+    def __init__(self, host: Any, index: int = 0) -> None:
+        self._host = host
+        self.device = FakeDevice(index)
+        self.dtype = host.dtype
+        self.shape = host.shape
+
+    def untyped_storage(self) -> FakeStorage:
+        return FakeStorage(self._host.untyped_storage())
+
+    def data_ptr(self) -> int:
+        return self._host.data_ptr()
+
+    def element_size(self) -> int:
+        return self._host.element_size()
+
+    def stride(self) -> tuple[int, ...]:
+        return self._host.stride()
+
+    def __getitem__(self, index: Any) -> FakeCudaTensor:
+        return FakeCudaTensor(self._host[index], self.device.index)

@@ -1,0 +1,126 @@
+/* A stand-in for libcuda.so.1 (soname libcuda.so.1) for tests without a
+ * GPU, preloaded into a child process. It keeps a current "context" per
+ * thread (cuCtxGetCurrent / cuCtxSetCurrent) and interposes
+ * ucp_worker_progress to record, per thread, whether a context was current
+ * when the thread progressed a worker. The test reads the records with
+ * stub_threads() / stub_thread(). */
+
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define STUB_MAX_THREADS 256
+
+typedef struct {
+    long tid;
+    char name[16];
+    uintptr_t ctx_set;       /* the last context cuCtxSetCurrent made current */
+    uint64_t sets;           /* cuCtxSetCurrent calls */
+    uint64_t progress;       /* ucp_worker_progress calls */
+    uint64_t progress_bare;  /* ... of them with no current context */
+} stub_thread_t;
+
+static __thread void *stub_current;
+static stub_thread_t stub_records[STUB_MAX_THREADS];
+static int stub_count;
+static pthread_mutex_t stub_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* This thread's record (created on first use); NULL when the table is full. */
+static stub_thread_t *stub_self(void)
+{
+    long tid = syscall(SYS_gettid);
+    stub_thread_t *rec = NULL;
+    int i;
+
+    pthread_mutex_lock(&stub_lock);
+    for (i = 0; i < stub_count; i++) {
+        if (stub_records[i].tid == tid) {
+            rec = &stub_records[i];
+        }
+    }
+    if (rec == NULL && stub_count < STUB_MAX_THREADS) {
+        rec = &stub_records[stub_count++];
+        rec->tid = tid;
+    }
+    if (rec != NULL) {
+        pthread_getname_np(pthread_self(), rec->name, sizeof(rec->name));
+    }
+    pthread_mutex_unlock(&stub_lock);
+    return rec;
+}
+
+int cuCtxGetCurrent(void **ctx)
+{
+    *ctx = stub_current;
+    return 0;
+}
+
+/* With STUB_CU_SET_FAIL set, every call after the first fails with
+ * CUDA_ERROR_INVALID_CONTEXT (201): the test's own call succeeds, the
+ * pumps' fail. */
+int cuCtxSetCurrent(void *ctx)
+{
+    static int calls;
+    stub_thread_t *rec = stub_self();
+
+    if (__atomic_fetch_add(&calls, 1, __ATOMIC_RELAXED) > 0 && getenv("STUB_CU_SET_FAIL") != NULL) {
+        return 201;
+    }
+    stub_current = ctx;
+    if (rec != NULL) {
+        __atomic_store_n(&rec->ctx_set, (uintptr_t)ctx, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&rec->sets, 1, __ATOMIC_RELAXED);
+    }
+    return 0;
+}
+
+typedef unsigned (*stub_progress_t)(void *worker);
+
+unsigned ucp_worker_progress(void *worker)
+{
+    static stub_progress_t real;
+    stub_thread_t *rec = stub_self();
+
+    if (real == NULL) {
+        void *ucp = dlopen("libucp.so.0", RTLD_NOLOAD | RTLD_LAZY);
+        real = (stub_progress_t)dlsym(ucp != NULL ? ucp : RTLD_NEXT, "ucp_worker_progress");
+    }
+    if (rec != NULL) {
+        __atomic_fetch_add(&rec->progress, 1, __ATOMIC_RELAXED);
+        if (stub_current == NULL) {
+            __atomic_fetch_add(&rec->progress_bare, 1, __ATOMIC_RELAXED);
+        }
+    }
+    return real(worker);
+}
+
+int stub_threads(void)
+{
+    return stub_count;
+}
+
+/* Copy record i out; returns 0, or -1 when i is out of range. */
+int stub_thread(int i, long *tid, char *name, uintptr_t *ctx_set, uint64_t *counts)
+{
+    stub_thread_t rec;
+
+    pthread_mutex_lock(&stub_lock);
+    if (i < 0 || i >= stub_count) {
+        pthread_mutex_unlock(&stub_lock);
+        return -1;
+    }
+    rec = stub_records[i];
+    pthread_mutex_unlock(&stub_lock);
+    *tid = rec.tid;
+    memcpy(name, rec.name, sizeof(rec.name));
+    *ctx_set = rec.ctx_set;
+    counts[0] = rec.sets;
+    counts[1] = rec.progress;
+    counts[2] = rec.progress_bare;
+    return 0;
+}

@@ -1,0 +1,63 @@
+"""Child of test_cuda_context.py, run with the stub libcuda preloaded: makes
+a context current on the main thread (as torch does when it initialises
+CUDA), runs two agents with pumps (one with lanes) through a striped read,
+and prints the stub's per-thread records as JSON on its last line. With
+``fail`` (and STUB_CU_SET_FAIL set), reports the agent's refusal to start."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import sys
+
+import numpy as np
+
+from rdma_kv.errors import TransferError
+from rdma_kv.transport import Agent, AgentConfig, DescList
+
+CTX = 0x5EED0000
+NBYTES = 8 << 20
+
+
+def records(cuda: ctypes.CDLL) -> list[dict]:
+    out = []
+    for i in range(cuda.stub_threads()):
+        tid, name, ctx = ctypes.c_long(), ctypes.create_string_buffer(16), ctypes.c_uint64()
+        counts = (ctypes.c_uint64 * 3)()
+        assert cuda.stub_thread(i, ctypes.byref(tid), name, ctypes.byref(ctx), counts) == 0
+        out.append({"tid": tid.value, "name": name.value.decode(), "ctx_set": ctx.value,
+                    "sets": counts[0], "progress": counts[1], "progress_bare": counts[2]})
+    return out
+
+
+def main() -> None:
+    cuda = ctypes.CDLL("libcuda.so.1")  # the preloaded stub
+    cuda.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+    assert cuda.cuCtxSetCurrent(CTX) == 0
+    if sys.argv[1:] == ["fail"]:  # the stub fails every later cuCtxSetCurrent
+        try:
+            Agent("a", AgentConfig(ucx_options={"NET_DEVICES": "lo"})).close()
+        except TransferError as exc:
+            print(json.dumps({"error": str(exc), "threads": records(cuda)}))
+            return
+        raise SystemExit("the agent started although its pump could not set the CUDA context")
+    options = {"NET_DEVICES": "lo"}
+    src = np.random.default_rng(7).integers(0, 256, NBYTES, dtype=np.uint8)
+    dst = np.zeros(NBYTES, dtype=np.uint8)
+    with Agent("a", AgentConfig(ucx_options=options, lanes=3, lane_min_bytes=1 << 20)) as a, \
+            Agent("b", AgentConfig(ucx_options=options)) as b:
+        a.register(dst)
+        b.register(src)
+        a.add_peer(b.metadata())
+        b.add_peer(a.metadata())
+        offsets = np.arange(0, NBYTES, 1 << 20)
+        xfer = a.read("b", DescList.from_regions(dst.ctypes.data, offsets, 1 << 20),
+                      DescList.from_regions(src.ctypes.data, offsets, 1 << 20), timeout_s=30.0)
+        xfer.wait(timeout_s=30.0)
+        assert np.array_equal(src, dst)
+        pumps = 1 + len(a._lanes) + 1
+    print(json.dumps({"ctx": CTX, "pumps": pumps, "threads": records(cuda)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Every C pump makes the creator's CUDA context current before it
+progresses its worker. No GPU: a stub libcuda (csrc/stub_libcuda.c, built
+here) is preloaded into a child process; it keeps a context per thread and
+interposes ucp_worker_progress to record whether one was current."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess, pytest.mark.timeout(180)]
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1] / "bench"))
+from wake_latency import compiler  # noqa: E402  (the repository's one compiler lookup)
+
+
+@pytest.fixture(scope="module")
+def stub_libcuda(tmp_path_factory) -> pathlib.Path:
+    cc = compiler()
+    if not cc:
+        pytest.skip("no C compiler (set CC or install gcc)")
+    out = tmp_path_factory.mktemp("stub-cuda") / "libcuda.so.1"
+    proc = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread",
+                           "-Wl,-soname,libcuda.so.1", str(HERE / "csrc" / "stub_libcuda.c"), "-o", str(out),
+                           "-ldl"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"stub libcuda did not build:\n{proc.stderr}"
+    return out
+
+
+def run_child(stub: pathlib.Path, *args: str, **env_extra: str) -> dict:
+    env = dict(os.environ, LD_PRELOAD=str(stub),
+               UCX_MODULES="^cu*", **env_extra)  # UCX's own CUDA modules must not bind to the stub
+    proc = subprocess.run([sys.executable, str(HERE / "cuda_context_child.py"), *args], capture_output=True,
+                          text=True, timeout=150, env=env)
+    assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_pump_makes_the_creators_context_current_before_it_progresses(stub_libcuda):
+    report = run_child(stub_libcuda)
+    threads = report["threads"]
+    pumps = [t for t in threads if t["name"] == "rdma-kv-pump"]
+    progressed = [t for t in threads if t["progress"]]
+    # Four pumps (a's own worker, its two lanes, b's own worker), each of
+    # which progressed and set the main thread's context exactly once.
+    assert len(pumps) == report["pumps"] == 4, threads
+    for t in pumps:
+        assert t["progress"] > 0 and t["sets"] == 1 and t["ctx_set"] == report["ctx"], t
+    bare = [t for t in progressed if t["progress_bare"]]
+    assert not bare, f"threads progressed a worker with no current CUDA context: {bare}"
+
+
+def test_a_pump_that_cannot_set_the_context_fails_the_agent_with_the_curesult(stub_libcuda):
+    report = run_child(stub_libcuda, "fail", STUB_CU_SET_FAIL="1")
+    assert "cannot make the creator's CUDA context 0x5eed0000 current" in report["error"]
+    assert "CUresult 201" in report["error"]
+    pump = [t for t in report["threads"] if t["name"] == "rdma-kv-pump"]
+    assert pump and all(t["progress"] == 0 for t in pump), pump  # it never progressed
