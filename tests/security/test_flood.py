@@ -76,7 +76,7 @@ def hello(sock):
 
 
 def renew(request_id="r"):
-    return wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, 1, request_id)])
+    return wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, 1, request_id, b"t" * 16, b"c" * 16)])
 
 
 def handshake():

@@ -235,3 +235,8 @@ void rk_pump_stop(rk_pump_t *pump)
     pthread_join(pump->thread, NULL);
     rk_pump_free(pump);
 }
+
+int rk_pump_tid(const rk_pump_t *pump)
+{
+    return (int)__atomic_load_n(&pump->tid, __ATOMIC_ACQUIRE);
+}

@@ -226,6 +226,10 @@ rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
  * progress call plus its wake-up). */
 void rk_pump_stop(rk_pump_t *pump);
 
+/* The pump thread's kernel thread id (/proc/self/task/<tid>); set before
+ * rk_pump_start returns. */
+int rk_pump_tid(const rk_pump_t *pump);
+
 /* Install the notification receive handler for am_id on the worker. */
 ucs_status_t rk_set_notif_handler(ucp_worker_h worker, uint32_t am_id,
                                   rk_ctx_t *ctx);
