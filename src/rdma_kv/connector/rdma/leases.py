@@ -212,28 +212,7 @@ class LeaseTable:
         """HELD (expiry pushed back), PENDING (issued, not shipped: the TTL
         starts at the grant), GONE, CLAIMED or UNKNOWN."""
         self.expire()
-        now = self._clock()
-        out = []
-        with self._lock:
-            for call in calls:
-                status = self._verify(call.ref)
-                if status is None:
-                    gen = call.ref.generation
-                    lease = self._leases.get(gen)
-                    if lease is not None:
-                        status = HELD if self._claim(lease, call.claim) else CLAIMED
-                        if status is HELD:
-                            lease.expires_at = now + lease.ttl_s  # the heap entry is re-checked on pop
-                            lease.renewals += 1
-                            self.stats["renewed"] += 1
-                    elif gen <= self._max_generation:
-                        status = GONE
-                    else:
-                        early = self._early_claim(call)
-                        status = early if isinstance(early, LeaseStatus) else (
-                            GONE if early.released else PENDING)
-                out.append(status)
-        return out
+        return self._each(calls, self._renew_one)
 
     def confirm(self, calls: Iterable[LeaseCall], release: bool) -> list[LeaseStatus]:
         """HELD iff the lease's blocks were held from its grant until now and
@@ -241,17 +220,48 @@ class LeaseTable:
         lease then ends. Expiry is applied first: a lease past its expiry is
         never confirmed."""
         self.expire()
+        return self._each(calls, lambda call: self._confirm_one(call, release))
+
+    def release(self, calls: Iterable[LeaseCall]) -> list[LeaseStatus]:
+        """HELD (it was held; now released), PENDING (issued, not shipped: it
+        ends when its grant arrives), GONE, CLAIMED or UNKNOWN."""
+        return self._each(calls, self._release_one)
+
+    def _each(self, calls: Iterable[LeaseCall], act: Callable[[LeaseCall], LeaseStatus]) -> list[LeaseStatus]:
+        """``act`` on every call whose token verifies, under the lock."""
         out = []
         with self._lock:
             for call in calls:
                 status = self._verify(call.ref)
-                if status is None:
-                    status = self._confirm_one(call, release)
-                self.stats["confirmed" if status is HELD else "refused_confirm"] += 1
-                out.append(status)
+                out.append(act(call) if status is None else status)
         return out
 
+    # Each ``_*_one`` sees a verified call, with the lock held, in one of
+    # three places: a live lease, an ended one (a generation at or below the
+    # highest granted), or an issued one not yet shipped here.
+
+    def _renew_one(self, call: LeaseCall) -> LeaseStatus:
+        lease = self._leases.get(call.ref.generation)
+        if lease is not None:
+            if not self._claim(lease, call.claim):
+                return CLAIMED
+            lease.expires_at = self._clock() + lease.ttl_s  # the heap entry is re-checked on pop
+            lease.renewals += 1
+            self.stats["renewed"] += 1
+            return HELD
+        if call.ref.generation <= self._max_generation:
+            return GONE
+        early = self._early_claim(call)
+        if isinstance(early, LeaseStatus):
+            return early
+        return GONE if early.released else PENDING
+
     def _confirm_one(self, call: LeaseCall, release: bool) -> LeaseStatus:
+        status = self._confirm_status(call, release)
+        self.stats["confirmed" if status is HELD else "refused_confirm"] += 1
+        return status
+
+    def _confirm_status(self, call: LeaseCall, release: bool) -> LeaseStatus:
         gen = call.ref.generation
         lease = self._leases.get(gen)
         if lease is not None:
@@ -275,31 +285,21 @@ class LeaseTable:
             early.released = early.confirmed = True
         return HELD
 
-    def release(self, calls: Iterable[LeaseCall]) -> list[LeaseStatus]:
-        """HELD (it was held; now released), PENDING (issued, not shipped: it
-        ends when its grant arrives), GONE, CLAIMED or UNKNOWN."""
-        out = []
-        with self._lock:
-            for call in calls:
-                status = self._verify(call.ref)
-                if status is None:
-                    gen = call.ref.generation
-                    lease = self._leases.get(gen)
-                    if lease is not None:
-                        status = HELD if self._claim(lease, call.claim) else CLAIMED
-                        if status is HELD:
-                            self._end(gen, Ending.RELEASED)
-                    elif gen <= self._max_generation:
-                        status = GONE
-                    else:
-                        early = self._early_claim(call)
-                        if isinstance(early, LeaseStatus):
-                            status = early
-                        else:
-                            early.released = True
-                            status = PENDING
-                out.append(status)
-        return out
+    def _release_one(self, call: LeaseCall) -> LeaseStatus:
+        gen = call.ref.generation
+        lease = self._leases.get(gen)
+        if lease is not None:
+            if not self._claim(lease, call.claim):
+                return CLAIMED
+            self._end(gen, Ending.RELEASED)
+            return HELD
+        if gen <= self._max_generation:
+            return GONE
+        early = self._early_claim(call)
+        if isinstance(early, LeaseStatus):
+            return early
+        early.released = True
+        return PENDING
 
     def _end(self, generation: int, how: Ending, confirmed_by: bytes | None = None) -> None:
         lease = self._leases.pop(generation)
