@@ -51,6 +51,12 @@ def test_unknown_option_is_rejected_outside_demo(capsys):
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
+def test_demo_help_lists_the_transport_mode(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--help"])
+    assert exited.value.code == 0 and "--transport" in capsys.readouterr().out
+
+
 def test_bench_rejects_unknown_peer(capsys):
     assert main(["bench", "--vs", "mooncake", "--reps", "1"]) == 2
     assert "unknown; valid: nixl" in capsys.readouterr().err
