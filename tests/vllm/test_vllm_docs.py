@@ -3,10 +3,14 @@
 (``python decode.py "$MODEL"``) with the tiny model, multiprocessing on
 (vLLM's default, so the ``__main__`` guards matter).
 
-One P/D pair, about two minutes on 2 cores. The outputs must all finish
-normally and no load may have failed: the example sets
-``kv_load_failure_policy: "recompute"``, under which a failed load still
-produces output, so the connector's failure log is what tells them apart.
+One P/D pair, about three minutes on 2 cores. The outputs must all finish
+normally, and the KV must really have been loaded: under the example's
+``kv_load_failure_policy: "recompute"`` a failed load still produces the
+same output, and a decode request whose params were lost computes the
+prompt itself without a word. So vLLM logs at DEBUG (set in the
+environment; the scripts are untouched) and the test counts the decode
+scheduler's ``Finished recving KV transfer`` lines, one per prompt, and
+requires that rdma-kv logged no failed load.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ def test_offline_example_runs_as_written(tmp_path: Path) -> None:
         (tmp_path / name).write_text(snippet(f"vllm-offline/{name}").code)
     run = snippet("vllm-offline/run")
     env = dict(os.environ, **vllm_env(multiprocessing=True), MODEL=model,
-               VLLM_CPU_KVCACHE_SPACE="1")  # GiB per engine; the default is more than a test needs
+               VLLM_CPU_KVCACHE_SPACE="1",  # GiB per engine; the default is more than a test needs
+               VLLM_LOGGING_LEVEL="DEBUG")
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     # the rdma-kv under test, in every vLLM process
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(rdma_kv.__file__).parents[1]),
@@ -57,3 +62,5 @@ def test_offline_example_runs_as_written(tmp_path: Path) -> None:
     finished = re.findall(r"^(\w+): '.*'$", out, re.M)
     assert finished == ["length", "length"], out[-6000:]
     assert "KV load failed" not in out, out[-6000:]
+    loads = re.findall(r"Finished recving KV transfer for request", out)
+    assert len(loads) == len(finished), f"{len(loads)} loads for {len(finished)} prompts:\n{out[-6000:]}"
