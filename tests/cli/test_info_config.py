@@ -71,6 +71,9 @@ TABLE: list[tuple[str, str, list[tuple[str, str]], int]] = [
     ("vLLM, kv_buffer_device cuda without CUDA", vllm(kv_buffer_device="cuda"),
      [("warning", "kv_buffer_device is cuda but no CUDA device")], 2),
     ("bad role", vllm("kv_wrong"), [("error", "kv_wrong")], 1),
+    ("extra config not an object", vllm(extra=["lanes", 2]),  # type: ignore[arg-type]
+     [("error", "kv_connector_extra_config must be a JSON object, got list")], 1),
+    ("kv_port of the wrong type", vllm(kv_port="14579"), [("error", "kv_port must be an integer")], 1),
     ("not JSON", "{not json", [("error", "config is not valid JSON")], 1),
     ("rdma-kv's own config, kv_ip 0.0.0.0", json.dumps({**OURS, "kv_role": "kv_both", "kv_ip": "0.0.0.0",
                                                          "kv_port": 0, "kv_buffer_device": "cpu",

@@ -234,6 +234,7 @@ def _vllm_config(raw: dict[str, Any], add: Any) -> Any:
     own translation (``rdma_kv.vllm.translate``, which never imports vLLM)."""
     from types import SimpleNamespace
 
+    from rdma_kv.errors import ConfigError
     from rdma_kv.vllm import translate
 
     version = _vllm_version()
@@ -241,6 +242,9 @@ def _vllm_config(raw: dict[str, Any], add: Any) -> Any:
         add(Finding("warning", f"vLLM {version} is installed; this check knows vLLM 0.32's "
                     "KVTransferConfig"))
     translate.check_vllm_fields(raw)
+    extra = raw.get("kv_connector_extra_config")
+    if extra is not None and not isinstance(extra, dict):
+        raise ConfigError(f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}")
     fields = {name: raw.get(name) for name in translate.VLLM_KV_TRANSFER_FIELDS}
     fields["kv_port"] = raw.get("kv_port", 14579)  # vLLM's default
     return translate.transfer_config(SimpleNamespace(**fields))
