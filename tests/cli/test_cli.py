@@ -1,16 +1,15 @@
-"""The rdma-kv command line: argument validation, ucx_info parsing, config
-findings, and a small real demo run."""
+"""The rdma-kv command line: argument validation, ucx_info parsing and a
+small real demo run (config findings: test_info_config.py)."""
 
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
 from rdma_kv.cli import main
 from rdma_kv.cli.bench import parse_kv_shape
-from rdma_kv.cli.info import Report, check_config, parse_ucx_info
+from rdma_kv.cli.info import parse_ucx_info
 from rdma_kv.errors import ConfigError
 
 UCX_INFO = """\
@@ -52,42 +51,15 @@ def test_unknown_option_is_rejected_outside_demo(capsys):
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
+def test_demo_help_lists_the_transport_mode(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--help"])
+    assert exited.value.code == 0 and "--transport" in capsys.readouterr().out
+
+
 def test_bench_rejects_unknown_peer(capsys):
     assert main(["bench", "--vs", "mooncake", "--reps", "1"]) == 2
     assert "unknown; valid: nixl" in capsys.readouterr().err
-
-
-def _levels(report: Report) -> list[str]:
-    return [f.level for f in report.findings]
-
-
-def test_config_check_findings():
-    report = Report(cuda="no CUDA device")
-    check_config('{"kv_connector": "RdmaKVConnector", "kv_role": "kv_wrong"}', report)
-    assert _levels(report) == ["error"] and "kv_wrong" in report.findings[0].message
-
-    report = Report(cuda="no CUDA device")
-    check_config(json.dumps({"kv_connector": "RdmaKVConnector", "kv_role": "kv_consumer",
-                             "kv_ip": "0.0.0.0", "kv_buffer_device": "cuda"}), report)
-    assert _levels(report) == ["ok", "warning", "warning"]
-    assert "0.0.0.0 binds every interface" in report.findings[1].message
-
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        report = Report(cuda="no CUDA device")
-        check_config(json.dumps({"kv_connector": "RdmaKVConnector", "kv_role": "kv_producer",
-                                 "kv_ip": "127.0.0.1", "kv_port": port, "kv_buffer_device": "cpu"}), report)
-    assert _levels(report) == ["ok", "error"] and "in use" in report.findings[1].message
-
-
-def test_config_check_reads_a_file(tmp_path):
-    path = tmp_path / "kv.json"
-    path.write_text('{"kv_connector": "RdmaKVConnector", "kv_role": "kv_both", "kv_port": 0, "kv_buffer_device": "cpu"}')
-    report = Report(cuda="no CUDA device")
-    check_config(str(path), report)
-    assert _levels(report) == ["ok", "ok"]
 
 
 @pytest.mark.ucx

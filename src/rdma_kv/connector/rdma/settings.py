@@ -22,7 +22,7 @@ from rdma_kv.errors import ConfigError
 # that parsing settings does not import the transport; a test ties the two.
 MAX_LANES = 16
 
-__all__ = ["EXTRA_KEYS", "RdmaSettings"]
+__all__ = ["EXTRA_KEYS", "USER_KEYS", "RdmaSettings"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +84,7 @@ class RdmaSettings:
         if unknown:
             raise ConfigError(
                 f"RdmaKVConnector: unknown kv_connector_extra_config key(s) {unknown}; "
-                f"valid keys are {sorted(EXTRA_KEYS)}"
+                f"valid keys are {sorted(USER_KEYS)}"
             )
         get = config.get_extra
         host = get("side_channel_host", config.kv_ip, type=str)
@@ -225,3 +225,8 @@ def _net_devices(value: Any, ucx_options: Mapping[str, str]) -> str | dict[int, 
 
 
 EXTRA_KEYS = tuple(f.name for f in dataclasses.fields(RdmaSettings))
+
+USER_KEYS = tuple(k for k in EXTRA_KEYS if k not in ("tp_rank", "tp_size"))
+"""The keys a user sets: the engine adapter sets ``tp_rank``/``tp_size`` from
+the engine's parallel layout (vLLM refuses them from the user), so the
+unknown-key error lists only these."""

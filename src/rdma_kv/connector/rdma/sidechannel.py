@@ -34,6 +34,7 @@ Imports the standard library, ``rdma_kv.errors``, ``rdma.admission``, ``rdma.aut
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import struct
@@ -142,10 +143,15 @@ class SideChannelServer:
             self._sock.bind(address)
         except OSError as exc:
             self._sock.close()
-            raise ConfigError(
-                f"side channel cannot bind {host}:{port}: {exc}; choose another kv_port "
-                "(each tensor-parallel rank uses kv_port + rank) or kv_ip"
-            ) from None
+            if exc.errno == errno.EADDRNOTAVAIL:
+                advice = (f"{host} is not an address of this host; set kv_connector_extra_config"
+                          "['side_channel_host'] to one of its interfaces")
+            elif exc.errno == errno.EADDRINUSE:
+                advice = (f"port {port} is in use; choose another kv_port or side_channel_port "
+                          "(tensor-parallel rank r listens on port + r)")
+            else:
+                advice = "check side_channel_host and kv_port / side_channel_port"
+            raise ConfigError(f"side channel cannot bind {host}:{port}: {exc.strerror}: {advice}") from None
         self._sock.listen(backlog)
         self._sock.settimeout(0.2)  # the accept loop checks for close() this often
         self.host = host

@@ -145,7 +145,11 @@ class RdmaWorker(PeerHandshakes):
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         if self._transport is not None:
-            raise NotInitializedError("register_kv_caches() was already called on this worker")
+            raise NotInitializedError(
+                "register_kv_caches() was already called on this worker: the engine keeps one KV "
+                "connector per worker process (vLLM: one per process), so one process cannot hold "
+                "two connector engines, such as a prefill LLM and a decode LLM; run each engine in "
+                "its own process (docs/vllm.md, 'Offline LLM')")
         geometry = derive_geometry(kv_caches, self._kv_cache_config)
         # This rank's UCX context gets its own NICs (the GPU's, from the KV cache's device).
         transport = self._transport_factory(self.agent_name, self._settings.for_device(geometry.regions[0].device))

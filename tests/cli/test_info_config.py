@@ -1,0 +1,176 @@
+"""``rdma-kv info --config``: one row per case, input -> findings -> exit code.
+
+The check runs the connector's own parsers (vLLM's fields and the adapter's
+translation for a vLLM config, then ``RdmaSettings.from_config``), so each
+row is also what the engine would do with that config at startup.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from rdma_kv.cli import info
+from rdma_kv.cli.info import Report, check_config, exit_code
+
+VLLM = {"kv_connector": "RdmaKVConnector", "kv_connector_module_path": "rdma_kv.vllm"}
+OURS = {"kv_connector": "RdmaKVConnector"}
+NOT_HERE = "192.0.2.1"  # TEST-NET-1 (RFC 5737): never an address of this host
+
+
+def vllm(role: str = "kv_producer", extra: dict[str, Any] | None = None, **fields: Any) -> str:
+    # port 0 unless a row sets one: the rows must not depend on 14579 being free here
+    config = {**VLLM, "kv_role": role, "kv_port": 0, **fields}
+    if extra is not None:
+        config["kv_connector_extra_config"] = extra
+    return json.dumps(config)
+
+
+def findings(text: str, **kwargs: Any) -> tuple[Report, int]:
+    report = Report(cuda="no CUDA device (no GPU driver)")
+    check_config(text, report, **kwargs)
+    return report, exit_code(report)
+
+
+def show(report: Report) -> str:
+    return "\n".join(f"[{f.level}] {f.message}" for f in report.findings)
+
+
+# (case, config text, (level, substring) expected among the findings, exit code)
+TABLE: list[tuple[str, str, list[tuple[str, str]], int]] = [
+    ("vLLM producer, defaults", vllm(),
+     [("ok", "vLLM RdmaKVConnector config"), ("ok", "127.0.0.1 is an address of this host"),
+      ("ok", "the OS picks a free port")], 0),
+    ("vLLM consumer", vllm("kv_consumer"), [("ok", "opens no side-channel listener")], 0),
+    ("misspelt extra key", vllm(extra={"side_channel_hots": "10.0.0.1"}),
+     [("error", "unknown kv_connector_extra_config key(s) ['side_channel_hots']")], 1),
+    ("lease_ttl_s out of range", vllm(extra={"lease_ttl_s": -1}),
+     [("error", "lease_ttl_s must be > 0, got -1")], 1),
+    ("lanes out of range", vllm(extra={"lanes": 0}), [("error", "lanes must be 1..16, got 0")], 1),
+    ("lanes of the wrong type", vllm(extra={"lanes": "2"}), [("error", "lanes")], 1),
+    ("kv_ip under vLLM 0.32", vllm(kv_ip="10.0.0.1"),
+     [("error", "has no field(s) ['kv_ip']"), ("error", "kv_connector_extra_config['side_channel_host']")], 1),
+    ("tp_size set by the user", vllm(extra={"tp_size": 2}),
+     [("error", "come from vLLM's config")], 1),
+    ("host not on this host", vllm(extra={"side_channel_host": NOT_HERE, "allow_unauthenticated": True}),
+     [("error", f"side_channel_host {NOT_HERE} is not an address of this host")], 1),
+    ("host not on this host, consumer", vllm("kv_consumer", extra={"side_channel_host": NOT_HERE}),
+     [("ok", "opens no side-channel listener")], 0),
+    ("0.0.0.0 without a secret", vllm(extra={"side_channel_host": "0.0.0.0", "advertise_host": "10.0.0.1"}),
+     [("error", "no shared secret is configured")], 1),
+    ("0.0.0.0, unauthenticated allowed", vllm(extra={"side_channel_host": "0.0.0.0", "advertise_host": "10.0.0.1",
+                                                    "allow_unauthenticated": True}),
+     [("warning", "listens on every interface without a shared secret")], 2),
+    ("0.0.0.0 with a secret", vllm(extra={"side_channel_host": "0.0.0.0", "advertise_host": "10.0.0.1",
+                                         "auth_secret_env": "RDMA_KV_SECRET"}),
+     [("ok", "the OS picks a free port")], 0),
+    ("vLLM, kv_buffer_device unset (the platform's)", vllm(), [("ok", "")], 0),
+    ("vLLM, kv_buffer_device cpu", vllm(kv_buffer_device="cpu"), [("ok", "")], 0),
+    ("vLLM, kv_buffer_device cuda without CUDA", vllm(kv_buffer_device="cuda"),
+     [("warning", "kv_buffer_device is cuda but no CUDA device")], 2),
+    ("bad role", vllm("kv_wrong"), [("error", "kv_wrong")], 1),
+    ("extra config not an object", vllm(extra=["lanes", 2]),  # type: ignore[arg-type]
+     [("error", "kv_connector_extra_config must be a JSON object, got list")], 1),
+    ("kv_port of the wrong type", vllm(kv_port="14579"), [("error", "kv_port must be an integer")], 1),
+    ("not JSON", "{not json", [("error", "config is not valid JSON")], 1),
+    ("rdma-kv's own config, kv_ip 0.0.0.0", json.dumps({**OURS, "kv_role": "kv_both", "kv_ip": "0.0.0.0",
+                                                         "kv_port": 0, "kv_buffer_device": "cpu",
+                                                         "kv_connector_extra_config": {
+                                                             "advertise_host": "10.0.0.1",
+                                                             "allow_unauthenticated": True}}),
+     [("ok", "rdma-kv RdmaKVConnector config"), ("warning", "0.0.0.0 listens on every interface")], 2),
+    ("rdma-kv's own config, another connector", json.dumps({"kv_connector": "StorageConnector",
+                                                           "kv_role": "kv_both"}),
+     [("ok", "settings are not checked")], 0),
+]
+
+
+@pytest.mark.parametrize("case, text, expected, code", TABLE, ids=[row[0] for row in TABLE])
+def test_info_config_table(case: str, text: str, expected: list[tuple[str, str]], code: int) -> None:
+    report, got = findings(text)
+    for level, substring in expected:
+        assert any(f.level == level and substring in f.message for f in report.findings), show(report)
+    assert got == code, show(report)
+    if code == 0:
+        assert all(f.level == "ok" for f in report.findings), show(report)
+
+
+def test_a_missing_file_is_reported_as_missing(tmp_path) -> None:
+    report, code = findings(str(tmp_path / "kv.json"))
+    assert code == 1 and "not found" in show(report) and "JSON" in show(report)
+
+
+def test_a_file_is_read(tmp_path) -> None:
+    path = tmp_path / "kv.json"
+    path.write_text(vllm(extra={"lanes": 0}))
+    report, code = findings(str(path))
+    assert code == 1 and "lanes must be 1..16" in show(report)
+    path.write_text("[1, 2]")
+    report, code = findings(str(path))
+    assert code == 1 and "must be a JSON object, got list" in show(report)
+
+
+@pytest.fixture
+def listening_port() -> Iterator[int]:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        yield busy.getsockname()[1]
+
+
+def test_a_port_in_use_is_an_error_for_a_producer_only(listening_port: int) -> None:
+    report, code = findings(vllm(kv_port=listening_port))
+    assert code == 1 and f"port {listening_port} on 127.0.0.1 is in use" in show(report)
+    assert "kv_port or side_channel_port" in show(report) and "kv_ip" not in show(report)
+    report, code = findings(vllm(extra={"side_channel_port": listening_port}))
+    assert code == 1 and "in use" in show(report)
+    report, code = findings(vllm("kv_consumer", kv_port=listening_port))
+    assert code == 0, show(report)
+
+
+def test_a_time_wait_port_is_free_for_the_producer() -> None:
+    # The producer's listener sets SO_REUSEADDR (so do its accepted
+    # connections); the server closing first leaves its side in TIME-WAIT.
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port), timeout=5)
+        conn, _ = listener.accept()
+        conn.close()
+        assert client.recv(1) == b""  # the server's FIN arrived
+        client.close()
+    with socket.socket() as plain, pytest.raises(OSError) as caught:
+        plain.bind(("127.0.0.1", port))  # the connection is still there (TIME-WAIT)
+    assert caught.value.errno == errno.EADDRINUSE
+    report, code = findings(vllm(kv_port=port))
+    assert code == 0 and f"127.0.0.1:{port} is free" in show(report), show(report)
+
+
+def test_another_vllm_version_is_warned_about(monkeypatch) -> None:
+    monkeypatch.setattr(info, "_vllm_version", lambda: "0.33.1")
+    report, code = findings(vllm())
+    assert code == 2 and "vLLM 0.33.1 is installed" in show(report)
+
+
+def test_engine_option_forces_the_vllm_rules() -> None:
+    text = json.dumps({**OURS, "kv_role": "kv_producer", "kv_ip": "127.0.0.1", "kv_port": 0})
+    assert findings(text)[1] == 2  # rdma-kv's own: kv_ip is a field (cuda default warns)
+    report, code = findings(text, engine="vllm")
+    assert code == 1 and "has no field(s) ['kv_ip']" in show(report)
+
+
+@pytest.mark.ucx
+def test_exit_codes_of_the_command(tmp_path, capsys) -> None:
+    from rdma_kv.cli import main
+
+    assert main(["info", "--config", vllm()]) == 0
+    assert main(["info", "--config", vllm(kv_buffer_device="cuda")]) == 2
+    assert main(["info", "--config", str(tmp_path / "missing.json")]) == 1
+    assert "[error] config file" in capsys.readouterr().out

@@ -1,0 +1,67 @@
+"""Configuration errors name the knob to turn: a bind error names the host
+(``side_channel_host``) or the port, never vLLM's absent ``kv_ip``; the
+unknown-key error lists only keys a user sets; a second
+``register_kv_caches`` in one process says why."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from fakes import FakeFabric
+
+from rdma_kv.connector import KVTransferConfig
+from rdma_kv.connector.rdma.settings import RdmaSettings
+from rdma_kv.connector.rdma.sidechannel import SideChannelServer
+from rdma_kv.errors import ConfigError, NotInitializedError
+from rdma_kv.harness.engine import Engine, ModelShape
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Handler:
+    def handle(self, request):  # never called: these servers fail to bind
+        raise AssertionError("unexpected request")
+
+
+def test_an_address_not_on_this_host_names_side_channel_host():
+    with pytest.raises(ConfigError) as caught:
+        SideChannelServer(Handler(), "192.0.2.1", 0)  # TEST-NET-1: never on this host
+    message = str(caught.value)
+    assert "192.0.2.1 is not an address of this host" in message
+    assert "side_channel_host" in message and "kv_ip" not in message and "kv_port" not in message
+
+
+def test_a_port_in_use_names_the_port():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError) as caught:
+            SideChannelServer(Handler(), "127.0.0.1", port)
+    message = str(caught.value)
+    assert f"port {port} is in use" in message and "kv_port or side_channel_port" in message
+    assert "kv_ip" not in message
+
+
+def test_unknown_key_lists_only_keys_a_user_sets():
+    config = KVTransferConfig(kv_connector="RdmaKVConnector", kv_role="kv_producer",
+                              kv_connector_extra_config={"side_channel_hots": "10.0.0.1"})
+    with pytest.raises(ConfigError) as caught:
+        RdmaSettings.from_config(config)
+    message = str(caught.value)
+    assert "['side_channel_hots']" in message and "'side_channel_host'" in message
+    assert "tp_rank" not in message and "tp_size" not in message
+
+
+def test_a_second_register_kv_caches_says_one_engine_per_process():
+    shape = ModelShape(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, num_blocks=16)
+    config = KVTransferConfig(kv_connector="RdmaKVConnector", kv_role="kv_producer", engine_id="P",
+                              kv_port=0)
+    engine = Engine(config, shape, connector_kwargs={"transport_factory": FakeFabric().factory})
+    try:
+        with pytest.raises(NotInitializedError) as caught:
+            engine.worker.worker.register_kv_caches({})
+    finally:
+        engine.shutdown()
+    assert "one process cannot hold two connector engines" in str(caught.value)
