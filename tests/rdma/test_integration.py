@@ -168,8 +168,8 @@ def test_producer_killed_with_reads_racing(rng):
         params = prefill(p, prompts)
         for rid in prompts:
             d.add(rid, prompts[rid], params[rid])
-        d.wait_status(lambda s: s["inflight_loads"] >= 1, timeout_s=15)
-        p.kill()
+        d.call("status")  # the decode engine took the requests (its pipe is in order); where its
+        p.kill()          # loads are at the kill is up to the race, as the test intends
         results = d.wait_results(prompts, timeout_s=5.0)
         outcomes = {"verified": 0, "load_error": 0}
         for rid, r in results.items():
