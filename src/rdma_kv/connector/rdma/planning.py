@@ -11,7 +11,8 @@ request = contiguous runs. This is NIXL's prepared-list design; it costs
 Also owns :func:`compat_info`, what two engines must agree on.
 
 Imports numpy, ``rdma_kv.errors``, the connector's ``geometry`` and
-``specs``, ``rdma.wire``, and ``rdma_kv.transport.descriptors`` (plain numpy).
+``specs``, ``rdma.wire``, and the transport's ``DescList`` (plain numpy)
+through ``rdma.transport_api``.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from __future__ import annotations
 import numpy as np
 
 from rdma_kv.connector.geometry import KVCacheGeometry
+from rdma_kv.connector.rdma.transport_api import DescList
 from rdma_kv.connector.rdma.wire import CompatInfo
 from rdma_kv.connector.specs import AttentionSpec, KVCacheConfig
 from rdma_kv.errors import DescriptorError
-from rdma_kv.transport.descriptors import DescList
 
 __all__ = ["SlotTable", "compat_info", "count_runs"]
 
