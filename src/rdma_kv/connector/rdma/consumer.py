@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -300,7 +301,7 @@ class RdmaConsumer:
             num_blocks=int(local_ids.size), block_runs=count_runs(local_ids, remote_ids, self._slots.num_rows),
             plan_s=time.perf_counter() - t0 - xfer.post_s, post_s=xfer.post_s,
         )
-        xfer.add_done_callback(lambda x, load=load, peer=peer: self._on_read_done(load, peer, x))
+        xfer.add_done_callback(functools.partial(self._on_read_done, load, peer))
 
     def _on_read_done(self, load: LoadState, peer: PeerState, xfer: TransferHandle) -> None:
         """Transport progress thread: the reads completed or failed."""

@@ -84,13 +84,14 @@ def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, tp_si
         + (f":{layer.memory_order}" if layer.memory_order else "")
         for layer in geometry.layers
     ]
-    attention = isinstance(spec, AttentionSpec)
+    heads, head_size, dtype = ((spec.num_kv_heads, spec.head_size, spec.dtype)
+                               if isinstance(spec, AttentionSpec) else (0, 0, ""))
     return CompatInfo(
         num_layers=len(geometry.layers),
         block_size=spec.block_size,
-        num_kv_heads=spec.num_kv_heads if attention else 0,
-        head_size=spec.head_size if attention else 0,
-        dtype=spec.dtype if attention else "",
+        num_kv_heads=heads,
+        head_size=head_size,
+        dtype=dtype,
         spec=spec.type_id,
         layouts=layouts,
         tp_size=tp_size,

@@ -28,8 +28,9 @@ __all__ = ["DescList", "TransferHandle", "Transport", "TransportFactory"]
 class TransferHandle(Protocol):
     """One posted batch of reads."""
 
-    error: BaseException | None
-    """The failure once the transfer failed; None while running or after success."""
+    @property
+    def error(self) -> BaseException | None:
+        """The failure once the transfer failed; None while running or after success."""
     ops_posted: int
     num_descs: int
     nbytes: int
