@@ -73,7 +73,7 @@ def main(argv=None) -> int:
             rec = D.worker.get_kv_connector_stats()["requests"][-1]
             assert not D.results[rid].load_failed and rec["ok"], rec
             # raw: the same agents, peer and block ids, straight through read_prepared
-            w = D.worker.worker
+            w = D.worker.worker._consumer  # the read path: its peers, slot table and transport
             peer = next(iter(w._peers.values()))
             remote_ids = np.asarray(params["remote_block_ids"], dtype=np.int64)
             local_ids = np.arange(len(remote_ids), dtype=np.int64) + 4

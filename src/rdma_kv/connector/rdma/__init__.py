@@ -1,14 +1,30 @@
 """The RDMA KV connector: disaggregated prefill -> decode over one-sided UCX reads.
 
-Modules, each owning one responsibility (see their docstrings):
-``params`` (typed kv_transfer_params), ``settings`` (extra config),
-``wire`` (side-channel messages), ``sidechannel`` (server and client),
-``admission`` (the side channel's connection limits), ``auth`` (the
-shared secret), ``lograte`` (rate-limited warnings),
-``leases`` (the producer's lease table), ``planning`` (block ids to
-descriptor indices, compatibility record), ``meta`` (step metadata),
-``transport_api`` (the transport Protocol), ``scheduler``, ``worker`` and
-``connector`` (``RdmaConnector``, registered as ``RdmaKVConnector``).
+Modules, by role (each docstring says what it owns and may import):
+
+- entry: ``connector`` (``RdmaConnector``, registered as ``RdmaKVConnector``,
+  and ``agent_transport``, the one place the real transport is built),
+  ``scheduler`` (both roles' scheduler side), ``worker`` (registration, then
+  routes each step to the producer and consumer parts and merges their
+  reports).
+- consumer (the read path): ``consumer`` (peers and handshakes, planning
+  and posting the reads, completion, validate-after-read, renewals,
+  releases: where a load fails), with its helpers ``loads`` (load and peer
+  records, their stage enums), ``clients`` (side-channel clients per
+  producer address), ``lease_rpc`` (RENEW/RELEASE batches and refusal
+  reasons) and ``lograte`` (rate-limited warnings, also used by the side
+  channel).
+- producer: ``producer`` (the side-channel handler, starting and stopping
+  the server, the lease table's owner) and ``leases`` (the lease table and
+  its expiry: where a lease expires).
+- shared records and plumbing: ``params`` (typed kv_transfer_params),
+  ``settings`` (extra config), ``meta`` (step and handshake metadata),
+  ``planning`` (block ids to descriptor indices, compatibility record),
+  ``wire`` (side-channel messages), ``sidechannel`` (server and client),
+  ``admission`` (the side channel's connection limits), ``auth`` (the
+  shared secret), ``transport_api`` (the transport Protocol), ``stats``
+  (per-load records and their summary) and ``metrics`` (histograms and
+  Prometheus series from those records).
 
 Importing this package does not load UCX: the transport's ``Agent`` is
 created when a worker registers its KV caches. Never imports vLLM.

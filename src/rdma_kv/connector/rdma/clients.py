@@ -1,5 +1,5 @@
 """The consumer's side-channel clients, one per producer address, made on
-first use and closed once idle.
+first use and closed once idle (a helper of ``consumer.RdmaConsumer``).
 
 A client holds a socket to one producer rank. Producers come and go (a
 restart with an OS-chosen port is a new address), so a client nobody

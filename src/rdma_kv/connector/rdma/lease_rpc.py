@@ -1,15 +1,17 @@
 """Consumer-side lease RPCs to producers: RENEW while a load waits, RELEASE
 when it is done or abandoned.
 
-Owns batching (per producer, at most ``wire.MAX_LEASES_PER_MESSAGE`` leases
-a message), submission to the worker's RPC thread pool, and the call itself.
+A helper of :class:`~rdma_kv.connector.rdma.consumer.RdmaConsumer`. Owns
+batching (per producer, at most ``wire.MAX_LEASES_PER_MESSAGE`` leases a
+message), submission to the consumer's RPC thread pool, the call itself,
+and the wording of a producer's refusal (:func:`refusal_reason`).
 A failed RPC is logged at DEBUG and dropped: the producer's lease then
 expires on its own, which is the design, not an error. What to do with a
-lease the producer no longer holds for this consumer is the worker's
+lease the producer no longer holds for this consumer is the consumer's
 decision (it is told each refused lease and the producer's answer).
 
-Imports the standard library and the connector's ``rdma`` wire/meta/params
-modules.
+Imports the standard library and the connector's ``rdma`` modules
+``wire``, ``meta`` and ``sidechannel``.
 """
 
 from __future__ import annotations

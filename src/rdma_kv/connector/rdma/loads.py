@@ -1,15 +1,19 @@
-"""Consumer-side state of one load and of one producer the worker reads from.
+"""Consumer-side records: one load, one producer the consumer reads from.
 
-Owns the stage names of a load (HANDSHAKE -> READING -> CONFIRMING -> DONE,
-or FAILED from any stage) and the two records ``RdmaWorker`` keeps under
-its lock. Plain data: no I/O, no locking here.
+Owns the stages of a load (:class:`LoadStage`: HANDSHAKE -> READING ->
+CONFIRMING -> DONE, or FAILED from any stage), the states of a peer
+(:class:`PeerStage`: CONNECTING -> READY or FAILED), and the two records
+:class:`~rdma_kv.connector.rdma.consumer.RdmaConsumer` keeps under its
+lock. Plain data: no I/O, no locking here.
 
-Imports the standard library and the connector's ``rdma`` data modules.
+Imports the standard library and the connector's ``rdma`` data modules
+(``meta``, ``planning``, ``transport_api``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -17,11 +21,30 @@ from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress, RemoteLease
 from rdma_kv.connector.rdma.planning import SlotTable
 from rdma_kv.connector.rdma.transport_api import TransferHandle
 
-__all__ = ["CONFIRMING", "DONE", "FAILED", "HANDSHAKE", "PEER_RETRY_S", "READING", "LoadState", "PeerState",
-           "due_renewals"]
+__all__ = ["PEER_RETRY_S", "LoadStage", "LoadState", "PeerStage", "PeerState", "due_renewals"]
 
-HANDSHAKE, READING, CONFIRMING, DONE, FAILED = "handshake", "reading", "confirming", "done", "failed"
 PEER_RETRY_S = 1.0  # a peer whose handshake or reads failed is not dialled again for this long
+
+
+class LoadStage(enum.Enum):
+    """Where one load is. A load holds its producer's lease (and renews
+    it) in every stage that is not ``terminal``."""
+
+    HANDSHAKE = "handshake"  # waiting for its peer to become ready
+    READING = "reading"  # reads posted, the transfer not yet resolved
+    CONFIRMING = "confirming"  # reads landed; waiting for the producer's CONFIRM
+    DONE = "done"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (LoadStage.DONE, LoadStage.FAILED)
+
+
+class PeerStage(enum.Enum):
+    CONNECTING = "connecting"  # handshake in flight; loads wait in PeerState.waiting
+    READY = "ready"  # agent metadata imported, slot table prepared
+    FAILED = "failed"  # not dialled again for PEER_RETRY_S
 
 
 @dataclasses.dataclass(eq=False)
@@ -29,7 +52,7 @@ class LoadState:
     spec: LoadSpec
     deadline: float
     created: float
-    stage: str = HANDSHAKE
+    stage: LoadStage = LoadStage.HANDSHAKE
     aborted: bool = False
     read_resolved: bool = False
     """The transfer completed or failed (or was never posted): no read can land."""
@@ -42,7 +65,7 @@ class LoadState:
 @dataclasses.dataclass(eq=False)
 class PeerState:
     address: PeerAddress
-    state: str = "connecting"  # connecting -> ready | failed
+    state: PeerStage = PeerStage.CONNECTING
     name: str | None = None
     slots: SlotTable | None = None
     prep: Any = None
@@ -59,7 +82,7 @@ def due_renewals(loads: Iterable[LoadState], now: float,
     ones every ``interval_for(its lease TTL)``."""
     due = []
     for load in loads:
-        if load.stage in (HANDSHAKE, READING, CONFIRMING) and (
+        if not load.stage.terminal and (
                 load.renewed_at is None or now - load.renewed_at >= interval_for(load.spec.lease_ttl_s)):
             load.renewed_at = now
             due.append(load.spec.remote_lease)

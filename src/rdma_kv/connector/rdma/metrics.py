@@ -196,7 +196,7 @@ class TransferMetrics:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.histograms = {name: Histogram(buckets) for name, (_, buckets) in HISTOGRAMS.items()}
+        self.histograms = {name: Histogram(tuple(buckets)) for name, (_, buckets) in HISTOGRAMS.items()}
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.bytes_total = 0
         self.events: dict[str, int] = {}
@@ -235,9 +235,11 @@ class TransferMetrics:
             loads = sum(self.outcomes.values())
             text = (f"rdma-kv loads: {loads} ({self.outcomes['ok']} ok, {self.outcomes['failed']} failed), "
                     f"{self.bytes_total / GB:.3f} GB read")
-            if t.count:
-                text += (f"; transfer p50 {t.quantile(0.5) * 1e3:.2f} ms, p99 {t.quantile(0.99) * 1e3:.2f} ms"
-                         f"; GB/s p50 {g.quantile(0.5):.2f}")
+            p50, p99, gbps = t.quantile(0.5), t.quantile(0.99), g.quantile(0.5)
+            if p50 is not None and p99 is not None:
+                text += f"; transfer p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms"
+                if gbps is not None:
+                    text += f"; GB/s p50 {gbps:.2f}"
             return text
 
 

@@ -11,7 +11,8 @@ request = contiguous runs. This is NIXL's prepared-list design; it costs
 Also owns :func:`compat_info`, what two engines must agree on.
 
 Imports numpy, ``rdma_kv.errors``, the connector's ``geometry`` and
-``specs``, ``rdma.wire``, and ``rdma_kv.transport.descriptors`` (plain numpy).
+``specs``, ``rdma.wire``, and the transport's ``DescList`` (plain numpy)
+through ``rdma.transport_api``.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from __future__ import annotations
 import numpy as np
 
 from rdma_kv.connector.geometry import KVCacheGeometry
+from rdma_kv.connector.rdma.transport_api import DescList
 from rdma_kv.connector.rdma.wire import CompatInfo
 from rdma_kv.connector.specs import AttentionSpec, KVCacheConfig
 from rdma_kv.errors import DescriptorError
-from rdma_kv.transport.descriptors import DescList
 
 __all__ = ["SlotTable", "compat_info", "count_runs"]
 
@@ -83,13 +84,14 @@ def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, tp_si
         + (f":{layer.memory_order}" if layer.memory_order else "")
         for layer in geometry.layers
     ]
-    attention = isinstance(spec, AttentionSpec)
+    heads, head_size, dtype = ((spec.num_kv_heads, spec.head_size, spec.dtype)
+                               if isinstance(spec, AttentionSpec) else (0, 0, ""))
     return CompatInfo(
         num_layers=len(geometry.layers),
         block_size=spec.block_size,
-        num_kv_heads=spec.num_kv_heads if attention else 0,
-        head_size=spec.head_size if attention else 0,
-        dtype=spec.dtype if attention else "",
+        num_kv_heads=heads,
+        head_size=head_size,
+        dtype=dtype,
         spec=spec.type_id,
         layouts=layouts,
         tp_size=tp_size,

@@ -1,28 +1,44 @@
-"""The producer worker's side-channel handler: what a consumer may ask of it.
+"""The producer's part of a worker: the lease table's owner and the side channel.
 
-HANDSHAKE answers with the agent metadata (worker address, packed remote
-keys) and the block geometry -- or a refusal naming both sides' values when
-the KV caches are incompatible (model shape, dtype, block size, layout,
-tensor parallelism) or the consumer dialled the wrong rank. RENEW, CONFIRM
-and RELEASE act on the worker's lease table. Runs on the side channel's
-threads; the lease table does its own locking. Authentication happens
-before any of this, in ``sidechannel``.
+Owns :class:`RdmaProducer` -- what a prefill worker does with the KV blocks
+it holds for consumers:
 
-Imports the standard library and the connector's ``rdma`` wire/leases
-modules and ``geometry``.
+- the lease table (``leases``: grants, renewals, CONFIRM, release, expiry;
+  its logic lives there), fed each step with the scheduler's grants and
+  epoch, and emptied into ``done_sending`` by ``take_done``;
+- the side-channel server (``sidechannel``), started at registration and
+  stopped at shutdown, answered by :class:`ProducerHandler`.
+
+:class:`ProducerHandler` answers what a consumer may ask: HANDSHAKE with the
+agent metadata (worker address, packed remote keys) and the block geometry
+-- or a refusal naming both sides' values when the KV caches are
+incompatible (model shape, dtype, block size, layout, tensor parallelism)
+or the consumer dialled the wrong rank. RENEW, CONFIRM and RELEASE act on
+the lease table. It runs on the side channel's threads; the lease table
+does its own locking. Authentication happens before any of this, in
+``sidechannel``.
+
+Imports the standard library, the connector's ``geometry`` and ``types``,
+and its ``rdma`` modules ``auth``, ``wire``, ``leases``, ``meta``,
+``settings`` and ``sidechannel``. Never the consumer's modules or ``worker``.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 
 from rdma_kv.connector.geometry import KVCacheGeometry
-from rdma_kv.connector.rdma import wire
+from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.leases import LeaseCall, LeaseTable
-from rdma_kv.connector.types import EngineId
+from rdma_kv.connector.rdma.meta import SendSpec
+from rdma_kv.connector.rdma.settings import RdmaSettings
+from rdma_kv.connector.rdma.sidechannel import SideChannelServer
+from rdma_kv.connector.types import EngineId, RequestId
 
-__all__ = ["ProducerHandler"]
+__all__ = ["ProducerHandler", "RdmaProducer"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,3 +83,60 @@ class ProducerHandler:
 
 def _calls(request: wire.Renew | wire.Confirm | wire.Release) -> list[LeaseCall]:
     return [LeaseCall(w.ref(), w.claim) for w in request.leases]
+
+
+class RdmaProducer:
+    """The producer part of one worker. Built by
+    :class:`~rdma_kv.connector.rdma.worker.RdmaWorker`; serves once
+    :meth:`start` has given it the registered transport's metadata."""
+
+    def __init__(self, engine_id: EngineId, settings: RdmaSettings, secret: auth.Secret | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._engine_id = engine_id
+        self._settings = settings
+        self._secret = secret
+        self.leases = LeaseTable(clock)
+        self.handler: ProducerHandler | None = None
+        self.server: SideChannelServer | None = None
+        self._lease_stats_seen: collections.Counter[str] = collections.Counter()
+
+    def start(self, compat: wire.CompatInfo, agent_metadata: Callable[[], bytes],
+              geometry: KVCacheGeometry) -> None:
+        """Start the side-channel server (on ``side_channel_port + tp_rank``,
+        or an OS-chosen port when it is 0)."""
+        s = self._settings
+        handler = ProducerHandler(self._engine_id, s.tp_rank, s.lease_ttl_s, self.leases, compat,
+                                  agent_metadata, geometry)
+        port = s.side_channel_port
+        self.server = SideChannelServer(handler, s.side_channel_host, port + s.tp_rank if port else 0,
+                                        name=f"rdma-kv-sidechannel-{s.tp_rank}", secret=self._secret)
+        self.handler = handler
+
+    def on_step(self, lease_epoch: int, lease_key: bytes, sends: Iterable[SendSpec]) -> None:
+        """Apply the producer's part of one step's metadata. Never raises."""
+        if lease_epoch:
+            self.leases.set_epoch(lease_epoch, lease_key)
+        for send in sends:
+            try:
+                self.leases.grant(send.lease, send.block_ids, send.lease_ttl_s)
+            except Exception:
+                logger.exception("request %r: could not record its lease", send.request_id)
+
+    def take_done(self) -> set[RequestId]:
+        """Requests whose lease was released or expired: their blocks may be freed."""
+        return self.leases.take_done()
+
+    def take_counters(self) -> dict[str, int]:
+        """Lease events (granted, released, expired...) since the last call,
+        as ``leases_<event>`` counters."""
+        lease_stats = collections.Counter(self.leases.stats)
+        counters = {f"leases_{key}": value for key, value in (lease_stats - self._lease_stats_seen).items()}
+        self._lease_stats_seen = lease_stats
+        return counters
+
+    def resources(self) -> dict[str, int]:
+        return {"leases": len(self.leases), "held_blocks": len(self.leases.held_block_ids())}
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()

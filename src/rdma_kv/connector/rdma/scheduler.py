@@ -156,7 +156,8 @@ class RdmaScheduler:
 
     def _check_remote(self, request: Request, params: RemotePrefillParams) -> str | None:
         if not self._consumer:
-            return (f"this engine's kv_role is {self._config.kv_role.value!r}; loading needs "
+            role = self._config.kv_role
+            return (f"this engine's kv_role is {role.value if role else None!r}; loading needs "
                     "kv_consumer or kv_both")
         if params.remote_num_tokens != request.num_prompt_tokens:
             return (f"kv_transfer_params['remote_num_tokens']={params.remote_num_tokens} but the "

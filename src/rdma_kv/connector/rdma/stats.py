@@ -1,10 +1,12 @@
-"""Per-request transfer records of the consumer worker and their summary for
-``get_kv_connector_stats``.
+"""Per-request transfer records of a worker's consumer part, and their
+summary for ``get_kv_connector_stats``.
 
 Owns what is recorded for each finished load (bytes, descriptors, ops
 posted, contiguous block runs, plan / post / transfer / confirm seconds,
 outcome) and the event counters (handshakes, lease RPCs, failures). Not
-thread-safe: ``RdmaWorker`` calls it under its lock.
+thread-safe: ``consumer.RdmaConsumer`` calls it under its lock;
+``worker.RdmaWorker.stats`` adds the producer's lease counters and
+summarizes.
 
 Imports the standard library only.
 """

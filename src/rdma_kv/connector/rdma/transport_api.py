@@ -5,27 +5,32 @@ worker uses. ``rdma_kv.transport.Agent`` satisfies them structurally (the
 tests check it), and the unit tests' fake transport implements them in one
 process with ``memmove``. Nothing here imports UCX.
 
-Imports only the standard library (and the transport's ``DescList`` for
-type hints, which is plain numpy).
+Also the connector's one door to the transport package at import time:
+it re-exports :class:`DescList` (plain numpy; the slot tables in
+``planning`` are built from it). ``tests/test_layering.py`` keeps every
+other connector module off ``rdma_kv.transport`` (``connector.agent_transport``
+builds the real ``Agent``, lazily).
+
+Imports the standard library and ``rdma_kv.transport.descriptors``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    from rdma_kv.transport.descriptors import DescList
+from rdma_kv.transport.descriptors import DescList
 
-__all__ = ["TransferHandle", "Transport", "TransportFactory"]
+__all__ = ["DescList", "TransferHandle", "Transport", "TransportFactory"]
 
 
 @runtime_checkable
 class TransferHandle(Protocol):
     """One posted batch of reads."""
 
-    error: BaseException | None
-    """The failure once the transfer failed; None while running or after success."""
+    @property
+    def error(self) -> BaseException | None:
+        """The failure once the transfer failed; None while running or after success."""
     ops_posted: int
     num_descs: int
     nbytes: int

@@ -1,0 +1,521 @@
+"""The consumer's read path: from a load in the step metadata to ``done_recving``.
+
+Owns :class:`RdmaConsumer`, everything a decode worker does to read a
+prompt's KV blocks from a producer:
+
+- **peers**: one :class:`~rdma_kv.connector.rdma.loads.PeerState` per
+  producer rank, CONNECTING -> READY (HANDSHAKE over the side channel, the
+  producer's agent metadata imported, its slot table prepared) or FAILED
+  (not dialled again for ``PEER_RETRY_S``; forgotten after that).
+- **loads**: each goes HANDSHAKE -> READING -> CONFIRMING -> DONE, or
+  FAILED from any stage (:class:`~rdma_kv.connector.rdma.loads.LoadStage`).
+  Posting a request's reads is one ``read_prepared`` call (vectorised index
+  math plus one C loop), on the engine thread when the peer is ready, on the
+  RPC thread that finished the handshake otherwise. Completion arrives on
+  the transport's progress thread.
+- **validate after read**: confirmations are batched per peer (one
+  CONFIRM+RELEASE round trip for every request that completed since the
+  last one); only a HELD answer makes a load DONE (``_confirm``).
+- **leases it was handed**: RENEW while a load runs or waits for admission,
+  RELEASE when it ends or is abandoned (``lease_rpc``), over side-channel
+  clients pooled per producer address (``clients``).
+
+Guarantees, and where they are kept:
+
+- ``done_recving`` without load errors only after the producer confirmed
+  the lease was held during the whole read (``_confirm``).
+- A failed, unconfirmed, refused or unreachable load is reported in
+  ``done_recving`` *and* its blocks in ``take_load_errors``, in the same
+  step (``get_finished``); the deadlines (read: the transport's
+  per-transfer ``timeout_s``; handshake and confirmation:
+  ``load_timeout_s``) bound when. Every failure goes through ``_fail``.
+- An aborted request is reported in ``done_sending`` (its blocks handed
+  back) only once its transfer completed or failed (``_abort``).
+- Nothing raises into the engine loop: ``on_step`` catches, logs, and turns
+  the failure into load errors.
+
+Handshakes and lease RPCs run on a small thread pool, never on the engine
+thread. Lock discipline: ``self._lock`` guards load and peer state; the
+transport is never called while holding it (its completion callbacks take
+it). Load-failure warnings are rate-limited per producer (``lograte``).
+
+Imports the standard library, numpy, ``rdma_kv.errors``, the connector's
+``types`` and its ``rdma`` modules (``auth``, ``wire``, ``meta``,
+``planning``, ``settings``, ``sidechannel``, ``stats``, ``transport_api``
+and the consumer's helpers ``loads``, ``clients``, ``lease_rpc``,
+``lograte``). Never ``producer``, ``leases`` or ``worker``.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from rdma_kv.connector.rdma import auth, wire
+from rdma_kv.connector.rdma.clients import ClientPool
+from rdma_kv.connector.rdma.lease_rpc import call_lease_rpc, refusal_reason, submit_lease_rpcs
+from rdma_kv.connector.rdma.loads import PEER_RETRY_S, LoadStage, LoadState, PeerStage, PeerState, due_renewals
+from rdma_kv.connector.rdma.lograte import RateLimitedWarnings
+from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress, RemoteLease
+from rdma_kv.connector.rdma.planning import SlotTable, count_runs
+from rdma_kv.connector.rdma.settings import RdmaSettings
+from rdma_kv.connector.rdma.sidechannel import SideChannelClient
+from rdma_kv.connector.rdma.stats import LoadStats
+from rdma_kv.connector.rdma.transport_api import TransferHandle, Transport
+from rdma_kv.connector.types import BlockId, EngineId, RequestId
+from rdma_kv.errors import HandshakeError, NotInitializedError, PeerError
+
+__all__ = ["RdmaConsumer"]
+
+# The worker's name: operators filter the consumer's lines on it (docs/deploy.md).
+logger = logging.getLogger("rdma_kv.connector.rdma.worker")
+
+HANDSHAKE, READING, CONFIRMING, DONE, FAILED = (
+    LoadStage.HANDSHAKE, LoadStage.READING, LoadStage.CONFIRMING, LoadStage.DONE, LoadStage.FAILED)
+
+PeerKey = tuple[str, str, int]  # engine id, side-channel host, this rank's port
+
+
+class RdmaConsumer:
+    """The read path of one worker. Built by :class:`~rdma_kv.connector.rdma.worker.RdmaWorker`;
+    reads once :meth:`attach` has given it the registered transport."""
+
+    def __init__(self, engine_id: EngineId, settings: RdmaSettings, secret: auth.Secret | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._engine_id = engine_id
+        self._settings = settings
+        self._secret = secret
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._transport: Transport | None = None
+        self._slots: SlotTable | None = None
+        self._local_prep: Any = None
+        self._compat: wire.CompatInfo | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            settings.rpc_threads, thread_name_prefix=f"rdma-kv-rpc-{settings.tp_rank}")
+        self._clients = ClientPool(self._make_client, clock=clock)
+        self._failure_warnings = RateLimitedWarnings(logger, "KV load failures", clock=clock)
+        self._peers: dict[PeerKey, PeerState] = {}
+        self._loads: dict[RequestId, LoadState] = {}
+        self._finished: list[LoadState] = []  # DONE or FAILED, to report
+        self._aborted_done: set[RequestId] = set()
+        self._load_errors: set[BlockId] = set()
+        self._confirm_queue: dict[PeerKey, list[LoadState]] = collections.defaultdict(list)
+        self._confirm_scheduled: set[PeerKey] = set()
+        self._confirm_retry: list[tuple[PeerState, LoadState]] = []
+        self._stats = LoadStats()
+        self._closed = False
+
+    def attach(self, transport: Transport, slots: SlotTable, local_prep: Any, compat: wire.CompatInfo) -> None:
+        """The worker registered its KV caches: reads go into ``slots`` of ``transport``."""
+        self._transport, self._slots, self._local_prep, self._compat = transport, slots, local_prep, compat
+
+    def _require_compat(self) -> wire.CompatInfo:
+        if self._compat is None:
+            raise NotInitializedError("the RDMA connector's worker has no KV caches; the engine "
+                                      "must call register_kv_caches() at startup")
+        return self._compat
+
+    # --- every step ------------------------------------------------------------------------------------
+
+    def on_step(self, loads: Iterable[LoadSpec], releases: Iterable[RemoteLease],
+                renewals: Iterable[RemoteLease], aborts: Iterable[RequestId]) -> None:
+        """Apply the consumer's part of one step's metadata. Never raises."""
+        if self._closed:
+            return
+        if releases:
+            self._lease_rpc_async(wire.Release, releases)
+        if renewals:
+            self._lease_rpc_async(wire.Renew, renewals)
+        for rid in aborts:
+            self._abort(rid)
+        for spec in loads:
+            try:
+                self._start(spec)
+            except Exception as exc:  # a bug here must not escape into the engine loop
+                logger.exception("request %r: starting its load failed", spec.request_id)
+                with self._lock:
+                    load = self._loads.get(spec.request_id)
+                    if load is not None:
+                        self._fail(load, f"starting the load failed: {exc}")
+
+    def _start(self, spec: LoadSpec) -> None:
+        now = self._clock()
+        load = LoadState(spec, now + self._settings.load_timeout_s, now)
+        with self._lock:
+            if spec.request_id in self._loads:
+                logger.warning("request %r: a load is already running; ignoring the second", spec.request_id)
+                return
+            self._loads[spec.request_id] = load
+            if spec.error is not None:
+                self._fail(load, f"the scheduler could not plan the load: {spec.error}")
+                return
+            key = self._peer_key(spec.peer)
+            peer = self._peers.get(key)
+            if peer is not None and peer.state is PeerStage.FAILED:
+                if now - peer.failed_at < PEER_RETRY_S:
+                    self._fail(load, f"producer {spec.peer.engine_id!r} is unavailable: {peer.error}")
+                    return
+                del self._peers[key]
+                peer = None
+            if peer is None:
+                peer = self._peers[key] = PeerState(spec.peer)
+                peer.waiting.append(load)
+                self._executor.submit(self._handshake, peer)
+                return
+            if peer.state is PeerStage.CONNECTING:
+                peer.waiting.append(load)
+                return
+        self._post(load, peer)
+
+    # --- peers --------------------------------------------------------------------------------------------
+
+    def _client_key(self, address: PeerAddress) -> tuple[str, int]:
+        """The side channel of this rank at ``address``: host, base port + rank."""
+        return address.host, address.port + self._settings.tp_rank
+
+    def _peer_key(self, address: PeerAddress) -> PeerKey:
+        return (address.engine_id, *self._client_key(address))
+
+    def _client(self, address: PeerAddress) -> SideChannelClient:
+        return self._clients.get(*self._client_key(address))
+
+    def _make_client(self, host: str, port: int) -> SideChannelClient:
+        s = self._settings
+        return SideChannelClient(host, port, connect_timeout_s=s.connect_timeout_s,
+                                 rpc_timeout_s=s.rpc_timeout_s, retries=s.rpc_retries, secret=self._secret)
+
+    def _handshake(self, peer: PeerState) -> None:
+        """RPC thread: make ``peer`` READY (then post its waiting loads) or FAILED."""
+        address, t0 = peer.address, time.perf_counter()
+        name = None
+        try:
+            compat = self._require_compat()
+            client = self._client(address)
+            reply = client.handshake(wire.Handshake(
+                wire.PROTOCOL_VERSION, self._engine_id, self._settings.tp_rank, compat))
+            if reply.engine_id != address.engine_id:
+                raise HandshakeError(
+                    f"expected producer engine {address.engine_id!r} at {client.address}, found "
+                    f"{reply.engine_id!r}; the request's kv_transfer_params point at another engine")
+            if reply.compat != compat:
+                diff = "; ".join(compat.mismatches(reply.compat, mine="consumer", theirs="producer"))
+                raise HandshakeError(f"producer {reply.engine_id!r} has an incompatible KV cache: {diff}")
+            slots = SlotTable(reply.geometry.to_geometry())
+            assert self._transport is not None
+            name = self._transport.add_peer(reply.agent_metadata)
+            prep = self._transport.prep_remote(name, slots.descs)
+        except Exception as exc:
+            if name is not None:
+                self._safe_remove_peer(name)
+            host, port = self._client_key(address)
+            reason = f"handshake with {host}:{port} failed: {exc}"
+            logger.warning("producer %r: %s", address.engine_id, reason)
+            with self._lock:
+                peer.state, peer.error, peer.failed_at = PeerStage.FAILED, reason, self._clock()
+                waiting, peer.waiting = peer.waiting, []
+                for load in waiting:
+                    self._fail(load, reason)
+            return
+        with self._lock:
+            peer.state, peer.name, peer.slots, peer.prep = PeerStage.READY, name, slots, prep
+            peer.handshake_s = time.perf_counter() - t0
+            waiting, peer.waiting = peer.waiting, []
+            self._stats.counters["handshakes"] += 1
+        for load in waiting:
+            load.stats["handshake_s"] = peer.handshake_s
+            self._post(load, peer)
+
+    def _safe_remove_peer(self, name: str) -> None:
+        try:
+            assert self._transport is not None
+            self._transport.remove_peer(name)
+        except Exception:
+            pass
+
+    def _peer_failed(self, peer: PeerState, reason: str) -> None:
+        """Forget a peer whose reads failed: the next load re-handshakes (a
+        restarted producer has a new agent). Called without the lock held."""
+        with self._lock:
+            key = self._peer_key(peer.address)
+            if self._peers.get(key) is peer and peer.state is PeerStage.READY:
+                peer.state, peer.error, peer.failed_at = PeerStage.FAILED, reason, self._clock()
+            else:
+                return
+        if peer.name is not None:
+            self._safe_remove_peer(peer.name)
+
+    def _addresses_in_use(self) -> set[tuple[str, int]]:
+        with self._lock:
+            return ({self._client_key(p.address) for p in self._peers.values()}
+                    | {self._client_key(ld.spec.peer) for ld in self._loads.values()})
+
+    def _prune_failed_peers(self, now: float) -> None:
+        """Forget peers that failed more than ``PEER_RETRY_S`` ago (a new load
+        re-handshakes anyway), so producers that come and go (new engine
+        ids on restart) do not accumulate. Called with the lock held."""
+        for key, peer in list(self._peers.items()):
+            if peer.state is PeerStage.FAILED and not peer.waiting and now - peer.failed_at > PEER_RETRY_S:
+                del self._peers[key]
+
+    # --- reads -----------------------------------------------------------------------------------------
+
+    def _post(self, load: LoadState, peer: PeerState) -> None:
+        """Post one request's reads. Called without the lock held."""
+        spec = load.spec
+        with self._lock:
+            if load.stage is not HANDSHAKE:
+                return  # failed by its deadline meanwhile
+            if load.aborted:
+                self._finish_aborted(load)
+                return
+            load.stage = READING
+        assert self._slots is not None and peer.slots is not None and self._transport is not None
+        t0 = time.perf_counter()
+        try:
+            local_ids = np.asarray(spec.local_block_ids, dtype=np.int64)
+            remote_ids = np.asarray(spec.remote_block_ids, dtype=np.int64)
+            if local_ids.shape != remote_ids.shape:
+                raise ValueError(f"{local_ids.size} local blocks but {remote_ids.size} remote blocks")
+            local_idx = self._slots.indices(local_ids, "local")
+            remote_idx = peer.slots.indices(remote_ids, "remote")
+            xfer = self._transport.read_prepared(self._local_prep, local_idx, peer.prep, remote_idx,
+                                                 timeout_s=self._settings.read_timeout_s)
+        except Exception as exc:
+            with self._lock:
+                load.read_resolved = True
+                self._fail(load, f"posting reads from {spec.peer.engine_id!r} failed: {exc}")
+            if peer.name is not None and not isinstance(exc, (ValueError,)):
+                self._peer_failed(peer, str(exc))
+            return
+        load.transfer = xfer
+        load.stats.update(
+            num_blocks=int(local_ids.size), block_runs=count_runs(local_ids, remote_ids, self._slots.num_rows),
+            plan_s=time.perf_counter() - t0 - xfer.post_s, post_s=xfer.post_s,
+        )
+        xfer.add_done_callback(functools.partial(self._on_read_done, load, peer))
+
+    def _on_read_done(self, load: LoadState, peer: PeerState, xfer: TransferHandle) -> None:
+        """Transport progress thread: the reads completed or failed."""
+        load.stats.update(nbytes=xfer.nbytes, num_descs=xfer.num_descs, ops_posted=xfer.ops_posted,
+                          transfer_s=xfer.elapsed_s)
+        if xfer.error is not None:
+            with self._lock:
+                load.read_resolved = True
+                self._fail(load, f"reads from {load.spec.peer.engine_id!r} failed: {xfer.error}")
+            self._peer_failed(peer, str(xfer.error))
+            return
+        with self._lock:
+            load.read_resolved = True
+            if load.stage is not READING:
+                return
+            if load.error is not None:  # failed while the reads were in flight
+                self._fail(load, load.error)
+                return
+            if load.aborted:
+                self._finish_aborted(load)
+                return
+            load.stage = CONFIRMING
+            load.stats["confirm_start"] = time.perf_counter()
+            self._queue_confirm(peer, load)
+
+    # --- validate after read ----------------------------------------------------------------------------
+
+    def _queue_confirm(self, peer: PeerState, load: LoadState) -> None:
+        key = self._peer_key(peer.address)
+        self._confirm_queue[key].append(load)
+        if key not in self._confirm_scheduled:
+            self._confirm_scheduled.add(key)
+            self._executor.submit(self._confirm, peer, key)
+
+    def _confirm(self, peer: PeerState, key: PeerKey) -> None:
+        with self._lock:
+            self._confirm_scheduled.discard(key)
+            batch = [ld for ld in self._confirm_queue.pop(key, []) if ld.stage is CONFIRMING]
+        if not batch:
+            return
+        request = wire.Confirm(wire.PROTOCOL_VERSION,
+                               [wire.LeaseWire.of(ld.spec.lease, ld.spec.claim) for ld in batch], release=True)
+        try:
+            statuses = self._client(peer.address).lease_call(request).statuses
+        except Exception as exc:
+            with self._lock:
+                for load in batch:
+                    self._fail(load, f"could not confirm the lease with {peer.address.engine_id!r}, so "
+                                     f"the data read cannot be trusted: {exc}")
+            if isinstance(exc, PeerError):
+                # The producer is gone: drop its endpoint and rkeys now, not
+                # at the next load, or they outlive it.
+                self._peer_failed(peer, str(exc))
+            return
+        now = time.perf_counter()
+        with self._lock:
+            for load, status in zip(batch, statuses):
+                if load.stage is not CONFIRMING:
+                    continue
+                load.stats["confirm_s"] = now - load.stats.pop("confirm_start", now)
+                if status is wire.LeaseStatus.HELD:
+                    if load.aborted:
+                        self._finish_aborted(load)
+                    else:
+                        load.stage = DONE
+                        self._finished.append(load)
+                elif status is wire.LeaseStatus.PENDING:
+                    self._confirm_retry.append((peer, load))  # re-sent at the next step
+                else:
+                    reason = refusal_reason(status, peer.address.engine_id, load.spec.lease.generation)
+                    self._fail(load, f"{reason}; the data read cannot be trusted, discarded", release=False)
+
+    # --- endings (called with the lock held) ---------------------------------------------------------------
+
+    def _fail(self, load: LoadState, reason: str, *, release: bool = True) -> None:
+        """The one place a load fails."""
+        if load.stage.terminal:
+            return
+        if load.stage is READING and not load.read_resolved:
+            # Reads can still land: defer until the transfer resolves (its
+            # deadline bounds this); _on_read_done will fail it.
+            load.error = load.error or reason
+            return
+        load.stage, load.error = FAILED, load.error or reason
+        self._stats.counters["loads_failed"] += 1
+        self._failure_warnings.warn(load.spec.peer.engine_id, "request %r: KV load failed: %s",
+                                    load.spec.request_id, load.error)
+        if release:
+            self._lease_rpc_async(wire.Release, [load.spec.remote_lease])
+        if load.aborted:
+            self._loads.pop(load.spec.request_id, None)
+            self._aborted_done.add(load.spec.request_id)
+        else:
+            self._finished.append(load)
+
+    def _finish_aborted(self, load: LoadState) -> None:
+        if not load.stage.terminal:
+            self._lease_rpc_async(wire.Release, [load.spec.remote_lease])
+        load.stage = DONE
+        self._loads.pop(load.spec.request_id, None)
+        self._aborted_done.add(load.spec.request_id)
+        self._stats.counters["loads_aborted"] += 1
+
+    def _abort(self, rid: RequestId) -> None:
+        """The scheduler finished ``rid`` while its load was handed to us."""
+        with self._lock:
+            load = self._loads.get(rid)
+            if load is None:
+                self._aborted_done.add(rid)  # nothing in flight: hand the blocks back now
+                return
+            load.aborted = True
+            if load.stage is READING and not load.read_resolved:
+                return  # _on_read_done finishes it once no read can land
+            if load.stage.terminal:
+                self._finished = [ld for ld in self._finished if ld is not load]
+                self._loads.pop(rid, None)
+                self._aborted_done.add(rid)
+                return
+            self._finish_aborted(load)
+
+    # --- get_finished ---------------------------------------------------------------------------------------
+
+    def get_finished(self) -> tuple[set[RequestId], set[RequestId]]:
+        """(aborted requests whose blocks may be freed, loads finished):
+        fails the loads past their deadline, records the finished ones,
+        re-queues PENDING confirmations and sends the renewals due."""
+        now = self._clock()
+        with self._lock:
+            for load in list(self._loads.values()):
+                if load.stage in (HANDSHAKE, CONFIRMING) and now > load.deadline:
+                    self._fail(load, f"not finished within load_timeout_s={self._settings.load_timeout_s} "
+                                     f"(stage {load.stage.value})")
+            recving: set[RequestId] = set()
+            for load in self._finished:
+                rid = load.spec.request_id
+                recving.add(rid)
+                self._loads.pop(rid, None)
+                if load.stage is FAILED:
+                    self._load_errors.update(load.spec.local_block_ids)
+                self._record(load)
+            self._finished = []
+            sending, self._aborted_done = self._aborted_done, set()
+            retry, self._confirm_retry = self._confirm_retry, []
+            for peer, load in retry:
+                if load.stage is CONFIRMING:
+                    self._queue_confirm(peer, load)
+            renew = due_renewals(self._loads.values(), now, self._settings.renew_interval_for)
+            self._prune_failed_peers(now)
+        if renew:
+            self._lease_rpc_async(wire.Renew, renew)
+        self._clients.prune(self._addresses_in_use, now)
+        self._failure_warnings.flush(now)
+        return sending, recving
+
+    def take_load_errors(self) -> set[BlockId]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+            return errors
+
+    # --- lease RPCs ---------------------------------------------------------------------------------------
+
+    def _lease_rpc_async(self, kind: type, leases: Iterable[RemoteLease]) -> None:
+        if not self._closed:
+            submit_lease_rpcs(self._executor, self._lease_rpc, kind, leases)
+
+    def _lease_rpc(self, kind: type, address: PeerAddress, leases: list[RemoteLease]) -> None:
+        refused = call_lease_rpc(self._client(address), kind, address, leases)
+        if refused is None:
+            return
+        self._stats.counters[f"{kind.__name__.lower()}_rpcs"] += 1
+        if refused and kind is wire.Renew:
+            # A load not yet reading gives up now; one whose reads are in
+            # flight learns the same from its CONFIRM, once no read can land.
+            with self._lock:
+                by_claim = {ld.spec.claim: ld for ld in self._loads.values()}
+                for lease, status in refused:
+                    load = by_claim.get(lease.claim)
+                    if load is not None and load.stage is HANDSHAKE:
+                        self._fail(load, refusal_reason(status, address.engine_id, lease.lease.generation),
+                                   release=False)
+
+    # --- stats, resources, shutdown -----------------------------------------------------------------------
+
+    def _record(self, load: LoadState) -> None:
+        self._stats.record(load.spec.request_id, load.stats, ok=load.stage is DONE,
+                           total_s=self._clock() - load.created, error=load.error)
+
+    def take_stats(self) -> tuple[list[dict[str, Any]], dict[str, int]]:
+        """Per-load records and event counters since the last call."""
+        with self._lock:
+            return self._stats.take()
+
+    def resources(self) -> dict[str, int]:
+        with self._lock:
+            return {"inflight_loads": len(self._loads), "peers": len(self._peers),
+                    "clients": len(self._clients), "unreported": len(self._finished),
+                    "confirm_queue": sum(len(v) for v in self._confirm_queue.values())}
+
+    def num_inflight(self) -> int:
+        with self._lock:
+            return len(self._loads)
+
+    def reads_on_the_wire(self) -> list[str]:
+        """Request ids (aborted ones included) whose read transfer the
+        transport has not yet resolved: their blocks can still be written."""
+        with self._lock:
+            return sorted(rid for rid, ld in self._loads.items()
+                          if ld.transfer is not None and not ld.transfer.done())
+
+    def close(self) -> None:
+        """Stop the RPC threads and close the side-channel clients (the
+        transport belongs to the worker)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._clients.close()
