@@ -219,13 +219,14 @@ class FullAttentionSpec(AttentionSpec):
                     f"cannot merge {type(spec).__name__} into a group of "
                     f"{type(first).__name__}"
                 )
-        windows = {s.sliding_window for s in specs if s.sliding_window is not None}  # type: ignore[attr-defined]
+        full = [s for s in specs if isinstance(s, FullAttentionSpec)]  # all of them (types checked above)
+        windows = {s.sliding_window for s in full if s.sliding_window is not None}
         if len(windows) > 1:
             raise SpecError(
                 f"layers of one KV-cache group must share one sliding window, got {sorted(windows)}"
             )
-        merged = dataclasses.replace(first, sliding_window=next(iter(windows), None))
-        for spec in specs:
+        merged = dataclasses.replace(full[0], sliding_window=next(iter(windows), None))
+        for spec in full:
             other = dataclasses.replace(spec, sliding_window=merged.sliding_window)
             if other != merged:
                 raise SpecError(

@@ -65,7 +65,7 @@ class Secret:
 
     __str__ = __repr__
 
-    def __reduce__(self) -> object:  # never pickled into another process by accident
+    def __reduce__(self) -> str | tuple[object, ...]:  # never pickled into another process by accident
         raise TypeError("the side-channel secret cannot be pickled; load it in each process")
 
 
@@ -127,7 +127,7 @@ def load_secret(env_name: str | None, file_path: str | None) -> Secret | None:
     try:
         st = os.stat(file_path)
         with open(file_path, "rb") as f:
-            value = f.read(MAX_SECRET_BYTES + 1)
+            raw = f.read(MAX_SECRET_BYTES + 1)
     except OSError as exc:
         raise ConfigError(
             f"kv_connector_extra_config['auth_secret_file']: cannot read {file_path!r}: "
@@ -136,4 +136,4 @@ def load_secret(env_name: str | None, file_path: str | None) -> Secret | None:
     if stat.S_IMODE(st.st_mode) & 0o077:
         logger.warning("side-channel secret file %s has mode %o: readable by other users; "
                        "chmod 600 it", file_path, stat.S_IMODE(st.st_mode))
-    return Secret(_check(value, f"file:{file_path}"), f"file:{file_path}")
+    return Secret(_check(raw, f"file:{file_path}"), f"file:{file_path}")

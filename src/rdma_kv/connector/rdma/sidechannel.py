@@ -364,7 +364,9 @@ class SideChannelServer:
                 return self._handler.on_renew(request)
             if isinstance(request, wire.Confirm):
                 return self._handler.on_confirm(request)
-            return self._handler.on_release(request)
+            if isinstance(request, wire.Release):
+                return self._handler.on_release(request)
+            return wire.ErrorReply(f"unexpected {type(request).__name__} after the opening")
         except Exception as exc:  # a handler bug must not kill the server
             logger.exception("side channel %s: handler failed", self._name)
             return wire.ErrorReply(f"producer failed to handle {type(request).__name__}: {exc}"[:8000])
