@@ -3,10 +3,11 @@
 A request is often built right after a model step, with the CPU's caches
 cold, where every Python step costs microseconds. So the common case -- the
 same local and remote lists as last time, nothing changed since, with or
-without a notification -- is one C call, ``rk_submit``, on a *route*: a C record of what the
-two lists and the peer need (both lists' tables, the peer's endpoint state
-and remote keys on every worker, the stripe over the lanes), built once
-when the slow path first succeeds for the pair and kept on the remote list.
+without a notification -- is one C call, ``rk_submit``, on a *route*: a C
+record of what the two lists and the peer need (both lists' tables, the
+peer's endpoint state and remote keys on every worker, the stripe over the
+lanes), built once when the slow path first succeeds for the pair and kept
+on the remote list.
 ``rk_submit`` checks the route is current, that none of the peer's endpoints
 failed and every index pair, then posts (striped over the lanes when large
 enough). Anything else returns to the slow path, which raises the precise
