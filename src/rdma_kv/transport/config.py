@@ -14,17 +14,17 @@ from rdma_kv.transport.lanes import MAX_LANES
 PROGRESS_MODES = ("thread", "poll")
 
 # The most lanes the default gives (AgentConfig(lanes=N) goes up to MAX_LANES).
-# Measured here (2 CPUs, CMA): two workers reach the kernel's two-thread
-# copy limit; more workers than idle cores only add threads that wait for
-# one. Where more cores are idle (a GPU host), set lanes explicitly.
+# Two is all this project could measure (2 CPUs, CMA: docs/benchmarks.md),
+# and a lane adds bandwidth only on an idle core of its own. Where more
+# cores are idle and a fabric has queue pairs to fill, set lanes explicitly.
 DEFAULT_LANES_CAP = 2
 
 
 def default_lanes() -> int:
-    """Lanes an agent gets unless told: the CPUs this process may run on
-    (``sched_getaffinity``, so a process pinned to one core gets one lane),
-    at most ``DEFAULT_LANES_CAP``. Small transfers stay on one worker
-    anyway: a part is at least ``lane_min_bytes``."""
+    """Lanes an agent gets unless told: the CPUs the calling thread may run
+    on (``sched_getaffinity(0)``: a thread pinned to one core gets one
+    lane), at most ``DEFAULT_LANES_CAP``. Small transfers stay on one
+    worker anyway: a part is at least ``lane_min_bytes``."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # no affinity API: count the CPUs

@@ -27,7 +27,7 @@ DEFAULT_LANES_CAP = 2
 
 
 def default_lanes() -> int:
-    """The transport's default lanes: the CPUs this process may run on, at
+    """The transport's default lanes: the CPUs the calling thread may run on, at
     most ``DEFAULT_LANES_CAP`` (see docs/deploy.md, "Threads and CPU")."""
     try:
         cpus = len(os.sched_getaffinity(0))
