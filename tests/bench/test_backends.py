@@ -77,3 +77,49 @@ def test_missing_nixl_is_reported_as_skipped(monkeypatch):
     monkeypatch.setattr(nixl_peer, "nixl_available", lambda: "nixl is not importable (test)")
     r = nixl_peer.run_backend(TINY, 1)
     assert r.status == "skipped" and "not importable" in r.reason
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_rdmakv_with_notify_moves_verifies_and_each_rep_notifies(lanes):
+    """--notify: every rep's read carries a notification and the target
+    checks at close that exactly one arrived per repetition."""
+    w = TINY.replace(name="tiny-big", block_nbytes=64 << 10)  # 2 MiB a request: two 1 MiB parts
+    r = baselines.rdmakv_peer.run_backend(w, 3, notify=True, lanes=lanes)
+    assert r.status == "ok", r.reason
+    assert r.nbytes == [w.transfer_nbytes] * 3 and r.config["notify"] is True and r.config["lanes"] == lanes
+
+
+@pytest.mark.skipif(nixl_peer.nixl_available() is not None, reason="nixl is not importable")
+def test_nixl_with_notify_moves_verifies_and_each_rep_notifies():
+    r = nixl_peer.run_backend(TINY, 3, notify=True)
+    assert r.status == "ok", r.reason
+    assert r.config["notify"] is True
+
+
+def test_a_missing_or_extra_notification_fails_the_target():
+    with pytest.raises(harness.BenchError, match=r"expected one notification per repetition \(2\), got 1"):
+        harness.await_notifications(lambda: [b"rep0"], [b"rep0", b"rep1"], 0.05, "test target")
+    with pytest.raises(harness.BenchError, match="extra"):
+        harness.await_notifications(lambda: [b"rep0", b"rep0"], [b"rep0"], 0.05, "test target")
+    harness.await_notifications(lambda: [b"rep1", b"rep0"], [b"rep0", b"rep1"], 0.05, "test target")
+
+
+def test_rounds_alternate_the_backends_and_pool_their_reps():
+    calls = []
+
+    def fake(name, seconds):
+        def run(w, reps):
+            calls.append(name)
+            return baselines.Result.from_records(name, w, [{"seconds": seconds, "ops": 1, "nbytes": 100}] * reps)
+        return run
+
+    baselines.register_backend("fake-a", fake("fake-a", 1.0))
+    baselines.register_backend("fake-b", fake("fake-b", 2.0))
+    try:
+        results = baselines.run([TINY], backends=["fake-a", "fake-b"], reps=2, rounds=3)
+    finally:
+        del baselines.BACKENDS["fake-a"], baselines.BACKENDS["fake-b"]
+    assert calls == ["fake-a", "fake-b"] * 3
+    assert [r.backend for r in results] == ["fake-a", "fake-b"]
+    assert results[0].seconds == [1.0] * 6 and results[1].seconds == [2.0] * 6
+    assert results[0].config["rounds"] == 3

@@ -4,6 +4,7 @@ geometry) are rejected before anything is posted."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -83,6 +84,20 @@ def test_the_connectors_lane_bound_is_the_transports():
         else:
             with pytest.raises(ConfigError, match=f"lanes must be 1..{MAX_LANES}, got {lanes}"):
                 RdmaSettings.from_config(config)
+
+
+@pytest.mark.parametrize("cpus", [1, 2, 3, 64])
+def test_the_connectors_default_lanes_are_the_transports(monkeypatch, cpus):
+    """Both follow the CPUs the process may run on, up to the same cap."""
+    from rdma_kv.connector.rdma import settings
+    from rdma_kv.transport import AgentConfig
+    from rdma_kv.transport import config as transport_config
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert settings.DEFAULT_LANES_CAP == transport_config.DEFAULT_LANES_CAP
+    config = KVTransferConfig(kv_connector="RdmaKVConnector", kv_role="kv_consumer", kv_port=0, kv_ip="127.0.0.1")
+    want = min(cpus, transport_config.DEFAULT_LANES_CAP)
+    assert RdmaSettings.from_config(config).lanes == AgentConfig().lanes == transport_config.default_lanes() == want
 
 
 @pytest.mark.parametrize("ids", [[-1], [2**32], [True], [1.5], ["3"], []])

@@ -45,7 +45,7 @@ def main() -> None:
     src = np.random.default_rng(7).integers(0, 256, NBYTES, dtype=np.uint8)
     dst = np.zeros(NBYTES, dtype=np.uint8)
     with Agent("a", AgentConfig(ucx_options=options, lanes=3, lane_min_bytes=1 << 20)) as a, \
-            Agent("b", AgentConfig(ucx_options=options)) as b:
+            Agent("b", AgentConfig(ucx_options=options, lanes=1)) as b:
         a.register(dst)
         b.register(src)
         a.add_peer(b.metadata())

@@ -3,7 +3,8 @@ several UCX workers of one context by one C call. Bit-exact wherever the
 byte stream is cut (descriptors are cut too); still one batch that resolves
 once every operation on every worker has; a failed lane endpoint fails the
 peer for the whole agent; lanes are pumped by C threads; close() drains,
-then takes the lanes down; small or notifying transfers stay on one worker.
+then takes the lanes down; small transfers stay on one worker, notifying
+ones stripe too.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from rdma_kv.errors import ConfigError, DescriptorError, PeerError, TransferErro
 from rdma_kv.transport import AgentConfig, DescList, XferState
 from rdma_kv.transport._lib import load
 from transport_child import Child
-from transport_helpers import (LOOPBACK, PAIR_NBYTES, TCP, connect, pattern, prepare_slots, progress_threads,
-                               wait_until)
+from transport_helpers import (LOOPBACK, PAIR_NBYTES, TCP, collect_notifications, connect, pattern,
+                               prepare_slots, progress_threads, wait_until)
 
 pytestmark = [pytest.mark.ucx]
 
@@ -107,17 +108,18 @@ def test_any_descriptor_mix_is_bit_exact_wherever_it_is_cut(make_agent, rng, lan
         np.testing.assert_array_equal(pair.buf_b, want)
 
 
-def test_small_and_notifying_transfers_stay_on_one_worker(make_agent):
+def test_small_transfers_stay_on_one_worker_and_notifying_ones_stripe(make_agent):
     pair = connect(make_agent, lanes=2, lane_min_bytes=64 * BLOCK)
     local, remote = prepared(pair)
     small = np.arange(100)  # 400 KiB < 2 x 256 KiB
     assert pair.b.read_prepared(local, small, remote, small).wait(WAIT_S).worker_ops is None
+    assert pair.b.read_prepared(local, small, remote, small, notify=b"small").wait(WAIT_S).worker_ops is None
     big = np.arange(200)
     assert len(pair.b.read_prepared(local, big, remote, big).wait(WAIT_S).worker_ops) == 2
-    # The notification must follow every byte: such a transfer is not split.
+    # The notification follows every part (test_notify_stripes checks it never precedes the data).
     xfer = pair.b.read_prepared(local, big, remote, big, notify=b"done").wait(WAIT_S)
-    assert xfer.worker_ops is None
-    wait_until(lambda: any(n.payload == b"done" for n in pair.a.get_notifications()), WAIT_S, "notification")
+    assert len(xfer.worker_ops) == 2
+    collect_notifications(pair.a, [b"small"], b"done", WAIT_S)
 
 
 def test_a_failed_lane_endpoint_fails_the_peer_for_the_whole_agent(make_agent):
@@ -397,10 +399,9 @@ def test_a_striped_transfer_to_a_stopped_peer_fails_on_every_worker(make_agent):
 
 @pytest.mark.parametrize("op", ["read", "write"])
 def test_explicit_transfers_are_striped_too(make_agent, rng, op):
-    """read()/write() with explicit descriptors: large and without a
-    notification they are striped like prepared ones (the merged runs as
-    tables), bit-exact wherever the stream is cut; with a notification they
-    stay on one worker."""
+    """read()/write() with explicit descriptors: large ones are striped like
+    prepared ones (the merged runs as tables), bit-exact wherever the stream
+    is cut, with a notification too."""
     pair = connect(make_agent, lanes=3, lane_min_bytes=16 * BLOCK)
     src, dst = (pair.a, pair.b) if op == "read" else (pair.b, pair.a)
     src_buf, dst_buf = (pair.buf_a, pair.buf_b) if op == "read" else (pair.buf_b, pair.buf_a)
@@ -421,5 +422,6 @@ def test_explicit_transfers_are_striped_too(make_agent, rng, op):
     assert xfer.worker_ops == (1, 1, 1)
     np.testing.assert_array_equal(pair.buf_b, pair.buf_a)
     notified = pair.b.read("a", pair.desc_b([0], PAIR_NBYTES), pair.desc_a([0], PAIR_NBYTES), notify=b"n")
-    assert notified.wait(WAIT_S).worker_ops is None and notified.ops_posted == 1
+    assert notified.wait(WAIT_S).worker_ops == (1, 1, 1) and notified.ops_posted == 3
+    collect_notifications(pair.a, [], b"n", WAIT_S)
     assert src.stats["failed"] == dst.stats["failed"] == 0

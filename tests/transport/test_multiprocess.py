@@ -84,7 +84,8 @@ def shared_link(request):
     child = Child(f"child-{request.param}", env, REMOTE_SIZES, CHILD_SEED)
     agent = None
     try:
-        agent = Agent("parent", AgentConfig(ucx_options=options))
+        # One lane: these tests count the operations one worker posts.
+        agent = Agent("parent", AgentConfig(ucx_options=options, lanes=1))
         local = np.zeros(LOCAL_NBYTES, dtype=np.uint8)
         agent.register(local)
         assert agent.add_peer(child.metadata) == child.name

@@ -77,19 +77,26 @@ def run(
     backends: Sequence[str] = ("cma", "nixl"),
     reps: int = 5,
     progress: Callable[[str], None] | None = None,
+    rounds: int = 1,
 ) -> list[Result]:
     """Run each backend on each workload, one at a time (workload-major, so
-    results for one workload sit side by side)."""
+    results for one workload sit side by side). With ``rounds`` > 1 the
+    backends of a workload take turns, ``rounds`` times (A B C A B C ...),
+    ``reps`` repetitions each in fresh processes, and each row pools its
+    rounds: drift of a shared machine then falls on every backend alike."""
     results = []
     for w in workloads:
         workload = preset(w) if isinstance(w, str) else w
-        for name in backends:
-            t0 = time.perf_counter()
-            result = run_one(name, workload, reps)
-            if progress:
-                progress(f"{name:>12} {workload.name:<16} {result.status:<8} {time.perf_counter() - t0:6.1f} s"
-                         + (f"  median {result.median_gbps:.2f} GB/s" if result.median_gbps else ""))
-            results.append(result)
+        pooled: dict[str, Result] = {}
+        for _ in range(rounds):
+            for name in backends:
+                t0 = time.perf_counter()
+                result = run_one(name, workload, reps)
+                if progress:
+                    progress(f"{name:>12} {workload.name:<16} {result.status:<8} {time.perf_counter() - t0:6.1f} s"
+                             + (f"  median {result.median_gbps:.2f} GB/s" if result.median_gbps else ""))
+                pooled[name] = pooled[name].extend(result) if name in pooled else result
+        results.extend(pooled[name] for name in backends)
     return results
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib
 import json
 import multiprocessing as mp
+import time
 import traceback
 from typing import Any
 
@@ -184,6 +185,20 @@ def serve_target(chan: Channel, fill: Any, close: Any) -> None:
             return
         else:
             raise BenchError(f"target: unexpected message {msg['type']!r}")
+
+
+def await_notifications(poll: Any, expected: list[bytes], timeout_s: float, who: str) -> None:
+    """Target side of ``--notify``: ``poll()`` returns the payloads received
+    so far; wait (bounded) until they are exactly ``expected``, in any order."""
+    end = time.monotonic() + timeout_s
+    got = sorted(poll())
+    while len(got) < len(expected) and time.monotonic() < end:
+        time.sleep(0.01)
+        got = sorted(poll())
+    if got != sorted(expected):
+        raise BenchError(f"{who}: expected one notification per repetition ({len(expected)}), got {len(got)} "
+                         f"after {timeout_s} s: missing {sorted(set(expected) - set(got))[:5]}, "
+                         f"extra {[g for g in got if g not in expected][:5]}")
 
 
 def serve_reader(chan: Channel, run_rep: Any, close: Any) -> None:

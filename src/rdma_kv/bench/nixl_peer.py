@@ -10,7 +10,9 @@ descriptor list per side covering every (layer, region, pool block) slot,
 made once outside the timed region; each repetition builds its request
 from block-table indices with ``make_prepped_xfer`` (timed as *prep*),
 posts it with ``transfer`` (timed as *post*) and polls
-``check_xfer_state`` to completion (post-to-completion = *seconds*).
+``check_xfer_state`` to completion (post-to-completion = *seconds*). With
+``notify`` every request carries a ``notif_msg``, as NixlConnector's reads
+do; the target checks at close that one arrived per repetition.
 NIXL merges indices that are consecutive on both sides inside one
 prepared run (``makeXferReq``); the operations it really posted come
 from its transfer telemetry (``descCount``).
@@ -42,7 +44,9 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "target_progress_thread": True,  # the idle target must progress UCX wire-up
     "telemetry": True,  # needed for descCount (ops NIXL really posted)
     "num_threads": 0,  # NIXL's own default; vLLM's NixlConnector passes 4
+    "notify": False,  # a notif_msg on every transfer
 }
+NOTIFY_WAIT_S = 10.0  # at close, how long the target waits for the last notifications
 _LIST_MODES = ("blocks", "strided")
 
 
@@ -113,11 +117,25 @@ def target(chan: Channel, start: dict[str, Any]) -> None:
     reg = _register(agent, buf)
     filler = harness.PatternFiller(buf, workload.seed)
     chan.send({"type": "ready", "address": buf.ctypes.data, "nbytes": buf.nbytes}, agent.get_agent_metadata())
+    fills = []
+
+    def fill(rep: int) -> None:
+        fills.append(rep)
+        filler.fill(rep)
 
     def close() -> None:
+        if options["notify"]:
+            got: list[bytes] = []
+
+            def poll() -> list[bytes]:
+                for msgs in agent.get_new_notifs().values():
+                    got.extend(bytes(m) for m in msgs)
+                return got
+
+            harness.await_notifications(poll, [f"rep{r}".encode() for r in fills], NOTIFY_WAIT_S, "nixl target")
         agent.deregister_memory(reg)
 
-    harness.serve_target(chan, filler.fill, close)
+    harness.serve_target(chan, fill, close)
 
 
 def reader(chan: Channel, start: dict[str, Any]) -> None:
@@ -138,11 +156,14 @@ def reader(chan: Channel, start: dict[str, Any]) -> None:
     agent.make_connection(remote_name)
     _warm_up(agent, local_h, remote_h)
 
+    notify = bool(options["notify"])
+
     def run_rep(rep: int) -> dict[str, Any]:
         p = plan(workload, rep)
         local.fill(0)
+        msg = f"rep{rep}".encode() if notify else b""
         t0 = time.perf_counter()
-        handle = agent.make_prepped_xfer("READ", local_h, p.local_slots, remote_h, p.remote_slots)
+        handle = agent.make_prepped_xfer("READ", local_h, p.local_slots, remote_h, p.remote_slots, notif_msg=msg)
         t1 = time.perf_counter()
         state = agent.transfer(handle)
         t2 = time.perf_counter()

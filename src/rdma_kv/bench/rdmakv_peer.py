@@ -3,7 +3,9 @@
 Driven like the NIXL backend, so the two compare one to one: each side's
 buffer registered once; on the reader one *prepared* list per side covering
 every (layer, region, pool block) slot, made once outside the timed region;
-each repetition reads by block-table indices with ``read_prepared``.
+each repetition reads by block-table indices with ``read_prepared``, with
+a notification when ``notify`` is set (the target checks at close that one
+arrived per repetition).
 Timings per rep: *prep* is the Python work before the C post (index
 gathering, merging, argument marshalling), *post* the C post loop
 (``rk_post``), *seconds* from the post to completion, the same span NIXL's
@@ -31,14 +33,17 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "progress": "poll",  # reader: waits by driving progress itself, as NIXL's reader does
     "target_progress": "thread",  # the idle target sleeps on its event fd
     "ucx_options": {},
-    "lanes": 1,  # reader's workers per transfer (AgentConfig.lanes)
+    "lanes": None,  # reader's workers per transfer (AgentConfig.lanes); None: AgentConfig's default
+    "notify": False,  # a notification on every transfer, as NixlConnector's reads carry
 }
+NOTIFY_WAIT_S = 10.0  # at close, how long the target waits for the last notifications
 
 
-def _agent(name: str, progress: str, ucx_options: dict[str, str], lanes: int = 1) -> Any:
+def _agent(name: str, progress: str, ucx_options: dict[str, str], lanes: int | None = None) -> Any:
     from rdma_kv.transport import Agent, AgentConfig
 
-    return Agent(name, AgentConfig(progress=progress, ucx_options=dict(ucx_options), lanes=lanes))
+    extra = {} if lanes is None else {"lanes": lanes}
+    return Agent(name, AgentConfig(progress=progress, ucx_options=dict(ucx_options), **extra))
 
 
 def slot_descs(workload: Workload, base: int) -> Any:
@@ -59,14 +64,32 @@ def target(chan: Channel, start: dict[str, Any]) -> None:
     buf = page_aligned_buffer(workload.buffer_nbytes)
     agent.register(buf)
     filler = harness.PatternFiller(buf, workload.seed)
+    fills = []
+
+    def fill(rep: int) -> None:
+        fills.append(rep)
+        filler.fill(rep)
+
+    def close() -> None:
+        if options["notify"]:
+            got: list[bytes] = []
+
+            def poll() -> list[bytes]:
+                got.extend(n.payload for n in agent.get_notifications())
+                return got
+
+            harness.await_notifications(poll, [f"rep{r}".encode() for r in fills], NOTIFY_WAIT_S, "rdma-kv target")
+        agent.close()
+
     chan.send({"type": "ready", "address": buf.ctypes.data, "nbytes": buf.nbytes}, agent.metadata())
-    harness.serve_target(chan, filler.fill, agent.close)
+    harness.serve_target(chan, fill, close)
 
 
 def reader(chan: Channel, start: dict[str, Any]) -> None:
     workload = Workload.from_dict(start["workload"])
     options = dict(DEFAULT_OPTIONS, **start["options"])
-    agent = _agent("bench-reader", options["progress"], options["ucx_options"], int(options["lanes"]))
+    agent = _agent("bench-reader", options["progress"], options["ucx_options"], options["lanes"])
+    notify = bool(options["notify"])
     peer, metadata = chan.expect("peer")
     remote = agent.add_peer(metadata)
     local = page_aligned_buffer(workload.buffer_nbytes)
@@ -82,7 +105,8 @@ def reader(chan: Channel, start: dict[str, Any]) -> None:
         p = plan(workload, rep)
         local.fill(0)
         t0 = time.perf_counter()
-        xfer = agent.read_prepared(local_prep, p.local_slots, remote_prep, p.remote_slots)
+        xfer = agent.read_prepared(local_prep, p.local_slots, remote_prep, p.remote_slots,
+                                   notify=f"rep{rep}".encode() if notify else None)
         t1 = time.perf_counter()
         xfer.wait(120)
         t2 = time.perf_counter()
@@ -101,8 +125,8 @@ def reader(chan: Channel, start: dict[str, Any]) -> None:
 
     from rdma_kv.transport._lib import library_path, ucx_version
 
-    chan.send({"type": "ready", "config": dict(options, prep_lists_s=prep_list_s, ucx_version=ucx_version(),
-                                               ucx_library=library_path() or "")})
+    chan.send({"type": "ready", "config": dict(options, lanes=agent.config.lanes, prep_lists_s=prep_list_s,
+                                               ucx_version=ucx_version(), ucx_library=library_path() or "")})
     harness.serve_reader(chan, run_rep, agent.close)
 
 

@@ -62,6 +62,21 @@ class Result:
             res.extra[key] = [r.get(key) for r in records]
         return res
 
+    def extend(self, later: Result) -> Result:
+        """Pool ``later``'s repetitions of the same backend and workload (a
+        later round) into this one; a round that did not succeed wins."""
+        if later.status != "ok" or self.status != "ok":
+            return later if self.status == "ok" else self
+        n = len(self.seconds)
+        for name in ("seconds", "prep_seconds", "post_seconds", "ops", "nbytes"):
+            getattr(self, name).extend(getattr(later, name))
+        for key in set(self.extra) | set(later.extra):
+            self.extra[key] = list(self.extra.get(key, [None] * n)) + list(
+                later.extra.get(key, [None] * len(later.seconds)))
+        self.config.setdefault("rounds", 1)
+        self.config["rounds"] += 1
+        return self
+
     @classmethod
     def skipped(cls, backend: str, workload: str, reason: str) -> Result:
         return cls(backend, workload, status="skipped", reason=reason)

@@ -37,12 +37,18 @@ def add_parser(sub: Any) -> None:
                    help="comma list of presets (default: all): kv-random, kv-contiguous, kv-one-block, contiguous-256m")
     p.add_argument("--kv-shape", action="append", default=[], help=KV_SHAPE_HELP)
     p.add_argument("--reps", type=int, default=5, help="repetitions per workload and backend (default 5)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="backends of a workload take turns this many times, --reps each, pooled per row "
+                        "(default 1)")
     p.add_argument("--progress", choices=("poll", "thread"), default="poll",
                    help="rdma-kv reader progress mode (default poll, like NIXL's reader)")
-    p.add_argument("--lanes", type=int, default=2,
-                   help="rdma-kv reader's workers per transfer (AgentConfig.lanes, default 2); with N > 1 the "
-                        "run adds rdma-kv-l1 (one worker), cma-tN (the kernel copy on N threads) and, with --vs nixl, "
-                        "nixl-tN (NIXL num_threads=N)")
+    p.add_argument("--lanes", type=int, default=None,
+                   help="rdma-kv reader's workers per transfer (AgentConfig.lanes; default: AgentConfig's own, "
+                        "from this host's CPUs); with N > 1 the run adds rdma-kv-l1 (one worker), cma-tN (the "
+                        "kernel copy on N threads) and, with --vs nixl, nixl-tN (NIXL num_threads=N)")
+    p.add_argument("--notify", action="store_true",
+                   help="a notification on every transfer, for rdma-kv (notify=) and NIXL (notif_msg), as "
+                        "NixlConnector's reads carry; each target checks one arrived per repetition")
     p.add_argument("--no-cma", action="store_true", help="skip the batched process_vm_readv baseline")
     p.add_argument("--perftest", default="32768,268435456",
                    help="ucx_perftest ucp_get message sizes in bytes, comma list ('' = none)")
@@ -86,15 +92,19 @@ def run(args: argparse.Namespace) -> int:
     from rdma_kv.bench.report import run_meta, table, to_json
     from rdma_kv.bench.workloads import PRESETS, preset
 
-    if args.reps < 1:
-        raise ConfigError(f"--reps must be >= 1, got {args.reps}")
+    if args.reps < 1 or args.rounds < 1:
+        raise ConfigError(f"--reps and --rounds must be >= 1, got {args.reps} and {args.rounds}")
+    from rdma_kv.transport.config import default_lanes
     from rdma_kv.transport.lanes import MAX_LANES
 
-    if not 1 <= args.lanes <= MAX_LANES:
+    if args.lanes is not None and not 1 <= args.lanes <= MAX_LANES:
         raise ConfigError(f"--lanes must be 1..{MAX_LANES}, got {args.lanes}")
-    lanes = args.lanes
+    # The readers run on this host: the default they get is the one computed here.
+    lanes = default_lanes() if args.lanes is None else args.lanes
+    notify = args.notify
     baselines.register_backend(
-        "rdma-kv", lambda w, reps: rdmakv_peer.run_backend(w, reps, progress=args.progress, lanes=lanes))
+        "rdma-kv",
+        lambda w, reps: rdmakv_peer.run_backend(w, reps, progress=args.progress, lanes=args.lanes, notify=notify))
     if args.sweep or args.plot:
         return run_sweep(args)
     peers = [v for v in args.vs.split(",") if v]
@@ -106,31 +116,33 @@ def run(args: argparse.Namespace) -> int:
     workloads += [parse_kv_shape(s).replace(repetitions=args.reps) for s in args.kv_shape]
     backends = ["rdma-kv"]
     if lanes > 1:  # the same run, one worker: what the lanes add
-        backends.append(baselines.add_variant("rdma-kv-l1", "rdma-kv", progress=args.progress, lanes=1))
+        backends.append(baselines.add_variant("rdma-kv-l1", "rdma-kv", progress=args.progress, lanes=1,
+                                              notify=notify))
     for peer in peers:
-        backends.append(peer)
+        backends.append(baselines.add_variant(peer, peer, notify=notify) if notify else peer)
         if peer == "nixl" and lanes > 1:  # NIXL's own parallelism at the same thread count
-            backends.append(baselines.add_variant(f"nixl-t{lanes}", "nixl", num_threads=lanes))
+            backends.append(baselines.add_variant(f"nixl-t{lanes}", "nixl", num_threads=lanes, notify=notify))
     if not args.no_cma:
         backends.append("cma")
         if lanes > 1:  # the kernel's own copy with as many threads: what any N workers can reach
             backends.append(baselines.add_variant(f"cma-t{lanes}", "cma", threads=lanes))
     started = datetime.datetime.now()
     sizes = [int(s) for s in args.perftest.split(",") if s]
-    bar = ProgressBar(len(workloads) * len(backends) + len(sizes), "rdma-kv bench")
+    bar = ProgressBar(len(workloads) * len(backends) * args.rounds + len(sizes), "rdma-kv bench")
 
     def progress(line: str) -> None:
         bar.write(line)
         bar.advance()
 
-    results = baselines.run(workloads, backends, args.reps, progress=progress)
+    results = baselines.run(workloads, backends, args.reps, progress=progress, rounds=args.rounds)
     for size in sizes:
         bar.start(f"ucx_perftest {size} B")
         results += baselines.run_perftests([size])
         bar.advance()
     bar.close(f"{sum(r.status == 'ok' for r in results)} ok of {len(results)}")
     print(table(results))
-    print(f"rdma-kv: AgentConfig(lanes={lanes}), progress={args.progress}"
+    print(f"rdma-kv: AgentConfig(lanes={lanes}{'' if args.lanes else ', the default'}), progress={args.progress}"
+          + ("; every transfer notifies (rdma-kv notify=, NIXL notif_msg)" if notify else "")
           + ("; rdma-kv-l1: lanes=1" if lanes > 1 else "")
           + ("; nixl: nixl_agent_config defaults (num_threads=0)" if "nixl" in peers else "")
           + (f"; nixl-t{lanes}: num_threads={lanes} (vLLM's NixlConnector passes 4)"
@@ -139,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
              if not args.no_cma and lanes > 1 else ""))
     if args.json:
         with open(args.json, "w") as fh:
-            fh.write(to_json(results, **run_meta(started, args.reps), lanes=lanes))
+            fh.write(to_json(results, **run_meta(started, args.reps), lanes=lanes, notify=notify,
+                             rounds=args.rounds))
     return 0 if all(r.status != "failed" for r in results) else 1
 
 

@@ -67,14 +67,12 @@ from rdma_kv.transport.memory import (
     same_memory,
 )
 from rdma_kv.transport.peer import Peer
-from rdma_kv.transport.prepared import PreparedTransfers
+from rdma_kv.transport.prepared import NOTIF_AM_ID, PreparedTransfers
 from rdma_kv.transport.progress import Notification, ProgressEngine
 from rdma_kv.transport.transfer import Transfer, XferOp, XferState
 from rdma_kv.transport.ucx import Context, Worker
 
 log = logging.getLogger(__name__)
-
-NOTIF_AM_ID = 0x524B  # "RK": active-message id of rdma-kv notifications
 
 # Generations of prepared lists come from one process-wide counter, so a list
 # prepared by another Agent never matches: its region indices would address
@@ -110,7 +108,10 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
         try:
             # A pumped worker (progress="thread", or a lane) is progressed by a
             # C thread while Python posts: UCX's own worker lock.
-            self._worker = Worker(self._context, multi_thread=_owner is not None or cfg.progress == "thread")
+            # With lanes, a lane's pump may complete a batch's last operation
+            # and then send its notification on this worker's endpoint.
+            self._worker = Worker(self._context, multi_thread=_owner is not None or cfg.progress == "thread"
+                                  or cfg.lanes > 1)
         except BaseException:
             if self._owns_context:
                 self._context.close()
@@ -138,6 +139,7 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
             "ucp_worker_set_am_recv_handler",
         )
         self._name_c = ffi.new("char[]", name.encode())
+        self._name_len = len(name.encode())
         self._regions: list[MemoryRegion] = []
         self._local_table = RegionTable([], f"agent {name!r}")
         self._local_gen = next(_generations)
@@ -426,15 +428,15 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
               lreg: np.ndarray | None, rreg: np.ndarray | None, notify: bytes | None,
               timeout_s: float | None) -> Transfer:
         """Post explicit descriptors: merge contiguous runs, then one rk_post
-        (or, large and without a notification, one rk_post_striped over the
-        lanes, the merged runs read as tables by identity indices)."""
+        (or, large enough, one rk_post_striped over the lanes, the merged
+        runs read as tables by identity indices)."""
         ffi, lib = self._ffi, self._lib
         num_descs = len(laddr)
         nbytes = int(lengths.sum()) if num_descs else 0
         laddr, raddr, lengths, lreg, rreg = coalesce(laddr, raddr, lengths, lreg, rreg)
         n_ops = len(laddr)
         parts = lib.rk_stripe_parts(nbytes, len(self._lanes) + 1, self.config.lane_min_bytes)
-        if parts > 1 and notify is None:  # (a flush moves no bytes: never striped)
+        if parts > 1:  # (a flush moves no bytes: never striped)
             stripe, ops = self._stripe(p)[:2]
             ident = ffi.from_buffer("int64_t[]", np.arange(n_ops, dtype=np.int64))
             tables = [ffi.from_buffer("uint64_t[]", t) for t in (laddr, raddr, lengths)]
@@ -442,9 +444,9 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
 
             def striped(batch: Any, opcode: int, flush: int) -> int:
                 return int(lib.rk_post_striped(batch, opcode, n_ops, ident, ident, 0, *tables, *regs,
-                                               self._memhs_c, stripe, parts, nbytes, ops))
+                                               self._memhs_c, stripe, parts, nbytes, ops, flush))
 
-            xfer = self._submit(op, p, nbytes, num_descs, None, timeout_s, striped)
+            xfer = self._submit(op, p, nbytes, num_descs, notify, timeout_s, striped)
             xfer.worker_ops = tuple(ops[0:parts])
             return xfer
         if lreg is None:  # single region: index 0 for every op (calloc'd, no pass)
@@ -478,21 +480,9 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
                 timeout_s: float | None, post: Callable[[Any, int, int], int]) -> Transfer:
         """Create the batch record, call ``post`` (one C call) and track the
         transfer. Caller holds the lock and has checked the peer."""
-        ffi, lib, cfg = self._ffi, self._lib, self.config
+        lib = self._lib
         xid, batch = self._new_batch(p.ep)
-        keep: tuple[Any, ...] = ()
-        if notify is not None:
-            if len(notify) > cfg.notif_max_bytes:
-                raise ConfigError(f"notification of {len(notify)} bytes exceeds "
-                                  f"notif_max_bytes={cfg.notif_max_bytes}")
-            data = ffi.from_buffer(bytes(notify)) if notify else ffi.NULL
-            batch.has_notif = 1
-            batch.am_id = NOTIF_AM_ID
-            batch.notif_header = self._name_c
-            batch.notif_header_len = len(self.name.encode())
-            batch.notif_data = data
-            batch.notif_data_len = len(notify)
-            keep = (data,)
+        keep = () if notify is None else self._set_notif(batch, notify)
         xfer = self._track(op, p, xid, batch, keep, nbytes, num_descs, timeout_s)
         is_put = op is XferOp.WRITE
         t0 = time.perf_counter()

@@ -5,12 +5,31 @@ May import: rdma_kv.errors, rdma_kv.transport.lanes (for MAX_LANES).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from rdma_kv.errors import ConfigError
 from rdma_kv.transport.lanes import MAX_LANES
 
 PROGRESS_MODES = ("thread", "poll")
+
+# The most lanes the default gives (AgentConfig(lanes=N) goes up to MAX_LANES).
+# Two is all this project could measure (2 CPUs, CMA: docs/benchmarks.md),
+# and a lane adds bandwidth only on an idle core of its own. Where more
+# cores are idle and a fabric has queue pairs to fill, set lanes explicitly.
+DEFAULT_LANES_CAP = 2
+
+
+def default_lanes() -> int:
+    """Lanes an agent gets unless told: the CPUs the calling thread may run
+    on (``sched_getaffinity(0)``: a thread pinned to one core gets one
+    lane), at most ``DEFAULT_LANES_CAP``. Small transfers stay on one
+    worker anyway: a part is at least ``lane_min_bytes``."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity API: count the CPUs
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, DEFAULT_LANES_CAP, MAX_LANES))
 
 
 @dataclass(frozen=True)
@@ -27,7 +46,8 @@ class AgentConfig:
     spin_s: float = 0.0002
     # Workers that carry one large transfer in parallel (lanes.py); each extra
     # lane is a worker, an endpoint per peer and a C progress thread (pump).
-    lanes: int = 1
+    # Default: default_lanes(), from the CPUs the creating process may use.
+    lanes: int = field(default_factory=default_lanes)
     # Stripe only into parts at least this large: a lane's part costs a
     # wake-up and ~30 us more posting. Measured here (64 x 32 KiB, caches cold):
     # 2 MiB over two workers 0.50-0.61 ms against 0.60-0.95 ms on one; 1 MiB

@@ -8,9 +8,8 @@ its own endpoint to every peer (remote keys unpacked on it). Its worker is
 progressed by a *pump*, a C thread of the shim that never takes the
 interpreter lock.
 
-A transfer of at least ``2 * lane_min_bytes`` without a notification
-(prepared, or explicit: its merged runs then serve as the tables) is
-*striped*: one C call (``rk_post_striped``) cuts the byte stream of its
+A transfer of at least ``2 * lane_min_bytes`` (prepared, or explicit: its
+merged runs then serve as the tables) is *striped*: one C call (``rk_post_striped``) cuts the byte stream of its
 index pairs into parts of about equal bytes (at 4 KiB
 boundaries, so one 256 MiB descriptor is cut too) and posts each part on
 its worker's endpoint -- the lanes' parts first, each lane signalled as
@@ -20,6 +19,14 @@ down the lanes' operations on their threads, and whichever thread finishes
 the last one publishes the batch on the agent's completion ring and (a
 pump) signals the agent's worker. So the transfer resolves only once every
 operation on every worker has, and costs the caller one C call.
+
+A notification is sent then, by that same thread, on the agent's own
+endpoint (so the agent's worker is ``UCS_THREAD_MODE_MULTI`` whenever it
+has lanes): a READ's once every part completed locally, a WRITE's once,
+in addition, every endpoint that carried a part was flushed
+(``ucp_ep_flush_nbx``, counted as an operation of the batch) -- each
+worker's endpoint completes only its own operations remotely, so the peer
+never hears of data it cannot see yet.
 
 Why: on a node (UCX ``cma``) a one-sided get is a ``process_vm_readv``
 done by the reading process's progress, so one worker copies on one core;

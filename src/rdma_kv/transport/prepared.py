@@ -1,16 +1,21 @@
 """Transfers between prepared lists: the engine's per-request path.
 
 A request is often built right after a model step, with the CPU's caches
-cold, where every Python step costs microseconds. So the common case -- no
-notification, the same local and remote lists as last time, nothing changed
-since -- is one C call, ``rk_submit``, on a *route*: a C record of what the
-two lists and the peer need (both lists' tables, the peer's endpoint state
-and remote keys on every worker, the stripe over the lanes), built once
-when the slow path first succeeds for the pair and kept on the remote list.
+cold, where every Python step costs microseconds. So the common case -- the
+same local and remote lists as last time, nothing changed since, with or
+without a notification -- is one C call, ``rk_submit``, on a *route*: a C
+record of what the two lists and the peer need (both lists' tables, the
+peer's endpoint state and remote keys on every worker, the stripe over the
+lanes), built once when the slow path first succeeds for the pair and kept
+on the remote list.
 ``rk_submit`` checks the route is current, that none of the peer's endpoints
 failed and every index pair, then posts (striped over the lanes when large
 enough). Anything else returns to the slow path, which raises the precise
 error or rebuilds the route.
+
+A notification rides the same route: the caller fills it into the batch
+record and ``rk_submit`` posts the endpoint flushes a notifying WRITE needs;
+the shim sends it once every part on every worker has completed.
 
 A route is current while the agent's *epoch* has not moved: the agent
 moves it when a peer is added, replaced, failed or removed and when its own
@@ -27,13 +32,16 @@ import threading
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
-from rdma_kv.errors import DescriptorError
+from rdma_kv.errors import ConfigError, DescriptorError
 from rdma_kv.transport.descriptors import INT32, PreparedDescList, as_index, pair_indices
 from rdma_kv.transport.transfer import Transfer, XferOp
 
 if TYPE_CHECKING:
     from rdma_kv.transport.config import AgentConfig
     from rdma_kv.transport.peer import Peer
+
+
+NOTIF_AM_ID = 0x524B  # "RK": active-message id of rdma-kv notifications
 
 
 class Route:
@@ -62,6 +70,8 @@ class PreparedTransfers:
     _ctx: Any  # rk_ctx_t *
     _submit_out: Any  # uint64_t[]: rk_submit's and rk_check_indexed's out
     _local_gen: int
+    _name_c: Any  # char[]: the agent's name, a notification's header
+    _name_len: int
     _memhs: Any
     _memhs_c: Any
     config: AgentConfig
@@ -80,17 +90,21 @@ class PreparedTransfers:
         idx32 = (li.dtype is INT32) | (ri.dtype is INT32) << 1  # RK_IDX_L32 | RK_IDX_R32
         with self._lock:
             route = remote.route
-            if (route is None or route.local is not local or route.agent is not self or notify is not None
-                    or self._closed):
+            if route is None or route.local is not local or route.agent is not self or self._closed:
                 return self._prepared_checked(op, local, li, local_index, remote, ri, remote_index, idx32,
                                               notify, timeout_s)
             ffi, lib = self._ffi, self._lib
             xid, batch = self._new_batch(None)  # type: ignore[attr-defined]
-            xfer = self._track(op, route.peer, xid, batch, (), 0, n, timeout_s)  # type: ignore[attr-defined]
+            # A notification goes out once every part completed (and, for a
+            # WRITE, once each endpoint that carried one was flushed).
+            keep = () if notify is None else self._set_notif(batch, notify)
+            xfer = self._track(op, route.peer, xid, batch, keep, 0, n, timeout_s)  # type: ignore[attr-defined]
             out = self._submit_out
             t0 = perf_counter()
-            ops = lib.rk_submit(route.c, batch, xid, lib.RK_OP_PUT if op is XferOp.WRITE else lib.RK_OP_GET, n,
-                                ffi.from_buffer(li), ffi.from_buffer(ri), idx32, out)
+            is_put = op is XferOp.WRITE
+            ops = lib.rk_submit(route.c, batch, xid, lib.RK_OP_PUT if is_put else lib.RK_OP_GET, n,
+                                ffi.from_buffer(li), ffi.from_buffer(ri), idx32,
+                                1 if is_put and notify is not None else 0, out)
             if ops < 0:  # nothing posted: the slow path says why, or rebuilds the route
                 self._untrack(xfer)  # type: ignore[attr-defined]
                 return self._prepared_checked(op, local, li, local_index, remote, ri, remote_index, idx32,
@@ -128,10 +142,8 @@ class PreparedTransfers:
         if ok != n:
             pair_indices(local, local_index, remote, remote_index)  # raises the precise error
             raise DescriptorError(f"descriptor pair {ok} of {n} failed the range or length check")
-        if notify is not None:
-            return self._notifying(op, p, local, remote, li, ri, idx32, int(out[0]), notify, timeout_s)
         object.__setattr__(remote, "route", self._route(local, remote, p))
-        return self._prepared(op, local, li, remote, ri, None, timeout_s)  # now one C call
+        return self._prepared(op, local, li, remote, ri, notify, timeout_s)  # now one C call
 
     def _route(self, local: PreparedDescList, remote: PreparedDescList, p: Peer) -> Route:
         """The C route of (local, remote) to peer ``p``, current as of now.
@@ -154,20 +166,17 @@ class PreparedTransfers:
         })
         return Route(c, self, local, p, (states, local.c_tables, remote.c_tables, stripe, self._memhs))
 
-    def _notifying(self, op: XferOp, p: Peer, local: PreparedDescList, remote: PreparedDescList, li: Any,
-                   ri: Any, idx32: int, nbytes: int, notify: bytes, timeout_s: float | None) -> Transfer:
-        """A prepared transfer with a notification: on the agent's own worker
-        (a notification follows one batch on one endpoint), flushed first
-        for WRITE. Caller holds the lock and has checked everything."""
-        ffi, lib = self._ffi, self._lib
-        laddr, llen, lreg, _ = local.c_tables
-        raddr, _, rreg, _ = remote.c_tables
-        n = len(li)
-        li_c, ri_c = ffi.from_buffer(li), ffi.from_buffer(ri)
-        memhs = self._memhs_c
-
-        def post(batch: Any, opcode: int, flush: int) -> int:
-            return int(lib.rk_post_indexed(batch, opcode, n, li_c, ri_c, idx32, laddr, raddr, llen, lreg, rreg,
-                                           memhs, p.rkeys, flush))
-
-        return self._submit(op, p, nbytes, n, notify, timeout_s, post)  # type: ignore[attr-defined]
+    def _set_notif(self, batch: Any, notify: bytes) -> tuple[Any, ...]:
+        """Fill the notification into a batch record not yet posted; returns
+        what must stay alive until UCX sent it."""
+        if len(notify) > self.config.notif_max_bytes:
+            raise ConfigError(f"notification of {len(notify)} bytes exceeds "
+                              f"notif_max_bytes={self.config.notif_max_bytes}")
+        data = self._ffi.from_buffer(bytes(notify)) if notify else self._ffi.NULL
+        batch.has_notif = 1
+        batch.am_id = NOTIF_AM_ID
+        batch.notif_header = self._name_c
+        batch.notif_header_len = self._name_len
+        batch.notif_data = data
+        batch.notif_data_len = len(notify)
+        return (data,)

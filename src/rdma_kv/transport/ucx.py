@@ -6,7 +6,8 @@ thread-safe on its own: the agent serialises every call with its lock, which
 is why a polling agent's worker is created in ``UCS_THREAD_MODE_SERIALIZED``.
 A worker progressed by a C thread (the shim's pump: progress="thread", and
 lanes) while Python posts on it is created in ``UCS_THREAD_MODE_MULTI``
-(UCX's own worker lock).
+(UCX's own worker lock), and so is the own worker of an agent with lanes:
+a lane's pump may send a striped transfer's notification on it.
 
 May import: rdma_kv.errors, rdma_kv.transport._lib.
 """

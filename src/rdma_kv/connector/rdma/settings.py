@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import os
 import string
 from collections.abc import Mapping
 from typing import Any
@@ -18,9 +19,22 @@ from typing import Any
 from rdma_kv.connector.config import KVTransferConfig
 from rdma_kv.errors import ConfigError
 
-# The transport's bound (rdma_kv.transport.lanes.MAX_LANES), repeated so
-# that parsing settings does not import the transport; a test ties the two.
+# The transport's bound (rdma_kv.transport.lanes.MAX_LANES) and default
+# (rdma_kv.transport.config.default_lanes), repeated so that parsing settings
+# does not import the transport; a test ties them.
 MAX_LANES = 16
+DEFAULT_LANES_CAP = 2
+
+
+def default_lanes() -> int:
+    """The transport's default lanes: the CPUs the calling thread may run on, at
+    most ``DEFAULT_LANES_CAP`` (see docs/deploy.md, "Threads and CPU")."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, DEFAULT_LANES_CAP, MAX_LANES))
+
 
 __all__ = ["EXTRA_KEYS", "USER_KEYS", "RdmaSettings"]
 
@@ -62,9 +76,10 @@ class RdmaSettings:
     """The engine's attention backend, part of the compatibility check (an
     NHD and an HND backend must not exchange blocks). The vLLM adapter sets
     it from vLLM (e.g. ``FLASH_ATTN``); elsewhere, any name both sides use."""
-    lanes: int = 1
+    lanes: int = dataclasses.field(default_factory=default_lanes)
     """UCX workers that carry one request's reads in parallel (``AgentConfig.lanes``):
-    each extra lane is a worker, an endpoint per producer and a progress thread."""
+    each extra lane is a worker, an endpoint per producer and a progress thread.
+    Default: the transport's, ``min(allowed CPUs, 2)``; 1 keeps every read on one worker."""
     auth_secret_env: str | None = None
     """*Name* of an environment variable holding the side channel's shared
     secret (the value itself never goes into the config). Wins over the file

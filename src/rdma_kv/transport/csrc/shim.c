@@ -114,8 +114,10 @@ static void rk_batch_complete(rk_batch_t *b)
     ucs_status_ptr_t r;
 
     if (b->status == UCS_OK && b->has_notif && !b->notif_sent) {
-        /* Every operation completed locally (for PUT also remotely, via the
-         * flush), so the peer may now act on the notification. */
+        /* Every operation completed locally on every worker (for PUT also
+         * remotely, via a flush of each endpoint used), so the peer may now
+         * act on the notification. This may run on a lane's pump: b->ep is
+         * the agent's own worker's, which is then UCS_THREAD_MODE_MULTI. */
         b->notif_sent = 1;
         __atomic_store_n(&b->pending, 2, __ATOMIC_RELAXED); /* guard + send */
         memset(&p, 0, sizeof(p));
@@ -170,15 +172,25 @@ static void rk_begin(rk_batch_t *b, ucp_request_param_t *p, ucp_mem_h const *mem
     b->pending = 1;
 }
 
+/* An endpoint flush counted as one operation of the batch: it completes
+ * once every operation posted on ep so far completed remotely (a PUT's data
+ * is then visible at the target, so a notification may follow). */
+static void rk_flush_ep(rk_batch_t *b, ucp_request_param_t *p, ucp_ep_h ep)
+{
+    if (b->status == UCS_OK) {
+        p->op_attr_mask &= ~(uint32_t)(UCP_OP_ATTR_FIELD_MEMH |
+                                       UCP_OP_ATTR_FLAG_MULTI_SEND);
+        rk_batch_inc(b);
+        rk_account(b, ucp_ep_flush_nbx(ep, p));
+    }
+}
+
 /* Optional endpoint flush (remote completion before a notification), then
  * drop the guard; returns the operations posted. */
 static uint64_t rk_end(rk_batch_t *b, ucp_request_param_t *p, int flush)
 {
-    if (flush && b->status == UCS_OK) {
-        p->op_attr_mask &= ~(uint32_t)(UCP_OP_ATTR_FIELD_MEMH |
-                                       UCP_OP_ATTR_FLAG_MULTI_SEND);
-        rk_batch_inc(b);
-        rk_account(b, ucp_ep_flush_nbx(b->ep, p));
+    if (flush) {
+        rk_flush_ep(b, p, b->ep);
     }
     rk_batch_dec(b);
     return b->posted;
@@ -367,7 +379,7 @@ uint64_t rk_post_striped(rk_batch_t *b, int op, uint64_t n,
                          const uint64_t *len_tab, const uint32_t *lreg_tab,
                          const uint32_t *rreg_tab, ucp_mem_h const *memhs,
                          const rk_stripe_t *stripe, uint32_t nparts,
-                         uint64_t nbytes, uint64_t *worker_ops)
+                         uint64_t nbytes, uint64_t *worker_ops, int flush)
 {
     ucp_request_param_t p;
     uint64_t held;
@@ -383,6 +395,15 @@ uint64_t rk_post_striped(rk_batch_t *b, int op, uint64_t n,
     for (w = 1; w < nparts; ++w) {  /* parts a failed post never reached */
         rk_release(stripe, &held, w);
     }
+    /* A flush per endpoint that carried a part: each worker's endpoint
+     * completes only its own operations remotely, so the notification
+     * (sent on worker 0's endpoint once the count reaches zero) waits for
+     * every lane's data to be visible at the target. */
+    for (w = 0; flush && w < nparts; ++w) {
+        if (worker_ops[w] > 0) {
+            rk_flush_ep(b, &p, stripe->eps[w]);
+        }
+    }
     return rk_end(b, &p, 0);
 }
 
@@ -394,7 +415,8 @@ uint32_t rk_stripe_parts(uint64_t nbytes, uint32_t nworkers, uint64_t lane_min_b
 }
 
 int64_t rk_submit(const rk_route_t *r, rk_batch_t *b, uint64_t id, int op, uint64_t n,
-                  const void *lidx, const void *ridx, uint32_t idx32, uint64_t *out)
+                  const void *lidx, const void *ridx, uint32_t idx32, int flush,
+                  uint64_t *out)
 {
     uint64_t nbytes, ok;
     uint32_t w, parts;
@@ -426,10 +448,10 @@ int64_t rk_submit(const rk_route_t *r, rk_batch_t *b, uint64_t id, int op, uint6
     if (parts > 1) {
         return (int64_t)rk_post_striped(b, op, n, lidx, ridx, idx32, r->laddr, r->raddr,
                                         r->llen, r->lreg, r->rreg, r->memhs, r->stripe,
-                                        parts, nbytes, out + 2);
+                                        parts, nbytes, out + 2, flush);
     }
     out[2] = rk_post_indexed(b, op, n, lidx, ridx, idx32, r->laddr, r->raddr, r->llen,
-                             r->lreg, r->rreg, r->memhs, r->rkeys, 0);
+                             r->lreg, r->rreg, r->memhs, r->rkeys, flush);
     return (int64_t)out[2];
 }
 

@@ -131,14 +131,19 @@ typedef struct rk_stripe {
  * the own worker's last. One batch: it completes when every
  * operation on every worker has (the count is atomic; the pumps complete
  * operations on their threads). worker_ops[w] receives the operations
- * posted on worker w. No flush, no notification. */
+ * posted on worker w. With flush set, an endpoint flush is posted on every
+ * worker's endpoint that carried a part (counted as an operation each, not
+ * in worker_ops). A notification in the batch record is sent on batch->ep
+ * (worker 0's endpoint) once every operation, flushes included, completed;
+ * the last may complete on a lane's pump, so worker 0 must then be
+ * UCS_THREAD_MODE_MULTI. */
 uint64_t rk_post_striped(rk_batch_t *batch, int op, uint64_t n,
                          const void *lidx, const void *ridx, uint32_t idx32,
                          const uint64_t *laddr_tab, const uint64_t *raddr_tab,
                          const uint64_t *len_tab, const uint32_t *lreg_tab,
                          const uint32_t *rreg_tab, ucp_mem_h const *memhs,
                          const rk_stripe_t *stripe, uint32_t nparts,
-                         uint64_t nbytes, uint64_t *worker_ops);
+                         uint64_t nbytes, uint64_t *worker_ops, int flush);
 
 /* A route: what a prepared transfer between one local and one remote list
  * needs, gathered once by the agent (prepared.py) so that a request is one
@@ -179,16 +184,18 @@ enum {
  * at most nworkers; 1 (not striped) below two parts. */
 uint32_t rk_stripe_parts(uint64_t nbytes, uint32_t nworkers, uint64_t lane_min_bytes);
 
-/* One prepared request on a route, in a zeroed batch record whose id, ctx
- * and ep are set here once the route is found current: check every index
- * pair (as rk_check_indexed), then post it on the agent's worker
- * (rk_post_indexed) or, over rk_stripe_parts workers when that is more than
- * one, striped (rk_post_striped). Returns the operations posted, or
- * a negative RK_SUBMIT_* with nothing posted. out[0] receives the bytes,
- * out[1] the workers used, out[2 + w] the operations on worker w. No flush,
- * no notification. */
+/* One prepared request on a route, in a batch record whose id, ctx and ep
+ * are set here once the route is found current (the rest zeroed, or a
+ * notification filled in by the caller): check every index pair (as
+ * rk_check_indexed), then post it on the agent's worker (rk_post_indexed)
+ * or, over rk_stripe_parts workers when that is more than one, striped
+ * (rk_post_striped), with the endpoint flushes of `flush` (a WRITE that
+ * notifies). Returns the operations posted, or a negative RK_SUBMIT_* with
+ * nothing posted. out[0] receives the bytes, out[1] the workers used,
+ * out[2 + w] the operations on worker w. */
 int64_t rk_submit(const rk_route_t *route, rk_batch_t *batch, uint64_t id, int op, uint64_t n,
-                  const void *lidx, const void *ridx, uint32_t idx32, uint64_t *out);
+                  const void *lidx, const void *ridx, uint32_t idx32, int flush,
+                  uint64_t *out);
 
 /* Call ucp_worker_progress until it reports no event or max_rounds calls
  * were made. Returns the number of events progressed. */

@@ -1,0 +1,162 @@
+"""Notified transfers striped over lanes: the notification goes out once
+every part on every worker has completed (for a WRITE, once each endpoint
+that carried a part was flushed), on the agent's own endpoint, and never
+arrives before the data it announces is visible.
+
+- WRITE: the target, on seeing the notification, finds every written byte
+  already equal to the pattern.
+- READ: "visible" is the other way round: the notification tells the
+  producer that the consumer finished reading, so the producer reuses its
+  blocks at once (overwrites them); the consumer must still hold only the
+  bytes from before the overwrite.
+
+The receiver is a polling agent driven by the test thread, which checks (or
+overwrites) right after the progress call that delivered the notification.
+Over TCP the target's own progress applies incoming puts and answers gets,
+and a lane's data travels on another connection than the notification, so
+a notification sent too early (before a lane's part, or without a lane's
+flush) is seen before the data. Random sizes, places and patterns; the seed
+is printed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from rdma_kv.transport import DescList, XferState
+from transport_helpers import LOOPBACK, TCP
+
+# Over TCP with UCX's own put disabled, puts are emulated with active
+# messages (software RMA): a put completes locally once sent, and only an
+# endpoint flush waits for the target to have applied it -- so a missing
+# flush shows. ("tcp" keeps UCX's tcp put, which waits for the target's ack.)
+TCP_SW_RMA = {**TCP, "TCP_PUT_ENABLE": "n"}
+
+pytestmark = [pytest.mark.ucx]
+
+NBYTES = 8 << 20
+BLOCK = 4096
+SLOTS = NBYTES // BLOCK
+LANE_MIN = 256 << 10
+TRIALS = 16
+WAIT_S = 30.0
+
+
+def _agents(make_agent, transport, progress, lanes):
+    options = {"tcp": TCP, "tcp-sw-rma": TCP_SW_RMA, "shm": LOOPBACK}[transport]
+    a = make_agent("a", ucx_options=options, progress="poll", lanes=1)  # the receiver, driven here
+    b = make_agent("b", ucx_options=options, progress=progress, lanes=lanes, lane_min_bytes=LANE_MIN)
+    buf_a = np.zeros(NBYTES, dtype=np.uint8)
+    buf_b = np.zeros(NBYTES, dtype=np.uint8)
+    a.register(buf_a)
+    b.register(buf_b)
+    a.add_peer(b.metadata())
+    b.add_peer(a.metadata())
+    return a, b, buf_a, buf_b
+
+
+def _reaction(op, view_a, view_b, li, ri):
+    """What the receiver does the moment it is notified; returns bytes wrong."""
+    if op == "write":
+        # The target checks at once: every announced byte must be there.
+        return lambda: int(np.count_nonzero(view_a[ri] != view_b[li]))
+
+    def reuse() -> int:
+        # The producer reuses its blocks at once; the consumer must not see it
+        # (checked once the read completed).
+        view_a[ri] = ~view_a[ri]
+        return 0
+
+    return reuse
+
+
+def _until_notified(a, b, xfer, tag: bytes, at_once) -> int:
+    """Drive both agents until ``a`` receives ``tag``, calling ``at_once()``
+    right after the UCX progress call that delivered it; returns its result. ``a`` is stepped
+    one ``ucp_worker_progress`` at a time and its notification ring watched
+    directly: ``Agent.progress()`` runs until idle, which would apply the
+    rest of the data before the test could look."""
+    ring = a._ctx
+    end = time.monotonic() + WAIT_S
+    while ring.notif_head == ring.notif_tail:
+        if b.manual_progress:
+            b.progress()
+        with a._lock:
+            a._worker.progress(1)
+        assert time.monotonic() < end, f"notification {tag!r} not seen after {WAIT_S} s ({xfer!r})"
+    wrong = at_once()
+    got = a.get_notifications()
+    assert [(n.peer, n.payload) for n in got] == [("b", tag)], got
+    return wrong
+
+
+def _finish(a, b, xfer) -> None:
+    end = time.monotonic() + WAIT_S
+    while not xfer.done():  # a polling b is driven by done(); a must answer TCP gets
+        a.progress()
+        assert time.monotonic() < end, f"{xfer!r} not done after {WAIT_S} s"
+    xfer.wait(0)
+    assert xfer.state is XferState.DONE
+
+
+def _trial(rng, lanes):
+    """Random slots on both sides (disjoint within a side), enough for a part on every worker."""
+    n = int(rng.integers(lanes * LANE_MIN // BLOCK, SLOTS))
+    li = rng.permutation(SLOTS)[:n]
+    ri = np.sort(rng.choice(SLOTS, n, replace=False)) if rng.integers(2) else rng.permutation(SLOTS)[:n]
+    return li, ri
+
+
+def _post(b, op, li, ri, buf_a_addr, buf_b_addr, tag, prepared):
+    if prepared is not None:
+        local, remote = prepared
+        fn = b.write_prepared if op == "write" else b.read_prepared
+        return fn(local, li, remote, ri, notify=tag)
+    local = DescList(buf_b_addr + li.astype(np.uint64) * BLOCK, BLOCK)
+    remote = DescList(buf_a_addr + ri.astype(np.uint64) * BLOCK, BLOCK)
+    fn = b.write if op == "write" else b.read
+    return fn("a", local, remote, notify=tag)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "tcp-sw-rma", "shm"])
+@pytest.mark.parametrize("progress", ["poll", "thread"])
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_a_striped_notification_never_precedes_its_data(make_agent, transport, progress, op):
+    seed = int(np.random.SeedSequence().entropy % (1 << 32))
+    print(f"seed={seed}")
+    rng = np.random.default_rng(seed)
+    lanes = 2 if transport == "shm" else 3
+    a, b, buf_a, buf_b = _agents(make_agent, transport, progress, lanes)
+    slots = np.arange(SLOTS, dtype=np.uint64) * BLOCK
+    prepared = (b.prep_local(DescList(buf_b.ctypes.data + slots, BLOCK)),
+                b.prep_remote("a", DescList(buf_a.ctypes.data + slots, BLOCK)))
+    view_a, view_b = buf_a.reshape(SLOTS, BLOCK), buf_b.reshape(SLOTS, BLOCK)
+    early = []
+    for trial in range(TRIALS):
+        li, ri = _trial(rng, lanes)
+        # A fresh pattern each trial, never equal to what the other side holds.
+        old = rng.integers(0, 256, NBYTES, dtype=np.uint8)
+        if op == "write":
+            buf_b[:] = old
+            buf_a[:] = ~old
+        else:
+            buf_a[:] = old
+            buf_b[:] = ~old
+        tag = f"t{trial}".encode()
+        xfer = _post(b, op, li, ri, buf_a.ctypes.data, buf_b.ctypes.data, tag,
+                     prepared if trial % 4 else None)  # every fourth: explicit lists
+        wrong = _until_notified(a, b, xfer, tag, _reaction(op, view_a, view_b, li, ri))
+        if wrong:
+            early.append((trial, len(li), wrong))
+        _finish(a, b, xfer)
+        assert xfer.worker_ops is not None and len(xfer.worker_ops) == lanes, xfer.worker_ops
+        if op == "read":
+            bad = np.count_nonzero(view_b[li] != old.reshape(SLOTS, BLOCK)[ri])
+            if bad:
+                early.append((trial, len(li), bad))
+        assert not a.get_notifications(), "a notification arrived twice"
+    assert not early, f"seed={seed}: notified before the data was visible (trial, slots, bytes wrong): {early}"
+    assert b.stats["failed"] == 0
