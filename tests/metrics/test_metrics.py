@@ -12,7 +12,7 @@ import pytest
 
 from rdma_kv.connector.rdma import metrics
 from rdma_kv.connector.rdma.metrics import Histogram, TransferMetrics, merge_stats, record_values
-from rdma_kv.connector.rdma.stats import LoadStats, summarize
+from rdma_kv.connector.rdma.stats import MAX_RECORDS, LoadMeasures, LoadRecord, LoadStats, WorkerStats, merge
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "rdma_kv"
 
@@ -21,12 +21,10 @@ def _stats(*records, counters=None, leases_held=0, resources=None):
     """A stats dict built the way the worker builds it (stats.py)."""
     s = LoadStats()
     for rid, fields, ok, error in records:
-        s.record(rid, fields, ok=ok, total_s=fields.get("total_s", 0.05), error=error)
+        s.record(rid, LoadMeasures(**fields), ok=ok, total_s=0.05, error=error)
     s.counters.update(counters or {})
-    out = summarize(*s.take(), leases_held=leases_held)
-    if resources is not None:
-        out["resources"] = resources
-    return out
+    recorded, totals = s.take()
+    return WorkerStats(recorded, totals, leases_held, resources).to_dict()
 
 
 OK = {"nbytes": 64 << 20, "num_descs": 4096, "ops_posted": 128, "block_runs": 4, "num_blocks": 64,
@@ -56,11 +54,11 @@ def test_histogram_buckets_quantiles_and_merge():
 
 
 def test_record_values_uses_successful_transfers_only():
-    v = record_values(dict(OK, ok=True, total_s=0.02))
+    v = record_values(LoadRecord("r", True, 0.02, **OK))
     assert v["transfer_gbps"] == pytest.approx(5.0)
     assert v["request_bytes"] == 64 << 20 and v["request_ops"] == 128 and v["request_descriptors"] == 4096
     assert v["load_seconds"] == 0.02 and v["post_seconds"] == 1e-4
-    failed = record_values(dict(OK, ok=False, total_s=10.0, error="peer died"))
+    failed = record_values(LoadRecord("r", False, 10.0, "peer died", **OK))
     assert failed == {"load_seconds": 10.0}  # time-to-failure is not a transfer time
 
 
@@ -186,3 +184,29 @@ def test_missing_prometheus_client_says_what_to_install(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", fake_import)
     with pytest.raises(ImportError, match=r"rdma-kv\[metrics\]"):
         metrics.PrometheusMetrics()
+
+
+def test_worker_stats_round_trip_through_the_dict_form():
+    d = _stats(("a", OK, True, None), ("b", FAILED_BEFORE_POST, False, "refused"),
+               counters={"handshakes": 1, "leases_granted": 2}, leases_held=1, resources={"peers": 1})
+    assert d["requests"][1] == {"handshake_s": 0.5, "request_id": "b", "ok": False, "total_s": 0.05,
+                                "error": "refused"}  # only what the load measured
+    assert d["totals"] == {"nbytes": 64 << 20, "num_descs": 4096, "ops_posted": 128, "block_runs": 4,
+                           "num_blocks": 64, "loads_ok": 1, "transfer_s": OK["transfer_s"],
+                           "handshakes": 1, "leases_granted": 2}
+    assert WorkerStats.from_dict(d).to_dict() == d
+    with pytest.raises(ValueError, match=r"unknown load record key\(s\) \['nbytez'\]"):
+        WorkerStats.from_dict({"requests": [{"request_id": "x", "ok": True, "nbytez": 1}]})
+
+
+def test_records_are_capped_but_the_totals_count_every_load():
+    s = LoadStats()
+    for i in range(MAX_RECORDS + 5):
+        s.record(f"r{i}", LoadMeasures(nbytes=1), ok=True, total_s=0.0, error=None)
+    records, totals = s.take()
+    assert len(records) == MAX_RECORDS and records[0].request_id == "r5"
+    assert totals.nbytes == totals.loads_ok == MAX_RECORDS + 5
+    one = WorkerStats(records, totals)
+    merged = merge([one, None, one])
+    assert len(merged.requests) == MAX_RECORDS and merged.totals.nbytes == 2 * (MAX_RECORDS + 5)
+    assert merge([None]) is None

@@ -206,7 +206,7 @@ def test_a_dead_producer_logs_a_burst_of_failures_then_a_count(fabric, caplog):
                                    for r in prompts), step=pair.D.step, what="load errors")
         lines = [r.getMessage() for r in caplog.records if "KV load failed" in r.getMessage()]
         assert len(lines) == 5, lines
-        assert pair.D.worker.worker.stats()["totals"]["loads_failed"] == 20
+        assert pair.D.worker.worker.stats().totals.events["loads_failed"] == 20
     finally:
         pair.close()
 

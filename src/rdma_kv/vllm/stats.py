@@ -23,13 +23,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 __all__ = ["RdmaKVConnectorStats", "RdmaKVPromMetrics"]
 
-MAX_RECORDS = 10_000
-"""Per-request records kept across aggregations (the oldest are dropped)."""
-
-
 @dataclasses.dataclass
 class RdmaKVConnectorStats(KVConnectorStats):
-    """``data``: ``{"requests": [record, ...], "totals": {name: number}}``."""
+    """``data``: the worker's summary in its dict form,
+    ``{"requests": [record, ...], "totals": {name: number}, "leases_held": n[, "resources": {...}]}``
+    (``rdma_kv.connector.rdma.stats.WorkerStats.to_dict``)."""
 
     def reset(self) -> None:
         self.data = {}
@@ -38,16 +36,18 @@ class RdmaKVConnectorStats(KVConnectorStats):
         return not self.data.get("requests") and not any(self.data.get("totals", {}).values())
 
     def aggregate(self, other: KVConnectorStats) -> RdmaKVConnectorStats:
+        """Fold ``other`` (another worker, or a later interval) in with the
+        connector's one merge: records concatenated (the newest
+        ``MAX_RECORDS`` kept), totals, leases held and resources summed."""
         if not isinstance(other, RdmaKVConnectorStats):
             raise TypeError(f"cannot aggregate {type(other).__name__} into RdmaKVConnectorStats")
         if other.is_empty():
             return self
-        requests = [*self.data.get("requests", ()), *other.data.get("requests", ())]
-        totals = dict(self.data.get("totals", {}))
-        for key, value in other.data.get("totals", {}).items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                totals[key] = totals.get(key, 0) + value
-        self.data = {"requests": requests[-MAX_RECORDS:], "totals": totals}
+        # Lazy, as in RdmaKVPromMetrics: vLLM imports this module in its front end.
+        from rdma_kv.connector.rdma.stats import WorkerStats, merge
+
+        merged = merge([WorkerStats.from_dict(self.data), WorkerStats.from_dict(other.data)])
+        self.data = merged.to_dict() if merged is not None else {}
         return self
 
     def reduce(self) -> dict[str, int | float]:

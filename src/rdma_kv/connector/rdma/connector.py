@@ -104,8 +104,10 @@ class RdmaConnector(KVConnectorBase):
 
     def get_kv_connector_stats(self) -> Mapping[str, Any] | None:
         """Worker: per-request transfer records (bytes, descriptors, ops,
-        contiguous block runs, post / transfer / confirm seconds) and totals."""
-        return self._worker.stats() if self._worker is not None else None
+        contiguous block runs, post / transfer / confirm seconds) and totals,
+        as the dict the engine carries (``stats.WorkerStats.to_dict``)."""
+        stats = self._worker.stats() if self._worker is not None else None
+        return stats.to_dict() if stats is not None else None
 
     def shutdown(self) -> None:
         if self._worker is not None:

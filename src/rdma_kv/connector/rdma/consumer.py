@@ -68,7 +68,7 @@ from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress, RemoteLease
 from rdma_kv.connector.rdma.planning import SlotTable, count_runs
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sidechannel import SideChannelClient
-from rdma_kv.connector.rdma.stats import LoadStats
+from rdma_kv.connector.rdma.stats import LoadRecord, LoadStats, Totals
 from rdma_kv.connector.rdma.transport_api import TransferHandle, Transport
 from rdma_kv.connector.types import BlockId, EngineId, RequestId
 from rdma_kv.errors import HandshakeError, NotInitializedError, PeerError
@@ -231,7 +231,7 @@ class RdmaConsumer:
             waiting, peer.waiting = peer.waiting, []
             self._stats.counters["handshakes"] += 1
         for load in waiting:
-            load.stats["handshake_s"] = peer.handshake_s
+            load.measures.handshake_s = peer.handshake_s
             self._post(load, peer)
 
     def _safe_remove_peer(self, name: str) -> None:
@@ -297,16 +297,17 @@ class RdmaConsumer:
                 self._peer_failed(peer, str(exc))
             return
         load.transfer = xfer
-        load.stats.update(
-            num_blocks=int(local_ids.size), block_runs=count_runs(local_ids, remote_ids, self._slots.num_rows),
-            plan_s=time.perf_counter() - t0 - xfer.post_s, post_s=xfer.post_s,
-        )
+        m = load.measures
+        m.num_blocks = int(local_ids.size)
+        m.block_runs = count_runs(local_ids, remote_ids, self._slots.num_rows)
+        m.plan_s, m.post_s = time.perf_counter() - t0 - xfer.post_s, xfer.post_s
         xfer.add_done_callback(functools.partial(self._on_read_done, load, peer))
 
     def _on_read_done(self, load: LoadState, peer: PeerState, xfer: TransferHandle) -> None:
         """Transport progress thread: the reads completed or failed."""
-        load.stats.update(nbytes=xfer.nbytes, num_descs=xfer.num_descs, ops_posted=xfer.ops_posted,
-                          transfer_s=xfer.elapsed_s)
+        m = load.measures
+        m.nbytes, m.num_descs, m.ops_posted, m.transfer_s = (
+            xfer.nbytes, xfer.num_descs, xfer.ops_posted, xfer.elapsed_s)
         if xfer.error is not None:
             with self._lock:
                 load.read_resolved = True
@@ -324,7 +325,7 @@ class RdmaConsumer:
                 self._finish_aborted(load)
                 return
             load.stage = CONFIRMING
-            load.stats["confirm_start"] = time.perf_counter()
+            load.confirm_started = time.perf_counter()
             self._queue_confirm(peer, load)
 
     # --- validate after read ----------------------------------------------------------------------------
@@ -361,7 +362,8 @@ class RdmaConsumer:
             for load, status in zip(batch, statuses):
                 if load.stage is not CONFIRMING:
                     continue
-                load.stats["confirm_s"] = now - load.stats.pop("confirm_start", now)
+                started = load.confirm_started
+                load.measures.confirm_s = 0.0 if started is None else now - started
                 if status is wire.LeaseStatus.HELD:
                     if load.aborted:
                         self._finish_aborted(load)
@@ -486,11 +488,11 @@ class RdmaConsumer:
     # --- stats, resources, shutdown -----------------------------------------------------------------------
 
     def _record(self, load: LoadState) -> None:
-        self._stats.record(load.spec.request_id, load.stats, ok=load.stage is DONE,
+        self._stats.record(load.spec.request_id, load.measures, ok=load.stage is DONE,
                            total_s=self._clock() - load.created, error=load.error)
 
-    def take_stats(self) -> tuple[list[dict[str, Any]], dict[str, int]]:
-        """Per-load records and event counters since the last call."""
+    def take_stats(self) -> tuple[tuple[LoadRecord, ...], Totals]:
+        """Per-load records, and their totals with the event counters, since the last call."""
         with self._lock:
             return self._stats.take()
 

@@ -7,7 +7,7 @@ CONFIRMING -> DONE, or FAILED from any stage), the states of a peer
 lock. Plain data: no I/O, no locking here.
 
 Imports the standard library and the connector's ``rdma`` data modules
-(``meta``, ``planning``, ``transport_api``).
+(``meta``, ``planning``, ``stats``, ``transport_api``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress, RemoteLease
 from rdma_kv.connector.rdma.planning import SlotTable
+from rdma_kv.connector.rdma.stats import LoadMeasures
 from rdma_kv.connector.rdma.transport_api import TransferHandle
 
 __all__ = ["PEER_RETRY_S", "LoadStage", "LoadState", "PeerStage", "PeerState", "due_renewals"]
@@ -59,7 +60,9 @@ class LoadState:
     transfer: TransferHandle | None = None
     error: str | None = None
     renewed_at: float | None = None
-    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    confirm_started: float | None = None
+    """``perf_counter()`` when the load entered CONFIRMING (its ``confirm_s`` runs from here)."""
+    measures: LoadMeasures = dataclasses.field(default_factory=LoadMeasures)
 
 
 @dataclasses.dataclass(eq=False)

@@ -16,19 +16,21 @@ reset). This module turns those records into:
   ``build_prom_metrics(vllm_config, metric_types, labelnames,
   per_engine_labelvalues)`` hook hands over its multiprocess-safe wrappers.
 
-Both take the stats dict as the worker produces it
-(``{"requests": [...], "totals": {...}, "leases_held": n, ...}``) through
-``observe(stats)``: whoever receives ``get_kv_connector_stats()`` feeds it,
-since that call resets the worker's records. :func:`merge_stats` combines
-the dicts of several workers (TP ranks) without losing the per-request
-records. A transfer here is one request's reads on one rank: with TP > 1 a
+Both take the worker's summary through ``observe(stats)``, typed
+(``stats.WorkerStats``) or in its dict form as ``get_kv_connector_stats()``
+returns it and vLLM carries it (``{"requests": [...], "totals": {...},
+"leases_held": n, ...}``, parsed once at the edge, :func:`as_worker_stats`):
+whoever receives ``get_kv_connector_stats()`` feeds it, since that call
+resets the worker's records. :func:`merge_stats` combines the dicts of
+several workers (TP ranks) without losing the per-request records. A transfer here is one request's reads on one rank: with TP > 1 a
 request appears once per rank (label by rank, never sum ranks into a
 request).
 
 Per-request lines go to this module's logger at DEBUG only, one per
 record, as ``key=value`` pairs; nothing here logs at INFO.
 
-Imports the standard library only (``prometheus_client`` lazily).
+Imports the standard library and the connector's ``rdma.stats``
+(``prometheus_client`` lazily).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rdma_kv.connector.rdma.stats import LoadRecord, WorkerStats, merge
+
 __all__ = [
     "BYTES_BUCKETS",
     "COUNT_BUCKETS",
@@ -49,6 +53,7 @@ __all__ = [
     "Histogram",
     "PrometheusMetrics",
     "TransferMetrics",
+    "as_worker_stats",
     "merge_stats",
 ]
 
@@ -150,45 +155,50 @@ class Histogram:
                 "buckets": [["+Inf" if math.isinf(b) else b, c] for b, c in self.cumulative()]}
 
 
-def record_values(record: Mapping[str, Any]) -> dict[str, float]:
-    """The histogram observations one worker record yields (only those it
+def record_values(record: LoadRecord) -> dict[str, float]:
+    """The histogram observations one load record yields (only those it
     has: a load that failed before posting has no transfer)."""
-    values: dict[str, float] = {}
-    ok = bool(record.get("ok"))
-    if "total_s" in record:
-        values["load_seconds"] = float(record["total_s"])
-    if not ok:
+    values: dict[str, float] = {"load_seconds": record.total_s}
+    if not record.ok:
         return values
-    nbytes = int(record.get("nbytes", 0) or 0)
-    transfer_s = float(record.get("transfer_s", 0.0) or 0.0)
-    if "transfer_s" in record:
+    nbytes = record.nbytes or 0
+    transfer_s = record.transfer_s or 0.0
+    if record.transfer_s is not None:
         values["transfer_seconds"] = transfer_s
-    if "post_s" in record:
-        values["post_seconds"] = float(record["post_s"])
+    if record.post_s is not None:
+        values["post_seconds"] = record.post_s
     if nbytes:
         values["request_bytes"] = float(nbytes)
         if transfer_s > 0:
             values["transfer_gbps"] = nbytes / transfer_s / GB
-    if record.get("num_descs"):
-        values["request_descriptors"] = float(record["num_descs"])
-    if record.get("ops_posted"):
-        values["request_ops"] = float(record["ops_posted"])
+    if record.num_descs:
+        values["request_descriptors"] = float(record.num_descs)
+    if record.ops_posted:
+        values["request_ops"] = float(record.ops_posted)
     return values
 
 
-def _debug_line(record: Mapping[str, Any], values: Mapping[str, float]) -> str:
-    parts = [f"request_id={record.get('request_id')!r}", f"outcome={'ok' if record.get('ok') else 'failed'}"]
+def _debug_line(record: LoadRecord, values: Mapping[str, float]) -> str:
+    parts = [f"request_id={record.request_id!r}", f"outcome={'ok' if record.ok else 'failed'}"]
     for key in ("nbytes", "num_descs", "ops_posted", "block_runs", "num_blocks"):
-        if key in record:
-            parts.append(f"{key}={record[key]}")
+        if getattr(record, key) is not None:
+            parts.append(f"{key}={getattr(record, key)}")
     for key in ("plan_s", "post_s", "transfer_s", "confirm_s", "handshake_s", "total_s"):
-        if key in record:
-            parts.append(f"{key}={float(record[key]):.6f}")
+        if getattr(record, key) is not None:
+            parts.append(f"{key}={float(getattr(record, key)):.6f}")
     if "transfer_gbps" in values:
         parts.append(f"gbps={values['transfer_gbps']:.3f}")
-    if record.get("error"):
-        parts.append(f"error={record['error']!r}")
+    if record.error:
+        parts.append(f"error={record.error!r}")
     return "rdma-kv load " + " ".join(parts)
+
+
+def as_worker_stats(stats: WorkerStats | Mapping[str, Any] | None) -> WorkerStats | None:
+    """The typed summary of ``stats``: a :class:`WorkerStats` as is, the
+    dict form (``get_kv_connector_stats()``, vLLM's ``data``) parsed."""
+    if not stats:
+        return None
+    return stats if isinstance(stats, WorkerStats) else WorkerStats.from_dict(stats)
 
 
 class TransferMetrics:
@@ -202,25 +212,26 @@ class TransferMetrics:
         self.events: dict[str, int] = {}
         self.gauges: dict[str, int] = {}
 
-    def observe(self, stats: Mapping[str, Any] | None) -> None:
-        """Fold one ``get_kv_connector_stats()`` dict in (None: nothing happened)."""
-        if not stats:
+    def observe(self, stats: WorkerStats | Mapping[str, Any] | None) -> None:
+        """Fold one worker summary in: a :class:`WorkerStats` or its dict
+        form, ``get_kv_connector_stats()`` (None: nothing happened)."""
+        typed = as_worker_stats(stats)
+        if typed is None:
             return
-        records = list(stats.get("requests", ()))
         debug = logger.isEnabledFor(logging.DEBUG)
         with self._lock:
-            for record in records:
+            for record in typed.requests:
                 values = record_values(record)
                 for name, value in values.items():
                     self.histograms[name].observe(value)
-                self.outcomes["ok" if record.get("ok") else "failed"] += 1
-                if record.get("ok"):
-                    self.bytes_total += int(record.get("nbytes", 0) or 0)
+                self.outcomes["ok" if record.ok else "failed"] += 1
+                if record.ok:
+                    self.bytes_total += record.nbytes or 0
                 if debug:
                     logger.debug("%s", _debug_line(record, values))
-            for name, n in event_counters(stats).items():
+            for name, n in typed.totals.events.items():
                 self.events[name] = self.events.get(name, 0) + n
-            self.gauges.update(gauges(stats))
+            self.gauges.update(gauges(typed))
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -243,47 +254,19 @@ class TransferMetrics:
             return text
 
 
-# Counter keys of ``totals`` that are events (not sums of the records).
-_RECORD_TOTALS = {"nbytes", "num_descs", "ops_posted", "block_runs", "num_blocks", "loads_ok", "transfer_s"}
-
-
-def event_counters(stats: Mapping[str, Any]) -> dict[str, int]:
-    """Worker event counters in ``totals``: handshakes, loads_failed,
-    loads_aborted, renew_rpcs, confirm_rpcs, release_rpcs, ..."""
-    totals = stats.get("totals") or {}
-    return {k: int(v) for k, v in totals.items() if k not in _RECORD_TOTALS and isinstance(v, (int, float))}
-
-
-def gauges(stats: Mapping[str, Any]) -> dict[str, int]:
+def gauges(stats: WorkerStats) -> dict[str, int]:
     """Point-in-time values: leases held (producer) and, when the worker
     reports them, the resources it holds (loads in flight, peers, ...)."""
-    out = {}
-    if "leases_held" in stats:
-        out["leases_held"] = int(stats["leases_held"])
-    for key, value in (stats.get("resources") or {}).items():
-        if isinstance(value, (int, float)):
-            out[key] = int(value)
-    return out
+    return {"leases_held": stats.leases_held, **(stats.resources or {})}
 
 
-def merge_stats(parts: Iterable[Mapping[str, Any] | None]) -> dict[str, Any] | None:
-    """Several workers' stats dicts as one: records concatenated (each keeps
-    its own request id and timings), totals and gauges summed."""
-    merged: dict[str, Any] | None = None
-    for part in parts:
-        if not part:
-            continue
-        if merged is None:
-            merged = {"requests": [], "totals": {}, "leases_held": 0}
-        merged["requests"].extend(part.get("requests", ()))
-        for key, value in (part.get("totals") or {}).items():
-            merged["totals"][key] = merged["totals"].get(key, 0) + value
-        merged["leases_held"] += int(part.get("leases_held", 0))
-        if part.get("resources"):
-            res = merged.setdefault("resources", {})
-            for key, value in part["resources"].items():
-                res[key] = res.get(key, 0) + value
-    return merged
+def merge_stats(parts: Iterable[WorkerStats | Mapping[str, Any] | None]) -> dict[str, Any] | None:
+    """Several workers' ``get_kv_connector_stats()`` dicts as one, in the
+    same form: :func:`~rdma_kv.connector.rdma.stats.merge` (records
+    concatenated, each keeping its own request id and timings; totals and
+    gauges summed)."""
+    merged = merge(as_worker_stats(p) for p in parts)
+    return merged.to_dict() if merged is not None else None
 
 
 class PrometheusMetrics:
@@ -338,27 +321,29 @@ class PrometheusMetrics:
         values = [*self._observing, *extra]
         return metric.labels(*values) if values else metric
 
-    def observe(self, stats: Mapping[str, Any] | None, labelvalues: Sequence[object] | None = None) -> None:
-        """Fold one ``get_kv_connector_stats()`` dict in; ``labelvalues``
-        overrides the constructor's for this call (vLLM observes per engine)."""
-        if not stats:
+    def observe(self, stats: WorkerStats | Mapping[str, Any] | None,
+                labelvalues: Sequence[object] | None = None) -> None:
+        """Fold one worker summary in (as :meth:`TransferMetrics.observe`);
+        ``labelvalues`` overrides the constructor's for this call (vLLM
+        observes per engine)."""
+        typed = as_worker_stats(stats)
+        if typed is None:
             return
         labels = self._labels if labelvalues is None else [str(v) for v in labelvalues]
         if len(labels) != len(self._labels):
             raise ValueError(f"labelvalues {list(labels)} do not match labelnames of length {len(self._labels)}")
         with self._lock:
             self._observing = labels
-            for record in stats.get("requests", ()):
+            for record in typed.requests:
                 for name, value in record_values(record).items():
                     self._child(self.histograms[name]).observe(value)
-                ok = bool(record.get("ok"))
-                self._child(self.loads, "ok" if ok else "failed").inc()
-                if ok and record.get("nbytes"):
-                    self._child(self.read_bytes).inc(int(record["nbytes"]))
-            for name, n in event_counters(stats).items():
+                self._child(self.loads, "ok" if record.ok else "failed").inc()
+                if record.ok and record.nbytes:
+                    self._child(self.read_bytes).inc(record.nbytes)
+            for name, n in typed.totals.events.items():
                 if n > 0:
                     self._child(self.events, name).inc(n)
-            for name, value in gauges(stats).items():
+            for name, value in gauges(typed).items():
                 if name == "leases_held":
                     self._child(self.leases_held).set(value)
                 else:

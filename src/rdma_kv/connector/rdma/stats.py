@@ -1,12 +1,28 @@
-"""Per-request transfer records of a worker's consumer part, and their
-summary for ``get_kv_connector_stats``.
+"""Per-request transfer records of a worker's consumer part, and the
+worker's stats summary for ``get_kv_connector_stats``.
 
-Owns what is recorded for each finished load (bytes, descriptors, ops
-posted, contiguous block runs, plan / post / transfer / confirm seconds,
-outcome) and the event counters (handshakes, lease RPCs, failures). Not
-thread-safe: ``consumer.RdmaConsumer`` calls it under its lock;
-``worker.RdmaWorker.stats`` adds the producer's lease counters and
-summarizes.
+Owns three typed records and the one way to combine them:
+
+- :class:`LoadMeasures`: what a load measures while it runs (filled in
+  stage by stage by ``consumer.RdmaConsumer`` under its lock).
+- :class:`LoadRecord`: one finished load, frozen: bytes, descriptors, ops
+  posted, contiguous block runs, handshake / plan / post / transfer /
+  confirm / total seconds, outcome. A field is None when the load never
+  reached the stage that measures it (a load that failed in its handshake
+  has no ``nbytes``).
+- :class:`WorkerStats`: one worker's summary since the last collection:
+  the records, the :class:`Totals` (record sums plus event counters:
+  handshakes, lease RPCs, failed and aborted loads, the producer's lease
+  counters), leases held and the resources the worker holds.
+
+:func:`merge` combines several summaries (TP ranks, or vLLM's
+aggregation) and keeps at most :data:`MAX_RECORDS` records. A dict
+appears only at the boundary: :meth:`WorkerStats.to_dict` is what
+``get_kv_connector_stats()`` returns (and vLLM carries as
+``KVConnectorStats.data``); :meth:`WorkerStats.from_dict` parses it back.
+
+:class:`LoadStats` is the consumer's accumulator. Not thread-safe:
+``consumer.RdmaConsumer`` calls it under its lock.
 
 Imports the standard library only.
 """
@@ -14,44 +30,196 @@ Imports the standard library only.
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["LoadStats", "summarize"]
+__all__ = ["MAX_RECORDS", "LoadMeasures", "LoadRecord", "LoadStats", "Totals", "WorkerStats", "merge"]
 
-MAX_RECORDS = 100_000  # beyond this, the oldest half is dropped (nobody is collecting)
-TOTAL_KEYS = ("nbytes", "num_descs", "ops_posted", "block_runs", "num_blocks")
+MAX_RECORDS = 10_000
+"""Per-request records kept until collected, and across merges; beyond it
+the oldest are dropped (the totals still count them)."""
+
+
+@dataclasses.dataclass(slots=True)
+class LoadMeasures:
+    """What a running load has measured so far (None: not reached)."""
+
+    handshake_s: float | None = None
+    num_blocks: int | None = None
+    block_runs: int | None = None
+    plan_s: float | None = None
+    post_s: float | None = None
+    nbytes: int | None = None
+    num_descs: int | None = None
+    ops_posted: int | None = None
+    transfer_s: float | None = None
+    confirm_s: float | None = None
+
+
+_MEASURED = tuple(f.name for f in dataclasses.fields(LoadMeasures))
+_INT_FIELDS = frozenset({"num_blocks", "block_runs", "nbytes", "num_descs", "ops_posted"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadRecord:
+    """One finished load."""
+
+    request_id: str
+    ok: bool
+    total_s: float
+    error: str | None = None
+    handshake_s: float | None = None
+    num_blocks: int | None = None
+    block_runs: int | None = None
+    plan_s: float | None = None
+    post_s: float | None = None
+    nbytes: int | None = None
+    num_descs: int | None = None
+    ops_posted: int | None = None
+    transfer_s: float | None = None
+    confirm_s: float | None = None
+
+    @classmethod
+    def of(cls, request_id: str, measures: LoadMeasures, *, ok: bool, total_s: float,
+           error: str | None) -> LoadRecord:
+        return cls(request_id, ok, total_s, error or None,
+                   **{name: getattr(measures, name) for name in _MEASURED})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The boundary form: only the fields the load measured."""
+        out: dict[str, Any] = {name: getattr(self, name) for name in _MEASURED
+                               if getattr(self, name) is not None}
+        out.update(request_id=self.request_id, ok=self.ok, total_s=self.total_s)
+        if self.error:
+            out["error"] = self.error
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LoadRecord:
+        unknown = set(data) - _RECORD_KEYS
+        if unknown:
+            raise ValueError(f"unknown load record key(s) {sorted(unknown)}; valid: {sorted(_RECORD_KEYS)}")
+        measured: dict[str, Any] = {name: (int(data[name]) if name in _INT_FIELDS else float(data[name]))
+                    for name in _MEASURED if data.get(name) is not None}
+        return cls(str(data.get("request_id", "")), bool(data.get("ok")), float(data.get("total_s", 0.0)),
+                   data.get("error") or None, **measured)
+
+
+_RECORD_KEYS = frozenset(f.name for f in dataclasses.fields(LoadRecord))
+_SUMMED = ("nbytes", "num_descs", "ops_posted", "block_runs", "num_blocks")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Totals:
+    """Sums over every load recorded (dropped records included) and the
+    event counters. ``to_dict`` flattens both into one mapping."""
+
+    nbytes: int = 0
+    num_descs: int = 0
+    ops_posted: int = 0
+    block_runs: int = 0
+    num_blocks: int = 0
+    loads_ok: int = 0
+    transfer_s: float = 0.0
+    events: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    def add_record(self, record: LoadRecord) -> Totals:
+        return Totals(self.nbytes + (record.nbytes or 0), self.num_descs + (record.num_descs or 0),
+                      self.ops_posted + (record.ops_posted or 0), self.block_runs + (record.block_runs or 0),
+                      self.num_blocks + (record.num_blocks or 0), self.loads_ok + record.ok,
+                      self.transfer_s + (record.transfer_s or 0.0), self.events)
+
+    def __add__(self, other: Totals) -> Totals:
+        events = collections.Counter(self.events)
+        events.update(other.events)
+        return Totals(self.nbytes + other.nbytes, self.num_descs + other.num_descs,
+                      self.ops_posted + other.ops_posted, self.block_runs + other.block_runs,
+                      self.num_blocks + other.num_blocks, self.loads_ok + other.loads_ok,
+                      self.transfer_s + other.transfer_s, dict(events))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: getattr(self, k) for k in _SUMMED}
+        out.update(loads_ok=self.loads_ok, transfer_s=self.transfer_s, **self.events)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Totals:
+        summed = {k: int(data.get(k, 0)) for k in (*_SUMMED, "loads_ok")}
+        events = {k: int(v) for k, v in data.items()
+                  if k not in _TOTAL_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        return cls(**summed, transfer_s=float(data.get("transfer_s", 0.0)), events=events)
+
+
+_TOTAL_KEYS = frozenset((*_SUMMED, "loads_ok", "transfer_s"))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """One worker's (or several merged workers') stats since the last collection."""
+
+    requests: tuple[LoadRecord, ...] = ()
+    totals: Totals = Totals()
+    leases_held: int = 0
+    resources: Mapping[str, int] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"requests": [...], "totals": {...}, "leases_held": n[, "resources": {...}]}``:
+        what ``get_kv_connector_stats()`` returns and vLLM carries."""
+        out: dict[str, Any] = {"requests": [r.to_dict() for r in self.requests],
+                               "totals": self.totals.to_dict(), "leases_held": self.leases_held}
+        if self.resources is not None:
+            out["resources"] = dict(self.resources)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WorkerStats:
+        resources = data.get("resources")
+        return cls(tuple(LoadRecord.from_dict(r) for r in data.get("requests", ())),
+                   Totals.from_dict(data.get("totals") or {}), int(data.get("leases_held", 0)),
+                   None if resources is None else {k: int(v) for k, v in resources.items()})
+
+
+def merge(parts: Iterable[WorkerStats | None]) -> WorkerStats | None:
+    """Several summaries as one: records concatenated (each keeps its own
+    request id and timings; the newest :data:`MAX_RECORDS` kept), totals,
+    leases held and resources summed. None when every part is None."""
+    present = [p for p in parts if p is not None]
+    if not present:
+        return None
+    if len(present) == 1:
+        return present[0]
+    records = [r for p in present for r in p.requests]
+    totals = Totals()
+    resources: collections.Counter[str] | None = None
+    for p in present:
+        totals = totals + p.totals
+        if p.resources is not None:
+            resources = resources or collections.Counter()
+            resources.update(p.resources)
+    return WorkerStats(tuple(records[-MAX_RECORDS:]), totals, sum(p.leases_held for p in present),
+                       None if resources is None else dict(resources))
 
 
 class LoadStats:
+    """The consumer's records and event counters since the last :meth:`take`."""
+
     def __init__(self) -> None:
-        self.records: list[dict[str, Any]] = []
+        self.records: collections.deque[LoadRecord] = collections.deque(maxlen=MAX_RECORDS)
+        self.totals = Totals()
         self.counters = collections.Counter[str]()
 
-    def record(self, request_id: str, stats: Mapping[str, Any], *, ok: bool, total_s: float,
+    def record(self, request_id: str, measures: LoadMeasures, *, ok: bool, total_s: float,
                error: str | None) -> None:
-        entry = dict(stats)
-        entry.pop("confirm_start", None)
-        entry.update(request_id=request_id, ok=ok, total_s=total_s)
-        if error:
-            entry["error"] = error
-        self.records.append(entry)
-        if len(self.records) > MAX_RECORDS:
-            del self.records[: len(self.records) // 2]
+        record = LoadRecord.of(request_id, measures, ok=ok, total_s=total_s, error=error)
+        self.records.append(record)
+        self.totals = self.totals.add_record(record)
 
-    def take(self) -> tuple[list[dict[str, Any]], dict[str, int]]:
-        """Hand over what was recorded since the last call, and reset."""
-        records, self.records = self.records, []
-        counters = dict(self.counters)
+    def take(self) -> tuple[tuple[LoadRecord, ...], Totals]:
+        """Hand over what was recorded since the last call (the counters as
+        the totals' events), and reset."""
+        out = tuple(self.records), dataclasses.replace(self.totals, events=dict(self.counters))
+        self.records.clear()
+        self.totals = Totals()
         self.counters.clear()
-        return records, counters
-
-
-def summarize(records: list[dict[str, Any]], counters: Mapping[str, int], *,
-              leases_held: int) -> dict[str, Any] | None:
-    if not records and not counters:
-        return None
-    totals: dict[str, Any] = {k: sum(int(r.get(k, 0)) for r in records) for k in TOTAL_KEYS}
-    totals.update(loads_ok=sum(1 for r in records if r["ok"]),
-                  transfer_s=sum(float(r.get("transfer_s", 0.0)) for r in records), **counters)
-    return {"requests": records, "totals": totals, "leases_held": leases_held}
+        return out

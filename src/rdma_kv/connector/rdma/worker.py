@@ -45,7 +45,7 @@ from rdma_kv.connector.rdma.planning import SlotTable, compat_info
 from rdma_kv.connector.rdma.producer import ProducerHandler, RdmaProducer
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sidechannel import SideChannelServer
-from rdma_kv.connector.rdma.stats import summarize
+from rdma_kv.connector.rdma.stats import LoadRecord, Totals, WorkerStats
 from rdma_kv.connector.rdma.transport_api import Transport
 from rdma_kv.connector.specs import KVCacheConfig
 from rdma_kv.connector.types import BlockId, EngineId, RequestId
@@ -192,17 +192,18 @@ class RdmaWorker:
 
     # --- stats and shutdown -----------------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, Any] | None:
-        records: list[dict[str, Any]] = []
-        counters: dict[str, int] = {}
+    def stats(self) -> WorkerStats | None:
+        """Both parts' records and counters since the last call (None if
+        nothing happened), with the leases and resources held now."""
+        records: tuple[LoadRecord, ...] = ()
+        totals = Totals()
         if self._consumer is not None:
-            records, counters = self._consumer.take_stats()
+            records, totals = self._consumer.take_stats()
         if self._producer is not None:
-            counters.update(self._producer.take_counters())  # leases granted, released...
-        summary = summarize(records, counters, leases_held=len(self.leases))
-        if summary is not None:
-            summary["resources"] = self.resources()
-        return summary
+            totals = totals + Totals(events=self._producer.take_counters())  # leases granted, released...
+        if not records and not totals.events:
+            return None
+        return WorkerStats(records, totals, len(self.leases), self.resources())
 
     def resources(self) -> dict[str, int]:
         """What this worker holds now (leak checks): loads in flight, peers
