@@ -100,7 +100,3 @@ class NotInitializedError(RdmaKVError, RuntimeError):
 
 class ConnectorLoadError(RdmaKVError, ImportError):
     """A connector cannot be found, imported, or is not a connector class."""
-
-
-class LoadFailedError(RdmaKVError, RuntimeError):
-    """A remote KV load failed and ``kv_load_failure_policy`` is ``fail``."""

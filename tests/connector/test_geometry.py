@@ -12,7 +12,6 @@ from rdma_kv.connector import (
     KVCacheConfig,
     Layout,
     MLAAttentionSpec,
-    block_ranges,
     derive_geometry,
     derive_layer_geometry,
     paired_block_ranges,
@@ -195,6 +194,11 @@ def _cpu_geometry(num_blocks=NB):
     whole = torch.empty(len(LAYERS), num_blocks, H, BS, 2 * D, dtype=torch.float16)
     caches = {name: whole[i] for i, name in enumerate(LAYERS)}
     return derive_geometry(caches, KVCacheConfig.uniform(num_blocks, LAYERS, SPEC))
+
+
+def block_ranges(layers, ids):
+    """One side's ranges: paired with itself, a run breaks only where memory does."""
+    return paired_block_ranges(layers, ids, layers, ids)[0]
 
 
 def test_contiguous_runs_are_merged_within_and_across_layers():

@@ -248,8 +248,3 @@ def ucx_version(points: Sequence[Point]) -> str:
 
 def to_json(points: Sequence[Point], **meta: Any) -> str:
     return json.dumps({"meta": meta, "sweep": [p.to_dict() for p in points]}, indent=2, default=str)
-
-
-def summary_line(points: Sequence[Point]) -> str:
-    counts = {s: sum(1 for p in points if p.result.status == s) for s in ("ok", "skipped", "failed")}
-    return ", ".join(f"{n} {s}" for s, n in counts.items())

@@ -41,7 +41,6 @@ __all__ = [
     "Layout",
     "Region",
     "Segment",
-    "block_ranges",
     "derive_geometry",
     "derive_layer_geometry",
     "paired_block_ranges",
@@ -484,12 +483,6 @@ def _coalesce(sides: Sequence[BlockRanges]) -> list[BlockRanges]:
     starts = np.flatnonzero(breaks)
     lengths = np.add.reduceat(sides[0].lengths, starts)
     return [BlockRanges(s.region_index[starts], s.offsets[starts], lengths) for s in sides]
-
-
-def block_ranges(layers: Sequence[LayerGeometry], block_ids: Any) -> BlockRanges:
-    """Byte ranges covering ``block_ids`` in every layer, with runs that are
-    contiguous in memory merged. Vectorised: no Python loop per block."""
-    return _coalesce([_unmerged(layers, block_ids)])[0]
 
 
 def paired_block_ranges(
