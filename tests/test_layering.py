@@ -7,8 +7,8 @@ the modules: a wrong-way import fails here even on a machine without UCX or
 vLLM. The rules, as the code keeps them:
 
 - ``rdma_kv.errors`` imports nothing from ``rdma_kv``.
-- ``rdma_kv.transport`` imports nothing from ``rdma_kv`` but itself and
-  ``rdma_kv.errors``.
+- ``rdma_kv.transport`` imports nothing from ``rdma_kv`` but itself,
+  ``rdma_kv.errors`` and ``rdma_kv.runs`` (the run-merging rule, numpy only).
 - ``rdma_kv.connector`` never imports ``rdma_kv.vllm``, ``harness``, ``cli``
   or ``bench``, and reaches the transport through two doors only:
   ``connector/rdma/transport_api.py`` (the Protocol the worker needs, and the
@@ -127,16 +127,18 @@ def test_the_walk_covers_the_package():
     assert doors == set(TRANSPORT_DOORS)
 
 
-def test_errors_imports_nothing_from_rdma_kv():
-    wrong = [str(i) for i in rdma_kv_modules_imported_by("rdma_kv.errors")]
-    assert not wrong, "rdma_kv.errors is the bottom of every layer:\n" + "\n".join(wrong)
+@pytest.mark.parametrize("bottom", ["rdma_kv.errors", "rdma_kv.runs"])
+def test_the_bottom_modules_import_nothing_from_rdma_kv(bottom):
+    wrong = [str(i) for i in rdma_kv_modules_imported_by(bottom)]
+    assert not wrong, f"{bottom} is the bottom of every layer:\n" + "\n".join(wrong)
 
 
-def test_transport_imports_only_itself_and_errors():
+def test_transport_imports_only_itself_errors_and_runs():
     wrong = [str(i) for i in rdma_kv_modules_imported_by("rdma_kv.transport")
-             if not (is_under(i.target, "rdma_kv.transport") or i.target in ("rdma_kv", "rdma_kv.errors"))]
+             if not (is_under(i.target, "rdma_kv.transport")
+                     or i.target in ("rdma_kv", "rdma_kv.errors", "rdma_kv.runs"))]
     assert not wrong, ("the transport knows nothing of blocks, connectors or vLLM; it may import "
-                       "rdma_kv.errors only:\n" + "\n".join(wrong))
+                       "rdma_kv.errors and rdma_kv.runs only:\n" + "\n".join(wrong))
 
 
 @pytest.mark.parametrize("upper", ["rdma_kv.vllm", "rdma_kv.harness", "rdma_kv.cli", "rdma_kv.bench"])

@@ -18,7 +18,8 @@ region's base. Layouts seen in engines:
 
 Works on torch tensors and numpy arrays alike (duck-typed: torch is never
 imported here unless a torch tensor is passed in). Imports numpy,
-``rdma_kv.errors`` and ``rdma_kv.connector.specs``; never the transport.
+``rdma_kv.errors``, ``rdma_kv.runs`` and ``rdma_kv.connector.specs``; never
+the transport.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import numpy as np
 
 from rdma_kv.connector.specs import AttentionSpec, KVCacheConfig, KVCacheSpec, normalize_dtype
 from rdma_kv.errors import DescriptorError, SpecError
+from rdma_kv.runs import run_starts
 
 __all__ = [
     "BlockRanges",
@@ -475,12 +477,7 @@ def _coalesce(sides: Sequence[BlockRanges]) -> list[BlockRanges]:
             raise DescriptorError("paired ranges differ in length; the two geometries disagree")
     if n == 0:
         return list(sides)
-    breaks = np.zeros(n, dtype=bool)
-    breaks[0] = True
-    for side in sides:
-        breaks[1:] |= side.region_index[1:] != side.region_index[:-1]
-        breaks[1:] |= side.offsets[1:] != side.offsets[:-1] + side.lengths[:-1]
-    starts = np.flatnonzero(breaks)
+    starts = run_starts(sides[0].lengths, [(side.offsets, side.region_index) for side in sides])
     lengths = np.add.reduceat(sides[0].lengths, starts)
     return [BlockRanges(s.region_index[starts], s.offsets[starts], lengths) for s in sides]
 

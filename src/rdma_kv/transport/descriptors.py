@@ -6,7 +6,7 @@ against the registered regions of one side once, so a transfer built from it
 by index (``block table -> descriptor index``) does no per-descriptor work in
 Python: gathering, merging and posting are vectorised or in C.
 
-May import: numpy, rdma_kv.errors.
+May import: numpy, rdma_kv.errors, rdma_kv.runs (the run-merging rule).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from rdma_kv.errors import DescriptorError
+from rdma_kv.runs import run_starts
 
 
 def _u64(values: Any, what: str) -> np.ndarray:
@@ -187,16 +188,7 @@ def coalesce(
     n = len(laddr)
     if n < 2:
         return laddr, raddr, lengths, lreg, rreg
-    brk = np.empty(n, dtype=bool)
-    brk[0] = True
-    prev_end = laddr[:-1] + lengths[:-1]
-    np.not_equal(laddr[1:], prev_end, out=brk[1:])
-    brk[1:] |= raddr[1:] != raddr[:-1] + lengths[:-1]
-    if lreg is not None:
-        brk[1:] |= lreg[1:] != lreg[:-1]
-    if rreg is not None:
-        brk[1:] |= rreg[1:] != rreg[:-1]
-    starts = np.flatnonzero(brk)
+    starts = run_starts(lengths, ((laddr, lreg), (raddr, rreg)))
     if len(starts) == n:
         return laddr, raddr, lengths, lreg, rreg
     return (

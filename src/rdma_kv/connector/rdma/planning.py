@@ -10,7 +10,7 @@ request = contiguous runs. This is NIXL's prepared-list design; it costs
 
 Also owns :func:`compat_info`, what two engines must agree on.
 
-Imports numpy, ``rdma_kv.errors``, the connector's ``geometry`` and
+Imports numpy, ``rdma_kv.errors``, ``rdma_kv.runs``, the connector's ``geometry`` and
 ``specs``, ``rdma.wire``, and the transport's ``DescList`` (plain numpy)
 through ``rdma.transport_api``.
 """
@@ -24,6 +24,7 @@ from rdma_kv.connector.rdma.transport_api import DescList
 from rdma_kv.connector.rdma.wire import CompatInfo
 from rdma_kv.connector.specs import AttentionSpec, KVCacheConfig
 from rdma_kv.errors import DescriptorError
+from rdma_kv.runs import run_starts
 
 __all__ = ["SlotTable", "compat_info", "count_runs"]
 
@@ -66,10 +67,8 @@ class SlotTable:
 def count_runs(local_ids: np.ndarray, remote_ids: np.ndarray, rows: int) -> int:
     """Operations a read of these blocks needs when blocks are adjacent in
     memory (blocks-first layouts): runs contiguous on both sides, per row."""
-    if local_ids.size == 0:
-        return 0
-    breaks = (np.diff(local_ids) != 1) | (np.diff(remote_ids) != 1)
-    return rows * (1 + int(breaks.sum()))
+    ones = np.ones(local_ids.size, dtype=np.int64)  # a block is one unit long in block ids
+    return rows * len(run_starts(ones, ((local_ids, None), (remote_ids, None))))
 
 
 def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, tp_size: int,
