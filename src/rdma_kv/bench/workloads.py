@@ -1,7 +1,7 @@
 """Benchmark workloads and the transfer plans every backend executes.
 
 Owns: ``Workload`` (what to move), ``Plan`` (the exact descriptors of one
-repetition), the named presets of issue 2's table, and descriptor
+repetition), the named presets (docs/benchmarks.md), and descriptor
 coalescing. Every backend (cma, NIXL, rdma-kv) builds its transfers from
 ``plan(workload, rep)``, so all of them move the same bytes between the
 same offsets in the same order.

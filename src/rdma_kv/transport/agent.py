@@ -472,7 +472,7 @@ class Agent(ProgressEngine, Lanes, PreparedTransfers):
             raise TransferError(f"{cfg.max_inflight} transfers already in flight on {self.name!r} "
                                 "(AgentConfig.max_inflight); wait for some to complete")
         xid = next(self._ids)
-        if ep is None:  # the request path: no initializer to convert, ~7 us less with caches cold
+        if ep is None:  # the request path fills the batch itself: skip cffi's initializer conversion
             return xid, self._ffi.new(self._batch_t)
         return xid, self._ffi.new(self._batch_t, (xid, self._ctx, ep))
 

@@ -48,10 +48,10 @@ class AgentConfig:
     # lane is a worker, an endpoint per peer and a C progress thread (pump).
     # Default: default_lanes(), from the CPUs the creating process may use.
     lanes: int = field(default_factory=default_lanes)
-    # Stripe only into parts at least this large: a lane's part costs a
-    # wake-up and ~30 us more posting. Measured here (64 x 32 KiB, caches cold):
-    # 2 MiB over two workers 0.50-0.61 ms against 0.60-0.95 ms on one; 1 MiB
-    # 0.38-0.40 against 0.41-0.42 ms; 512 KiB lost in the noise.
+    # Stripe only into parts at least this large: each lane's part costs its
+    # pump a wake-up and a second post loop, a fixed cost that only a part of
+    # about 1 MiB or more earns back in parallel bytes (docs/design.md,
+    # "Lanes", has the measurements behind the default).
     lane_min_bytes: int = 1 << 20
     # close() first lets what is in flight finish for this long: force-closing
     # an endpoint with CMA gets still queued can trip a UCX assertion

@@ -94,7 +94,7 @@ def decode(blob: bytes) -> AgentMetadata:
     try:
         head = _header_decoder.decode(blob)
     # msgspec raises UnicodeDecodeError, not DecodeError, for a str that is
-    # not UTF-8 (found by fuzzing): malformed input all the same.
+    # not UTF-8: malformed input all the same.
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise _malformed(blob, exc) from None
     if head.magic != MAGIC:

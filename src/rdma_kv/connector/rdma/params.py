@@ -184,7 +184,7 @@ def parse_kv_transfer_params(
     naming the field and the valid values; never mutates ``params``."""
     if params is None:
         return None
-    if not isinstance(params, Mapping):  # before len(): an int has none (found by fuzzing)
+    if not isinstance(params, Mapping):  # before len(): any object may arrive here, an int has no len()
         raise ConfigError(f"kv_transfer_params must be a mapping, got {type(params).__name__}")
     if len(params) == 0:
         return None

@@ -341,7 +341,7 @@ def _decode(decoder: msgspec.msgpack.Decoder, body: bytes, what: str) -> object:
         return decoder.decode(body)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         # msgspec raises UnicodeDecodeError (not DecodeError) for a string
-        # that is not UTF-8, e.g. a tag; found by fuzzing.
+        # that is not UTF-8, e.g. a tag: malformed input all the same.
         raise MetadataError(f"malformed {what} ({len(body)} bytes): {exc}") from None
     except RecursionError:  # deeply nested arrays: msgspec recurses per level
         raise MetadataError(f"malformed {what} ({len(body)} bytes): nested too deeply") from None
