@@ -1,18 +1,30 @@
 """The producer's lease table: which delayed blocks are held, for whom, until when.
 
-Owns leases (request id -> block ids, epoch and generation, owner, expiry),
-the answers to a consumer's RENEW / CONFIRM / RELEASE, and the request ids
+Owns leases (request id -> block ids, epoch and generation, owner, the
+consumer ranks that read it and which of them released it, expiry), the
+answers to a consumer's RENEW / CONFIRM / RELEASE, and the request ids
 ``get_finished`` reports in ``done_sending`` (the only way a lease's blocks
 go back to the engine).
 
-What HELD means. A CONFIRM answers HELD to a claimant only if the lease's
+Readers. One consumer engine may read a producer rank from several of its
+tensor-parallel ranks (heterogeneous tensor parallelism: with prefill TP=1
+and decode TP=2, both decode ranks read producer rank 0). They share the
+engine's claim; each call also names its ``reader`` (the consumer rank) and
+``readers`` (how many consumer ranks read this producer rank under the
+lease). The lease ends on release only when ``readers`` distinct readers
+have released it, so no rank's release hands back blocks another rank is
+still reading. ``readers=1`` (the default) is the single-reader lease.
+
+What HELD means. A CONFIRM answers HELD to a reader only if the lease's
 blocks were held, unreleased and unexpired, from its grant until this
-answer; a consumer that posted its reads after it was handed the lease and
-confirms after they completed therefore read blocks no one reused. Once a
-lease ends (released, expired, or its epoch replaced) it never comes back:
-every later CONFIRM or RENEW answers GONE, whoever asks, except the one
-retry this table recognises, the releasing CONFIRM's own claimant asking
-again (its reads completed before that first CONFIRM was sent).
+answer; a consumer rank that posted its reads after it was handed the lease
+and confirms after they completed therefore read blocks no one reused. Once
+a lease ends (all its readers released, expired, or its epoch replaced) it
+never comes back: every later CONFIRM or RENEW answers GONE, whoever asks,
+except the retries this table recognises: a reader whose CONFIRM with
+``release`` answered HELD while the lease lived, asking again under the
+same claim and reader count (its reads completed before that first CONFIRM
+was sent).
 
 The state machine of one lease (``docs/rdma-connector.md`` draws it):
 
@@ -25,16 +37,22 @@ The state machine of one lease (``docs/rdma-connector.md`` draws it):
   held: its blocks can only leave through this table's ``done_sending``.
 - *granted*: in the table, unclaimed; the TTL runs from the grant.
 - *claimed*: the first RENEW, CONFIRM or RELEASE that names it with a valid
-  token records the caller's claim key as its owner (a claim may arrive
-  while the lease is only issued; the grant then keeps it). From then on
-  only the owner may renew, confirm or release it; anyone else gets CLAIMED
-  and changes nothing. A router that retries the same params on another
-  decode engine, or an engine that loads them twice, is refused instead of
-  reading blocks the first loader may already have released.
-- *ended*: released by its owner (RELEASE, or CONFIRM with ``release``),
-  expired (no renewal within the TTL), or ended by a new epoch. A tombstone
-  remembers how (bounded; a generation this table has seen but no longer
-  remembers is GONE too).
+  token records the caller's claim key and ``readers`` as its owner (a
+  claim may arrive while the lease is only issued; the grant then keeps
+  it). From then on only calls with the owner's claim and the same
+  ``readers`` may act on it; any other gets CLAIMED and changes nothing. A
+  router that retries the same params on another decode engine, or an
+  engine that loads them twice, is refused instead of reading blocks the
+  first loader may already have released. Any reader of the owner may
+  renew it (for all). A RELEASE, or a CONFIRM with ``release``, by reader
+  ``r`` marks ``r`` released (a repeat changes nothing); the lease lives on
+  until ``readers`` distinct readers have.
+- *ended*: released by all its readers, expired (no renewal within the
+  TTL), or ended by a new epoch. A tombstone remembers how, the owner's
+  claim and reader count, and the readers whose CONFIRM released it while
+  it lived (bounded; a generation this table has seen but no longer
+  remembers is GONE too). A lease released before its grant arrived ends
+  when the grant does.
 
 A call naming a lease whose token does not verify is refused (UNKNOWN) and
 records nothing, so nobody can claim, release or renew a lease they were
@@ -46,7 +64,7 @@ sorted expiries.
 
 Thread-safe (the side-channel threads and the engine thread share it).
 Imports the standard library and the connector's ``params``, ``types`` and
-``rdma.wire`` (for ``LeaseStatus``).
+``rdma.wire`` (for ``LeaseStatus`` and the reader bounds).
 """
 
 from __future__ import annotations
@@ -61,7 +79,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from rdma_kv.connector.rdma.params import LeaseRef, lease_token
-from rdma_kv.connector.rdma.wire import LeaseStatus
+from rdma_kv.connector.rdma.wire import LeaseStatus, check_reader
 from rdma_kv.connector.types import BlockId, RequestId
 
 __all__ = ["Lease", "LeaseCall", "LeaseTable"]
@@ -69,6 +87,9 @@ __all__ = ["Lease", "LeaseCall", "LeaseTable"]
 MAX_TOMBSTONES = 1 << 16
 """Ended leases remembered (a few hundred bytes each). A forgotten one is GONE
 to everyone, its owner's retried CONFIRM included: a load error, never a lie."""
+MAX_TOMBSTONE_READERS = 1 << 18
+"""Releasing readers remembered across all tombstones: with many readers per
+lease, fewer leases are remembered (``readers`` may reach 1024)."""
 MAX_EARLY = 1 << 14
 """Claims recorded on leases issued but not yet shipped here. Past this a new
 one is answered PENDING without being recorded (the caller asks again)."""
@@ -79,10 +100,17 @@ HELD, PENDING, GONE, CLAIMED, UNKNOWN = (LeaseStatus.HELD, LeaseStatus.PENDING, 
 
 @dataclasses.dataclass(frozen=True)
 class LeaseCall:
-    """One lease named in a RENEW, CONFIRM or RELEASE, with the caller's claim."""
+    """One lease named in a RENEW, CONFIRM or RELEASE, with the caller's
+    claim, the consumer rank making the call (``reader``) and how many
+    consumer ranks read this producer rank under the lease (``readers``)."""
 
     ref: LeaseRef
     claim: bytes = dataclasses.field(repr=False)
+    reader: int = 0
+    readers: int = 1
+
+    def __post_init__(self) -> None:
+        check_reader(self.reader, self.readers)
 
 
 class Ending(enum.Enum):
@@ -92,29 +120,60 @@ class Ending(enum.Enum):
 
 
 @dataclasses.dataclass
+class _Claim:
+    """A lease's owner: the first valid call's claim and reader count, and
+    which of its readers released the lease. Also the whole record of a
+    claim on a lease issued but not yet shipped here."""
+
+    owner: bytes = dataclasses.field(repr=False)
+    readers: int = 1
+    released: set[int] = dataclasses.field(default_factory=set)
+    """Readers that released (RELEASE, or CONFIRM with ``release``)."""
+    confirmed: set[int] = dataclasses.field(default_factory=set)
+    """Of those, the readers whose CONFIRM with ``release`` answered HELD."""
+
+    def admits(self, call: LeaseCall) -> bool:
+        return call.claim == self.owner and call.readers == self.readers
+
+    def release(self, reader: int, confirmed: bool) -> None:
+        self.released.add(reader)
+        if confirmed:
+            self.confirmed.add(reader)
+
+    @property
+    def all_released(self) -> bool:
+        return len(self.released) >= self.readers
+
+    def copy(self) -> _Claim:
+        return dataclasses.replace(self, released=set(self.released), confirmed=set(self.confirmed))
+
+
+@dataclasses.dataclass
 class Lease:
     ref: LeaseRef
     block_ids: tuple[BlockId, ...]
     ttl_s: float
     expires_at: float
-    owner: bytes | None = dataclasses.field(default=None, repr=False)
+    claim: _Claim | None = None
     renewals: int = 0
+
+    @property
+    def owner(self) -> bytes | None:
+        return None if self.claim is None else self.claim.owner
 
 
 @dataclasses.dataclass(frozen=True)
 class _Tombstone:
     how: Ending
-    confirmed_by: bytes | None = dataclasses.field(default=None, repr=False)
-    """The claim whose CONFIRM released the lease: its retries read HELD."""
+    owner: bytes | None = dataclasses.field(default=None, repr=False)
+    readers: int = 1
+    confirmed: frozenset[int] = frozenset()
+    """The owner's readers whose CONFIRM released the lease while it lived:
+    their retries read HELD."""
 
-
-@dataclasses.dataclass
-class _Early:
-    """A claim on a lease issued but not yet shipped here."""
-
-    owner: bytes = dataclasses.field(repr=False)
-    released: bool = False
-    confirmed: bool = False
+    def recognises(self, call: LeaseCall) -> bool:
+        return (self.owner is not None and call.claim == self.owner and call.readers == self.readers
+                and call.reader in self.confirmed)
 
 
 class LeaseTable:
@@ -130,7 +189,8 @@ class LeaseTable:
         self._heap: list[tuple[float, int]] = []
         self._done: set[RequestId] = set()
         self._ended = collections.OrderedDict[int, _Tombstone]()
-        self._early: dict[int, _Early] = {}
+        self._ended_readers = 0  # sum of len(tombstone.confirmed)
+        self._early: dict[int, _Claim] = {}
         self.stats = collections.Counter[str]()
 
     # --- grants (from the producer scheduler, through step metadata) -------------
@@ -147,6 +207,7 @@ class LeaseTable:
             self._leases.clear()
             self._heap.clear()
             self._ended.clear()
+            self._ended_readers = 0
             self._early.clear()
             self._max_generation = 0
             self._epoch, self._key = epoch, key
@@ -161,14 +222,13 @@ class LeaseTable:
             self._max_generation = max(self._max_generation, ref.generation)
             self.stats["granted"] += 1
             early = self._early.pop(ref.generation, None)
-            lease = Lease(ref, tuple(block_ids), ttl_s, now + ttl_s,
-                          owner=early.owner if early is not None else None)
-            if early is not None and early.released:
-                # Its owner read, confirmed and released it before the grant got here.
+            if early is not None and early.all_released:
+                # Every reader read, confirmed and released it before the grant got here.
                 self._done.add(ref.request_id)
-                self._bury(ref.generation, Ending.RELEASED, early.owner if early.confirmed else None)
+                self._bury(ref.generation, Ending.RELEASED, early)
                 self.stats["released_early"] += 1
                 return
+            lease = Lease(ref, tuple(block_ids), ttl_s, now + ttl_s, claim=early)
             self._leases[ref.generation] = lease
             heapq.heappush(self._heap, (lease.expires_at, ref.generation))
 
@@ -186,45 +246,51 @@ class LeaseTable:
             return UNKNOWN
         return None
 
-    def _early_claim(self, call: LeaseCall) -> _Early | LeaseStatus:
-        """The claim record of an issued, unshipped lease, made for ``call``
-        if there is none (lock held)."""
+    def _early_claim(self, call: LeaseCall) -> _Claim | LeaseStatus:
+        """The claim on an issued, unshipped lease, made for ``call`` if there
+        is none; CLAIMED if ``call`` is not its owner (lock held)."""
         early = self._early.get(call.ref.generation)
         if early is None:
             if len(self._early) >= MAX_EARLY:
                 return PENDING
-            early = self._early[call.ref.generation] = _Early(call.claim)
-        if early.owner != call.claim:
-            self.stats["refused_claimed"] += 1
-            return CLAIMED
-        return early
+            early = self._early[call.ref.generation] = _Claim(call.claim, call.readers)
+        return early if self._admits(early, call) else CLAIMED
 
-    def _claim(self, lease: Lease, claim: bytes) -> bool:
-        """Own an unclaimed lease; True when ``claim`` owns it (lock held)."""
-        if lease.owner is None:
-            lease.owner = claim
-        if lease.owner != claim:
-            self.stats["refused_claimed"] += 1
-            return False
-        return True
+    def _owner(self, lease: Lease, call: LeaseCall) -> _Claim | None:
+        """The lease's owner, ``call``'s claim if it had none; None when
+        ``call`` is not the owner's (lock held)."""
+        if lease.claim is None:
+            lease.claim = _Claim(call.claim, call.readers)
+        return lease.claim if self._admits(lease.claim, call) else None
+
+    def _admits(self, claim: _Claim, call: LeaseCall) -> bool:
+        if claim.admits(call):
+            return True
+        # Another consumer's claim, or the owner's with another reader count
+        # (its ranks disagree on who reads this producer rank): either way
+        # the call must not count towards the owner's releases.
+        self.stats["refused_claimed" if call.claim != claim.owner else "refused_readers"] += 1
+        return False
 
     def renew(self, calls: Iterable[LeaseCall]) -> list[LeaseStatus]:
-        """HELD (expiry pushed back), PENDING (issued, not shipped: the TTL
-        starts at the grant), GONE, CLAIMED or UNKNOWN."""
+        """HELD (expiry pushed back, for every reader), PENDING (issued, not
+        shipped: the TTL starts at the grant), GONE, CLAIMED or UNKNOWN."""
         self.expire()
         return self._each(calls, self._renew_one)
 
     def confirm(self, calls: Iterable[LeaseCall], release: bool) -> list[LeaseStatus]:
         """HELD iff the lease's blocks were held from its grant until now and
-        ``claim`` owns it (claiming it if no one did); with ``release`` the
-        lease then ends. Expiry is applied first: a lease past its expiry is
+        the call is its owner's (claiming it if no one did); with ``release``
+        the caller's reader is then released, and the lease ends once all its
+        readers are. Expiry is applied first: a lease past its expiry is
         never confirmed."""
         self.expire()
         return self._each(calls, lambda call: self._confirm_one(call, release))
 
     def release(self, calls: Iterable[LeaseCall]) -> list[LeaseStatus]:
-        """HELD (it was held; now released), PENDING (issued, not shipped: it
-        ends when its grant arrives), GONE, CLAIMED or UNKNOWN."""
+        """HELD (it was held; this reader is released, and the lease ended if
+        it was the last), PENDING (issued, not shipped: it ends when its grant
+        arrives, if all its readers released by then), GONE, CLAIMED or UNKNOWN."""
         return self._each(calls, self._release_one)
 
     def _each(self, calls: Iterable[LeaseCall], act: Callable[[LeaseCall], LeaseStatus]) -> list[LeaseStatus]:
@@ -243,7 +309,7 @@ class LeaseTable:
     def _renew_one(self, call: LeaseCall) -> LeaseStatus:
         lease = self._leases.get(call.ref.generation)
         if lease is not None:
-            if not self._claim(lease, call.claim):
+            if self._owner(lease, call) is None:
                 return CLAIMED
             lease.expires_at = self._clock() + lease.ttl_s  # the heap entry is re-checked on pop
             lease.renewals += 1
@@ -254,7 +320,7 @@ class LeaseTable:
         early = self._early_claim(call)
         if isinstance(early, LeaseStatus):
             return early
-        return GONE if early.released else PENDING
+        return GONE if early.all_released else PENDING
 
     def _confirm_one(self, call: LeaseCall, release: bool) -> LeaseStatus:
         status = self._confirm_status(call, release)
@@ -265,51 +331,67 @@ class LeaseTable:
         gen = call.ref.generation
         lease = self._leases.get(gen)
         if lease is not None:
-            if not self._claim(lease, call.claim):
+            owner = self._owner(lease, call)
+            if owner is None:
                 return CLAIMED
             if release:
-                self._end(gen, Ending.RELEASED, confirmed_by=call.claim)
+                self._release_reader(lease, owner, call.reader, confirmed=True)
             return HELD
         if gen <= self._max_generation:
             tomb = self._ended.get(gen)
-            if tomb is not None and tomb.confirmed_by is not None and tomb.confirmed_by == call.claim:
-                return HELD  # the releasing CONFIRM's retry: its reads preceded that CONFIRM
+            if tomb is not None and tomb.recognises(call):
+                return HELD  # a releasing CONFIRM's retry: its reads preceded that CONFIRM
             return GONE
         # Issued, not shipped here: its blocks cannot have left the engine.
         early = self._early_claim(call)
         if isinstance(early, LeaseStatus):
             return early
-        if early.released:
-            return HELD if early.confirmed else GONE
+        if early.all_released:  # ends when its grant arrives
+            return HELD if call.reader in early.confirmed else GONE
         if release:
-            early.released = early.confirmed = True
+            early.release(call.reader, confirmed=True)
         return HELD
 
     def _release_one(self, call: LeaseCall) -> LeaseStatus:
         gen = call.ref.generation
         lease = self._leases.get(gen)
         if lease is not None:
-            if not self._claim(lease, call.claim):
+            owner = self._owner(lease, call)
+            if owner is None:
                 return CLAIMED
-            self._end(gen, Ending.RELEASED)
+            self._release_reader(lease, owner, call.reader, confirmed=False)
             return HELD
         if gen <= self._max_generation:
             return GONE
         early = self._early_claim(call)
         if isinstance(early, LeaseStatus):
             return early
-        early.released = True
+        early.release(call.reader, confirmed=False)
         return PENDING
 
-    def _end(self, generation: int, how: Ending, confirmed_by: bytes | None = None) -> None:
+    def _release_reader(self, lease: Lease, owner: _Claim, reader: int, confirmed: bool) -> None:
+        """Reader ``reader`` of a live lease is done with it; the last ends it."""
+        if reader not in owner.released:
+            self.stats["reader_released"] += 1
+        owner.release(reader, confirmed)
+        if owner.all_released:
+            self._end(lease.ref.generation, Ending.RELEASED)
+
+    def _end(self, generation: int, how: Ending) -> None:
         lease = self._leases.pop(generation)
         self._done.add(lease.ref.request_id)
-        self._bury(generation, how, confirmed_by)
+        self._bury(generation, how, lease.claim)
 
-    def _bury(self, generation: int, how: Ending, confirmed_by: bytes | None) -> None:
-        self._ended[generation] = _Tombstone(how, confirmed_by)
-        while len(self._ended) > MAX_TOMBSTONES:
-            self._ended.popitem(last=False)
+    def _bury(self, generation: int, how: Ending, claim: _Claim | None) -> None:
+        if claim is None:
+            tomb = _Tombstone(how)
+        else:
+            tomb = _Tombstone(how, claim.owner, claim.readers, frozenset(claim.confirmed))
+        self._ended[generation] = tomb
+        self._ended_readers += len(tomb.confirmed)
+        while len(self._ended) > MAX_TOMBSTONES or self._ended_readers > MAX_TOMBSTONE_READERS:
+            _, old = self._ended.popitem(last=False)
+            self._ended_readers -= len(old.confirmed)
         self.stats[how.value] += 1
 
     # --- reaper and done_sending --------------------------------------------------------
@@ -350,4 +432,5 @@ class LeaseTable:
 
     def leases(self) -> list[Lease]:
         with self._lock:
-            return [dataclasses.replace(lease) for lease in self._leases.values()]
+            return [dataclasses.replace(lease, claim=lease.claim and lease.claim.copy())
+                    for lease in self._leases.values()]

@@ -6,8 +6,8 @@ descriptors, lease grants, releases, renewals and aborts) and
 :class:`RdmaHandshakeMetadata`. Frozen dataclasses of plain values, so an
 engine may serialise them between processes.
 
-Imports the standard library and the connector's ``base``, ``types`` and
-``rdma.params``.
+Imports the standard library and the connector's ``base``, ``types``,
+``rdma.params`` and ``rdma.wire`` (for the reader bounds).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import dataclasses
 
 from rdma_kv.connector.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 from rdma_kv.connector.rdma.params import LeaseRef, RemotePrefillParams
+from rdma_kv.connector.rdma.wire import check_reader
 from rdma_kv.connector.types import BlockId, EngineId, RequestId
 
 __all__ = [
@@ -48,11 +49,19 @@ class RemoteLease:
     ``claim`` on it: a random key the consumer scheduler draws once per
     request. The first claim a producer sees for a lease owns it; every
     lease call of this request carries the same claim (and so a retried
-    CONFIRM is recognised by it)."""
+    CONFIRM is recognised by it). ``reader`` is the consumer rank making the
+    call and ``readers`` how many consumer ranks read this producer rank
+    under the lease: the producer ends the lease only once that many
+    distinct readers released it."""
 
     peer: PeerAddress
     lease: LeaseRef
     claim: bytes = dataclasses.field(repr=False)
+    reader: int = 0
+    readers: int = 1
+
+    def __post_init__(self) -> None:
+        check_reader(self.reader, self.readers)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,7 +82,7 @@ class ProducerHandler:
 
 
 def _calls(request: wire.Renew | wire.Confirm | wire.Release) -> list[LeaseCall]:
-    return [LeaseCall(w.ref(), w.claim) for w in request.leases]
+    return [LeaseCall(w.ref(), w.claim, w.reader, w.readers) for w in request.leases]
 
 
 class RdmaProducer:

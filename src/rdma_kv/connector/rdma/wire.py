@@ -34,6 +34,8 @@ from rdma_kv.errors import MetadataError, PeerError
 
 __all__ = [
     "CLAIM_BYTES",
+    "MAX_READER",
+    "MAX_READERS",
     "PROTOCOL_VERSION",
     "Auth",
     "AuthOk",
@@ -54,18 +56,27 @@ __all__ = [
     "decode_reply",
     "decode_request",
     "recv_frame",
+    "check_reader",
     "send_frame",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """1: first release. 2: every connection opens with HELLO/CHALLENGE (and AUTH
 when a secret is configured). 3: a lease names its grant token and the
-consumer's claim; CLAIMED and UNKNOWN answers. A peer of another version is
+consumer's claim; CLAIMED and UNKNOWN answers. 4: a lease call names the
+consumer rank making it (``reader``) and how many consumer ranks read this
+producer rank under the lease (``readers``): the lease ends when all of them
+released (heterogeneous tensor parallelism). A peer of another version is
 refused with a message naming both versions."""
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 16 << 20  # agent metadata (worker address + rkeys) plus geometry
 MAX_LEASES_PER_MESSAGE = 4096
 CLAIM_BYTES = 16
+MAX_READER = (1 << 16) - 1
+"""The highest consumer rank a lease call may name."""
+MAX_READERS = 1024
+"""The most consumer ranks that may read one producer rank under one lease
+(the table remembers, per lease, which of them released)."""
 MAX_LAYERS = 4096
 MAX_BLOCKS_PER_LAYER = 1 << 24
 MAX_SLOTS = 1 << 26
@@ -210,19 +221,39 @@ Token = Annotated[bytes, msgspec.Meta(min_length=LEASE_TOKEN_BYTES, max_length=L
 ClaimKey = Annotated[bytes, msgspec.Meta(min_length=CLAIM_BYTES, max_length=CLAIM_BYTES)]
 
 
+def check_reader(reader: int, readers: int) -> None:
+    """Raise ``ValueError`` unless ``reader`` and ``readers`` are within what
+    the wire carries (the schema checks a peer's values the same way)."""
+    if not 0 <= reader <= MAX_READER or not 1 <= readers <= MAX_READERS:
+        raise ValueError(
+            f"lease call by reader {reader} of {readers}: the reader (the consumer's tensor-parallel "
+            f"rank) must be in [0, {MAX_READER}] and readers (how many consumer ranks read this "
+            f"producer rank under the lease) in [1, {MAX_READERS}]")
+
+
+Reader = Annotated[int, msgspec.Meta(ge=0, le=MAX_READER)]
+Readers = Annotated[int, msgspec.Meta(ge=1, le=MAX_READERS)]
+
+
 class LeaseWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """One lease in a RENEW, CONFIRM or RELEASE: the producer's name for it
-    (with its grant token) and the asking consumer's claim."""
+    (with its grant token), the asking consumer's claim, the consumer rank
+    making the call (``reader``) and how many consumer ranks read this
+    producer rank under the lease (``readers``, fixed by the first claim).
+    Omitted on the wire, the last two mean reader 0 of 1."""
 
     epoch: U64
     generation: U64
     request_id: Str
     token: Token
     claim: ClaimKey
+    reader: Reader = 0
+    readers: Readers = 1
 
     @classmethod
-    def of(cls, ref: LeaseRef, claim: bytes) -> LeaseWire:
-        return cls(ref.epoch, ref.generation, ref.request_id, ref.token, claim)
+    def of(cls, ref: LeaseRef, claim: bytes, reader: int = 0, readers: int = 1) -> LeaseWire:
+        check_reader(reader, readers)
+        return cls(ref.epoch, ref.generation, ref.request_id, ref.token, claim, reader, readers)
 
     def ref(self) -> LeaseRef:
         return LeaseRef(self.epoch, self.generation, RequestId(self.request_id), self.token)
