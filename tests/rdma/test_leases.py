@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from rdma_kv.connector.rdma import leases as leases_mod
+from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.leases import LeaseCall, LeaseTable
 from rdma_kv.connector.rdma.params import LeaseRef, lease_token
 from rdma_kv.connector.rdma.wire import LeaseStatus
+from rdma_kv.errors import MetadataError
 
 HELD, PENDING, GONE, CLAIMED, UNKNOWN = (LeaseStatus.HELD, LeaseStatus.PENDING, LeaseStatus.GONE,
                                          LeaseStatus.CLAIMED, LeaseStatus.UNKNOWN)
@@ -41,6 +43,11 @@ def call(gen, claim=A, **kw):
     return [LeaseCall(ref(gen, **kw), claim)]
 
 
+def rcall(gen, reader, readers=2, claim=A):
+    """A call by consumer rank ``reader`` of an engine whose ``readers`` ranks read the lease."""
+    return [LeaseCall(ref(gen), claim, reader, readers)]
+
+
 def table_with(*gens, ttl_s=10.0, clock=None):
     table = LeaseTable(clock or Clock())
     table.set_epoch(EPOCH, KEY)
@@ -51,7 +58,9 @@ def table_with(*gens, ttl_s=10.0, clock=None):
 
 def state(table):
     """Everything a call could change (for "nothing was recorded")."""
-    return (sorted((g, l.owner, l.expires_at, l.renewals) for g, l in table._leases.items()),
+    return (sorted((g, l.owner, l.expires_at, l.renewals, l.claim and (l.claim.readers, sorted(l.claim.released),
+                                                                      sorted(l.claim.confirmed)))
+                   for g, l in table._leases.items()),
             sorted((g, e.owner, e.released, e.confirmed) for g, e in table._early.items()),
             list(table._ended.items()), set(table._done), table._max_generation)
 
@@ -212,6 +221,178 @@ def test_a_second_grant_of_one_generation_is_refused():
     table = table_with(1)
     with pytest.raises(ValueError, match="granted already"):
         table.grant(ref(1), [1], 10.0)
+
+
+# --- several readers: one consumer engine reading a producer rank from several ranks ----------
+
+
+def test_two_readers_the_lease_ends_only_when_both_released():
+    table = table_with(1)
+    assert table.renew(rcall(1, 0)) == [HELD]
+    assert table.confirm(rcall(1, 0), release=True) == [HELD]
+    assert table.take_done() == set() and table.held_block_ids() == {10, 11}, (
+        "the first rank's release handed back blocks the second still reads")
+    assert table.confirm(rcall(1, 1), release=False) == [HELD]  # still held for rank 1
+    assert table.renew(rcall(1, 1)) == [HELD]
+    assert table.confirm(rcall(1, 1), release=True) == [HELD]
+    assert table.take_done() == {"r1"} and len(table) == 0
+    assert table.stats["released"] == 1 and table.stats["reader_released"] == 2
+
+
+def test_a_release_without_confirm_counts_as_a_reader_released():
+    table = table_with(1)
+    assert table.release(rcall(1, 1)) == [HELD]  # rank 1 read nothing
+    assert table.take_done() == set()
+    assert table.confirm(rcall(1, 0), release=True) == [HELD]
+    assert table.take_done() == {"r1"}
+    assert table.confirm(rcall(1, 0), release=True) == [HELD]  # rank 0's retry
+    assert table.confirm(rcall(1, 1), release=False) == [GONE]  # rank 1 released unconfirmed
+
+
+def test_after_all_readers_released_another_reader_is_gone():
+    table = table_with(1)
+    for reader in (0, 1):
+        assert table.confirm(rcall(1, reader), release=True) == [HELD]
+    assert table.take_done() == {"r1"}
+    assert table.confirm(rcall(1, 2), release=False) == [GONE]  # a third rank id
+    assert table.confirm(rcall(1, 2), release=True) == [GONE]
+    assert table.renew(rcall(1, 2)) == [GONE]
+    assert table.renew(rcall(1, 0)) == [GONE]  # ended for good
+    assert table.confirm(rcall(1, 0, claim=B), release=True) == [GONE]  # another claim
+    assert table.confirm(rcall(1, 0, readers=1), release=True) == [GONE]  # another reader count
+
+
+def test_another_reader_count_under_the_owners_claim_is_claimed_and_changes_nothing():
+    table = table_with(1)
+    assert table.renew(rcall(1, 0)) == [HELD]  # owner: claim A, 2 readers
+    assert table.confirm(rcall(1, 0), release=True) == [HELD]
+    before = state(table)
+    for readers in (1, 3):
+        assert table.confirm(rcall(1, 1, readers), release=True) == [CLAIMED]
+        assert table.release(rcall(1, 1, readers)) == [CLAIMED]
+        assert table.renew(rcall(1, 1, readers)) == [CLAIMED]
+    assert table.release(call(1)) == [CLAIMED]  # the single-reader default is a count too
+    assert state(table) == before, "a call with another reader count changed the lease"
+    assert table.take_done() == set()
+    assert table.stats["refused_readers"] == 7
+    assert table.confirm(rcall(1, 1), release=True) == [HELD]
+    assert table.take_done() == {"r1"}
+
+
+def test_a_repeated_release_by_one_reader_changes_nothing():
+    table = table_with(1)
+    assert table.release(rcall(1, 0)) == [HELD]
+    before = state(table)
+    assert table.release(rcall(1, 0)) == [HELD]
+    assert state(table) == before
+    assert table.confirm(rcall(1, 0), release=True) == [HELD]  # counts rank 0 once: still alive
+    assert table.take_done() == set() and len(table) == 1
+    assert table.release(rcall(1, 1)) == [HELD]
+    assert table.take_done() == {"r1"}
+    # Rank 0's CONFIRM answered HELD while the lease lived: its retry is recognised.
+    assert table.confirm(rcall(1, 0), release=True) == [HELD]
+
+
+def test_retries_are_recognised_per_reader():
+    table = table_with(1, 2)
+    assert table.confirm(rcall(1, 0, readers=3), release=True) == [HELD]
+    assert table.confirm(rcall(1, 0, readers=3), release=True) == [HELD]  # retry, lease alive
+    assert table.confirm(rcall(1, 1, readers=3), release=True) == [HELD]
+    assert table.release(rcall(1, 2, readers=3)) == [HELD]  # the last: ends it
+    assert table.take_done() == {"r1"}
+    for reader, answer in ((0, HELD), (1, HELD), (2, GONE), (3, GONE)):
+        for release in (True, False):
+            assert table.confirm(rcall(1, reader, readers=3), release) == [answer], (reader, release)
+    assert table.confirm(rcall(1, 0, readers=3, claim=B), release=True) == [GONE]
+    # lease 2 is untouched by lease 1's readers
+    assert table.confirm(rcall(2, 0), release=False) == [HELD] and len(table) == 1
+
+
+def test_a_renewal_by_any_reader_extends_the_lease_for_all():
+    clock = Clock()
+    table = table_with(1, ttl_s=2.0, clock=clock)
+    assert table.confirm(rcall(1, 0), release=True) == [HELD]
+    for _ in range(3):
+        clock.t += 1.5
+        assert table.renew(rcall(1, 1)) == [HELD]  # rank 1, still reading, keeps it alive
+    assert table.take_done() == set()
+    assert table.confirm(rcall(1, 1), release=True) == [HELD]
+    assert table.take_done() == {"r1"} and table.stats.get("expired", 0) == 0
+
+
+def test_expiry_with_one_reader_released():
+    clock = Clock()
+    table = table_with(1, ttl_s=2.0, clock=clock)
+    assert table.confirm(rcall(1, 0), release=True) == [HELD]
+    clock.t += 2.5  # rank 1's reads were slow and nobody renewed
+    assert table.confirm(rcall(1, 1), release=True) == [GONE]
+    assert table.take_done() == {"r1"} and table.stats["expired"] == 1
+    # Rank 0 released (through a CONFIRM answered HELD) while the lease lived.
+    assert table.confirm(rcall(1, 0), release=True) == [HELD]
+    assert table.renew(rcall(1, 0)) == [GONE] and table.renew(rcall(1, 1)) == [GONE]
+    # Past its expiry, nobody's release is confirmed, whoever came first.
+    table = table_with(1, ttl_s=2.0, clock=clock)
+    clock.t += 2.5
+    assert table.confirm(rcall(1, 0), release=True) == [GONE]
+    assert table.confirm(rcall(1, 0), release=True) == [GONE]
+
+
+def test_early_claims_with_two_readers():
+    table = table_with(1)
+    # Lease 2: one rank confirms before the grant; the grant keeps the lease for the other.
+    assert table.renew(rcall(2, 0)) == [PENDING]
+    assert table.confirm(rcall(2, 0), release=True) == [HELD]
+    assert table.renew(rcall(2, 1)) == [PENDING]  # not yet released by all: not over
+    assert table.confirm(rcall(2, 1, readers=1), release=True) == [CLAIMED]
+    assert table.confirm(rcall(2, 1, claim=B), release=True) == [CLAIMED]
+    table.grant(ref(2), [20, 21], 10.0)
+    assert table.take_done() == set() and table.held_block_ids() == {10, 11, 20, 21}
+    assert table.confirm(rcall(2, 1), release=True) == [HELD]
+    assert table.take_done() == {"r2"}
+    assert table.confirm(rcall(2, 0), release=False) == [HELD]  # the early CONFIRM's retry
+    # Lease 3: both ranks are done before the grant, which then ends it on arrival.
+    assert table.confirm(rcall(3, 0), release=True) == [HELD]
+    assert table.release(rcall(3, 1)) == [PENDING]
+    assert table.release(rcall(3, 1)) == [PENDING]  # a repeat
+    assert table.renew(rcall(3, 0)) == [GONE]
+    assert table.confirm(rcall(3, 0), release=True) == [HELD]  # retry before the grant
+    assert table.confirm(rcall(3, 1), release=True) == [GONE]  # released without a confirm
+    assert table.confirm(rcall(3, 2), release=False) == [GONE]
+    table.grant(ref(3), [30], 10.0)
+    assert table.take_done() == {"r3"} and table.stats["released_early"] == 1
+    assert table.confirm(rcall(3, 0), release=True) == [HELD]  # retry after the grant
+    assert table.confirm(rcall(3, 1), release=True) == [GONE]
+
+
+def test_tombstones_remember_a_bounded_number_of_readers(monkeypatch):
+    monkeypatch.setattr(leases_mod, "MAX_TOMBSTONE_READERS", 3)
+    table = table_with(1, 2)
+    for gen in (1, 2):
+        for reader in (0, 1):
+            assert table.confirm(rcall(gen, reader), release=True) == [HELD]
+    assert table.confirm(rcall(1, 0), release=True) == [GONE]  # forgotten: a load error, never a lie
+    assert table.confirm(rcall(2, 1), release=True) == [HELD]
+
+
+@pytest.mark.parametrize("reader, readers", [(-1, 1), (0, 0), (0, 1025), (65536, 2)])
+def test_reader_bounds_are_checked_in_process_and_on_the_wire(reader, readers):
+    with pytest.raises(ValueError, match=r"reader \(the consumer's tensor-parallel rank\) must be in"):
+        LeaseCall(ref(1), A, reader, readers)
+    with pytest.raises(ValueError, match="must be in"):
+        wire.LeaseWire.of(ref(1), A, reader, readers)
+    r = ref(1)
+    body = wire.encode(wire.Renew(wire.PROTOCOL_VERSION, [
+        wire.LeaseWire(r.epoch, r.generation, r.request_id, r.token, A, reader, readers)]))
+    field = "reader" if not 0 <= reader < 2**16 else "readers"
+    with pytest.raises(MetadataError, match=rf"malformed side-channel request .*Expected `int` [<>]= \d+ .*"
+                                            rf"\(lease 0, field '{field}'\)"):
+        wire.decode_request(body)
+
+
+def test_the_wire_carries_reader_and_readers():
+    message = wire.Confirm(wire.PROTOCOL_VERSION, [wire.LeaseWire.of(ref(1), A, 7, 8)], release=True)
+    decoded = wire.decode_request(wire.encode(message))
+    assert decoded == message and decoded.leases[0].reader == 7 and decoded.leases[0].readers == 8
 
 
 # --- the model ------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import re
 import socket
 import struct
 import time
@@ -367,13 +368,25 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
+_LEASE_FIELD = re.compile(r"\$\.leases\[(\d+)\]\[(\d+)\]")
+
+
+def _name_lease_field(message: str) -> str:
+    """msgspec names a field of an array-like struct by its index: name it."""
+    match = _LEASE_FIELD.search(message)
+    fields = LeaseWire.__struct_fields__
+    if match is None or int(match.group(2)) >= len(fields):
+        return message
+    return f"{message} (lease {match.group(1)}, field {fields[int(match.group(2))]!r})"
+
+
 def _decode(decoder: msgspec.msgpack.Decoder, body: bytes, what: str) -> object:
     try:
         return decoder.decode(body)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         # msgspec raises UnicodeDecodeError (not DecodeError) for a string
         # that is not UTF-8, e.g. a tag: malformed input all the same.
-        raise MetadataError(f"malformed {what} ({len(body)} bytes): {exc}") from None
+        raise MetadataError(f"malformed {what} ({len(body)} bytes): {_name_lease_field(str(exc))}") from None
     except RecursionError:  # deeply nested arrays: msgspec recurses per level
         raise MetadataError(f"malformed {what} ({len(body)} bytes): nested too deeply") from None
 
