@@ -400,17 +400,23 @@ def test_the_wire_carries_reader_and_readers():
 
 class LeaseModel(RuleBasedStateMachine):
     """A producer (scheduler issuing leases, steps shipping grants and freeing
-    ended leases' blocks, which are then reused), consumer requests (each its
-    own claim, several per lease: router retries and duplicate loads), reads,
-    confirms and their retries, renewals, releases, expiry, a restarted
+    ended leases' blocks, which are then reused), consumer engines (each its
+    own claim, several per lease: router retries and duplicate loads), each
+    reading a lease from one to three of its ranks (the lease's readers) plus
+    a stray rank that is not counted, reads, confirms and their retries,
+    renewals, releases, calls with another reader count, expiry, a restarted
     scheduler, and a peer with forged tokens.
 
-    Safety: a CONFIRM answers HELD to a read only if none of the lease's
-    blocks was freed between the read's start and the first CONFIRM its
-    consumer sent after it (the read's end). Ownership: at most one claim
-    ever gets HELD for a lease. A forged call changes nothing."""
+    Safety, per reader: a CONFIRM answers HELD to a rank's read only if none
+    of the lease's blocks was ever freed before the first CONFIRM that rank
+    sent after its read (its read's end). Release: an ended lease's blocks
+    are handed back before its expiry only once every counted rank of its
+    owner has released it, so no rank still reading loses them. Ownership: at
+    most one claim ever gets HELD for a lease. A forged call, and a call under
+    the owner's claim with another reader count, change nothing."""
 
     TTL = 10.0
+    STRAY = 99  # a rank id the owner did not count among the lease's readers
 
     @initialize()
     def start(self):
@@ -424,7 +430,9 @@ class LeaseModel(RuleBasedStateMachine):
         self.blocks = {}  # ref -> block ids
         self.version = {}  # block id -> times it was freed
         self.next_block = 0
-        self.requests = []  # dicts: ref, claim, read_at, ended_at
+        self.expiry = {}  # ref -> when the table may expire it at the earliest
+        self.requests = []  # dicts: ref, claim, readers, ranks: {rank: read_at, ended_at, released}
+        self.owner = {}  # ref -> the request whose claim owns the lease
         self.held_by = {}  # ref -> claims that got HELD
 
     def _versions(self, lease):
@@ -449,42 +457,63 @@ class LeaseModel(RuleBasedStateMachine):
     def ship(self, n):
         for lease in self.issued[self.shipped:self.shipped + n]:
             self.table.grant(lease, self.blocks[lease], self.TTL)
+            self.expiry[lease] = self.clock.t + self.TTL
         self.shipped = min(len(self.issued), self.shipped + n)
+
+    def _free(self, done):
+        """The engine frees the blocks of every lease in ``done``, which are reused at once."""
+        for lease in self.issued:
+            if lease.request_id in done and lease.epoch == self.epoch:
+                if self.clock.t < self.expiry.get(lease, float("inf")):  # not expired: released
+                    owner = self.owner.get(lease)
+                    assert owner is not None, f"{lease} ended unclaimed before its expiry"
+                    reading = [r for r, s in owner["ranks"].items() if r != self.STRAY and not s["released"]]
+                    assert not reading, (f"{lease}'s blocks handed back while ranks {reading} of "
+                                         f"{owner['readers']} had not released it")
+                for b in self.blocks[lease]:
+                    self.version[b] += 1
 
     @rule()
     def step(self):
-        """The engine frees every ended lease's blocks, which are reused at once."""
-        done = self.table.take_done()
-        for lease in self.issued:
-            if lease.request_id in done and lease.epoch == self.epoch:
-                for b in self.blocks[lease]:
-                    self.version[b] += 1
+        self._free(self.table.take_done())
 
     @rule(dt=st.sampled_from([0.5, 2.0, 6.0, 11.0]))
     def tick(self, dt):
         self.clock.t += dt
 
     @precondition(lambda self: self.issued)
-    @rule(data=st.data())
-    def new_request(self, data):
-        self._add_request(data.draw(st.sampled_from(self.issued)))
+    @rule(data=st.data(), readers=st.integers(1, 3), first=st.sampled_from([0, 2]))
+    def new_request(self, data, readers, first):
+        self._add_request(data.draw(st.sampled_from(self.issued)), readers, first)
 
-    def _add_request(self, lease):
+    def _add_request(self, lease, readers, first):
         # Claims are distinct and deterministic (hypothesis replays a failing run).
+        # Ranks ``first..first+readers-1`` read (e.g. decode ranks 2 and 3 of TP=4
+        # reading producer rank 1 of TP=2), and a stray rank the owner did not count.
         claim = len(self.requests).to_bytes(16, "big")
-        self.requests.append({"ref": lease, "claim": claim, "read_at": None, "ended_at": None})
+        ranks = {r: {"read_at": None, "ended_at": None, "released": False}
+                 for r in [*range(first, first + readers), self.STRAY]}
+        self.requests.append({"ref": lease, "claim": claim, "readers": readers, "ranks": ranks})
 
     @precondition(lambda self: self.requests)
-    @rule(data=st.data())
-    def router_retry(self, data):
+    @rule(data=st.data(), readers=st.integers(1, 3))
+    def router_retry(self, data, readers):
         """The same params loaded again: another engine, or a new request id."""
-        req = self._request(data)
-        self._add_request(req["ref"])
+        self._add_request(data.draw(st.sampled_from(self.requests))["ref"], readers, 0)
 
-    def _request(self, data, read=False):
-        return data.draw(st.sampled_from([r for r in self.requests if r["read_at"] is not None or not read]))
+    def _pick(self, data, read=False, counted=False):
+        """A request and one of its ranks (with ``read``: one that read)."""
+        choices = [(req, rank) for req in self.requests for rank, s in req["ranks"].items()
+                   if (s["read_at"] is not None or not read) and (rank != self.STRAY or not counted)]
+        return data.draw(st.sampled_from(choices))
+
+    def _call(self, req, rank, readers=None):
+        return [LeaseCall(req["ref"], req["claim"], rank, readers or req["readers"])]
 
     def _check(self, req, status):
+        if status in (HELD, PENDING) and req["ref"].epoch == self.epoch:
+            self.owner.setdefault(req["ref"], req)
+            assert self.owner[req["ref"]] is req, f"two consumers were answered {status.name} for {req['ref']}"
         if status is HELD:
             holders = self.held_by.setdefault(req["ref"], set())
             holders.add(req["claim"])
@@ -495,34 +524,62 @@ class LeaseModel(RuleBasedStateMachine):
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
     def renew(self, data):
-        req = self._request(data)
-        self._check(req, self.table.renew([LeaseCall(req["ref"], req["claim"])])[0])
+        req, rank = self._pick(data)
+        status = self.table.renew(self._call(req, rank))[0]
+        self._check(req, status)
+        if status is HELD:
+            self.expiry[req["ref"]] = self.clock.t + self.TTL
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
     def release(self, data):
-        req = self._request(data)
-        self._check(req, self.table.release([LeaseCall(req["ref"], req["claim"])])[0])
+        req, rank = self._pick(data, counted=True)
+        status = self.table.release(self._call(req, rank))[0]
+        self._check(req, status)
+        if status in (HELD, PENDING):
+            req["ranks"][rank]["released"] = True
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
     def read(self, data):
-        req = self._request(data)
-        if req["read_at"] is None:  # one read per consumer request, as the worker does
-            req["read_at"] = self._versions(req["ref"])
+        req, rank = self._pick(data)
+        s = req["ranks"][rank]
+        if s["read_at"] is None:  # one read per rank of a consumer request, as the worker does
+            s["read_at"] = self._versions(req["ref"])
 
-    @precondition(lambda self: any(r["read_at"] is not None for r in self.requests))
+    @precondition(lambda self: any(s["read_at"] is not None for r in self.requests for s in r["ranks"].values()))
     @rule(data=st.data(), release=st.booleans())
     def confirm(self, data, release):
-        """A CONFIRM after the read completed; a second one is a retry."""
-        req = self._request(data, read=True)
-        if req["ended_at"] is None:
-            req["ended_at"] = self._versions(req["ref"])
-        status = self.table.confirm([LeaseCall(req["ref"], req["claim"])], release)[0]
+        """A CONFIRM after the rank's read completed; a second one is a retry."""
+        req, rank = self._pick(data, read=True)
+        release = release and rank != self.STRAY  # an uncounted rank never releases
+        s = req["ranks"][rank]
+        if s["ended_at"] is None:
+            s["ended_at"] = self._versions(req["ref"])
+        status = self.table.confirm(self._call(req, rank), release)[0]
         self._check(req, status)
         if status is HELD:
-            assert req["read_at"] == req["ended_at"], (
-                f"HELD for {req['ref']}, whose blocks were freed and reused during the read")
+            never_freed = (0,) * len(s["read_at"])
+            assert s["read_at"] == s["ended_at"] == never_freed, (
+                f"HELD to rank {rank} for {req['ref']}, whose blocks were freed before its read ended")
+            if release:
+                s["released"] = True
+
+    @precondition(lambda self: self.owner)
+    @rule(data=st.data(), kind=st.sampled_from(["renew", "confirm", "release"]), more=st.booleans())
+    def other_reader_count(self, data, kind, more):
+        """The owner's claim with a reader count other than the one it claimed with."""
+        req = data.draw(st.sampled_from(list(self.owner.values())))
+        rank = data.draw(st.sampled_from(list(req["ranks"])))
+        readers = req["readers"] + 1 if more or req["readers"] == 1 else req["readers"] - 1
+        self.table.expire()
+        before = state(self.table)
+        if kind == "confirm":
+            status = self.table.confirm(self._call(req, rank, readers), release=True)[0]
+        else:
+            status = getattr(self.table, kind)(self._call(req, rank, readers))[0]
+        assert status in (CLAIMED, GONE), status
+        assert state(self.table) == before, "a call with another reader count changed the table"
 
     @rule(data=st.data(), kind=st.sampled_from(["renew", "confirm", "release"]))
     def forged(self, data, kind):
@@ -541,11 +598,11 @@ class LeaseModel(RuleBasedStateMachine):
     @rule()
     def restart_scheduler(self):
         """A new epoch: every lease of the old one ends (its blocks are freed)."""
-        done_before = self.table.take_done()
+        self._free(self.table.take_done())
         self.table.set_epoch(self.epoch + 1, (self.epoch + 1).to_bytes(32, "big"))
-        done = self.table.take_done() | done_before
+        self.table.take_done()
         for lease in self.issued:
-            if lease.request_id in done or lease.epoch == self.epoch:
+            if lease.epoch == self.epoch:
                 for b in self.blocks[lease]:
                     self.version[b] += 1
         self.epoch += 1
