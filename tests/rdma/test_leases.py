@@ -482,7 +482,7 @@ class LeaseModel(RuleBasedStateMachine):
         self.clock.t += dt
 
     @precondition(lambda self: self.issued)
-    @rule(data=st.data(), readers=st.integers(1, 3), first=st.sampled_from([0, 2]))
+    @rule(data=st.data(), readers=st.sampled_from([1, 1, 2, 3]), first=st.sampled_from([0, 2]))
     def new_request(self, data, readers, first):
         self._add_request(data.draw(st.sampled_from(self.issued)), readers, first)
 
