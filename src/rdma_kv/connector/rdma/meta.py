@@ -53,6 +53,8 @@ class RemoteLease:
     peer: PeerAddress
     lease: LeaseRef
     claim: bytes = dataclasses.field(repr=False)
+    reader: int = 0
+    readers: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,6 +48,7 @@ __all__ = [
     "LeaseReply",
     "LeaseStatus",
     "LeaseWire",
+    "RankInfo",
     "Refused",
     "Release",
     "Renew",
@@ -99,19 +100,22 @@ class LeaseStatus(enum.IntEnum):
 
 
 class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What two engines must agree on to copy KV block for block."""
+    """What two engines must agree on to copy KV heads block for block,
+    whatever their tensor-parallel sizes: the model's shape, not a rank's
+    (a rank's share, its heads and TP size, travels in :class:`RankInfo`)."""
 
     num_layers: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)]
     block_size: Annotated[int, msgspec.Meta(ge=1)]
-    num_kv_heads: Annotated[int, msgspec.Meta(ge=0)]
+    total_kv_heads: Annotated[int, msgspec.Meta(ge=0)]
+    """The model's KV heads (1 for MLA), before tensor parallelism shards them."""
     head_size: Annotated[int, msgspec.Meta(ge=0)]
     dtype: Str
     spec: Str
-    """The KV-cache spec's ``type_id`` (kind, block size, page size)."""
+    """The KV-cache spec's kind and block size, and its page size per KV head."""
     layouts: Annotated[list[Str], msgspec.Meta(max_length=MAX_LAYERS)]
-    """Per layer: layout, segment byte lengths and memory order, e.g.
-    ``kv_first:4096,4096:(2,B,16,8,128) order 0,1,2,3,4``."""
-    tp_size: Annotated[int, msgspec.Meta(ge=1)]
+    """Per layer: layout, segment bytes per KV head, bytes of one head's
+    slice, and memory order with the heads dim written ``H``, e.g.
+    ``blocks_first:4096:2048:(B,H,16,64) order 0,1,2,3``."""
     kv_layout: Str = ""
     """``NHD``, ``HND`` or ``MLA`` (geometry.LayerGeometry.kv_layout)."""
     attention_backend: Str = ""
@@ -146,6 +150,8 @@ class LayerWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fie
     num_blocks: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCKS_PER_LAYER)]
     layout: Layout
     segments: Annotated[list[SegmentWire], msgspec.Meta(min_length=1, max_length=8)]
+    head_nbytes: U64 = 0
+    """``LayerGeometry.head_nbytes``: lets a reader slice heads out of a block."""
 
 
 class RegionWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -166,6 +172,7 @@ class GeometryWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     layer.name, layer.region_index, layer.num_blocks, layer.layout,
                     [SegmentWire(s.offset, s.block_stride_bytes, s.block_nbytes)
                      for s in layer.segments],
+                    layer.head_nbytes,
                 )
                 for layer in geometry.layers
             ],
@@ -202,6 +209,7 @@ class GeometryWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             layers.append(LayerGeometry(
                 layer.name, layer.region_index, layer.num_blocks, layer.layout,
                 tuple(Segment(s.offset, s.block_stride_bytes, s.block_nbytes) for s in layer.segments),
+                head_nbytes=layer.head_nbytes,
             ))
         return KVCacheGeometry(regions, tuple(layers))
 
@@ -219,10 +227,12 @@ class LeaseWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fie
     request_id: Str
     token: Token
     claim: ClaimKey
+    reader: int = 0
+    readers: int = 1
 
     @classmethod
-    def of(cls, ref: LeaseRef, claim: bytes) -> LeaseWire:
-        return cls(ref.epoch, ref.generation, ref.request_id, ref.token, claim)
+    def of(cls, ref: LeaseRef, claim: bytes, reader: int = 0, readers: int = 1) -> LeaseWire:
+        return cls(ref.epoch, ref.generation, ref.request_id, ref.token, claim, reader, readers)
 
     def ref(self) -> LeaseRef:
         return LeaseRef(self.epoch, self.generation, RequestId(self.request_id), self.token)
@@ -252,10 +262,18 @@ class Auth(msgspec.Struct, frozen=True, tag="auth", forbid_unknown_fields=True):
     proof: Proof
 
 
+class RankInfo(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """One rank's share of the model: its TP rank and size, and the KV heads it holds."""
+
+    tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+    num_kv_heads: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+
+
 class Handshake(msgspec.Struct, frozen=True, tag="handshake", forbid_unknown_fields=True):
     version: int
     engine_id: Str
-    tp_rank: Annotated[int, msgspec.Meta(ge=0)]
+    rank: RankInfo
     compat: CompatInfo
 
 
@@ -301,7 +319,7 @@ class AuthOk(msgspec.Struct, frozen=True, tag="auth_ok", forbid_unknown_fields=T
 class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_ok", forbid_unknown_fields=True):
     version: int
     engine_id: Str
-    tp_rank: int
+    rank: RankInfo
     compat: CompatInfo
     compat_hash: Str
     agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_REPLY_BYTES)]
