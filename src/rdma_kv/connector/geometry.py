@@ -364,42 +364,38 @@ def derive_layer_geometry(
                 f"{info.storage_nbytes}-byte allocation"
             )
     block_dim = 0 if layout is Layout.BLOCKS_FIRST else 1
-    heads = _heads_dim(info, spec, block_dim)
+    kv, heads = _kv_and_heads_dims(info, spec, block_dim)
     return LayerGeometry(name, region_index, num_blocks, layout, segments,
-                         _memory_order(info, block_dim, heads), _kv_layout(info, spec, block_dim),
-                         _head_nbytes(info, spec, block_dim, heads))
+                         _memory_order(info, block_dim, heads), _kv_layout(info, spec, block_dim, kv, heads),
+                         _head_nbytes(info, spec, block_dim, kv, heads))
 
 
-def _kv_dim(info: _TensorInfo, spec: AttentionSpec, block_dim: int) -> int | None:
-    """The K/V dim (size 2) of a non-MLA layer, if the shape has one."""
+def _kv_and_heads_dims(info: _TensorInfo, spec: AttentionSpec, block_dim: int) -> tuple[int | None, int | None]:
+    """The K/V dim (size 2) and the KV-heads dim of a layer's tensor, each
+    None when absent (MLA has neither). The heads dim is the one of size
+    ``num_kv_heads``, the outermost in memory when sizes collide; a size-2
+    dim next to the block dim is K/V only if another dim holds the heads
+    (vLLM's CPU layout ``[blocks, heads, block_size, 2 * head]`` with 2
+    heads would otherwise read as K/V)."""
     if spec.use_mla:
-        return None
-    per_kv = spec.block_size * spec.num_kv_heads * spec.head_size
-    shape = info.shape
+        return None, None
+    shape, n = info.shape, spec.num_kv_heads
+    per_kv = spec.block_size * n * spec.head_size
+    kv = None
     if block_dim == 1 and shape[0] == 2:
-        return 0
-    if block_dim == 0 and len(shape) >= 3 and shape[1] == 2 and math.prod(shape[2:]) == per_kv:
-        return 1
-    return None
+        kv = 0
+    elif block_dim == 0 and len(shape) >= 3 and shape[1] == 2 and math.prod(shape[2:]) == per_kv:
+        kv = 1
+    dims = [d for d in range(len(shape)) if d not in (block_dim, kv) and shape[d] == n]
+    if not dims and kv is not None and n == 2 and block_dim == 0:
+        return None, kv
+    return kv, (max(dims, key=lambda d: info.strides[d]) if dims else None)
 
 
-def _heads_dim(info: _TensorInfo, spec: AttentionSpec, block_dim: int) -> int | None:
-    """The KV-heads dim: the one of size ``num_kv_heads`` (the outermost in
-    memory when sizes collide); None for MLA or when no dim has that size."""
-    if spec.use_mla:
-        return None
-    kv = _kv_dim(info, spec, block_dim)
-    dims = [d for d in range(len(info.shape))
-            if d not in (block_dim, kv) and info.shape[d] == spec.num_kv_heads]
-    if not dims:
-        return None
-    return max(dims, key=lambda d: info.strides[d])
-
-
-def _head_nbytes(info: _TensorInfo, spec: AttentionSpec, block_dim: int, heads: int | None) -> int:
+def _head_nbytes(info: _TensorInfo, spec: AttentionSpec, block_dim: int, kv: int | None,
+                 heads: int | None) -> int:
     if heads is None:
         return 0
-    kv = _kv_dim(info, spec, block_dim)
     if spec.num_kv_heads == 1:
         return spec.block_size * spec.head_size * info.itemsize * (2 if kv is None else 1)
     stride = info.strides[heads]
@@ -422,17 +418,17 @@ def _memory_order(info: _TensorInfo, block_dim: int, heads: int | None = None) -
     return f"({shape}) order {','.join(map(str, dims))}"
 
 
-def _kv_layout(info: _TensorInfo, spec: AttentionSpec, block_dim: int) -> str:
+def _kv_layout(info: _TensorInfo, spec: AttentionSpec, block_dim: int, kv: int | None,
+               heads: int | None) -> str:
     if spec.use_mla:
         return "MLA"
-    if spec.num_kv_heads == 1:
-        return "NHD"  # one head: both orders are the same bytes
-    inner = [d for d in range(len(info.shape)) if d != block_dim]
-    tokens = [d for d in inner if info.shape[d] == spec.block_size]
-    heads = [d for d in inner if info.shape[d] == spec.num_kv_heads]
-    if len(tokens) != 1 or len(heads) != 1 or tokens == heads:
+    if heads is None:
+        return "NHD" if spec.num_kv_heads == 1 else ""  # one head: both orders are the same bytes
+    tokens = [d for d in range(len(info.shape))
+              if d not in (block_dim, kv, heads) and info.shape[d] == spec.block_size]
+    if len(tokens) != 1:
         return ""
-    return "NHD" if info.strides[tokens[0]] > info.strides[heads[0]] else "HND"
+    return "NHD" if info.strides[tokens[0]] > info.strides[heads] else "HND"
 
 
 def derive_geometry(
