@@ -4,9 +4,9 @@ Owns :class:`RdmaConsumer`, everything a decode worker does to read a
 prompt's KV blocks from a producer:
 
 - **plan**: which producer ranks hold the KV heads this rank owns
-  (``topology.plan_ranks``, from both TP sizes and the model's KV heads):
-  one *source* per producer rank read, each a head slice of both sides'
-  blocks, or whole blocks when the TP sizes are equal.
+  (``sources``, ``topology``: from both TP sizes and the model's KV
+  heads): one *source* per producer rank read, each a head slice of both
+  sides' blocks, or whole blocks when the TP sizes are equal.
 - **peers**: one :class:`~rdma_kv.connector.rdma.loads.PeerState` per
   producer rank, CONNECTING -> READY (HANDSHAKE over the side channel: the
   rank's share checked against the plan, the producer's agent metadata
@@ -52,7 +52,7 @@ it). Load-failure warnings are rate-limited per producer (``lograte``).
 Imports the standard library, numpy, ``rdma_kv.errors``, the connector's
 ``types`` and ``geometry`` and its ``rdma`` modules (``auth``, ``wire``,
 ``meta``, ``planning``, ``settings``, ``sidechannel``, ``stats``,
-``topology``, ``transport_api`` and the consumer's helpers ``loads``,
+``transport_api`` and the consumer's helpers ``sources``, ``loads``,
 ``clients``, ``lease_rpc``, ``lograte``). Never ``producer``, ``leases`` or
 ``worker``.
 """
@@ -87,14 +87,14 @@ from rdma_kv.connector.rdma.loads import (
 )
 from rdma_kv.connector.rdma.lograte import RateLimitedWarnings
 from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress, RemoteLease
-from rdma_kv.connector.rdma.planning import HeadSlice, SlotTable, count_runs
+from rdma_kv.connector.rdma.planning import SlotTable, count_runs
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sidechannel import SideChannelClient
 from rdma_kv.connector.rdma.stats import LoadRecord, LoadStats, Totals
-from rdma_kv.connector.rdma.topology import RankPlan, plan_ranks
+from rdma_kv.connector.rdma.sources import Sources, Targeted
 from rdma_kv.connector.rdma.transport_api import TransferHandle, Transport
 from rdma_kv.connector.types import BlockId, EngineId, RequestId
-from rdma_kv.errors import ConfigError, HandshakeError, NotInitializedError, PeerError
+from rdma_kv.errors import ConfigError, HandshakeError, PeerError
 
 __all__ = ["RdmaConsumer"]
 
@@ -105,7 +105,6 @@ HANDSHAKE, READING, CONFIRMING, DONE, FAILED = (
     LoadStage.HANDSHAKE, LoadStage.READING, LoadStage.CONFIRMING, LoadStage.DONE, LoadStage.FAILED)
 
 PeerKey = tuple[str, str, int]  # engine id, side-channel host, the producer rank's port
-Targeted = tuple[int, RemoteLease]  # (producer rank, lease as this reader)
 
 
 class RdmaConsumer:
@@ -121,10 +120,7 @@ class RdmaConsumer:
         self._clock = clock
         self._lock = threading.RLock()
         self._transport: Transport | None = None
-        self._geometry: KVCacheGeometry | None = None
-        self._tables: dict[HeadSlice | None, tuple[SlotTable, Any]] = {}
-        self._compat: wire.CompatInfo | None = None
-        self._rank_info: wire.RankInfo | None = None
+        self._sources = Sources(settings.tp_rank, settings.tp_size)
         self._executor = concurrent.futures.ThreadPoolExecutor(
             settings.rpc_threads, thread_name_prefix=f"rdma-kv-rpc-{settings.tp_rank}")
         self._clients = ClientPool(self._make_client, clock=clock)
@@ -143,52 +139,8 @@ class RdmaConsumer:
     def attach(self, transport: Transport, geometry: KVCacheGeometry, slots: SlotTable, local_prep: Any,
                compat: wire.CompatInfo, rank: wire.RankInfo) -> None:
         """The worker registered its KV caches: reads go into ``slots`` of ``transport``."""
-        self._transport, self._geometry, self._compat, self._rank_info = transport, geometry, compat, rank
-        self._tables[None] = (slots, local_prep)
-
-    def _require_compat(self) -> tuple[wire.CompatInfo, wire.RankInfo]:
-        if self._compat is None or self._rank_info is None:
-            raise NotInitializedError("the RDMA connector's worker has no KV caches; the engine "
-                                      "must call register_kv_caches() at startup")
-        return self._compat, self._rank_info
-
-    # --- plans ------------------------------------------------------------------------------------------
-
-    def _plan(self, address: PeerAddress) -> RankPlan:
-        """What this rank reads from the producer at ``address``; raises
-        :class:`ConfigError` when the two TP sizes cannot share its heads."""
-        compat, rank = self._require_compat()
-        return plan_ranks(self._rank, rank.tp_size, address.tp_size, max(1, compat.total_kv_heads),
-                          compat.kv_layout == "MLA")
-
-    def _targets(self, lease: RemoteLease) -> list[Targeted]:
-        """Where this rank sends a RENEW or RELEASE made for a whole request."""
-        try:
-            readers = self._plan(lease.peer).readers
-        except (ConfigError, NotInitializedError):
-            # No load can run: release each producer rank from one consumer rank.
-            tp = self._rank_info.tp_size if self._rank_info else self._settings.tp_size
-            readers = {p: 1 for p in range(lease.peer.tp_size) if p % tp == self._rank}
-        return [(p, dataclasses.replace(lease, reader=self._rank, readers=n)) for p, n in readers.items()]
-
-    def _source_lease(self, load: LoadState, src: Source) -> Targeted:
-        return src.read.rank, dataclasses.replace(load.spec.remote_lease, reader=self._rank, readers=src.readers)
-
-    def _local_table(self, heads: HeadSlice | None) -> tuple[SlotTable, Any]:
-        table = self._tables.get(heads)
-        if table is None:
-            assert self._geometry is not None and self._transport is not None
-            slots = SlotTable(self._geometry, heads)
-            table = self._tables[heads] = (slots, self._transport.prep_local(slots.descs))
-        return table
-
-    def _remote_table(self, peer: PeerState, heads: HeadSlice | None) -> tuple[SlotTable, Any]:
-        table = peer.tables.get(heads)
-        if table is None:
-            assert peer.geometry is not None and peer.name is not None and self._transport is not None
-            slots = SlotTable(peer.geometry, heads)
-            table = peer.tables[heads] = (slots, self._transport.prep_remote(peer.name, slots.descs))
-        return table
+        self._transport = transport
+        self._sources.attach(transport, geometry, slots, local_prep, compat, rank)
 
     # --- every step ------------------------------------------------------------------------------------
 
@@ -198,9 +150,9 @@ class RdmaConsumer:
         if self._closed:
             return
         if releases:
-            self._lease_rpc_async(wire.Release, [t for lease in releases for t in self._targets(lease)])
+            self._lease_rpc_async(wire.Release, [t for lease in releases for t in self._sources.targets(lease)])
         if renewals:
-            self._lease_rpc_async(wire.Renew, [t for lease in renewals for t in self._targets(lease)])
+            self._lease_rpc_async(wire.Renew, [t for lease in renewals for t in self._sources.targets(lease)])
         for rid in aborts:
             self._abort(rid)
         for spec in loads:
@@ -226,7 +178,7 @@ class RdmaConsumer:
                 self._fail(load, f"the scheduler could not plan the load: {spec.error}")
                 return
             try:
-                plan = self._plan(spec.peer)
+                plan = self._sources.plan(spec.peer)
             except ConfigError as exc:
                 self._fail(load, f"cannot map tensor-parallel ranks: {exc}")
                 return
@@ -279,8 +231,8 @@ class RdmaConsumer:
         address, t0 = peer.address, time.perf_counter()
         name = None
         try:
-            compat, rank = self._require_compat()
-            plan = self._plan(address)
+            compat, rank = self._sources.require()
+            plan = self._sources.plan(address)
             client = self._client(address, peer.rank)
             reply = client.handshake(wire.Handshake(wire.PROTOCOL_VERSION, self._engine_id, rank, compat))
             if reply.engine_id != address.engine_id:
@@ -369,15 +321,12 @@ class RdmaConsumer:
             src.stage, src.resolved = SourceStage.READING, False
             if load.stage is HANDSHAKE:
                 load.stage = READING
-        assert self._transport is not None and self._rank_info is not None
+        assert self._transport is not None
         t0 = time.perf_counter()
         try:
-            plan = self._plan(spec.peer)
-            local_heads = None if plan.whole(read) else HeadSlice(read.local_first, read.count, plan.local_heads)
-            remote_heads = None if plan.whole(read) else HeadSlice(read.remote_first, read.count, plan.remote_heads)
+            plan = self._sources.plan(spec.peer)
             with self._lock:
-                local, local_prep = self._local_table(local_heads)
-                remote, remote_prep = self._remote_table(peer, remote_heads)
+                (local, local_prep), (remote, remote_prep) = self._sources.tables(plan, read, peer)
             if not np.array_equal(local.row_nbytes, remote.row_nbytes):
                 raise ValueError(f"the local and producer rank {read.rank} slot tables differ in "
                                  "bytes per block; the KV layouts do not match")
@@ -444,7 +393,7 @@ class RdmaConsumer:
                      if src.stage is SourceStage.CONFIRMING and not ld.stage.terminal]
         if not batch:
             return
-        leases = [self._source_lease(ld, src)[1] for ld, src in batch]
+        leases = [self._sources.of(ld, src)[1] for ld, src in batch]
         request = wire.Confirm(wire.PROTOCOL_VERSION, [
             wire.LeaseWire.of(lease.lease, lease.claim, reader=lease.reader, readers=lease.readers)
             for lease in leases], release=True)
@@ -487,7 +436,7 @@ class RdmaConsumer:
 
     def _release_sources(self, load: LoadState) -> None:
         """RELEASE this reader's share of every source not yet released."""
-        targets = [self._source_lease(load, src) for src in load.sources if not src.released]
+        targets = [self._sources.of(load, src) for src in load.sources if not src.released]
         for src in load.sources:
             src.released = True
         if targets:

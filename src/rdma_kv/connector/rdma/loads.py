@@ -130,7 +130,7 @@ def due_renewals(loads: Iterable[LoadState], now: float, interval_for: Callable[
     load's first renewal (which also claims its lease) goes out at the first
     step after it starts, later ones every ``interval_for(its lease TTL)``;
     to every source not yet released."""
-    due = []
+    due: list[tuple[int, RemoteLease]] = []
     for load in loads:
         if not load.stage.terminal and (
                 load.renewed_at is None or now - load.renewed_at >= interval_for(load.spec.lease_ttl_s)):
