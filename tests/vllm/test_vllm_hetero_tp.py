@@ -129,6 +129,7 @@ def test_prefill_tp1_decode_tp2(engines) -> None:
 
 
 def test_producer_killed_tp2_decode_recomputes(engines, dirs) -> None:
+    idle = engines["tp2"].free_blocks(settle_s=10.0)
     doomed = engine("doomed", dirs["a"], dirs["logs"])
     try:
         doomed.start(config("kv_producer"), model=MODEL)
@@ -138,6 +139,7 @@ def test_producer_killed_tp2_decode_recomputes(engines, dirs) -> None:
     reply = engines["tp2"].generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)
     assert tokens(reply) == engines["plain"]
     assert f"handshake with 127.0.0.1:{params[0]['remote_port']} failed" in engines["tp2"].log()
+    assert engines["tp2"].free_blocks(settle_s=10.0) == idle, "the failed loads stranded decode blocks"
     # Everything is usable afterwards: a good load still matches.
     assert tokens(engines["tp2"].generate(PD_PROMPTS, max_tokens=MAX_TOKENS,
                                           kv_transfer_params=prefill(engines["tp1"]))) == engines["plain"]
