@@ -195,3 +195,35 @@ def test_nhd_cannot_be_sliced_and_says_what_to_do():
     SlotTable(geometry)  # whole blocks are fine
     with pytest.raises(DescriptorError, match="HND"):
         SlotTable(geometry, HeadSlice(0, 2, 4))
+
+
+def test_a_producer_rank_read_by_two_decode_ranks_keeps_its_blocks_until_both_confirmed(rng):
+    """P1 -> D2: both decode ranks read the one producer rank under one
+    lease. The first rank's CONFIRM (which releases its share) must not hand
+    the blocks back while the second rank's reads are still on the wire."""
+    fabric = FakeFabric()
+    dep = Deployment(1, 2, 4, {"transport_factory": fabric.factory})
+    try:
+        prompt = {"r0": rng.integers(1, 999, 20).tolist()}
+        dep.P.add_request("r0", prompt["r0"], {"do_remote_decode": True})
+        wait_until(lambda: dep.P.results.get("r0") and dep.P.results["r0"].status.value == "finished",
+                   step=dep.pump, what="prefill")
+        fabric.hold = True
+        dep.D.add_request("r0", prompt["r0"], dep.P.results["r0"].kv_transfer_params)
+        wait_until(lambda: len(fabric.pending) == 2, step=dep.pump, what="both ranks' reads posted")
+        first, second = (r.worker.worker for r in dep.D.ranks)
+        fabric.release_all(reader=first.agent_name)
+        wait_until(lambda: first.num_inflight() == 0, step=dep.pump, what="rank 0 confirmed its share")
+        for _ in range(20):
+            dep.pump()
+        assert "r0" in dep.P.held, "the producer handed back blocks a decode rank is still reading"
+        assert len(dep.P.ranks[0].worker.worker.leases) == 1 and second.num_inflight() == 1
+        fabric.hold = False
+        fabric.release_all()
+        wait_until(lambda: dep.D.results.get("r0") and dep.D.results["r0"].status.value == "finished",
+                   step=dep.pump, what="decode")
+        r = dep.D.results["r0"]
+        assert r.status.value == "finished" and not r.load_failed and r.bad_blocks == []
+        dep.settle()
+    finally:
+        dep.close()
