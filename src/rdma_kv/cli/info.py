@@ -324,8 +324,7 @@ def _check_host(settings: Any, add: Any) -> bool:
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.bind(address)
     except OSError as exc:
-        add(Finding("error", bind_advice(exc, host, 0) if exc.errno == errno.EADDRNOTAVAIL
-                    else f"side_channel_host {host!r} is unusable: {exc}"))
+        add(Finding("error", bind_advice(exc, host, 0) or f"side_channel_host {host!r} is unusable: {exc}"))
         return False
     add(Finding("ok", f"side_channel_host {host} is an address of this host"))
     return True
@@ -346,8 +345,7 @@ def _check_port(settings: Any, add: Any) -> None:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(address)
     except OSError as exc:
-        add(Finding("error", bind_advice(exc, host, port) if exc.errno == errno.EADDRINUSE
-                    else f"cannot bind {host}:{port}: {exc}"))
+        add(Finding("error", bind_advice(exc, host, port) or f"cannot bind {host}:{port}: {exc}"))
         return
     add(Finding("ok", f"{host}:{port} is free for the side channel (rank r: port + r)"))
 

@@ -75,6 +75,7 @@ from rdma_kv.connector import (
     KVTransferConfig,
     NewRequestData,
     Request,
+    BlockId,
     RequestId,
     SchedulerOutput,
 )
@@ -301,7 +302,7 @@ class Engine:
                 "total_kv_heads": self.shape.num_kv_heads})
         if kwargs:
             cls = KVConnectorFactory.get_connector_class(config)
-            return cls(config, role, self.kv_cache_config, **kwargs)  # type: ignore[call-arg]
+            return cls(config, role, self.kv_cache_config, **kwargs)
         return KVConnectorFactory.create_connector(config, role, self.kv_cache_config)
 
     # --- API -------------------------------------------------------------------------
@@ -512,7 +513,7 @@ class Engine:
         self.requests.pop(rid, None)
         req.status = req.result.status = status
         req.result.finished_at = time.perf_counter()
-        delay, params = self.scheduler.request_finished(req.request, list(req.block_ids))
+        delay, params = self.scheduler.request_finished(req.request, [BlockId(b) for b in req.block_ids])
         req.result.kv_transfer_params = params
         if req.block_ids:
             if delay:

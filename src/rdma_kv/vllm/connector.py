@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from rdma_kv.connector.base import KVConnectorRole as Role
-from rdma_kv.connector.types import as_block_ids
+from rdma_kv.connector.types import RequestId, as_block_ids
 from rdma_kv.errors import ConfigError
 from rdma_kv.vllm import translate
 from rdma_kv.vllm.stats import RdmaKVConnectorStats, RdmaKVPromMetrics
@@ -206,7 +206,7 @@ class RdmaKVConnector(KVConnectorBase_V1):
         the load in flight, delays the free and later reports
         ``done_sending`` for blocks vLLM already freed (an assertion in its
         scheduler). Such reports are dropped here."""
-        sending, recving = self._connector.get_finished(set(finished_req_ids))
+        sending, recving = self._connector.get_finished({RequestId(rid) for rid in finished_req_ids})
         stale = {rid for rid in sending if rid in self._recved}
         for rid in stale:
             del self._recved[rid]
@@ -233,7 +233,7 @@ class RdmaKVConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> RdmaKVConnectorMetadata:
         inner = self._connector.build_connector_meta(translate.scheduler_output(scheduler_output))
-        return RdmaKVConnectorMetadata(inner)  # type: ignore[arg-type]
+        return RdmaKVConnectorMetadata(inner)
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._connector.update_connector_output(translate.connector_output(connector_output))

@@ -122,8 +122,8 @@ def transfer_config(vllm_kv: Any, *, tp_rank: int = 0, tp_size: int = 1,
         extra["total_kv_heads"] = total_kv_heads
     if attention_backend:  # part of the compatibility check (worker side)
         extra["attention_backend"] = attention_backend
-    device = getattr(vllm_kv, "kv_buffer_device", None) or "cpu"
-    policy = getattr(vllm_kv, "kv_load_failure_policy", None) or "fail"
+    device: Any = getattr(vllm_kv, "kv_buffer_device", None) or "cpu"  # KVTransferConfig parses it
+    policy: Any = getattr(vllm_kv, "kv_load_failure_policy", None) or "fail"
     return KVTransferConfig(
         kv_connector=vllm_kv.kv_connector,
         engine_id=None if vllm_kv.engine_id is None else str(vllm_kv.engine_id),
@@ -179,7 +179,7 @@ def kv_cache_config(config: Any) -> KVCacheConfig:
     for t in config.kv_cache_tensors:
         layers = getattr(t, "layers", None)
         if layers is None:
-            layers = getattr(t, "shared_by", ())
+            layers = getattr(t, "shared_by", None) or ()
         tensors.append(KVCacheTensor(size=int(t.size), shared_by=tuple(layers)))
     return KVCacheConfig(int(config.num_blocks), tuple(tensors), groups)
 
