@@ -227,3 +227,16 @@ def test_a_producer_rank_read_by_two_decode_ranks_keeps_its_blocks_until_both_co
         dep.settle()
     finally:
         dep.close()
+
+
+def test_tp_sizes_that_cannot_share_the_heads_recompute_and_release_every_producer_rank(rng):
+    """A producer at TP=3 of a 4-head model (which no engine would run) and a
+    decode at TP=2: no plan exists, every load fails clearly, and every
+    producer rank is released at once (not after the lease TTL)."""
+    dep = Deployment(3, 2, 4, {"transport_factory": FakeFabric().factory})
+    try:
+        results = dep.run(prompts(rng, 3))
+        assert all(r.status.value == "finished" and r.load_failed for r in results.values())
+        dep.settle()
+    finally:
+        dep.close()

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
 import functools
 import logging
 import threading
@@ -183,8 +182,7 @@ class RdmaConsumer:
                 self._fail(load, f"cannot map tensor-parallel ranks: {exc}")
                 return
             load.sources = [Source(read, plan.readers[read.rank]) for read in plan.reads]
-            release_only = [(p, dataclasses.replace(spec.remote_lease, reader=self._rank, readers=plan.readers[p]))
-                            for p in plan.release_only]
+            release_only = [t for t in self._sources.targets(spec.remote_lease) if t[0] in plan.release_only]
             for src in load.sources:
                 key = self._peer_key(spec.peer, src.read.rank)
                 peer = self._peers.get(key)
@@ -435,10 +433,15 @@ class RdmaConsumer:
     # --- endings (called with the lock held) ---------------------------------------------------------------
 
     def _release_sources(self, load: LoadState) -> None:
-        """RELEASE this reader's share of every source not yet released."""
-        targets = [self._sources.of(load, src) for src in load.sources if not src.released]
-        for src in load.sources:
-            src.released = True
+        """RELEASE this reader's share of every source not yet released (a
+        load that failed before it had sources: every producer rank this rank
+        calls, as for a request released by the scheduler)."""
+        if load.sources:
+            targets = [self._sources.of(load, src) for src in load.sources if not src.released]
+            for src in load.sources:
+                src.released = True
+        else:
+            targets = self._sources.targets(load.spec.remote_lease)
         if targets:
             self._lease_rpc_async(wire.Release, targets)
 
