@@ -5,7 +5,7 @@ Engines (each its own process, ``engine_proc``; TP ranks are vLLM's ``mp``
 workers with one OpenMP thread each), shared by the tests of this module:
 
 - ``tp1``: TP=1, weights A, ``kv_both`` (producer for the TP=2 engine, and
-  consumer of it);
+  consumer of it; its requests without params are the plain reference);
 - ``tp2``: TP=2, weights A, ``kv_both`` (4 KV heads: 2 per rank);
 - ``other``: TP=1, weights B, ``kv_producer`` (the control: KV with other
   weights must change the TP=2 decode's output).
@@ -88,11 +88,11 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def engines(dirs: dict[str, Any]):
     started: dict[str, EngineProcess] = {}
     try:
-        with engine("plain", dirs["a"], dirs["logs"]) as plain:
-            plain.start(model=MODEL)
-            reference = tokens(plain.generate(PD_PROMPTS, max_tokens=MAX_TOKENS))
         started["tp1"] = engine("tp1", dirs["a"], dirs["logs"])
         started["tp1"].start(config("kv_both", kv_load_failure_policy="recompute"), model=MODEL)
+        # Requests without kv_transfer_params are plain ones: the reference
+        # (prefix caching is off, so they leave nothing behind).
+        reference = tokens(started["tp1"].generate(PD_PROMPTS, max_tokens=MAX_TOKENS))
         started["tp2"] = engine("tp2", dirs["a"], dirs["logs"])
         started["tp2"].start(config("kv_both", free_base_port(2), kv_load_failure_policy="recompute"),
                              model=MODEL, **TP2)
@@ -150,12 +150,10 @@ def test_one_kv_head_replicated_on_both_decode_ranks(dirs) -> None:
     a replica of the head and reads it from the TP=1 producer."""
     model, logs = {"heads": 4, "kv_heads": 1}, dirs["logs"]
     path = str(Path(dirs["a"]).parent / "llama-1kv")
-    with engine("plain-1kv", path, logs) as plain:
-        plain.start(model=model)
-        reference = tokens(plain.generate(PD_PROMPTS, max_tokens=MAX_TOKENS))
     producer = engine("prefill-1kv", path, logs)
     try:
         producer.start(config("kv_producer"), model=model)
+        reference = tokens(producer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS))  # plain requests
         with engine("decode-1kv-tp2", path, logs) as consumer:
             consumer.start(config("kv_consumer", free_base_port(2)), model=model, **TP2)
             assert tokens(consumer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS,
