@@ -77,9 +77,11 @@ def main(argv=None) -> int:
             peer = next(iter(w._peers.values()))
             remote_ids = np.asarray(params["remote_block_ids"], dtype=np.int64)
             local_ids = np.arange(len(remote_ids), dtype=np.int64) + 4
-            li, ri = w._slots.indices(local_ids, "local"), peer.slots.indices(remote_ids, "remote")
+            plan = w._sources.plan(peer.address)
+            (slots, local_prep), (remote, remote_prep) = w._sources.tables(plan, plan.reads[0], peer)
+            li, ri = slots.indices(local_ids, "local"), remote.indices(remote_ids, "remote")
             t1 = time.perf_counter()
-            xfer = w._transport.read_prepared(w._local_prep, li, peer.prep, ri, timeout_s=30)
+            xfer = w._transport.read_prepared(local_prep, li, remote_prep, ri, timeout_s=30)
             xfer.wait(60)
             raw_s = time.perf_counter() - t1
             P.run(until=lambda: not P.held, timeout_s=30)

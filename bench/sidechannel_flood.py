@@ -53,13 +53,13 @@ from rdma_kv.connector.rdma.sidechannel import SideChannelClient, SideChannelSer
 SECRET = b"flood-benchmark-secret-0123456789abcdef"
 ATTACKER, CONSUMER = "127.0.0.2", "127.0.0.1"
 SUCCESS_WITHIN_S = 2.0
-COMPAT = wire.CompatInfo(1, 16, 8, 128, "float16", "x", ["blocks_first:1"], 1)
+COMPAT = wire.CompatInfo(1, 16, 8, 128, "float16", "x", ["blocks_first:1"])
 
 
 class CannedHandler:
     def on_handshake(self, request: wire.Handshake) -> wire.HandshakeReply:
         geometry = wire.GeometryWire([wire.RegionWire(4096, 4096)], [])
-        return wire.HandshakeReply(wire.PROTOCOL_VERSION, "P", 0, COMPAT, COMPAT.compat_hash(),
+        return wire.HandshakeReply(wire.PROTOCOL_VERSION, "P", wire.RankInfo(0, 1, 8), COMPAT, COMPAT.compat_hash(),
                                    b"agent-metadata", geometry)
 
     def on_renew(self, request: wire.Renew) -> wire.LeaseReply:
@@ -173,7 +173,7 @@ def attempt(port: int, with_secret: bool) -> tuple[bool, float, str]:
                                rpc_timeout_s=SUCCESS_WITHIN_S, secret=secret)
     start = time.monotonic()
     try:
-        reply = client.call(wire.Handshake(wire.PROTOCOL_VERSION, "D", 0, COMPAT))
+        reply = client.call(wire.Handshake(wire.PROTOCOL_VERSION, "D", wire.RankInfo(0, 1, 8), COMPAT))
         ok, why = isinstance(reply, wire.HandshakeReply), type(reply).__name__
     except Exception as exc:  # every failure is a data point, not a crash
         ok, why = False, f"{type(exc).__name__}: {exc}"[:200]

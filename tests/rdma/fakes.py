@@ -80,9 +80,11 @@ class FakeFabric:
         self.agents[name] = agent
         return agent
 
-    def release_all(self, error=None):
+    def release_all(self, error=None, reader=None):
+        """Resolve the held transfers (only those posted by agent ``reader``, if given)."""
         with self.lock:
-            pending, self.pending = self.pending, []
+            pending = [x for x in self.pending if reader is None or x.reader == reader]
+            self.pending = [x for x in self.pending if x not in pending]
         for xfer in pending:
             xfer._resolve(error)
 
@@ -159,6 +161,7 @@ class FakeTransport:
         zeros = np.zeros(len(li), dtype=np.uint32)
         merged = coalesce(laddr, raddr, lens, zeros, zeros)
         xfer = FakeTransfer(fabric, remote.peer, merged[0], merged[1], merged[2], len(merged[0]))
+        xfer.reader = self.name
         fabric.reads += 1
         if fabric.fail_next:
             fabric.fail_next -= 1

@@ -40,7 +40,7 @@ def test_a_port_in_use_names_the_port():
         with pytest.raises(ConfigError) as caught:
             SideChannelServer(Handler(), "127.0.0.1", port)
     message = str(caught.value)
-    assert f"port {port} is in use" in message and "kv_port or side_channel_port" in message
+    assert f"port {port} on 127.0.0.1 is in use" in message and "kv_port or side_channel_port" in message
     assert "kv_ip" not in message
 
 

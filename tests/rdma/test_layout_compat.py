@@ -43,7 +43,7 @@ def kv_first(order: str) -> dict[str, np.ndarray]:
 
 
 def compat(order: str, backend: str = "FLASH_ATTN") -> wire.CompatInfo:
-    return compat_info(CONFIG, derive_geometry(kv_first(order), CONFIG), 1, backend)
+    return compat_info(CONFIG, derive_geometry(kv_first(order), CONFIG), HEADS, backend)
 
 
 def test_nhd_and_hnd_of_one_shape_are_not_compatible():
@@ -54,7 +54,7 @@ def test_nhd_and_hnd_of_one_shape_are_not_compatible():
     diff = nhd.mismatches(hnd, mine="producer", theirs="consumer")
     assert "kv_layout: producer 'NHD' vs consumer 'HND'" in diff
     layouts = next(line for line in diff if line.startswith("layouts:"))
-    assert "(2,B,16,4,32) order 0,1,2,3,4" in layouts and "(2,B,16,4,32) order 0,1,3,2,4" in layouts
+    assert "(2,B,16,H,32) order 0,1,2,3,4" in layouts and "(2,B,16,H,32) order 0,1,3,2,4" in layouts
     # The same layout twice (another allocation, other addresses) is compatible.
     assert compat("HND") == hnd
 
@@ -64,7 +64,7 @@ def test_attention_backend_dtype_and_block_size_are_compared():
     spec32 = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype="float32")
     cfg32 = KVCacheConfig.uniform(BLOCKS, CONFIG.layer_names, spec32)
     caches32 = {n: np.zeros((2, BLOCKS, BLOCK, HEADS, HEAD), dtype=np.float32) for n in CONFIG.layer_names}
-    c32 = compat_info(cfg32, derive_geometry(caches32, cfg32), 1, "FLASH_ATTN")
+    c32 = compat_info(cfg32, derive_geometry(caches32, cfg32), HEADS, "FLASH_ATTN")
     assert {line.split(":")[0] for line in compat("NHD").mismatches(c32)} >= {"dtype", "layouts"}
 
 
@@ -76,12 +76,12 @@ def test_mla_is_named_mla():
 
 
 def test_handshake_refuses_a_layout_mismatch_naming_both_sides():
-    producer = ProducerHandler(EngineId("P"), 0, 30.0, LeaseTable(), compat("NHD"), lambda: b"",
+    producer = ProducerHandler(EngineId("P"), wire.RankInfo(0, 1, HEADS), 30.0, LeaseTable(), compat("NHD"), lambda: b"",
                                derive_geometry(kv_first("NHD"), CONFIG))
-    reply = producer.on_handshake(wire.Handshake(wire.PROTOCOL_VERSION, "D", 0, compat("HND")))
+    reply = producer.on_handshake(wire.Handshake(wire.PROTOCOL_VERSION, "D", wire.RankInfo(0, 1, HEADS), compat("HND")))
     assert isinstance(reply, wire.Refused)
     assert "kv_layout: producer 'NHD' vs consumer 'HND'" in reply.reason
-    assert isinstance(producer.on_handshake(wire.Handshake(wire.PROTOCOL_VERSION, "D", 0, compat("NHD"))),
+    assert isinstance(producer.on_handshake(wire.Handshake(wire.PROTOCOL_VERSION, "D", wire.RankInfo(0, 1, HEADS), compat("NHD"))),
                       wire.HandshakeReply)
 
 

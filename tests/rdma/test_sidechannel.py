@@ -44,9 +44,9 @@ def test_round_trip_and_refusal(server):
     client = SideChannelClient("127.0.0.1", server.port)
     try:
         assert client.lease_call(renew(3)).statuses == [wire.LeaseStatus.HELD] * 3
-        compat = wire.CompatInfo(1, 16, 8, 128, "float16", "x", ["blocks_first:1"], 1)
+        compat = wire.CompatInfo(1, 16, 8, 128, "float16", "x", ["blocks_first:1"])
         with pytest.raises(HandshakeError, match="refused the handshake: not today"):
-            client.handshake(wire.Handshake(wire.PROTOCOL_VERSION, "D", 0, compat))
+            client.handshake(wire.Handshake(wire.PROTOCOL_VERSION, "D", wire.RankInfo(0, 1, 8), compat))
         bad_version = wire.Renew(99, [])
         assert isinstance(client.call(bad_version), wire.Refused)
     finally:
@@ -122,8 +122,8 @@ def test_oversized_reply_is_refused():
 
 
 def test_compat_mismatch_names_both_sides():
-    a = wire.CompatInfo(32, 16, 8, 128, "float16", "s", ["blocks_first:65536"] * 32, 1)
-    b = wire.CompatInfo(32, 32, 8, 128, "bfloat16", "s", ["blocks_first:65536"] * 32, 1)
+    a = wire.CompatInfo(32, 16, 8, 128, "float16", "s", ["blocks_first:65536"] * 32)
+    b = wire.CompatInfo(32, 32, 8, 128, "bfloat16", "s", ["blocks_first:65536"] * 32)
     diff = a.mismatches(b, mine="producer", theirs="consumer")
     assert "block_size: producer 16 vs consumer 32" in diff
     assert "dtype: producer 'float16' vs consumer 'bfloat16'" in diff

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(60)
 SECRET = b"correct horse battery staple 0123456789"
 WRONG = b"incorrect mule battery staple 9876543210"
 MARKER = b"AGENT-METADATA-WITH-RKEYS\xde\xad\xbe\xef"
-COMPAT = wire.CompatInfo(1, 16, 8, 128, "float16", "x", ["blocks_first:1"], 1)
+COMPAT = wire.CompatInfo(1, 16, 8, 128, "float16", "x", ["blocks_first:1"])
 
 
 class Handler:
@@ -40,7 +40,7 @@ class Handler:
     def on_handshake(self, request):
         self.calls += 1
         geometry = wire.GeometryWire([wire.RegionWire(4096, 4096)], [])
-        return wire.HandshakeReply(wire.PROTOCOL_VERSION, "P", 0, COMPAT, COMPAT.compat_hash(), MARKER,
+        return wire.HandshakeReply(wire.PROTOCOL_VERSION, "P", wire.RankInfo(0, 1, 8), COMPAT, COMPAT.compat_hash(), MARKER,
                                    geometry)
 
     def on_renew(self, request):
@@ -71,7 +71,7 @@ def client_for(srv, value=SECRET):
 
 
 def handshake():
-    return wire.Handshake(wire.PROTOCOL_VERSION, "D", 0, COMPAT)
+    return wire.Handshake(wire.PROTOCOL_VERSION, "D", wire.RankInfo(0, 1, 8), COMPAT)
 
 
 def assert_no_secret_in(text):
@@ -262,7 +262,7 @@ def test_refused_peer_receives_no_metadata(server, handler, attack):
         if attack == "no_hello":
             sock.sendall(sent_after)
         elif attack == "version_1_handshake":
-            sock.sendall(frame(wire.Handshake(1, "D", 0, COMPAT)))
+            sock.sendall(frame(wire.Handshake(1, "D", wire.RankInfo(0, 1, 8), COMPAT)))
         else:
             sock.sendall(frame(wire.Hello(wire.PROTOCOL_VERSION, "consumer", auth.new_nonce())))
             if attack == "wrong_proof":

@@ -23,7 +23,7 @@ from rdma_kv.errors import ConfigError
 pytestmark = pytest.mark.timeout(60)
 
 SECRET = b"flood-test-secret-0123456789abcdef"
-COMPAT = wire.CompatInfo(1, 16, 8, 128, "float16", "x", ["blocks_first:1"], 1)
+COMPAT = wire.CompatInfo(1, 16, 8, 128, "float16", "x", ["blocks_first:1"])
 SERVER_LOGGER = "rdma_kv.connector.rdma.sidechannel"
 LONG = 3600.0  # a deadline that never passes during a test
 
@@ -33,7 +33,7 @@ class Handler:
 
     def on_handshake(self, request):
         geometry = wire.GeometryWire([wire.RegionWire(4096, 4096)], [])
-        return wire.HandshakeReply(wire.PROTOCOL_VERSION, "P", 0, COMPAT, COMPAT.compat_hash(), b"md", geometry)
+        return wire.HandshakeReply(wire.PROTOCOL_VERSION, "P", wire.RankInfo(0, 1, 8), COMPAT, COMPAT.compat_hash(), b"md", geometry)
 
     def on_renew(self, request):
         return wire.LeaseReply([wire.LeaseStatus.GONE if lease.request_id.startswith("gone")
@@ -80,7 +80,7 @@ def renew(request_id="r"):
 
 
 def handshake():
-    return wire.Handshake(wire.PROTOCOL_VERSION, "D", 0, COMPAT)
+    return wire.Handshake(wire.PROTOCOL_VERSION, "D", wire.RankInfo(0, 1, 8), COMPAT)
 
 
 def closed_by_server(sock, timeout_s=20.0):

@@ -70,7 +70,7 @@ def campaign(strategies, default_n):
 
 # --- strategies -----------------------------------------------------------------------------
 
-COMPAT = wire.CompatInfo(2, 4, 2, 8, "float16", "full_attention/4", ["blocks_first:128"] * 2, 1)
+COMPAT = wire.CompatInfo(2, 4, 2, 8, "float16", "full_attention/4", ["blocks_first:128"] * 2)
 GEOMETRY = wire.GeometryWire(
     [wire.RegionWire(1 << 20, 65536)],
     [wire.LayerWire("l0", 0, 128, "blocks_first", [wire.SegmentWire(0, 256, 128)]),
@@ -79,7 +79,7 @@ LEASES = [wire.LeaseWire(7, 3, "req-1", b"t" * 16, b"c" * 16), wire.LeaseWire(2*
 VALID_REQUESTS = [
     wire.Hello(wire.PROTOCOL_VERSION, "consumer", b"\x01" * 32),
     wire.Auth(wire.PROTOCOL_VERSION, b"\x02" * 32),
-    wire.Handshake(wire.PROTOCOL_VERSION, "D", 0, COMPAT),
+    wire.Handshake(wire.PROTOCOL_VERSION, "D", wire.RankInfo(0, 1, 8), COMPAT),
     wire.Renew(wire.PROTOCOL_VERSION, LEASES),
     wire.Confirm(wire.PROTOCOL_VERSION, LEASES, True),
     wire.Release(wire.PROTOCOL_VERSION, LEASES),
@@ -87,7 +87,7 @@ VALID_REQUESTS = [
 VALID_REPLIES = [
     wire.Challenge(wire.PROTOCOL_VERSION, b"\x03" * 32, True),
     wire.AuthOk(b"\x04" * 32),
-    wire.HandshakeReply(wire.PROTOCOL_VERSION, "P", 0, COMPAT, COMPAT.compat_hash(), b"md", GEOMETRY),
+    wire.HandshakeReply(wire.PROTOCOL_VERSION, "P", wire.RankInfo(0, 1, 8), COMPAT, COMPAT.compat_hash(), b"md", GEOMETRY),
     wire.LeaseReply([wire.LeaseStatus.HELD, wire.LeaseStatus.GONE], 30.0),
     wire.Refused("no"),
     wire.ErrorReply("bad"),

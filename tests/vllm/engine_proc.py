@@ -150,6 +150,10 @@ def _child(result_fd: int, model_dir: str, multiprocessing: bool) -> None:
                 from tiny_model import make_llm
 
                 model = build_tiny_llama(model_dir, **command.get("model", {}))
+                tp = int(command.get("llm", {}).get("tensor_parallel_size", 1))
+                if tp > 1:  # one OpenMP thread per rank, ranks spread over the CPUs
+                    cpus = os.cpu_count() or 1
+                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cpus) for r in range(tp))
                 t0 = time.monotonic()
                 llm = make_llm(model, kv_transfer_config=command["kv_transfer_config"],
                                **command.get("llm", {}))

@@ -309,6 +309,8 @@ def _has_secret(settings: Any) -> bool:
 
 def _check_host(settings: Any, add: Any) -> bool:
     """False when the host cannot be bound (the port check would only repeat it)."""
+    from rdma_kv.connector.rdma.sidechannel import bind_advice
+
     host = settings.side_channel_host
     if host in ("0.0.0.0", "::"):
         if not _has_secret(settings):
@@ -322,11 +324,7 @@ def _check_host(settings: Any, add: Any) -> bool:
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.bind(address)
     except OSError as exc:
-        if exc.errno == errno.EADDRNOTAVAIL:
-            add(Finding("error", f"side_channel_host {host} is not an address of this host; set "
-                        "kv_connector_extra_config['side_channel_host'] to one of its interfaces"))
-        else:
-            add(Finding("error", f"side_channel_host {host!r} is unusable: {exc}"))
+        add(Finding("error", bind_advice(exc, host, 0) or f"side_channel_host {host!r} is unusable: {exc}"))
         return False
     add(Finding("ok", f"side_channel_host {host} is an address of this host"))
     return True
@@ -335,6 +333,8 @@ def _check_host(settings: Any, add: Any) -> bool:
 def _check_port(settings: Any, add: Any) -> None:
     """Bind the port as the producer will (``SideChannelServer``: AI_PASSIVE,
     ``SO_REUSEADDR``, so a TIME-WAIT connection does not count as in use)."""
+    from rdma_kv.connector.rdma.sidechannel import bind_advice
+
     host, port = settings.side_channel_host, settings.side_channel_port
     if port == 0:
         add(Finding("ok", "side_channel_port 0: the OS picks a free port"))
@@ -345,11 +345,7 @@ def _check_port(settings: Any, add: Any) -> None:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(address)
     except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            add(Finding("error", f"port {port} on {host} is in use; choose another kv_port or "
-                        "side_channel_port (tensor-parallel rank r listens on port + r)"))
-        else:
-            add(Finding("error", f"cannot bind {host}:{port}: {exc}"))
+        add(Finding("error", bind_advice(exc, host, port) or f"cannot bind {host}:{port}: {exc}"))
         return
     add(Finding("ok", f"{host}:{port} is free for the side channel (rank r: port + r)"))
 

@@ -109,6 +109,15 @@ class LayerGeometry:
     """``NHD`` (a block's tokens outside its heads), ``HND`` (heads outside
     tokens) or ``MLA``; empty when the sizes cannot tell (block size equal to
     the number of KV heads): ``memory_order`` still decides."""
+    head_nbytes: int = 0
+    """Bytes of one KV head in one K/V part of a block, when each head's share
+    of a part is contiguous (heads are the outermost dim after K/V, as in
+    vLLM's CPU and HND layouts); 0 when it is not (NHD) or for MLA. A
+    segment then holds ``block_nbytes // (head_nbytes * num_kv_heads)``
+    parts (1, or 2 when K and V sit side by side in one segment), and heads
+    ``[a, b)`` of part ``k`` start at ``k * num_kv_heads * head_nbytes + a *
+    head_nbytes``: what a reader of a head slice (heterogeneous tensor
+    parallel) needs."""
 
     @property
     def block_nbytes(self) -> int:
@@ -355,28 +364,71 @@ def derive_layer_geometry(
                 f"{info.storage_nbytes}-byte allocation"
             )
     block_dim = 0 if layout is Layout.BLOCKS_FIRST else 1
+    kv, heads = _kv_and_heads_dims(info, spec, block_dim)
     return LayerGeometry(name, region_index, num_blocks, layout, segments,
-                         _memory_order(info, block_dim), _kv_layout(info, spec, block_dim))
+                         _memory_order(info, block_dim, heads), _kv_layout(info, spec, block_dim, kv, heads),
+                         _head_nbytes(info, spec, block_dim, kv, heads))
 
 
-def _memory_order(info: _TensorInfo, block_dim: int) -> str:
-    # Dims of size 1 have no meaningful stride (torch gives them any).
-    dims = sorted((d for d in range(len(info.shape)) if info.shape[d] != 1), key=lambda d: -info.strides[d])
-    shape = ",".join("B" if d == block_dim else str(n) for d, n in enumerate(info.shape))
+def _kv_and_heads_dims(info: _TensorInfo, spec: AttentionSpec, block_dim: int) -> tuple[int | None, int | None]:
+    """The K/V dim (size 2) and the KV-heads dim of a layer's tensor, each
+    None when absent (MLA has neither). The heads dim is the one of size
+    ``num_kv_heads``, the outermost in memory when sizes collide; a size-2
+    dim next to the block dim is K/V only if another dim holds the heads
+    (vLLM's CPU layout ``[blocks, heads, block_size, 2 * head]`` with 2
+    heads would otherwise read as K/V)."""
+    if spec.use_mla:
+        return None, None
+    shape, n = info.shape, spec.num_kv_heads
+    per_kv = spec.block_size * n * spec.head_size
+    kv = None
+    if block_dim == 1 and shape[0] == 2:
+        kv = 0
+    elif block_dim == 0 and len(shape) >= 3 and shape[1] == 2 and math.prod(shape[2:]) == per_kv:
+        kv = 1
+    dims = [d for d in range(len(shape)) if d not in (block_dim, kv) and shape[d] == n]
+    if not dims and kv is not None and n == 2 and block_dim == 0:
+        return None, kv
+    return kv, (max(dims, key=lambda d: info.strides[d]) if dims else None)
+
+
+def _head_nbytes(info: _TensorInfo, spec: AttentionSpec, block_dim: int, kv: int | None,
+                 heads: int | None) -> int:
+    if heads is None:
+        return 0
+    if spec.num_kv_heads == 1:
+        return spec.block_size * spec.head_size * info.itemsize * (2 if kv is None else 1)
+    stride = info.strides[heads]
+    inner = [d for d in range(len(info.shape))
+             if d not in (block_dim, kv, heads) and info.shape[d] != 1]
+    # Contiguous per head iff every other dim of the (dense) part lies inside
+    # one head's stride: heads are then the part's outermost dim.
+    if any(info.strides[d] >= stride for d in inner):
+        return 0
+    return stride
+
+
+def _memory_order(info: _TensorInfo, block_dim: int, heads: int | None = None) -> str:
+    # Dims of size 1 have no meaningful stride (torch gives them any). The
+    # heads dim is written ``H``, so ranks of one model at different TP
+    # sizes (different heads per rank) describe the same order.
+    dims = sorted((d for d in range(len(info.shape)) if info.shape[d] != 1 or d == heads),
+                  key=lambda d: -info.strides[d])
+    shape = ",".join("B" if d == block_dim else "H" if d == heads else str(n) for d, n in enumerate(info.shape))
     return f"({shape}) order {','.join(map(str, dims))}"
 
 
-def _kv_layout(info: _TensorInfo, spec: AttentionSpec, block_dim: int) -> str:
+def _kv_layout(info: _TensorInfo, spec: AttentionSpec, block_dim: int, kv: int | None,
+               heads: int | None) -> str:
     if spec.use_mla:
         return "MLA"
-    if spec.num_kv_heads == 1:
-        return "NHD"  # one head: both orders are the same bytes
-    inner = [d for d in range(len(info.shape)) if d != block_dim]
-    tokens = [d for d in inner if info.shape[d] == spec.block_size]
-    heads = [d for d in inner if info.shape[d] == spec.num_kv_heads]
-    if len(tokens) != 1 or len(heads) != 1 or tokens == heads:
+    if heads is None:
+        return "NHD" if spec.num_kv_heads == 1 else ""  # one head: both orders are the same bytes
+    tokens = [d for d in range(len(info.shape))
+              if d not in (block_dim, kv, heads) and info.shape[d] == spec.block_size]
+    if len(tokens) != 1:
         return ""
-    return "NHD" if info.strides[tokens[0]] > info.strides[heads[0]] else "HND"
+    return "NHD" if info.strides[tokens[0]] > info.strides[heads] else "HND"
 
 
 def derive_geometry(

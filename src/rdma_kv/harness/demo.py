@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.transport:
         parser.error("--transport is the other mode of `rdma-kv demo`: run `rdma-kv demo --transport`")
-    seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % (2**32))
+    entropy = np.random.SeedSequence().entropy
+    assert isinstance(entropy, int)
+    seed = args.seed if args.seed is not None else entropy % (2**32)
     rng = np.random.default_rng(seed)
     shape = ModelShape(args.layers, args.kv_heads, args.head_size, args.block_size, args.num_blocks, args.dtype)
     max_blocks_needed = args.concurrency * 2 * (-(-args.max_tokens // args.block_size) + 2)
@@ -154,7 +156,8 @@ def _run(prefill: EngineProcess, decode: EngineProcess, prompts: list[list[int]]
          args: argparse.Namespace) -> list[dict[str, Any]]:
     bar = _Bar(len(prompts), "requests")
     ids = [f"req-{i:05d}" for i in range(len(prompts))]
-    submitted, decoding, finished = 0, set(), 0
+    submitted, finished = 0, 0
+    decoding: set[str] = set()
     in_prefill: set[str] = set()
     rows = []
     deadline = time.monotonic() + 120 + 0.5 * len(prompts)
@@ -212,11 +215,11 @@ def _report(rows: list[dict[str, Any]], stats: dict[str, Any], status_p: dict[st
         if nbytes and xfer:
             gbps.append(nbytes / xfer / 1e9)
         if args.verbose:
-            ok = "FAIL " + str(r["bad_blocks"]) if r["bad_blocks"] else ("load error" if r["load_failed"] else "ok")
+            verdict = "FAIL " + str(r["bad_blocks"]) if r["bad_blocks"] else ("load error" if r["load_failed"] else "ok")
             print(f"{r['request_id']:>10} {r['num_prompt_tokens']:>6} {r['local_hit_tokens']:>5} "
                   f"{r['external_tokens']:>6} {rec.get('num_blocks', 0):>6} {rec.get('ops_posted', 0):>5} "
                   f"{nbytes / 2**20:>8.2f} {r['load_s'] * 1e3:>8.2f} {xfer * 1e3:>8.2f} "
-                  f"{(nbytes / xfer / 1e9 if xfer else 0):>6.2f}  {ok}")
+                  f"{(nbytes / xfer / 1e9 if xfer else 0):>6.2f}  {verdict}")
     loads = [r["load_s"] for r in rows if r["external_tokens"]]
     totals = stats.get("totals", {})
     total_bytes, total_xfer = totals.get("nbytes", 0), totals.get("transfer_s", 0.0)

@@ -36,6 +36,14 @@ every block it loaded from the prompt alone.
 Keep stepping while requests wait for loads or blocks are held: the worker
 reports completions (and lease expiries) only from ``get_finished``.
 
+**Tensor parallel** (``tp_size > 1``): one scheduler and one worker per
+rank, each rank's KV cache holding its share of the KV heads (vLLM's rule:
+``heads/tp`` contiguous heads per rank, or one replicated head when ranks
+outnumber heads), every rank's connector config naming its ``tp_rank``,
+``tp_size`` and the model's ``total_kv_heads``. A request is finished
+sending or receiving once *every* rank reported it (as vLLM aggregates
+its workers' outputs); load errors are the union of the ranks'.
+
 Imports the standard library, torch, ``rdma_kv.errors``, ``rdma_kv.connector``
 and ``rdma_kv.harness.kvfill``.
 """
@@ -67,6 +75,7 @@ from rdma_kv.connector import (
     KVTransferConfig,
     NewRequestData,
     Request,
+    BlockId,
     RequestId,
     SchedulerOutput,
 )
@@ -197,13 +206,35 @@ class _BlockPool:
         return len(self.free)
 
 
+def shard_heads(rank: int, tp_size: int, num_heads: int) -> range:
+    """The KV heads tensor-parallel ``rank`` holds (vLLM's sharding)."""
+    if tp_size <= num_heads:
+        per = num_heads // tp_size
+        return range(rank * per, (rank + 1) * per)
+    head = rank * num_heads // tp_size
+    return range(head, head + 1)
+
+
+@dataclasses.dataclass(eq=False)
+class _Rank:
+    """One tensor-parallel rank: its worker connector and its KV heads' cache."""
+
+    heads: range
+    kv: torch.Tensor
+    kv_caches: dict[str, torch.Tensor]
+    worker: Any = None
+
+
 class Engine:
-    """One engine instance: scheduler loop, block pool and a single worker.
+    """One engine instance: scheduler loop, block pool and a worker per
+    tensor-parallel rank (one by default).
 
     ``connector_kwargs`` go to the connector's constructor (e.g.
     ``transport_factory`` for a fake transport). ``verify`` checks every
     loaded block against :mod:`kvfill` in the step its load completes;
     ``fill=False`` skips writing KV in the fake forward pass (benchmarks).
+    ``tp_size`` ranks split ``shape.num_kv_heads`` (the model's); they need a
+    fixed ``kv_port`` (rank ``r`` serves ``kv_port + r``).
     """
 
     def __init__(
@@ -216,30 +247,42 @@ class Engine:
         verify: bool = True,
         fill: bool = True,
         max_running: int = 64,
+        tp_size: int = 1,
     ) -> None:
-        self.config, self.shape = config, shape
+        self.config, self.shape, self.tp_size = config, shape, tp_size
         self.policy = config.kv_load_failure_policy
         self.prefix_caching, self.verify, self.max_running = prefix_caching, verify, max_running
         self.fill = fill  # False: skip the fake forward's KV writes (benchmarks)
         names = shape.layer_names
-        self.kv = torch.zeros(shape.num_layers, shape.num_blocks, shape.num_kv_heads, shape.block_size,
-                              2 * shape.head_size, dtype=shape.torch_dtype)
-        self.kv_caches = {name: self.kv[i] for i, name in enumerate(names)}
-        spec = FullAttentionSpec(block_size=shape.block_size, num_kv_heads=shape.num_kv_heads,
+        self.ranks = []
+        for rank in range(tp_size):
+            heads = shard_heads(rank, tp_size, shape.num_kv_heads)
+            kv = torch.zeros(shape.num_layers, shape.num_blocks, len(heads), shape.block_size,
+                             2 * shape.head_size, dtype=shape.torch_dtype)
+            self.ranks.append(_Rank(heads, kv, {name: kv[i] for i, name in enumerate(names)}))
+        self.kv, self.kv_caches = self.ranks[0].kv, self.ranks[0].kv_caches
+        spec = FullAttentionSpec(block_size=shape.block_size, num_kv_heads=len(self.ranks[0].heads),
                                  head_size=shape.head_size, dtype=shape.dtype)
         self.kv_cache_config = KVCacheConfig(
             shape.num_blocks, (KVCacheTensor(self.kv.numel() * self.kv.element_size(), names),),
             (KVCacheGroupSpec(names, spec),))
         self.scheduler = self._create(KVConnectorRole.SCHEDULER, connector_kwargs)
-        self.worker = self._create(KVConnectorRole.WORKER, connector_kwargs)
+        handshakes = {}
         try:
-            self.worker.register_kv_caches(self.kv_caches)
-            handshake = self.worker.get_handshake_metadata()
-            if handshake is not None:
-                self.scheduler.set_xfer_handshake_metadata({0: handshake})
+            for rank, part in enumerate(self.ranks):
+                part.worker = self._create(KVConnectorRole.WORKER, connector_kwargs, rank)
+                part.worker.register_kv_caches(part.kv_caches)
+                handshakes[rank] = part.worker.get_handshake_metadata()
+            if handshakes[0] is not None:
+                self.scheduler.set_xfer_handshake_metadata(handshakes)
         except BaseException:
-            self.worker.shutdown()
+            for part in self.ranks:
+                if part.worker is not None:
+                    part.worker.shutdown()
             raise
+        self.worker = self.ranks[0].worker
+        self._reported: dict[str, collections.Counter[str]] = {
+            "sending": collections.Counter(), "recving": collections.Counter()}
         self.pool = _BlockPool(shape.num_blocks)
         self.requests: dict[str, _Req] = {}
         self.results: dict[str, RequestResult] = {}
@@ -251,11 +294,16 @@ class Engine:
         self.steps = 0
         self.on_finished: Callable[[RequestResult], None] | None = None
 
-    def _create(self, role: KVConnectorRole, kwargs: Mapping[str, Any] | None) -> KVConnectorBase:
+    def _create(self, role: KVConnectorRole, kwargs: Mapping[str, Any] | None, rank: int = 0) -> KVConnectorBase:
+        config = self.config
+        if self.tp_size > 1:
+            config = dataclasses.replace(config, kv_connector_extra_config={
+                **config.kv_connector_extra_config, "tp_rank": rank, "tp_size": self.tp_size,
+                "total_kv_heads": self.shape.num_kv_heads})
         if kwargs:
-            cls = KVConnectorFactory.get_connector_class(self.config)
-            return cls(self.config, role, self.kv_cache_config, **kwargs)  # type: ignore[call-arg]
-        return KVConnectorFactory.create_connector(self.config, role, self.kv_cache_config)
+            cls = KVConnectorFactory.get_connector_class(config)
+            return cls(config, role, self.kv_cache_config, **kwargs)
+        return KVConnectorFactory.create_connector(config, role, self.kv_cache_config)
 
     # --- API -------------------------------------------------------------------------
 
@@ -303,7 +351,8 @@ class Engine:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
-        self.worker.shutdown()
+        for part in self.ranks:
+            part.worker.shutdown()
 
     # --- one step ---------------------------------------------------------------------------
 
@@ -365,20 +414,26 @@ class Engine:
         output = SchedulerOutput(tuple(new_reqs), tuple(cached_reqs), num_scheduled,
                                  frozenset(self._finished_ids))
         finished_ids, self._finished_ids = self._finished_ids, set()
-        # Worker side.
+        # Worker side: every rank runs the same step.
         meta = self.scheduler.build_connector_meta(output)
-        worker = self.worker
-        worker.bind_connector_metadata(meta)
-        worker.start_load_kv(None)
-        for name in self.kv_caches:
-            worker.wait_for_layer_load(name)
-        self._forward(compute)
-        for name in self.kv_caches:
-            worker.save_kv_layer(name, self.kv_caches[name], None)
-        worker.wait_for_save()
-        sending, recving = worker.get_finished(finished_ids)
-        errors = worker.get_block_ids_with_load_errors()
-        worker.clear_connector_metadata()
+        errors: set[int] = set()
+        for part in self.ranks:
+            worker = part.worker
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+            for name in part.kv_caches:
+                worker.wait_for_layer_load(name)
+            self._forward(compute, part)
+            for name in part.kv_caches:
+                worker.save_kv_layer(name, part.kv_caches[name], None)
+            worker.wait_for_save()
+            rank_sending, rank_recving = worker.get_finished(finished_ids)
+            self._reported["sending"].update(rank_sending or ())
+            self._reported["recving"].update(rank_recving or ())
+            errors |= set(worker.get_block_ids_with_load_errors())
+            worker.clear_connector_metadata()
+        sending, recving = self._all_ranks("sending"), self._all_ranks("recving")
+        self._cache_prefixes(compute)
         kv_output = KVConnectorOutput.of(sending, recving, errors)
         self.scheduler.update_connector_output(kv_output)
         # Scheduler bookkeeping.
@@ -417,28 +472,40 @@ class Engine:
             result.bad_blocks = self.verify_blocks(req, range(first_block, len(req.block_ids)))
         return req.request.num_prompt_tokens
 
+    def _all_ranks(self, kind: str) -> set[str]:
+        """Request ids every rank has reported as finished ``kind``."""
+        counts = self._reported[kind]
+        done = {rid for rid, n in counts.items() if n >= self.tp_size}
+        for rid in done:
+            del counts[rid]
+        return done
+
     def verify_blocks(self, req: _Req, indices: Sequence[int] | range) -> list[int]:
-        """Prompt block indices whose content differs from kvfill's."""
+        """Prompt block indices whose content differs from kvfill's (on any rank)."""
         tokens = req.request.prompt_token_ids
         bad = []
         for i in indices:
-            values, valid = expected_block(tokens, i, req.seeds[i], tuple(self.kv.shape[2:]),
-                                           self.shape.num_layers, self.kv.dtype)
-            got = self.kv[:, req.block_ids[i], :, :valid]
-            if not torch.equal(got, values[:, :, :valid]):
-                bad.append(i)
+            for part in self.ranks:
+                values, valid = expected_block(tokens, i, req.seeds[i], tuple(part.kv.shape[2:]),
+                                               self.shape.num_layers, part.kv.dtype, part.heads)
+                if not torch.equal(part.kv[:, req.block_ids[i], :, :valid], values[:, :, :valid]):
+                    bad.append(i)
+                    break
         return bad
 
-    def _forward(self, compute: Sequence[tuple[_Req, int]]) -> None:
-        """The fake forward pass: write kvfill's KV for the computed tokens."""
+    def _forward(self, compute: Sequence[tuple[_Req, int]], part: _Rank) -> None:
+        """The fake forward pass of one rank: write kvfill's KV of its heads for the computed tokens."""
         bs = self.shape.block_size
         for req, first in compute:
             tokens = req.request.prompt_token_ids
             for i in range(first // bs, len(req.block_ids) if self.fill else 0):
-                fill_block(self.kv, req.block_ids[i], tokens, i, req.seeds[i],
-                           first - i * bs if i == first // bs else 0)
-            if self.prefix_caching:
-                for i in range(len(tokens) // bs):
+                fill_block(part.kv, req.block_ids[i], tokens, i, req.seeds[i],
+                           first - i * bs if i == first // bs else 0, part.heads)
+
+    def _cache_prefixes(self, compute: Sequence[tuple[_Req, int]]) -> None:
+        if self.prefix_caching:
+            for req, _ in compute:
+                for i in range(req.request.num_prompt_tokens // self.shape.block_size):
                     self.pool.cache(req.seeds[i + 1], req.block_ids[i])
 
     def _finish(self, req: _Req, status: Status) -> None:
@@ -446,7 +513,7 @@ class Engine:
         self.requests.pop(rid, None)
         req.status = req.result.status = status
         req.result.finished_at = time.perf_counter()
-        delay, params = self.scheduler.request_finished(req.request, list(req.block_ids))
+        delay, params = self.scheduler.request_finished(req.request, [BlockId(b) for b in req.block_ids])
         req.result.kv_transfer_params = params
         if req.block_ids:
             if delay:

@@ -42,15 +42,21 @@ def block_seeds(tokens: Sequence[int], block_size: int) -> list[int]:
 
 def expected_block(
     tokens: Sequence[int], block_index: int, seed: int, page_shape: tuple[int, ...],
-    num_layers: int, dtype: torch.dtype,
+    num_layers: int, dtype: torch.dtype, heads: range | None = None,
 ) -> tuple[torch.Tensor, int]:
     """``(values, valid)``: the block's KV for every layer, shape
     ``[num_layers, *page_shape]`` with page ``[heads, block_size, 2*head]``,
-    and how many leading positions hold tokens (the rest is undefined)."""
-    heads, block_size, width = page_shape
+    and how many leading positions hold tokens (the rest is undefined).
+    ``heads``: which of the model's KV heads the page holds (a tensor-parallel
+    rank's share; default all of ``page_shape[0]``), so every rank writes the
+    values of the same head that a single engine would."""
+    num_heads, block_size, width = page_shape
+    heads = range(num_heads) if heads is None else heads
     start = block_index * block_size
     valid = min(block_size, len(tokens) - start)
-    grid = torch.arange(heads * block_size * width, dtype=torch.int64).view(1, heads, block_size, width)
+    h = torch.as_tensor(list(heads), dtype=torch.int64).view(-1, 1, 1)
+    grid = ((h * block_size + torch.arange(block_size).view(1, -1, 1)) * width
+            + torch.arange(width).view(1, 1, -1)).unsqueeze(0)
     layer = torch.arange(num_layers, dtype=torch.int64).view(num_layers, 1, 1, 1)
     values = grid * 40503 + layer * 2654435761 + seed
     tok = torch.zeros(block_size, dtype=torch.int64)
@@ -61,11 +67,12 @@ def expected_block(
 
 def fill_block(
     whole: torch.Tensor, block_id: int, tokens: Sequence[int], block_index: int, seed: int,
-    first_position: int = 0,
+    first_position: int = 0, heads: range | None = None,
 ) -> None:
     """Write block ``block_index`` of ``tokens`` into ``block_id`` of the KV
     cache ``whole`` (``[num_layers, num_blocks, heads, block_size, 2*head]``),
-    positions ``first_position`` .. the last token of the block."""
+    positions ``first_position`` .. the last token of the block; ``heads`` as
+    in :func:`expected_block`."""
     values, valid = expected_block(tokens, block_index, seed, tuple(whole.shape[2:]),
-                                   whole.shape[0], whole.dtype)
+                                   whole.shape[0], whole.dtype, heads)
     whole[:, block_id, :, first_position:valid] = values[:, :, first_position:valid]

@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from rdma_kv.connector.base import KVConnectorRole as Role
-from rdma_kv.connector.types import as_block_ids
+from rdma_kv.connector.types import RequestId, as_block_ids
 from rdma_kv.errors import ConfigError
 from rdma_kv.vllm import translate
 from rdma_kv.vllm.stats import RdmaKVConnectorStats, RdmaKVPromMetrics
@@ -97,6 +97,15 @@ def _parallel(vllm_config: Any, role: KVConnectorRole) -> tuple[int, int, int]:
     return tp_rank, tp_size, int(getattr(parallel, "data_parallel_rank", 0) or 0)
 
 
+def _total_kv_heads(vllm_config: Any) -> int:
+    """The model's KV heads before tensor parallelism (0: unknown, derived later)."""
+    model = getattr(vllm_config, "model_config", None)
+    try:
+        return int(model.get_total_num_kv_heads()) if model is not None else 0
+    except Exception:  # a model config without heads (e.g. a test double)
+        return 0
+
+
 def _attention_backend(vllm_config: Any, role: KVConnectorRole) -> str:
     """The worker's attention backend name(s) (as NixlConnector reads them),
     for the compatibility check; empty on the scheduler, which checks none."""
@@ -122,7 +131,8 @@ class RdmaKVConnector(KVConnectorBase_V1):
         tp_rank, tp_size, dp_rank = _parallel(vllm_config, role)
         config = translate.transfer_config(vllm_config.kv_transfer_config, tp_rank=tp_rank,
                                            tp_size=tp_size, dp_rank=dp_rank,
-                                           attention_backend=_attention_backend(vllm_config, role))
+                                           attention_backend=_attention_backend(vllm_config, role),
+                                           total_kv_heads=_total_kv_heads(vllm_config))
         if kv_cache_config is None:
             raise ConfigError("RdmaKVConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
         self._connector: RdmaConnector = RdmaConnector(
@@ -196,7 +206,7 @@ class RdmaKVConnector(KVConnectorBase_V1):
         the load in flight, delays the free and later reports
         ``done_sending`` for blocks vLLM already freed (an assertion in its
         scheduler). Such reports are dropped here."""
-        sending, recving = self._connector.get_finished(set(finished_req_ids))
+        sending, recving = self._connector.get_finished({RequestId(rid) for rid in finished_req_ids})
         stale = {rid for rid in sending if rid in self._recved}
         for rid in stale:
             del self._recved[rid]
@@ -223,7 +233,7 @@ class RdmaKVConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> RdmaKVConnectorMetadata:
         inner = self._connector.build_connector_meta(translate.scheduler_output(scheduler_output))
-        return RdmaKVConnectorMetadata(inner)  # type: ignore[arg-type]
+        return RdmaKVConnectorMetadata(inner)
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._connector.update_connector_output(translate.connector_output(connector_output))

@@ -30,7 +30,7 @@ class RdmaKVConnectorStats(KVConnectorStats):
     (``rdma_kv.connector.rdma.stats.WorkerStats.to_dict``)."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def is_empty(self) -> bool:
         return not self.data.get("requests") and not any(self.data.get("totals", {}).values())

@@ -93,7 +93,8 @@ def check_vllm_fields(raw: Mapping[str, Any]) -> None:
 
 
 def transfer_config(vllm_kv: Any, *, tp_rank: int = 0, tp_size: int = 1,
-                    dp_rank: int = 0, attention_backend: str = "") -> KVTransferConfig:
+                    dp_rank: int = 0, attention_backend: str = "",
+                    total_kv_heads: int = 0) -> KVTransferConfig:
     """Our ``KVTransferConfig`` from vLLM's (``vllm.config.KVTransferConfig``).
 
     vLLM's fields map one to one (``kv_connector``, ``engine_id``,
@@ -105,7 +106,7 @@ def transfer_config(vllm_kv: Any, *, tp_rank: int = 0, tp_size: int = 1,
     ``port + d * tp_size`` (rank ``r`` adds ``r``), so ranks never collide.
     """
     extra = dict(getattr(vllm_kv, "kv_connector_extra_config", None) or {})
-    for key in ("tp_rank", "tp_size", "attention_backend"):
+    for key in ("tp_rank", "tp_size", "total_kv_heads", "attention_backend"):
         if key in extra:
             raise ConfigError(
                 f"kv_connector_extra_config[{key!r}] is set, but under vLLM the tensor-parallel "
@@ -117,10 +118,12 @@ def transfer_config(vllm_kv: Any, *, tp_rank: int = 0, tp_size: int = 1,
     if dp_rank and isinstance(port, int) and port:
         extra["side_channel_port"] = port + dp_rank * tp_size
     extra.update(tp_rank=tp_rank, tp_size=tp_size)
+    if total_kv_heads:  # the model's, for heterogeneous-TP planning (worker side)
+        extra["total_kv_heads"] = total_kv_heads
     if attention_backend:  # part of the compatibility check (worker side)
         extra["attention_backend"] = attention_backend
-    device = getattr(vllm_kv, "kv_buffer_device", None) or "cpu"
-    policy = getattr(vllm_kv, "kv_load_failure_policy", None) or "fail"
+    device: Any = getattr(vllm_kv, "kv_buffer_device", None) or "cpu"  # KVTransferConfig parses it
+    policy: Any = getattr(vllm_kv, "kv_load_failure_policy", None) or "fail"
     return KVTransferConfig(
         kv_connector=vllm_kv.kv_connector,
         engine_id=None if vllm_kv.engine_id is None else str(vllm_kv.engine_id),
@@ -176,7 +179,7 @@ def kv_cache_config(config: Any) -> KVCacheConfig:
     for t in config.kv_cache_tensors:
         layers = getattr(t, "layers", None)
         if layers is None:
-            layers = getattr(t, "shared_by", ())
+            layers = getattr(t, "shared_by", None) or ()
         tensors.append(KVCacheTensor(size=int(t.size), shared_by=tuple(layers)))
     return KVCacheConfig(int(config.num_blocks), tuple(tensors), groups)
 

@@ -3,22 +3,32 @@
 Owns :class:`RdmaConsumer`, everything a decode worker does to read a
 prompt's KV blocks from a producer:
 
+- **plan**: which producer ranks hold the KV heads this rank owns
+  (``sources``, ``topology``: from both TP sizes and the model's KV
+  heads): one *source* per producer rank read, each a head slice of both
+  sides' blocks, or whole blocks when the TP sizes are equal.
 - **peers**: one :class:`~rdma_kv.connector.rdma.loads.PeerState` per
-  producer rank, CONNECTING -> READY (HANDSHAKE over the side channel, the
-  producer's agent metadata imported, its slot table prepared) or FAILED
-  (not dialled again for ``PEER_RETRY_S``; forgotten after that).
+  producer rank, CONNECTING -> READY (HANDSHAKE over the side channel: the
+  rank's share checked against the plan, the producer's agent metadata
+  imported) or FAILED (not dialled again for ``PEER_RETRY_S``; forgotten
+  after that). Slot tables are prepared once per (peer, head slice).
 - **loads**: each goes HANDSHAKE -> READING -> CONFIRMING -> DONE, or
   FAILED from any stage (:class:`~rdma_kv.connector.rdma.loads.LoadStage`).
-  Posting a request's reads is one ``read_prepared`` call (vectorised index
-  math plus one C loop), on the engine thread when the peer is ready, on the
-  RPC thread that finished the handshake otherwise. Completion arrives on
-  the transport's progress thread.
+  Posting one source's reads is one ``read_prepared`` call (vectorised
+  index math plus one C loop), on the engine thread when the peer is
+  ready, on the RPC thread that finished the handshake otherwise.
+  Completion arrives on the transport's progress thread. A failure of any
+  source fails the load, once none of its reads can still land.
 - **validate after read**: confirmations are batched per peer (one
-  CONFIRM+RELEASE round trip for every request that completed since the
-  last one); only a HELD answer makes a load DONE (``_confirm``).
+  CONFIRM+RELEASE round trip for every source that completed since the
+  last one); only HELD from every source makes a load DONE (``_confirm``).
 - **leases it was handed**: RENEW while a load runs or waits for admission,
   RELEASE when it ends or is abandoned (``lease_rpc``), over side-channel
-  clients pooled per producer address (``clients``).
+  clients pooled per producer address (``clients``). Every call names this
+  rank as the reader and how many consumer ranks read that producer rank,
+  so a producer rank read by several consumer ranks keeps the blocks until
+  each released; a producer rank this rank is to release without reading
+  (a head replica read from another rank) is released when the load starts.
 
 Guarantees, and where they are kept:
 
@@ -40,10 +50,11 @@ transport is never called while holding it (its completion callbacks take
 it). Load-failure warnings are rate-limited per producer (``lograte``).
 
 Imports the standard library, numpy, ``rdma_kv.errors``, the connector's
-``types`` and its ``rdma`` modules (``auth``, ``wire``, ``meta``,
-``planning``, ``settings``, ``sidechannel``, ``stats``, ``transport_api``
-and the consumer's helpers ``loads``, ``clients``, ``lease_rpc``,
-``lograte``). Never ``producer``, ``leases`` or ``worker``.
+``types`` and ``geometry`` and its ``rdma`` modules (``auth``, ``wire``,
+``meta``, ``planning``, ``settings``, ``sidechannel``, ``stats``,
+``transport_api`` and the consumer's helpers ``sources``, ``loads``,
+``clients``, ``lease_rpc``, ``lograte``). Never ``producer``, ``leases`` or
+``worker``.
 """
 
 from __future__ import annotations
@@ -59,19 +70,30 @@ from typing import Any
 
 import numpy as np
 
+from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.clients import ClientPool
 from rdma_kv.connector.rdma.lease_rpc import call_lease_rpc, refusal_reason, submit_lease_rpcs
-from rdma_kv.connector.rdma.loads import PEER_RETRY_S, LoadStage, LoadState, PeerStage, PeerState, due_renewals
+from rdma_kv.connector.rdma.loads import (
+    PEER_RETRY_S,
+    LoadStage,
+    LoadState,
+    PeerStage,
+    PeerState,
+    Source,
+    SourceStage,
+    due_renewals,
+)
 from rdma_kv.connector.rdma.lograte import RateLimitedWarnings
 from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress, RemoteLease
 from rdma_kv.connector.rdma.planning import SlotTable, count_runs
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sidechannel import SideChannelClient
 from rdma_kv.connector.rdma.stats import LoadRecord, LoadStats, Totals
+from rdma_kv.connector.rdma.sources import Sources, Targeted
 from rdma_kv.connector.rdma.transport_api import TransferHandle, Transport
 from rdma_kv.connector.types import BlockId, EngineId, RequestId
-from rdma_kv.errors import HandshakeError, NotInitializedError, PeerError
+from rdma_kv.errors import ConfigError, HandshakeError, PeerError
 
 __all__ = ["RdmaConsumer"]
 
@@ -81,7 +103,7 @@ logger = logging.getLogger("rdma_kv.connector.rdma.worker")
 HANDSHAKE, READING, CONFIRMING, DONE, FAILED = (
     LoadStage.HANDSHAKE, LoadStage.READING, LoadStage.CONFIRMING, LoadStage.DONE, LoadStage.FAILED)
 
-PeerKey = tuple[str, str, int]  # engine id, side-channel host, this rank's port
+PeerKey = tuple[str, str, int]  # engine id, side-channel host, the producer rank's port
 
 
 class RdmaConsumer:
@@ -92,13 +114,12 @@ class RdmaConsumer:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._engine_id = engine_id
         self._settings = settings
+        self._rank = settings.tp_rank
         self._secret = secret
         self._clock = clock
         self._lock = threading.RLock()
         self._transport: Transport | None = None
-        self._slots: SlotTable | None = None
-        self._local_prep: Any = None
-        self._compat: wire.CompatInfo | None = None
+        self._sources = Sources(settings.tp_rank, settings.tp_size)
         self._executor = concurrent.futures.ThreadPoolExecutor(
             settings.rpc_threads, thread_name_prefix=f"rdma-kv-rpc-{settings.tp_rank}")
         self._clients = ClientPool(self._make_client, clock=clock)
@@ -108,21 +129,17 @@ class RdmaConsumer:
         self._finished: list[LoadState] = []  # DONE or FAILED, to report
         self._aborted_done: set[RequestId] = set()
         self._load_errors: set[BlockId] = set()
-        self._confirm_queue: dict[PeerKey, list[LoadState]] = collections.defaultdict(list)
+        self._confirm_queue: dict[PeerKey, list[tuple[LoadState, Source]]] = collections.defaultdict(list)
         self._confirm_scheduled: set[PeerKey] = set()
-        self._confirm_retry: list[tuple[PeerState, LoadState]] = []
+        self._confirm_retry: list[tuple[PeerState, LoadState, Source]] = []
         self._stats = LoadStats()
         self._closed = False
 
-    def attach(self, transport: Transport, slots: SlotTable, local_prep: Any, compat: wire.CompatInfo) -> None:
+    def attach(self, transport: Transport, geometry: KVCacheGeometry, slots: SlotTable, local_prep: Any,
+               compat: wire.CompatInfo, rank: wire.RankInfo) -> None:
         """The worker registered its KV caches: reads go into ``slots`` of ``transport``."""
-        self._transport, self._slots, self._local_prep, self._compat = transport, slots, local_prep, compat
-
-    def _require_compat(self) -> wire.CompatInfo:
-        if self._compat is None:
-            raise NotInitializedError("the RDMA connector's worker has no KV caches; the engine "
-                                      "must call register_kv_caches() at startup")
-        return self._compat
+        self._transport = transport
+        self._sources.attach(transport, geometry, slots, local_prep, compat, rank)
 
     # --- every step ------------------------------------------------------------------------------------
 
@@ -132,9 +149,9 @@ class RdmaConsumer:
         if self._closed:
             return
         if releases:
-            self._lease_rpc_async(wire.Release, releases)
+            self._lease_rpc_async(wire.Release, [t for lease in releases for t in self._sources.targets(lease)])
         if renewals:
-            self._lease_rpc_async(wire.Renew, renewals)
+            self._lease_rpc_async(wire.Renew, [t for lease in renewals for t in self._sources.targets(lease)])
         for rid in aborts:
             self._abort(rid)
         for spec in loads:
@@ -150,6 +167,7 @@ class RdmaConsumer:
     def _start(self, spec: LoadSpec) -> None:
         now = self._clock()
         load = LoadState(spec, now + self._settings.load_timeout_s, now)
+        ready: list[tuple[PeerState, Source]] = []
         with self._lock:
             if spec.request_id in self._loads:
                 logger.warning("request %r: a load is already running; ignoring the second", spec.request_id)
@@ -158,35 +176,48 @@ class RdmaConsumer:
             if spec.error is not None:
                 self._fail(load, f"the scheduler could not plan the load: {spec.error}")
                 return
-            key = self._peer_key(spec.peer)
-            peer = self._peers.get(key)
-            if peer is not None and peer.state is PeerStage.FAILED:
-                if now - peer.failed_at < PEER_RETRY_S:
-                    self._fail(load, f"producer {spec.peer.engine_id!r} is unavailable: {peer.error}")
-                    return
-                del self._peers[key]
-                peer = None
-            if peer is None:
-                peer = self._peers[key] = PeerState(spec.peer)
-                peer.waiting.append(load)
-                self._executor.submit(self._handshake, peer)
+            try:
+                plan = self._sources.plan(spec.peer)
+            except ConfigError as exc:
+                self._fail(load, f"cannot map tensor-parallel ranks: {exc}")
                 return
-            if peer.state is PeerStage.CONNECTING:
-                peer.waiting.append(load)
-                return
-        self._post(load, peer)
+            load.sources = [Source(read, plan.readers[read.rank]) for read in plan.reads]
+            release_only = [t for t in self._sources.targets(spec.remote_lease) if t[0] in plan.release_only]
+            for src in load.sources:
+                key = self._peer_key(spec.peer, src.read.rank)
+                peer = self._peers.get(key)
+                if peer is not None and peer.state is PeerStage.FAILED:
+                    if now - peer.failed_at < PEER_RETRY_S:
+                        self._fail(load, f"producer {spec.peer.engine_id!r} rank {src.read.rank} is "
+                                         f"unavailable: {peer.error}")
+                        break
+                    del self._peers[key]
+                    peer = None
+                if peer is None:
+                    peer = self._peers[key] = PeerState(spec.peer, src.read.rank)
+                    peer.waiting.append((load, src))
+                    self._executor.submit(self._handshake, peer)
+                elif peer.state is PeerStage.CONNECTING:
+                    peer.waiting.append((load, src))
+                else:
+                    ready.append((peer, src))
+        if release_only:
+            self._lease_rpc_async(wire.Release, release_only)
+        for peer, src in ready:
+            self._post(load, src, peer)
 
     # --- peers --------------------------------------------------------------------------------------------
 
-    def _client_key(self, address: PeerAddress) -> tuple[str, int]:
-        """The side channel of this rank at ``address``: host, base port + rank."""
-        return address.host, address.port + self._settings.tp_rank
+    @staticmethod
+    def _client_key(address: PeerAddress, rank: int) -> tuple[str, int]:
+        """The side channel of producer rank ``rank`` at ``address``: host, base port + rank."""
+        return address.host, address.port + rank
 
-    def _peer_key(self, address: PeerAddress) -> PeerKey:
-        return (address.engine_id, *self._client_key(address))
+    def _peer_key(self, address: PeerAddress, rank: int) -> PeerKey:
+        return (address.engine_id, *self._client_key(address, rank))
 
-    def _client(self, address: PeerAddress) -> SideChannelClient:
-        return self._clients.get(*self._client_key(address))
+    def _client(self, address: PeerAddress, rank: int) -> SideChannelClient:
+        return self._clients.get(*self._client_key(address, rank))
 
     def _make_client(self, host: str, port: int) -> SideChannelClient:
         s = self._settings
@@ -198,10 +229,10 @@ class RdmaConsumer:
         address, t0 = peer.address, time.perf_counter()
         name = None
         try:
-            compat = self._require_compat()
-            client = self._client(address)
-            reply = client.handshake(wire.Handshake(
-                wire.PROTOCOL_VERSION, self._engine_id, self._settings.tp_rank, compat))
+            compat, rank = self._sources.require()
+            plan = self._sources.plan(address)
+            client = self._client(address, peer.rank)
+            reply = client.handshake(wire.Handshake(wire.PROTOCOL_VERSION, self._engine_id, rank, compat))
             if reply.engine_id != address.engine_id:
                 raise HandshakeError(
                     f"expected producer engine {address.engine_id!r} at {client.address}, found "
@@ -209,30 +240,36 @@ class RdmaConsumer:
             if reply.compat != compat:
                 diff = "; ".join(compat.mismatches(reply.compat, mine="consumer", theirs="producer"))
                 raise HandshakeError(f"producer {reply.engine_id!r} has an incompatible KV cache: {diff}")
-            slots = SlotTable(reply.geometry.to_geometry())
+            expected = wire.RankInfo(peer.rank, address.tp_size, plan.remote_heads)
+            if reply.rank != expected:
+                raise HandshakeError(
+                    f"producer {reply.engine_id!r} at {client.address} is rank {reply.rank.tp_rank} of "
+                    f"{reply.rank.tp_size} with {reply.rank.num_kv_heads} KV heads; expected rank "
+                    f"{expected.tp_rank} of {expected.tp_size} with {expected.num_kv_heads} (the "
+                    "kv_transfer_params' tp_size, or the producer's ports, are wrong)")
+            geometry = reply.geometry.to_geometry()
             assert self._transport is not None
             name = self._transport.add_peer(reply.agent_metadata)
-            prep = self._transport.prep_remote(name, slots.descs)
         except Exception as exc:
             if name is not None:
                 self._safe_remove_peer(name)
-            host, port = self._client_key(address)
+            host, port = self._client_key(address, peer.rank)
             reason = f"handshake with {host}:{port} failed: {exc}"
             logger.warning("producer %r: %s", address.engine_id, reason)
             with self._lock:
                 peer.state, peer.error, peer.failed_at = PeerStage.FAILED, reason, self._clock()
                 waiting, peer.waiting = peer.waiting, []
-                for load in waiting:
+                for load, _ in waiting:
                     self._fail(load, reason)
             return
         with self._lock:
-            peer.state, peer.name, peer.slots, peer.prep = PeerStage.READY, name, slots, prep
+            peer.state, peer.name, peer.geometry = PeerStage.READY, name, geometry
             peer.handshake_s = time.perf_counter() - t0
             waiting, peer.waiting = peer.waiting, []
             self._stats.counters["handshakes"] += 1
-        for load in waiting:
-            load.measures.handshake_s = peer.handshake_s
-            self._post(load, peer)
+        for load, src in waiting:
+            load.measures.at_least(handshake_s=peer.handshake_s)
+            self._post(load, src, peer)
 
     def _safe_remove_peer(self, name: str) -> None:
         try:
@@ -245,7 +282,7 @@ class RdmaConsumer:
         """Forget a peer whose reads failed: the next load re-handshakes (a
         restarted producer has a new agent). Called without the lock held."""
         with self._lock:
-            key = self._peer_key(peer.address)
+            key = self._peer_key(peer.address, peer.rank)
             if self._peers.get(key) is peer and peer.state is PeerStage.READY:
                 peer.state, peer.error, peer.failed_at = PeerStage.FAILED, reason, self._clock()
             else:
@@ -255,8 +292,9 @@ class RdmaConsumer:
 
     def _addresses_in_use(self) -> set[tuple[str, int]]:
         with self._lock:
-            return ({self._client_key(p.address) for p in self._peers.values()}
-                    | {self._client_key(ld.spec.peer) for ld in self._loads.values()})
+            return ({self._client_key(p.address, p.rank) for p in self._peers.values()}
+                    | {self._client_key(ld.spec.peer, src.read.rank)
+                       for ld in self._loads.values() for src in ld.sources})
 
     def _prune_failed_peers(self, now: float) -> None:
         """Forget peers that failed more than ``PEER_RETRY_S`` ago (a new load
@@ -268,71 +306,80 @@ class RdmaConsumer:
 
     # --- reads -----------------------------------------------------------------------------------------
 
-    def _post(self, load: LoadState, peer: PeerState) -> None:
-        """Post one request's reads. Called without the lock held."""
-        spec = load.spec
+    def _post(self, load: LoadState, src: Source, peer: PeerState) -> None:
+        """Post one source's reads. Called without the lock held."""
+        spec, read = load.spec, src.read
         with self._lock:
-            if load.stage is not HANDSHAKE:
-                return  # failed by its deadline meanwhile
+            if load.stage.terminal or load.error is not None or src.stage is not SourceStage.WAITING:
+                return  # failed meanwhile (deadline, another source)
             if load.aborted:
-                self._finish_aborted(load)
+                if load.read_resolved:
+                    self._finish_aborted(load)
                 return
-            load.stage = READING
-        assert self._slots is not None and peer.slots is not None and self._transport is not None
+            src.stage, src.resolved = SourceStage.READING, False
+            if load.stage is HANDSHAKE:
+                load.stage = READING
+        assert self._transport is not None
         t0 = time.perf_counter()
         try:
+            plan = self._sources.plan(spec.peer)
+            with self._lock:
+                (local, local_prep), (remote, remote_prep) = self._sources.tables(plan, read, peer)
+            if not np.array_equal(local.row_nbytes, remote.row_nbytes):
+                raise ValueError(f"the local and producer rank {read.rank} slot tables differ in "
+                                 "bytes per block; the KV layouts do not match")
             local_ids = np.asarray(spec.local_block_ids, dtype=np.int64)
             remote_ids = np.asarray(spec.remote_block_ids, dtype=np.int64)
             if local_ids.shape != remote_ids.shape:
                 raise ValueError(f"{local_ids.size} local blocks but {remote_ids.size} remote blocks")
-            local_idx = self._slots.indices(local_ids, "local")
-            remote_idx = peer.slots.indices(remote_ids, "remote")
-            xfer = self._transport.read_prepared(self._local_prep, local_idx, peer.prep, remote_idx,
+            local_idx = local.indices(local_ids, "local")
+            remote_idx = remote.indices(remote_ids, "remote")
+            xfer = self._transport.read_prepared(local_prep, local_idx, remote_prep, remote_idx,
                                                  timeout_s=self._settings.read_timeout_s)
         except Exception as exc:
             with self._lock:
-                load.read_resolved = True
-                self._fail(load, f"posting reads from {spec.peer.engine_id!r} failed: {exc}")
-            if peer.name is not None and not isinstance(exc, (ValueError,)):
+                src.resolved = True
+                self._fail(load, f"posting reads from {spec.peer.engine_id!r} rank {read.rank} failed: {exc}")
+            if peer.name is not None and not isinstance(exc, (ValueError, ConfigError)):
                 self._peer_failed(peer, str(exc))
             return
-        load.transfer = xfer
+        src.transfer = xfer
         m = load.measures
         m.num_blocks = int(local_ids.size)
-        m.block_runs = count_runs(local_ids, remote_ids, self._slots.num_rows)
-        m.plan_s, m.post_s = time.perf_counter() - t0 - xfer.post_s, xfer.post_s
-        xfer.add_done_callback(functools.partial(self._on_read_done, load, peer))
+        m.add(block_runs=count_runs(local_ids, remote_ids, local.num_rows),
+              plan_s=time.perf_counter() - t0 - xfer.post_s, post_s=xfer.post_s)
+        xfer.add_done_callback(functools.partial(self._on_read_done, load, src, peer))
 
-    def _on_read_done(self, load: LoadState, peer: PeerState, xfer: TransferHandle) -> None:
-        """Transport progress thread: the reads completed or failed."""
-        m = load.measures
-        m.nbytes, m.num_descs, m.ops_posted, m.transfer_s = (
-            xfer.nbytes, xfer.num_descs, xfer.ops_posted, xfer.elapsed_s)
-        if xfer.error is not None:
-            with self._lock:
-                load.read_resolved = True
-                self._fail(load, f"reads from {load.spec.peer.engine_id!r} failed: {xfer.error}")
-            self._peer_failed(peer, str(xfer.error))
-            return
+    def _on_read_done(self, load: LoadState, src: Source, peer: PeerState, xfer: TransferHandle) -> None:
+        """Transport progress thread: one source's reads completed or failed."""
+        failed = xfer.error is not None
         with self._lock:
-            load.read_resolved = True
-            if load.stage is not READING:
-                return
-            if load.error is not None:  # failed while the reads were in flight
-                self._fail(load, load.error)
-                return
-            if load.aborted:
-                self._finish_aborted(load)
-                return
-            load.stage = CONFIRMING
-            load.confirm_started = time.perf_counter()
-            self._queue_confirm(peer, load)
+            load.measures.add(nbytes=xfer.nbytes, num_descs=xfer.num_descs, ops_posted=xfer.ops_posted)
+            load.measures.at_least(transfer_s=xfer.elapsed_s)
+            src.resolved = True
+            if failed:
+                self._fail(load, f"reads from {load.spec.peer.engine_id!r} rank {src.read.rank} "
+                                 f"failed: {xfer.error}")
+            elif not load.stage.terminal:
+                src.stage = SourceStage.CONFIRMING
+                if load.error is not None:
+                    self._fail(load, load.error)  # failed while reads were in flight
+                elif load.aborted:
+                    if load.read_resolved:
+                        self._finish_aborted(load)
+                else:
+                    self._queue_confirm(peer, load, src)
+                    if all(s.stage in (SourceStage.CONFIRMING, SourceStage.CONFIRMED) for s in load.sources):
+                        load.stage = CONFIRMING
+                        load.confirm_started = time.perf_counter()
+        if failed:
+            self._peer_failed(peer, str(xfer.error))
 
     # --- validate after read ----------------------------------------------------------------------------
 
-    def _queue_confirm(self, peer: PeerState, load: LoadState) -> None:
-        key = self._peer_key(peer.address)
-        self._confirm_queue[key].append(load)
+    def _queue_confirm(self, peer: PeerState, load: LoadState, src: Source) -> None:
+        key = self._peer_key(peer.address, peer.rank)
+        self._confirm_queue[key].append((load, src))
         if key not in self._confirm_scheduled:
             self._confirm_scheduled.add(key)
             self._executor.submit(self._confirm, peer, key)
@@ -340,18 +387,21 @@ class RdmaConsumer:
     def _confirm(self, peer: PeerState, key: PeerKey) -> None:
         with self._lock:
             self._confirm_scheduled.discard(key)
-            batch = [ld for ld in self._confirm_queue.pop(key, []) if ld.stage is CONFIRMING]
+            batch = [(ld, src) for ld, src in self._confirm_queue.pop(key, [])
+                     if src.stage is SourceStage.CONFIRMING and not ld.stage.terminal]
         if not batch:
             return
-        request = wire.Confirm(wire.PROTOCOL_VERSION,
-                               [wire.LeaseWire.of(ld.spec.lease, ld.spec.claim) for ld in batch], release=True)
+        leases = [self._sources.of(ld, src)[1] for ld, src in batch]
+        request = wire.Confirm(wire.PROTOCOL_VERSION, [
+            wire.LeaseWire.of(lease.lease, lease.claim, reader=lease.reader, readers=lease.readers)
+            for lease in leases], release=True)
         try:
-            statuses = self._client(peer.address).lease_call(request).statuses
+            statuses = self._client(peer.address, peer.rank).lease_call(request).statuses
         except Exception as exc:
             with self._lock:
-                for load in batch:
-                    self._fail(load, f"could not confirm the lease with {peer.address.engine_id!r}, so "
-                                     f"the data read cannot be trusted: {exc}")
+                for load, _ in batch:
+                    self._fail(load, f"could not confirm the lease with {peer.address.engine_id!r} rank "
+                                     f"{peer.rank}, so the data read cannot be trusted: {exc}")
             if isinstance(exc, PeerError):
                 # The producer is gone: drop its endpoint and rkeys now, not
                 # at the next load, or they outlive it.
@@ -359,40 +409,56 @@ class RdmaConsumer:
             return
         now = time.perf_counter()
         with self._lock:
-            for load, status in zip(batch, statuses):
-                if load.stage is not CONFIRMING:
+            for (load, src), status in zip(batch, statuses):
+                if load.stage.terminal or src.stage is not SourceStage.CONFIRMING:
                     continue
-                started = load.confirm_started
-                load.measures.confirm_s = 0.0 if started is None else now - started
-                if status is wire.LeaseStatus.HELD:
+                if status is wire.LeaseStatus.PENDING:
+                    self._confirm_retry.append((peer, load, src))  # re-sent at the next step
+                    continue
+                src.released = True  # HELD released this reader's share; a refusal holds nothing
+                if status is not wire.LeaseStatus.HELD:
+                    reason = refusal_reason(status, peer.address.engine_id, load.spec.lease.generation)
+                    self._fail(load, f"{reason}; the data read cannot be trusted, discarded")
+                    continue
+                src.stage = SourceStage.CONFIRMED
+                if all(s.stage is SourceStage.CONFIRMED for s in load.sources):
+                    started = load.confirm_started
+                    load.measures.confirm_s = 0.0 if started is None else now - started
                     if load.aborted:
                         self._finish_aborted(load)
                     else:
                         load.stage = DONE
                         self._finished.append(load)
-                elif status is wire.LeaseStatus.PENDING:
-                    self._confirm_retry.append((peer, load))  # re-sent at the next step
-                else:
-                    reason = refusal_reason(status, peer.address.engine_id, load.spec.lease.generation)
-                    self._fail(load, f"{reason}; the data read cannot be trusted, discarded", release=False)
 
     # --- endings (called with the lock held) ---------------------------------------------------------------
 
-    def _fail(self, load: LoadState, reason: str, *, release: bool = True) -> None:
+    def _release_sources(self, load: LoadState) -> None:
+        """RELEASE this reader's share of every source not yet released (a
+        load that failed before it had sources: every producer rank this rank
+        calls, as for a request released by the scheduler)."""
+        if load.sources:
+            targets = [self._sources.of(load, src) for src in load.sources if not src.released]
+            for src in load.sources:
+                src.released = True
+        else:
+            targets = self._sources.targets(load.spec.remote_lease)
+        if targets:
+            self._lease_rpc_async(wire.Release, targets)
+
+    def _fail(self, load: LoadState, reason: str) -> None:
         """The one place a load fails."""
         if load.stage.terminal:
             return
-        if load.stage is READING and not load.read_resolved:
-            # Reads can still land: defer until the transfer resolves (its
-            # deadline bounds this); _on_read_done will fail it.
+        if not load.read_resolved:
+            # Reads can still land: defer until every transfer resolves (its
+            # deadline bounds this); _on_read_done fails it.
             load.error = load.error or reason
             return
         load.stage, load.error = FAILED, load.error or reason
         self._stats.counters["loads_failed"] += 1
         self._failure_warnings.warn(load.spec.peer.engine_id, "request %r: KV load failed: %s",
                                     load.spec.request_id, load.error)
-        if release:
-            self._lease_rpc_async(wire.Release, [load.spec.remote_lease])
+        self._release_sources(load)
         if load.aborted:
             self._loads.pop(load.spec.request_id, None)
             self._aborted_done.add(load.spec.request_id)
@@ -401,7 +467,7 @@ class RdmaConsumer:
 
     def _finish_aborted(self, load: LoadState) -> None:
         if not load.stage.terminal:
-            self._lease_rpc_async(wire.Release, [load.spec.remote_lease])
+            self._release_sources(load)
         load.stage = DONE
         self._loads.pop(load.spec.request_id, None)
         self._aborted_done.add(load.spec.request_id)
@@ -415,7 +481,7 @@ class RdmaConsumer:
                 self._aborted_done.add(rid)  # nothing in flight: hand the blocks back now
                 return
             load.aborted = True
-            if load.stage is READING and not load.read_resolved:
+            if not load.read_resolved:
                 return  # _on_read_done finishes it once no read can land
             if load.stage.terminal:
                 self._finished = [ld for ld in self._finished if ld is not load]
@@ -433,7 +499,7 @@ class RdmaConsumer:
         now = self._clock()
         with self._lock:
             for load in list(self._loads.values()):
-                if load.stage in (HANDSHAKE, CONFIRMING) and now > load.deadline:
+                if not load.stage.terminal and load.error is None and now > load.deadline:
                     self._fail(load, f"not finished within load_timeout_s={self._settings.load_timeout_s} "
                                      f"(stage {load.stage.value})")
             recving: set[RequestId] = set()
@@ -447,10 +513,10 @@ class RdmaConsumer:
             self._finished = []
             sending, self._aborted_done = self._aborted_done, set()
             retry, self._confirm_retry = self._confirm_retry, []
-            for peer, load in retry:
-                if load.stage is CONFIRMING:
-                    self._queue_confirm(peer, load)
-            renew = due_renewals(self._loads.values(), now, self._settings.renew_interval_for)
+            for peer, load, src in retry:
+                if src.stage is SourceStage.CONFIRMING and not load.stage.terminal:
+                    self._queue_confirm(peer, load, src)
+            renew = due_renewals(self._loads.values(), now, self._settings.renew_interval_for, self._rank)
             self._prune_failed_peers(now)
         if renew:
             self._lease_rpc_async(wire.Renew, renew)
@@ -465,12 +531,12 @@ class RdmaConsumer:
 
     # --- lease RPCs ---------------------------------------------------------------------------------------
 
-    def _lease_rpc_async(self, kind: type, leases: Iterable[RemoteLease]) -> None:
+    def _lease_rpc_async(self, kind: type, leases: Iterable[Targeted]) -> None:
         if not self._closed:
             submit_lease_rpcs(self._executor, self._lease_rpc, kind, leases)
 
-    def _lease_rpc(self, kind: type, address: PeerAddress, leases: list[RemoteLease]) -> None:
-        refused = call_lease_rpc(self._client(address), kind, address, leases)
+    def _lease_rpc(self, kind: type, address: PeerAddress, rank: int, leases: list[RemoteLease]) -> None:
+        refused = call_lease_rpc(self._client(address, rank), kind, address, leases)
         if refused is None:
             return
         self._stats.counters[f"{kind.__name__.lower()}_rpcs"] += 1
@@ -482,8 +548,10 @@ class RdmaConsumer:
                 for lease, status in refused:
                     load = by_claim.get(lease.claim)
                     if load is not None and load.stage is HANDSHAKE:
-                        self._fail(load, refusal_reason(status, address.engine_id, lease.lease.generation),
-                                   release=False)
+                        for src in load.sources:
+                            if src.read.rank == rank:
+                                src.released = True  # the producer holds nothing for it
+                        self._fail(load, refusal_reason(status, address.engine_id, lease.lease.generation))
 
     # --- stats, resources, shutdown -----------------------------------------------------------------------
 
@@ -507,11 +575,10 @@ class RdmaConsumer:
             return len(self._loads)
 
     def reads_on_the_wire(self) -> list[str]:
-        """Request ids (aborted ones included) whose read transfer the
+        """Request ids (aborted ones included) whose read transfers the
         transport has not yet resolved: their blocks can still be written."""
         with self._lock:
-            return sorted(rid for rid, ld in self._loads.items()
-                          if ld.transfer is not None and not ld.transfer.done())
+            return sorted(rid for rid, ld in self._loads.items() if ld.on_the_wire())
 
     def close(self) -> None:
         """Stop the RPC threads and close the side-channel clients (the

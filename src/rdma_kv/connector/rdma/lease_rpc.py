@@ -31,16 +31,17 @@ logger = logging.getLogger(__name__)
 
 
 def submit_lease_rpcs(executor: concurrent.futures.Executor,
-                      call: Callable[[type, PeerAddress, list[RemoteLease]], None],
-                      kind: type, leases: Iterable[RemoteLease]) -> None:
-    """Group ``leases`` by producer and submit ``call(kind, address, chunk)``."""
-    by_peer: dict[PeerAddress, list[RemoteLease]] = collections.defaultdict(list)
-    for item in leases:
-        by_peer[item.peer].append(item)
-    for address, refs in by_peer.items():
+                      call: Callable[[type, PeerAddress, int, list[RemoteLease]], None],
+                      kind: type, leases: Iterable[tuple[int, RemoteLease]]) -> None:
+    """Group (producer rank, lease) pairs by producer rank and submit
+    ``call(kind, address, rank, chunk)``."""
+    by_peer: dict[tuple[PeerAddress, int], list[RemoteLease]] = collections.defaultdict(list)
+    for rank, item in leases:
+        by_peer[item.peer, rank].append(item)
+    for (address, rank), refs in by_peer.items():
         for start in range(0, len(refs), wire.MAX_LEASES_PER_MESSAGE):
             try:
-                executor.submit(call, kind, address, refs[start:start + wire.MAX_LEASES_PER_MESSAGE])
+                executor.submit(call, kind, address, rank, refs[start:start + wire.MAX_LEASES_PER_MESSAGE])
             except RuntimeError:  # executor shut down: the worker is closing
                 return
 

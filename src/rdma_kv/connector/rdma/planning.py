@@ -8,7 +8,17 @@ merges descriptors contiguous on both sides into one operation: ops per
 request = contiguous runs. This is NIXL's prepared-list design; it costs
 20 bytes per slot per side (32 layers x 100k blocks: 64 MB).
 
-Also owns :func:`compat_info`, what two engines must agree on.
+A slot table may cover a *head slice* of every block (heads ``[first,
+first + count)`` of a rank's ``of``): then each (layer, segment, K/V part)
+row describes only those heads' bytes. That is how a consumer rank reads
+the heads it owns out of a producer rank that holds more, or into a block
+that holds more (heterogeneous tensor parallel, ``topology``). It needs
+each head's share of a block part to be contiguous
+(``LayerGeometry.head_nbytes``; vLLM's CPU and HND layouts): an NHD cache
+is refused with an error saying so.
+
+Also owns :func:`compat_info` and :func:`rank_info`: what two engines must
+agree on, and one rank's share of the model.
 
 Imports numpy, ``rdma_kv.errors``, ``rdma_kv.runs``, the connector's ``geometry`` and
 ``specs``, ``rdma.wire``, and the transport's ``DescList`` (plain numpy)
@@ -17,36 +27,76 @@ through ``rdma.transport_api``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from rdma_kv.connector.geometry import KVCacheGeometry
+from rdma_kv.connector.geometry import KVCacheGeometry, LayerGeometry, Segment
 from rdma_kv.connector.rdma.transport_api import DescList
-from rdma_kv.connector.rdma.wire import CompatInfo
+from rdma_kv.connector.rdma.wire import CompatInfo, RankInfo
 from rdma_kv.connector.specs import AttentionSpec, KVCacheConfig
 from rdma_kv.errors import DescriptorError
 from rdma_kv.runs import run_starts
 
-__all__ = ["SlotTable", "compat_info", "count_runs"]
+__all__ = ["HeadSlice", "SlotTable", "compat_info", "count_runs", "rank_info"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSlice:
+    """Heads ``[first, first + count)`` of the ``of`` KV heads a rank holds."""
+
+    first: int
+    count: int
+    of: int
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.first and 1 <= self.count and self.first + self.count <= self.of):
+            raise DescriptorError(f"head slice [{self.first}, {self.first + self.count}) is outside "
+                                  f"the {self.of} KV heads of the rank")
+
+    @property
+    def whole(self) -> bool:
+        return self.count == self.of
+
+
+def _pieces(layer: LayerGeometry, seg: Segment, heads: HeadSlice | None) -> list[tuple[int, int]]:
+    """(offset from the segment's block start, length) of the bytes of ``heads`` in one block."""
+    if heads is None or heads.whole:
+        return [(0, seg.block_nbytes)]
+    hb = layer.head_nbytes
+    if hb == 0 or seg.block_nbytes % (hb * heads.of):
+        raise DescriptorError(
+            f"layer {layer.name!r} ({layer.kv_layout or layer.layout.value}, {layer.memory_order}): a KV "
+            "head's share of a block is not contiguous, so heads cannot be read out of a block; "
+            "tensor-parallel sizes that split heads differently need the heads outside the tokens "
+            "(vLLM's CPU layout, or HND on GPU: VLLM_KV_CACHE_LAYOUT=HND on both engines), or "
+            "equal TP sizes")
+    part = hb * heads.of
+    return [(k * part + heads.first * hb, heads.count * hb) for k in range(seg.block_nbytes // part)]
 
 
 class SlotTable:
-    """Descriptor ``row_base[r] + b`` is block ``b`` of row ``r`` (a layer's segment)."""
+    """Descriptor ``row_base[r] + b`` is block ``b`` of row ``r``: a layer's
+    segment, or with ``heads`` one K/V part of it cut to those heads."""
 
-    def __init__(self, geometry: KVCacheGeometry) -> None:
-        rows = [(layer, seg) for layer in geometry.layers for seg in layer.segments]
+    def __init__(self, geometry: KVCacheGeometry, heads: HeadSlice | None = None) -> None:
+        rows = [(layer, seg.offset + offset, seg.block_stride_bytes, length)
+                for layer in geometry.layers for seg in layer.segments
+                for offset, length in _pieces(layer, seg, heads)]
         if not rows:
             raise DescriptorError("a KV cache with no layers has nothing to transfer")
+        self.heads = heads
         self.num_blocks = min(layer.num_blocks for layer in geometry.layers)
-        counts = np.array([layer.num_blocks for layer, _ in rows], dtype=np.int64)
+        counts = np.array([layer.num_blocks for layer, *_ in rows], dtype=np.int64)
         self.row_base = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         addrs, lengths = [], []
-        for layer, seg in rows:
-            base = geometry.regions[layer.region_index].base_address + seg.offset
+        for layer, offset, stride, length in rows:
+            base = geometry.regions[layer.region_index].base_address + offset
             blocks = np.arange(layer.num_blocks, dtype=np.uint64)
-            addrs.append(np.uint64(base) + blocks * np.uint64(seg.block_stride_bytes))
-            lengths.append(np.full(layer.num_blocks, seg.block_nbytes, dtype=np.uint64))
+            addrs.append(np.uint64(base) + blocks * np.uint64(stride))
+            lengths.append(np.full(layer.num_blocks, length, dtype=np.uint64))
         self.descs = DescList(np.concatenate(addrs), np.concatenate(lengths))
-        self.row_nbytes = np.array([seg.block_nbytes for _, seg in rows], dtype=np.int64)
+        self.row_nbytes = np.array([length for *_, length in rows], dtype=np.int64)
         self.bytes_per_block = int(self.row_nbytes.sum())
 
     @property
@@ -71,29 +121,42 @@ def count_runs(local_ids: np.ndarray, remote_ids: np.ndarray, rows: int) -> int:
     return rows * len(run_starts(ones, ((local_ids, None), (remote_ids, None))))
 
 
-def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, tp_size: int,
+def _rank_heads(spec: object) -> int:
+    """KV heads one rank holds (1 for MLA, whose latent is not split)."""
+    if isinstance(spec, AttentionSpec):
+        return 1 if spec.use_mla else spec.num_kv_heads
+    return 1
+
+
+def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, total_kv_heads: int,
                 attention_backend: str = "") -> CompatInfo:
-    """What this engine's KV cache is, for the handshake to compare: model
-    shape, dtype, block size, spec, TP size, the attention backend, and per
-    layer the layout, segment sizes and memory order (so an NHD and an HND
-    cache of one shape differ)."""
+    """What this engine's KV cache is, for the handshake to compare, in
+    terms independent of tensor parallelism: model shape (``total_kv_heads``
+    before sharding), dtype, block size, spec (page size per head), the
+    attention backend, and per layer the layout, bytes per head and memory
+    order (so an NHD and an HND cache of one shape differ)."""
     spec = kv_cache_config.single_group().kv_cache_spec
+    heads = _rank_heads(spec)
     layouts = [
-        f"{layer.layout.value}:" + ",".join(str(s.block_nbytes) for s in layer.segments)
-        + (f":{layer.memory_order}" if layer.memory_order else "")
+        f"{layer.layout.value}:" + ",".join(str(s.block_nbytes // heads) for s in layer.segments)
+        + f":{layer.head_nbytes}" + (f":{layer.memory_order}" if layer.memory_order else "")
         for layer in geometry.layers
     ]
-    heads, head_size, dtype = ((spec.num_kv_heads, spec.head_size, spec.dtype)
-                               if isinstance(spec, AttentionSpec) else (0, 0, ""))
+    head_size, dtype = (spec.head_size, spec.dtype) if isinstance(spec, AttentionSpec) else (0, "")
+    kind = spec.type_id.rsplit("_", 2)[0]  # type_id ends with block size and page size
     return CompatInfo(
         num_layers=len(geometry.layers),
         block_size=spec.block_size,
-        num_kv_heads=heads,
+        total_kv_heads=total_kv_heads if isinstance(spec, AttentionSpec) and not spec.use_mla else 1,
         head_size=head_size,
         dtype=dtype,
-        spec=spec.type_id,
+        spec=f"{kind}_{spec.block_size}_{spec.page_size_bytes // heads}",
         layouts=layouts,
-        tp_size=tp_size,
         kv_layout="/".join(sorted({layer.kv_layout for layer in geometry.layers})),
         attention_backend=attention_backend,
     )
+
+
+def rank_info(kv_cache_config: KVCacheConfig, tp_rank: int, tp_size: int) -> RankInfo:
+    """This rank's share of the model, for the handshake."""
+    return RankInfo(tp_rank, tp_size, _rank_heads(kv_cache_config.single_group().kv_cache_spec))

@@ -12,8 +12,9 @@ it holds for consumers:
 :class:`ProducerHandler` answers what a consumer may ask: HANDSHAKE with the
 agent metadata (worker address, packed remote keys) and the block geometry
 -- or a refusal naming both sides' values when the KV caches are
-incompatible (model shape, dtype, block size, layout, tensor parallelism)
-or the consumer dialled the wrong rank. RENEW, CONFIRM and RELEASE act on
+incompatible (model shape, dtype, block size, layout). Tensor-parallel
+sizes may differ: the reply names this rank's share (``wire.RankInfo``) and
+the consumer plans which heads to read from it (``topology``). RENEW, CONFIRM and RELEASE act on
 the lease table. It runs on the side channel's threads; the lease table
 does its own locking. Authentication happens before any of this, in
 ``sidechannel``.
@@ -46,11 +47,11 @@ logger = logging.getLogger(__name__)
 class ProducerHandler:
     """Implements :class:`~rdma_kv.connector.rdma.sidechannel.Handler`."""
 
-    def __init__(self, engine_id: EngineId, tp_rank: int, lease_ttl_s: float, leases: LeaseTable,
+    def __init__(self, engine_id: EngineId, rank: wire.RankInfo, lease_ttl_s: float, leases: LeaseTable,
                  compat: wire.CompatInfo, agent_metadata: Callable[[], bytes],
                  geometry: KVCacheGeometry) -> None:
         self._engine_id = engine_id
-        self._tp_rank = tp_rank
+        self._rank = rank
         self._lease_ttl_s = lease_ttl_s
         self._leases = leases
         self._compat = compat
@@ -63,12 +64,9 @@ class ProducerHandler:
             diff = "; ".join(compat.mismatches(request.compat, mine="producer", theirs="consumer"))
             logger.warning("refused handshake from consumer %r: %s", request.engine_id, diff)
             return wire.Refused(f"incompatible KV caches ({diff}); both engines must run the same "
-                                "model, dtype, block size, layout and tensor-parallel size")
-        if request.tp_rank != self._tp_rank:
-            return wire.Refused(f"consumer rank {request.tp_rank} dialled producer rank "
-                                f"{self._tp_rank}; rank r must dial port + r")
+                                "model, dtype, block size and KV layout")
         return wire.HandshakeReply(
-            wire.PROTOCOL_VERSION, self._engine_id, self._tp_rank, compat, compat.compat_hash(),
+            wire.PROTOCOL_VERSION, self._engine_id, self._rank, compat, compat.compat_hash(),
             self._agent_metadata(), wire.GeometryWire.from_geometry(self._geometry))
 
     def on_renew(self, request: wire.Renew) -> wire.LeaseReply:
@@ -100,12 +98,12 @@ class RdmaProducer:
         self.server: SideChannelServer | None = None
         self._lease_stats_seen: collections.Counter[str] = collections.Counter()
 
-    def start(self, compat: wire.CompatInfo, agent_metadata: Callable[[], bytes],
+    def start(self, compat: wire.CompatInfo, rank: wire.RankInfo, agent_metadata: Callable[[], bytes],
               geometry: KVCacheGeometry) -> None:
         """Start the side-channel server (on ``side_channel_port + tp_rank``,
         or an OS-chosen port when it is 0)."""
         s = self._settings
-        handler = ProducerHandler(self._engine_id, s.tp_rank, s.lease_ttl_s, self.leases, compat,
+        handler = ProducerHandler(self._engine_id, rank, s.lease_ttl_s, self.leases, compat,
                                   agent_metadata, geometry)
         port = s.side_channel_port
         self.server = SideChannelServer(handler, s.side_channel_host, port + s.tp_rank if port else 0,

@@ -168,9 +168,8 @@ class RdmaScheduler:
             return (f"kv_transfer_params['remote_block_ids'] has {len(params.remote_block_ids)} "
                     f"blocks; the {request.num_prompt_tokens}-token prompt needs {needed} at "
                     f"block size {self._block_size}")
-        if params.tp_size != self._settings.tp_size:
-            return (f"producer tp_size {params.tp_size} vs consumer tp_size "
-                    f"{self._settings.tp_size}; only equal tensor-parallel sizes are supported")
+        # Differing TP sizes are the workers' to map (``topology``); sizes that
+        # cannot share the model's KV heads fail there, as load errors.
         return None
 
     # --- consumer: admission -----------------------------------------------------------------

@@ -49,6 +49,10 @@ class RdmaSettings:
     """Base port (default ``kv_port``); rank ``r`` listens on ``port + r``. 0: the OS picks."""
     tp_rank: int = 0
     tp_size: int = 1
+    total_kv_heads: int = 0
+    """The model's KV heads before tensor parallelism shards them (the engine
+    adapter sets it). 0: this rank's heads x ``tp_size``, which is right
+    unless heads are replicated (``tp_size`` above the number of KV heads)."""
     lease_ttl_s: float = 30.0
     """How long a producer holds delayed blocks without a renewal."""
     renew_interval_s: float = 0.0
@@ -129,7 +133,7 @@ class RdmaSettings:
         values["allow_unauthenticated"] = get("allow_unauthenticated", False, type=bool)
         if config.is_kv_producer:
             _require_secret_off_loopback(host, values)
-        for name, kind in (("tp_rank", int), ("tp_size", int), ("lease_ttl_s", float),
+        for name, kind in (("tp_rank", int), ("tp_size", int), ("total_kv_heads", int), ("lease_ttl_s", float),
                            ("renew_interval_s", float), ("read_timeout_s", float),
                            ("load_timeout_s", float), ("connect_timeout_s", float),
                            ("rpc_timeout_s", float), ("rpc_retries", int), ("rpc_threads", int),
@@ -145,6 +149,8 @@ class RdmaSettings:
             raise ConfigError(f"side_channel_port={self.side_channel_port} not in [0, 65535]")
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tp_rank={self.tp_rank} must be in [0, tp_size={self.tp_size})")
+        if self.total_kv_heads < 0:
+            raise ConfigError(f"total_kv_heads={self.total_kv_heads} must be >= 0 (0: derived)")
         if self.side_channel_port == 0 and self.tp_size > 1:
             raise ConfigError("side_channel_port 0 (OS-chosen) works only with tp_size 1: "
                               "consumers dial port + rank")
@@ -241,7 +247,7 @@ def _net_devices(value: Any, ucx_options: Mapping[str, str]) -> str | dict[int, 
 
 EXTRA_KEYS = tuple(f.name for f in dataclasses.fields(RdmaSettings))
 
-USER_KEYS = tuple(k for k in EXTRA_KEYS if k not in ("tp_rank", "tp_size"))
-"""The keys a user sets: the engine adapter sets ``tp_rank``/``tp_size`` from
+USER_KEYS = tuple(k for k in EXTRA_KEYS if k not in ("tp_rank", "tp_size", "total_kv_heads"))
+"""The keys a user sets: the engine adapter sets ``tp_rank``/``tp_size``/``total_kv_heads`` from
 the engine's parallel layout (vLLM refuses them from the user), so the
 unknown-key error lists only these."""

@@ -49,7 +49,7 @@ from rdma_kv.connector.rdma.admission import Admission, ConnectionLimits
 from rdma_kv.connector.rdma.lograte import EventSummary
 from rdma_kv.errors import AuthenticationError, ConfigError, HandshakeError, MetadataError, PeerError
 
-__all__ = ["ConnectionLimits", "Handler", "SideChannelClient", "SideChannelServer"]
+__all__ = ["ConnectionLimits", "Handler", "SideChannelClient", "SideChannelServer", "bind_advice"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,18 @@ def _abort(conn: socket.socket) -> None:
     except OSError:
         pass
     conn.close()
+
+
+def bind_advice(exc: OSError, host: str, port: int) -> str | None:
+    """What to change when the side channel cannot bind ``host:port`` (None:
+    no specific advice). ``rdma-kv info --config`` gives the same words."""
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return (f"side_channel_host {host} is not an address of this host; set "
+                "kv_connector_extra_config['side_channel_host'] to one of its interfaces")
+    if exc.errno == errno.EADDRINUSE:
+        return (f"port {port} on {host} is in use; choose another kv_port or side_channel_port "
+                "(tensor-parallel rank r listens on port + r)")
+    return None
 
 
 class SideChannelServer:
@@ -143,14 +155,7 @@ class SideChannelServer:
             self._sock.bind(address)
         except OSError as exc:
             self._sock.close()
-            if exc.errno == errno.EADDRNOTAVAIL:
-                advice = (f"{host} is not an address of this host; set kv_connector_extra_config"
-                          "['side_channel_host'] to one of its interfaces")
-            elif exc.errno == errno.EADDRINUSE:
-                advice = (f"port {port} is in use; choose another kv_port or side_channel_port "
-                          "(tensor-parallel rank r listens on port + r)")
-            else:
-                advice = "check side_channel_host and kv_port / side_channel_port"
+            advice = bind_advice(exc, host, port) or "check side_channel_host and kv_port / side_channel_port"
             raise ConfigError(f"side channel cannot bind {host}:{port}: {exc.strerror}: {advice}") from None
         self._sock.listen(backlog)
         self._sock.settimeout(0.2)  # the accept loop checks for close() this often

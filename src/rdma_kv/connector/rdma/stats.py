@@ -56,6 +56,17 @@ class LoadMeasures:
     transfer_s: float | None = None
     confirm_s: float | None = None
 
+    def add(self, **values: float) -> None:
+        """Sum into the named measures (counts and costs of a load's sources)."""
+        for name, value in values.items():
+            setattr(self, name, (getattr(self, name) or 0) + value)
+
+    def at_least(self, **values: float) -> None:
+        """Keep the largest value of each named measure (times of sources that run side by side)."""
+        for name, value in values.items():
+            old = getattr(self, name)
+            setattr(self, name, value if old is None else max(old, value))
+
 
 _MEASURED = tuple(f.name for f in dataclasses.fields(LoadMeasures))
 _INT_FIELDS = frozenset({"num_blocks", "block_runs", "nbytes", "num_descs", "ops_posted"})

@@ -51,6 +51,7 @@ __all__ = [
     "LeaseReply",
     "LeaseStatus",
     "LeaseWire",
+    "RankInfo",
     "Refused",
     "Release",
     "Renew",
@@ -111,19 +112,22 @@ class LeaseStatus(enum.IntEnum):
 
 
 class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What two engines must agree on to copy KV block for block."""
+    """What two engines must agree on to copy KV heads block for block,
+    whatever their tensor-parallel sizes: the model's shape, not a rank's
+    (a rank's share, its heads and TP size, travels in :class:`RankInfo`)."""
 
     num_layers: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)]
     block_size: Annotated[int, msgspec.Meta(ge=1)]
-    num_kv_heads: Annotated[int, msgspec.Meta(ge=0)]
+    total_kv_heads: Annotated[int, msgspec.Meta(ge=0)]
+    """The model's KV heads (1 for MLA), before tensor parallelism shards them."""
     head_size: Annotated[int, msgspec.Meta(ge=0)]
     dtype: Str
     spec: Str
-    """The KV-cache spec's ``type_id`` (kind, block size, page size)."""
+    """The KV-cache spec's kind and block size, and its page size per KV head."""
     layouts: Annotated[list[Str], msgspec.Meta(max_length=MAX_LAYERS)]
-    """Per layer: layout, segment byte lengths and memory order, e.g.
-    ``kv_first:4096,4096:(2,B,16,8,128) order 0,1,2,3,4``."""
-    tp_size: Annotated[int, msgspec.Meta(ge=1)]
+    """Per layer: layout, segment bytes per KV head, bytes of one head's
+    slice, and memory order with the heads dim written ``H``, e.g.
+    ``blocks_first:4096:2048:(B,H,16,64) order 0,1,2,3``."""
     kv_layout: Str = ""
     """``NHD``, ``HND`` or ``MLA`` (geometry.LayerGeometry.kv_layout)."""
     attention_backend: Str = ""
@@ -158,6 +162,8 @@ class LayerWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fie
     num_blocks: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCKS_PER_LAYER)]
     layout: Layout
     segments: Annotated[list[SegmentWire], msgspec.Meta(min_length=1, max_length=8)]
+    head_nbytes: U64 = 0
+    """``LayerGeometry.head_nbytes``: lets a reader slice heads out of a block."""
 
 
 class RegionWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -178,6 +184,7 @@ class GeometryWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     layer.name, layer.region_index, layer.num_blocks, layer.layout,
                     [SegmentWire(s.offset, s.block_stride_bytes, s.block_nbytes)
                      for s in layer.segments],
+                    layer.head_nbytes,
                 )
                 for layer in geometry.layers
             ],
@@ -214,6 +221,7 @@ class GeometryWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             layers.append(LayerGeometry(
                 layer.name, layer.region_index, layer.num_blocks, layer.layout,
                 tuple(Segment(s.offset, s.block_stride_bytes, s.block_nbytes) for s in layer.segments),
+                head_nbytes=layer.head_nbytes,
             ))
         return KVCacheGeometry(regions, tuple(layers))
 
@@ -284,10 +292,18 @@ class Auth(msgspec.Struct, frozen=True, tag="auth", forbid_unknown_fields=True):
     proof: Proof
 
 
+class RankInfo(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """One rank's share of the model: its TP rank and size, and the KV heads it holds."""
+
+    tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+    num_kv_heads: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+
+
 class Handshake(msgspec.Struct, frozen=True, tag="handshake", forbid_unknown_fields=True):
     version: int
     engine_id: Str
-    tp_rank: Annotated[int, msgspec.Meta(ge=0)]
+    rank: RankInfo
     compat: CompatInfo
 
 
@@ -333,7 +349,7 @@ class AuthOk(msgspec.Struct, frozen=True, tag="auth_ok", forbid_unknown_fields=T
 class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_ok", forbid_unknown_fields=True):
     version: int
     engine_id: Str
-    tp_rank: int
+    rank: RankInfo
     compat: CompatInfo
     compat_hash: Str
     agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_REPLY_BYTES)]

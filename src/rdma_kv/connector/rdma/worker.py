@@ -41,7 +41,7 @@ from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.consumer import RdmaConsumer
 from rdma_kv.connector.rdma.leases import LeaseTable
 from rdma_kv.connector.rdma.meta import RdmaConnectorMetadata, RdmaHandshakeMetadata
-from rdma_kv.connector.rdma.planning import SlotTable, compat_info
+from rdma_kv.connector.rdma.planning import SlotTable, compat_info, rank_info
 from rdma_kv.connector.rdma.producer import ProducerHandler, RdmaProducer
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sidechannel import SideChannelServer
@@ -77,8 +77,9 @@ class RdmaWorker:
         self._secret = auth.load_secret(settings.auth_secret_env, settings.auth_secret_file)
         self._transport: Transport | None = None
         self._slots: SlotTable | None = None
-        self._local_prep: Any = None
         self._compat: wire.CompatInfo | None = None
+        self._attach_args: tuple[Any, ...] | None = None
+        """What a consumer reads into (``RdmaConsumer.attach``), once registered."""
         self._producer = (RdmaProducer(self._engine_id, settings, self._secret, clock)
                           if config.is_kv_producer else None)
         self._consumer = self._new_consumer() if config.is_kv_consumer else None
@@ -88,9 +89,8 @@ class RdmaWorker:
 
     def _new_consumer(self) -> RdmaConsumer:
         consumer = RdmaConsumer(self._engine_id, self._settings, self._secret, self._clock)
-        if self._transport is not None:
-            assert self._slots is not None and self._compat is not None
-            consumer.attach(self._transport, self._slots, self._local_prep, self._compat)
+        if self._attach_args is not None:
+            consumer.attach(*self._attach_args)
         return consumer
 
     # --- startup -----------------------------------------------------------------------
@@ -114,16 +114,19 @@ class RdmaWorker:
                 transport.register((region.base_address, region.nbytes), memory_type=region.memory_type)
             slots = SlotTable(geometry)
             local_prep = transport.prep_local(slots.descs)
-            compat = compat_info(self._kv_cache_config, geometry, self._settings.tp_size,
-                                 self._settings.attention_backend)
+            s = self._settings
+            rank = rank_info(self._kv_cache_config, s.tp_rank, s.tp_size)
+            compat = compat_info(self._kv_cache_config, geometry,
+                                 s.total_kv_heads or rank.num_kv_heads * s.tp_size, s.attention_backend)
             if self._producer is not None:
-                self._producer.start(compat, transport.metadata, geometry)
+                self._producer.start(compat, rank, transport.metadata, geometry)
         except BaseException:
             transport.close()
             raise
-        self._transport, self._slots, self._local_prep, self._compat = transport, slots, local_prep, compat
+        self._transport, self._slots, self._compat = transport, slots, compat
+        self._attach_args = (transport, geometry, slots, local_prep, compat, rank)
         if self._consumer is not None:
-            self._consumer.attach(transport, slots, local_prep, compat)
+            self._consumer.attach(*self._attach_args)
         server = self._server
         logger.info("rdma-kv worker %s: %d layers in %d region(s), %d blocks, %d bytes per block; "
                     "side channel %s, peer authentication %s", self.agent_name, len(geometry.layers),

@@ -1,0 +1,163 @@
+"""Heterogeneous tensor parallel inside real vLLM: prefill and decode at
+different TP sizes, the model's KV heads split (and replicated) across ranks.
+
+Engines (each its own process, ``engine_proc``; TP ranks are vLLM's ``mp``
+workers with one OpenMP thread each), shared by the tests of this module:
+
+- ``tp1``: TP=1, weights A, ``kv_both`` (producer for the TP=2 engine, and
+  consumer of it; its requests without params are the plain reference);
+- ``tp2``: TP=2, weights A, ``kv_both`` (4 KV heads: 2 per rank);
+- ``other``: TP=1, weights B, ``kv_producer`` (the control: KV with other
+  weights must change the TP=2 decode's output).
+
+Checks: P2 -> D1 and P1 -> D2 decode exactly like a plain TP=1 engine; the
+control changes every output in both directions (so the KV really crossed);
+a producer killed before the reads leaves the TP=2 decode recomputing
+(same output, every block back, no hang); a model with one KV head served
+at TP=2 (each rank a replica of it) decodes like plain.
+
+    .venv-vllm/bin/python -m pytest tests/vllm/test_vllm_hetero_tp.py -q
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM not installed (scripts/install-vllm.sh)")
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from engine_proc import EngineProcess  # noqa: E402
+from test_vllm_rdma_pd import MAX_TOKENS, PD_PROMPTS, WRONG_BLOCK_OFFSET, prefill, tokens  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.timeout(900)]
+
+TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+MODEL = {"heads": 4, "kv_heads": 4}  # 2 KV heads per rank at TP=2
+START_S = 400.0  # a TP=2 engine starts in ~1 min here, several on a loaded 2-core host
+
+
+def free_base_port(n: int) -> int:
+    """A base port with ``n`` consecutive free ports (127.0.0.1): rank r serves base + r."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports on 127.0.0.1")
+
+
+def config(role: str, port: int = 0, **extra: Any) -> dict[str, Any]:
+    policy = extra.pop("kv_load_failure_policy", "fail")
+    return {"kv_connector": "RdmaKVConnector", "kv_connector_module_path": "rdma_kv.vllm",
+            "kv_role": role, "kv_port": port, "kv_load_failure_policy": policy,
+            "kv_connector_extra_config": {"side_channel_host": "127.0.0.1", **extra}}
+
+
+def engine(name: str, model_dir: str, log_dir: Path) -> EngineProcess:
+    return EngineProcess(name, model_dir, log_dir, timeout_s=START_S)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return {"a": str(tmp_path_factory.mktemp("llama-a")), "b": str(tmp_path_factory.mktemp("llama-b")),
+            "logs": tmp_path_factory.mktemp("engine-logs")}
+
+
+@pytest.fixture(scope="module")
+def engines(dirs: dict[str, Any]):
+    started: dict[str, EngineProcess] = {}
+    try:
+        started["tp1"] = engine("tp1", dirs["a"], dirs["logs"])
+        started["tp1"].start(config("kv_both", kv_load_failure_policy="recompute"), model=MODEL)
+        # Requests without kv_transfer_params are plain ones: the reference
+        # (prefix caching is off, so they leave nothing behind).
+        reference = tokens(started["tp1"].generate(PD_PROMPTS, max_tokens=MAX_TOKENS))
+        started["tp2"] = engine("tp2", dirs["a"], dirs["logs"])
+        started["tp2"].start(config("kv_both", free_base_port(2), kv_load_failure_policy="recompute"),
+                             model=MODEL, **TP2)
+        started["other"] = engine("other", dirs["b"], dirs["logs"])
+        started["other"].start(config("kv_producer"), model={**MODEL, "seed": 1})
+        yield {"plain": reference, **started}
+    finally:
+        for proc in started.values():
+            proc.close()
+
+
+def test_prefill_tp2_decode_tp1(engines) -> None:
+    params = prefill(engines["tp2"])
+    assert {p["tp_size"] for p in params} == {2}
+    assert tokens(engines["tp1"].generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)) \
+        == engines["plain"]
+    # Control: the same decode pointed at other (live) blocks of the TP=2 producer.
+    wrong = [{**p, "remote_block_ids": [b + WRONG_BLOCK_OFFSET for b in p["remote_block_ids"]]}
+             for p in prefill(engines["tp2"])]
+    control = tokens(engines["tp1"].generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=wrong))
+    assert all(c != p for c, p in zip(control, engines["plain"])), "the TP=1 decode did not use the KV read"
+    assert "KV load failed" not in engines["tp1"].log()
+
+
+def test_prefill_tp1_decode_tp2(engines) -> None:
+    params = prefill(engines["tp1"])
+    assert tokens(engines["tp2"].generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)) \
+        == engines["plain"]
+    # Control: KV computed with other weights, read by both TP=2 ranks.
+    control = tokens(engines["tp2"].generate(PD_PROMPTS, max_tokens=MAX_TOKENS,
+                                             kv_transfer_params=prefill(engines["other"])))
+    assert all(c != p for c, p in zip(control, engines["plain"])), "the TP=2 decode did not use the KV read"
+    assert "KV load failed" not in engines["tp2"].log()
+
+
+def test_producer_killed_tp2_decode_recomputes(engines, dirs) -> None:
+    idle = engines["tp2"].free_blocks(settle_s=10.0)
+    doomed = engine("doomed", dirs["a"], dirs["logs"])
+    try:
+        doomed.start(config("kv_producer"), model=MODEL)
+        params = prefill(doomed)
+    finally:
+        doomed.kill()  # SIGKILL before any read
+    reply = engines["tp2"].generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+    assert tokens(reply) == engines["plain"]
+    assert f"handshake with 127.0.0.1:{params[0]['remote_port']} failed" in engines["tp2"].log()
+    assert engines["tp2"].free_blocks(settle_s=10.0) == idle, "the failed loads stranded decode blocks"
+    # Everything is usable afterwards: a good load still matches.
+    assert tokens(engines["tp2"].generate(PD_PROMPTS, max_tokens=MAX_TOKENS,
+                                          kv_transfer_params=prefill(engines["tp1"]))) == engines["plain"]
+
+
+def test_one_kv_head_replicated_on_both_decode_ranks(dirs) -> None:
+    """A model with fewer KV heads (1) than decode ranks (2): each rank holds
+    a replica of the head and reads it from the TP=1 producer."""
+    model, logs = {"heads": 4, "kv_heads": 1}, dirs["logs"]
+    path = str(Path(dirs["a"]).parent / "llama-1kv")
+    producer = engine("prefill-1kv", path, logs)
+    try:
+        producer.start(config("kv_producer"), model=model)
+        reference = tokens(producer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS))  # plain requests
+        with engine("decode-1kv-tp2", path, logs) as consumer:
+            consumer.start(config("kv_consumer", free_base_port(2)), model=model, **TP2)
+            assert tokens(consumer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS,
+                                            kv_transfer_params=prefill(producer))) == reference
+            assert "KV load failed" not in consumer.log()
+    finally:
+        producer.close()
