@@ -172,8 +172,12 @@ class Transfer:
         else:
             fut: asyncio.Future[None] = loop.create_future()
 
+            def settle() -> None:
+                if not fut.done():  # the awaiting task may have been cancelled
+                    fut.set_result(None)
+
             def wake(_: Transfer) -> None:
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+                loop.call_soon_threadsafe(settle)
 
             self.add_done_callback(wake)
             yield from fut.__await__()
