@@ -20,6 +20,8 @@ calls named here:
   ``transfer.Completer``.
 - ``Lanes`` (lanes.py): extra workers, each with its pump and endpoints.
 - ``Routes`` (prepared.py): prepared lists and the one-C-call request path.
+- ``Posting`` (posting.py): explicit descriptor lists (``read``, ``write``,
+  ``flush``), checked, merged and posted in one C call.
 
 The registry and the peer table move the ``Epoch`` the routes are checked
 against. Failing a peer spans three parts, so it is the agent's
@@ -60,22 +62,18 @@ May import: numpy, rdma_kv.errors, the other rdma_kv.transport modules.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from rdma_kv.errors import ConfigError, DescriptorError, PeerError
+from rdma_kv.errors import ConfigError, PeerError
 from rdma_kv.transport import metadata as wire
-from rdma_kv.transport._lib import load
 from rdma_kv.transport.config import AgentConfig
 from rdma_kv.transport.cuda import creator_context
-from rdma_kv.transport.descriptors import DescList, PreparedDescList, coalesce, new_generation
+from rdma_kv.transport.descriptors import DescList, PreparedDescList, new_generation
 from rdma_kv.transport.lanes import Lanes
 from rdma_kv.transport.memory import MemoryRegion
 from rdma_kv.transport.peer import Peer
 from rdma_kv.transport.peers import PeerTable
+from rdma_kv.transport.posting import Posting
 from rdma_kv.transport.prepared import Epoch, Routes
 from rdma_kv.transport.progress import Completions, Notification
 from rdma_kv.transport.registry import MemoryRegistry
@@ -94,7 +92,6 @@ class Agent:
             raise ConfigError(f"agent name must be 1..{wire.MAX_NAME_BYTES} bytes, got {name!r}")
         self.name = name
         self.config = cfg = config or AgentConfig()
-        self._ffi, self._lib = load()
         self._lock = threading.RLock()
         self._context = Context(cfg.ucx_options, name=name, shared_workers=cfg.lanes > 1)
         lanes: Lanes | None = None
@@ -115,6 +112,7 @@ class Agent:
             cuda = creator_context()
             self._lanes = lanes = Lanes(self._context, cfg.lanes - 1, name, comp.ctx, comp.wake_worker,
                                         comp.wake_fd, cfg.spin_s, cuda, epoch.move)
+            self._posting = Posting(cfg.lane_min_bytes, self._memory, lanes, comp, self._worker, self._usable_peer)
             self._routes = Routes(name, cfg.lane_min_bytes, epoch, self._memory, self._peers, lanes, comp,
                                   self._worker, self._usable_peer)
             comp.start(self._peers, self._fail_peer, cuda)
@@ -243,12 +241,12 @@ class Agent:
     def read(self, peer: str, local: DescList, remote: DescList, *, notify: bytes | None = None,
              timeout_s: float | None = None) -> Transfer:
         """Read remote descriptors of ``peer`` into local ones (RMA get)."""
-        return self._transfer(XferOp.READ, peer, local, remote, notify, timeout_s)
+        return self._posting.transfer(XferOp.READ, peer, local, remote, notify, timeout_s)
 
     def write(self, peer: str, local: DescList, remote: DescList, *, notify: bytes | None = None,
               timeout_s: float | None = None) -> Transfer:
         """Write local descriptors to ``peer``'s remote ones (RMA put)."""
-        return self._transfer(XferOp.WRITE, peer, local, remote, notify, timeout_s)
+        return self._posting.transfer(XferOp.WRITE, peer, local, remote, notify, timeout_s)
 
     def read_prepared(self, local: PreparedDescList, local_index: Any, remote: PreparedDescList,
                       remote_index: Any, *, notify: bytes | None = None,
@@ -264,80 +262,7 @@ class Agent:
     def flush(self, peer: str, *, timeout_s: float | None = None) -> Transfer:
         """A transfer that completes once every earlier operation to ``peer``
         has completed remotely."""
-        empty = np.empty(0, dtype=np.uint64)
-        with self._lock:
-            self._completions.require_open()
-            p = self._usable_peer(peer)
-            return self._post(XferOp.FLUSH, p, empty, empty, empty, empty.astype(np.uint32),
-                              empty.astype(np.uint32), None, timeout_s)
-
-    def _transfer(self, op: XferOp, peer: str, local: DescList, remote: DescList,
-                  notify: bytes | None, timeout_s: float | None) -> Transfer:
-        if len(local) != len(remote) or not np.array_equal(local.lengths, remote.lengths):
-            raise DescriptorError(
-                f"local and remote lists must pair up: {len(local)} vs {len(remote)} descriptors"
-                + ("" if len(local) != len(remote) else "; their lengths differ")
-            )
-        with self._lock:
-            self._completions.require_open()
-            p = self._usable_peer(peer)
-            lreg = self._memory.table.locate(local.addrs, local.lengths, "local descriptors")
-            rreg = p.table.locate(remote.addrs, remote.lengths, f"remote descriptors for {peer!r}")
-            return self._post(op, p, local.addrs, remote.addrs, local.lengths, lreg, rreg, notify, timeout_s)
-
-    def _post(self, op: XferOp, p: Peer, laddr: np.ndarray, raddr: np.ndarray, lengths: np.ndarray,
-              lreg: np.ndarray | None, rreg: np.ndarray | None, notify: bytes | None,
-              timeout_s: float | None) -> Transfer:
-        """Post explicit descriptors: merge contiguous runs, then one rk_post
-        (or, large enough, one rk_post_striped over the lanes, the merged
-        runs read as tables by identity indices). Caller holds the lock."""
-        ffi, lib = self._ffi, self._lib
-        num_descs = len(laddr)
-        nbytes = int(lengths.sum()) if num_descs else 0
-        laddr, raddr, lengths, lreg, rreg = coalesce(laddr, raddr, lengths, lreg, rreg)
-        n_ops = len(laddr)
-        memhs = self._memory.memhs_c
-        parts = lib.rk_stripe_parts(nbytes, len(self._lanes) + 1, self.config.lane_min_bytes)
-        if parts > 1:  # (a flush moves no bytes: never striped)
-            stripe, ops = self._lanes.stripe(p, self._worker, self._completions.pump)[:2]
-            ident = ffi.from_buffer("int64_t[]", np.arange(n_ops, dtype=np.int64))
-            tables = [ffi.from_buffer("uint64_t[]", t) for t in (laddr, raddr, lengths)]
-            regs = [ffi.NULL if r is None else ffi.from_buffer("uint32_t[]", r) for r in (lreg, rreg)]
-
-            def striped(batch: Any, opcode: int, flush: int) -> int:
-                return int(lib.rk_post_striped(batch, opcode, n_ops, ident, ident, 0, *tables, *regs,
-                                               memhs, stripe, parts, nbytes, ops, flush))
-
-            xfer = self._submit(op, p, nbytes, num_descs, notify, timeout_s, striped)
-            xfer.worker_ops = tuple(ops[0:parts])
-            return xfer
-        if lreg is None:  # single region: index 0 for every op (calloc'd, no pass)
-            lreg = np.zeros(n_ops, dtype=np.uint32)
-        if rreg is None:
-            rreg = np.zeros(n_ops, dtype=np.uint32)
-        c_lreg, c_rreg = lreg, rreg
-
-        def post(batch: Any, opcode: int, flush: int) -> int:
-            return int(lib.rk_post(
-                batch, opcode, n_ops, ffi.from_buffer("uint64_t[]", laddr), ffi.from_buffer("uint64_t[]", raddr),
-                ffi.from_buffer("uint64_t[]", lengths), ffi.from_buffer("uint32_t[]", c_lreg),
-                memhs, ffi.from_buffer("uint32_t[]", c_rreg), p.rkeys, flush))
-
-        return self._submit(op, p, nbytes, num_descs, notify, timeout_s, post)
-
-    def _submit(self, op: XferOp, p: Peer, nbytes: int, num_descs: int, notify: bytes | None,
-                timeout_s: float | None, post: Callable[[Any, int, int], int]) -> Transfer:
-        """Create the batch record, call ``post`` (one C call) and track the
-        transfer. Caller holds the lock and has checked the peer."""
-        comp, lib = self._completions, self._lib
-        xid, batch = comp.new_batch(p.ep)
-        keep = () if notify is None else comp.set_notif(batch, notify)
-        xfer = comp.track(op, p, xid, batch, keep, nbytes, num_descs, timeout_s)
-        is_put = op is XferOp.WRITE
-        t0 = time.perf_counter()
-        ops = post(batch, lib.RK_OP_PUT if is_put else lib.RK_OP_GET,
-                   1 if (op is XferOp.FLUSH or (is_put and notify is not None)) else 0)
-        return comp.posted(xfer, ops, time.perf_counter() - t0)
+        return self._posting.flush(peer, timeout_s)
 
     # ------------------------------------------------------ progress, notifications
 
