@@ -11,9 +11,10 @@ completion or notification ring: its pump completes parts of the agent's
 batches, and the agent settles them.
 
 A transfer of at least ``2 * lane_min_bytes`` (prepared, or explicit: its
-merged runs then serve as the tables) is *striped*: one C call (``rk_post_striped``) cuts the byte stream of its
-index pairs into parts of about equal bytes (at 4 KiB
-boundaries, so one 256 MiB descriptor is cut too) and posts each part on
+lists then serve as the tables) is *striped*: one C call
+(``rk_post_indexed`` over ``rk_stripe_parts`` workers) cuts the byte stream
+of its index pairs into parts of about equal bytes (at 4 KiB boundaries,
+so one 256 MiB descriptor is cut too) and posts each part on
 its worker's endpoint -- the lanes' parts first, each lane signalled as
 soon as its part is posted, the agent's own part last. It is still *one*
 batch and one ``Transfer``: its operation count is atomic, the pumps count

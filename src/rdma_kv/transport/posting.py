@@ -2,11 +2,11 @@
 that were not prepared.
 
 Both lists are checked against the regions on their side (vectorised),
-contiguous runs are merged (``coalesce``), and the batch is posted in one C
-call: ``rk_post``, or, when ``rk_stripe_parts`` says the bytes earn more
-than one worker, ``rk_post_striped`` over the lanes with the merged runs as
-its tables, addressed by identity indices. The split itself (how many
-parts, where to cut) is the shim's, the same rule as on the prepared path.
+then posted in one C call, ``rk_post_indexed``, the shim's one post loop,
+with the lists as its tables, addressed by identity indices: it merges
+contiguous runs and posts them as it goes, on the agent's worker or, when
+the bytes earn more than one (``rk_stripe_parts``, the rule the prepared
+path uses too), striped over the lanes.
 
 ``Posting`` reads the registry, the peer table and the lanes, and posts
 through the completions, under the agent's lock (the completions' ``lock``).
@@ -25,7 +25,7 @@ import numpy as np
 
 from rdma_kv.errors import DescriptorError
 from rdma_kv.transport._lib import load
-from rdma_kv.transport.descriptors import DescList, coalesce
+from rdma_kv.transport.descriptors import DescList
 from rdma_kv.transport.lanes import Lanes
 from rdma_kv.transport.peer import Peer
 from rdma_kv.transport.progress import Completions
@@ -79,39 +79,29 @@ class Posting:
     def _post(self, op: XferOp, p: Peer, laddr: np.ndarray, raddr: np.ndarray, lengths: np.ndarray,
               lreg: np.ndarray | None, rreg: np.ndarray | None, notify: bytes | None,
               timeout_s: float | None) -> Transfer:
-        """Merge contiguous runs, then one rk_post or rk_post_striped.
-        Caller holds the lock."""
+        """Decide how many workers carry the bytes, then one rk_post_indexed
+        over the lists as tables (identity indices). Caller holds the lock."""
         ffi, lib = self._ffi, self._lib
-        num_descs = len(laddr)
-        nbytes = int(lengths.sum()) if num_descs else 0
-        laddr, raddr, lengths, lreg, rreg = coalesce(laddr, raddr, lengths, lreg, rreg)
-        n_ops = len(laddr)
-        memhs = self._registry.memhs_c
-        parts = lib.rk_stripe_parts(nbytes, len(self._lanes) + 1, self._lane_min_bytes)
+        n = len(laddr)
+        nbytes = int(lengths.sum()) if n else 0
+        parts = int(lib.rk_stripe_parts(nbytes, len(self._lanes) + 1, self._lane_min_bytes))
         if parts > 1:  # (a flush moves no bytes: never striped)
             stripe, ops = self._lanes.stripe(p, self._worker, self._completions.pump)[:2]
-            ident = ffi.from_buffer("int64_t[]", np.arange(n_ops, dtype=np.int64))
-            tables = [ffi.from_buffer("uint64_t[]", t) for t in (laddr, raddr, lengths)]
-            regs = [ffi.NULL if r is None else ffi.from_buffer("uint32_t[]", r) for r in (lreg, rreg)]
-
-            def striped(batch: Any, opcode: int, flush: int) -> int:
-                return int(lib.rk_post_striped(batch, opcode, n_ops, ident, ident, 0, *tables, *regs,
-                                               memhs, stripe, parts, nbytes, ops, flush))
-
-            xfer = self._submit(op, p, nbytes, num_descs, notify, timeout_s, striped)
-            xfer.worker_ops = tuple(ops[0:parts])
-            return xfer
-        # Single region: index 0 for every op (calloc'd, no pass).
-        c_lreg = np.zeros(n_ops, dtype=np.uint32) if lreg is None else lreg
-        c_rreg = np.zeros(n_ops, dtype=np.uint32) if rreg is None else rreg
+        else:
+            stripe, ops = ffi.NULL, ffi.NULL
+        ident = ffi.from_buffer("int64_t[]", np.arange(n, dtype=np.int64))
+        tables = [ffi.from_buffer("uint64_t[]", t) for t in (laddr, raddr, lengths)]
+        regs = [ffi.NULL if r is None else ffi.from_buffer("uint32_t[]", r) for r in (lreg, rreg)]
+        memhs = self._registry.memhs_c
 
         def post(batch: Any, opcode: int, flush: int) -> int:
-            return int(lib.rk_post(
-                batch, opcode, n_ops, ffi.from_buffer("uint64_t[]", laddr), ffi.from_buffer("uint64_t[]", raddr),
-                ffi.from_buffer("uint64_t[]", lengths), ffi.from_buffer("uint32_t[]", c_lreg),
-                memhs, ffi.from_buffer("uint32_t[]", c_rreg), p.rkeys, flush))
+            return int(lib.rk_post_indexed(batch, opcode, n, ident, ident, 0, *tables, *regs, memhs, p.rkeys,
+                                           stripe, parts, nbytes, ops, flush))
 
-        return self._submit(op, p, nbytes, num_descs, notify, timeout_s, post)
+        xfer = self._submit(op, p, nbytes, n, notify, timeout_s, post)
+        if parts > 1:
+            xfer.worker_ops = tuple(ops[0:parts])
+        return xfer
 
     def _submit(self, op: XferOp, p: Peer, nbytes: int, num_descs: int, notify: bytes | None,
                 timeout_s: float | None, post: PostFn) -> Transfer:

@@ -51,7 +51,7 @@ class MemoryRegistry:
         self.table = RegionTable([], owner)
         self.generation = new_generation()
         self.memhs: Any = self._ffi.new("ucp_mem_h[]", 1)  # kept alive by routes that point at it
-        self.memhs_c: Any = self._ffi.NULL  # memhs once a region is registered (what rk_post* get)
+        self.memhs_c: Any = self._ffi.NULL  # memhs once a region is registered (what rk_post_indexed gets)
 
     @property
     def regions(self) -> tuple[MemoryRegion, ...]:
