@@ -41,6 +41,9 @@ Rules:
   post (``Lanes.problem``, checked by the agent); failing a peer (error,
   deadline, removal, replacement) force-closes its endpoints on every lane
   too (``Lanes.fail``), which cancels the lanes' operations of its transfers.
+- Every change to a lane's endpoints (connect, fail, disconnect) first
+  moves the agent's epoch (``stale``): routes name those endpoints, and a
+  route to a force-closed one must not be used.
 - Lanes have no lock: the agent calls them under its own (agent.py has the
   lock order). Their pumps take none of Python's locks.
 - Peers are connected on, and disconnected from, every lane with the agent.
