@@ -8,7 +8,8 @@ vLLM. The rules, as the code keeps them:
 
 - ``rdma_kv.errors`` imports nothing from ``rdma_kv``.
 - ``rdma_kv.transport`` imports nothing from ``rdma_kv`` but itself,
-  ``rdma_kv.errors`` and ``rdma_kv.runs`` (the run-merging rule, numpy only).
+  ``rdma_kv.errors`` and ``rdma_kv.runs`` (the run-merging rule, numpy only);
+  inside it, no part imports ``agent.py``, the façade over them.
 - ``rdma_kv.connector`` never imports ``rdma_kv.vllm``, ``harness``, ``cli``
   or ``bench``, and reaches the transport through two doors only:
   ``connector/rdma/transport_api.py`` (the Protocol the worker needs, and the
@@ -139,6 +140,15 @@ def test_transport_imports_only_itself_errors_and_runs():
                      or i.target in ("rdma_kv", "rdma_kv.errors", "rdma_kv.runs"))]
     assert not wrong, ("the transport knows nothing of blocks, connectors or vLLM; it may import "
                        "rdma_kv.errors and rdma_kv.runs only:\n" + "\n".join(wrong))
+
+
+def test_no_transport_part_imports_the_agent():
+    """The agent is a façade over parts; a part that imported it (even for
+    typing) would be reaching back into it. Only the package re-exports it."""
+    wrong = [str(i) for i in rdma_kv_modules_imported_by("rdma_kv.transport")
+             if is_under(i.target, "rdma_kv.transport.agent")
+             and i.module not in ("rdma_kv.transport", "rdma_kv.transport.agent")]
+    assert not wrong, "transport parts must not import agent.py:\n" + "\n".join(wrong)
 
 
 @pytest.mark.parametrize("upper", ["rdma_kv.vllm", "rdma_kv.harness", "rdma_kv.cli", "rdma_kv.bench"])

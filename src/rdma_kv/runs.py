@@ -9,7 +9,7 @@ local and the remote addresses of a read, say), splits into runs: span
 descriptors), ``connector.geometry.paired_block_ranges`` (byte ranges of
 block ids) and ``connector.rdma.planning.count_runs`` (runs of block ids)
 call it, and tests compare against it. The C shim merges by the same rule
-on the prepared hot path (``rk_post`` in ``transport/csrc/shim.c``).
+as it posts (``rk_post_indexed`` in ``transport/csrc/shim.c``).
 
 Imports numpy only: like ``errors``, it sits below every layer.
 """

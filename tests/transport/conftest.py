@@ -64,7 +64,7 @@ def no_open_agents_at_exit() -> Iterator[None]:
     from rdma_kv.transport.agent import Agent
 
     gc.collect()
-    open_agents = [repr(o) for o in gc.get_objects() if type(o) is Agent and not o._closed]
+    open_agents = [repr(o) for o in gc.get_objects() if type(o) is Agent and not o.closed]
     assert not open_agents, f"agents left open after the transport tests: {open_agents}"
 
 

@@ -744,7 +744,7 @@ def test_a_prepared_list_inside_one_region_other_than_the_first_keeps_its_region
     local = b.prep_local(DescList(dst.ctypes.data + slots, 4096))
     remote = b.prep_remote("a", DescList(second.ctypes.data + slots, 4096))
     for prepared in (local, remote):
-        assert prepared.single_region and prepared.c_tables[2] != b._ffi.NULL
+        assert prepared.single_region and prepared.c_tables[2] != load()[0].NULL
         assert prepared.c_tables[2][0] == 1
     every = np.arange(16)
     b.read_prepared(local, every, remote, every).wait(WAIT_S)
@@ -755,7 +755,7 @@ def test_thread_mode_is_pumped_in_c_and_burns_no_core_while_idle(make_agent):
     """progress="thread": a C pump progresses the worker and the Python
     thread sleeps on an eventfd; after the work is done neither spins."""
     pair = connect(make_agent, progress="thread")
-    assert pair.b._pump is not None and pair.b._wake_fd >= 0 and not pair.b.manual_progress
+    assert pair.b._completions.pump is not None and pair.b._completions.wake_fd >= 0 and not pair.b.manual_progress
     xfer = pair.b.read("a", pair.desc_b([0], 4096), pair.desc_a([0], 4096)).wait(WAIT_S)
     assert xfer.state is XferState.DONE
     time.sleep(0.05)  # past the pumps' spin window

@@ -127,14 +127,12 @@ def test_a_failed_lane_endpoint_fails_the_peer_for_the_whole_agent(make_agent):
     local, remote = prepared(pair)
     idx = np.arange(64)
     pair.b.read_prepared(local, idx, remote, idx).wait(WAIT_S)
-    lane = pair.b._lanes[1]
-    with lane._lock:
-        lane._fail_peer(lane._peers["a"], "injected by the test")
+    pair.b._lanes[1].fail("a", "injected by the test")
     with pytest.raises(PeerError, match=r"peer 'a' failed \(lane 2's endpoint failed \(injected by the test\)\)"):
         pair.b.read_prepared(local, idx, remote, idx)
     with pytest.raises(PeerError, match="lane 2"):  # the agent's own endpoint is failed too
         pair.b.read_prepared(local, idx, remote, idx)
-    assert all(not ln._peers["a"].healthy for ln in pair.b._lanes)
+    assert all(not ln.peers["a"].healthy for ln in pair.b._lanes)
     # Re-importing the peer installs fresh endpoints on every lane.
     pair.b.add_peer(pair.a.metadata())
     local, remote = prepared(pair)
@@ -147,13 +145,13 @@ def test_a_failed_lane_endpoint_fails_the_peer_for_the_whole_agent(make_agent):
 def test_remove_and_replace_peer_reach_every_lane(make_agent):
     pair = connect(make_agent, lanes=2)
     lane = pair.b._lanes[0]
-    first = lane._peers["a"]
+    first = lane.peers["a"]
     pair.b.add_peer(pair.a.metadata())
     # The lane's old endpoint is closed (UCX may hand its address to the new one).
-    assert lane._peers["a"] is not first and first.ep is None and lane._peers["a"].healthy
-    assert lane._peers["a"].generation == pair.b._peers["a"].generation
+    assert lane.peers["a"] is not first and first.ep is None and lane.peers["a"].healthy
+    assert lane.peers["a"].generation == pair.b._peers["a"].generation
     pair.b.remove_peer("a")
-    assert "a" not in lane._peers and pair.b.peers == () and first.ep is None
+    assert "a" not in lane.peers and pair.b.peers == () and first.ep is None
 
 
 def pump_tids() -> set[int]:
@@ -182,7 +180,7 @@ def test_a_lanes_pump_is_kept_off_the_posters_cpu(make_agent):
     allowed = os.sched_getaffinity(0)
     pair = connect(make_agent, lanes=2, lane_min_bytes=BLOCK, progress="poll")
     (lane,) = pair.b._lanes
-    lane_pump = load()[1].rk_pump_tid(lane._pump)  # the thread itself, whatever else runs
+    lane_pump = lane.pump.tid  # the thread itself, whatever else runs
     assert lane_pump in pump_tids()
     local, remote = prepared(pair)
     idx = np.arange(64)
@@ -246,10 +244,10 @@ def test_lanes_are_pumped_by_c_threads_not_python_threads(make_agent):
     pair = connect(make_agent, lanes=3, progress="poll")  # a and b: two lanes each
     assert pump_threads() == before + 4
     assert {t.name for t in progress_threads()} == python_before  # polling agents, pumped lanes: none new
-    assert all(not ln.manual_progress for ln in pair.b._lanes)
+    assert all(ln.pump is not None for ln in pair.b._lanes)
     pair.b.close()
     assert pump_threads() == before + 2
-    assert all(ln._pump is None for ln in pair.b._lanes)
+    assert all(ln.pump is None for ln in pair.b._lanes)
 
 
 @pytest.mark.parametrize("progress", ["poll", "thread"])
@@ -288,10 +286,9 @@ def test_split_reads_posted_from_several_threads_at_once(make_agent, progress):
     assert not errors, errors[0]
     assert done == [3] * (posters * rounds * batch)
     assert pair.b.inflight == 0 and pair.b.stats["transfers"] == posters * rounds * batch
-    b = pair.b  # every transfer was published exactly once, all on the agent's own ring
-    assert b._lib.rk_done_head(b._ctx) == b._done_tail == b._ctx.done_claim == b.stats["transfers"]
-    for lane in b._lanes:
-        assert lane._lib.rk_done_head(lane._ctx) == lane._ctx.done_claim == 0
+    # Every transfer was published exactly once, on the agent's ring (a lane has none).
+    comp = pair.b._completions
+    assert load()[1].rk_done_head(comp.ctx) == comp.done_tail == comp.ctx.done_claim == pair.b.stats["transfers"]
 
 
 def test_close_takes_the_lanes_and_their_threads_down(make_agent):
@@ -305,7 +302,7 @@ def test_close_takes_the_lanes_and_their_threads_down(make_agent):
     assert all(x.state is not XferState.IN_PROGRESS for x in xfers)
     for x in xfers:  # each one either landed or failed with the close as its reason
         assert x.error is None or "closed" in str(x.error)
-    assert all(ln._closed and ln._worker.handle is None and ln._pump is None for ln in lanes)
+    assert all(ln.worker.handle is None and ln.pump is None and not ln.peers for ln in lanes)
     assert pump_threads() == before + 3  # a's: its own worker's (progress="thread") and two lanes'
 
 
@@ -388,8 +385,8 @@ def test_a_striped_transfer_to_a_stopped_peer_fails_on_every_worker(make_agent):
         assert sorted(resolved) == sorted(x.id for x in xfers)
         assert reader.inflight == 0 and reader.stats["failed"] == 3
         # Without the lanes' endpoints closed, their gets would stay queued and these never clear.
-        wait_until(lambda: not reader._zombies, WAIT_S, "every cancelled operation handed back")
-        assert all(not lane._peers[child.name].healthy for lane in reader._lanes)
+        wait_until(lambda: not reader._completions.zombies, WAIT_S, "every cancelled operation handed back")
+        assert all(not lane.peers[child.name].healthy for lane in reader._lanes)
         with pytest.raises(PeerError):
             reader.read_prepared(lp, idx, rp, idx)
     finally:

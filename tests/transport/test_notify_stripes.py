@@ -79,7 +79,7 @@ def _until_notified(a, b, xfer, tag: bytes, at_once) -> int:
     one ``ucp_worker_progress`` at a time and its notification ring watched
     directly: ``Agent.progress()`` runs until idle, which would apply the
     rest of the data before the test could look."""
-    ring = a._ctx
+    ring = a._completions.ctx
     end = time.monotonic() + WAIT_S
     while ring.notif_head == ring.notif_tail:
         if b.manual_progress:

@@ -21,13 +21,13 @@ WAIT_S = 20.0
 def counting_slow_path(agent) -> list[int]:
     """Count the requests that take the checked (slow) path."""
     calls = [0]
-    slow = agent._prepared_checked
+    slow = agent._routes._checked
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return slow(*args, **kwargs)
 
-    agent._prepared_checked = counted
+    agent._routes._checked = counted
     return calls
 
 
@@ -78,7 +78,7 @@ def test_an_endpoint_failed_by_ucx_stops_the_fast_path(make_agent):
     idx = np.arange(64)
     pair.b.read_prepared(local, idx, remote, idx).wait(WAIT_S)  # builds the route
     posted = pair.b.stats["ops_posted"]
-    lane_peer = pair.b._lanes[0]._peers["a"]
+    lane_peer = pair.b._lanes[0].peers["a"]
     lane_peer.ep_state.status = -25  # as rk_ep_error_cb writes it (UCS_ERR_ENDPOINT_TIMEOUT... any error)
     lane_peer.ep_state.failed = 1
     with pytest.raises(PeerError, match=r"peer 'a' failed \(lane 1's endpoint failed"):

@@ -8,7 +8,7 @@ a notification when ``notify`` is set (the target checks at close that one
 arrived per repetition).
 Timings per rep: *prep* is the Python work before the C post (index
 gathering, merging, argument marshalling), *post* the C post loop
-(``rk_post``), *seconds* from the post to completion, the same span NIXL's
+(``rk_submit``), *seconds* from the post to completion, the same span NIXL's
 ``transfer`` + ``check_xfer_state`` covers.
 
 Imports numpy, the stdlib, ``rdma_kv.bench`` siblings, and

@@ -11,6 +11,7 @@ May import: rdma_kv.errors.
 
 from __future__ import annotations
 
+import importlib
 import threading
 from typing import Any
 
@@ -38,7 +39,9 @@ def load() -> tuple[Any, Any]:
                     "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true"
                 ) from exc
             try:
-                from rdma_kv.transport import _ucp
+                # The cffi-compiled extension (built by _build.py): no
+                # stubs, so its ffi and lib are Any to the type checker.
+                _ucp = importlib.import_module("rdma_kv.transport._ucp")
             except ImportError as exc:
                 raise UCXUnavailableError(
                     f"the rdma-kv UCP shim is not built or does not load ({exc}); "

@@ -11,6 +11,7 @@ May import: numpy, rdma_kv.errors, rdma_kv.runs (the run-merging rule).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,19 @@ class DescList:
 
     def __repr__(self) -> str:
         return f"DescList({len(self)} descriptors, {self.nbytes} bytes)"
+
+
+# Generations of prepared lists (a registry's, a peer incarnation's) come
+# from one process-wide counter, so a list prepared by another Agent never
+# matches: its region indices would address that agent's memory handles and
+# remote keys, not ours (the C post loop indexes memhs[] / rkeys[] with them
+# unchecked).
+_generations = itertools.count(1)
+
+
+def new_generation() -> int:
+    """A generation no prepared list of this process has seen."""
+    return next(_generations)
 
 
 _INT64 = np.dtype(np.int64)

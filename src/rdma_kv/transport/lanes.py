@@ -1,17 +1,20 @@
 """Lanes: extra UCX workers that carry parts of one large transfer at once.
 
 With ``AgentConfig(lanes=N)`` the agent owns N-1 lanes besides its own
-worker. A lane is a second ``Agent`` on the *same* UCP context (created
+worker. A ``Lane`` is a plain worker on the agent's *same* UCP context (created
 with ``mt_workers_shared``): the memory handles and the remote keys' packed
 bytes are shared, but it has its own worker (``UCS_THREAD_MODE_MULTI``) and
 its own endpoint to every peer (remote keys unpacked on it). Its worker is
-progressed by a *pump*, a C thread of the shim that never takes the
-interpreter lock.
+progressed by a *pump* (pump.py), a C thread of the shim that never takes
+the interpreter lock. A lane posts no batch of its own and has no
+completion or notification ring: its pump completes parts of the agent's
+batches, and the agent settles them.
 
 A transfer of at least ``2 * lane_min_bytes`` (prepared, or explicit: its
-merged runs then serve as the tables) is *striped*: one C call (``rk_post_striped``) cuts the byte stream of its
-index pairs into parts of about equal bytes (at 4 KiB
-boundaries, so one 256 MiB descriptor is cut too) and posts each part on
+lists then serve as the tables) is *striped*: one C call
+(``rk_post_indexed`` over ``rk_stripe_parts`` workers) cuts the byte stream
+of its index pairs into parts of about equal bytes (at 4 KiB boundaries,
+so one 256 MiB descriptor is cut too) and posts each part on
 its worker's endpoint -- the lanes' parts first, each lane signalled as
 soon as its part is posted, the agent's own part last. It is still *one*
 batch and one ``Transfer``: its operation count is atomic, the pumps count
@@ -35,127 +38,169 @@ on a fabric each worker has its own queue pairs.
 Rules:
 
 - A lane endpoint that failed fails the peer for the whole agent at the next
-  post (``_check_lanes``); failing a peer (error, deadline, removal,
-  replacement) force-closes its endpoints on every lane too, which cancels
-  the lanes' operations of its transfers.
-- Lock order is agent -> lane, never the other way.
-- Peers are installed on, and removed from, every lane with the agent.
-  ``close`` lets what is in flight finish (every worker progresses it), then
-  fails the rest, then closes the lanes (pumps, endpoints, workers) before
-  the agent unmaps the memory and destroys the context.
+  post (``Lanes.problem``, checked by the agent); failing a peer (error,
+  deadline, removal, replacement) force-closes its endpoints on every lane
+  too (``Lanes.fail``), which cancels the lanes' operations of its transfers.
+- Every change to a lane's endpoints (connect, fail, disconnect) first
+  moves the agent's epoch (``stale``): routes name those endpoints, and a
+  route to a force-closed one must not be used.
+- Lanes have no lock: the agent calls them under its own (agent.py has the
+  lock order). Their pumps take none of Python's locks.
+- Peers are connected on, and disconnected from, every lane with the agent.
+  The agent's ``close`` lets what is in flight finish (every worker
+  progresses it), then fails the rest, then closes the lanes (pumps,
+  endpoints, workers) before it unmaps the memory and destroys the context.
 
-May import: rdma_kv.errors and the other rdma_kv.transport modules, never agent.py.
+May import: rdma_kv.errors and the transport's lower modules (_lib, cuda,
+metadata, peer, pump, ucx); never agent.py.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
-from rdma_kv.errors import PeerError, TransferError
-from rdma_kv.transport._lib import status_name
-
-if TYPE_CHECKING:
-    from rdma_kv.transport.agent import Agent
-    from rdma_kv.transport.peer import Peer
+from rdma_kv.transport._lib import load, status_name
+from rdma_kv.transport.cuda import CudaContext
+from rdma_kv.transport.metadata import AgentMetadata
+from rdma_kv.transport.peer import Peer
+from rdma_kv.transport.pump import Pump
+from rdma_kv.transport.ucx import Context, Worker
 
 MAX_LANES = 16
 
 
+class Lane:
+    """One extra worker, its pump and its endpoint to every peer (``peers``,
+    by name). ``watch`` is the agent's ``rk_ctx_t *``: the pump wakes the
+    agent when it changes (``wake_worker``, a polling agent's own worker,
+    or ``wake_fd``, its service thread's eventfd); the lane's endpoints
+    count their errors there. ``stale`` is called before an endpoint is
+    added, failed or removed: the agent's routes point at them."""
+
+    def __init__(self, context: Context, name: str, watch: Any, wake_worker: Worker | None, wake_fd: int,
+                 spin_s: float, cuda: CudaContext | None, stale: Callable[[], None]) -> None:
+        self.name = name
+        self._stale = stale
+        self._watch = watch
+        self.peers: dict[str, Peer] = {}
+        self.worker = Worker(context, multi_thread=True)  # the pump progresses it while the agent posts
+        try:
+            self.pump: Pump | None = Pump(self.worker, watch, wake_worker=wake_worker, wake_fd=wake_fd,
+                                          spin_s=spin_s, cuda=cuda, name=name)
+        except BaseException:
+            self.worker.close()
+            raise
+
+    def connect(self, md: AgentMetadata, generation: int) -> None:
+        """An endpoint to ``md``'s peer, replacing (force-closing) an earlier one."""
+        self._stale()
+        old = self.peers.pop(md.name, None)
+        if old is not None:
+            self._force_close(old, "replaced by newly imported metadata")
+        self.peers[md.name] = Peer(self.worker, md, generation, self._watch)
+
+    def disconnect(self, name: str) -> None:
+        self._stale()
+        peer = self.peers.pop(name, None)
+        if peer is not None:
+            peer.close(force=not peer.healthy)
+
+    def fail(self, name: str, reason: str) -> None:
+        """Force-close the endpoint to ``name``, cancelling its operations."""
+        self._stale()
+        peer = self.peers.get(name)
+        if peer is not None:
+            self._force_close(peer, reason)
+
+    @staticmethod
+    def _force_close(peer: Peer, reason: str) -> None:
+        if peer.failure is None:
+            peer.failure = reason
+        peer.close(force=True)  # the endpoint first (cancelling its operations), then the remote keys
+
+    def close(self) -> None:
+        """Stop the pump, close the endpoints, destroy the worker (idempotent)."""
+        if self.pump is not None:
+            self.pump.stop()  # from here on, closing an endpoint progresses from Python
+            self.pump = None
+        for peer in self.peers.values():
+            peer.close(force=not peer.healthy)
+        self.peers.clear()
+        self.worker.close()
+
+
 class Lanes:
-    """The lane half of ``Agent`` (which sets every attribute used here)."""
+    """The agent's lanes (``count`` of them; none for ``AgentConfig(lanes=1)``).
+    ``owner`` names the agent; the other arguments go to every ``Lane``."""
 
-    _lock: threading.RLock
-    _lanes: list[Agent]
-    _peers: dict[str, Peer]
-    name: str
+    def __init__(self, context: Context, count: int, owner: str, watch: Any, wake_worker: Worker | None,
+                 wake_fd: int, spin_s: float, cuda: CudaContext | None, stale: Callable[[], None]) -> None:
+        self._lanes: list[Lane] = []
+        try:
+            for i in range(1, count + 1):
+                self._lanes.append(Lane(context, f"{owner}.lane{i}", watch, wake_worker, wake_fd, spin_s, cuda,
+                                        stale))
+        except BaseException:
+            self.close()
+            raise
 
-    def _check_lanes(self, p: Peer) -> None:
-        """Raise PeerError (failing the peer everywhere) if any lane's endpoint
-        to ``p`` failed. Caller holds the agent's lock."""
-        for i, lane in enumerate(self._lanes, 1):
-            lp = lane._peers.get(p.name)
-            if lp is not None and lp.healthy:
-                continue
-            why = "missing" if lp is None else (lp.failure or f"endpoint error {status_name(lp.ep_state.status)}")
-            reason = f"lane {i}'s endpoint failed ({why})"
-            self._fail_peer(p, reason)  # type: ignore[attr-defined]
-            raise PeerError(f"peer {p.name!r} failed ({reason}); re-import its metadata with add_peer() "
-                            "once it is back")
+    def __len__(self) -> int:
+        return len(self._lanes)
 
-    def _fail_lane_eps(self, name: str, reason: str) -> None:
+    def __iter__(self) -> Iterator[Lane]:
+        return iter(self._lanes)
+
+    def __getitem__(self, i: int) -> Lane:
+        return self._lanes[i]
+
+    def connect(self, md: AgentMetadata, generation: int) -> None:
+        for lane in self._lanes:
+            lane.connect(md, generation)
+
+    def disconnect(self, name: str) -> None:
+        for lane in self._lanes:
+            lane.disconnect(name)
+
+    def fail(self, name: str, reason: str) -> None:
         """Force-close every lane's endpoint to ``name`` (part of failing the
         peer: cancels the lanes' operations of its transfers)."""
         for lane in self._lanes:
-            with lane._lock:
-                lp = lane._peers.get(name)
-                if lp is not None:
-                    lane._fail_peer(lp, reason)
+            lane.fail(name, reason)
 
-    def _install_on_lanes(self, md: Any, generation: int) -> None:
-        for lane in self._lanes:
-            with lane._lock:
-                lane._install_peer(md, generation)
+    def problem(self, name: str) -> str | None:
+        """Why a lane's endpoint to ``name`` is unusable, or None if every lane's is healthy."""
+        for i, lane in enumerate(self._lanes, 1):
+            lp = lane.peers.get(name)
+            if lp is not None and lp.healthy:
+                continue
+            why = "missing" if lp is None else (lp.failure or f"endpoint error {status_name(lp.ep_state.status)}")
+            return f"lane {i}'s endpoint failed ({why})"
+        return None
 
-    def _remove_from_lanes(self, name: str) -> None:
-        for lane in self._lanes:
-            with lane._lock:
-                if name in lane._peers:
-                    lane.remove_peer(name)
+    def endpoints(self, p: Peer) -> list[Peer]:
+        """``p`` then its endpoint on every lane: worker order of a stripe."""
+        return [p] + [lane.peers[p.name] for lane in self._lanes]
 
-    def _close_lanes(self) -> None:
-        for lane in self._lanes:
-            lane.close()
-
-    def _stripe(self, p: Peer) -> Any:
+    def stripe(self, p: Peer, own: Worker, own_pump: Pump | None) -> Any:
         """The ``rk_stripe_t`` of peer ``p`` (its endpoint and remote keys on
-        the agent's worker, then on each lane's), made at the first striped
-        transfer and kept with the peer: re-importing a peer makes a new
-        one. Caller holds the agent's lock and has checked the lanes."""
+        the agent's worker ``own``, then on each lane's), made at the first
+        striped transfer and kept with the peer: re-importing a peer makes a
+        new one. The caller has checked ``problem(p.name)``."""
         if p.stripe is None:
-            ffi = self._ffi  # type: ignore[attr-defined]
-            workers = [self, *self._lanes]
-            peers = [p] + [lane._peers[p.name] for lane in self._lanes]
+            ffi = load()[0]
+            peers = self.endpoints(p)
+            workers = [own] + [lane.worker for lane in self._lanes]
+            pumps = [own_pump] + [lane.pump for lane in self._lanes]
             eps = ffi.new("ucp_ep_h[]", [q.ep for q in peers])
             rkeys = ffi.new("ucp_rkey_h *[]", [q.rkeys for q in peers])
-            handles = ffi.new("ucp_worker_h[]", [w._worker.handle for w in workers])  # type: ignore[attr-defined]
-            pumps = ffi.new("rk_pump_t *[]", [w._pump or ffi.NULL for w in workers])  # type: ignore[attr-defined]
-            stripe = ffi.new("rk_stripe_t *", {"eps": eps, "rkeys": rkeys, "workers": handles, "pumps": pumps})
+            handles = ffi.new("ucp_worker_h[]", [w.handle for w in workers])
+            c_pumps = ffi.new("rk_pump_t *[]", [ffi.NULL if q is None else q.handle for q in pumps])
+            stripe = ffi.new("rk_stripe_t *", {"eps": eps, "rkeys": rkeys, "workers": handles, "pumps": c_pumps})
             ops = ffi.new("uint64_t[]", len(workers))
-            p.stripe = (stripe, ops, eps, rkeys, handles, pumps, peers)  # the last five keep the arrays alive
+            p.stripe = (stripe, ops, eps, rkeys, handles, c_pumps, peers)  # the last five keep the arrays alive
         return p.stripe
 
-
-def start_pump(agent: Agent, owner: Agent) -> Any:
-    """Start the C thread that progresses ``agent``'s worker (a lane's, or
-    the owner's own in progress="thread" mode). It watches the owner's
-    context and wakes whoever settles it: the owner's service thread through
-    its eventfd, or a polling owner's caller through the owner's worker."""
-    lib, ffi = agent._lib, agent._ffi
-    wake_worker = owner._worker.handle if owner._wake_fd < 0 else ffi.NULL
-    cuda = owner._cuda  # made current in the pump's thread before it progresses
-    set_ctx = ffi.cast("rk_cu_set_ctx_t", cuda.set_current) if cuda else ffi.NULL
-    cu_status = ffi.new("int *")
-    pump = lib.rk_pump_start(agent._worker.handle, agent._worker.efd, owner._ctx, wake_worker, owner._wake_fd,
-                             int(agent.config.spin_s * 1e9), set_ctx,
-                             ffi.cast("void *", cuda.handle) if cuda else ffi.NULL, cu_status)
-    if pump == ffi.NULL:
-        if cu_status[0]:
-            raise TransferError(f"the progress thread of {agent.name!r} cannot make the creator's CUDA context "
-                                f"{cuda.handle:#x} current: cuCtxSetCurrent returned CUresult {cu_status[0]}")
-        raise TransferError(f"cannot start the progress thread of {agent.name!r} (pthread_create failed)")
-    return pump
-
-
-def lane_factory(make: Callable[[int], Agent], count: int) -> list[Agent]:
-    """Create ``count`` lanes with ``make(i)`` (i from 1); close those made if one fails."""
-    lanes: list[Agent] = []
-    try:
-        for i in range(1, count + 1):
-            lanes.append(make(i))
-    except BaseException:
-        for lane in lanes:
+    def close(self) -> None:
+        for lane in self._lanes:
             lane.close()
-        raise
-    return lanes

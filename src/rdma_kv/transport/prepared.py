@@ -17,121 +17,150 @@ A notification rides the same route: the caller fills it into the batch
 record and ``rk_submit`` posts the endpoint flushes a notifying WRITE needs;
 the shim sends it once every part on every worker has completed.
 
-A route is current while the agent's *epoch* has not moved: the agent
-moves it when a peer is added, replaced, failed or removed and when its own
-regions change (``_invalidate_routes``), so a stale route is never used.
-A route holds its agent, peer and local list: a remote list that outlives
-its agent keeps them (closed, never used again) until the list goes.
+A route is current while the agent's ``Epoch`` has not moved: the memory
+registry moves it when the agent's regions change, the peer table when a
+peer is added, replaced, failed or removed, so a stale route is never used.
+A route holds its ``Routes``, peer and local list: a remote list that
+outlives its agent keeps them (closed, never used again) until the list goes.
 
-May import: numpy, rdma_kv.errors and the other rdma_kv.transport modules, never agent.py.
+``Routes`` also makes the prepared lists (``prep_local``, ``prep_remote``).
+It reads the registry, the peer table and the lanes, and posts through the
+completions; it runs under the agent's lock (the completions' ``lock``).
+
+May import: numpy, rdma_kv.errors and the transport's lower modules
+(descriptors, lanes, peer, peers, progress, registry, transfer); never agent.py.
 """
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Callable
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from rdma_kv.errors import ConfigError, DescriptorError
-from rdma_kv.transport.descriptors import INT32, PreparedDescList, as_index, pair_indices
+from rdma_kv.errors import DescriptorError
+from rdma_kv.transport._lib import load
+from rdma_kv.transport.descriptors import INT32, DescList, PreparedDescList, as_index, pair_indices
+from rdma_kv.transport.lanes import Lanes
+from rdma_kv.transport.peer import Peer
+from rdma_kv.transport.peers import PeerTable
+from rdma_kv.transport.progress import Completions
+from rdma_kv.transport.registry import MemoryRegistry
 from rdma_kv.transport.transfer import Transfer, XferOp
-
-if TYPE_CHECKING:
-    from rdma_kv.transport.config import AgentConfig
-    from rdma_kv.transport.peer import Peer
+from rdma_kv.transport.ucx import Worker
 
 
-NOTIF_AM_ID = 0x524B  # "RK": active-message id of rdma-kv notifications
+class Epoch:
+    """The C counter routes are checked against (``rk_route_t.epoch``)."""
+
+    def __init__(self) -> None:
+        self.c: Any = load()[0].new("uint64_t *")
+
+    def move(self) -> None:
+        """Every route built so far is stale (peers or regions changed)."""
+        self.c[0] += 1
 
 
 class Route:
     """A ``rk_route_t`` and what keeps its arrays alive."""
 
-    __slots__ = ("c", "agent", "local", "peer", "_keep")
+    __slots__ = ("c", "owner", "local", "peer", "_keep")
 
-    def __init__(self, c: Any, agent: Any, local: PreparedDescList, peer: Peer, keep: tuple[Any, ...]) -> None:
+    def __init__(self, c: Any, owner: Routes, local: PreparedDescList, peer: Peer, keep: tuple[Any, ...]) -> None:
         self.c = c
-        self.agent = agent  # lists may be shared between agents; a route is one agent's
+        self.owner = owner  # lists may be shared between agents; a route is one agent's
         self.local = local
         self.peer = peer
         self._keep = keep
 
 
-class PreparedTransfers:
-    """The prepared-transfer half of ``Agent`` (which sets every attribute used here)."""
+class Routes:
+    """Prepared lists of one agent and the routes between them. ``usable(name)``
+    is the agent's check that a peer may be posted to (its endpoints on
+    every worker healthy; PeerError otherwise)."""
 
-    _lock: threading.RLock
-    _closed: bool
-    _lanes: list[Any]
-    _peers: dict[str, Peer]
-    _epoch: Any  # uint64_t *: moved by _invalidate_routes
-    _ffi: Any
-    _lib: Any
-    _ctx: Any  # rk_ctx_t *
-    _submit_out: Any  # uint64_t[]: rk_submit's and rk_check_indexed's out
-    _local_gen: int
-    _name_c: Any  # char[]: the agent's name, a notification's header
-    _name_len: int
-    _memhs: Any
-    _memhs_c: Any
-    config: AgentConfig
-    name: str
+    def __init__(self, name: str, lane_min_bytes: int, epoch: Epoch, registry: MemoryRegistry,
+                 peers: PeerTable, lanes: Lanes, completions: Completions, worker: Worker,
+                 usable: Callable[[str], Peer]) -> None:
+        self._ffi, self._lib = load()
+        self._name = name
+        self._lane_min_bytes = lane_min_bytes
+        self._epoch = epoch
+        self._registry = registry
+        self._peers = peers
+        self._lanes = lanes
+        self._completions = completions
+        self._worker = worker
+        self._usable = usable
+        self._submit_out = self._ffi.new("uint64_t[]", 2 + len(lanes) + 1)  # rk_submit's out, under the lock
 
-    def _invalidate_routes(self) -> None:
-        """Every route built so far is stale (peers or regions changed)."""
-        self._epoch[0] += 1
+    # ------------------------------------------------------------------- lists
 
-    def _prepared(self, op: XferOp, local: PreparedDescList, local_index: Any, remote: PreparedDescList,
-                  remote_index: Any, notify: bytes | None, timeout_s: float | None) -> Transfer:
+    def prep_local(self, descs: DescList) -> PreparedDescList:
+        reg = self._registry
+        regions = reg.table.locate(descs.addrs, descs.lengths, "local descriptors")
+        return PreparedDescList(descs, regions, None, reg.generation).attach_c_tables(self._ffi)
+
+    def prep_remote(self, peer: str, descs: DescList) -> PreparedDescList:
+        p = self._peers.get(peer)
+        regions = p.table.locate(descs.addrs, descs.lengths, f"remote descriptors for {peer!r}")
+        return PreparedDescList(descs, regions, peer, p.generation).attach_c_tables(self._ffi)
+
+    # --------------------------------------------------------------- transfers
+
+    def transfer(self, op: XferOp, local: PreparedDescList, local_index: Any, remote: PreparedDescList,
+                 remote_index: Any, notify: bytes | None, timeout_s: float | None) -> Transfer:
+        """``remote[remote_index]`` to or from ``local[local_index]``: one C
+        call on a current route, else the checked path."""
         li, ri = as_index(local_index), as_index(remote_index)
         n = len(li)
         if n != len(ri):
             raise DescriptorError(f"selected descriptors must pair up: {n} local vs {len(ri)} remote")
         idx32 = (li.dtype is INT32) | (ri.dtype is INT32) << 1  # RK_IDX_L32 | RK_IDX_R32
-        with self._lock:
+        comp = self._completions
+        with comp.lock:
             route = remote.route
-            if route is None or route.local is not local or route.agent is not self or self._closed:
-                return self._prepared_checked(op, local, li, local_index, remote, ri, remote_index, idx32,
-                                              notify, timeout_s)
+            if route is None or route.local is not local or route.owner is not self or comp.closed:
+                return self._checked(op, local, li, local_index, remote, ri, remote_index, idx32,
+                                     notify, timeout_s)
             ffi, lib = self._ffi, self._lib
-            xid, batch = self._new_batch(None)  # type: ignore[attr-defined]
+            xid, batch = comp.new_batch(None)
             # A notification goes out once every part completed (and, for a
             # WRITE, once each endpoint that carried one was flushed).
-            keep = () if notify is None else self._set_notif(batch, notify)
-            xfer = self._track(op, route.peer, xid, batch, keep, 0, n, timeout_s)  # type: ignore[attr-defined]
+            keep = () if notify is None else comp.set_notif(batch, notify)
+            xfer = comp.track(op, route.peer, xid, batch, keep, 0, n, timeout_s)
             out = self._submit_out
             t0 = perf_counter()
             is_put = op is XferOp.WRITE
             ops = lib.rk_submit(route.c, batch, xid, lib.RK_OP_PUT if is_put else lib.RK_OP_GET, n,
                                 ffi.from_buffer(li), ffi.from_buffer(ri), idx32,
                                 1 if is_put and notify is not None else 0, out)
-            if ops < 0:  # nothing posted: the slow path says why, or rebuilds the route
-                self._untrack(xfer)  # type: ignore[attr-defined]
-                return self._prepared_checked(op, local, li, local_index, remote, ri, remote_index, idx32,
-                                              notify, timeout_s)
+            if ops < 0:  # nothing posted: the checked path says why, or rebuilds the route
+                comp.untrack(xfer)
+                return self._checked(op, local, li, local_index, remote, ri, remote_index, idx32,
+                                     notify, timeout_s)
             xfer.nbytes = out[0]
             parts = out[1]
             if parts > 1:
                 xfer.worker_ops = tuple(out[2:2 + parts])
-            return self._posted(xfer, ops, perf_counter() - t0)  # type: ignore[attr-defined]
+            return comp.posted(xfer, ops, perf_counter() - t0)
 
-    def _prepared_checked(self, op: XferOp, local: PreparedDescList, li: Any, local_index: Any,
-                          remote: PreparedDescList, ri: Any, remote_index: Any, idx32: int,
-                          notify: bytes | None, timeout_s: float | None) -> Transfer:
+    def _checked(self, op: XferOp, local: PreparedDescList, li: Any, local_index: Any,
+                 remote: PreparedDescList, ri: Any, remote_index: Any, idx32: int,
+                 notify: bytes | None, timeout_s: float | None) -> Transfer:
         """Every check in Python, with the precise error; builds the pair's
         route for the next request. Caller holds the lock."""
         if local.peer is not None or remote.peer is None:
             raise DescriptorError("pass a list from prep_local() as local and one from prep_remote() as remote")
-        self._require_open()  # type: ignore[attr-defined]
-        if local.generation != self._local_gen or local.c_tables is None:
+        self._completions.require_open()
+        if local.generation != self._registry.generation or local.c_tables is None:
             raise DescriptorError(
-                f"local prepared list was not made by prep_local() of agent {self.name!r} or predates "
+                f"local prepared list was not made by prep_local() of agent {self._name!r} or predates "
                 "a deregister(); prepare it again"
             )
-        p = self._usable_peer(remote.peer)  # type: ignore[attr-defined]
+        p = self._usable(remote.peer)
         if remote.generation != p.generation or remote.c_tables is None:
             raise DescriptorError(
-                f"remote prepared list was not made by prep_remote() of agent {self.name!r} or is for an "
+                f"remote prepared list was not made by prep_remote() of agent {self._name!r} or is for an "
                 f"earlier incarnation of {remote.peer!r}; prepare it again"
             )
         ffi, lib = self._ffi, self._lib
@@ -143,7 +172,7 @@ class PreparedTransfers:
             pair_indices(local, local_index, remote, remote_index)  # raises the precise error
             raise DescriptorError(f"descriptor pair {ok} of {n} failed the range or length check")
         object.__setattr__(remote, "route", self._route(local, remote, p))
-        return self._prepared(op, local, li, remote, ri, notify, timeout_s)  # now one C call
+        return self.transfer(op, local, li, remote, ri, notify, timeout_s)  # now one C call
 
     def _route(self, local: PreparedDescList, remote: PreparedDescList, p: Peer) -> Route:
         """The C route of (local, remote) to peer ``p``, current as of now.
@@ -152,31 +181,17 @@ class PreparedTransfers:
         laddr, llen, lreg, nl = local.c_tables
         raddr, rlen, rreg, nr = remote.c_tables
         uniform = local.uniform_length
-        peers = [p] + [lane._peers[p.name] for lane in self._lanes]
+        peers = self._lanes.endpoints(p)
         states = ffi.new("rk_ep_state_t *[]", [q.ep_state for q in peers])
-        stripe = self._stripe(p) if self._lanes else None  # type: ignore[attr-defined]
+        stripe = self._lanes.stripe(p, self._worker, self._completions.pump) if len(self._lanes) else None
+        memhs = self._registry.memhs
         c = ffi.new("rk_route_t *", {
             "laddr": laddr, "llen": llen, "lreg": lreg, "nl": nl,
             "raddr": raddr, "rlen": rlen, "rreg": rreg, "nr": nr,
             "uniform": uniform if uniform is not None and uniform == remote.uniform_length else 0,
-            "memhs": self._memhs_c, "ctx": self._ctx, "ep": p.ep, "rkeys": p.rkeys,
+            "memhs": self._registry.memhs_c, "ctx": self._completions.ctx, "ep": p.ep, "rkeys": p.rkeys,
             "stripe": stripe[0] if stripe else ffi.NULL, "nworkers": len(peers),
-            "lane_min_bytes": self.config.lane_min_bytes,
-            "ep_states": states, "epoch": self._epoch, "built_at": self._epoch[0],
+            "lane_min_bytes": self._lane_min_bytes,
+            "ep_states": states, "epoch": self._epoch.c, "built_at": self._epoch.c[0],
         })
-        return Route(c, self, local, p, (states, local.c_tables, remote.c_tables, stripe, self._memhs))
-
-    def _set_notif(self, batch: Any, notify: bytes) -> tuple[Any, ...]:
-        """Fill the notification into a batch record not yet posted; returns
-        what must stay alive until UCX sent it."""
-        if len(notify) > self.config.notif_max_bytes:
-            raise ConfigError(f"notification of {len(notify)} bytes exceeds "
-                              f"notif_max_bytes={self.config.notif_max_bytes}")
-        data = self._ffi.from_buffer(bytes(notify)) if notify else self._ffi.NULL
-        batch.has_notif = 1
-        batch.am_id = NOTIF_AM_ID
-        batch.notif_header = self._name_c
-        batch.notif_header_len = self._name_len
-        batch.notif_data = data
-        batch.notif_data_len = len(notify)
-        return (data,)
+        return Route(c, self, local, p, (states, local.c_tables, remote.c_tables, stripe, memhs))

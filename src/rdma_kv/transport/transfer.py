@@ -1,10 +1,12 @@
 """Transfer handles: one posted batch of READ or WRITE operations.
 
 The handle owns the C batch record that UCX completion callbacks write into;
-the agent keeps it alive until UCX is done with it, whatever the caller
-does. State moves IN_PROGRESS -> DONE | FAILED exactly once, under the
-agent's lock; waiters are woken through a ``threading.Event`` and asyncio
-futures through ``call_soon_threadsafe``.
+the agent's completions (progress.py) keep it alive until UCX is done with
+it, whatever the caller does. State moves IN_PROGRESS -> DONE | FAILED
+exactly once, under the agent's lock, by the completions; waiters are woken
+through a ``threading.Event`` and asyncio futures through
+``call_soon_threadsafe``. A handle reaches its completions only through
+``Completer``.
 
 May import: rdma_kv.errors.
 """
@@ -16,12 +18,32 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from rdma_kv.errors import TransferError, TransferTimeoutError
 
-if TYPE_CHECKING:
-    from rdma_kv.transport.agent import Agent
+
+class Completer(Protocol):
+    """What a ``Transfer`` needs of the completions that resolve it."""
+
+    @property
+    def manual_progress(self) -> bool:
+        """True when nothing but the caller progresses (polling mode)."""
+        ...
+
+    def poll(self) -> None:
+        """Progress once unless a service thread does."""
+
+    def progress_once(self, block_s: float | None) -> None:
+        """Polling mode: progress, or sleep briefly (at most ``block_s``) when idle."""
+
+    def completion_event(self, xfer: Transfer) -> threading.Event:
+        """The event set when ``xfer`` resolves (set already if it has)."""
+        ...
+
+    def add_done_callback(self, xfer: Transfer, fn: Callable[[Transfer], None]) -> bool:
+        """Queue ``fn`` for ``xfer``'s resolution; False if it has resolved already."""
+        ...
 
 
 class XferOp(enum.Enum):
@@ -57,7 +79,7 @@ class Transfer:
 
     def __init__(
         self,
-        agent: Agent,
+        completions: Completer,
         xfer_id: int,
         op: XferOp,
         peer: str,
@@ -67,7 +89,7 @@ class Transfer:
         num_descs: int,
         deadline: float | None,
     ) -> None:
-        self._agent = agent
+        self._completions = completions
         self.id = xfer_id
         self.op = op
         self.peer = peer
@@ -81,7 +103,7 @@ class Transfer:
         self.state = XferState.IN_PROGRESS
         self._callbacks: list[Callable[[Transfer], None]] = []
 
-    # -- completion (called by the agent, under its lock) --------------------
+    # -- completion (called by the completions, under the agent's lock) -----
 
     def _resolve(self, error: TransferError | None) -> list[Callable[[Transfer], None]]:
         if self.state is not XferState.IN_PROGRESS:
@@ -113,7 +135,7 @@ class Transfer:
         """True once the transfer has completed or failed (drives progress in
         polling mode)."""
         if self.state is XferState.IN_PROGRESS:
-            self._agent._poll_if_manual()
+            self._completions.poll()
         return self.state is not XferState.IN_PROGRESS
 
     def wait(self, timeout_s: float | None = None) -> Transfer:
@@ -129,42 +151,33 @@ class Transfer:
                     f"after waiting {timeout_s} s ({self.num_descs} descriptors, "
                     f"{self.nbytes} bytes)"
                 )
-            if self._agent.manual_progress:
-                self._agent._progress_once(block_s=left)
+            if self._completions.manual_progress:
+                self._completions.progress_once(left)
             else:
-                self._completion_event().wait(left if left is None else min(left, 1.0))
+                self._completions.completion_event(self).wait(left if left is None else min(left, 1.0))
         if self.error is not None:
             raise self.error
         return self
 
-    def _completion_event(self) -> threading.Event:
-        # Made on demand (a transfer nobody blocks on never pays for it) and
-        # under the agent's lock, as _resolve runs: set if already resolved.
-        with self._agent._lock:
-            if self._event is None:
-                self._event = threading.Event()
-                if self.state is not XferState.IN_PROGRESS:
-                    self._event.set()
-            return self._event
-
     def add_done_callback(self, fn: Callable[[Transfer], None]) -> None:
         """Call ``fn(self)`` on completion (from the progress thread), or now."""
-        with self._agent._lock:
-            if self.state is XferState.IN_PROGRESS:
-                self._callbacks.append(fn)
-                return
-        fn(self)
+        if not self._completions.add_done_callback(self, fn):
+            fn(self)
 
     def __await__(self) -> Generator[Any, None, Transfer]:
         loop = asyncio.get_running_loop()
-        if self._agent.manual_progress:
+        if self._completions.manual_progress:
             while not self.done():
                 yield from asyncio.sleep(0).__await__()
         else:
             fut: asyncio.Future[None] = loop.create_future()
 
+            def settle() -> None:
+                if not fut.done():  # the awaiting task may have been cancelled
+                    fut.set_result(None)
+
             def wake(_: Transfer) -> None:
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+                loop.call_soon_threadsafe(settle)
 
             self.add_done_callback(wake)
             yield from fut.__await__()

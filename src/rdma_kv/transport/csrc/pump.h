@@ -21,8 +21,9 @@ void rk_pump_hold(rk_pump_t *pump, int delta);
  * pump to the CPUs its creator had minus the caller's current CPU (see
  * pump.c) and wake it now, so that its wake-up (an interrupt to an idle
  * CPU: tens of microseconds on a VM) overlaps the posting; a kicked pump
- * spins for spin_ns as after an event. rk_post_striped holds each lane it
- * uses off its worker, kicks it, and releases it once that part is posted. */
+ * spins for spin_ns as after an event. A striped rk_post_indexed holds each
+ * lane it uses off its worker, kicks it, and releases it once that part is
+ * posted. */
 void rk_pump_kick(rk_pump_t *pump);
 
 #endif

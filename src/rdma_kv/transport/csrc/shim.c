@@ -219,25 +219,6 @@ static int rk_post_on(rk_batch_t *b, ucp_ep_h ep, int op, ucp_request_param_t *p
     return 1;
 }
 
-uint64_t rk_post(rk_batch_t *b, int op, uint64_t n,
-                 const uint64_t *laddr, const uint64_t *raddr,
-                 const uint64_t *len, const uint32_t *lreg,
-                 ucp_mem_h const *memhs, const uint32_t *rreg,
-                 ucp_rkey_h const *rkeys, int flush)
-{
-    ucp_request_param_t p;
-    uint64_t i;
-
-    rk_begin(b, &p, memhs);
-    for (i = 0; i < n; ++i) {
-        if (!rk_post_on(b, b->ep, op, &p, laddr[i], raddr[i], len[i], memhs, lreg[i],
-                        rkeys[rreg[i]])) {
-            break;
-        }
-    }
-    return rk_end(b, &p, flush);
-}
-
 /* Index i of an index array of int32 (is32) or int64, as unsigned: a
  * negative index becomes larger than any list. */
 static inline uint64_t rk_at(const void *a, uint32_t is32, uint64_t i)
@@ -357,34 +338,30 @@ uint64_t rk_post_indexed(rk_batch_t *b, int op, uint64_t n,
                          const uint64_t *laddr_tab, const uint64_t *raddr_tab,
                          const uint64_t *len_tab, const uint32_t *lreg_tab,
                          const uint32_t *rreg_tab, ucp_mem_h const *memhs,
-                         ucp_rkey_h const *rkeys, int flush)
+                         ucp_rkey_h const *rkeys, const rk_stripe_t *stripe,
+                         uint32_t nparts, uint64_t nbytes, uint64_t *worker_ops,
+                         int flush)
 {
     ucp_request_param_t p;
     rk_stripe_t one;
-    uint64_t ops = 0, held = 0;
-
-    one.eps = &b->ep;
-    one.rkeys = &rkeys;
-    one.workers = NULL;
-    one.pumps = NULL;
-    rk_begin(b, &p, memhs);
-    rk_stream(b, op, &p, n, lidx, ridx, idx32, laddr_tab, raddr_tab, len_tab, lreg_tab,
-              rreg_tab, memhs, &one, 1, 0, &ops, &held);
-    return rk_end(b, &p, flush);
-}
-
-uint64_t rk_post_striped(rk_batch_t *b, int op, uint64_t n,
-                         const void *lidx, const void *ridx, uint32_t idx32,
-                         const uint64_t *laddr_tab, const uint64_t *raddr_tab,
-                         const uint64_t *len_tab, const uint32_t *lreg_tab,
-                         const uint32_t *rreg_tab, ucp_mem_h const *memhs,
-                         const rk_stripe_t *stripe, uint32_t nparts,
-                         uint64_t nbytes, uint64_t *worker_ops, int flush)
-{
-    ucp_request_param_t p;
-    uint64_t held;
+    uint64_t own_ops = 0, held = 0;
     uint32_t w;
 
+    if (nparts <= 1) {
+        /* The own worker only: batch->ep and rkeys, no lane to hold. */
+        one.eps = &b->ep;
+        one.rkeys = &rkeys;
+        one.workers = NULL;
+        one.pumps = NULL;
+        if (worker_ops == NULL) {
+            worker_ops = &own_ops;
+        }
+        worker_ops[0] = 0;
+        rk_begin(b, &p, memhs);
+        rk_stream(b, op, &p, n, lidx, ridx, idx32, laddr_tab, raddr_tab, len_tab, lreg_tab,
+                  rreg_tab, memhs, &one, 1, 0, worker_ops, &held);
+        return rk_end(b, &p, flush);
+    }
     for (w = 0; w < nparts; ++w) {
         worker_ops[w] = 0;
     }
@@ -445,14 +422,9 @@ int64_t rk_submit(const rk_route_t *r, rk_batch_t *b, uint64_t id, int op, uint6
     parts = rk_stripe_parts(nbytes, r->nworkers, r->lane_min_bytes);
     out[0] = nbytes;
     out[1] = parts;
-    if (parts > 1) {
-        return (int64_t)rk_post_striped(b, op, n, lidx, ridx, idx32, r->laddr, r->raddr,
-                                        r->llen, r->lreg, r->rreg, r->memhs, r->stripe,
-                                        parts, nbytes, out + 2, flush);
-    }
-    out[2] = rk_post_indexed(b, op, n, lidx, ridx, idx32, r->laddr, r->raddr, r->llen,
-                             r->lreg, r->rreg, r->memhs, r->rkeys, flush);
-    return (int64_t)out[2];
+    return (int64_t)rk_post_indexed(b, op, n, lidx, ridx, idx32, r->laddr, r->raddr, r->llen,
+                                    r->lreg, r->rreg, r->memhs, r->rkeys, r->stripe, parts,
+                                    nbytes, out + 2, flush);
 }
 
 uint64_t rk_progress(ucp_worker_h worker, uint64_t max_rounds)

@@ -75,18 +75,6 @@ void rk_ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t status);
 /* A C thread progressing one worker; see rk_pump_start below. */
 typedef struct rk_pump rk_pump_t;
 
-/* Post n one-sided operations of one batch on batch->ep. Descriptor i moves
- * len[i] bytes between local address laddr[i] and remote address raddr[i];
- * lreg[i] / rreg[i] index memhs / rkeys. memhs may be NULL. When flush is
- * set, an endpoint flush is posted after the operations and counted as one
- * (for PUT + notification: remote completion before notifying). Returns the
- * number of operations posted; stops at the first error (batch->status). */
-uint64_t rk_post(rk_batch_t *batch, int op, uint64_t n,
-                 const uint64_t *laddr, const uint64_t *raddr,
-                 const uint64_t *len, const uint32_t *lreg,
-                 ucp_mem_h const *memhs, const uint32_t *rreg,
-                 ucp_rkey_h const *rkeys, int flush);
-
 /* Check a transfer by index before anything is posted: every lidx[i] in
  * [0, nl), every ridx[i] in [0, nr) and, when llen_tab and rlen_tab are
  * given (lengths not uniform), llen_tab[lidx[i]] == rlen_tab[ridx[i]].
@@ -96,20 +84,6 @@ uint64_t rk_post(rk_batch_t *batch, int op, uint64_t n,
 uint64_t rk_check_indexed(uint64_t n, const void *lidx, const void *ridx, uint32_t idx32,
                           uint64_t nl, uint64_t nr, const uint64_t *llen_tab,
                           const uint64_t *rlen_tab, uint64_t *nbytes);
-
-/* rk_post for prepared lists: descriptor i is local slot lidx[i] (address
- * laddr_tab[], length len_tab[], region lreg_tab[] or 0 when NULL) paired with
- * remote slot ridx[i] (raddr_tab[], rreg_tab[] or 0 when NULL). Gathers,
- * merges runs contiguous on both sides within the same regions, and posts,
- * in one pass -- no per-descriptor work is left to the caller. The caller
- * has checked the pairs with rk_check_indexed. Returns the
- * number of operations posted (see rk_post). */
-uint64_t rk_post_indexed(rk_batch_t *batch, int op, uint64_t n,
-                         const void *lidx, const void *ridx, uint32_t idx32,
-                         const uint64_t *laddr_tab, const uint64_t *raddr_tab,
-                         const uint64_t *len_tab, const uint32_t *lreg_tab,
-                         const uint32_t *rreg_tab, ucp_mem_h const *memhs,
-                         ucp_rkey_h const *rkeys, int flush);
 
 /* The workers one transfer may be striped over (lanes.py): index w = 0 is
  * the poster's own worker, 1.. its lanes. eps[w] is the endpoint to the
@@ -122,28 +96,46 @@ typedef struct rk_stripe {
     rk_pump_t *const *pumps;
 } rk_stripe_t;
 
-/* rk_post_indexed striped over the first nparts workers of stripe: the
- * byte stream of the pairs (nbytes in all) is cut into nparts parts of about
- * equal bytes at 4 KiB boundaries (a descriptor may be cut), each posted on
- * its worker -- the lanes' first (each lane's pump held off its worker and
- * kicked before anything is posted, released once its part is posted, then
- * signalled),
- * the own worker's last. One batch: it completes when every
- * operation on every worker has (the count is atomic; the pumps complete
- * operations on their threads). worker_ops[w] receives the operations
- * posted on worker w. With flush set, an endpoint flush is posted on every
- * worker's endpoint that carried a part (counted as an operation each, not
- * in worker_ops). A notification in the batch record is sent on batch->ep
- * (worker 0's endpoint) once every operation, flushes included, completed;
- * the last may complete on a lane's pump, so worker 0 must then be
- * UCS_THREAD_MODE_MULTI. */
-uint64_t rk_post_striped(rk_batch_t *batch, int op, uint64_t n,
+/* The post loop, the only one: every batch of operations is posted here
+ * (rk_submit calls it for prepared lists, the agent for explicit lists,
+ * with identity indices over the lists as tables). Descriptor i is local
+ * slot lidx[i] (address laddr_tab[], length len_tab[], region lreg_tab[]
+ * or 0 when NULL) paired with remote slot ridx[i] (raddr_tab[], rreg_tab[]
+ * or 0 when NULL); runs contiguous on both sides within the same regions
+ * merge into one operation, and everything is gathered, merged and posted
+ * in one pass. The caller has checked the pairs (rk_check_indexed) and
+ * decided nparts (rk_stripe_parts); memhs may be NULL.
+ *
+ * nparts <= 1: posted on batch->ep with rkeys (stripe unused, may be
+ * NULL); with flush set, an endpoint flush follows the operations and is
+ * counted as one (for PUT + notification: remote completion before
+ * notifying).
+ *
+ * nparts > 1: striped over the first nparts workers of stripe (rkeys
+ * unused): the byte stream of the pairs (nbytes in all) is cut into nparts
+ * parts of about equal bytes at 4 KiB boundaries (a descriptor may be
+ * cut), each posted on its worker -- the lanes' first (each lane's pump
+ * held off its worker and kicked before anything is posted, released once
+ * its part is posted, then signalled), the own worker's last. One batch:
+ * it completes when every operation on every worker has (the count is
+ * atomic; the pumps complete operations on their threads). With flush
+ * set, an endpoint flush is posted on every worker's endpoint that carried
+ * a part (counted as an operation each, not in worker_ops). A notification
+ * in the batch record is sent on batch->ep (worker 0's endpoint) once
+ * every operation, flushes included, completed; the last may complete on
+ * a lane's pump, so worker 0 must then be UCS_THREAD_MODE_MULTI.
+ *
+ * worker_ops[w] receives the operations posted on worker w (NULL allowed
+ * when nparts <= 1). Returns the number of operations posted (flushes
+ * not counted); stops at the first error (batch->status). */
+uint64_t rk_post_indexed(rk_batch_t *batch, int op, uint64_t n,
                          const void *lidx, const void *ridx, uint32_t idx32,
                          const uint64_t *laddr_tab, const uint64_t *raddr_tab,
                          const uint64_t *len_tab, const uint32_t *lreg_tab,
                          const uint32_t *rreg_tab, ucp_mem_h const *memhs,
-                         const rk_stripe_t *stripe, uint32_t nparts,
-                         uint64_t nbytes, uint64_t *worker_ops, int flush);
+                         ucp_rkey_h const *rkeys, const rk_stripe_t *stripe,
+                         uint32_t nparts, uint64_t nbytes, uint64_t *worker_ops,
+                         int flush);
 
 /* A route: what a prepared transfer between one local and one remote list
  * needs, gathered once by the agent (prepared.py) so that a request is one
@@ -187,10 +179,9 @@ uint32_t rk_stripe_parts(uint64_t nbytes, uint32_t nworkers, uint64_t lane_min_b
 /* One prepared request on a route, in a batch record whose id, ctx and ep
  * are set here once the route is found current (the rest zeroed, or a
  * notification filled in by the caller): check every index pair (as
- * rk_check_indexed), then post it on the agent's worker (rk_post_indexed)
- * or, over rk_stripe_parts workers when that is more than one, striped
- * (rk_post_striped), with the endpoint flushes of `flush` (a WRITE that
- * notifies). Returns the operations posted, or a negative RK_SUBMIT_* with
+ * rk_check_indexed), then post it with rk_post_indexed over
+ * rk_stripe_parts workers (the agent's own alone, or striped over the
+ * lanes), with the endpoint flushes of `flush` (a WRITE that notifies). Returns the operations posted, or a negative RK_SUBMIT_* with
  * nothing posted. out[0] receives the bytes, out[1] the workers used,
  * out[2 + w] the operations on worker w. */
 int64_t rk_submit(const rk_route_t *route, rk_batch_t *batch, uint64_t id, int op, uint64_t n,
