@@ -6,7 +6,9 @@ prompt's KV blocks from a producer:
 - **peers**: one :class:`~rdma_kv.connector.rdma.loads.PeerState` per
   producer rank, CONNECTING -> READY (HANDSHAKE over the side channel, the
   producer's agent metadata imported, its slot table prepared) or FAILED
-  (not dialled again for ``PEER_RETRY_S``; forgotten after that).
+  (not dialled again for ``PEER_RETRY_S``; forgotten after that). The
+  first load from a producer starts its handshake, unless ``preconnect``
+  (the scheduler saw the producer's address before the load) already did.
 - **loads**: each goes HANDSHAKE -> READING -> CONFIRMING -> DONE, or
   FAILED from any stage (:class:`~rdma_kv.connector.rdma.loads.LoadStage`).
   Posting a request's reads is one ``read_prepared`` call (vectorised index
@@ -177,6 +179,28 @@ class RdmaConsumer:
         self._post(load, peer)
 
     # --- peers --------------------------------------------------------------------------------------------
+
+    def preconnect(self, address: PeerAddress) -> None:
+        """Start the handshake with ``address`` without a load, so that the
+        first load from it finds the peer READY, or CONNECTING (it then waits
+        for this handshake instead of starting another). A peer already
+        known, or failed less than ``PEER_RETRY_S`` ago, is left alone. A
+        failure is the same as a load's failed handshake: the peer is FAILED
+        for ``PEER_RETRY_S``, and the loads waiting on it fail. Never raises."""
+        if self._closed or self._transport is None:
+            return  # not registered yet: a handshake would only fail
+        with self._lock:
+            key = self._peer_key(address)
+            peer = self._peers.get(key)
+            if peer is not None and (peer.state is not PeerStage.FAILED
+                                     or self._clock() - peer.failed_at < PEER_RETRY_S):
+                return
+            peer = self._peers[key] = PeerState(address)
+            self._stats.counters["preconnects"] += 1
+            try:
+                self._executor.submit(self._handshake, peer)
+            except RuntimeError:  # the executor is shut down: closing
+                del self._peers[key]
 
     def _client_key(self, address: PeerAddress) -> tuple[str, int]:
         """The side channel of this rank at ``address``: host, base port + rank."""
