@@ -17,13 +17,17 @@ posts every request, then waits for all of them. Measured per rep:
 
 Every rep is verified bit-exact (every target fills its pool with its own
 pattern per rep) outside the timed region. One set of processes serves a
-whole axis (every concurrency of the sweep, or every producer count up to
-its largest), so process start-up is paid once per backend and axis.
+whole concurrency axis; each point of the producers axis starts exactly
+its own targets.
 
 Backends: ``rdma-kv`` (one ``read_prepared`` per request, reader polling)
 and ``nixl`` (one ``make_prepped_xfer`` + ``transfer`` per request, then
 ``check_xfer_state`` on all; skipped with its reason when NIXL does not
-import). Child bodies are in :mod:`rdma_kv.bench.scale_peers`.
+import). NIXL's targets run without NIXL's progress thread here, unlike
+the workload table's: that thread spins a core per target, and with
+several targets on one 2-core host the curve would measure the spinning,
+not the fan-in (without it the readers' wire-up and reads still complete
+over CMA). Child bodies are in :mod:`rdma_kv.bench.scale_peers`.
 
 Imports numpy, the stdlib and ``rdma_kv.bench`` siblings; never the
 transport (the children import it).
@@ -179,12 +183,16 @@ def run_axis(
             for r in results:
                 r.status, r.reason = "skipped", reason
         else:
-            try:
-                _run_backend(backend, results, request, reps, seed, progress, timeout_s)
-            except Exception as exc:  # reported per point, the other backends still run
-                for r in results:
-                    if not r.gbps:
-                        r.status, r.reason = "failed", f"{type(exc).__name__}: {exc}"
+            # The producers axis starts the targets of each point afresh: an
+            # idle target is not free everywhere (NIXL's spins a core).
+            groups = [results] if axis == "concurrency" else [[r] for r in results]
+            for group in groups:
+                try:
+                    _run_backend(backend, group, request, reps, seed, progress, timeout_s)
+                except Exception as exc:  # reported per point, the other points and backends still run
+                    for r in group:
+                        if not r.gbps:
+                            r.status, r.reason = "failed", f"{type(exc).__name__}: {exc}"
         out.extend(results)
     return out
 

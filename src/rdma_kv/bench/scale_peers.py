@@ -120,8 +120,8 @@ def _nixl_list(base: int, count: int, size: int) -> np.ndarray:
 
 
 def nixl_target(chan: Channel, start: dict[str, Any]) -> None:
-    # As in nixl_peer: the idle target needs NIXL's progress thread for wire-up.
-    agent = _nixl_agent(f"scale-target-{start['index']}", True)
+    # No progress thread (it spins a core; rdma_kv.bench.scale says why).
+    agent = _nixl_agent(f"scale-target-{start['index']}", False)
     buf = page_aligned_buffer(start["pool_blocks"] * start["block_nbytes"])
     reg = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
     filler = harness.PatternFiller(buf, start["seed"] + start["index"])
