@@ -26,8 +26,8 @@ and ``nixl`` (one ``make_prepped_xfer`` + ``transfer`` per request, then
 import). NIXL's targets run without NIXL's progress thread here, unlike
 the workload table's: that thread spins a core per target, and with
 several targets on one 2-core host the curve would measure the spinning,
-not the fan-in (without it the readers' wire-up and reads still complete
-over CMA). Child bodies are in :mod:`rdma_kv.bench.scale_peers`.
+not the fan-in. Each target's command loop progresses its worker every
+millisecond instead (wire-up needs the target's progress). Child bodies are in :mod:`rdma_kv.bench.scale_peers`.
 
 Imports numpy, the stdlib and ``rdma_kv.bench`` siblings; never the
 transport (the children import it).

@@ -25,6 +25,7 @@ from rdma_kv.bench.cma import page_aligned_buffer
 from rdma_kv.bench.harness import BenchError, Channel
 
 WAIT_S = 120.0  # one rep's reads
+TARGET_PROGRESS_S = 0.001  # a NIXL target progresses its worker this often while idle
 
 
 def _plan(start: dict[str, Any], msg: dict[str, Any]) -> list[tuple[int, np.ndarray, np.ndarray]]:
@@ -120,13 +121,28 @@ def _nixl_list(base: int, count: int, size: int) -> np.ndarray:
 
 
 def nixl_target(chan: Channel, start: dict[str, Any]) -> None:
-    # No progress thread (it spins a core; rdma_kv.bench.scale says why).
+    # No progress thread: it spins a core (rdma_kv.bench.scale says why).
+    # The target still needs progress for wire-up, so its command loop
+    # progresses the worker (get_new_notifs does) between messages.
     agent = _nixl_agent(f"scale-target-{start['index']}", False)
     buf = page_aligned_buffer(start["pool_blocks"] * start["block_nbytes"])
     reg = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
     filler = harness.PatternFiller(buf, start["seed"] + start["index"])
     chan.send({"type": "ready", "address": buf.ctypes.data}, agent.get_agent_metadata())
-    harness.serve_target(chan, filler.fill, lambda: agent.deregister_memory(reg))
+    while True:
+        if not chan.poll(TARGET_PROGRESS_S):
+            agent.get_new_notifs()
+            continue
+        msg, _ = chan.recv()
+        if msg["type"] == "fill":
+            filler.fill(int(msg["rep"]))
+            chan.send({"type": "filled", "rep": msg["rep"]})
+        elif msg["type"] == "close":
+            agent.deregister_memory(reg)
+            chan.send({"type": "closed"})
+            return
+        else:
+            raise BenchError(f"nixl target: unexpected message {msg['type']!r}")
 
 
 def nixl_reader(chan: Channel, start: dict[str, Any]) -> None:
