@@ -14,9 +14,9 @@ Owns the per-request decisions of both roles:
   asynchronously (``(n, True)``). Blocks already computed locally are not
   read again. The first time it sees a request, its producer's address
   goes out in the next step's ``connects``, so the workers handshake while
-  the request waits for admission. A full hit (nothing to load), a bad parameter set, or an
-  abort before the load was handed to a worker releases the producer's
-  lease at once. While the request waits for admission its lease is renewed
+  the request waits for admission. A full hit (nothing to load), a bad
+  parameter set, or an abort before the load was handed to a worker
+  releases the producer's lease at once. While the request waits for admission its lease is renewed
   through the workers. An abort after the load was handed to a worker
   delays the free of its blocks until the worker reports no read can land
   in them (``done_sending``).
