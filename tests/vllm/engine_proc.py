@@ -7,7 +7,8 @@ goes to a log file):
 
     {"op": "start", "kv_transfer_config": {...} | null, "llm": {...}}
     {"op": "generate", "prompts": [...], "max_tokens": 8,
-     "kv_transfer_params": [... | null]}          -> {"outputs": [...], "elapsed_s"}
+     "kv_transfer_params": [... | null],
+     "trace": false}                              -> {"outputs": [...], "elapsed_s"[, "trace"]}
     {"op": "stop"}                                -> engine shut down, child exits
 
 Parent: :class:`EngineProcess` (``start``, ``generate``, ``kill``,
@@ -80,10 +81,12 @@ class EngineProcess:
                            "model": dict(model or {}), "llm": llm})
 
     def generate(self, prompts: Sequence[str], *, max_tokens: int = 8,
-                 kv_transfer_params: Sequence[Mapping[str, Any] | None] | None = None
-                 ) -> dict[str, Any]:
+                 kv_transfer_params: Sequence[Mapping[str, Any] | None] | None = None,
+                 trace: bool = False) -> dict[str, Any]:
+        """``trace``: also return ``trace``, the connector calls of this
+        generate() with their times (``connector_trace``; multiprocessing off)."""
         return self._call({"op": "generate", "prompts": list(prompts), "max_tokens": max_tokens,
-                           "kv_transfer_params": kv_transfer_params})
+                           "kv_transfer_params": kv_transfer_params, "trace": trace})
 
     def abort_during_load(self, prompts: Sequence[str], kv_transfer_params: Sequence[Mapping[str, Any]],
                           *, settle_s: float = 30.0) -> dict[str, Any]:
@@ -185,14 +188,24 @@ def _generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
     sampling = [SamplingParams(temperature=0.0, max_tokens=command["max_tokens"], ignore_eos=True,
                                extra_args=None if p is None else {"kv_transfer_params": p})
                 for p in params]
+    tracer = None
+    if command.get("trace"):
+        from connector_trace import ConnectorTrace
+
+        tracer = ConnectorTrace(_scheduler(llm))
     t0 = time.monotonic()
-    outputs = llm.generate(command["prompts"], sampling, use_tqdm=False)
+    try:
+        outputs = llm.generate(command["prompts"], sampling, use_tqdm=False)
+    finally:
+        if tracer is not None:
+            tracer.close()
     elapsed = time.monotonic() - t0
-    return {"elapsed_s": elapsed, "outputs": [
+    extra = {"trace": tracer.result(t0)} if tracer is not None else {}
+    return {"elapsed_s": elapsed, **extra, "outputs": [
         {"request_id": o.request_id, "prompt_token_ids": list(o.prompt_token_ids),
          "token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
          "kv_transfer_params": o.kv_transfer_params, "num_cached_tokens": o.num_cached_tokens,
-         "queued_to_first_token_s": _queued_to_first_token(o)}
+         "queued_to_first_token_s": _queued_to_first_token(o), **_timestamps(o, t0)}
         for o in outputs]}
 
 
@@ -252,6 +265,18 @@ def _queued_to_first_token(output: Any) -> float | None:
     if m is None or not getattr(m, "first_token_ts", 0) or not getattr(m, "queued_ts", 0):
         return None
     return m.first_token_ts - m.queued_ts
+
+
+def _timestamps(output: Any, t0: float) -> dict[str, float]:
+    """Engine-core timestamps of a request, in seconds after ``t0`` (the
+    generate() call; both on ``time.monotonic``)."""
+    m = getattr(output, "metrics", None)
+    out = {}
+    for name in ("queued_ts", "scheduled_ts", "first_token_ts", "last_token_ts"):
+        value = getattr(m, name, 0.0) if m is not None else 0.0
+        if value:
+            out[name[:-3] + "_s"] = value - t0
+    return out
 
 
 if __name__ == "__main__":

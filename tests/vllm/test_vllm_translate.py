@@ -107,7 +107,8 @@ def test_finished_sending_after_recving_is_dropped() -> None:
 
     reports = iter([({"p1"}, {"d1"}), ({"d1", "p2"}, set()), (set(), set())])
     adapter = object.__new__(RdmaKVConnector)
-    adapter._connector = SimpleNamespace(get_finished=lambda ids: next(reports))
+    adapter._connector = SimpleNamespace(get_finished=lambda ids: next(reports),
+                                         worker=SimpleNamespace(num_inflight=lambda: 0))
     adapter._recved = collections.OrderedDict()
     assert adapter.get_finished(set()) == ({"p1"}, {"d1"})
     assert adapter.get_finished(set()) == ({"p2"}, None)

@@ -64,6 +64,10 @@ class Channel:
         if blob is not None:
             self._conn.send_bytes(blob)
 
+    def poll(self, timeout_s: float) -> bool:
+        """True once a message is waiting (within ``timeout_s``)."""
+        return bool(self._conn.poll(timeout_s))
+
     def recv(self, timeout_s: float | None = None) -> tuple[Message, bytes | None]:
         if timeout_s is not None and not self._conn.poll(timeout_s):
             raise TimeoutError(f"no message from {self.peer} within {timeout_s:.0f} s")

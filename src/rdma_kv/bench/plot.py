@@ -1,4 +1,6 @@
-"""The sweep as one figure: GB/s against descriptor size, one line per backend.
+"""The sweep as one figure: GB/s against descriptor size, one line per
+backend (``plot_sweep``); and the scale curves: GB/s and per-request
+latency against concurrent requests and producers (``plot_scale``).
 
 Median over reps with a min-max band, log2 x axis labelled in KiB/MiB,
 descriptors per point on the top axis, a title naming host, UCX version and
@@ -22,7 +24,7 @@ import numpy as np
 from rdma_kv.bench.sweep import Point, format_nbytes, skipped_notes
 from rdma_kv.errors import ConfigError
 
-__all__ = ["plot_sweep", "require_matplotlib"]
+__all__ = ["plot_scale", "plot_sweep", "require_matplotlib"]
 
 # Fixed colours and styles, so figures from different runs compare at a glance.
 STYLES = {
@@ -114,3 +116,69 @@ def plot_sweep(points: Sequence[Point], path: str | Path, *, title: str, subtitl
 
 def _count(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def plot_scale(points: Sequence[Any], path: str | Path, *, title: str, subtitle: str = "",
+               footer: str = "") -> Path:
+    """Scale curves (:class:`rdma_kv.bench.scale.ScalePoint`): one column per
+    axis run (concurrent requests, producers), aggregate GB/s on top and
+    p50 (solid) / p99 (dashed) per-request latency below, one colour per
+    backend, log2 x axes."""
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    axes_run = list(dict.fromkeys(p.axis for p in points))
+    if not axes_run:
+        raise ConfigError("nothing to plot: the scale run has no points")
+    fig = Figure(figsize=(6.2 * len(axes_run), 7.5), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    grid = fig.subplots(2, len(axes_run), squeeze=False)
+    for col, axis in enumerate(axes_run):
+        top, bottom = grid[0][col], grid[1][col]
+        mine = [p for p in points if p.axis == axis]
+        xs = sorted({p.concurrency if axis == "concurrency" else p.producers for p in mine})
+        for backend in dict.fromkeys(p.backend for p in mine):
+            ok = sorted((p for p in mine if p.backend == backend and p.ok),
+                        key=lambda p: (p.concurrency, p.producers))
+            if not ok:
+                continue
+            style = dict(STYLES.get(backend, {"marker": "x", "label": backend}))
+            label, color, marker = style.pop("label"), style.get("color"), style.get("marker", "o")
+            x = [p.concurrency if axis == "concurrency" else p.producers for p in ok]
+            s = [p.summary() for p in ok]
+            (line,) = top.plot(x, [v["gbps_median"] for v in s], marker=marker, color=color, linewidth=2,
+                               label=label)
+            top.vlines(x, [v["gbps_min"] for v in s], [v["gbps_max"] for v in s], color=line.get_color(),
+                       alpha=0.6, linewidth=1)
+            bottom.plot(x, [v["p50_ms"] for v in s], marker=marker, color=line.get_color(), linewidth=2,
+                        label=f"{label} p50")
+            bottom.plot(x, [v["p99_ms"] for v in s], marker=marker, color=line.get_color(), linewidth=1.2,
+                        linestyle="--", label=f"{label} p99")
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_locator(FixedLocator(xs))
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_xticklabels([str(x) for x in xs])
+            ax.grid(True, alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
+        top.set_ylim(bottom=0)
+        bottom.set_yscale("log")
+        what = ("concurrent requests, one producer" if axis == "concurrency"
+                else f"producers feeding one consumer ({mine[0].concurrency // max(mine[0].producers, 1)} "
+                     "requests each)")
+        top.set_title(f"aggregate GB/s vs {what}", fontsize=10)
+        top.set_ylabel("GB/s (1e9 B/s)")
+        bottom.set_ylabel("per-request latency, ms (log)")
+        bottom.set_xlabel(what)
+    fig.suptitle(title + (f"\n{subtitle}" if subtitle else ""), fontsize=11)
+    if footer:
+        text = textwrap.fill(footer, 40 + 110 * len(axes_run))
+        fig.text(0.01, 0.005, text, fontsize=7.5, color="#444444", va="bottom", ha="left")
+        bottom_room = 0.035 + 0.02 * text.count("\n")
+        fig.get_layout_engine().set(rect=(0, bottom_room, 1, 1 - bottom_room))
+    out = Path(path)
+    fig.savefig(out)
+    return out

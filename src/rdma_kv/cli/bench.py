@@ -14,6 +14,14 @@ is not installed) and ``ucx_perftest ucp_get``; it prints a table of median
 GB/s [min - max] per size and backend, and ``--plot`` draws GB/s against
 descriptor size (needs matplotlib: ``pip install 'rdma-kv[plot]'``).
 Progress goes to stderr: a bar on a terminal, one final line otherwise.
+
+``--scale concurrency,producers`` runs the scale curves instead: aggregate
+GB/s and p50/p99 per-request load latency against concurrent requests
+(``--concurrency``, default 1:256, one producer) and against producers
+feeding one consumer (``--producers``, default 1:8, ``--producer-requests``
+each), for rdma-kv and NIXL; a table on stdout, ``--csv``, ``--json``, and
+with ``--plot FILE.png`` a figure (without matplotlib: the CSV beside it,
+``FILE.csv``, and a note saying so).
 """
 
 from __future__ import annotations
@@ -61,6 +69,19 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--sweep-bytes", default="64MiB", help="bytes moved per point, at every size (default 64MiB)")
     s.add_argument("--sweep-backends", default="rdma-kv,nixl,ucx_perftest",
                    help="comma list of rdma-kv, nixl, ucx_perftest, cma (default rdma-kv,nixl,ucx_perftest)")
+    c = p.add_argument_group("scale curves")
+    c.add_argument("--scale", metavar="AXES",
+                   help="comma list of concurrency, producers: run the scale curves instead of the workloads")
+    c.add_argument("--concurrency", default="1:256",
+                   help="concurrent requests, one producer: MIN:MAX (powers of two) or a comma list (default 1:256)")
+    c.add_argument("--producers", default="1:8",
+                   help="producers feeding one consumer: MIN:MAX or a comma list (default 1:8)")
+    c.add_argument("--producer-requests", type=int, default=8,
+                   help="concurrent requests from each producer on the producers axis (default 8)")
+    c.add_argument("--scale-request", default="16x32KiB",
+                   help="one request: BLOCKSxSIZE random blocks (default 16x32KiB)")
+    c.add_argument("--scale-backends", default="rdma-kv,nixl", help="comma list of rdma-kv, nixl (default both)")
+    c.add_argument("--csv", metavar="PATH", help="with --scale: also write the table as CSV")
     p.set_defaults(run=run)
 
 
@@ -105,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
     baselines.register_backend(
         "rdma-kv",
         lambda w, reps: rdmakv_peer.run_backend(w, reps, progress=args.progress, lanes=args.lanes, notify=notify))
+    if args.scale:
+        return run_scale(args)
     if args.sweep or args.plot:
         return run_sweep(args)
     peers = [v for v in args.vs.split(",") if v]
@@ -187,6 +210,66 @@ def run_sweep(args: argparse.Namespace) -> int:
                           subtitle=meta["subtitle"], footer=meta["footer"], total_nbytes=total)
         print(f"plot written to {path}", file=sys.stderr)
     return 0 if all(p.result.status != "failed" for p in points) else 1
+
+
+def parse_scale(args: argparse.Namespace) -> dict[str, Any]:
+    """The scale run's parameters from ``args``, every one checked before a run."""
+    from rdma_kv.bench import scale
+
+    axes = [a for a in args.scale.split(",") if a]
+    unknown = [a for a in axes if a not in scale.AXES]
+    if not axes or unknown:
+        raise ConfigError(f"--scale {args.scale!r}: expected a comma list of {', '.join(scale.AXES)}")
+    backends = [b for b in args.scale_backends.split(",") if b]
+    bad = [b for b in backends if b not in scale.BACKENDS]
+    if not backends or bad:
+        raise ConfigError(f"--scale-backends {args.scale_backends!r}: valid: {', '.join(scale.BACKENDS)}")
+    if not 1 <= args.producer_requests <= scale.MAX_CONCURRENCY:
+        raise ConfigError(f"--producer-requests must be 1..{scale.MAX_CONCURRENCY}, got {args.producer_requests}")
+    if args.reps < 1:
+        raise ConfigError(f"--reps must be >= 1, got {args.reps}")
+    return {"axes": axes, "backends": backends, "request": scale.parse_request(args.scale_request),
+            "concurrency": scale.parse_counts(args.concurrency, "concurrency", scale.MAX_CONCURRENCY),
+            "producers": scale.parse_counts(args.producers, "producers", scale.MAX_PRODUCERS),
+            "per_producer": args.producer_requests, "reps": args.reps}
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rdma_kv.bench import scale
+    from rdma_kv.bench.report import run_meta
+
+    params = parse_scale(args)
+    started = datetime.datetime.now()
+    points = []
+    for axis in params["axes"]:
+        points += scale.run_axis(axis, params["backends"], request=params["request"], reps=params["reps"],
+                                 concurrency=params["concurrency"], producers=params["producers"],
+                                 per_producer=params["per_producer"],
+                                 progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(scale.scale_table(points))
+    csv_path = args.csv
+    if args.plot:
+        try:
+            from rdma_kv.bench.plot import plot_scale
+
+            path = plot_scale(points, args.plot, title="Scale: aggregate GB/s and per-request latency",
+                              subtitle=f"host {platform.node()}  \u00b7  two or more processes on one host  "
+                                       f"\u00b7  {started:%Y-%m-%d %H:%M}",
+                              footer=f"One request: {params['request']} random blocks, all requests ready at "
+                                     f"once, latency from then to each completion; median of {params['reps']} "
+                                     "rep(s), bars min-max; every rep verified bit-exact. GB = 1e9 bytes.")
+            print(f"plot written to {path}", file=sys.stderr)
+        except ConfigError as exc:  # no matplotlib: the numbers still go somewhere
+            csv_path = csv_path or str(Path(args.plot).with_suffix(".csv"))
+            print(f"{exc}; wrote the table as CSV to {csv_path} instead", file=sys.stderr)
+    if csv_path:
+        Path(csv_path).write_text(scale.scale_csv(points))
+    if args.json:
+        Path(args.json).write_text(scale.to_json(points, **run_meta(started, params["reps"]),
+                                                 request=str(params["request"])))
+    return 0 if all(p.status != "failed" for p in points) else 1
 
 
 def sweep_meta(points: Any, started: datetime.datetime, total: int, reps: int) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -207,6 +208,16 @@ class RdmaKVConnector(KVConnectorBase_V1):
         ``done_sending`` for blocks vLLM already freed (an assertion in its
         scheduler). Such reports are dropped here."""
         sending, recving = self._connector.get_finished({RequestId(rid) for rid in finished_req_ids})
+        if self._connector.worker.num_inflight():
+            # vLLM's engine loop starts its next step at once, even when every
+            # request waits for KV, so this thread holds the GIL nearly all the
+            # time; CPython hands it to a waiting thread only after the switch
+            # interval (5 ms). The connector's handshakes, completions and
+            # confirmations run on threads of its own, and each of their GIL
+            # hand-offs waited that long: a 20 ms handshake took 70-180 ms
+            # inside vLLM. Releasing the GIL once per step while loads are in
+            # flight lets them run now (docs/benchmarks.md, "First request").
+            time.sleep(0)
         stale = {rid for rid in sending if rid in self._recved}
         for rid in stale:
             del self._recved[rid]

@@ -11,7 +11,10 @@ prompt's KV blocks from a producer:
   producer rank, CONNECTING -> READY (HANDSHAKE over the side channel: the
   rank's share checked against the plan, the producer's agent metadata
   imported) or FAILED (not dialled again for ``PEER_RETRY_S``; forgotten
-  after that). Slot tables are prepared once per (peer, head slice).
+  after that). Slot tables are prepared once per (peer, head slice). The
+  first load from a producer rank starts its handshake, unless
+  ``preconnect`` (the scheduler saw the producer's address before the
+  load) already did.
 - **loads**: each goes HANDSHAKE -> READING -> CONFIRMING -> DONE, or
   FAILED from any stage (:class:`~rdma_kv.connector.rdma.loads.LoadStage`).
   Posting one source's reads is one ``read_prepared`` call (vectorised
@@ -207,6 +210,35 @@ class RdmaConsumer:
             self._post(load, src, peer)
 
     # --- peers --------------------------------------------------------------------------------------------
+
+    def preconnect(self, address: PeerAddress) -> None:
+        """Start the handshakes with the producer ranks at ``address`` this
+        rank reads, without a load, so that the first load from them finds
+        the peers READY, or CONNECTING (it then waits for these handshakes
+        instead of starting others). A peer already known, or failed less
+        than ``PEER_RETRY_S`` ago, is left alone. A failure is the same as a
+        load's failed handshake: the peer is FAILED for ``PEER_RETRY_S``, and
+        the loads waiting on it fail. Never raises."""
+        if self._closed or self._transport is None:
+            return  # not registered yet: a handshake would only fail
+        try:
+            ranks = sorted({read.rank for read in self._sources.plan(address).reads})
+        except Exception:
+            return  # no plan: the load fails with the reason
+        with self._lock:
+            for rank in ranks:
+                key = self._peer_key(address, rank)
+                peer = self._peers.get(key)
+                if peer is not None and (peer.state is not PeerStage.FAILED
+                                         or self._clock() - peer.failed_at < PEER_RETRY_S):
+                    continue
+                peer = self._peers[key] = PeerState(address, rank)
+                self._stats.counters["preconnects"] += 1
+                try:
+                    self._executor.submit(self._handshake, peer)
+                except RuntimeError:  # the executor is shut down: closing
+                    del self._peers[key]
+                    return
 
     @staticmethod
     def _client_key(address: PeerAddress, rank: int) -> tuple[str, int]:

@@ -2,7 +2,8 @@
 and what a worker publishes at startup.
 
 Owns :class:`RdmaConnectorMetadata` (loads with their remote block
-descriptors, lease grants, releases, renewals and aborts) and
+descriptors, producers to connect to ahead of a load, lease grants,
+releases, renewals and aborts) and
 :class:`RdmaHandshakeMetadata`. Frozen dataclasses of plain values, so an
 engine may serialise them between processes.
 
@@ -112,6 +113,11 @@ class RdmaConnectorMetadata(KVConnectorMetadata):
     aborts: tuple[RequestId, ...] = ()
     """Requests finished while their load was handed to the worker: report
     them in ``done_sending`` once no read can land in their blocks."""
+    connects: tuple[PeerAddress, ...] = ()
+    """Producers of requests the scheduler saw for the first time this step:
+    the workers start a handshake with any they do not know yet
+    (``RdmaConsumer.preconnect``), so that it overlaps the request's wait
+    for admission instead of following it."""
 
 
 @dataclasses.dataclass(frozen=True)

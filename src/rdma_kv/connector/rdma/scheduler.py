@@ -12,9 +12,11 @@ Owns the per-request decisions of both roles:
 - **consumer** (``kv_consumer``/``kv_both``): a request whose params say
   ``do_remote_prefill`` loads the prompt tokens beyond its local prefix hit
   asynchronously (``(n, True)``). Blocks already computed locally are not
-  read again; a full hit (nothing to load), a bad parameter set, or an
-  abort before the load was handed to a worker releases the producer's
-  lease at once. While the request waits for admission its lease is renewed
+  read again. The first time it sees a request, its producer's address
+  goes out in the next step's ``connects``, so the workers handshake while
+  the request waits for admission. A full hit (nothing to load), a bad
+  parameter set, or an abort before the load was handed to a worker
+  releases the producer's lease at once. While the request waits for admission its lease is renewed
   through the workers. An abort after the load was handed to a worker
   delays the free of its blocks until the worker reports no read can land
   in them (``done_sending``).
@@ -123,6 +125,7 @@ class RdmaScheduler:
         self._pending_loads: list[LoadSpec] = []
         self._pending_releases: list[RemoteLease] = []
         self._pending_aborts: list[RequestId] = []
+        self._pending_connects: dict[PeerAddress, None] = {}  # ordered set, emptied every step
 
     # --- startup ---------------------------------------------------------------------
 
@@ -182,6 +185,7 @@ class RdmaScheduler:
             if not isinstance(parsed, RemotePrefillParams):
                 return 0, False
             remote = self._remote[rid] = _Remote(parsed)
+            self._pending_connects[PeerAddress.of(parsed)] = None
         if remote.state != "waiting":
             return 0, False  # loaded (or released) already: e.g. after a preemption
         count = request.num_prompt_tokens - num_computed_tokens
@@ -251,8 +255,10 @@ class RdmaScheduler:
             releases=tuple(self._pending_releases),
             renewals=tuple(r.lease for r in due),
             aborts=tuple(self._pending_aborts),
+            connects=tuple(self._pending_connects),
         )
         self._pending_sends, self._pending_releases, self._pending_aborts = [], [], []
+        self._pending_connects = {}
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

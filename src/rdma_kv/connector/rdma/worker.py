@@ -6,8 +6,9 @@ Owns :class:`RdmaWorker`, which ``RdmaConnector`` delegates to:
   distinct allocation once with a new transport and prepares the local
   slot table; the producer part then starts its side channel.
 - **every step**: ``on_step`` hands the producer part its lease grants and
-  epoch (``producer.RdmaProducer``), and the consumer part its loads,
-  releases, renewals and aborts (``consumer.RdmaConsumer``).
+  epoch (``producer.RdmaProducer``), and the consumer part the producers to
+  pre-connect to, then its loads, releases, renewals and aborts
+  (``consumer.RdmaConsumer``).
 - **reporting**: ``get_finished`` merges ``done_sending`` (leases released
   or expired, aborted loads) and ``done_recving``; ``stats`` and
   ``resources`` merge both parts' records.
@@ -177,6 +178,8 @@ class RdmaWorker:
         if self._consumer is None and meta.releases:
             self._consumer = self._new_consumer()
         if self._consumer is not None:
+            for address in meta.connects:  # before the loads: one of them may read from it
+                self._consumer.preconnect(address)
             self._consumer.on_step(meta.loads, meta.releases, meta.renewals, meta.aborts)
         elif meta.loads or meta.renewals or meta.aborts:
             logger.error("loads, renewals or aborts sent to the worker of a producer-only engine; ignored")
