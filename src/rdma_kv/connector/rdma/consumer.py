@@ -240,16 +240,11 @@ class RdmaConsumer:
                     del self._peers[key]
                     return
 
-    @staticmethod
-    def _client_key(address: PeerAddress, rank: int) -> tuple[str, int]:
-        """The side channel of producer rank ``rank`` at ``address``: host, base port + rank."""
-        return address.host, address.port + rank
-
     def _peer_key(self, address: PeerAddress, rank: int) -> PeerKey:
-        return (address.engine_id, *self._client_key(address, rank))
+        return (address.engine_id, *address.rank_address(rank))
 
     def _client(self, address: PeerAddress, rank: int) -> SideChannelClient:
-        return self._clients.get(*self._client_key(address, rank))
+        return self._clients.get(*address.rank_address(rank))
 
     def _make_client(self, host: str, port: int) -> SideChannelClient:
         s = self._settings
@@ -285,7 +280,7 @@ class RdmaConsumer:
         except Exception as exc:
             if name is not None:
                 self._safe_remove_peer(name)
-            host, port = self._client_key(address, peer.rank)
+            host, port = address.rank_address(peer.rank)
             reason = f"handshake with {host}:{port} failed: {exc}"
             logger.warning("producer %r: %s", address.engine_id, reason)
             with self._lock:
@@ -324,8 +319,8 @@ class RdmaConsumer:
 
     def _addresses_in_use(self) -> set[tuple[str, int]]:
         with self._lock:
-            return ({self._client_key(p.address, p.rank) for p in self._peers.values()}
-                    | {self._client_key(ld.spec.peer, src.read.rank)
+            return ({p.address.rank_address(p.rank) for p in self._peers.values()}
+                    | {ld.spec.peer.rank_address(src.read.rank)
                        for ld in self._loads.values() for src in ld.sources})
 
     def _prune_failed_peers(self, now: float) -> None:
@@ -357,9 +352,6 @@ class RdmaConsumer:
             plan = self._sources.plan(spec.peer)
             with self._lock:
                 (local, local_prep), (remote, remote_prep) = self._sources.tables(plan, read, peer)
-            if not np.array_equal(local.row_nbytes, remote.row_nbytes):
-                raise ValueError(f"the local and producer rank {read.rank} slot tables differ in "
-                                 "bytes per block; the KV layouts do not match")
             local_ids = np.asarray(spec.local_block_ids, dtype=np.int64)
             remote_ids = np.asarray(spec.remote_block_ids, dtype=np.int64)
             if local_ids.shape != remote_ids.shape:

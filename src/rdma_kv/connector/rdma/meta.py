@@ -43,6 +43,10 @@ class PeerAddress:
     def of(cls, params: RemotePrefillParams) -> PeerAddress:
         return cls(params.remote_engine_id, params.remote_host, params.remote_port, params.tp_size)
 
+    def rank_address(self, rank: int) -> tuple[str, int]:
+        """The side channel of producer rank ``rank``: host, base port + rank."""
+        return self.host, self.port + rank
+
 
 @dataclasses.dataclass(frozen=True)
 class RemoteLease:

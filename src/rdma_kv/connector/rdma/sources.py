@@ -15,7 +15,7 @@ for one consumer rank:
 
 Not thread-safe on its own: the consumer calls it under its lock.
 
-Imports the standard library and the connector's ``geometry``, ``rdma.meta``,
+Imports the standard library, numpy and the connector's ``geometry``, ``rdma.meta``,
 ``rdma.loads``, ``rdma.planning``, ``rdma.topology``, ``rdma.transport_api``,
 ``rdma.wire`` and ``rdma_kv.errors``.
 """
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+import numpy as np
 
 from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma import wire
@@ -86,7 +88,9 @@ class Sources:
                                                   readers=src.readers)
 
     def tables(self, plan: RankPlan, read: Read, peer: PeerState) -> tuple[Table, Table]:
-        """(local, remote) prepared slot tables for ``read`` from ``peer``."""
+        """(local, remote) prepared slot tables for ``read`` from ``peer``;
+        raises ``ValueError`` (once, when the remote table is first made)
+        if their rows differ in bytes per block."""
         whole = plan.whole(read)
         local = None if whole else HeadSlice(read.local_first, read.count, plan.local_heads)
         remote = None if whole else HeadSlice(read.remote_first, read.count, plan.remote_heads)
@@ -99,5 +103,8 @@ class Sources:
         if theirs is None:
             assert peer.geometry is not None and peer.name is not None
             slots = SlotTable(peer.geometry, remote)
+            if not np.array_equal(mine[0].row_nbytes, slots.row_nbytes):
+                raise ValueError(f"the local and producer rank {read.rank} slot tables differ in "
+                                 "bytes per block; the KV layouts do not match")
             theirs = peer.tables[remote] = (slots, self._transport.prep_remote(peer.name, slots.descs))
         return mine, theirs
