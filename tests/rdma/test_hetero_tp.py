@@ -5,12 +5,11 @@ verified bit for bit on every consumer rank. One case runs over real UCX."""
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import pytest
 from rdma_testutil import wait_until
 from fakes import FakeFabric
+from netutil import free_base_port
 
 from rdma_kv.connector import KVTransferConfig
 from rdma_kv.connector.geometry import derive_geometry
@@ -20,26 +19,6 @@ from rdma_kv.errors import DescriptorError
 from rdma_kv.harness.engine import Engine, ModelShape
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def free_ports(n: int) -> int:
-    """A base port with ``n`` consecutive free ports above it (127.0.0.1)."""
-    rng = np.random.default_rng()
-    for _ in range(200):
-        base = int(rng.integers(20000, 60000))
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
 
 
 def shape(heads: int) -> ModelShape:
@@ -56,10 +35,10 @@ def config(role: str, engine_id: str, port: int, **extra) -> KVTransferConfig:
 class Deployment:
     def __init__(self, p_tp: int, d_tp: int, heads: int, kwargs=None):
         kwargs = kwargs or {}
-        self.P = Engine(config("kv_producer", "P", free_ports(p_tp)), shape(heads), tp_size=p_tp,
+        self.P = Engine(config("kv_producer", "P", free_base_port(p_tp)), shape(heads), tp_size=p_tp,
                         connector_kwargs=kwargs)
         try:
-            self.D = Engine(config("kv_consumer", "D", free_ports(d_tp)), shape(heads), tp_size=d_tp,
+            self.D = Engine(config("kv_consumer", "D", free_base_port(d_tp)), shape(heads), tp_size=d_tp,
                             connector_kwargs=kwargs)
         except BaseException:
             self.P.shutdown()

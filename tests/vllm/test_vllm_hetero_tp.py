@@ -21,7 +21,6 @@ at TP=2 (each rank a replica of it) decodes like plain.
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from engine_proc import EngineProcess  # noqa: E402
+from netutil import free_base_port  # noqa: E402
 from test_vllm_rdma_pd import MAX_TOKENS, PD_PROMPTS, WRONG_BLOCK_OFFSET, prefill, tokens  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.timeout(900)]
@@ -42,29 +42,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.timeout(90
 TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 MODEL = {"heads": 4, "kv_heads": 4}  # 2 KV heads per rank at TP=2
 START_S = 400.0  # a TP=2 engine starts in ~1 min here, several on a loaded 2-core host
-
-
-def free_base_port(n: int) -> int:
-    """A base port with ``n`` consecutive free ports (127.0.0.1): rank r serves base + r."""
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports on 127.0.0.1")
 
 
 def config(role: str, port: int = 0, **extra: Any) -> dict[str, Any]:
