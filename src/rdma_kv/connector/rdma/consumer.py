@@ -350,8 +350,9 @@ class RdmaConsumer:
         t0 = time.perf_counter()
         try:
             plan = self._sources.plan(spec.peer)
-            with self._lock:
-                (local, local_prep), (remote, remote_prep) = self._sources.tables(plan, read, peer)
+            # Not under self._lock: preparing tables calls the transport, whose
+            # completion callbacks take self._lock (lock order, module docstring).
+            (local, local_prep), (remote, remote_prep) = self._sources.tables(plan, read, peer)
             local_ids = np.asarray(spec.local_block_ids, dtype=np.int64)
             remote_ids = np.asarray(spec.remote_block_ids, dtype=np.int64)
             if local_ids.shape != remote_ids.shape:

@@ -13,7 +13,9 @@ for one consumer rank:
   the number of consumer ranks that call it (so the producer counts its
   readers before it hands the blocks back).
 
-Not thread-safe on its own: the consumer calls it under its lock.
+Its table cache has a lock of its own, held while it prepares tables with
+the transport: never the consumer's lock, which the transport's completion
+callbacks take (holding it here deadlocked a load with two sources).
 
 Imports the standard library, numpy and the connector's ``geometry``, ``rdma.meta``,
 ``rdma.loads``, ``rdma.planning``, ``rdma.topology``, ``rdma.transport_api``,
@@ -23,6 +25,7 @@ Imports the standard library, numpy and the connector's ``geometry``, ``rdma.met
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
 
 import numpy as np
@@ -52,6 +55,7 @@ class Sources:
         self._transport: Transport | None = None
         self._geometry: KVCacheGeometry | None = None
         self._tables: dict[HeadSlice | None, Table] = {}
+        self._tables_lock = threading.Lock()
         self.compat: wire.CompatInfo | None = None
         self.rank: wire.RankInfo | None = None
 
@@ -94,6 +98,11 @@ class Sources:
         whole = plan.whole(read)
         local = None if whole else HeadSlice(read.local_first, read.count, plan.local_heads)
         remote = None if whole else HeadSlice(read.remote_first, read.count, plan.remote_heads)
+        with self._tables_lock:
+            return self._prepared(local, remote, read, peer)
+
+    def _prepared(self, local: HeadSlice | None, remote: HeadSlice | None, read: Read,
+                  peer: PeerState) -> tuple[Table, Table]:
         assert self._transport is not None and self._geometry is not None
         mine = self._tables.get(local)
         if mine is None:
