@@ -76,6 +76,7 @@ SCHEDULER_CALLS = {
     "build_connector_meta": (SchedulerOutput(),),
     "update_connector_output": (KVConnectorOutput(),),
     "request_finished": (REQUEST, [0]),
+    "request_finished_all_groups": (REQUEST, ([0],)),
     "set_xfer_handshake_metadata": ({},),
 }
 

@@ -293,7 +293,7 @@ def kv_transfer_params(params):
         assert len(str(exc)) < 4096, "an error message that echoes unbounded client input"
     else:
         if isinstance(parsed, RemotePrefillParams):
-            assert all(0 <= b < 2**32 for b in parsed.remote_block_ids)
+            assert all(0 <= b < 2**32 for group in parsed.remote_block_ids for b in group)
             assert 1 <= parsed.remote_port <= 65535 and 0 < parsed.remote_lease_ttl_s <= 86400
     assert repr(params) == before, "parsing mutated the caller's params"
 

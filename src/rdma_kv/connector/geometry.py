@@ -109,6 +109,9 @@ class LayerGeometry:
     """``NHD`` (a block's tokens outside its heads), ``HND`` (heads outside
     tokens) or ``MLA``; empty when the sizes cannot tell (block size equal to
     the number of KV heads): ``memory_order`` still decides."""
+    group: int = 0
+    """The KV-cache group of the layer (``KVCacheConfig.group_index``): its
+    blocks are indexed by that group's block ids."""
 
     @property
     def block_nbytes(self) -> int:
@@ -423,7 +426,8 @@ def derive_geometry(
         )
         shift = info.base_address - merged[span][1]
         segments = tuple(dataclasses.replace(s, offset=s.offset + shift) for s in layer.segments)
-        layers.append(dataclasses.replace(layer, segments=segments))
+        layers.append(dataclasses.replace(layer, segments=segments,
+                                          group=kv_cache_config.group_index(name)))
     regions = []
     for span, index in sorted(order.items(), key=lambda item: item[1]):
         device, lo, hi = merged[span]

@@ -39,7 +39,7 @@ thread. Lock discipline: ``self._lock`` guards load and peer state; the
 transport is never called while holding it (its completion callbacks take
 it). Load-failure warnings are rate-limited per producer (``lograte``).
 
-Imports the standard library, numpy, ``rdma_kv.errors``, the connector's
+Imports the standard library, ``rdma_kv.errors``, the connector's
 ``types`` and its ``rdma`` modules (``auth``, ``wire``, ``meta``,
 ``planning``, ``settings``, ``sidechannel``, ``stats``, ``transport_api``
 and the consumer's helpers ``loads``, ``clients``, ``lease_rpc``,
@@ -57,7 +57,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import numpy as np
 
 from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.clients import ClientPool
@@ -65,7 +64,7 @@ from rdma_kv.connector.rdma.lease_rpc import call_lease_rpc, refusal_reason, sub
 from rdma_kv.connector.rdma.loads import PEER_RETRY_S, LoadStage, LoadState, PeerStage, PeerState, due_renewals
 from rdma_kv.connector.rdma.lograte import RateLimitedWarnings
 from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress, RemoteLease
-from rdma_kv.connector.rdma.planning import SlotTable, count_runs
+from rdma_kv.connector.rdma.planning import SlotTable, block_arrays, count_runs
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sidechannel import SideChannelClient
 from rdma_kv.connector.rdma.stats import LoadRecord, LoadStats, Totals
@@ -281,10 +280,7 @@ class RdmaConsumer:
         assert self._slots is not None and peer.slots is not None and self._transport is not None
         t0 = time.perf_counter()
         try:
-            local_ids = np.asarray(spec.local_block_ids, dtype=np.int64)
-            remote_ids = np.asarray(spec.remote_block_ids, dtype=np.int64)
-            if local_ids.shape != remote_ids.shape:
-                raise ValueError(f"{local_ids.size} local blocks but {remote_ids.size} remote blocks")
+            local_ids, remote_ids = block_arrays(spec.local_block_ids, spec.remote_block_ids)
             local_idx = self._slots.indices(local_ids, "local")
             remote_idx = peer.slots.indices(remote_ids, "remote")
             xfer = self._transport.read_prepared(self._local_prep, local_idx, peer.prep, remote_idx,
@@ -298,8 +294,9 @@ class RdmaConsumer:
             return
         load.transfer = xfer
         m = load.measures
-        m.num_blocks = int(local_ids.size)
-        m.block_runs = count_runs(local_ids, remote_ids, self._slots.num_rows)
+        m.num_blocks = sum(int(ids.size) for ids in local_ids)
+        m.block_runs = count_runs(local_ids, remote_ids, self._slots)
+        m.nbytes_skipped = self._slots.skipped_nbytes(spec.num_skipped_blocks)
         m.plan_s, m.post_s = time.perf_counter() - t0 - xfer.post_s, xfer.post_s
         xfer.add_done_callback(functools.partial(self._on_read_done, load, peer))
 
@@ -442,7 +439,7 @@ class RdmaConsumer:
                 recving.add(rid)
                 self._loads.pop(rid, None)
                 if load.stage is FAILED:
-                    self._load_errors.update(load.spec.local_block_ids)
+                    self._load_errors.update(load.spec.all_local_block_ids)
                 self._record(load)
             self._finished = []
             sending, self._aborted_done = self._aborted_done, set()

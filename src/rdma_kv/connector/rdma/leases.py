@@ -62,7 +62,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from rdma_kv.connector.rdma.params import LeaseRef, lease_token
 from rdma_kv.connector.rdma.wire import LeaseStatus
-from rdma_kv.connector.types import BlockId, RequestId
+from rdma_kv.connector.types import BlockId, GroupBlockIds, RequestId, as_group_block_ids
 
 __all__ = ["Lease", "LeaseCall", "LeaseTable"]
 
@@ -94,7 +94,8 @@ class Ending(enum.Enum):
 @dataclasses.dataclass
 class Lease:
     ref: LeaseRef
-    block_ids: tuple[BlockId, ...]
+    block_ids: GroupBlockIds
+    """Per KV-cache group (one group: ``((ids...),)``)."""
     ttl_s: float
     expires_at: float
     owner: bytes | None = dataclasses.field(default=None, repr=False)
@@ -151,7 +152,11 @@ class LeaseTable:
             self._max_generation = 0
             self._epoch, self._key = epoch, key
 
-    def grant(self, ref: LeaseRef, block_ids: Sequence[BlockId], ttl_s: float) -> None:
+    def grant(self, ref: LeaseRef, block_ids: Sequence[BlockId] | Sequence[Sequence[BlockId]],
+              ttl_s: float) -> None:
+        """Hold ``block_ids`` (per group, or a flat sequence for one group)
+        under ``ref`` for ``ttl_s`` unless renewed."""
+        groups = as_group_block_ids(block_ids)
         now = self._clock()
         with self._lock:
             if ref.epoch != self._epoch:
@@ -161,7 +166,7 @@ class LeaseTable:
             self._max_generation = max(self._max_generation, ref.generation)
             self.stats["granted"] += 1
             early = self._early.pop(ref.generation, None)
-            lease = Lease(ref, tuple(block_ids), ttl_s, now + ttl_s,
+            lease = Lease(ref, groups, ttl_s, now + ttl_s,
                           owner=early.owner if early is not None else None)
             if early is not None and early.released:
                 # Its owner read, confirmed and released it before the grant got here.
@@ -346,7 +351,7 @@ class LeaseTable:
 
     def held_block_ids(self) -> set[BlockId]:
         with self._lock:
-            return {b for lease in self._leases.values() for b in lease.block_ids}
+            return {b for lease in self._leases.values() for group in lease.block_ids for b in group}
 
     def leases(self) -> list[Lease]:
         with self._lock:
