@@ -13,7 +13,7 @@ Imports only the standard library and ``rdma_kv.errors``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NewType
 
@@ -232,8 +232,9 @@ def as_group_block_ids(values: Iterable[int] | Iterable[Iterable[int]], *,
     sequence is one empty group. ``check`` rejects negative ids; without it
     they pass through for whoever bounds-checks them against a cache (step
     metadata: the worker's slot table)."""
-    convert = _block_ids if check else (lambda group: tuple(BlockId(int(b)) for b in group))
-    items = list(values)
+    convert: Callable[[Any], BlockIds] = (
+        _block_ids if check else (lambda group: tuple(BlockId(int(b)) for b in group)))
+    items: list[Any] = list(values)
     groups = [_is_group(v) for v in items]
     if items and all(groups):
         return tuple(convert(group) for group in items)
