@@ -8,6 +8,8 @@ goes to a log file):
     {"op": "start", "kv_transfer_config": {...} | null, "llm": {...}}
     {"op": "generate", "prompts": [...], "max_tokens": 8,
      "kv_transfer_params": [... | null]}          -> {"outputs": [...], "elapsed_s"}
+    {"op": "kv_cache_groups"}                     -> {"groups": [spec class name, ...]}
+    {"op": "kv_stats"}                            -> {"stats": merged connector stats | null}
     {"op": "stop"}                                -> engine shut down, child exits
 
 Parent: :class:`EngineProcess` (``start``, ``generate``, ``kill``,
@@ -99,6 +101,18 @@ class EngineProcess:
         ones whose blocks a connector still holds included), at most that long."""
         return int(self._call({"op": "free_blocks", "settle_s": settle_s})["free"])
 
+    def kv_cache_groups(self) -> list[str]:
+        """The spec class of each KV-cache group the engine's scheduler
+        runs with (multiprocessing off): several when vLLM's hybrid KV-cache
+        manager is on for a hybrid model, one when it was turned off."""
+        return list(self._call({"op": "kv_cache_groups"})["groups"])
+
+    def kv_stats(self) -> dict[str, Any] | None:
+        """Everything the worker's connector returned from
+        ``get_kv_connector_stats()`` since the engine started, merged
+        (``rdma_kv.connector.rdma.metrics.merge_stats``); multiprocessing off."""
+        return self._call({"op": "kv_stats"})["stats"]
+
     def kill(self) -> None:
         """SIGKILL the child and everything it started (its session)."""
         if self.proc.poll() is None:
@@ -137,6 +151,7 @@ def _child(result_fd: int, model_dir: str, multiprocessing: bool) -> None:
     apply_vllm_env(multiprocessing=multiprocessing)
     results = os.fdopen(result_fd, "w")
     llm = None
+    collected: list[dict[str, Any]] = []
 
     def reply(obj: dict[str, Any]) -> None:
         results.write(json.dumps(obj) + "\n")
@@ -153,6 +168,8 @@ def _child(result_fd: int, model_dir: str, multiprocessing: bool) -> None:
                 t0 = time.monotonic()
                 llm = make_llm(model, kv_transfer_config=command["kv_transfer_config"],
                                **command.get("llm", {}))
+                if command["kv_transfer_config"] and not multiprocessing:
+                    _collect_stats(collected)
                 reply({"ok": True, "elapsed_s": time.monotonic() - t0})
             elif op == "generate":
                 reply({"ok": True, **_generate(llm, command)})
@@ -161,6 +178,13 @@ def _child(result_fd: int, model_dir: str, multiprocessing: bool) -> None:
             elif op == "free_blocks":
                 _settle(llm, command["settle_s"])
                 reply({"ok": True, "free": _block_pool(llm).get_num_free_blocks()})
+            elif op == "kv_cache_groups":
+                groups = _scheduler(llm).kv_cache_config.kv_cache_groups
+                reply({"ok": True, "groups": [type(g.kv_cache_spec).__name__ for g in groups]})
+            elif op == "kv_stats":
+                from rdma_kv.connector.rdma.metrics import merge_stats
+
+                reply({"ok": True, "stats": merge_stats(collected)})
             elif op == "stop":
                 if llm is not None:
                     from tiny_model import shutdown_llm
@@ -190,6 +214,24 @@ def _generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
          "kv_transfer_params": o.kv_transfer_params, "num_cached_tokens": o.num_cached_tokens,
          "queued_to_first_token_s": _queued_to_first_token(o)}
         for o in outputs]}
+
+
+def _collect_stats(collected: list[dict[str, Any]]) -> None:
+    """Keep a copy of every stats dict the worker's connector hands vLLM
+    (each call resets the connector's records, so the engine's own call is
+    the only one that sees them)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group()
+    take = connector.get_kv_connector_stats
+
+    def recording() -> Any:
+        stats = take()
+        if stats is not None and stats.data:
+            collected.append(json.loads(json.dumps(stats.data)))
+        return stats
+
+    connector.get_kv_connector_stats = recording
 
 
 def _scheduler(llm: Any) -> Any:

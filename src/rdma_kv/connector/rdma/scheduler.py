@@ -19,11 +19,17 @@ Owns the per-request decisions of both roles:
   delays the free of its blocks until the worker reports no read can land
   in them (``done_sending``).
 
+Block ids are handled per KV-cache group (hybrid models): a sliding-window
+group is held, offered and read only from the first block its window still
+needs (``plan_group``, ``KVCacheSpec.num_skipped_blocks``); every other
+group from the first block not computed locally.
+
 Nothing here raises into the engine for bad peer input: bad params make the
 request computed locally (logged, naming the field).
 
-Imports the standard library and the connector's ``config``, ``types``,
-``rdma.params``, ``rdma.settings`` and ``rdma.meta``; never the transport.
+Imports the standard library and the connector's ``config``, ``specs``,
+``types``, ``rdma.params``, ``rdma.settings``, ``rdma.wire`` and
+``rdma.meta``; never the transport.
 """
 
 from __future__ import annotations
@@ -373,8 +379,9 @@ class RdmaScheduler:
         held, offered = [], []
         for g, (spec, ids) in enumerate(zip(self._specs, groups)):
             num_blocks = -(-request.num_prompt_tokens // spec.block_size)
-            # The window of the prompt's last token; blocks before it may already be
-            # the engine's placeholders (vLLM's null block), never to be read.
+            # A sliding-window group keeps the blocks of the next token's window
+            # only; the ones before it may already be the engine's placeholders
+            # (vLLM's null block): neither held nor offered.
             first = spec.num_skipped_blocks(request.num_prompt_tokens)
             if spec.num_skipped_blocks(request.num_computed_tokens) > first:
                 logger.warning("request %r: %d tokens computed beyond its %d-token prompt moved "
