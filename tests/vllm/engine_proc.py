@@ -54,14 +54,21 @@ class EngineProcess:
                 env=child_env, pass_fds=(write_fd,), start_new_session=True)
         os.close(write_fd)
         self._results = os.fdopen(read_fd)
+        self._starting: dict[str, Any] | None = None
 
     def _call(self, command: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        self._send(command)
+        return self._receive(command, timeout_s)
+
+    def _send(self, command: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
         try:
             self.proc.stdin.write(json.dumps(command) + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
-            pass  # reported below with the log
+            pass  # reported by _receive with the log
+
+    def _receive(self, command: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         ready, _, _ = select.select([self._results], [], [], timeout_s or self.timeout_s)
         line = self._results.readline() if ready else ""
         if not line:
@@ -78,8 +85,21 @@ class EngineProcess:
               model: Mapping[str, Any] | None = None, **llm: Any) -> dict[str, Any]:
         """Build (or reuse) the tiny model with ``model`` (``build_tiny_llama``
         keywords) and start an engine with ``llm`` overrides (``llm_kwargs``)."""
-        return self._call({"op": "start", "kv_transfer_config": kv_transfer_config,
-                           "model": dict(model or {}), "llm": llm})
+        self.begin_start(kv_transfer_config, model=model, **llm)
+        return self.wait_started()
+
+    def begin_start(self, kv_transfer_config: Mapping[str, Any] | None = None, *,
+                    model: Mapping[str, Any] | None = None, **llm: Any) -> None:
+        """``start`` without waiting, so that several engines start at once;
+        ``wait_started`` returns the answer (bounded by ``timeout_s``)."""
+        self._starting = {"op": "start", "kv_transfer_config": kv_transfer_config,
+                          "model": dict(model or {}), "llm": llm}
+        self._send(self._starting)
+
+    def wait_started(self) -> dict[str, Any]:
+        command, self._starting = self._starting, None
+        assert command is not None, "wait_started() without begin_start()"
+        return self._receive(command)
 
     def generate(self, prompts: Sequence[str], *, max_tokens: int = 8,
                  kv_transfer_params: Sequence[Mapping[str, Any] | None] | None = None

@@ -8,7 +8,8 @@ the window. Prompts of 7, 32 (exactly one window), 37, 64 and 100 tokens:
 the longer ones have blocks outside the window, which the connector must
 not read (and the decode engine does not even keep).
 
-``test_hybrid_pd_matches_plain_with_hma_on``:
+``test_hybrid_pd_matches_plain_with_hma_on`` (the four engines start
+together, each a separate process):
 
 - no engine (plain, producer, consumer, control producer) logs that vLLM
   turned its hybrid KV-cache manager off, and each runs several KV-cache
@@ -84,45 +85,52 @@ def test_hybrid_pd_matches_plain_with_hma_on(tmp_path_factory: pytest.TempPathFa
                                              log_dir: Path) -> None:
     model_dir = str(tmp_path_factory.mktemp("hybrid-llama"))
     other_dir = str(tmp_path_factory.mktemp("hybrid-llama-other"))
+    # Built here, once, so that the engines below (started together: about
+    # half the wall time of one after the other) never write one model dir at once.
+    from tiny_model import build_tiny_llama
 
-    with EngineProcess("hybrid-plain", model_dir, log_dir) as plain_engine:
-        plain_engine.start(model=HYBRID)
-        reply = plain_engine.generate(PROMPTS, max_tokens=MAX_TOKENS)
-        check_hybrid(plain_engine)
-    lengths = [len(o["prompt_token_ids"]) for o in reply["outputs"]]
-    assert lengths == [7, 32, 37, 64, 100], lengths
-    assert lengths[-1] > WINDOW + BLOCK_SIZE  # at least one whole block outside the window
-    plain = tokens(reply)
+    build_tiny_llama(model_dir, **HYBRID)
+    build_tiny_llama(other_dir, **HYBRID, seed=1)
 
-    producer = EngineProcess("hybrid-prefill", model_dir, log_dir)
-    other = EngineProcess("hybrid-prefill-other-weights", other_dir, log_dir)
+    plain_engine = EngineProcess("hybrid-plain", model_dir, log_dir, timeout_s=300)
+    producer = EngineProcess("hybrid-prefill", model_dir, log_dir, timeout_s=300)
+    consumer = EngineProcess("hybrid-decode", model_dir, log_dir, timeout_s=300)
+    other = EngineProcess("hybrid-prefill-other-weights", other_dir, log_dir, timeout_s=300)
     try:
-        producer.start(rdma_config("kv_producer"), model=HYBRID)
-        check_hybrid(producer)
-        with EngineProcess("hybrid-decode", model_dir, log_dir) as consumer:
-            consumer.start(rdma_config("kv_consumer"), model=HYBRID)
-            check_hybrid(consumer)
-            params = prefill(producer)
-            decoded = tokens(consumer.generate(PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params))
-            stats = consumer.kv_stats()
-            assert stats is not None and stats["totals"]["loads_ok"] == len(PROMPTS), stats
-            skipped = {r["request_id"]: r["nbytes_skipped"] for r in stats["requests"]}
-            assert stats["totals"]["nbytes_skipped"] > 0, f"no load skipped a block outside the window: {skipped}"
-            assert decoded == plain
-            assert "KV load failed" not in consumer.log()
-            # One list of block ids per KV-cache group; a sliding group's list
-            # holds only the blocks inside the window (100 tokens, window 32:
-            # the last two of four blocks).
-            longest = params[-1]["remote_block_ids"]
-            assert len(longest) == len(producer.kv_cache_groups()) > 1
-            assert sorted(len(g) for g in longest) == [2, 2, 4], longest
+        plain_engine.begin_start(model=HYBRID)
+        producer.begin_start(rdma_config("kv_producer"), model=HYBRID)
+        consumer.begin_start(rdma_config("kv_consumer"), model=HYBRID)
+        other.begin_start(rdma_config("kv_producer"), model={**HYBRID, "seed": 1})
+        for engine in (plain_engine, producer, consumer, other):
+            engine.wait_started()
+            check_hybrid(engine)
 
-            other.start(rdma_config("kv_producer"), model={**HYBRID, "seed": 1})
-            control = tokens(consumer.generate(PROMPTS, max_tokens=MAX_TOKENS,
-                                               kv_transfer_params=prefill(other)))
-            differ = [c != p for c, p in zip(control, plain)]
-            assert all(differ), f"a producer with other weights left outputs unchanged: {differ}"
-        check_hybrid(other)
+        reply = plain_engine.generate(PROMPTS, max_tokens=MAX_TOKENS)
+        plain_engine.close()
+        lengths = [len(o["prompt_token_ids"]) for o in reply["outputs"]]
+        assert lengths == [7, 32, 37, 64, 100], lengths
+        assert lengths[-1] > WINDOW + BLOCK_SIZE  # at least one whole block outside the window
+        plain = tokens(reply)
+
+        params = prefill(producer)
+        decoded = tokens(consumer.generate(PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params))
+        stats = consumer.kv_stats()
+        assert stats is not None and stats["totals"]["loads_ok"] == len(PROMPTS), stats
+        skipped = {r["request_id"]: r["nbytes_skipped"] for r in stats["requests"]}
+        assert stats["totals"]["nbytes_skipped"] > 0, f"no load skipped a block outside the window: {skipped}"
+        assert decoded == plain
+        assert "KV load failed" not in consumer.log()
+        # One list of block ids per KV-cache group; a sliding group's list
+        # holds only the blocks inside the window (100 tokens, window 32:
+        # the last two of four blocks).
+        longest = params[-1]["remote_block_ids"]
+        assert len(longest) == len(producer.kv_cache_groups()) > 1
+        assert sorted(len(g) for g in longest) == [2, 2, 4], longest
+
+        control = tokens(consumer.generate(PROMPTS, max_tokens=MAX_TOKENS,
+                                           kv_transfer_params=prefill(other)))
+        differ = [c != p for c, p in zip(control, plain)]
+        assert all(differ), f"a producer with other weights left outputs unchanged: {differ}"
     finally:
-        producer.close()
-        other.close()
+        for engine in (plain_engine, producer, consumer, other):
+            engine.close()
