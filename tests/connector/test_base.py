@@ -76,6 +76,7 @@ SCHEDULER_CALLS = {
     "build_connector_meta": (SchedulerOutput(),),
     "update_connector_output": (KVConnectorOutput(),),
     "request_finished": (REQUEST, [0]),
+    "request_finished_all_groups": (REQUEST, ([0],)),
     "set_xfer_handshake_metadata": ({},),
 }
 
@@ -118,6 +119,10 @@ def test_methods_run_on_their_own_role_with_the_documented_defaults():
     for method, args in SCHEDULER_CALLS.items():
         getattr(scheduler, method)(*args)
     assert scheduler.request_finished(REQUEST, [0]) == (False, None)
+    # one group: the default hands it to request_finished; several: refused, saying what to do
+    assert scheduler.request_finished_all_groups(REQUEST, ([0],)) == (False, None)
+    with pytest.raises(ConfigError, match="supports one KV-cache group, got block ids of 2.*hybrid"):
+        scheduler.request_finished_all_groups(REQUEST, ([0], [1]))
     for either in (worker, scheduler):
         assert either.get_kv_connector_stats() is None
         assert either.shutdown() is None

@@ -192,8 +192,8 @@ def test_worker_stats_round_trip_through_the_dict_form():
     assert d["requests"][1] == {"handshake_s": 0.5, "request_id": "b", "ok": False, "total_s": 0.05,
                                 "error": "refused"}  # only what the load measured
     assert d["totals"] == {"nbytes": 64 << 20, "num_descs": 4096, "ops_posted": 128, "block_runs": 4,
-                           "num_blocks": 64, "loads_ok": 1, "transfer_s": OK["transfer_s"],
-                           "handshakes": 1, "leases_granted": 2}
+                           "num_blocks": 64, "nbytes_skipped": 0, "loads_ok": 1,
+                           "transfer_s": OK["transfer_s"], "handshakes": 1, "leases_granted": 2}
     assert WorkerStats.from_dict(d).to_dict() == d
     with pytest.raises(ValueError, match=r"unknown load record key\(s\) \['nbytez'\]"):
         WorkerStats.from_dict({"requests": [{"request_id": "x", "ok": True, "nbytez": 1}]})

@@ -266,7 +266,8 @@ def test_scheduler_producer_and_consumer_paths():
     s.update_state_after_alloc(decode, KVCacheBlocks.of([40, 41, 42]), 10 - BS)
     meta = s.build_connector_meta(SchedulerOutput())
     (load,) = meta.loads
-    assert load.local_block_ids == (41, 42) and load.remote_block_ids == (6, 7)
+    assert load.local_block_ids == ((41, 42),) and load.remote_block_ids == ((6, 7),)
+    assert load.num_skipped_blocks == (0,)
     assert load.lease == parse_kv_transfer_params(params).lease
     # finished while shipped: the free is delayed and the worker told
     assert s.request_finished(decode, [40, 41, 42]) == (True, None)

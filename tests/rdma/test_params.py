@@ -29,7 +29,7 @@ def test_round_trip_and_never_mutates():
     parsed = parse_kv_transfer_params(params)
     assert params == before
     assert isinstance(parsed, RemotePrefillParams)
-    assert parsed.remote_block_ids == (3, 4, 9) and parsed.lease == LeaseRef(77, 5, "req-1", TOKEN)
+    assert parsed.remote_block_ids == ((3, 4, 9),) and parsed.lease == LeaseRef(77, 5, "req-1", TOKEN)
     assert parsed.to_dict() == params  # verbatim forwarding reproduces the same value
 
 

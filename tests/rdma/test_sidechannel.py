@@ -125,6 +125,8 @@ def test_compat_mismatch_names_both_sides():
     a = wire.CompatInfo(32, 16, 8, 128, "float16", "s", ["blocks_first:65536"] * 32)
     b = wire.CompatInfo(32, 32, 8, 128, "bfloat16", "s", ["blocks_first:65536"] * 32)
     diff = a.mismatches(b, mine="producer", theirs="consumer")
-    assert "block_size: producer 16 vs consumer 32" in diff
+    (blocks,) = [line for line in diff if line.startswith("block_size: producer 16 vs consumer 32")]
+    # A block-size mismatch says what happens to the request and what to set.
+    assert "computed locally" in blocks and "same --block-size" in blocks
     assert "dtype: producer 'float16' vs consumer 'bfloat16'" in diff
     assert a.compat_hash() != b.compat_hash()

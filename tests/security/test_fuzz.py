@@ -263,6 +263,9 @@ def test_agent_metadata_non_utf8_is_a_metadata_error():
 
 VALID_PARAMS = RemotePrefillParams("P", "127.0.0.1", 5555, (3, 4, 5), "req", 1, 99, 7, b"t" * 16, 30.0, 40).to_dict()
 param_values = st.one_of(json_like, st.lists(st.integers(-5, 2**33), max_size=8),
+                         # per-group remote_block_ids (hybrid models), including mixed forms
+                         st.lists(st.lists(st.integers(-5, 2**33), max_size=4)
+                                  | st.integers(0, 9), max_size=4),
                          st.sampled_from([True, False, None, 0, 1, -1, 2**53, 86400.5, float("nan"), "", "x" * 2000]))
 
 
@@ -293,7 +296,7 @@ def kv_transfer_params(params):
         assert len(str(exc)) < 4096, "an error message that echoes unbounded client input"
     else:
         if isinstance(parsed, RemotePrefillParams):
-            assert all(0 <= b < 2**32 for b in parsed.remote_block_ids)
+            assert all(0 <= b < 2**32 for group in parsed.remote_block_ids for b in group)
             assert 1 <= parsed.remote_port <= 65535 and 0 < parsed.remote_lease_ttl_s <= 86400
     assert repr(params) == before, "parsing mutated the caller's params"
 

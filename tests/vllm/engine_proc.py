@@ -9,6 +9,8 @@ goes to a log file):
     {"op": "generate", "prompts": [...], "max_tokens": 8,
      "kv_transfer_params": [... | null],
      "trace": false}                              -> {"outputs": [...], "elapsed_s"[, "trace"]}
+    {"op": "kv_cache_groups"}                     -> {"groups": [spec class name, ...]}
+    {"op": "kv_stats"}                            -> {"stats": merged connector stats | null}
     {"op": "stop"}                                -> engine shut down, child exits
 
 Parent: :class:`EngineProcess` (``start``, ``generate``, ``kill``,
@@ -53,14 +55,21 @@ class EngineProcess:
                 env=child_env, pass_fds=(write_fd,), start_new_session=True)
         os.close(write_fd)
         self._results = os.fdopen(read_fd)
+        self._starting: dict[str, Any] | None = None
 
     def _call(self, command: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        self._send(command)
+        return self._receive(command, timeout_s)
+
+    def _send(self, command: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
         try:
             self.proc.stdin.write(json.dumps(command) + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
-            pass  # reported below with the log
+            pass  # reported by _receive with the log
+
+    def _receive(self, command: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         ready, _, _ = select.select([self._results], [], [], timeout_s or self.timeout_s)
         line = self._results.readline() if ready else ""
         if not line:
@@ -77,8 +86,21 @@ class EngineProcess:
               model: Mapping[str, Any] | None = None, **llm: Any) -> dict[str, Any]:
         """Build (or reuse) the tiny model with ``model`` (``build_tiny_llama``
         keywords) and start an engine with ``llm`` overrides (``llm_kwargs``)."""
-        return self._call({"op": "start", "kv_transfer_config": kv_transfer_config,
-                           "model": dict(model or {}), "llm": llm})
+        self.begin_start(kv_transfer_config, model=model, **llm)
+        return self.wait_started()
+
+    def begin_start(self, kv_transfer_config: Mapping[str, Any] | None = None, *,
+                    model: Mapping[str, Any] | None = None, **llm: Any) -> None:
+        """``start`` without waiting, so that several engines start at once;
+        ``wait_started`` returns the answer (bounded by ``timeout_s``)."""
+        self._starting = {"op": "start", "kv_transfer_config": kv_transfer_config,
+                          "model": dict(model or {}), "llm": llm}
+        self._send(self._starting)
+
+    def wait_started(self) -> dict[str, Any]:
+        command, self._starting = self._starting, None
+        assert command is not None, "wait_started() without begin_start()"
+        return self._receive(command)
 
     def generate(self, prompts: Sequence[str], *, max_tokens: int = 8,
                  kv_transfer_params: Sequence[Mapping[str, Any] | None] | None = None,
@@ -101,6 +123,18 @@ class EngineProcess:
         ``settle_s``, first step the engine until no request is left (finished
         ones whose blocks a connector still holds included), at most that long."""
         return int(self._call({"op": "free_blocks", "settle_s": settle_s})["free"])
+
+    def kv_cache_groups(self) -> list[str]:
+        """The spec class of each KV-cache group the engine's scheduler
+        runs with (multiprocessing off): several when vLLM's hybrid KV-cache
+        manager is on for a hybrid model, one when it was turned off."""
+        return list(self._call({"op": "kv_cache_groups"})["groups"])
+
+    def kv_stats(self) -> dict[str, Any] | None:
+        """Everything the worker's connector returned from
+        ``get_kv_connector_stats()`` since the engine started, merged
+        (``rdma_kv.connector.rdma.metrics.merge_stats``); multiprocessing off."""
+        return self._call({"op": "kv_stats"})["stats"]
 
     def kill(self) -> None:
         """SIGKILL the child and everything it started (its session)."""
@@ -140,6 +174,7 @@ def _child(result_fd: int, model_dir: str, multiprocessing: bool) -> None:
     apply_vllm_env(multiprocessing=multiprocessing)
     results = os.fdopen(result_fd, "w")
     llm = None
+    collected: list[dict[str, Any]] = []
 
     def reply(obj: dict[str, Any]) -> None:
         results.write(json.dumps(obj) + "\n")
@@ -160,6 +195,8 @@ def _child(result_fd: int, model_dir: str, multiprocessing: bool) -> None:
                 t0 = time.monotonic()
                 llm = make_llm(model, kv_transfer_config=command["kv_transfer_config"],
                                **command.get("llm", {}))
+                if command["kv_transfer_config"] and not multiprocessing:
+                    _collect_stats(collected)
                 reply({"ok": True, "elapsed_s": time.monotonic() - t0})
             elif op == "generate":
                 reply({"ok": True, **_generate(llm, command)})
@@ -168,6 +205,13 @@ def _child(result_fd: int, model_dir: str, multiprocessing: bool) -> None:
             elif op == "free_blocks":
                 _settle(llm, command["settle_s"])
                 reply({"ok": True, "free": _block_pool(llm).get_num_free_blocks()})
+            elif op == "kv_cache_groups":
+                groups = _scheduler(llm).kv_cache_config.kv_cache_groups
+                reply({"ok": True, "groups": [type(g.kv_cache_spec).__name__ for g in groups]})
+            elif op == "kv_stats":
+                from rdma_kv.connector.rdma.metrics import merge_stats
+
+                reply({"ok": True, "stats": merge_stats(collected)})
             elif op == "stop":
                 if llm is not None:
                     from tiny_model import shutdown_llm
@@ -207,6 +251,24 @@ def _generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
          "kv_transfer_params": o.kv_transfer_params, "num_cached_tokens": o.num_cached_tokens,
          "queued_to_first_token_s": _queued_to_first_token(o), **_timestamps(o, t0)}
         for o in outputs]}
+
+
+def _collect_stats(collected: list[dict[str, Any]]) -> None:
+    """Keep a copy of every stats dict the worker's connector hands vLLM
+    (each call resets the connector's records, so the engine's own call is
+    the only one that sees them)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group()
+    take = connector.get_kv_connector_stats
+
+    def recording() -> Any:
+        stats = take()
+        if stats is not None and stats.data:
+            collected.append(json.loads(json.dumps(stats.data)))
+        return stats
+
+    connector.get_kv_connector_stats = recording
 
 
 def _scheduler(llm: Any) -> Any:

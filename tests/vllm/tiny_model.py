@@ -122,18 +122,34 @@ def build_tiny_llama(
     kv_heads: int = 2,
     vocab: int = 512,
     seed: int = 0,
+    layer_types: Sequence[str] | None = None,
+    sliding_window: int | None = None,
 ) -> str:
     """Write a random-weight fp32 Llama and its tokenizer into ``path``.
 
     Deterministic for a given ``seed`` and shape. Returns ``str(path)``.
     Skips the work when ``path`` already holds a model with the same
     parameters (the saved ``tiny_llama.json`` matches).
+
+    ``layer_types`` (one of ``"sliding_attention"``, ``"full_attention"``
+    per layer) and ``sliding_window`` make a hybrid model: vLLM gives the
+    sliding layers a ``SlidingWindowSpec`` and, with its hybrid KV-cache
+    manager, a KV-cache group of their own. The weights do not depend on
+    them (HF's Llama ignores both; vLLM's reads them from config.json).
     """
     out = Path(path)
-    params = dict(
+    params: dict[str, Any] = dict(
         num_layers=num_layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
         vocab=vocab, seed=seed,
     )
+    hybrid: dict[str, Any] = {}
+    if layer_types is not None:
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+        if sliding_window is None:
+            raise ValueError("layer_types with sliding layers needs sliding_window")
+        hybrid = dict(layer_types=list(layer_types), sliding_window=sliding_window)
+        params.update(hybrid)
     marker = out / "tiny_llama.json"
     if marker.exists() and json.loads(marker.read_text()) == params:
         return str(out)
@@ -162,6 +178,7 @@ def build_tiny_llama(
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
         torch_dtype="float32",
+        **hybrid,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)

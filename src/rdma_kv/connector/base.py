@@ -142,7 +142,9 @@ class KVConnectorBase(abc.ABC):
       freed. ``delay_free`` True makes the connector responsible: the blocks
       stay allocated until a worker reports the request in ``done_sending``.
       ``kv_transfer_params`` (a new dict, or None) goes to the request's
-      output, e.g. for a router to pass to a consumer.
+      output, e.g. for a router to pass to a consumer. An engine with
+      several KV-cache groups (hybrid models) calls
+      ``request_finished_all_groups(request, block_ids_per_group)`` instead.
     - ``set_xfer_handshake_metadata(metadata)``: the workers' handshake
       metadata, by worker rank, gathered by the engine at startup.
 
@@ -340,6 +342,20 @@ class KVConnectorBase(abc.ABC):
     ) -> tuple[bool, dict[str, Any] | None]:
         """``(delay_free, kv_transfer_params)`` for a finished or aborted request."""
         return False, None
+
+    @scheduler_side
+    def request_finished_all_groups(
+        self, request: Request, block_ids: Sequence[Sequence[BlockId]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` with the request's block ids per KV-cache group
+        (hybrid models; vLLM's ``SupportsHMA``). The default serves connectors
+        of one group; a connector that handles several overrides it."""
+        if len(block_ids) != 1:
+            raise ConfigError(
+                f"{type(self).__name__} supports one KV-cache group, got block ids of "
+                f"{len(block_ids)}; run the engine without its hybrid KV-cache manager"
+            )
+        return self.request_finished(request, block_ids[0])
 
     @scheduler_side
     def set_xfer_handshake_metadata(

@@ -118,6 +118,9 @@ class LayerGeometry:
     ``[a, b)`` of part ``k`` start at ``k * num_kv_heads * head_nbytes + a *
     head_nbytes``: what a reader of a head slice (heterogeneous tensor
     parallel) needs."""
+    group: int = 0
+    """The KV-cache group of the layer (``KVCacheConfig.group_index``): its
+    blocks are indexed by that group's block ids."""
 
     @property
     def block_nbytes(self) -> int:
@@ -475,7 +478,8 @@ def derive_geometry(
         )
         shift = info.base_address - merged[span][1]
         segments = tuple(dataclasses.replace(s, offset=s.offset + shift) for s in layer.segments)
-        layers.append(dataclasses.replace(layer, segments=segments))
+        layers.append(dataclasses.replace(layer, segments=segments,
+                                          group=kv_cache_config.group_index(name)))
     regions = []
     for span, index in sorted(order.items(), key=lambda item: item[1]):
         device, lo, hi = merged[span]

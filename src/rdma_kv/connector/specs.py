@@ -112,6 +112,12 @@ class KVCacheSpec:
         """Bytes one request of ``max_model_len`` tokens can occupy in this layer."""
         raise NotImplementedError
 
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks of a request the engine no longer keeps once
+        ``num_computed_tokens`` tokens are computed: none, unless the layer
+        only attends to a window (``SlidingWindowSpec``)."""
+        return 0
+
     @classmethod
     def merge(cls, specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
         """One spec for the layers of a group; they must all be equal."""
@@ -266,6 +272,15 @@ class SlidingWindowSpec(AttentionSpec):
     @property
     def type_id(self) -> str:
         return f"sliding_window_{self.sliding_window}_{self.block_size}_{self.page_size_bytes}"
+
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Blocks wholly before the window of the next token: once ``n``
+        tokens are computed, token ``n`` attends to tokens ``[n - w + 1, n]``
+        (``w = sliding_window``), so every block that ends before token
+        ``n - w + 1`` can be freed (vLLM replaces them with its null block).
+        After a prompt of ``n`` tokens these are the blocks a decoder never
+        reads, so a transfer skips them."""
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
 
     def max_memory_usage_bytes(
         self, max_model_len: int, *, max_num_batched_tokens: int | None = None

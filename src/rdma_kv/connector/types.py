@@ -13,7 +13,7 @@ Imports only the standard library and ``rdma_kv.errors``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NewType
 
@@ -23,12 +23,15 @@ __all__ = [
     "BlockId",
     "CachedRequestData",
     "EngineId",
+    "GroupBlockIds",
     "KVCacheBlocks",
     "KVConnectorOutput",
     "NewRequestData",
     "Request",
     "RequestId",
     "SchedulerOutput",
+    "as_block_ids",
+    "as_group_block_ids",
 ]
 
 RequestId = NewType("RequestId", str)
@@ -39,6 +42,9 @@ BlockId = NewType("BlockId", int)
 """Index of a block in the engine's paged KV cache (same in every layer of a group)."""
 
 BlockIds = tuple[BlockId, ...]
+GroupBlockIds = tuple[BlockIds, ...]
+"""Block ids per KV-cache group, in group order: entry ``g`` indexes the
+layers of group ``g`` only. A model without hybrid layers has one group."""
 
 
 class Request:
@@ -216,3 +222,28 @@ class KVConnectorOutput:
 def as_block_ids(values: Sequence[int]) -> BlockIds:
     """Validated tuple of block ids (each >= 0)."""
     return _block_ids(values)
+
+
+def as_group_block_ids(values: Iterable[int] | Iterable[Iterable[int]], *,
+                       check: bool = True) -> GroupBlockIds:
+    """Block ids per group, from either form a caller holds: a flat
+    sequence of ids (one group, the form of every single-group engine) or a
+    sequence of per-group sequences (lists, tuples or 1-D arrays). An empty
+    sequence is one empty group. ``check`` rejects negative ids; without it
+    they pass through for whoever bounds-checks them against a cache (step
+    metadata: the worker's slot table)."""
+    convert: Callable[[Any], BlockIds] = (
+        _block_ids if check else (lambda group: tuple(BlockId(int(b)) for b in group)))
+    items: list[Any] = list(values)
+    groups = [_is_group(v) for v in items]
+    if items and all(groups):
+        return tuple(convert(group) for group in items)
+    if any(groups):
+        raise ConfigError("block ids must be a flat sequence of ids or a sequence of per-group "
+                          f"sequences, not a mix of both: {items[:8]!r}")
+    return (convert(items),)
+
+
+def _is_group(value: Any) -> bool:
+    # An id is an int (or a numpy integer, which has no __iter__); a group is iterable.
+    return hasattr(value, "__iter__") and not isinstance(value, (str, bytes))

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from rdma_kv.connector.base import KVConnectorRole as Role
@@ -117,11 +118,15 @@ def _attention_backend(vllm_config: Any, role: KVConnectorRole) -> str:
     return ",".join(sorted({backend.get_name() for backend in get_current_attn_backends(vllm_config)}))
 
 
-class RdmaKVConnector(KVConnectorBase_V1):
+class RdmaKVConnector(KVConnectorBase_V1, SupportsHMA):
     """Disaggregated prefill -> decode over one-sided UCX reads; see
     ``docs/vllm.md``. Enable with ``kv_transfer_config={"kv_connector":
     "RdmaKVConnector", "kv_connector_module_path": "rdma_kv.vllm",
-    "kv_role": "kv_producer" | "kv_consumer" | "kv_both"}``."""
+    "kv_role": "kv_producer" | "kv_consumer" | "kv_both"}``.
+
+    A ``SupportsHMA`` connector: vLLM keeps its hybrid KV-cache manager on
+    for models with sliding-window layers (several KV-cache groups, block
+    ids per group) and calls ``request_finished_all_groups``."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -256,6 +261,14 @@ class RdmaKVConnector(KVConnectorBase_V1):
         to the decode request (``do_remote_prefill: true``, ``remote_*``)."""
         return self._connector.request_finished(translate.request(request),
                                                 as_block_ids(block_ids))
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` with one block-id list per KV-cache group
+        (vLLM's hybrid KV-cache manager; a sliding-window group's list starts
+        with null-block placeholders where the window has moved on)."""
+        return self._connector.request_finished_all_groups(translate.request(request),
+                                                           translate.group_block_ids(block_ids))
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
                                     ) -> None:

@@ -58,6 +58,7 @@ class RdmaKVConnectorStats(KVConnectorStats):
             "loads": len(records),
             "loads_failed": len(records) - len(ok),
             "bytes": int(totals.get("nbytes", 0)),
+            "bytes_skipped": int(totals.get("nbytes_skipped", 0)),
             "descriptors": int(totals.get("num_descs", 0)),
             "ops_posted": int(totals.get("ops_posted", 0)),
             "handshakes": int(totals.get("handshakes", 0)),

@@ -30,6 +30,7 @@ from rdma_kv.connector.specs import (
 )
 from rdma_kv.connector.types import (
     CachedRequestData,
+    GroupBlockIds,
     KVCacheBlocks,
     KVConnectorOutput,
     NewRequestData,
@@ -47,6 +48,7 @@ __all__ = [
     "block_ids",
     "check_vllm_fields",
     "connector_output",
+    "group_block_ids",
     "kv_cache_config",
     "kv_cache_spec",
     "request",
@@ -211,6 +213,12 @@ def request(req: Any) -> Request:
 def block_ids(blocks: Any) -> KVCacheBlocks:
     """Our ``KVCacheBlocks`` from vLLM's (``get_block_ids()``: a list per group)."""
     return KVCacheBlocks.of(*blocks.get_block_ids())
+
+
+def group_block_ids(ids: Iterable[Iterable[int]]) -> GroupBlockIds:
+    """Block ids per group, as vLLM hands them to ``request_finished_all_groups``
+    (a tuple of lists, one per KV-cache group)."""
+    return tuple(as_block_ids(list(group)) for group in ids)
 
 
 def _groups(ids: Iterable[Iterable[int]] | None) -> tuple[tuple[Any, ...], ...] | None:

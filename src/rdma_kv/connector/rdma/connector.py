@@ -76,12 +76,11 @@ class RdmaConnector(KVConnectorBase):
         super().__init__(config, role, kv_cache_config)
         if kv_cache_config is None:
             raise ConfigError("RdmaKVConnector needs the engine's KVCacheConfig")
-        group = kv_cache_config.single_group()
         self._settings = RdmaSettings.from_config(config)
         self._scheduler: RdmaScheduler | None = None
         self._worker: RdmaWorker | None = None
         if role is KVConnectorRole.SCHEDULER:
-            self._scheduler = RdmaScheduler(config, self._settings, group.kv_cache_spec.block_size)
+            self._scheduler = RdmaScheduler(config, self._settings, kv_cache_config)
         else:
             self._worker = RdmaWorker(config, self._settings, kv_cache_config,
                                       transport_factory or agent_transport)
@@ -174,7 +173,14 @@ class RdmaConnector(KVConnectorBase):
 
     def request_finished(self, request: Request, block_ids: Sequence[BlockId]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request, block_ids)
+        return self.scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request, block_ids: Sequence[Sequence[BlockId]]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` with the block ids of every KV-cache group
+        (hybrid models; vLLM's ``SupportsHMA``): a sliding-window group is
+        held, and offered to the consumer, from its window only."""
+        return self.scheduler.request_finished(request, tuple(block_ids))
 
     def set_xfer_handshake_metadata(self, metadata: Mapping[int, KVConnectorHandshakeMetadata]) -> None:
         self.scheduler.set_handshake_metadata(metadata)

@@ -68,10 +68,11 @@ import functools
 import logging
 import threading
 import time
+
+import numpy as np
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import numpy as np
 
 from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma import auth, wire
@@ -89,7 +90,7 @@ from rdma_kv.connector.rdma.loads import (
 )
 from rdma_kv.connector.rdma.lograte import RateLimitedWarnings
 from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress, RemoteLease
-from rdma_kv.connector.rdma.planning import SlotTable, count_runs
+from rdma_kv.connector.rdma.planning import SlotTable, block_arrays, count_runs
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sidechannel import SideChannelClient
 from rdma_kv.connector.rdma.stats import LoadRecord, LoadStats, Totals
@@ -353,10 +354,7 @@ class RdmaConsumer:
             # Not under self._lock: preparing tables calls the transport, whose
             # completion callbacks take self._lock (lock order, module docstring).
             (local, local_prep), (remote, remote_prep) = self._sources.tables(plan, read, peer)
-            local_ids = np.asarray(spec.local_block_ids, dtype=np.int64)
-            remote_ids = np.asarray(spec.remote_block_ids, dtype=np.int64)
-            if local_ids.shape != remote_ids.shape:
-                raise ValueError(f"{local_ids.size} local blocks but {remote_ids.size} remote blocks")
+            local_ids, remote_ids = block_arrays(spec.local_block_ids, spec.remote_block_ids)
             local_idx = local.indices(local_ids, "local")
             remote_idx = remote.indices(remote_ids, "remote")
             xfer = self._transport.read_prepared(local_prep, local_idx, remote_prep, remote_idx,
@@ -370,8 +368,9 @@ class RdmaConsumer:
             return
         src.transfer = xfer
         m = load.measures
-        m.num_blocks = int(local_ids.size)
-        m.add(block_runs=count_runs(local_ids, remote_ids, local.num_rows),
+        m.num_blocks = sum(int(ids.size) for ids in local_ids)
+        m.add(block_runs=count_runs(local_ids, remote_ids, local),
+              nbytes_skipped=local.skipped_nbytes(spec.num_skipped_blocks),
               plan_s=time.perf_counter() - t0 - xfer.post_s, post_s=xfer.post_s)
         xfer.add_done_callback(functools.partial(self._on_read_done, load, src, peer))
 
@@ -533,7 +532,7 @@ class RdmaConsumer:
                 recving.add(rid)
                 self._loads.pop(rid, None)
                 if load.stage is FAILED:
-                    self._load_errors.update(load.spec.local_block_ids)
+                    self._load_errors.update(load.spec.all_local_block_ids)
                 self._record(load)
             self._finished = []
             sending, self._aborted_done = self._aborted_done, set()

@@ -80,7 +80,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from rdma_kv.connector.rdma.params import LeaseRef, lease_token
 from rdma_kv.connector.rdma.wire import LeaseStatus, check_reader
-from rdma_kv.connector.types import BlockId, RequestId
+from rdma_kv.connector.types import BlockId, GroupBlockIds, RequestId, as_group_block_ids
 
 __all__ = ["Lease", "LeaseCall", "LeaseTable"]
 
@@ -151,7 +151,8 @@ class _Claim:
 @dataclasses.dataclass
 class Lease:
     ref: LeaseRef
-    block_ids: tuple[BlockId, ...]
+    block_ids: GroupBlockIds
+    """Per KV-cache group (one group: ``((ids...),)``)."""
     ttl_s: float
     expires_at: float
     claim: _Claim | None = None
@@ -212,7 +213,11 @@ class LeaseTable:
             self._max_generation = 0
             self._epoch, self._key = epoch, key
 
-    def grant(self, ref: LeaseRef, block_ids: Sequence[BlockId], ttl_s: float) -> None:
+    def grant(self, ref: LeaseRef, block_ids: Sequence[BlockId] | Sequence[Sequence[BlockId]],
+              ttl_s: float) -> None:
+        """Hold ``block_ids`` (per group, or a flat sequence for one group)
+        under ``ref`` for ``ttl_s`` unless renewed."""
+        groups = as_group_block_ids(block_ids)
         now = self._clock()
         with self._lock:
             if ref.epoch != self._epoch:
@@ -228,7 +233,7 @@ class LeaseTable:
                 self._bury(ref.generation, Ending.RELEASED, early)
                 self.stats["released_early"] += 1
                 return
-            lease = Lease(ref, tuple(block_ids), ttl_s, now + ttl_s, claim=early)
+            lease = Lease(ref, groups, ttl_s, now + ttl_s, claim=early)
             self._leases[ref.generation] = lease
             heapq.heappush(self._heap, (lease.expires_at, ref.generation))
 
@@ -428,7 +433,7 @@ class LeaseTable:
 
     def held_block_ids(self) -> set[BlockId]:
         with self._lock:
-            return {b for lease in self._leases.values() for b in lease.block_ids}
+            return {b for lease in self._leases.values() for group in lease.block_ids for b in group}
 
     def leases(self) -> list[Lease]:
         with self._lock:

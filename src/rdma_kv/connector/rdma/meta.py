@@ -18,7 +18,7 @@ import dataclasses
 from rdma_kv.connector.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 from rdma_kv.connector.rdma.params import LeaseRef, RemotePrefillParams
 from rdma_kv.connector.rdma.wire import check_reader
-from rdma_kv.connector.types import BlockId, EngineId, RequestId
+from rdma_kv.connector.types import BlockId, EngineId, GroupBlockIds, RequestId, as_group_block_ids
 
 __all__ = [
     "LoadSpec",
@@ -71,33 +71,51 @@ class RemoteLease:
 
 @dataclasses.dataclass(frozen=True)
 class LoadSpec:
-    """Read ``remote_block_ids[i]`` of ``peer`` into ``local_block_ids[i]``.
+    """Read ``remote_block_ids[g][i]`` of ``peer`` into ``local_block_ids[g][i]``
+    for every KV-cache group ``g`` (a flat sequence is taken as one group).
     ``error`` set: do not read; report the blocks as load errors."""
 
     request_id: RequestId
-    local_block_ids: tuple[BlockId, ...]
-    remote_block_ids: tuple[BlockId, ...]
+    local_block_ids: GroupBlockIds
+    remote_block_ids: GroupBlockIds
     peer: PeerAddress
     lease: LeaseRef
     lease_ttl_s: float
     claim: bytes = dataclasses.field(repr=False)
     """This request's claim on ``lease`` (see :class:`RemoteLease`)."""
     error: str | None = None
+    num_skipped_blocks: tuple[int, ...] = ()
+    """Per group, the prompt's blocks not read because they lie outside a
+    sliding window (the decoder never attends to them); for the stats."""
+
+    def __post_init__(self) -> None:
+        # Not range-checked here: the worker checks them against both KV caches.
+        object.__setattr__(self, "local_block_ids", as_group_block_ids(self.local_block_ids, check=False))
+        object.__setattr__(self, "remote_block_ids", as_group_block_ids(self.remote_block_ids, check=False))
 
     @property
     def remote_lease(self) -> RemoteLease:
         return RemoteLease(self.peer, self.lease, self.claim)
 
+    @property
+    def all_local_block_ids(self) -> tuple[BlockId, ...]:
+        """Every local block of the load, all groups together."""
+        return tuple(b for group in self.local_block_ids for b in group)
+
 
 @dataclasses.dataclass(frozen=True)
 class SendSpec:
-    """A producer-side lease to hold: ``block_ids`` stay allocated until the
-    lease is released or expires."""
+    """A producer-side lease to hold: ``block_ids`` (per group; a flat
+    sequence is one group) stay allocated until the lease is released or
+    expires."""
 
     request_id: RequestId
-    block_ids: tuple[BlockId, ...]
+    block_ids: GroupBlockIds
     lease: LeaseRef
     lease_ttl_s: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_ids", as_group_block_ids(self.block_ids))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -180,7 +180,7 @@ def record_values(record: LoadRecord) -> dict[str, float]:
 
 def _debug_line(record: LoadRecord, values: Mapping[str, float]) -> str:
     parts = [f"request_id={record.request_id!r}", f"outcome={'ok' if record.ok else 'failed'}"]
-    for key in ("nbytes", "num_descs", "ops_posted", "block_runs", "num_blocks"):
+    for key in ("nbytes", "nbytes_skipped", "num_descs", "ops_posted", "block_runs", "num_blocks"):
         if getattr(record, key) is not None:
             parts.append(f"{key}={getattr(record, key)}")
     for key in ("plan_s", "post_s", "transfer_s", "confirm_s", "handshake_s", "total_s"):
@@ -209,6 +209,7 @@ class TransferMetrics:
         self.histograms = {name: Histogram(tuple(buckets)) for name, (_, buckets) in HISTOGRAMS.items()}
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.bytes_total = 0
+        self.bytes_skipped_total = 0
         self.events: dict[str, int] = {}
         self.gauges: dict[str, int] = {}
 
@@ -227,6 +228,7 @@ class TransferMetrics:
                 self.outcomes["ok" if record.ok else "failed"] += 1
                 if record.ok:
                     self.bytes_total += record.nbytes or 0
+                    self.bytes_skipped_total += record.nbytes_skipped or 0
                 if debug:
                     logger.debug("%s", _debug_line(record, values))
             for name, n in typed.totals.events.items():
@@ -236,6 +238,7 @@ class TransferMetrics:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {"loads": dict(self.outcomes), "bytes_total": self.bytes_total,
+                    "bytes_skipped_total": self.bytes_skipped_total,
                     "histograms": {n: h.to_dict() for n, h in self.histograms.items()},
                     "events": dict(self.events), "gauges": dict(self.gauges)}
 
@@ -246,6 +249,8 @@ class TransferMetrics:
             loads = sum(self.outcomes.values())
             text = (f"rdma-kv loads: {loads} ({self.outcomes['ok']} ok, {self.outcomes['failed']} failed), "
                     f"{self.bytes_total / GB:.3f} GB read")
+            if self.bytes_skipped_total:
+                text += f" ({self.bytes_skipped_total / GB:.3f} GB outside sliding windows not read)"
             p50, p99, gbps = t.quantile(0.5), t.quantile(0.99), g.quantile(0.5)
             if p50 is not None and p99 is not None:
                 text += f"; transfer p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms"
@@ -274,7 +279,8 @@ class PrometheusMetrics:
 
         {prefix}_transfer_seconds, _post_seconds, _load_seconds,
         _transfer_gbps, _request_bytes, _request_descriptors, _request_ops   histograms
-        {prefix}_loads_total{outcome="ok"|"failed"}, _read_bytes_total         counters
+        {prefix}_loads_total{outcome="ok"|"failed"}, _read_bytes_total,
+        {prefix}_skipped_bytes_total                                           counters
         {prefix}_events_total{event="handshakes"|"loads_failed"|...}            counter
         {prefix}_leases_held, {prefix}_resource{resource=...}                   gauges
 
@@ -312,6 +318,8 @@ class PrometheusMetrics:
                            for name, (doc, buckets) in HISTOGRAMS.items()}
         self.loads = make(counter_cls, "loads", "rdma-kv: KV loads finished, by outcome", ["outcome"])
         self.read_bytes = make(counter_cls, "read_bytes", "rdma-kv: bytes read by successful loads")
+        self.skipped_bytes = make(counter_cls, "skipped_bytes", "rdma-kv: bytes of successful loads "
+                                  "not read because they lie outside a sliding window")
         self.events = make(counter_cls, "events", "rdma-kv: worker events (handshakes, lease RPCs, "
                                                   "failed and aborted loads)", ["event"])
         self.leases_held = make(gauge_cls, "leases_held", "rdma-kv: leases the producer holds now")
@@ -340,6 +348,8 @@ class PrometheusMetrics:
                 self._child(self.loads, "ok" if record.ok else "failed").inc()
                 if record.ok and record.nbytes:
                     self._child(self.read_bytes).inc(record.nbytes)
+                if record.ok and record.nbytes_skipped:
+                    self._child(self.skipped_bytes).inc(record.nbytes_skipped)
             for name, n in typed.totals.events.items():
                 if n > 0:
                     self._child(self.events, name).inc(n)

@@ -28,7 +28,7 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
-from rdma_kv.connector.types import BlockId, EngineId, RequestId
+from rdma_kv.connector.types import BlockId, EngineId, GroupBlockIds, RequestId, as_group_block_ids
 from rdma_kv.errors import ConfigError
 
 __all__ = [
@@ -58,6 +58,7 @@ _RDMA_KEYS = ("remote_lease_epoch", "remote_lease_generation", "remote_lease_tok
               "remote_lease_ttl_s", "remote_num_tokens")
 PARAM_KEYS = _VLLM_KEYS + _RDMA_KEYS
 
+MAX_GROUPS = 64  # KV-cache groups of a hybrid model: a handful in practice
 MAX_BLOCK_IDS = 1 << 20  # a 16M-token prompt at block 16; anything above is an attack or a bug
 _JSON_SAFE_INT = (1 << 53) - 1  # routers written in JS or Go may parse numbers as doubles
 
@@ -101,7 +102,11 @@ class RemotePrefillParams:
     remote_engine_id: EngineId
     remote_host: str
     remote_port: int
-    remote_block_ids: tuple[BlockId, ...]
+    remote_block_ids: GroupBlockIds
+    """Per KV-cache group, the producer's blocks of the prompt in token order,
+    ending with the block of the last prompt token; a sliding-window group's
+    list leaves out the leading blocks outside the window (``to_dict``: a
+    flat list for one group, a list of lists for several)."""
     remote_request_id: RequestId
     tp_size: int
     remote_lease_epoch: int
@@ -110,6 +115,9 @@ class RemotePrefillParams:
     remote_lease_ttl_s: float
     remote_num_tokens: int
     """Prompt tokens whose KV the remote blocks hold."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "remote_block_ids", as_group_block_ids(self.remote_block_ids))
 
     @property
     def lease(self) -> LeaseRef:
@@ -124,7 +132,9 @@ class RemotePrefillParams:
             "remote_engine_id": self.remote_engine_id,
             "remote_host": self.remote_host,
             "remote_port": self.remote_port,
-            "remote_block_ids": [int(b) for b in self.remote_block_ids],
+            "remote_block_ids": ([int(b) for b in self.remote_block_ids[0]]
+                                 if len(self.remote_block_ids) == 1
+                                 else [[int(b) for b in group] for group in self.remote_block_ids]),
             "remote_request_id": self.remote_request_id,
             "tp_size": self.tp_size,
             "remote_lease_epoch": self.remote_lease_epoch,
@@ -176,6 +186,32 @@ def _flag(params: Mapping[str, Any], field: str) -> bool:
     return value
 
 
+def _block_id_groups(ids: Any) -> GroupBlockIds:
+    """``remote_block_ids``: a flat list (one KV-cache group) or a list of
+    per-group lists (hybrid models), at most ``MAX_GROUPS`` groups and
+    ``MAX_BLOCK_IDS`` ids in all, each in [0, 2**32); one group may be
+    empty (a window that holds no block), not all."""
+    expected = (f"a non-empty list of at most {MAX_BLOCK_IDS} block ids, or a list of at most "
+                f"{MAX_GROUPS} such lists (one per KV-cache group)")
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise _field_error("remote_block_ids", ids, expected)
+    nested = isinstance(ids[0], (list, tuple))
+    groups = ids if nested else [ids]
+    if len(groups) > MAX_GROUPS or sum(len(g) if isinstance(g, (list, tuple)) else 1
+                                       for g in groups) > MAX_BLOCK_IDS:
+        raise _field_error("remote_block_ids", ids, expected)
+    for group in groups:
+        if not isinstance(group, (list, tuple)):
+            raise _field_error("remote_block_ids", ids, "a flat list of block ids or a list of lists, "
+                                                        "not a mix of both")
+        for value in group:
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 32:
+                raise _field_error("remote_block_ids", ids, "integers in [0, 2**32)")
+    if not any(groups):
+        raise _field_error("remote_block_ids", ids, expected)
+    return tuple(tuple(BlockId(b) for b in group) for group in groups)
+
+
 def parse_kv_transfer_params(
     params: Mapping[str, Any] | None,
 ) -> RemoteDecodeRequest | RemotePrefillParams | None:
@@ -204,13 +240,7 @@ def parse_kv_transfer_params(
         return RemoteDecodeRequest()
     if not prefill:
         return None
-    ids = params.get("remote_block_ids")
-    if not isinstance(ids, (list, tuple)) or not ids or len(ids) > MAX_BLOCK_IDS:
-        raise _field_error("remote_block_ids", ids,
-                           f"a non-empty list of at most {MAX_BLOCK_IDS} block ids")
-    for value in ids:
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 32:
-            raise _field_error("remote_block_ids", ids, "a list of integers in [0, 2**32)")
+    groups = _block_id_groups(params.get("remote_block_ids"))
     ttl = params.get("remote_lease_ttl_s")
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= 86400:
         raise _field_error("remote_lease_ttl_s", ttl, "a number of seconds in (0, 86400]")
@@ -219,7 +249,7 @@ def parse_kv_transfer_params(
         remote_engine_id=EngineId(_str(params, "remote_engine_id")),
         remote_host=_str(params, "remote_host"),
         remote_port=_int(params, "remote_port", 1, 65535),
-        remote_block_ids=tuple(BlockId(b) for b in ids),
+        remote_block_ids=groups,
         remote_request_id=RequestId(_str(params, "remote_request_id", 1024)),
         tp_size=_int(params, "tp_size", 1, 1024),
         remote_lease_epoch=_int(params, "remote_lease_epoch", 1, _JSON_SAFE_INT),

@@ -17,6 +17,11 @@ each head's share of a block part to be contiguous
 (``LayerGeometry.head_nbytes``; vLLM's CPU and HND layouts): an NHD cache
 is refused with an error saying so.
 
+Hybrid models have several KV-cache groups, each with its own block table:
+a row belongs to its layer's group and takes that group's block ids, so a
+load's block ids travel per group (a sliding-window group's list is shorter:
+only the blocks inside the window are read).
+
 Also owns :func:`compat_info` and :func:`rank_info`: what two engines must
 agree on, and one rank's share of the model.
 
@@ -28,6 +33,8 @@ through ``rdma.transport_api``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Any, Union
 
 import numpy as np
 
@@ -38,7 +45,7 @@ from rdma_kv.connector.specs import AttentionSpec, KVCacheConfig
 from rdma_kv.errors import DescriptorError
 from rdma_kv.runs import run_starts
 
-__all__ = ["HeadSlice", "SlotTable", "compat_info", "count_runs", "rank_info"]
+__all__ = ["HeadSlice", "SlotTable", "block_arrays", "compat_info", "count_runs", "rank_info"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +84,9 @@ def _pieces(layer: LayerGeometry, seg: Segment, heads: HeadSlice | None) -> list
 
 class SlotTable:
     """Descriptor ``row_base[r] + b`` is block ``b`` of row ``r``: a layer's
-    segment, or with ``heads`` one K/V part of it cut to those heads."""
+    segment, or with ``heads`` one K/V part of it cut to those heads; row
+    ``r`` belongs to KV-cache group ``row_group[r]`` (its layer's), whose
+    block ids index it."""
 
     def __init__(self, geometry: KVCacheGeometry, heads: HeadSlice | None = None) -> None:
         rows = [(layer, seg.offset + offset, seg.block_stride_bytes, length)
@@ -89,6 +98,8 @@ class SlotTable:
         self.num_blocks = min(layer.num_blocks for layer in geometry.layers)
         counts = np.array([layer.num_blocks for layer, *_ in rows], dtype=np.int64)
         self.row_base = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        self.row_group = np.array([layer.group for layer, *_ in rows], dtype=np.int64)
+        self.num_groups = int(self.row_group.max()) + 1
         addrs, lengths = [], []
         for layer, offset, stride, length in rows:
             base = geometry.regions[layer.region_index].base_address + offset
@@ -98,27 +109,90 @@ class SlotTable:
         self.descs = DescList(np.concatenate(addrs), np.concatenate(lengths))
         self.row_nbytes = np.array([length for *_, length in rows], dtype=np.int64)
         self.bytes_per_block = int(self.row_nbytes.sum())
+        self.group_nbytes = np.bincount(self.row_group, weights=self.row_nbytes,
+                                        minlength=self.num_groups).astype(np.int64)
+        """Bytes of one block id of each group, over the group's layers."""
 
     @property
     def num_rows(self) -> int:
         return len(self.row_base)
 
-    def indices(self, block_ids: np.ndarray, side: str) -> np.ndarray:
-        """Descriptor indices of ``block_ids`` in every row, row-major."""
-        if block_ids.size and (int(block_ids.min()) < 0 or int(block_ids.max()) >= self.num_blocks):
-            bad = block_ids[(block_ids < 0) | (block_ids >= self.num_blocks)]
-            raise DescriptorError(
-                f"{side} block ids {bad[:8].tolist()} are outside [0, {self.num_blocks}) "
-                f"of the {side} KV cache"
-            )
-        return (self.row_base[:, None] + block_ids[None, :]).ravel()
+    def indices(self, block_ids: GroupIds, side: str) -> np.ndarray:
+        """Descriptor indices of the per-group ``block_ids`` (one 1-D array per
+        group; a bare 1-D array is the one group of a single-group cache),
+        row-major: row ``r`` contributes ``block_ids[row_group[r]]``."""
+        groups = _as_groups(block_ids)
+        if len(groups) != self.num_groups:
+            raise DescriptorError(f"{len(groups)} groups of {side} block ids for a {side} KV cache "
+                                  f"of {self.num_groups} KV-cache group(s)")
+        for ids in groups:
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+                bad = ids[(ids < 0) | (ids >= self.num_blocks)]
+                raise DescriptorError(
+                    f"{side} block ids {bad[:8].tolist()} are outside [0, {self.num_blocks}) "
+                    f"of the {side} KV cache"
+                )
+        if len(groups) == 1:
+            return (self.row_base[:, None] + groups[0][None, :]).ravel()
+        # Rows of one group take the same ids: one broadcast per group, scattered
+        # to where the group's rows start in the row-major output.
+        sizes = np.array([ids.size for ids in groups], dtype=np.int64)[self.row_group]
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        out = np.empty(int(sizes.sum()), dtype=np.int64)
+        for g, ids in enumerate(groups):
+            rows = np.flatnonzero(self.row_group == g)
+            if ids.size and rows.size:
+                where = starts[rows][:, None] + np.arange(ids.size)[None, :]
+                out[where.ravel()] = (self.row_base[rows][:, None] + ids[None, :]).ravel()
+        return out
+
+    def skipped_nbytes(self, num_skipped_blocks: Sequence[int]) -> int:
+        """Bytes of ``num_skipped_blocks[g]`` blocks of each group ``g`` (blocks
+        a sliding window kept from being read)."""
+        counts = np.asarray(num_skipped_blocks, dtype=np.int64)
+        if counts.size == 0:
+            return 0
+        return int((counts * self.group_nbytes[: counts.size]).sum())
 
 
-def count_runs(local_ids: np.ndarray, remote_ids: np.ndarray, rows: int) -> int:
+GroupIds = Union[np.ndarray, Sequence[Any]]
+"""Block ids per group: a sequence of 1-D arrays or sequences, or one 1-D array (one group)."""
+
+
+def _as_groups(block_ids: GroupIds) -> list[np.ndarray]:
+    if isinstance(block_ids, np.ndarray) and block_ids.ndim == 1:
+        return [block_ids.astype(np.int64, copy=False)]
+    return [np.asarray(ids, dtype=np.int64).reshape(-1) for ids in block_ids]
+
+
+def block_arrays(local_block_ids: GroupIds, remote_block_ids: GroupIds
+                 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per-group int64 arrays of a load's local and remote block ids, checked
+    to pair up: the same number of groups, and of blocks in each group."""
+    local, remote = _as_groups(local_block_ids), _as_groups(remote_block_ids)
+    if len(local) != len(remote):
+        raise ValueError(f"{len(local)} groups of local block ids but {len(remote)} of remote ones")
+    for g, (a, b) in enumerate(zip(local, remote)):
+        if a.shape != b.shape:
+            raise ValueError(f"{a.size} local blocks but {b.size} remote blocks"
+                             + (f" in KV-cache group {g}" if len(local) > 1 else ""))
+    return local, remote
+
+
+def count_runs(local_ids: GroupIds, remote_ids: GroupIds, rows: int | SlotTable) -> int:
     """Operations a read of these blocks needs when blocks are adjacent in
-    memory (blocks-first layouts): runs contiguous on both sides, per row."""
-    ones = np.ones(local_ids.size, dtype=np.int64)  # a block is one unit long in block ids
-    return rows * len(run_starts(ones, ((local_ids, None), (remote_ids, None))))
+    memory (blocks-first layouts): runs contiguous on both sides, per row.
+    ``rows`` is a row count (one group) or the slot table (its rows per group)."""
+    local, remote = block_arrays(local_ids, remote_ids)
+    if isinstance(rows, SlotTable):
+        per_group = np.bincount(rows.row_group, minlength=len(local))
+    else:
+        per_group = np.full(len(local), rows)
+    total = 0
+    for g, (a, b) in enumerate(zip(local, remote)):
+        ones = np.ones(a.size, dtype=np.int64)  # a block is one unit long in block ids
+        total += int(per_group[g]) * len(run_starts(ones, ((a, None), (b, None))))
+    return total
 
 
 def _rank_heads(spec: object) -> int:
@@ -132,10 +206,13 @@ def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, total
                 attention_backend: str = "") -> CompatInfo:
     """What this engine's KV cache is, for the handshake to compare, in
     terms independent of tensor parallelism: model shape (``total_kv_heads``
-    before sharding), dtype, block size, spec (page size per head), the
-    attention backend, and per layer the layout, bytes per head and memory
-    order (so an NHD and an HND cache of one shape differ)."""
-    spec = kv_cache_config.single_group().kv_cache_spec
+    before sharding), dtype, block size, the spec of each KV-cache group
+    (``+``-joined, page size per head) and, with several groups, each
+    layer's group; the attention backend, and per layer the layout, bytes
+    per head and memory order (so an NHD and an HND cache of one shape
+    differ)."""
+    specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
+    spec = specs[0]
     heads = _rank_heads(spec)
     layouts = [
         f"{layer.layout.value}:" + ",".join(str(s.block_nbytes // heads) for s in layer.segments)
@@ -143,20 +220,21 @@ def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, total
         for layer in geometry.layers
     ]
     head_size, dtype = (spec.head_size, spec.dtype) if isinstance(spec, AttentionSpec) else (0, "")
-    kind = spec.type_id.rsplit("_", 2)[0]  # type_id ends with block size and page size
     return CompatInfo(
         num_layers=len(geometry.layers),
         block_size=spec.block_size,
         total_kv_heads=total_kv_heads if isinstance(spec, AttentionSpec) and not spec.use_mla else 1,
         head_size=head_size,
         dtype=dtype,
-        spec=f"{kind}_{spec.block_size}_{spec.page_size_bytes // heads}",
+        spec="+".join(f"{s.type_id.rsplit('_', 2)[0]}_{s.block_size}_{s.page_size_bytes // _rank_heads(s)}"
+                      for s in specs),
         layouts=layouts,
         kv_layout="/".join(sorted({layer.kv_layout for layer in geometry.layers})),
         attention_backend=attention_backend,
+        layer_groups=[layer.group for layer in geometry.layers] if len(specs) > 1 else [],
     )
 
 
 def rank_info(kv_cache_config: KVCacheConfig, tp_rank: int, tp_size: int) -> RankInfo:
     """This rank's share of the model, for the handshake."""
-    return RankInfo(tp_rank, tp_size, _rank_heads(kv_cache_config.single_group().kv_cache_spec))
+    return RankInfo(tp_rank, tp_size, _rank_heads(kv_cache_config.kv_cache_groups[0].kv_cache_spec))

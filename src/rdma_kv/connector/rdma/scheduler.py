@@ -21,11 +21,17 @@ Owns the per-request decisions of both roles:
   delays the free of its blocks until the worker reports no read can land
   in them (``done_sending``).
 
+Block ids are handled per KV-cache group (hybrid models): a sliding-window
+group is held, offered and read only from the first block its window still
+needs (``plan_group``, ``KVCacheSpec.num_skipped_blocks``); every other
+group from the first block not computed locally.
+
 Nothing here raises into the engine for bad peer input: bad params make the
 request computed locally (logged, naming the field).
 
-Imports the standard library and the connector's ``config``, ``types``,
-``rdma.params``, ``rdma.settings`` and ``rdma.meta``; never the transport.
+Imports the standard library and the connector's ``config``, ``specs``,
+``types``, ``rdma.params``, ``rdma.settings``, ``rdma.wire`` and
+``rdma.meta``; never the transport.
 """
 
 from __future__ import annotations
@@ -55,14 +61,17 @@ from rdma_kv.connector.rdma.params import (
 )
 from rdma_kv.connector.rdma.wire import CLAIM_BYTES
 from rdma_kv.connector.rdma.settings import RdmaSettings
+from rdma_kv.connector.specs import KVCacheConfig, KVCacheSpec
 from rdma_kv.connector.types import (
     BlockId,
+    BlockIds,
     EngineId,
     KVCacheBlocks,
     KVConnectorOutput,
     Request,
     RequestId,
     SchedulerOutput,
+    as_group_block_ids,
 )
 from rdma_kv.errors import ConfigError
 
@@ -92,6 +101,40 @@ class _Remote:
         return RemoteLease(PeerAddress.of(self.params), self.params.lease, self.claim)
 
 
+def plan_group(spec: KVCacheSpec, num_prompt_tokens: int, num_computed: int,
+               local_blocks: Sequence[BlockId], remote_blocks: Sequence[BlockId]
+               ) -> tuple[BlockIds, BlockIds, int] | str:
+    """One KV-cache group's part of a load: ``(local, remote, skipped)``,
+    the blocks to read into and from, and how many of the prompt's blocks
+    are not read because they lie before the group's sliding window; or why
+    the group cannot be loaded.
+
+    ``local_blocks`` are all the request's blocks of the group, from token 0
+    (vLLM's ``get_blocks``: leading placeholders where a window skips).
+    ``remote_blocks`` are the producer's, ending with the block of the last
+    prompt token (``RemotePrefillParams.remote_block_ids``). Blocks before
+    ``num_computed`` (a local prefix hit) are not read either, nor counted
+    as skipped by the window.
+    """
+    bs = spec.block_size
+    if num_computed % bs:
+        return f"num_computed_tokens={num_computed} is not a multiple of block size {bs}"
+    last = -(-num_prompt_tokens // bs)
+    computed = num_computed // bs
+    window = spec.num_skipped_blocks(num_prompt_tokens)
+    first = max(computed, window)
+    if len(local_blocks) < last:
+        return (f"{len(local_blocks)} blocks allocated for a {num_prompt_tokens}-token prompt, "
+                f"{last} needed at block size {bs}")
+    remote = tuple(remote_blocks[:last])
+    offset = last - len(remote)  # the producer's list starts at this block of the prompt
+    if first < last and first < offset:
+        return (f"the producer sent blocks {offset}..{last - 1} of the prompt, but block {first} "
+                "is needed (a producer without the same sliding window, or an old one)")
+    return (tuple(local_blocks[first:last]), remote[first - offset:] if first < last else (),
+            max(0, min(window, last) - computed))
+
+
 class RdmaScheduler:
     """Scheduler-side logic; ``RdmaConnector`` delegates to it."""
 
@@ -99,12 +142,12 @@ class RdmaScheduler:
         self,
         config: KVTransferConfig,
         settings: RdmaSettings,
-        block_size: int,
+        kv_cache_config: KVCacheConfig,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = config
         self._settings = settings
-        self._block_size = block_size
+        self._specs = tuple(group.kv_cache_spec for group in kv_cache_config.kv_cache_groups)
         self._clock = clock
         self._engine_id = EngineId(str(config.engine_id))
         self._producer = config.is_kv_producer
@@ -166,11 +209,19 @@ class RdmaScheduler:
             return (f"kv_transfer_params['remote_num_tokens']={params.remote_num_tokens} but the "
                     f"request's prompt has {request.num_prompt_tokens} tokens; a router must send "
                     "the decode request the same prompt as the prefill")
-        needed = -(-request.num_prompt_tokens // self._block_size)
-        if len(params.remote_block_ids) < needed:
+        if len(params.remote_block_ids) != len(self._specs):
             return (f"kv_transfer_params['remote_block_ids'] has {len(params.remote_block_ids)} "
-                    f"blocks; the {request.num_prompt_tokens}-token prompt needs {needed} at "
-                    f"block size {self._block_size}")
+                    f"KV-cache group(s), this engine has {len(self._specs)}; both engines must "
+                    "run the same model with the same hybrid KV-cache manager setting")
+        for g, (spec, ids) in enumerate(zip(self._specs, params.remote_block_ids)):
+            last = -(-request.num_prompt_tokens // spec.block_size)
+            needed = last - spec.num_skipped_blocks(request.num_prompt_tokens)
+            if len(ids) < needed:
+                where = f" of KV-cache group {g}" if len(self._specs) > 1 else ""
+                return (f"kv_transfer_params['remote_block_ids']{where} has {len(ids)} blocks; the "
+                        f"{request.num_prompt_tokens}-token prompt needs {needed} at block size "
+                        f"{spec.block_size} (a producer with a larger --block-size sends fewer "
+                        "blocks: start both engines with the same --block-size)")
         # Differing TP sizes are the workers' to map (``topology``); sizes that
         # cannot share the model's KV heads fail there, as load errors.
         return None
@@ -204,29 +255,50 @@ class RdmaScheduler:
             self._release(remote)  # full hit, or the engine chose to compute locally
             return
         params = remote.params
-        bs = self._block_size
-        first = remote.num_computed // bs
-        last = -(-request.num_prompt_tokens // bs)
-        local = tuple(blocks.group(0)[first:last]) if blocks.num_groups else ()
+        local, remote_ids, skipped = [], [], []
         error = None
         if num_external_tokens != remote.count:
             error = (f"asked to load {num_external_tokens} tokens after {remote.num_computed}, "
                      f"but {remote.count} were offered")
-        elif remote.num_computed % bs:
-            error = f"num_computed_tokens={remote.num_computed} is not a multiple of block size {bs}"
-        elif len(local) != last - first:
-            error = f"{len(local)} blocks allocated for tokens [{first * bs}, ...), {last - first} needed"
+        elif blocks.num_groups != len(self._specs):
+            error = f"blocks of {blocks.num_groups} KV-cache groups allocated, {len(self._specs)} expected"
+        for g, spec in enumerate(self._specs):
+            if error is not None:
+                break
+            plan = plan_group(spec, request.num_prompt_tokens, remote.num_computed,
+                              blocks.group(g), params.remote_block_ids[g])
+            if isinstance(plan, str):
+                error = plan if len(self._specs) == 1 else f"KV-cache group {g}: {plan}"
+                break
+            local.append(plan[0])
+            remote_ids.append(plan[1])
+            skipped.append(plan[2])
+        if error is not None:
+            # Nothing is read; the blocks it would have filled are reported as load errors.
+            local = [self._unread_blocks(request, remote.num_computed, blocks, g)
+                     for g in range(len(self._specs))]
+            remote_ids, skipped = [() for _ in self._specs], []
         remote.state = "pending"
         self._pending_loads.append(LoadSpec(
             request.request_id,
-            local,
-            tuple(params.remote_block_ids[first:last]),
+            tuple(local),
+            tuple(remote_ids),
             PeerAddress.of(params),
             params.lease,
             params.remote_lease_ttl_s,
             remote.claim,
             error,
+            tuple(skipped),
         ))
+
+    def _unread_blocks(self, request: Request, num_computed: int, blocks: KVCacheBlocks,
+                       group: int) -> BlockIds:
+        """The blocks a failed plan of ``group`` would have loaded (best effort)."""
+        if group >= blocks.num_groups:
+            return ()
+        spec = self._specs[group]
+        first = max(num_computed // spec.block_size, spec.num_skipped_blocks(request.num_prompt_tokens))
+        return tuple(blocks.group(group)[first:-(-request.num_prompt_tokens // spec.block_size)])
 
     def _release(self, remote: _Remote) -> None:
         if remote.state in ("waiting", "pending"):
@@ -270,9 +342,12 @@ class RdmaScheduler:
     # --- end of a request ---------------------------------------------------------------------------
 
     def request_finished(
-        self, request: Request, block_ids: Sequence[BlockId]
+        self, request: Request, block_ids: Sequence[BlockId] | Sequence[Sequence[BlockId]]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """``(delay_free, params)``; ``block_ids`` per KV-cache group (a flat
+        sequence is the one group of a single-group engine)."""
         rid = request.request_id
+        groups = as_group_block_ids(block_ids)
         self._bad.discard(rid)
         remote = self._remote.pop(rid, None)
         if remote is not None:
@@ -297,16 +372,34 @@ class RdmaScheduler:
             return False, None
         if not self._producer:
             return False, None
-        if not isinstance(parsed, RemoteDecodeRequest) or not block_ids:
+        if not isinstance(parsed, RemoteDecodeRequest) or not any(groups):
             return False, None
         if request.num_computed_tokens < request.num_prompt_tokens:
             # Aborted before its prefill completed: there is nothing to hand over.
             return False, None
-        num_blocks = -(-request.num_prompt_tokens // self._block_size)
-        if len(block_ids) < num_blocks:
-            logger.warning("request %r: %d blocks for a %d-token prompt; not holding its KV",
-                           rid, len(block_ids), request.num_prompt_tokens)
+        if len(groups) != len(self._specs):
+            logger.warning("request %r: block ids of %d KV-cache groups, this engine has %d; "
+                           "not holding its KV", rid, len(groups), len(self._specs))
             return False, None
+        held, offered = [], []
+        for g, (spec, ids) in enumerate(zip(self._specs, groups)):
+            num_blocks = -(-request.num_prompt_tokens // spec.block_size)
+            # A sliding-window group keeps the blocks of the next token's window
+            # only; the ones before it may already be the engine's placeholders
+            # (vLLM's null block): neither held nor offered.
+            first = spec.num_skipped_blocks(request.num_prompt_tokens)
+            if spec.num_skipped_blocks(request.num_computed_tokens) > first:
+                logger.warning("request %r: %d tokens computed beyond its %d-token prompt moved "
+                               "the sliding window of KV-cache group %d past the prompt's; not "
+                               "holding its KV", rid, request.num_computed_tokens,
+                               request.num_prompt_tokens, g)
+                return False, None
+            if len(ids) < num_blocks:
+                logger.warning("request %r: %d blocks for a %d-token prompt; not holding its KV",
+                               rid, len(ids), request.num_prompt_tokens)
+                return False, None
+            held.append(ids[first:])
+            offered.append(ids[first:num_blocks])
         if not self._port:
             logger.error("request %r: the side-channel port is unknown (kv_port 0 and no "
                          "set_xfer_handshake_metadata from the workers); not holding its KV", rid)
@@ -316,7 +409,7 @@ class RdmaScheduler:
             remote_engine_id=self._engine_id,
             remote_host=settings.advertise_host,
             remote_port=self._port,
-            remote_block_ids=tuple(BlockId(int(b)) for b in block_ids[:num_blocks]),
+            remote_block_ids=tuple(offered),
             remote_request_id=rid,
             tp_size=settings.tp_size,
             remote_lease_epoch=self.epoch,
@@ -325,8 +418,7 @@ class RdmaScheduler:
             remote_lease_ttl_s=settings.lease_ttl_s,
             remote_num_tokens=request.num_prompt_tokens,
         )
-        self._pending_sends.append(SendSpec(rid, tuple(BlockId(int(b)) for b in block_ids),
-                                            params.lease, settings.lease_ttl_s))
+        self._pending_sends.append(SendSpec(rid, tuple(held), params.lease, settings.lease_ttl_s))
         return True, params.to_dict()
 
     # --- introspection --------------------------------------------------------------------------------

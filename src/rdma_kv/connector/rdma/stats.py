@@ -5,7 +5,8 @@ Owns three typed records and the one way to combine them:
 
 - :class:`LoadMeasures`: what a load measures while it runs (filled in
   stage by stage by ``consumer.RdmaConsumer`` under its lock).
-- :class:`LoadRecord`: one finished load, frozen: bytes, descriptors, ops
+- :class:`LoadRecord`: one finished load, frozen: bytes read, bytes a
+  sliding window spared (``nbytes_skipped``), descriptors, ops
   posted, contiguous block runs, handshake / plan / post / transfer /
   confirm / total seconds, outcome. A field is None when the load never
   reached the stage that measures it (a load that failed in its handshake
@@ -55,6 +56,9 @@ class LoadMeasures:
     ops_posted: int | None = None
     transfer_s: float | None = None
     confirm_s: float | None = None
+    nbytes_skipped: int | None = None
+    """Bytes of the prompt's KV not read because a sliding window excludes
+    them (hybrid models); 0 when every layer attends to the whole prompt."""
 
     def add(self, **values: float) -> None:
         """Sum into the named measures (counts and costs of a load's sources)."""
@@ -69,7 +73,7 @@ class LoadMeasures:
 
 
 _MEASURED = tuple(f.name for f in dataclasses.fields(LoadMeasures))
-_INT_FIELDS = frozenset({"num_blocks", "block_runs", "nbytes", "num_descs", "ops_posted"})
+_INT_FIELDS = frozenset({"num_blocks", "block_runs", "nbytes", "num_descs", "ops_posted", "nbytes_skipped"})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,6 +94,7 @@ class LoadRecord:
     ops_posted: int | None = None
     transfer_s: float | None = None
     confirm_s: float | None = None
+    nbytes_skipped: int | None = None
 
     @classmethod
     def of(cls, request_id: str, measures: LoadMeasures, *, ok: bool, total_s: float,
@@ -118,7 +123,7 @@ class LoadRecord:
 
 
 _RECORD_KEYS = frozenset(f.name for f in dataclasses.fields(LoadRecord))
-_SUMMED = ("nbytes", "num_descs", "ops_posted", "block_runs", "num_blocks")
+_SUMMED = ("nbytes", "num_descs", "ops_posted", "block_runs", "num_blocks", "nbytes_skipped")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -134,12 +139,15 @@ class Totals:
     loads_ok: int = 0
     transfer_s: float = 0.0
     events: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    nbytes_skipped: int = 0
+    """Bytes sliding windows kept from being read (``LoadMeasures.nbytes_skipped``)."""
 
     def add_record(self, record: LoadRecord) -> Totals:
         return Totals(self.nbytes + (record.nbytes or 0), self.num_descs + (record.num_descs or 0),
                       self.ops_posted + (record.ops_posted or 0), self.block_runs + (record.block_runs or 0),
                       self.num_blocks + (record.num_blocks or 0), self.loads_ok + record.ok,
-                      self.transfer_s + (record.transfer_s or 0.0), self.events)
+                      self.transfer_s + (record.transfer_s or 0.0), self.events,
+                      self.nbytes_skipped + (record.nbytes_skipped or 0))
 
     def __add__(self, other: Totals) -> Totals:
         events = collections.Counter(self.events)
@@ -147,7 +155,8 @@ class Totals:
         return Totals(self.nbytes + other.nbytes, self.num_descs + other.num_descs,
                       self.ops_posted + other.ops_posted, self.block_runs + other.block_runs,
                       self.num_blocks + other.num_blocks, self.loads_ok + other.loads_ok,
-                      self.transfer_s + other.transfer_s, dict(events))
+                      self.transfer_s + other.transfer_s, dict(events),
+                      self.nbytes_skipped + other.nbytes_skipped)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: getattr(self, k) for k in _SUMMED}

@@ -132,6 +132,9 @@ class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``NHD``, ``HND`` or ``MLA`` (geometry.LayerGeometry.kv_layout)."""
     attention_backend: Str = ""
     """The engine's attention backend (vLLM's name, e.g. ``FLASH_ATTN``); empty outside vLLM."""
+    layer_groups: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_LAYERS)] = []
+    """Per layer, its KV-cache group; empty for a single group (hybrid
+    models: block ids travel per group, so both sides must group alike)."""
 
     def compat_hash(self) -> str:
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:32]
@@ -147,6 +150,11 @@ class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     a = f"{len(a)} layers, layer {first}: {a[first] if first < len(a) else '-'}"
                     b = f"{len(b)} layers, layer {first}: {b[first] if first < len(b) else '-'}"
                 out.append(f"{name}: {mine} {a!r} vs {theirs} {b!r}")
+                if name == "block_size":
+                    out[-1] += (" (blocks are not remapped between block sizes: the KV is not "
+                                "transferred and the request is computed locally, or fails under "
+                                "kv_load_failure_policy=fail; start both engines with the same "
+                                "--block-size)")
         return out
 
 
@@ -164,6 +172,8 @@ class LayerWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fie
     segments: Annotated[list[SegmentWire], msgspec.Meta(min_length=1, max_length=8)]
     head_nbytes: U64 = 0
     """``LayerGeometry.head_nbytes``: lets a reader slice heads out of a block."""
+    group: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)] = 0
+    """The layer's KV-cache group (last, with a default: a single-group peer's layers need not send it)."""
 
 
 class RegionWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -185,6 +195,7 @@ class GeometryWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     [SegmentWire(s.offset, s.block_stride_bytes, s.block_nbytes)
                      for s in layer.segments],
                     layer.head_nbytes,
+                    layer.group,
                 )
                 for layer in geometry.layers
             ],
@@ -222,6 +233,7 @@ class GeometryWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 layer.name, layer.region_index, layer.num_blocks, layer.layout,
                 tuple(Segment(s.offset, s.block_stride_bytes, s.block_nbytes) for s in layer.segments),
                 head_nbytes=layer.head_nbytes,
+                group=layer.group,
             ))
         return KVCacheGeometry(regions, tuple(layers))
 

@@ -1,0 +1,136 @@
+"""A hybrid model inside real vLLM: sliding-window layers around a
+full-attention layer, with vLLM's hybrid KV-cache manager left on.
+
+The tiny Llama gets ``layer_types = [sliding, full, sliding]`` and a
+window of 32 tokens (block size 32), so vLLM runs three KV-cache groups
+(one per layer here) and frees a sliding layer's blocks once they leave
+the window. Prompts of 7, 32 (exactly one window), 37, 64 and 100 tokens:
+the longer ones have blocks outside the window, which the connector must
+not read (and the decode engine does not even keep).
+
+``test_hybrid_pd_matches_plain_with_hma_on`` (the four engines start
+together, each a separate process):
+
+- no engine (plain, producer, consumer, control producer) logs that vLLM
+  turned its hybrid KV-cache manager off, and each runs several KV-cache
+  groups (the positive check: a connector vLLM does not consider
+  ``SupportsHMA`` would leave one);
+- the decode output equals a plain engine's;
+- the consumer's connector stats report bytes not read because they lie
+  outside the window (``nbytes_skipped`` > 0);
+- control: a producer with other weights changes every decode output of a
+  prompt longer than one block, so the KV really came over the wire.
+
+Run in the vLLM venv (scripts/install-vllm.sh); skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM not installed (scripts/install-vllm.sh)")
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from engine_proc import EngineProcess  # noqa: E402
+from test_vllm_rdma_pd import rdma_config  # noqa: E402
+from tiny_model import BLOCK_SIZE  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+WINDOW = 32
+HYBRID = {"num_layers": 3, "sliding_window": WINDOW,
+          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
+_COUNT = "one two three four five six seven eight nine ten".split()
+# BOS + one token per word: 7, 32, 37, 64 and 100 tokens.
+PROMPTS = (
+    "the cat sat on the mat",
+    " ".join((_COUNT * 4)[:31]),
+    " ".join(["a quick brown fox jumps over the lazy dog"] * 4),
+    " ".join((_COUNT * 7)[:63]),
+    " ".join((_COUNT * 10)[:99]),
+)
+MAX_TOKENS = 8
+TURNED_OFF = "Turning off hybrid kv cache manager"
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hybrid-logs")
+
+
+def tokens(reply: dict[str, Any]) -> list[list[int]]:
+    return [o["token_ids"] for o in reply["outputs"]]
+
+
+def prefill(engine: EngineProcess) -> list[dict[str, Any]]:
+    outputs = engine.generate(PROMPTS, max_tokens=1,
+                              kv_transfer_params=[{"do_remote_decode": True}] * len(PROMPTS))["outputs"]
+    return [o["kv_transfer_params"] for o in outputs]
+
+
+def check_hybrid(engine: EngineProcess) -> None:
+    assert TURNED_OFF not in engine.log(), f"{engine.name}: vLLM turned its hybrid KV-cache manager off"
+    groups = engine.kv_cache_groups()
+    assert "SlidingWindowSpec" in groups and len(groups) > 1, (engine.name, groups)
+
+
+def test_hybrid_pd_matches_plain_with_hma_on(tmp_path_factory: pytest.TempPathFactory,
+                                             log_dir: Path) -> None:
+    model_dir = str(tmp_path_factory.mktemp("hybrid-llama"))
+    other_dir = str(tmp_path_factory.mktemp("hybrid-llama-other"))
+    # Built here, once, so that the engines below (started together: about
+    # half the wall time of one after the other) never write one model dir at once.
+    from tiny_model import build_tiny_llama
+
+    build_tiny_llama(model_dir, **HYBRID)
+    build_tiny_llama(other_dir, **HYBRID, seed=1)
+
+    plain_engine = EngineProcess("hybrid-plain", model_dir, log_dir, timeout_s=300)
+    producer = EngineProcess("hybrid-prefill", model_dir, log_dir, timeout_s=300)
+    consumer = EngineProcess("hybrid-decode", model_dir, log_dir, timeout_s=300)
+    other = EngineProcess("hybrid-prefill-other-weights", other_dir, log_dir, timeout_s=300)
+    try:
+        plain_engine.begin_start(model=HYBRID)
+        producer.begin_start(rdma_config("kv_producer"), model=HYBRID)
+        consumer.begin_start(rdma_config("kv_consumer"), model=HYBRID)
+        other.begin_start(rdma_config("kv_producer"), model={**HYBRID, "seed": 1})
+        for engine in (plain_engine, producer, consumer, other):
+            engine.wait_started()
+            check_hybrid(engine)
+
+        reply = plain_engine.generate(PROMPTS, max_tokens=MAX_TOKENS)
+        plain_engine.close()
+        lengths = [len(o["prompt_token_ids"]) for o in reply["outputs"]]
+        assert lengths == [7, 32, 37, 64, 100], lengths
+        assert lengths[-1] > WINDOW + BLOCK_SIZE  # at least one whole block outside the window
+        plain = tokens(reply)
+
+        params = prefill(producer)
+        decoded = tokens(consumer.generate(PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params))
+        stats = consumer.kv_stats()
+        assert stats is not None and stats["totals"]["loads_ok"] == len(PROMPTS), stats
+        skipped = {r["request_id"]: r["nbytes_skipped"] for r in stats["requests"]}
+        assert stats["totals"]["nbytes_skipped"] > 0, f"no load skipped a block outside the window: {skipped}"
+        assert decoded == plain
+        assert "KV load failed" not in consumer.log()
+        # One list of block ids per KV-cache group; a sliding group's list
+        # holds only the blocks inside the window (100 tokens, window 32:
+        # the last two of four blocks).
+        longest = params[-1]["remote_block_ids"]
+        assert len(longest) == len(producer.kv_cache_groups()) > 1
+        assert sorted(len(g) for g in longest) == [2, 2, 4], longest
+
+        control = tokens(consumer.generate(PROMPTS, max_tokens=MAX_TOKENS,
+                                           kv_transfer_params=prefill(other)))
+        differ = [c != p for c, p in zip(control, plain)]
+        assert all(differ), f"a producer with other weights left outputs unchanged: {differ}"
+    finally:
+        for engine in (plain_engine, producer, consumer, other):
+            engine.close()
