@@ -42,13 +42,18 @@ pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.timeout(90
 TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 MODEL = {"heads": 4, "kv_heads": 4}  # 2 KV heads per rank at TP=2
 START_S = 400.0  # a TP=2 engine starts in ~1 min here, several on a loaded 2-core host
+# Up to five engines (seven processes, each TP worker with its own spinning
+# OpenMP thread) share 2 cores here: a side-channel thread can wait seconds
+# for a core. The defaults (2 s) are for a host with cores to spare; these
+# tests check what is read, not how fast a handshake is answered.
+RPC_BOUNDS = {"connect_timeout_s": 10.0, "rpc_timeout_s": 10.0}
 
 
 def config(role: str, port: int = 0, **extra: Any) -> dict[str, Any]:
     policy = extra.pop("kv_load_failure_policy", "fail")
     return {"kv_connector": "RdmaKVConnector", "kv_connector_module_path": "rdma_kv.vllm",
             "kv_role": role, "kv_port": port, "kv_load_failure_policy": policy,
-            "kv_connector_extra_config": {"side_channel_host": "127.0.0.1", **extra}}
+            "kv_connector_extra_config": {"side_channel_host": "127.0.0.1", **RPC_BOUNDS, **extra}}
 
 
 def engine(name: str, model_dir: str, log_dir: Path) -> EngineProcess:
