@@ -11,6 +11,7 @@ goes to a log file):
      "trace": false}                              -> {"outputs": [...], "elapsed_s"[, "trace"]}
     {"op": "kv_cache_groups"}                     -> {"groups": [spec class name, ...]}
     {"op": "kv_stats"}                            -> {"stats": merged connector stats | null}
+                                                     (TP=1 only: its worker runs in the child)
     {"op": "stop"}                                -> engine shut down, child exits
 
 Parent: :class:`EngineProcess` (``start``, ``generate``, ``kill``,
@@ -195,8 +196,8 @@ def _child(result_fd: int, model_dir: str, multiprocessing: bool) -> None:
                 t0 = time.monotonic()
                 llm = make_llm(model, kv_transfer_config=command["kv_transfer_config"],
                                **command.get("llm", {}))
-                if command["kv_transfer_config"] and not multiprocessing:
-                    _collect_stats(collected)
+                if command["kv_transfer_config"] and not multiprocessing and tp == 1:
+                    _collect_stats(collected)  # the worker runs in this process
                 reply({"ok": True, "elapsed_s": time.monotonic() - t0})
             elif op == "generate":
                 reply({"ok": True, **_generate(llm, command)})

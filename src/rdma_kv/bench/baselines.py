@@ -84,7 +84,7 @@ def run(
     backends of a workload take turns, ``rounds`` times (A B C A B C ...),
     ``reps`` repetitions each in fresh processes, and each row pools its
     rounds: drift of a shared machine then falls on every backend alike."""
-    results = []
+    results: list[Result] = []
     for w in workloads:
         workload = preset(w) if isinstance(w, str) else w
         pooled: dict[str, Result] = {}

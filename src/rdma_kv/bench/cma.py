@@ -114,8 +114,8 @@ def split_iovecs(local: np.ndarray, remote: np.ndarray, parts: int) -> list[tupl
     if n >= parts:
         ends = np.cumsum(local["len"], dtype=np.uint64)
         total = int(ends[-1])
-        cuts = {int(np.searchsorted(ends, total * k // parts, side="right")) for k in range(1, parts)}
-        bounds = sorted({0, n} | cuts)
+        splits = {int(np.searchsorted(ends, total * k // parts, side="right")) for k in range(1, parts)}
+        bounds = sorted({0, n} | splits)
         return [(local[a:b], remote[a:b]) for a, b in zip(bounds, bounds[1:])]
     pieces: list[tuple[list[tuple[int, int]], list[tuple[int, int]]]] = [([], []) for _ in range(parts)]
     for lv, rv in zip(local.tolist(), remote.tolist()):

@@ -77,8 +77,8 @@ class Channel:
         except (EOFError, ConnectionError) as exc:
             raise BenchError(f"{self.peer} closed its pipe ({type(exc).__name__}): the process died") from None
         if msg.get("type") == "error":
-            exc = BackendUnavailableError if msg.get("unavailable") else BenchError
-            raise exc(f"{self.peer} failed:\n{msg['traceback']}")
+            error = BackendUnavailableError if msg.get("unavailable") else BenchError
+            raise error(f"{self.peer} failed:\n{msg['traceback']}")
         return msg, blob
 
     def expect(self, kind: str, timeout_s: float | None = None) -> tuple[Message, bytes | None]:

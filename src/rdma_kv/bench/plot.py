@@ -35,6 +35,22 @@ STYLES = {
 }
 
 
+def _measured(value: float | None) -> float:
+    """A statistic of a point that ``Point.ok`` says has measurements."""
+    if value is None:
+        raise ValueError("a plotted point has no measurement")
+    return value
+
+
+def _reserve_bottom(fig: Any, bottom: float) -> None:
+    """Keep the constrained layout's axes above a footer ``bottom`` high."""
+    from matplotlib.layout_engine import ConstrainedLayoutEngine
+
+    engine = fig.get_layout_engine()
+    if isinstance(engine, ConstrainedLayoutEngine):
+        engine.set(rect=(0, bottom, 1, 1 - bottom))
+
+
 def require_matplotlib() -> None:
     """Fail early, before a long sweep, if the figure cannot be drawn."""
     try:
@@ -63,15 +79,15 @@ def plot_sweep(points: Sequence[Point], path: str | Path, *, title: str, subtitl
         ok = sorted((p for p in points if p.backend == backend and p.ok), key=lambda p: p.descriptor_nbytes)
         if not ok:
             continue
-        style = dict(STYLES.get(backend, {"marker": "x", "linestyle": "-", "label": backend}))
+        style: dict[str, Any] = dict(STYLES.get(backend, {"marker": "x", "linestyle": "-", "label": backend}))
         label = style.pop("label")
         version = next((p.result.config.get("nixl_version") for p in ok if p.result.config.get("nixl_version")), "")
         if backend == "nixl" and version:
             label = f"NIXL {version} (UCX backend)"
         x = [p.descriptor_nbytes for p in ok]
-        med = [p.result.median_gbps for p in ok]
-        lo = [p.result.min_gbps for p in ok]
-        hi = [p.result.max_gbps for p in ok]
+        med = [_measured(p.result.median_gbps) for p in ok]
+        lo = [_measured(p.result.min_gbps) for p in ok]
+        hi = [_measured(p.result.max_gbps) for p in ok]
         ymax = max(ymax, *hi)
         reps = max(len(p.result.gbps) for p in ok)
         (line,) = ax.plot(x, med, linewidth=2, markersize=6, label=f"{label}  (median of {reps})", **style)
@@ -108,7 +124,7 @@ def plot_sweep(points: Sequence[Point], path: str | Path, *, title: str, subtitl
         text = "\n".join(textwrap.fill(n, 150) for n in notes)
         fig.text(0.01, 0.005, text, fontsize=7.5, color="#444444", va="bottom", ha="left")
         bottom = 0.035 + 0.02 * text.count("\n")  # room for the footer below the axes
-        fig.get_layout_engine().set(rect=(0, bottom, 1, 1 - bottom))
+        _reserve_bottom(fig, bottom)
     out = Path(path)
     fig.savefig(out)
     return out
@@ -178,7 +194,7 @@ def plot_scale(points: Sequence[Any], path: str | Path, *, title: str, subtitle:
         text = textwrap.fill(footer, 40 + 110 * len(axes_run))
         fig.text(0.01, 0.005, text, fontsize=7.5, color="#444444", va="bottom", ha="left")
         bottom_room = 0.035 + 0.02 * text.count("\n")
-        fig.get_layout_engine().set(rect=(0, bottom_room, 1, 1 - bottom_room))
+        _reserve_bottom(fig, bottom_room)
     out = Path(path)
     fig.savefig(out)
     return out

@@ -223,10 +223,12 @@ def sweep_table(points: Sequence[Point]) -> str:
         row = [format_nbytes(size), str(descs[0]) if descs else "-"]
         for b in backends:
             p = by_key.get((b, size))
-            r = p.result if p else None
-            if r is None or not p.ok:
-                row.append(r.status if r else "-")
+            if p is None:
+                row.append("-")
+            elif not p.ok:
+                row.append(p.result.status)
             else:
+                r = p.result
                 row.append(f"{r.median_gbps:.2f} [{r.min_gbps:.2f} - {r.max_gbps:.2f}]")
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -113,7 +113,7 @@ class Workload:
         """Bytes moved by one repetition."""
         return self.descriptor_count * self.slot_nbytes
 
-    def replace(self, **changes: object) -> Workload:
+    def replace(self, **changes: Any) -> Workload:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, object]:
