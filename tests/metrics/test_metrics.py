@@ -54,11 +54,11 @@ def test_histogram_buckets_quantiles_and_merge():
 
 
 def test_record_values_uses_successful_transfers_only():
-    v = record_values(LoadRecord("r", True, 0.02, **OK))
+    v = record_values(LoadRecord(request_id="r", ok=True, total_s=0.02, **OK))
     assert v["transfer_gbps"] == pytest.approx(5.0)
     assert v["request_bytes"] == 64 << 20 and v["request_ops"] == 128 and v["request_descriptors"] == 4096
     assert v["load_seconds"] == 0.02 and v["post_seconds"] == 1e-4
-    failed = record_values(LoadRecord("r", False, 10.0, "peer died", **OK))
+    failed = record_values(LoadRecord(request_id="r", ok=False, total_s=10.0, error="peer died", **OK))
     assert failed == {"load_seconds": 10.0}  # time-to-failure is not a transfer time
 
 

@@ -295,8 +295,9 @@ class RdmaConsumer:
             peer.handshake_s = time.perf_counter() - t0
             waiting, peer.waiting = peer.waiting, []
             self._stats.counters["handshakes"] += 1
+            for load, _ in waiting:
+                load.measures = load.measures.at_least(handshake_s=peer.handshake_s)
         for load, src in waiting:
-            load.measures.at_least(handshake_s=peer.handshake_s)
             self._post(load, src, peer)
 
     def _safe_remove_peer(self, name: str) -> None:
@@ -367,19 +368,19 @@ class RdmaConsumer:
                 self._peer_failed(peer, str(exc))
             return
         src.transfer = xfer
-        m = load.measures
-        m.num_blocks = sum(int(ids.size) for ids in local_ids)
-        m.add(block_runs=count_runs(local_ids, remote_ids, local),
-              nbytes_skipped=local.skipped_nbytes(spec.num_skipped_blocks),
-              plan_s=time.perf_counter() - t0 - xfer.post_s, post_s=xfer.post_s)
+        runs, skipped = count_runs(local_ids, remote_ids, local), local.skipped_nbytes(spec.num_skipped_blocks)
+        with self._lock:
+            load.measures = load.measures.with_(num_blocks=sum(int(ids.size) for ids in local_ids)).add(
+                block_runs=runs, nbytes_skipped=skipped,
+                plan_s=time.perf_counter() - t0 - xfer.post_s, post_s=xfer.post_s)
         xfer.add_done_callback(functools.partial(self._on_read_done, load, src, peer))
 
     def _on_read_done(self, load: LoadState, src: Source, peer: PeerState, xfer: TransferHandle) -> None:
         """Transport progress thread: one source's reads completed or failed."""
         failed = xfer.error is not None
         with self._lock:
-            load.measures.add(nbytes=xfer.nbytes, num_descs=xfer.num_descs, ops_posted=xfer.ops_posted)
-            load.measures.at_least(transfer_s=xfer.elapsed_s)
+            load.measures = load.measures.add(nbytes=xfer.nbytes, num_descs=xfer.num_descs,
+                                              ops_posted=xfer.ops_posted).at_least(transfer_s=xfer.elapsed_s)
             src.resolved = True
             if failed:
                 self._fail(load, f"reads from {load.spec.peer.engine_id!r} rank {src.read.rank} "
@@ -447,7 +448,7 @@ class RdmaConsumer:
                 src.stage = SourceStage.CONFIRMED
                 if all(s.stage is SourceStage.CONFIRMED for s in load.sources):
                     started = load.confirm_started
-                    load.measures.confirm_s = 0.0 if started is None else now - started
+                    load.measures = load.measures.with_(confirm_s=0.0 if started is None else now - started)
                     if load.aborted:
                         self._finish_aborted(load)
                     else:

@@ -3,9 +3,9 @@ worker's stats summary for ``get_kv_connector_stats``.
 
 Owns three typed records and the one way to combine them:
 
-- :class:`LoadMeasures`: what a load measures while it runs (filled in
+- :class:`LoadMeasures`: what a load measures while it runs (replaced
   stage by stage by ``consumer.RdmaConsumer`` under its lock).
-- :class:`LoadRecord`: one finished load, frozen: bytes read, bytes a
+- :class:`LoadRecord`: one finished load, its measures and outcome: bytes read, bytes a
   sliding window spared (``nbytes_skipped``), descriptors, ops
   posted, contiguous block runs, handshake / plan / post / transfer /
   confirm / total seconds, outcome. A field is None when the load never
@@ -42,9 +42,12 @@ MAX_RECORDS = 10_000
 the oldest are dropped (the totals still count them)."""
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class LoadMeasures:
-    """What a running load has measured so far (None: not reached)."""
+    """What a load has measured (None: the load has not reached the stage
+    that measures it). Frozen: the consumer replaces ``LoadState.measures``
+    under its lock (``add``, ``at_least``, ``with_``), so that sources
+    completing on different threads cannot lose each other's counts."""
 
     handshake_s: float | None = None
     num_blocks: int | None = None
@@ -60,52 +63,51 @@ class LoadMeasures:
     """Bytes of the prompt's KV not read because a sliding window excludes
     them (hybrid models); 0 when every layer attends to the whole prompt."""
 
-    def add(self, **values: float) -> None:
-        """Sum into the named measures (counts and costs of a load's sources)."""
-        for name, value in values.items():
-            setattr(self, name, (getattr(self, name) or 0) + value)
+    def add(self, **values: float) -> LoadMeasures:
+        """These measures with the named ones summed into (counts and costs
+        of a load's sources)."""
+        changes: dict[str, Any] = {name: (getattr(self, name) or 0) + value for name, value in values.items()}
+        return dataclasses.replace(self, **changes)
 
-    def at_least(self, **values: float) -> None:
-        """Keep the largest value of each named measure (times of sources that run side by side)."""
-        for name, value in values.items():
-            old = getattr(self, name)
-            setattr(self, name, value if old is None else max(old, value))
+    def at_least(self, **values: float) -> LoadMeasures:
+        """These measures keeping the largest value of each named one (times
+        of sources that run side by side)."""
+        changes: dict[str, Any] = {
+            name: value if getattr(self, name) is None else max(getattr(self, name), value)
+            for name, value in values.items()}
+        return dataclasses.replace(self, **changes)
+
+    def with_(self, **values: float) -> LoadMeasures:
+        """These measures with the named ones set."""
+        changes: dict[str, Any] = values
+        return dataclasses.replace(self, **changes)
+
+    def measured(self) -> dict[str, Any]:
+        """The measures taken so far, by name."""
+        return {name: getattr(self, name) for name in _MEASURED if getattr(self, name) is not None}
 
 
 _MEASURED = tuple(f.name for f in dataclasses.fields(LoadMeasures))
 _INT_FIELDS = frozenset({"num_blocks", "block_runs", "nbytes", "num_descs", "ops_posted", "nbytes_skipped"})
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class LoadRecord:
-    """One finished load."""
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LoadRecord(LoadMeasures):
+    """One finished load: its measures and its outcome."""
 
     request_id: str
     ok: bool
     total_s: float
     error: str | None = None
-    handshake_s: float | None = None
-    num_blocks: int | None = None
-    block_runs: int | None = None
-    plan_s: float | None = None
-    post_s: float | None = None
-    nbytes: int | None = None
-    num_descs: int | None = None
-    ops_posted: int | None = None
-    transfer_s: float | None = None
-    confirm_s: float | None = None
-    nbytes_skipped: int | None = None
 
     @classmethod
     def of(cls, request_id: str, measures: LoadMeasures, *, ok: bool, total_s: float,
            error: str | None) -> LoadRecord:
-        return cls(request_id, ok, total_s, error or None,
-                   **{name: getattr(measures, name) for name in _MEASURED})
+        return cls(request_id=request_id, ok=ok, total_s=total_s, error=error or None, **measures.measured())
 
     def to_dict(self) -> dict[str, Any]:
         """The boundary form: only the fields the load measured."""
-        out: dict[str, Any] = {name: getattr(self, name) for name in _MEASURED
-                               if getattr(self, name) is not None}
+        out = self.measured()
         out.update(request_id=self.request_id, ok=self.ok, total_s=self.total_s)
         if self.error:
             out["error"] = self.error
@@ -117,9 +119,9 @@ class LoadRecord:
         if unknown:
             raise ValueError(f"unknown load record key(s) {sorted(unknown)}; valid: {sorted(_RECORD_KEYS)}")
         measured: dict[str, Any] = {name: (int(data[name]) if name in _INT_FIELDS else float(data[name]))
-                    for name in _MEASURED if data.get(name) is not None}
-        return cls(str(data.get("request_id", "")), bool(data.get("ok")), float(data.get("total_s", 0.0)),
-                   data.get("error") or None, **measured)
+                                    for name in _MEASURED if data.get(name) is not None}
+        return cls(request_id=str(data.get("request_id", "")), ok=bool(data.get("ok")),
+                   total_s=float(data.get("total_s", 0.0)), error=data.get("error") or None, **measured)
 
 
 _RECORD_KEYS = frozenset(f.name for f in dataclasses.fields(LoadRecord))
