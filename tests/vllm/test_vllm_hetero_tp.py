@@ -12,8 +12,9 @@ workers with one OpenMP thread each), shared by the tests of this module:
 
 Checks: P2 -> D1 and P1 -> D2 decode exactly like a plain TP=1 engine; the
 control changes every output in both directions (so the KV really crossed);
-a producer killed before the reads leaves the TP=2 decode recomputing
-(same output, every block back, no hang); a model with one KV head served
+a producer killed before any contact, and one killed after a good load
+(connections up), leave the TP=2 decode recomputing (same output, every
+block back, no hang); a model with one KV head served
 at TP=2 (each rank a replica of it) decodes like plain.
 
     .venv-vllm/bin/python -m pytest tests/vllm/test_vllm_hetero_tp.py -q
@@ -111,16 +112,35 @@ def test_prefill_tp1_decode_tp2(engines) -> None:
 
 
 def test_producer_killed_tp2_decode_recomputes(engines, dirs) -> None:
+    """A TP=1 producer both TP=2 decode ranks read from dies twice over:
+    once before any contact (the handshake fails), once after a good load
+    (the ranks' endpoints and side-channel connections are up, so its
+    death is met by reads or CONFIRMs in flight). Each time: the decode
+    recomputes the same output, every decode block comes back, no hang."""
     idle = engines["tp2"].free_blocks(settle_s=10.0)
-    doomed = engine("doomed", dirs["a"], dirs["logs"])
+    never_met = engine("doomed", dirs["a"], dirs["logs"])
     try:
-        doomed.start(config("kv_producer"), model=MODEL)
-        params = prefill(doomed)
+        never_met.start(config("kv_producer"), model=MODEL)
+        params = prefill(never_met)
     finally:
-        doomed.kill()  # SIGKILL before any read
-    reply = engines["tp2"].generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)
-    assert tokens(reply) == engines["plain"]
+        never_met.kill()  # SIGKILL before any read
+    assert tokens(engines["tp2"].generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)) \
+        == engines["plain"]
     assert f"handshake with 127.0.0.1:{params[0]['remote_port']} failed" in engines["tp2"].log()
+    assert engines["tp2"].free_blocks(settle_s=10.0) == idle, "the failed loads stranded decode blocks"
+
+    met = engine("doomed-after-contact", dirs["a"], dirs["logs"])
+    try:
+        met.start(config("kv_producer"), model=MODEL)
+        assert tokens(engines["tp2"].generate(PD_PROMPTS, max_tokens=MAX_TOKENS,
+                                              kv_transfer_params=prefill(met))) == engines["plain"]
+        failures = engines["tp2"].log().count("KV load failed")
+        params = prefill(met)
+    finally:
+        met.kill()  # SIGKILL with both decode ranks connected to it
+    assert tokens(engines["tp2"].generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)) \
+        == engines["plain"]
+    assert engines["tp2"].log().count("KV load failed") > failures, "a dead producer's blocks were used"
     assert engines["tp2"].free_blocks(settle_s=10.0) == idle, "the failed loads stranded decode blocks"
     # Everything is usable afterwards: a good load still matches.
     assert tokens(engines["tp2"].generate(PD_PROMPTS, max_tokens=MAX_TOKENS,
