@@ -236,11 +236,14 @@ def abort_while_reading(rng, link, trials, cut=False):
         for trial in range(trials):
             batch = prompts(rng, f"a{trial}-", 3)
             params = prefill(p, batch)
-            link.throttle(PRODUCER, 16)
+            link.throttle(PRODUCER, 8)  # ~2 s for the batch's 1.9 MiB
             try:
                 submit(d, batch, params)
-                d.wait_status(lambda s: s["inflight_loads"] == len(batch), timeout_s=10)
-                time.sleep(float(rng.uniform(0.05, 0.5)))
+                # Every load's reads posted (not a guessed sleep: on a loaded
+                # host the handshakes alone can outlast one), then the abort
+                # at a random point early in the reads.
+                d.wait_status(lambda s: set(batch) <= set(s["reading_ids"]), timeout_s=20)
+                time.sleep(float(rng.uniform(0.0, 0.2)))
                 for rid in batch:
                     d.abort(rid)
                 t0, sent0 = time.monotonic(), link.tx_bytes(PRODUCER)

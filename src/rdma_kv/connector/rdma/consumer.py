@@ -485,8 +485,7 @@ class RdmaConsumer:
                                     load.spec.request_id, load.error)
         self._release_sources(load)
         if load.aborted:
-            self._loads.pop(load.spec.request_id, None)
-            self._aborted_done.add(load.spec.request_id)
+            self._hand_back(load.spec.request_id)
         else:
             self._finished.append(load)
 
@@ -494,24 +493,28 @@ class RdmaConsumer:
         if not load.stage.terminal:
             self._release_sources(load)
         load.stage = DONE
-        self._loads.pop(load.spec.request_id, None)
-        self._aborted_done.add(load.spec.request_id)
+        self._hand_back(load.spec.request_id)
         self._stats.counters["loads_aborted"] += 1
+
+    def _hand_back(self, rid: RequestId) -> None:
+        """An aborted request's blocks go back to the scheduler at the next
+        ``get_finished`` (its ``finished_sending``)."""
+        self._loads.pop(rid, None)
+        self._aborted_done.add(rid)
 
     def _abort(self, rid: RequestId) -> None:
         """The scheduler finished ``rid`` while its load was handed to us."""
         with self._lock:
             load = self._loads.get(rid)
             if load is None:
-                self._aborted_done.add(rid)  # nothing in flight: hand the blocks back now
+                self._hand_back(rid)  # nothing in flight
                 return
             load.aborted = True
             if not load.read_resolved:
                 return  # _on_read_done finishes it once no read can land
             if load.stage.terminal:
                 self._finished = [ld for ld in self._finished if ld is not load]
-                self._loads.pop(rid, None)
-                self._aborted_done.add(rid)
+                self._hand_back(rid)
                 return
             self._finish_aborted(load)
 
