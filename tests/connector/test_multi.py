@@ -181,6 +181,26 @@ def test_kv_transfer_params_are_combined_and_clashes_rejected():
         sched.request_finished(Request("r", [1]), [0])
 
 
+def test_request_finished_all_groups_reaches_every_child():
+    """vLLM's hybrid-memory call: each child gets the block ids per group;
+    delays and params merge as for ``request_finished``."""
+    sched, _ = pair(fake_child(delay_free=True, params={"a": 1}), fake_child(params={"b": 2}))
+    # Children of one group (the base default) take a single group ...
+    assert sched.request_finished_all_groups(Request("r", [1]), ([4, 5],)) == (True, {"a": 1, "b": 2})
+    assert sched.build_connector_meta(SchedulerOutput()).delayed_sends == {"r": (0,)}
+    # ... and refuse several, naming themselves.
+    with pytest.raises(ConfigError, match="FakeConnector supports one KV-cache group, got block ids of 2"):
+        sched.request_finished_all_groups(Request("s", [1]), ([4], [5]))
+    # Children that handle groups see every group, not the first.
+    seen = []
+    for index, child in enumerate(sched.children):
+        child.request_finished_all_groups = (
+            lambda request, ids, index=index: seen.append((index, [list(g) for g in ids])) or (index == 1, None))
+    assert sched.request_finished_all_groups(Request("t", [1]), ([4], [5, 6])) == (True, None)
+    assert seen == [(0, [[4], [5, 6]]), (1, [[4], [5, 6]])]
+    assert sched.build_connector_meta(SchedulerOutput()).delayed_sends == {"t": (1,)}
+
+
 def test_load_errors_are_combined():
     _, worker = pair(fake_child(), fake_child())
     worker.children[0].load_errors.update({1, 2})

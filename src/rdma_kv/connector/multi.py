@@ -13,6 +13,8 @@ it sets its own):
   free, and the request counts as finished sending only when every child
   that delayed it has reported it in ``done_sending`` (the scheduler side
   tells the workers which children those are, through the step metadata);
+  ``request_finished_all_groups`` (several KV-cache groups) follows the
+  same rules, each child given every group;
 - ``kv_transfer_params`` of the children are combined (a key set by two
   children is a configuration error), as are load errors, handshake
   metadata (per child) and stats.
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rdma_kv.connector.base import (
@@ -266,12 +268,26 @@ class MultiConnector(KVConnectorBase):
     def request_finished(
         self, request: Request, block_ids: Sequence[BlockId]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return self._finished(request, lambda child: child.request_finished(request, block_ids))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: Sequence[Sequence[BlockId]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Every child hears the request's block ids per KV-cache group (a
+        child of one group takes a single group and refuses several)."""
+        return self._finished(request, lambda child: child.request_finished_all_groups(request, block_ids))
+
+    def _finished(
+        self, request: Request, finish: Callable[[KVConnectorBase], tuple[bool, dict[str, Any] | None]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Tell every child; delay the free while any child delays it, and
+        merge the children's params (a key set by two children is an error)."""
         self._load_child.pop(request.request_id, None)
         delaying: list[int] = []
         params: dict[str, Any] | None = None
         owner: dict[str, str] = {}
         for index, child in enumerate(self._children):
-            delay, child_params = child.request_finished(request, block_ids)
+            delay, child_params = finish(child)
             if delay:
                 delaying.append(index)
             if child_params:
