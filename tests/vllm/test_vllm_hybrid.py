@@ -4,9 +4,10 @@ full-attention layer, with vLLM's hybrid KV-cache manager left on.
 The tiny Llama gets ``layer_types = [sliding, full, sliding]`` and a
 window of 32 tokens (block size 32), so vLLM runs three KV-cache groups
 (one per layer here) and frees a sliding layer's blocks once they leave
-the window. Prompts of 7, 32 (exactly one window), 37, 64 and 100 tokens:
-the longer ones have blocks outside the window, which the connector must
-not read (and the decode engine does not even keep).
+the window. Prompts of 7, 32 (exactly one window), 37, 63, 64, 95 and 100
+tokens: the longer ones have blocks outside the window, which the
+connector must not read (and the decode engine does not even keep); at 63
+and 95 the window starts exactly on a block boundary.
 
 ``test_hybrid_pd_matches_plain_with_hma_on`` (the four engines start
 together, each a separate process):
@@ -48,12 +49,17 @@ WINDOW = 32
 HYBRID = {"num_layers": 3, "sliding_window": WINDOW,
           "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
 _COUNT = "one two three four five six seven eight nine ten".split()
-# BOS + one token per word: 7, 32, 37, 64 and 100 tokens.
+# BOS + one token per word: 7, 32, 37, 63, 64, 95 and 100 tokens. At 63
+# and 95, P - W + 1 is a multiple of the block size: the window of the
+# last prompt token starts exactly on a block boundary, so an off-by-one in
+# which blocks the window needs drops (or keeps) a whole block.
 PROMPTS = (
     "the cat sat on the mat",
     " ".join((_COUNT * 4)[:31]),
     " ".join(["a quick brown fox jumps over the lazy dog"] * 4),
+    " ".join((_COUNT * 7)[:62]),
     " ".join((_COUNT * 7)[:63]),
+    " ".join((_COUNT * 10)[:94]),
     " ".join((_COUNT * 10)[:99]),
 )
 MAX_TOKENS = 8
@@ -108,7 +114,7 @@ def test_hybrid_pd_matches_plain_with_hma_on(tmp_path_factory: pytest.TempPathFa
         reply = plain_engine.generate(PROMPTS, max_tokens=MAX_TOKENS)
         plain_engine.close()
         lengths = [len(o["prompt_token_ids"]) for o in reply["outputs"]]
-        assert lengths == [7, 32, 37, 64, 100], lengths
+        assert lengths == [7, 32, 37, 63, 64, 95, 100], lengths
         assert lengths[-1] > WINDOW + BLOCK_SIZE  # at least one whole block outside the window
         plain = tokens(reply)
 
