@@ -5,7 +5,8 @@ process that "read" with ``ctypes.memmove``. Implements
 Scripting: ``FakeFabric.hold = True`` keeps transfers pending until
 ``release_all()``; ``kill(name)`` fails that agent's pending transfers and
 makes later reads from it fail (a dead peer); ``fail_next`` fails the next
-read.
+read; ``on_prep(agent_name)``, when set, runs inside ``prep_local`` and
+``prep_remote`` (where the real transport takes its own lock).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class FakeFabric:
         self.hold = False
         self.pending = []
         self.fail_next = 0
+        self.on_prep = None
         self.reads = 0
         self.lock = threading.Lock()
 
@@ -140,9 +142,13 @@ class FakeTransport:
 
     def prep_local(self, descs):
         assert isinstance(descs, DescList)
+        if self.fabric.on_prep is not None:
+            self.fabric.on_prep(self.name)
         return FakePrep(descs, None)
 
     def prep_remote(self, peer, descs):
+        if self.fabric.on_prep is not None:
+            self.fabric.on_prep(self.name)
         if peer not in self.peers:
             raise PeerError(f"fake: unknown peer {peer!r}")
         return FakePrep(descs, peer)

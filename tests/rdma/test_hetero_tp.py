@@ -5,6 +5,8 @@ verified bit for bit on every consumer rank. One case runs over real UCX."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from rdma_testutil import wait_until
@@ -114,6 +116,46 @@ def test_a_dead_producer_rank_fails_the_load_and_the_request_recomputes(rng):
         for part in dep.D.ranks:
             wait_until(lambda: part.worker.worker.num_inflight() == 0, step=dep.pump, what="no load left")
     finally:
+        dep.close()
+
+
+def test_tables_are_prepared_without_the_consumers_lock(rng):
+    """The transport runs due completion callbacks, which take the consumer's
+    lock, while it holds its own lock, and preparing tables takes the
+    transport's lock (transport/agent.py, lock order). So the consumer must
+    never prepare tables while holding its own lock: with two sources
+    (P2 -> D1) one source's reads completing while the other's tables were
+    prepared deadlocked the engine. Every prep checks, from another thread,
+    that the consumer's lock can be taken."""
+    fabric = FakeFabric()
+    dep = Deployment(2, 1, 4, {"transport_factory": fabric.factory})
+    locks = [r.worker.worker._consumer._lock for r in dep.D.ranks]
+    preps, held = [], []
+
+    def check(agent: str) -> None:
+        for lock in locks:
+            taken: list[bool] = []
+
+            def take(lock=lock, taken=taken) -> None:
+                taken.append(lock.acquire(timeout=2.0))
+                if taken[0]:
+                    lock.release()
+
+            thread = threading.Thread(target=take)
+            thread.start()
+            thread.join(5.0)
+            preps.append(agent)
+            if taken != [True]:
+                held.append(agent)
+
+    fabric.on_prep = check
+    try:
+        results = dep.run(prompts(rng, 3))
+        assert all(r.status.value == "finished" and not r.load_failed for r in results.values())
+        assert preps, "no table was prepared: the check did not run"
+        assert not held, f"tables prepared under the consumer's lock (agents {sorted(set(held))})"
+    finally:
+        fabric.on_prep = None
         dep.close()
 
 
