@@ -224,6 +224,20 @@ rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
  * progress call plus its wake-up). */
 void rk_pump_stop(rk_pump_t *pump);
 
+/* Add delta (+1 / -1) to the pump's hold count: while it is above zero the
+ * pump does not progress its worker (a striped post holds each lane it
+ * posts on; tests hold a pump to stand for one that is never scheduled). */
+void rk_pump_hold(rk_pump_t *pump, int delta);
+
+/* Progress the pump's worker on the calling thread (at most max_rounds
+ * rounds, as rk_progress) if the pump is not progressing it right now;
+ * returns the events handled, 0 if the pump was. While the caller helps,
+ * the pump keeps off the worker (as while a poster holds it). A poller
+ * whose own worker is idle calls it: a lane's part then moves on the
+ * poller's CPU instead of waiting for the pump's thread to be woken and
+ * scheduled. */
+uint64_t rk_pump_help(rk_pump_t *pump, uint64_t max_rounds);
+
 /* The pump thread's kernel thread id (/proc/self/task/<tid>); set before
  * rk_pump_start returns. */
 int rk_pump_tid(const rk_pump_t *pump);
