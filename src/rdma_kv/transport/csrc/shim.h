@@ -116,7 +116,8 @@ typedef struct rk_stripe {
  * parts of about equal bytes at 4 KiB boundaries (a descriptor may be
  * cut), each posted on its worker -- the lanes' first (each lane's pump
  * held off its worker and kicked before anything is posted, released once
- * its part is posted, then signalled), the own worker's last. One batch:
+ * its part is posted; a lane without a pump is signalled then), the own
+ * worker's last. One batch:
  * it completes when every operation on every worker has (the count is
  * atomic; the pumps complete operations on their threads). With flush
  * set, an endpoint flush is posted on every worker's endpoint that carried
