@@ -422,3 +422,33 @@ def test_explicit_transfers_are_striped_too(make_agent, rng, op):
     assert notified.wait(WAIT_S).worker_ops == (1, 1, 1) and notified.ops_posted == 3
     collect_notifications(pair.a, [], b"n", WAIT_S)
     assert src.stats["failed"] == dst.stats["failed"] == 0
+
+
+def test_a_polling_caller_moves_the_part_of_a_lane_whose_pump_does_not_run(make_agent, rng):
+    """A poller whose own worker is idle progresses a lane's worker itself
+    (rk_pump_help) while that lane's pump is not progressing it. The pumps
+    are held off their workers for the whole test, standing for pumps
+    asleep or never scheduled on a loaded host: the striped transfers still
+    complete, bit-exact, with every worker carrying a part."""
+    pair = connect(make_agent, lanes=3, lane_min_bytes=BLOCK, progress="poll")
+    local, remote = prepared(pair)
+    lib = load()[1]
+    pumps = [lane.pump.handle for lane in pair.b._lanes]
+    for pump in pumps:
+        lib.rk_pump_hold(pump, 1)
+    try:
+        for k in range(5):
+            idx = rng.permutation(SLOTS)[: int(rng.integers(SLOTS // 2, SLOTS))]
+            pair.buf_b[:] = 0
+            xfer = pair.b.read_prepared(local, idx, remote, idx, notify=b"r%d" % k)
+            # done() progresses b (and helps its lanes); a, polling too, must
+            # progress for the notification's send to complete.
+            wait_until(xfer.done, WAIT_S, f"striped read {k} with every pump held", drive=[pair.a])
+            xfer.wait(0)
+            assert len(xfer.worker_ops) == 3 and min(xfer.worker_ops) > 0
+            got = pair.buf_b.reshape(SLOTS, BLOCK)
+            np.testing.assert_array_equal(got[idx], pair.buf_a.reshape(SLOTS, BLOCK)[idx])
+    finally:
+        for pump in pumps:
+            lib.rk_pump_hold(pump, -1)
+    collect_notifications(pair.a, [b"r%d" % k for k in range(4)], b"r4", WAIT_S)

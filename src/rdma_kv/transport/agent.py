@@ -116,6 +116,7 @@ class Agent:
             self._routes = Routes(name, cfg.lane_min_bytes, epoch, self._memory, self._peers, lanes, comp,
                                   self._worker, self._usable_peer)
             comp.start(self._peers, self._fail_peer, cuda)
+            comp.helpers = tuple(lane.pump.handle for lane in lanes if lane.pump is not None)
         except BaseException:
             self._abandon_init(lanes)
             raise
@@ -126,6 +127,7 @@ class Agent:
         if comp is not None:
             comp.begin_close()
             comp.stop_progress()
+            comp.helpers = ()
         if lanes is not None:
             lanes.close()
         if comp is not None:
@@ -303,6 +305,8 @@ class Agent:
         with self._lock:
             # The lanes' pumps still run: they progress their share meanwhile.
             callbacks = comp.drain_for_close(f"agent {self.name!r} closed")  # also closes lane endpoints
+        with self._lock:
+            comp.helpers = ()  # the pumps stop next
         self._lanes.close()  # their workers go before the context
         with self._lock:
             callbacks += comp.close()

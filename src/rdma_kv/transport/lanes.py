@@ -15,13 +15,20 @@ lists then serve as the tables) is *striped*: one C call
 (``rk_post_indexed`` over ``rk_stripe_parts`` workers) cuts the byte stream
 of its index pairs into parts of about equal bytes (at 4 KiB boundaries,
 so one 256 MiB descriptor is cut too) and posts each part on
-its worker's endpoint -- the lanes' parts first, each lane signalled as
-soon as its part is posted, the agent's own part last. It is still *one*
+its worker's endpoint -- the lanes' parts first (each lane's pump kicked
+awake before, held off its worker while its part is posted, released
+right after), the agent's own part last. It is still *one*
 batch and one ``Transfer``: its operation count is atomic, the pumps count
 down the lanes' operations on their threads, and whichever thread finishes
 the last one publishes the batch on the agent's completion ring and (a
 pump) signals the agent's worker. So the transfer resolves only once every
 operation on every worker has, and costs the caller one C call.
+
+A polling agent (``progress="poll"``) whose own worker is idle while a
+transfer is in flight progresses each lane's worker itself whenever that
+lane's pump is not progressing it at that moment (``rk_pump_help``; the
+completions call it): a pump asleep, or woken but not yet given a CPU,
+then costs the caller nothing, while a running pump is left alone.
 
 A notification is sent then, by that same thread, on the agent's own
 endpoint (so the agent's worker is ``UCS_THREAD_MODE_MULTI`` whenever it

@@ -106,6 +106,10 @@ class Completions:
         self._last_event = 0.0
         self._thread: threading.Thread | None = None
         self.pump: Pump | None = None
+        # The lanes' pumps (``rk_pump_t *``), set by the agent once they run and
+        # cleared before they stop: a polling caller whose own worker is idle
+        # progresses their workers itself (rk_pump_help).
+        self.helpers: tuple[Any, ...] = ()
         # progress="thread": the eventfd the pumps wake the service thread on.
         self.wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK) if cfg.progress == "thread" else -1
         self._peers: PeerTable | None = None
@@ -261,8 +265,20 @@ class Completions:
 
     def _progress_locked(self) -> int:
         """Progress the worker, then settle what it (or a pump) finished.
-        Returns events plus completions drained."""
-        return self._worker.progress() + self._service_locked()
+        Returns events plus completions drained.
+
+        With lanes, once the own worker is idle (its part of a striped
+        transfer is done) and transfers are in flight, the caller also
+        progresses each lane's worker that its pump is not progressing at
+        that moment: a pump asleep or not yet scheduled (a loaded host)
+        would otherwise leave the caller waiting for its wake-up while its
+        own CPU idles. A pump that is progressing is left alone."""
+        events = self._worker.progress()
+        if not events and self.helpers and self.inflight:
+            help_ = self._lib.rk_pump_help
+            for pump in self.helpers:
+                events += help_(pump, 1024)
+        return events + self._service_locked()
 
     def _service_locked(self) -> int:
         """Settle what progress produced: completions, notifications, failed

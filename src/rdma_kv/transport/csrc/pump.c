@@ -31,7 +31,9 @@ struct rk_pump {
     int steered_from; /* the poster CPU it was last kept off, or -1 (posters
                        * touch it under their agent's lock) */
     cpu_set_t allowed; /* the CPUs the agent's creator could run on */
-    int hold;       /* > 0: a poster is posting on the worker; keep off it */
+    int hold;       /* > 0: a poster is posting on the worker, or a poller
+                     * progresses it (rk_pump_help); keep off it */
+    int busy;       /* 1 while the pump's thread is in ucp_worker_progress */
     uint64_t kicks; /* bumped by rk_pump_kick: stay awake for spin_ns */
     rk_cu_set_ctx_t set_ctx; /* NULL: no CUDA context to make current */
     void *cu_ctx;
@@ -67,6 +69,18 @@ static void rk_pump_steer(rk_pump_t *pump)
 void rk_pump_hold(rk_pump_t *pump, int delta)
 {
     __atomic_fetch_add(&pump->hold, delta, __ATOMIC_ACQ_REL);
+}
+
+uint64_t rk_pump_help(rk_pump_t *pump, uint64_t max_rounds)
+{
+    uint64_t events = 0;
+
+    __atomic_fetch_add(&pump->hold, 1, __ATOMIC_SEQ_CST);
+    if (!__atomic_load_n(&pump->busy, __ATOMIC_SEQ_CST)) {
+        events = rk_progress(pump->worker, max_rounds);
+    }
+    __atomic_fetch_sub(&pump->hold, 1, __ATOMIC_RELEASE);
+    return events;
 }
 
 void rk_pump_kick(rk_pump_t *pump)
@@ -145,9 +159,19 @@ static void *rk_pump_main(void *arg)
             last_event = rk_now_ns();
             continue;
         }
+        /* Claim the worker against rk_pump_help: store busy, then load
+         * hold; the helper stores hold, then loads busy. Sequentially
+         * consistent, so at least one of the two sees the other's store
+         * and never both progress at once. */
+        __atomic_store_n(&pump->busy, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&pump->hold, __ATOMIC_SEQ_CST) > 0) {
+            __atomic_store_n(&pump->busy, 0, __ATOMIC_RELEASE);
+            continue;
+        }
         if (ucp_worker_progress(pump->worker) != 0) {
             last_event = rk_now_ns();
         }
+        __atomic_store_n(&pump->busy, 0, __ATOMIC_RELEASE);
         stamp = rk_ctx_stamp(pump->watch);
         if (stamp != seen) {            /* something to settle */
             seen = stamp;

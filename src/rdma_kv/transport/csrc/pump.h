@@ -13,10 +13,6 @@ static inline void rk_cpu_relax(void)
 #endif
 }
 
-/* Add delta (+1 / -1) to the pump's hold count: while it is above zero the
- * pump does not progress its worker. */
-void rk_pump_hold(rk_pump_t *pump, int delta);
-
 /* A transfer is about to be striped onto this lane's worker: bind the
  * pump to the CPUs its creator had minus the caller's current CPU (see
  * pump.c) and wake it now, so that its wake-up (an interrupt to an idle

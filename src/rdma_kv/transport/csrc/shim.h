@@ -116,7 +116,8 @@ typedef struct rk_stripe {
  * parts of about equal bytes at 4 KiB boundaries (a descriptor may be
  * cut), each posted on its worker -- the lanes' first (each lane's pump
  * held off its worker and kicked before anything is posted, released once
- * its part is posted, then signalled), the own worker's last. One batch:
+ * its part is posted; a lane without a pump is signalled then), the own
+ * worker's last. One batch:
  * it completes when every operation on every worker has (the count is
  * atomic; the pumps complete operations on their threads). With flush
  * set, an endpoint flush is posted on every worker's endpoint that carried
@@ -223,6 +224,20 @@ rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
 /* Stop the pump's thread, join it and free the pump (bounded by one
  * progress call plus its wake-up). */
 void rk_pump_stop(rk_pump_t *pump);
+
+/* Add delta (+1 / -1) to the pump's hold count: while it is above zero the
+ * pump does not progress its worker (a striped post holds each lane it
+ * posts on; tests hold a pump to stand for one that is never scheduled). */
+void rk_pump_hold(rk_pump_t *pump, int delta);
+
+/* Progress the pump's worker on the calling thread (at most max_rounds
+ * rounds, as rk_progress) if the pump is not progressing it right now;
+ * returns the events handled, 0 if the pump was. While the caller helps,
+ * the pump keeps off the worker (as while a poster holds it). A poller
+ * whose own worker is idle calls it: a lane's part then moves on the
+ * poller's CPU instead of waiting for the pump's thread to be woken and
+ * scheduled. */
+uint64_t rk_pump_help(rk_pump_t *pump, uint64_t max_rounds);
 
 /* The pump thread's kernel thread id (/proc/self/task/<tid>); set before
  * rk_pump_start returns. */
