@@ -8,7 +8,7 @@ import json
 import pytest
 
 from rdma_kv.cli import main
-from rdma_kv.cli.bench import parse_kv_shape
+from rdma_kv.cli.bench import parse_kv_shape, perftest_sizes
 from rdma_kv.cli.info import parse_ucx_info
 from rdma_kv.errors import ConfigError
 
@@ -43,6 +43,13 @@ def test_kv_shape_parses_and_rejects_bad_input():
     for bad in ("4:16", "a:16:4096", "4:16:4096:sideways"):
         with pytest.raises(ConfigError, match="--kv-shape"):
             parse_kv_shape(bad)
+
+
+def test_perftest_sizes_take_units_and_none():
+    assert perftest_sizes("32768,256MiB") == [32768, 256 << 20]
+    assert perftest_sizes("") == perftest_sizes("none") == perftest_sizes(" None ") == []
+    with pytest.raises(ConfigError, match="--perftest: 'lots' is not a size.*none for no ucx_perftest"):
+        perftest_sizes("32KiB,lots")
 
 
 def test_unknown_option_is_rejected_outside_demo(capsys):

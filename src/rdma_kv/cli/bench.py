@@ -59,7 +59,8 @@ def add_parser(sub: Any) -> None:
                         "NixlConnector's reads carry; each target checks one arrived per repetition")
     p.add_argument("--no-cma", action="store_true", help="skip the batched process_vm_readv baseline")
     p.add_argument("--perftest", default="32768,268435456",
-                   help="ucx_perftest ucp_get message sizes in bytes, comma list ('' = none)")
+                   help="ucx_perftest ucp_get message sizes, comma list (bytes or KiB/MiB/GiB; "
+                        "'' or 'none': no ucx_perftest run)")
     p.add_argument("--json", metavar="PATH", help="also write all results as JSON")
     s = p.add_argument_group("descriptor-size sweep")
     s.add_argument("--sweep", action="store_true", help="run the descriptor-size sweep instead of the workloads")
@@ -83,6 +84,18 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--scale-backends", default="rdma-kv,nixl", help="comma list of rdma-kv, nixl (default both)")
     c.add_argument("--csv", metavar="PATH", help="with --scale: also write the table as CSV")
     p.set_defaults(run=run)
+
+
+def perftest_sizes(text: str) -> list[int]:
+    """``--perftest``: message sizes for ``ucx_perftest``; none for '' or 'none'."""
+    from rdma_kv.bench.sweep import parse_nbytes
+
+    if text.strip().lower() in ("", "none"):
+        return []
+    try:
+        return [parse_nbytes(v) for v in text.split(",") if v.strip()]
+    except ConfigError as exc:
+        raise ConfigError(f"--perftest: {exc}; or '' / none for no ucx_perftest run") from None
 
 
 def parse_kv_shape(text: str) -> Any:
@@ -150,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         if lanes > 1:  # the kernel's own copy with as many threads: what any N workers can reach
             backends.append(baselines.add_variant(f"cma-t{lanes}", "cma", threads=lanes))
     started = datetime.datetime.now()
-    sizes = [int(s) for s in args.perftest.split(",") if s]
+    sizes = perftest_sizes(args.perftest)
     bar = ProgressBar(len(workloads) * len(backends) * args.rounds + len(sizes), "rdma-kv bench")
 
     def progress(line: str) -> None:
