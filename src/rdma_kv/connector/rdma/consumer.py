@@ -416,10 +416,8 @@ class RdmaConsumer:
                      if src.stage is SourceStage.CONFIRMING and not ld.stage.terminal]
         if not batch:
             return
-        leases = [self._sources.of(ld, src)[1] for ld, src in batch]
-        request = wire.Confirm(wire.PROTOCOL_VERSION, [
-            wire.LeaseWire.of(lease.lease, lease.claim, reader=lease.reader, readers=lease.readers)
-            for lease in leases], release=True)
+        request = wire.Confirm(wire.PROTOCOL_VERSION, [self._sources.of(ld, src)[1].to_wire() for ld, src in batch],
+                               release=True)
         try:
             statuses = self._client(peer.address, peer.rank).lease_call(request).statuses
         except Exception as exc:

@@ -56,9 +56,7 @@ def call_lease_rpc(client: SideChannelClient, kind: type, address: PeerAddress,
     UNKNOWN) with its answers, or None if the call failed (logged at DEBUG:
     the leases expire on their own)."""
     try:
-        reply = client.lease_call(kind(wire.PROTOCOL_VERSION,
-                                       [wire.LeaseWire.of(r.lease, r.claim, r.reader, r.readers)
-                                        for r in leases]))
+        reply = client.lease_call(kind(wire.PROTOCOL_VERSION, [r.to_wire() for r in leases]))
     except Exception as exc:
         logger.debug("%s of %d lease(s) with %r failed (the leases expire on their own): %s",
                      kind.__name__, len(leases), address.engine_id, exc)

@@ -17,7 +17,7 @@ import dataclasses
 
 from rdma_kv.connector.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 from rdma_kv.connector.rdma.params import LeaseRef, RemotePrefillParams
-from rdma_kv.connector.rdma.wire import check_reader
+from rdma_kv.connector.rdma.wire import LeaseWire, check_reader
 from rdma_kv.connector.types import BlockId, EngineId, GroupBlockIds, RequestId, as_group_block_ids
 
 __all__ = [
@@ -67,6 +67,10 @@ class RemoteLease:
 
     def __post_init__(self) -> None:
         check_reader(self.reader, self.readers)
+
+    def to_wire(self) -> LeaseWire:
+        """The lease as a lease call carries it (RENEW, RELEASE, CONFIRM)."""
+        return LeaseWire.of(self.lease, self.claim, self.reader, self.readers)
 
 
 @dataclasses.dataclass(frozen=True)
