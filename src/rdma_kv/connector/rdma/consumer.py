@@ -188,19 +188,14 @@ class RdmaConsumer:
             load.sources = [Source(read, plan.readers[read.rank]) for read in plan.reads]
             release_only = [t for t in self._sources.targets(spec.remote_lease) if t[0] in plan.release_only]
             for src in load.sources:
-                key = self._peer_key(spec.peer, src.read.rank)
-                peer = self._peers.get(key)
+                peer = self._known_peer(spec.peer, src.read.rank, now)
                 if peer is not None and peer.state is PeerStage.FAILED:
-                    if now - peer.failed_at < PEER_RETRY_S:
-                        self._fail(load, f"producer {spec.peer.engine_id!r} rank {src.read.rank} is "
-                                         f"unavailable: {peer.error}")
-                        break
-                    del self._peers[key]
-                    peer = None
+                    self._fail(load, f"producer {spec.peer.engine_id!r} rank {src.read.rank} is "
+                                     f"unavailable: {peer.error}")
+                    break
                 if peer is None:
-                    peer = self._peers[key] = PeerState(spec.peer, src.read.rank)
+                    peer = self._connect(spec.peer, src.read.rank)
                     peer.waiting.append((load, src))
-                    self._executor.submit(self._handshake, peer)
                 elif peer.state is PeerStage.CONNECTING:
                     peer.waiting.append((load, src))
                 else:
@@ -228,21 +223,40 @@ class RdmaConsumer:
             return  # no plan: the load fails with the reason
         with self._lock:
             for rank in ranks:
-                key = self._peer_key(address, rank)
-                peer = self._peers.get(key)
-                if peer is not None and (peer.state is not PeerStage.FAILED
-                                         or self._clock() - peer.failed_at < PEER_RETRY_S):
+                if self._known_peer(address, rank, self._clock()) is not None:
                     continue
-                peer = self._peers[key] = PeerState(address, rank)
-                self._stats.counters["preconnects"] += 1
                 try:
-                    self._executor.submit(self._handshake, peer)
+                    self._connect(address, rank)
                 except RuntimeError:  # the executor is shut down: closing
-                    del self._peers[key]
                     return
+                self._stats.counters["preconnects"] += 1
 
     def _peer_key(self, address: PeerAddress, rank: int) -> PeerKey:
         return (address.engine_id, *address.rank_address(rank))
+
+    def _known_peer(self, address: PeerAddress, rank: int, now: float) -> PeerState | None:
+        """The peer for producer rank ``rank`` at ``address``, if any: a FAILED
+        one only within ``PEER_RETRY_S`` of its failure (an older one is
+        forgotten, so the caller handshakes again). Called with the lock held."""
+        key = self._peer_key(address, rank)
+        peer = self._peers.get(key)
+        if peer is not None and peer.state is PeerStage.FAILED and now - peer.failed_at >= PEER_RETRY_S:
+            del self._peers[key]
+            return None
+        return peer
+
+    def _connect(self, address: PeerAddress, rank: int) -> PeerState:
+        """A new CONNECTING peer, its handshake submitted to the RPC threads
+        (RuntimeError, and no peer, once they are shut down). Called with the
+        lock held."""
+        key = self._peer_key(address, rank)
+        peer = self._peers[key] = PeerState(address, rank)
+        try:
+            self._executor.submit(self._handshake, peer)
+        except RuntimeError:
+            del self._peers[key]
+            raise
+        return peer
 
     def _client(self, address: PeerAddress, rank: int) -> SideChannelClient:
         return self._clients.get(*address.rank_address(rank))
