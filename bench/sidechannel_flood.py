@@ -48,7 +48,8 @@ import subprocess
 import time
 
 from rdma_kv.connector.rdma import auth, wire
-from rdma_kv.connector.rdma.sidechannel import SideChannelClient, SideChannelServer
+from rdma_kv.connector.rdma.sidechannel import SideChannelServer
+from rdma_kv.connector.rdma.sideclient import SideChannelClient
 
 SECRET = b"flood-benchmark-secret-0123456789abcdef"
 ATTACKER, CONSUMER = "127.0.0.2", "127.0.0.1"
@@ -66,6 +67,9 @@ class CannedHandler:
         return wire.LeaseReply([wire.LeaseStatus.HELD] * len(request.leases), 30.0)
 
     on_confirm = on_release = on_renew
+
+    def holds(self, leases: object) -> bool:
+        return True  # every lease it answered HELD lives
 
 
 class CountingHandler(logging.Handler):

@@ -3,7 +3,9 @@ same kv_transfer_params loaded twice (a router retry on another engine, or
 a second request on the same engine), before and after the first load
 released them and the producer reused the blocks; a peer that releases a
 lease it was never handed (the next generation, guessed) or a lease
-another consumer claimed; a lease forced to expire mid-read.
+another consumer claimed; a lease forced to expire mid-read; a client that
+edits its own genuine params to name another request's blocks, while that
+request's lease is live and after its blocks were released and reused.
 
 Every load ends verified bit-exact or as a load error (recomputed), never
 as data read from reused blocks and accepted. The default run does a cut of
@@ -22,7 +24,7 @@ from faults_util import BS, SHAPE, check_loaded, config, prefill
 
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.params import LeaseRef, parse_kv_transfer_params
-from rdma_kv.connector.rdma.sidechannel import SideChannelClient
+from rdma_kv.connector.rdma.sideclient import SideChannelClient
 from rdma_kv.harness.process import EngineProcess
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
@@ -132,7 +134,7 @@ def advance_release(race, rng):
     outcomes = [race.load(race.d1, warm, warm_prompt, warm_params)]
     seen = parse_kv_transfer_params(warm_params).lease
     (rid, prompt), = race.prompts(rng).items()
-    guess = LeaseRef(seen.epoch, seen.generation + 1, rid, secrets.token_bytes(16))
+    guess = LeaseRef(seen.epoch, seen.generation + 1, rid, secrets.token_bytes(16), seen.binding)
     assert race.third_party(wire.Confirm, guess) is UNKNOWN
     assert race.third_party(wire.Release, guess) is UNKNOWN
     params = prefill(race.p, {rid: prompt})[rid]
@@ -160,6 +162,52 @@ def third_party_release(race, rng):
     outcome = check_loaded(rid, race.d1.wait_results([rid], timeout_s=30)[rid])
     assert outcome == "verified"
     return [outcome]
+
+
+def _pointed_at(own, victim):
+    """``own`` params (genuine: a client's own prefill) edited to name the
+    blocks of ``victim``: what a client of the decode server can send, since
+    vLLM's OpenAI server accepts kv_transfer_params in the request body."""
+    return {**own, "remote_block_ids": victim["remote_block_ids"]}
+
+
+def _two_prompts_of_one_length(race, rng):
+    (victim, victim_prompt), (attacker, attacker_prompt) = race.prompts(rng, 2).items()
+    attacker_prompt = (attacker_prompt + victim_prompt)[:len(victim_prompt)]
+    attacker_prompt[-1] = victim_prompt[-1] % 998 + 1  # differs in the last block at least
+    return victim, victim_prompt, attacker, attacker_prompt
+
+
+def forged_ids_live(race, rng):
+    """The victim's lease is live (prefilled, not yet loaded): a client loads
+    its own params pointed at the victim's blocks. A load error; the
+    victim's load that follows is verified."""
+    victim, victim_prompt, attacker, attacker_prompt = _two_prompts_of_one_length(race, rng)
+    params = prefill(race.p, {victim: victim_prompt, attacker: attacker_prompt})
+    assert params[victim]["remote_block_ids"] != params[attacker]["remote_block_ids"]
+    d, other = (race.d1, race.d2) if rng.random() < 0.5 else (race.d2, race.d1)
+    forged = race.load(d, attacker, attacker_prompt, _pointed_at(params[attacker], params[victim]))
+    assert forged == "load_error", "params pointed at another request's blocks were accepted"
+    honest = race.load(other, victim, victim_prompt, params[victim])
+    assert honest == "verified", "the victim's own load suffered from the forgery"
+    # The attacker's own lease was never claimed by the forgery: it expires or is released.
+    race.p.call("expire_leases")
+    return [forged, honest]
+
+
+def forged_ids_after_reuse(race, rng):
+    """The victim loaded, released; its blocks reused. A client's own params,
+    pointed at those blocks: a load error."""
+    victim, victim_prompt, attacker, attacker_prompt = _two_prompts_of_one_length(race, rng)
+    params = prefill(race.p, {victim: victim_prompt})
+    honest = race.load(race.d1, victim, victim_prompt, params[victim])
+    race.reuse()
+    params.update(prefill(race.p, {attacker: attacker_prompt}))
+    forged = race.load(race.d2, attacker, attacker_prompt, _pointed_at(params[attacker], params[victim]))
+    assert honest == "verified"
+    assert forged == "load_error", "params pointed at released, reused blocks were accepted"
+    race.p.call("expire_leases")
+    return [honest, forged]
 
 
 def expiry_mid_read(race, rng):
@@ -190,6 +238,8 @@ SCENARIOS = {
     "advance_release": advance_release,
     "third_party_release": third_party_release,
     "expiry_mid_read": expiry_mid_read,
+    "forged_ids_live": forged_ids_live,
+    "forged_ids_after_reuse": forged_ids_after_reuse,
 }
 
 

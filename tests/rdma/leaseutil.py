@@ -5,11 +5,11 @@ leases, and a snapshot of everything a call could change."""
 from __future__ import annotations
 
 from rdma_kv.connector.rdma.leases import LeaseCall, LeaseTable
-from rdma_kv.connector.rdma.params import LeaseRef, lease_token
+from rdma_kv.connector.rdma.params import LeaseRef, lease_binding, lease_token
 from rdma_kv.connector.rdma.wire import LeaseStatus
 
-HELD, PENDING, GONE, CLAIMED, UNKNOWN = (LeaseStatus.HELD, LeaseStatus.PENDING, LeaseStatus.GONE,
-                                         LeaseStatus.CLAIMED, LeaseStatus.UNKNOWN)
+HELD, PENDING, GONE, CLAIMED, UNKNOWN, FORGED = (LeaseStatus.HELD, LeaseStatus.PENDING, LeaseStatus.GONE,
+                                                 LeaseStatus.CLAIMED, LeaseStatus.UNKNOWN, LeaseStatus.FORGED)
 KEY = b"k" * 32
 EPOCH = 7
 A, B, C = b"A" * 16, b"B" * 16, b"C" * 16  # three consumers' claims
@@ -23,9 +23,17 @@ class Clock:
         return self.t
 
 
-def ref(gen, rid=None, epoch=EPOCH, key=KEY):
+def binding(blocks):
+    """The binding of a lease over ``blocks`` (one group) of producer "P"."""
+    return lease_binding("P", 1, 16 * len(blocks), (tuple(blocks),))
+
+
+def ref(gen, rid=None, epoch=EPOCH, key=KEY, blocks=None):
+    """A genuine lease ref: its token covers ``blocks`` (default: the ones
+    ``table_with`` grants it)."""
     rid = rid or f"r{gen}"
-    return LeaseRef(epoch, gen, rid, lease_token(key, epoch, gen, rid))
+    bound = binding(blocks if blocks is not None else (gen * 10, gen * 10 + 1))
+    return LeaseRef(epoch, gen, rid, lease_token(key, epoch, gen, rid, bound), bound)
 
 
 def call(gen, claim=A, **kw):

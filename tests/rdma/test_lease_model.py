@@ -12,7 +12,9 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from leaseutil import CLAIMED, EPOCH, GONE, HELD, KEY, PENDING, UNKNOWN, Clock, state
+import dataclasses
+
+from leaseutil import CLAIMED, EPOCH, FORGED, GONE, HELD, KEY, PENDING, UNKNOWN, Clock, binding, state
 from rdma_kv.connector.rdma.leases import LeaseCall, LeaseTable
 from rdma_kv.connector.rdma.params import LeaseRef, lease_token
 
@@ -23,24 +25,28 @@ class LeaseModel(RuleBasedStateMachine):
     own claim, several per lease: router retries and duplicate loads), each
     reading a lease from one to three of its ranks (the lease's readers) plus
     a stray rank that is not counted, reads, confirms and their retries,
-    renewals, releases, calls with another reader count, expiry, a restarted
-    scheduler, and a peer with forged tokens.
+    renewals, releases, calls with another reader count, expiry, the lease's
+    lifetime bound, reclaims by the scheduler, a restarted scheduler, a peer
+    with forged tokens, and holders of genuine params pointed at other
+    blocks (forged ids).
 
     Safety, per reader: a CONFIRM answers HELD to a rank's read only if none
     of the lease's blocks was ever freed before the first CONFIRM that rank
     sent after its read (its read's end). Release: an ended lease's blocks
     are handed back before its expiry only once every counted rank of its
     owner has released it, so no rank still reading loses them. Ownership: at
-    most one claim ever gets HELD for a lease. A forged call, and a call under
-    the owner's claim with another reader count, change nothing."""
+    most one claim ever gets HELD for a lease. A forged call, a genuine token
+    presented with other block ids, and a call under the owner's claim with
+    another reader count, change nothing."""
 
     TTL = 10.0
+    MAX = 25.0  # the lease's lifetime bound: reached within a run of 40 steps
     STRAY = 99  # a rank id the owner did not count among the lease's readers
 
     @initialize()
     def start(self):
         self.clock = Clock()
-        self.table = LeaseTable(self.clock)
+        self.table = LeaseTable(self.clock, max_s=self.MAX)
         self.epoch, self.key = EPOCH, KEY
         self.table.set_epoch(self.epoch, self.key)
         self.generation = 0
@@ -50,6 +56,8 @@ class LeaseModel(RuleBasedStateMachine):
         self.version = {}  # block id -> times it was freed
         self.next_block = 0
         self.expiry = {}  # ref -> when the table may expire it at the earliest
+        self.ends = {}  # ref -> its lifetime bound (grant + MAX)
+        self.reclaimed = set()  # refs the scheduler ended early
         self.requests = []  # dicts: ref, claim, readers, ranks: {rank: read_at, ended_at, released}
         self.owner = {}  # ref -> the request whose claim owns the lease
         self.held_by = {}  # ref -> claims that got HELD
@@ -63,9 +71,11 @@ class LeaseModel(RuleBasedStateMachine):
         for _ in range(n):
             self.generation += 1
             rid = f"r{self.generation}"
+            blocks = tuple(range(self.next_block, self.next_block + 2))
+            bound = binding(blocks)
             lease = LeaseRef(self.epoch, self.generation, rid,
-                             lease_token(self.key, self.epoch, self.generation, rid))
-            self.blocks[lease] = tuple(range(self.next_block, self.next_block + 2))
+                             lease_token(self.key, self.epoch, self.generation, rid, bound), bound)
+            self.blocks[lease] = blocks
             for b in self.blocks[lease]:
                 self.version[b] = 0
             self.next_block += 2
@@ -77,13 +87,15 @@ class LeaseModel(RuleBasedStateMachine):
         for lease in self.issued[self.shipped:self.shipped + n]:
             self.table.grant(lease, self.blocks[lease], self.TTL)
             self.expiry[lease] = self.clock.t + self.TTL
+            self.ends[lease] = self.clock.t + self.MAX
         self.shipped = min(len(self.issued), self.shipped + n)
 
     def _free(self, done):
         """The engine frees the blocks of every lease in ``done``, which are reused at once."""
         for lease in self.issued:
             if lease.request_id in done and lease.epoch == self.epoch:
-                if self.clock.t < self.expiry.get(lease, float("inf")):  # not expired: released
+                if (lease not in self.reclaimed
+                        and self.clock.t < self.expiry.get(lease, float("inf"))):  # not expired: released
                     owner = self.owner.get(lease)
                     assert owner is not None, f"{lease} ended unclaimed before its expiry"
                     reading = [r for r, s in owner["ranks"].items() if r != self.STRAY and not s["released"]]
@@ -147,7 +159,7 @@ class LeaseModel(RuleBasedStateMachine):
         status = self.table.renew(self._call(req, rank))[0]
         self._check(req, status)
         if status is HELD:
-            self.expiry[req["ref"]] = self.clock.t + self.TTL
+            self.expiry[req["ref"]] = min(self.clock.t + self.TTL, self.ends[req["ref"]])
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
@@ -204,7 +216,7 @@ class LeaseModel(RuleBasedStateMachine):
     def forged(self, data, kind):
         gen = data.draw(st.integers(1, self.generation + 3))
         token = data.draw(st.binary(min_size=16, max_size=16))
-        forged = [LeaseCall(LeaseRef(self.epoch, gen, f"r{gen}", token), b"\xff" * 16)]
+        forged = [LeaseCall(LeaseRef(self.epoch, gen, f"r{gen}", token, binding((gen,))), b"\xff" * 16)]
         self.table.expire()  # time's own effect, which any call applies first
         before = state(self.table)
         if kind == "confirm":
@@ -213,6 +225,35 @@ class LeaseModel(RuleBasedStateMachine):
             status = getattr(self.table, kind)(forged)[0]
         assert status is UNKNOWN
         assert state(self.table) == before, "a forged call changed the table"
+
+    @precondition(lambda self: self.shipped)
+    @rule(data=st.data())
+    def reclaim(self, data):
+        """The scheduler ends a lease early (memory pressure)."""
+        lease = data.draw(st.sampled_from(self.issued[:self.shipped]))
+        self.reclaimed.add(lease)
+        self.table.reclaim([lease.generation])
+
+    @precondition(lambda self: self.issued)
+    @rule(data=st.data(), kind=st.sampled_from(["renew", "confirm", "release"]))
+    def forged_ids(self, data, kind):
+        """A holder of genuine params (its own lease, under its own claim)
+        points them at other blocks: another lease's, or any."""
+        mine = data.draw(st.sampled_from(self.issued))
+        other = data.draw(st.sampled_from(self.issued))
+        bound = other.binding if other != mine else binding((10_000,))
+        req = self.owner.get(mine)
+        claim = req["claim"] if req is not None else b"\xfe" * 16
+        forged = [LeaseCall(dataclasses.replace(mine, binding=bound), claim)]
+        self.table.expire()
+        live = {lease.ref.generation for lease in self.table.leases()}
+        before = state(self.table)
+        if kind == "confirm":
+            status = self.table.confirm(forged, release=True)[0]
+        else:
+            status = getattr(self.table, kind)(forged)[0]
+        assert status is (FORGED if mine.generation in live else UNKNOWN), status
+        assert state(self.table) == before, "a call with forged block ids changed the table"
 
     @rule()
     def restart_scheduler(self):

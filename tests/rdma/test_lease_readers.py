@@ -18,7 +18,7 @@ from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.lease_rpc import call_lease_rpc
 from rdma_kv.connector.rdma.meta import PeerAddress, RemoteLease
 from rdma_kv.connector.rdma.params import parse_kv_transfer_params
-from rdma_kv.connector.rdma.sidechannel import SideChannelClient
+from rdma_kv.connector.rdma.sideclient import SideChannelClient
 from rdma_kv.harness.engine import Engine
 
 pytestmark = pytest.mark.timeout(60)

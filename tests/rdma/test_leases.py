@@ -5,9 +5,11 @@ property-based model of the whole life of leases is test_lease_model.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from leaseutil import A, B, C, CLAIMED, EPOCH, GONE, HELD, KEY, PENDING, UNKNOWN, Clock, call, rcall, ref, state, table_with
+from leaseutil import A, B, C, CLAIMED, EPOCH, FORGED, GONE, HELD, KEY, PENDING, UNKNOWN, Clock, call, rcall, ref, state, table_with
 from rdma_kv.connector.rdma import leases as leases_mod
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.leases import LeaseCall, LeaseTable
@@ -50,12 +52,12 @@ def test_a_confirm_claims_an_unclaimed_lease():
 def test_a_lease_never_granted_is_refused_and_nothing_recorded():
     table = table_with(1)
     before = state(table)
-    forged = [LeaseCall(LeaseRef(EPOCH, 2, "r2", b"\x01" * 16), C)]  # the next generation
+    forged = [LeaseCall(LeaseRef(EPOCH, 2, "r2", b"\x01" * 16, ref(2).binding), C)]  # the next generation
     assert table.confirm(forged, release=True) == [UNKNOWN]
     assert table.release(forged) == [UNKNOWN]
     assert table.renew(forged) == [UNKNOWN]
-    wrong_rid = [LeaseCall(LeaseRef(EPOCH, 1, "other", ref(1).token), C)]
-    assert table.confirm(wrong_rid, release=True) == [UNKNOWN]
+    wrong_rid = [LeaseCall(LeaseRef(EPOCH, 1, "other", ref(1).token, ref(1).binding), C)]
+    assert table.confirm(wrong_rid, release=True) == [FORGED]  # lease 1's genuine token, altered params
     assert state(table) == before
     # the real lease 2, when its grant arrives, is unaffected
     table.grant(ref(2), [5], 10.0)
@@ -67,7 +69,8 @@ def test_the_advance_release_attack_is_refused():
     # A peer that knows the epoch, the next generation and the request id
     # releases the lease before its grant: without the token it cannot.
     table = table_with(1)
-    guess = [LeaseCall(LeaseRef(EPOCH, 2, "victim", lease_token(b"x" * 32, EPOCH, 2, "victim")), C)]
+    bound = ref(2).binding
+    guess = [LeaseCall(LeaseRef(EPOCH, 2, "victim", lease_token(b"x" * 32, EPOCH, 2, "victim", bound), bound), C)]
     assert table.confirm(guess, release=True) == [UNKNOWN]
     table.grant(ref(2, rid="victim"), [20, 21], 10.0)
     assert table.take_done() == set(), "the victim's blocks were freed at their grant"
@@ -332,7 +335,7 @@ def test_reader_bounds_are_checked_in_process_and_on_the_wire(reader, readers):
         wire.LeaseWire.of(ref(1), A, reader, readers)
     r = ref(1)
     body = wire.encode(wire.Renew(wire.PROTOCOL_VERSION, [
-        wire.LeaseWire(r.epoch, r.generation, r.request_id, r.token, A, reader, readers)]))
+        wire.LeaseWire(r.epoch, r.generation, r.request_id, r.token, r.binding, A, reader, readers)]))
     field = "reader" if not 0 <= reader < 2**16 else "readers"
     with pytest.raises(MetadataError, match=rf"malformed side-channel request .*Expected `int` [<>]= \d+ .*"
                                             rf"\(lease 0, field '{field}'\)"):
@@ -343,3 +346,95 @@ def test_the_wire_carries_reader_and_readers():
     message = wire.Confirm(wire.PROTOCOL_VERSION, [wire.LeaseWire.of(ref(1), A, 7, 8)], release=True)
     decoded = wire.decode_request(wire.encode(message))
     assert decoded == message and decoded.leases[0].reader == 7 and decoded.leases[0].readers == 8
+
+
+# --- the binding: a lease covers exactly its blocks (issue 25) ------------------------------------------
+
+
+def test_a_genuine_token_pointed_at_another_leases_blocks_is_forged_and_changes_nothing():
+    # Lease 1 is the attacker's own, lease 2 the victim's, live. The attacker
+    # presents its genuine token with the victim's block ids.
+    table = table_with(1, 2)
+    assert table.renew(call(1, A)) == [HELD]  # the attacker's lease, claimed by it
+    before = state(table)
+    pointed = [LeaseCall(dataclasses.replace(ref(1), binding=ref(2).binding), A)]
+    for act in (lambda c: table.confirm(c, release=True), table.renew, table.release):
+        assert act(pointed) == [FORGED]
+    assert state(table) == before and table.stats["refused_forged"] == 3
+    # The victim's own load is unaffected, and so is the attacker's honest one.
+    assert table.confirm(call(2, B), release=True) == [HELD]
+    assert table.confirm(call(1, A), release=True) == [HELD]
+    assert table.take_done() == {"r1", "r2"}
+    # After both ended (blocks reused), the same forgery is refused too.
+    assert table.confirm(pointed, release=True) == [UNKNOWN]
+
+
+def test_forged_ids_on_a_lease_not_yet_shipped_are_refused_without_a_record():
+    table = table_with(1)
+    before = state(table)
+    forged = [LeaseCall(dataclasses.replace(ref(2), binding=ref(1).binding), A)]
+    assert table.confirm(forged, release=True) == [UNKNOWN]  # the grant is not here: cannot tell
+    assert state(table) == before
+    table.grant(ref(2), [20, 21], 10.0)
+    assert table.confirm(call(2, B), release=True) == [HELD]  # its real owner is unaffected
+
+
+# --- the lifetime bound, reclaims, the expiry heap -------------------------------------------------------
+
+
+def test_a_lease_renewed_forever_ends_at_its_lifetime_bound():
+    clock = Clock()
+    table = LeaseTable(clock, max_s=10.0)
+    table.set_epoch(EPOCH, KEY)
+    table.grant(ref(1), [10, 11], 2.0)
+    renewals = 0
+    while table.renew(call(1, A)) == [HELD]:
+        renewals += 1
+        clock.t += 1.0  # well within the TTL, every time
+        assert renewals < 100
+    assert renewals == 10  # granted at t, renewed at t..t+9; at t+10 its life is over
+    assert table.take_done() == {"r1"} and table.stats["lifetime"] == 1
+    assert table.stats.get("expired", 0) == 0
+    assert table.confirm(call(1, A), release=True) == [GONE]  # the owner's load is a load error
+
+
+def test_a_renewal_never_pushes_the_expiry_past_the_lifetime_bound():
+    clock = Clock()
+    table = LeaseTable(clock, max_s=5.0)
+    table.set_epoch(EPOCH, KEY)
+    table.grant(ref(1), [10], 4.0)
+    clock.t += 3.0
+    assert table.renew(call(1, A)) == [HELD]
+    assert table.leases()[0].expires_at == clock.t + 2.0  # capped at grant + 5, not now + 4
+    clock.t += 2.0
+    assert table.expire() == ["r1"] and table.stats["lifetime"] == 1
+
+
+def test_reclaimed_leases_end_for_everyone():
+    table = table_with(1, 2, 3)
+    assert table.renew(call(1, A)) == [HELD]
+    assert table.reclaim([1, 3, 99]) == ["r1", "r3"]  # 99 was never granted: passed over
+    assert table.take_done() == {"r1", "r3"} and table.stats["reclaimed"] == 2
+    assert table.confirm(call(1, A), release=True) == [GONE]
+    assert table.renew(call(3, B)) == [GONE]
+    assert table.confirm(call(2, B), release=True) == [HELD]
+    assert table.reclaim([2]) == []  # ended already
+
+
+def test_the_expiry_heap_stays_proportional_to_the_live_leases():
+    table = LeaseTable(Clock())
+    table.set_epoch(EPOCH, KEY)
+    for gen in range(1, 5001):  # granted and released at once, long before their expiry
+        table.grant(ref(gen), [gen], 30.0)
+        assert table.confirm(call(gen, A), release=True) == [HELD]
+    assert len(table) == 0 and table.heap_size() <= leases_mod.HEAP_SLACK
+    for gen in range(5001, 5101):  # live ones keep their entries
+        table.grant(ref(gen), [gen], 30.0)
+    assert 100 <= table.heap_size() <= 2 * 100 + leases_mod.HEAP_SLACK
+    table.expire(now=Clock().t + 31.0)
+    assert len(table) == 0 and table.take_done() >= {f"r{g}" for g in range(5001, 5101)}
+
+
+def test_the_lifetime_bound_must_be_positive():
+    with pytest.raises(ValueError, match="max lifetime must be > 0"):
+        LeaseTable(max_s=0)

@@ -10,6 +10,7 @@ from rdma_kv.connector.rdma.params import (
     LeaseRef,
     RemoteDecodeRequest,
     RemotePrefillParams,
+    lease_binding,
     parse_kv_transfer_params,
 )
 from rdma_kv.errors import ConfigError
@@ -29,8 +30,30 @@ def test_round_trip_and_never_mutates():
     parsed = parse_kv_transfer_params(params)
     assert params == before
     assert isinstance(parsed, RemotePrefillParams)
-    assert parsed.remote_block_ids == ((3, 4, 9),) and parsed.lease == LeaseRef(77, 5, "req-1", TOKEN)
+    binding = lease_binding("P", 1, 40, ((3, 4, 9),))
+    assert parsed.remote_block_ids == ((3, 4, 9),) and parsed.lease == LeaseRef(77, 5, "req-1", TOKEN, binding)
     assert parsed.to_dict() == params  # verbatim forwarding reproduces the same value
+
+
+@pytest.mark.parametrize("changes", [
+    {"remote_block_ids": [3, 4, 10]},  # another request's block
+    {"remote_block_ids": [3, 4]},  # fewer
+    {"remote_block_ids": [4, 3, 9]},  # reordered
+    {"remote_block_ids": [[3, 4, 9], []]},  # another group structure
+    {"remote_block_ids": [[3, 4], [9]]},
+    {"remote_num_tokens": 41},
+    {"remote_engine_id": "P2"},
+    {"tp_size": 2},
+])
+def test_the_binding_covers_every_field_that_says_what_to_read(changes):
+    genuine = parse_kv_transfer_params(producer_params()).lease
+    altered = parse_kv_transfer_params(producer_params(**changes)).lease
+    assert altered.binding != genuine.binding
+    # What does not say what to read (where to dial, the TTL) is not bound:
+    # another producer has another key; the TTL only paces renewals.
+    moved = parse_kv_transfer_params(producer_params(remote_host="10.0.0.9", remote_port=6000,
+                                                     remote_lease_ttl_s=5)).lease
+    assert moved.binding == genuine.binding
 
 
 def test_prefill_request_shapes_routers_send():

@@ -10,7 +10,8 @@ import msgspec
 import pytest
 
 from rdma_kv.connector.rdma import wire
-from rdma_kv.connector.rdma.sidechannel import SideChannelClient, SideChannelServer
+from rdma_kv.connector.rdma.sidechannel import SideChannelServer
+from rdma_kv.connector.rdma.sideclient import SideChannelClient
 from rdma_kv.errors import HandshakeError, MetadataError, PeerError
 
 pytestmark = pytest.mark.timeout(30)
@@ -29,6 +30,9 @@ class Handler:
 
     on_confirm = on_release = on_renew
 
+    def holds(self, leases):
+        return True  # every lease it answered HELD lives
+
 
 @pytest.fixture
 def server():
@@ -37,7 +41,7 @@ def server():
 
 
 def renew(n=1):
-    return wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, i + 1, f"r{i}", b"t" * 16, b"c" * 16) for i in range(n)])
+    return wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, i + 1, f"r{i}", b"t" * 16, b"b" * 16, b"c" * 16) for i in range(n)])
 
 
 def test_round_trip_and_refusal(server):

@@ -19,7 +19,8 @@ from rdma_testutil import decode_replies, frame, wait_until
 from rdma_kv.connector import KVTransferConfig
 from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.settings import RdmaSettings
-from rdma_kv.connector.rdma.sidechannel import SideChannelClient, SideChannelServer
+from rdma_kv.connector.rdma.sidechannel import SideChannelServer
+from rdma_kv.connector.rdma.sideclient import SideChannelClient
 from rdma_kv.errors import AuthenticationError, ConfigError, HandshakeError
 from rdma_kv.harness.engine import Engine, ModelShape
 
@@ -48,6 +49,9 @@ class Handler:
         return wire.LeaseReply([wire.LeaseStatus.HELD] * len(request.leases), 5.0)
 
     on_confirm = on_release = on_renew
+
+    def holds(self, leases):
+        return True  # every lease it answered HELD lives
 
 
 def secret(value=SECRET):
@@ -141,7 +145,7 @@ def test_right_secret_authenticates_both_ways(server, handler, caplog):
     try:
         reply = client.handshake(handshake())
         assert reply.agent_metadata == MARKER
-        assert client.lease_call(wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, 1, "r", b"t" * 16, b"c" * 16)])).statuses
+        assert client.lease_call(wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, 1, "r", b"t" * 16, b"b" * 16, b"c" * 16)])).statuses
     finally:
         client.close()
     assert server.stats["authenticated"] == 1 and server.stats["auth_failures"] == 0
@@ -257,7 +261,7 @@ def read_all(sock, timeout_s=5.0):
 @pytest.mark.parametrize("attack", ["wrong_proof", "empty_proof", "skip_auth", "no_hello",
                                     "version_1_handshake"])
 def test_refused_peer_receives_no_metadata(server, handler, attack):
-    sent_after = frame(handshake()) + frame(wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, 1, "r", b"t" * 16, b"c" * 16)]))
+    sent_after = frame(handshake()) + frame(wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, 1, "r", b"t" * 16, b"b" * 16, b"c" * 16)]))
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
         if attack == "no_hello":
             sock.sendall(sent_after)

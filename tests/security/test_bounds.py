@@ -139,7 +139,11 @@ def test_remote_block_ids_beyond_the_producer_cache_are_never_read(pair):
     pump_until(p, d, lambda: "r" in d.results and d.results["r"].status.value == "finished", "decode")
     assert d.results["r"].load_failed and d.results["r"].recomputed_from_block == 0
     assert fabric.reads == reads, "a read was posted for a block outside the producer's KV cache"
-    pump_until(p, d, lambda: not p.held, "the producer's lease released")
+    # The altered params cannot release the genuine lease (their RELEASE is
+    # refused FORGED): it is left to its TTL, here forced.
+    assert p.worker.worker.leases.stats["refused_forged"] >= 1 and p.held
+    p.worker.worker.leases.expire(now=float("inf"))
+    pump_until(p, d, lambda: not p.held, "the producer's lease expired")
 
 
 @pytest.mark.parametrize("local, remote", [
@@ -151,7 +155,7 @@ def test_step_metadata_with_bad_block_ids_posts_nothing(pair, local, remote):
     fabric, p, d = pair
     worker = d.worker.worker
     spec = LoadSpec("m", local, remote, PeerAddress("P", "127.0.0.1", p.worker.worker.side_channel_port, 1),
-                    LeaseRef(1, 1, "m", b"t" * 16), 30.0, b"c" * 16)
+                    LeaseRef(1, 1, "m", b"t" * 16, b"b" * 16), 30.0, b"c" * 16)
     reads = fabric.reads
     worker.on_step(RdmaConnectorMetadata(loads=(spec,)))
     done: set = set()

@@ -17,7 +17,8 @@ from rdma_testutil import frame, wait_until
 from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.admission import Admission, ConnectionLimits
 from rdma_kv.connector.rdma.lograte import EventSummary
-from rdma_kv.connector.rdma.sidechannel import SideChannelClient, SideChannelServer
+from rdma_kv.connector.rdma.sidechannel import SideChannelServer
+from rdma_kv.connector.rdma.sideclient import SideChannelClient
 from rdma_kv.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
@@ -41,6 +42,9 @@ class Handler:
 
     on_confirm = on_release = on_renew
 
+    def holds(self, leases):
+        return True  # every lease it answered HELD lives
+
 
 def limits(**kw):
     base = dict(max_connections=16, max_per_source=8, max_untrusted=8, max_untrusted_per_source=2,
@@ -49,7 +53,7 @@ def limits(**kw):
 
 
 def server(secret=False, **kw):
-    log = {k: kw.pop(k) for k in ("log_burst", "log_window_s") if k in kw}
+    log = {k: kw.pop(k) for k in ("log_burst", "log_window_s", "io_timeout_s", "idle_timeout_s") if k in kw}
     return SideChannelServer(Handler(), "127.0.0.1", 0, limits=limits(**kw),
                              secret=auth.Secret(SECRET, "test") if secret else None, **log)
 
@@ -76,7 +80,7 @@ def hello(sock):
 
 
 def renew(request_id="r"):
-    return wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, 1, request_id, b"t" * 16, b"c" * 16)])
+    return wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, 1, request_id, b"t" * 16, b"b" * 16, b"c" * 16)])
 
 
 def handshake():
@@ -116,57 +120,167 @@ def authenticate(sock):
     assert isinstance(exchange(sock, wire.Auth(wire.PROTOCOL_VERSION, proof)), wire.AuthOk)
 
 
-# --- admission at accept -------------------------------------------------------------------
+# --- admission at accept: the newcomer evicts, the door cannot be held -------------------------
 
 
-def test_one_source_over_its_untrusted_limit_is_refused_while_another_is_served():
+def test_a_source_over_its_untrusted_budget_evicts_its_own_oldest_while_another_is_served():
     with server(max_untrusted_per_source=2) as srv:
         held = [connect(srv), connect(srv)]
         wait_until(lambda: srv.stats["connections"] == 2, what="both admitted")
+        newest = connect(srv)
         try:
-            assert refused(srv), "the third untrusted connection from 127.0.0.2 stayed open"
-            assert srv.stats["refused_untrusted_per_source"] == 1
+            assert closed_by_server(held[0]), "the source's oldest untrusted connection was not evicted"
+            assert srv.stats["evicted_untrusted_per_source"] == 1
+            for sock in (held[1], newest):  # the others were not touched
+                assert isinstance(hello(sock), wire.Challenge)
             client = SideChannelClient("127.0.0.1", srv.port, retries=0)  # another source: served
             try:
                 assert isinstance(client.handshake(handshake()), wire.HandshakeReply)
             finally:
                 client.close()
-            for sock in held:  # the admitted ones were not touched
+        finally:
+            for sock in (*held, newest):
+                sock.close()
+
+
+def test_a_full_untrusted_budget_evicts_the_flooders_connection_not_the_lone_consumers():
+    with server(max_untrusted=3, max_untrusted_per_source=2) as srv:
+        lone = connect(srv, "127.0.0.3")  # the oldest, but its source holds one
+        flood = [connect(srv), connect(srv)]  # 127.0.0.2 holds two
+        wait_until(lambda: srv.stats["connections"] == 3, what="three admitted")
+        late = connect(srv, "127.0.0.4")
+        try:
+            assert closed_by_server(flood[0]), "the flooder's oldest connection was not evicted"
+            assert srv.stats["evicted_untrusted_total"] == 1
+            for sock in (lone, flood[1], late):
                 assert isinstance(hello(sock), wire.Challenge)
         finally:
-            for sock in held:
+            for sock in (lone, *flood, late):
                 sock.close()
 
 
-def test_untrusted_connections_in_all_are_capped_and_trusted_ones_keep_their_slots():
-    with server(max_untrusted=2, max_untrusted_per_source=2) as srv:
-        a, b = connect(srv), connect(srv)
-        wait_until(lambda: srv.stats["connections"] == 2, what="both admitted")
-        assert refused(srv, "127.0.0.3"), "a third untrusted connection got in past max_untrusted"
-        assert srv.stats["refused_untrusted_total"] == 1
-        hello(a)
-        assert exchange(a, renew()).statuses == [wire.LeaseStatus.HELD]  # a now holds a lease: trusted
-        assert srv.stats["trusted"] == 1
-        late = connect(srv, "127.0.0.3")  # its untrusted slot is free again
-        try:
-            assert isinstance(hello(late), wire.Challenge)
-        finally:
-            for sock in (a, b, late):
-                sock.close()
-
-
-def test_per_source_limit_counts_trusted_connections_too():
-    with server(max_per_source=2, max_untrusted_per_source=2) as srv:
+def test_per_source_budget_counts_trusted_connections_and_refuses_only_when_all_are_active():
+    with server(max_per_source=2, max_untrusted_per_source=2, evict_idle_s=LONG) as srv:
         a, b = connect(srv), connect(srv)
         for sock in (a, b):
             hello(sock)
-            exchange(sock, renew())
+            exchange(sock, renew())  # trusted by a live lease
         try:
-            assert refused(srv)
-            assert srv.stats["refused_per_source"] == 1 and srv.stats["trusted"] == 2
+            assert srv.stats["trusted"] == 2
+            assert refused(srv)  # both active within evict_idle_s: the source is at its budget
+            assert srv.stats["refused_per_source"] == 1
+            assert isinstance(exchange(a, handshake()), wire.HandshakeReply)
         finally:
             for sock in (a, b):
                 sock.close()
+
+
+@pytest.mark.parametrize("kind", ["idle", "slowloris"])
+def test_an_insiders_trusted_connections_cannot_hold_the_door(kind):
+    # An authenticated peer fills the server with trusted connections that
+    # sit idle, or dribble a frame that never completes (slowloris after AUTH).
+    with server(secret=True, max_connections=4, max_untrusted=4, max_per_source=4, max_untrusted_per_source=4,
+                evict_idle_s=0.2) as srv:
+        hog = [connect(srv, "127.0.0.2") for _ in range(4)]
+        for sock in hog:
+            authenticate(sock)
+            if kind == "slowloris":
+                sock.sendall(frame(renew())[:3])
+        wait_until(lambda: srv.stats["authenticated"] == 4, what="the insider's connections")
+        time.sleep(0.4)  # idle past evict_idle_s (the outcome does not depend on how far)
+        legit = connect(srv, "127.0.0.1")
+        try:
+            authenticate(legit)
+            assert isinstance(exchange(legit, handshake()), wire.HandshakeReply)
+            assert srv.stats["evicted_full"] == 1 and closed_by_server(hog[0])
+        finally:
+            for sock in (*hog, legit):
+                sock.close()
+
+
+def test_a_frame_started_after_auth_must_arrive_whole_in_time():
+    with server(secret=True, io_timeout_s=0.3) as srv:
+        sock = connect(srv, "127.0.0.1")
+        try:
+            authenticate(sock)
+            sock.sendall(frame(renew())[:5])
+            assert closed_by_server(sock), "a trusted connection held a half frame open"
+            wait_until(lambda: srv.stats["closed_slow"] == 1, what="counted as slow")
+        finally:
+            sock.close()
+
+
+def test_an_idle_trusted_connection_is_closed_at_the_idle_timeout():
+    with server(secret=True, idle_timeout_s=0.3) as srv:
+        sock = connect(srv, "127.0.0.1")
+        try:
+            authenticate(sock)
+            assert isinstance(exchange(sock, handshake()), wire.HandshakeReply)
+            assert closed_by_server(sock)
+            wait_until(lambda: srv.stats["closed_idle"] == 1, what="counted as idle")
+        finally:
+            sock.close()
+
+
+# --- trust without a secret: earned by a live lease only -----------------------------------
+
+
+class LeaseHandler(Handler):
+    """Answers HELD for request ids starting "held", PENDING for "pending";
+    ``live`` is what the lease table holds."""
+
+    def __init__(self):
+        self.live = set()
+
+    def on_renew(self, request):
+        out = []
+        for lease in request.leases:
+            status = (wire.LeaseStatus.HELD if lease.request_id.startswith("held")
+                      else wire.LeaseStatus.PENDING if lease.request_id.startswith("pending")
+                      else wire.LeaseStatus.GONE)
+            out.append(status)
+        return wire.LeaseReply(out, 5.0)
+
+    on_confirm = on_release = on_renew
+
+    def holds(self, leases):
+        return any(lease in self.live for lease in leases)
+
+
+def lease_server(handler, **kw):
+    return SideChannelServer(handler, "127.0.0.1", 0, limits=limits(**kw))
+
+
+@pytest.mark.parametrize("answer", ["pending", "held but not live"])
+def test_no_trust_from_pending_or_from_a_lease_the_table_does_not_hold(answer):
+    handler = LeaseHandler()
+    with lease_server(handler, opening_deadline_s=0.5) as srv:
+        sock = connect(srv, "127.0.0.1")
+        try:
+            hello(sock)
+            rid = "pending-1" if answer == "pending" else "held-1"  # (1, 1) is not in handler.live
+            exchange(sock, renew(rid))
+            assert srv.stats["trusted"] == 0
+            assert closed_by_server(sock), "an unproven connection outlived its opening deadline"
+        finally:
+            sock.close()
+
+
+def test_trust_from_a_live_lease_ends_with_the_lease():
+    handler = LeaseHandler()
+    handler.live.add((1, 1))
+    with lease_server(handler, opening_deadline_s=0.5) as srv:
+        sock = connect(srv, "127.0.0.1")
+        try:
+            hello(sock)
+            assert exchange(sock, renew("held-1")).statuses == [wire.LeaseStatus.HELD]
+            assert srv.stats["trusted"] == 1
+            handler.live.clear()  # the lease ended (released, expired)
+            wait_until(lambda: srv.stats["untrusted_again"] == 1, what="trust withdrawn")
+            assert closed_by_server(sock), "trust outlived the lease that proved it"
+            assert srv.stats["closed_at_deadline"] == 1
+        finally:
+            sock.close()
 
 
 # --- the opening deadline ------------------------------------------------------------------
@@ -226,18 +340,19 @@ def test_a_client_reconnects_after_its_untrusted_connection_was_closed():
 # --- logging and messages ------------------------------------------------------------------
 
 
-def test_a_burst_of_refusals_logs_a_bounded_number_of_lines(caplog):
+def test_a_burst_of_evictions_logs_a_bounded_number_of_lines(caplog):
     caplog.set_level(logging.WARNING, logger=SERVER_LOGGER)
     with server(max_untrusted_per_source=1, log_burst=2, log_window_s=LONG) as srv:
-        held = connect(srv)
-        wait_until(lambda: srv.stats["connections"] == 1, what="the first admitted")
-        for _ in range(60):
-            assert refused(srv)
-        wait_until(lambda: srv.stats["refused_untrusted_per_source"] == 60, what="60 refusals")
-        held.close()
+        socks = [connect(srv) for _ in range(61)]  # each newcomer evicts the one before it
+        try:
+            wait_until(lambda: srv.stats["evicted_untrusted_per_source"] == 60, what="the evictions")
+        finally:
+            for sock in socks:
+                sock.close()
     lines = [r.getMessage() for r in caplog.records if r.name == SERVER_LOGGER]
     assert len(lines) == 2, lines
-    assert all("max_untrusted_per_source 1" in line and "127.0.0.2" in line for line in lines)
+    assert all("evicted ('127.0.0.2'" in line and "untrusted per source budget was full" in line
+               for line in lines)
 
 
 class Clock:
@@ -322,14 +437,26 @@ def test_inconsistent_limits_are_refused(kw, says):
         limits(**kw)
 
 
+class Member:
+    def __init__(self, source, now=0.0):
+        self.source, self.trusted, self.last_active = source, False, now
+
+
 def test_admission_counts_return_to_zero():
-    adm = Admission(limits(max_untrusted_per_source=1, max_per_source=2))
-    assert adm.admit("a") is None
-    assert adm.admit("a")[0] == "untrusted_per_source"
-    adm.trust("a")
-    assert adm.admit("a") is None  # trusted ones do not count against the untrusted limit
-    assert adm.admit("a")[0] == "per_source"
-    assert adm.counts() == (2, 1)
-    adm.leave("a", trusted=True)
-    adm.leave("a", trusted=False)
-    assert adm.counts() == (0, 0)
+    adm = Admission(limits(max_untrusted_per_source=1, max_per_source=2, evict_idle_s=LONG))
+    first = Member("a")
+    assert adm.plan("a", 0.0) == ([], None)
+    adm.enter(first)
+    victims, refusal = adm.plan("a", 0.0)
+    assert refusal is None and victims == [(first, "untrusted_per_source")]
+    adm.trust(first)
+    assert adm.plan("a", 0.0) == ([], None)  # trusted ones do not count against the untrusted budget
+    second = Member("a")
+    adm.enter(second)
+    assert adm.plan("a", 0.0) == ([(second, "per_source")], None)  # its own untrusted one goes first
+    adm.trust(second)
+    assert adm.plan("a", 0.0)[1][0] == "per_source"  # both trusted and active: refused
+    assert adm.counts() == (2, 0) and first.trusted and second.trusted
+    adm.leave(first)
+    adm.leave(second)
+    assert adm.counts() == (0, 0) and adm.sources() == 0

@@ -33,7 +33,8 @@ from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress, RdmaConnectorMetadata
 from rdma_kv.connector.rdma.params import PARAM_KEYS, LeaseRef, RemotePrefillParams, parse_kv_transfer_params
 from rdma_kv.connector.rdma.planning import SlotTable
-from rdma_kv.connector.rdma.sidechannel import SideChannelClient, SideChannelServer
+from rdma_kv.connector.rdma.sidechannel import SideChannelServer
+from rdma_kv.connector.rdma.sideclient import SideChannelClient
 from rdma_kv.errors import ConfigError, MetadataError, PeerError, RdmaKVError
 from rdma_kv.harness.engine import Engine, ModelShape
 from rdma_kv.transport import metadata as agent_metadata
@@ -75,7 +76,7 @@ GEOMETRY = wire.GeometryWire(
     [wire.RegionWire(1 << 20, 65536)],
     [wire.LayerWire("l0", 0, 128, "blocks_first", [wire.SegmentWire(0, 256, 128)]),
      wire.LayerWire("l1", 0, 128, "blocks_first", [wire.SegmentWire(32768, 256, 128)])])
-LEASES = [wire.LeaseWire(7, 3, "req-1", b"t" * 16, b"c" * 16), wire.LeaseWire(2**52, 1, "r", b"\0" * 16, b"\xff" * 16)]
+LEASES = [wire.LeaseWire(7, 3, "req-1", b"t" * 16, b"b" * 16, b"c" * 16), wire.LeaseWire(2**52, 1, "r", b"\0" * 16, b"\1" * 16, b"\xff" * 16)]
 VALID_REQUESTS = [
     wire.Hello(wire.PROTOCOL_VERSION, "consumer", b"\x01" * 32),
     wire.Auth(wire.PROTOCOL_VERSION, b"\x02" * 32),
@@ -369,7 +370,7 @@ def worker_step_metadata(local, remote, generation, dead_peer):
         port = 1  # nothing listens on 127.0.0.1:1
     rid = f"w{COUNTS['worker_step_metadata']}"
     spec = LoadSpec(rid, tuple(local), tuple(remote), PeerAddress("P", "127.0.0.1", port, 1),
-                    LeaseRef(7, generation, rid, b"t" * 16), 30.0, b"c" * 16)
+                    LeaseRef(7, generation, rid, b"t" * 16, b"b" * 16), 30.0, b"c" * 16)
     reads_before = fabric.reads
     in_range = (len(local) == len(remote)
                 and all(0 <= b < SHAPE.num_blocks for b in (*local, *remote)))
@@ -503,7 +504,7 @@ def test_live_servers_still_serve_honest_peers_after_the_campaigns():
         client = SideChannelClient("127.0.0.1", server.port, secret=LIVE_SECRET if authenticated else None)
         try:
             reply = client.lease_call(wire.Renew(wire.PROTOCOL_VERSION, [
-                wire.LeaseWire(1, 1, "honest", b"t" * 16, b"c" * 16)]))
+                wire.LeaseWire(1, 1, "honest", b"t" * 16, b"b" * 16, b"c" * 16)]))
             # A lease this worker never granted: UNKNOWN (its token does not
             # verify), GONE (of another epoch than the worker's), or PENDING
             # before the worker learnt its epoch -- a well-formed refusal, not a crash.

@@ -10,7 +10,9 @@ separate host for partition tests.
 
 Fault injection for tests (``faults``): ``gate_reads`` holds read
 completions until ``open_gate()`` (so a test can act "while the reads are in
-flight" deterministically); the ``expire_leases`` command ends every lease
+flight" deterministically); ``idle_until_request`` does not step the
+engine before its first request, as vLLM does not (its workers know no
+lease epoch until then); the ``expire_leases`` command ends every lease
 now and ``scribble_free`` overwrites every free block (memory reuse).
 
 Imports the standard library, torch (in the child) and ``rdma_kv.harness.engine``.
@@ -113,11 +115,13 @@ def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dic
         engine.on_finished = lambda r: conn.send(("finished", _result_dict(r)))
         port = getattr(engine.worker, "worker", None)
         conn.send(("ready", {"pid": os.getpid(), "port": port.side_channel_port if port else None}))
+        stepped = not faults.get("idle_until_request")
         while True:
             while conn.poll():
                 msg = conn.recv()
                 op = msg[0]
                 if op == "add":
+                    stepped = True
                     engine.add_request(msg[1], msg[2], msg[3])
                 elif op == "abort":
                     engine.abort_request(msg[1])
@@ -132,6 +136,8 @@ def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dic
                         {"request_id": lease.ref.request_id, "generation": lease.ref.generation,
                          "renewals": lease.renewals, "claimed": lease.owner is not None}
                         for lease in engine.worker.worker.leases.leases()]))
+                elif op == "lease_events":
+                    conn.send(("reply", dict(engine.worker.worker.leases.stats)))
                 elif op == "scribble_free":
                     free = list(engine.pool.free)
                     engine.kv[:, free] = 7
@@ -163,7 +169,8 @@ def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dic
                 if not engine._busy():
                     conn.poll(0.0005)
             else:
-                engine.step()  # keeps lease expiry and late confirmations moving
+                if stepped:
+                    engine.step()  # keeps lease expiry and late confirmations moving
                 conn.poll(0.002)
     except BaseException:
         try:

@@ -1,15 +1,25 @@
-"""Which connections the side channel accepts: limits per source address,
-on connections not yet trusted, and in all.
+"""Which connections the side channel keeps: limits per source address, on
+connections not yet trusted, and in all, and whom a newcomer displaces.
 
-A connection is *untrusted* from its accept until it proves something: with
-a shared secret, a completed AUTH; without one, a lease request answered
-HELD or PENDING (it knows a live lease). Untrusted connections are what a
-flood is made of, so they get the tight limits (per source and in all) and
-the opening deadline (``sidechannel``); the rest of ``max_connections`` is
-kept for trusted peers, which a flood therefore cannot push out.
+A connection is *untrusted* from its accept until it proves something:
+with a shared secret, a completed AUTH; without one, a lease call answered
+HELD for a lease this producer holds (a valid token for a live lease),
+and only while that lease lives. Untrusted connections are what a flood is
+made of, so they get the tight limits (per source and in all) and the
+opening deadline (``sidechannel``).
 
-The decision is made in the accept loop, before a thread exists for the
-connection, so that refusing costs one accept and one close.
+A full budget does not refuse the newcomer: it evicts. The newcomer takes
+the slot of the oldest untrusted connection of the source holding the most
+untrusted connections (the flooder's, not the legitimate consumer's, which
+holds one), or, when every slot is trusted, of the trusted connection idle
+longest, if it has been idle at least ``evict_idle_s``. So neither an idle
+flood from many addresses nor an insider's idle (or slowloris) connections
+can hold the door; a refusal remains only when one source exceeds its own
+budget with active connections, or every trusted connection is busy.
+
+The decision is made in the side channel's event loop, before a byte is
+read from the newcomer, so refusing or evicting costs an accept and a
+close. Single-threaded: only the event loop calls it.
 
 Imports the standard library and ``rdma_kv.errors``.
 """
@@ -18,31 +28,55 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import threading
+import resource
+from typing import Protocol
 
 from rdma_kv.errors import ConfigError
 
-__all__ = ["Admission", "ConnectionLimits"]
+__all__ = ["Admission", "ConnectionLimits", "Member", "default_max_connections"]
+
+FD_RESERVE = 1024
+"""File descriptors left to the rest of the process (UCX endpoints over TCP,
+files, the engine's own sockets) when ``max_connections`` is sized from
+``RLIMIT_NOFILE``."""
+MAX_CONNECTIONS_CAP = 65536
+
+
+def default_max_connections() -> int:
+    """Connections one side channel keeps by default: what the process's
+    file-descriptor limit allows after ``FD_RESERVE``, three quarters of it,
+    at least 256 and at most 65,536. vLLM raises the soft ``RLIMIT_NOFILE``
+    to 65,535 at start, which gives 48,384; a shell's common 1,024 gives 256."""
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        soft = 1024
+    if soft == resource.RLIM_INFINITY:
+        soft = MAX_CONNECTIONS_CAP * 2
+    return max(256, min(MAX_CONNECTIONS_CAP, (soft - FD_RESERVE) * 3 // 4))
 
 
 @dataclasses.dataclass(frozen=True)
 class ConnectionLimits:
     """The side channel's connection limits (per server, i.e. per rank)."""
 
-    max_connections: int = 256
-    """Open connections in all, trusted or not."""
+    max_connections: int = dataclasses.field(default_factory=default_max_connections)
+    """Open connections in all, trusted or not (default: from the process's
+    file-descriptor limit, :func:`default_max_connections`). Each costs a
+    file descriptor and about 1.5 KiB of memory idle (docs/reliability.md)."""
     max_per_source: int = 64
     """Open connections from one peer IP address, trusted or not (a decode
     host opens one per worker and engine)."""
     max_untrusted: int = 64
-    """Untrusted connections in all; ``max_connections - max_untrusted``
-    slots stay free for trusted peers."""
+    """Untrusted connections in all."""
     max_untrusted_per_source: int = 16
-    """Untrusted connections from one peer IP address: a flood from one host
-    uses up its own budget, not everyone's."""
+    """Untrusted connections from one peer IP address."""
     opening_deadline_s: float = 3.0
-    """An untrusted connection is closed this long after its accept (one
-    deadline for the whole opening, not one per message)."""
+    """An untrusted connection is closed this long after its accept (or after
+    it lost its trust): one deadline for the whole opening, not one per message."""
+    evict_idle_s: float = 5.0
+    """A trusted connection idle at least this long may be evicted for a
+    newcomer when its source's budget or the server is full."""
 
     def __post_init__(self) -> None:
         for name in ("max_connections", "max_per_source", "max_untrusted", "max_untrusted_per_source"):
@@ -56,67 +90,150 @@ class ConnectionLimits:
                               f"exceeds max_per_source ({self.max_per_source})")
         if not self.opening_deadline_s > 0:
             raise ConfigError(f"side channel opening_deadline_s must be > 0, got {self.opening_deadline_s}")
+        if not self.evict_idle_s >= 0:
+            raise ConfigError(f"side channel evict_idle_s must be >= 0, got {self.evict_idle_s}")
+
+
+class Member(Protocol):
+    """What admission needs of a connection."""
+
+    source: str
+    trusted: bool
+    last_active: float
+
+
+_Set = collections.OrderedDict  # an ordered set of members: oldest (or idle longest) first
 
 
 class Admission:
-    """Counts open connections per source, trusted or not. Thread-safe."""
+    """Open connections per source and trust, and the eviction policy."""
 
-    REASONS = ("full", "per_source", "untrusted_per_source", "untrusted_total")
-    """What :meth:`admit` may refuse for (a stats key ``refused_<reason>`` each)."""
+    REASONS = ("full", "per_source")
+    """What :meth:`plan` may refuse for (a stats key ``refused_<reason>`` each)."""
+    EVICTIONS = ("per_source", "untrusted_per_source", "untrusted_total", "full")
+    """Which budget a newcomer evicted for (a stats key ``evicted_<reason>`` each)."""
 
     def __init__(self, limits: ConnectionLimits) -> None:
         self.limits = limits
-        self._lock = threading.Lock()
+        self._untrusted: dict[str, _Set[Member, None]] = {}  # source -> oldest first
+        self._trusted: dict[str, _Set[Member, None]] = {}  # source -> idle longest first
+        self._trusted_all: _Set[Member, None] = _Set()  # idle longest first
         self._open: collections.Counter[str] = collections.Counter()
-        self._untrusted: collections.Counter[str] = collections.Counter()
-        self._open_total = 0
-        self._untrusted_total = 0
+        self.open_total = 0
+        self.untrusted_total = 0
 
-    def admit(self, source: str) -> tuple[str, str] | None:
-        """Count a new (untrusted) connection from ``source`` and return
-        ``None``, or return ``(reason, explanation)`` and count nothing."""
+    # --- the newcomer ----------------------------------------------------------------------
+
+    def plan(self, source: str, now: float) -> tuple[list[tuple[Member, str]], tuple[str, str] | None]:
+        """Whom a newcomer from ``source`` evicts (each with the budget that
+        was full), or why it is refused. Changes nothing: the caller closes
+        the victims (:meth:`leave`), then :meth:`enter` s the newcomer."""
         lim = self.limits
-        with self._lock:
-            if self._open_total >= lim.max_connections:
-                return "full", f"{self._open_total} connections open (max_connections {lim.max_connections})"
-            if self._open[source] >= lim.max_per_source:
-                return "per_source", (f"{self._open[source]} connections from {source} open "
-                                      f"(max_per_source {lim.max_per_source})")
-            if self._untrusted[source] >= lim.max_untrusted_per_source:
-                return "untrusted_per_source", (
-                    f"{self._untrusted[source]} connections from {source} not yet authenticated "
-                    f"(max_untrusted_per_source {lim.max_untrusted_per_source})")
-            if self._untrusted_total >= lim.max_untrusted:
-                return "untrusted_total", (f"{self._untrusted_total} connections not yet authenticated "
-                                           f"(max_untrusted {lim.max_untrusted})")
-            self._open[source] += 1
-            self._untrusted[source] += 1
-            self._open_total += 1
-            self._untrusted_total += 1
+        victims: list[tuple[Member, str]] = []
+        chosen: set[int] = set()
+
+        def take(member: Member | None, why: str) -> bool:
+            if member is None:
+                return False
+            victims.append((member, why))
+            chosen.add(id(member))
+            return True
+
+        def first(members: _Set[Member, None] | None, idle: bool = False) -> Member | None:
+            for member in members or ():
+                if id(member) in chosen:
+                    continue
+                if idle and now - member.last_active < lim.evict_idle_s:
+                    return None  # ordered by activity: nobody after it is idler
+                return member
             return None
 
-    def trust(self, source: str) -> None:
-        """One of ``source``'s untrusted connections became trusted."""
-        with self._lock:
-            self._drop(self._untrusted, source)
-            self._untrusted_total -= 1
+        def left(members: _Set[Member, None] | None) -> int:
+            return sum(1 for m in members or () if id(m) not in chosen)
 
-    def leave(self, source: str, trusted: bool) -> None:
-        """One of ``source``'s connections closed."""
-        with self._lock:
-            self._drop(self._open, source)
-            self._open_total -= 1
-            if not trusted:
-                self._drop(self._untrusted, source)
-                self._untrusted_total -= 1
+        mine = self._untrusted.get(source)
+        if self._open[source] - sum(1 for m, _ in victims if m.source == source) >= lim.max_per_source:
+            if not (take(first(mine), "per_source") or take(first(self._trusted.get(source), idle=True),
+                                                            "per_source")):
+                return [], ("per_source", f"{self._open[source]} connections from {source} open and "
+                                          f"active (max_per_source {lim.max_per_source})")
+        if left(mine) >= lim.max_untrusted_per_source:
+            take(first(mine), "untrusted_per_source")
+        if self.untrusted_total - sum(1 for m, _ in victims if not m.trusted) >= lim.max_untrusted:
+            top = self._top_untrusted_source(chosen)
+            take(first(self._untrusted.get(top) if top is not None else None), "untrusted_total")
+        if self.open_total - len(victims) >= lim.max_connections:
+            top = self._top_untrusted_source(chosen)
+            if not (top is not None and take(first(self._untrusted[top]), "full")
+                    or take(first(self._trusted_all, idle=True), "full")):
+                return [], ("full", f"{self.open_total} connections open, every trusted one active in "
+                                    f"the last {lim.evict_idle_s:g} s (max_connections {lim.max_connections})")
+        return victims, None
+
+    def _top_untrusted_source(self, chosen: set[int]) -> str | None:
+        """The source with the most untrusted connections not yet chosen (the
+        flooder's: a legitimate consumer holds one)."""
+        best, most = None, 0
+        for source, members in self._untrusted.items():
+            n = sum(1 for m in members if id(m) not in chosen)
+            if n > most:
+                best, most = source, n
+        return best
+
+    # --- bookkeeping -------------------------------------------------------------------------
+
+    def enter(self, member: Member) -> None:
+        """Count a new, untrusted connection."""
+        self._open[member.source] += 1
+        self.open_total += 1
+        self._untrusted.setdefault(member.source, _Set())[member] = None
+        self.untrusted_total += 1
+
+    def trust(self, member: Member) -> None:
+        """An untrusted connection proved itself (sets ``member.trusted``)."""
+        member.trusted = True
+        self._drop(self._untrusted, member)
+        self.untrusted_total -= 1
+        self._trusted.setdefault(member.source, _Set())[member] = None
+        self._trusted_all[member] = None
+
+    def untrust(self, member: Member) -> None:
+        """A trusted connection lost its trust (the lease that proved it ended)."""
+        member.trusted = False
+        self._drop(self._trusted, member)
+        del self._trusted_all[member]
+        self._untrusted.setdefault(member.source, _Set())[member] = None
+        self.untrusted_total += 1
+
+    def touch(self, member: Member) -> None:
+        """A trusted connection was active: last in line for idle eviction."""
+        self._trusted[member.source].move_to_end(member)
+        self._trusted_all.move_to_end(member)
+
+    def leave(self, member: Member) -> None:
+        """A connection closed."""
+        self._open[member.source] -= 1
+        if self._open[member.source] <= 0:
+            del self._open[member.source]  # a flood from many sources leaves no key behind
+        self.open_total -= 1
+        if member.trusted:
+            self._drop(self._trusted, member)
+            del self._trusted_all[member]
+        else:
+            self._drop(self._untrusted, member)
+            self.untrusted_total -= 1
 
     def counts(self) -> tuple[int, int]:
         """(open, untrusted) connections now."""
-        with self._lock:
-            return self._open_total, self._untrusted_total
+        return self.open_total, self.untrusted_total
+
+    def sources(self) -> int:
+        """Source addresses with a connection open (bounded by the connections)."""
+        return len(self._open)
 
     @staticmethod
-    def _drop(counter: collections.Counter[str], source: str) -> None:
-        counter[source] -= 1
-        if counter[source] <= 0:
-            del counter[source]  # a flood from many sources must not leave a key per source behind
+    def _drop(by_source: dict[str, _Set[Member, None]], member: Member) -> None:
+        members = by_source[member.source]
+        del members[member]
+        if not members:
+            del by_source[member.source]

@@ -6,7 +6,7 @@ restart with an OS-chosen port is a new address), so a client nobody
 used for ``idle_s`` and that no peer or load refers to is closed and
 forgotten; the next load that needs the address makes a new one.
 
-Imports the standard library and the connector's ``sidechannel``.
+Imports the standard library and the connector's ``sideclient``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Collection
 
-from rdma_kv.connector.rdma.sidechannel import SideChannelClient
+from rdma_kv.connector.rdma.sideclient import SideChannelClient
 
 __all__ = ["ClientPool"]
 

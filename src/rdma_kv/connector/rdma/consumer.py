@@ -92,7 +92,7 @@ from rdma_kv.connector.rdma.lograte import RateLimitedWarnings
 from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress, RemoteLease
 from rdma_kv.connector.rdma.planning import SlotTable, block_arrays, count_runs
 from rdma_kv.connector.rdma.settings import RdmaSettings
-from rdma_kv.connector.rdma.sidechannel import SideChannelClient
+from rdma_kv.connector.rdma.sideclient import SideChannelClient
 from rdma_kv.connector.rdma.stats import LoadRecord, LoadStats, Totals
 from rdma_kv.connector.rdma.sources import Sources, Targeted
 from rdma_kv.connector.rdma.transport_api import TransferHandle, Transport

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.meta import PeerAddress, RemoteLease
-from rdma_kv.connector.rdma.sidechannel import SideChannelClient
+from rdma_kv.connector.rdma.sideclient import SideChannelClient
 
 __all__ = ["REFUSALS", "call_lease_rpc", "refusal_reason", "submit_lease_rpcs"]
 
@@ -46,14 +46,15 @@ def submit_lease_rpcs(executor: concurrent.futures.Executor,
                 return
 
 
-REFUSALS = frozenset({wire.LeaseStatus.GONE, wire.LeaseStatus.CLAIMED, wire.LeaseStatus.UNKNOWN})
+REFUSALS = frozenset({wire.LeaseStatus.GONE, wire.LeaseStatus.CLAIMED, wire.LeaseStatus.UNKNOWN,
+                      wire.LeaseStatus.FORGED})
 """Answers that mean the producer holds nothing for this consumer under the lease."""
 
 
 def call_lease_rpc(client: SideChannelClient, kind: type, address: PeerAddress,
                    leases: list[RemoteLease]) -> list[tuple[RemoteLease, wire.LeaseStatus]] | None:
     """One RENEW or RELEASE; the leases the producer refused (GONE, CLAIMED,
-    UNKNOWN) with its answers, or None if the call failed (logged at DEBUG:
+    UNKNOWN, FORGED) with its answers, or None if the call failed (logged at DEBUG:
     the leases expire on their own)."""
     try:
         reply = client.lease_call(kind(wire.PROTOCOL_VERSION, [r.to_wire() for r in leases]))
@@ -70,6 +71,11 @@ def refusal_reason(status: wire.LeaseStatus, producer: str, generation: int) -> 
         return (f"producer {producer!r} refused lease {generation}: another consumer claimed it first "
                 "(the same kv_transfer_params were loaded twice, e.g. a router retry or a duplicate "
                 "request); the blocks belong to that load")
+    if status is wire.LeaseStatus.FORGED:
+        return (f"producer {producer!r} refused lease {generation}: its token is genuine but the "
+                "kv_transfer_params name other blocks (or another request id, token count, engine or "
+                "TP size) "
+                "than the producer granted: the params were altered after the prefill returned them")
     if status is wire.LeaseStatus.UNKNOWN:
         return (f"producer {producer!r} never granted lease {generation} (its token does not verify): "
                 "the kv_transfer_params were altered or come from another producer")

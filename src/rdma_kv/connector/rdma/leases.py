@@ -56,11 +56,25 @@ The state machine of one lease (``docs/rdma-connector.md`` draws it):
 
 A call naming a lease whose token does not verify is refused (UNKNOWN) and
 records nothing, so nobody can claim, release or renew a lease they were
-not handed. A call before this worker knows its epoch answers PENDING.
+not handed. The token covers the lease's binding (``params.lease_binding``:
+engine, TP size, token count and every group's block ids), so params
+altered to name other blocks fail too: FORGED when the token is the one this
+table granted (the params were edited), UNKNOWN otherwise. A call before
+this worker knows its epoch answers PENDING.
+
+Bounded lifetime. Renewals push a lease's expiry back, but never past
+``max_s`` after its grant: then it ends (LIFETIME) whatever its owner asks,
+so a consumer that renews forever (a decode whose request waits long for
+admission) cannot hold the producer's blocks forever. The scheduler may
+also end leases early (``reclaim``: memory pressure, ``scheduler``); both
+are GONE to every later call, as any ending is.
 
 The reaper keeps a heap of (expiry, generation) and re-checks the live
 expiry on pop, so renewals in any order are handled: it never assumes
-sorted expiries.
+sorted expiries. A lease that ends before its entry's expiry leaves the
+entry behind; the heap is rebuilt from the live leases whenever it holds
+more than twice as many entries as live leases (plus a small slack), so
+its size stays O(live leases), whatever the release rate.
 
 Thread-safe (the side-channel threads and the engine thread share it).
 Imports the standard library and the connector's ``params``, ``types`` and
@@ -94,8 +108,9 @@ MAX_EARLY = 1 << 14
 """Claims recorded on leases issued but not yet shipped here. Past this a new
 one is answered PENDING without being recorded (the caller asks again)."""
 
-HELD, PENDING, GONE, CLAIMED, UNKNOWN = (LeaseStatus.HELD, LeaseStatus.PENDING, LeaseStatus.GONE,
-                                         LeaseStatus.CLAIMED, LeaseStatus.UNKNOWN)
+HELD, PENDING, GONE, CLAIMED, UNKNOWN, FORGED = (
+    LeaseStatus.HELD, LeaseStatus.PENDING, LeaseStatus.GONE, LeaseStatus.CLAIMED, LeaseStatus.UNKNOWN,
+    LeaseStatus.FORGED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +132,10 @@ class Ending(enum.Enum):
     RELEASED = "released"
     EXPIRED = "expired"
     EPOCH = "epoch"
+    LIFETIME = "lifetime"
+    """Reached ``max_s`` after its grant, renewed or not."""
+    RECLAIMED = "reclaimed"
+    """Ended by the producer's scheduler to free blocks for new prefills."""
 
 
 @dataclasses.dataclass
@@ -155,6 +174,9 @@ class Lease:
     """Per KV-cache group (one group: ``((ids...),)``)."""
     ttl_s: float
     expires_at: float
+    granted_at: float
+    ends_at: float
+    """``granted_at + max_s``: no renewal reaches past it."""
     claim: _Claim | None = None
     renewals: int = 0
 
@@ -177,11 +199,19 @@ class _Tombstone:
                 and call.reader in self.confirmed)
 
 
-class LeaseTable:
-    """Leases of one producer worker. ``clock`` is injectable for tests."""
+HEAP_SLACK = 64
+"""Stale heap entries tolerated beyond the live leases before a rebuild."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+
+class LeaseTable:
+    """Leases of one producer worker, each held at most ``max_s`` after its
+    grant. ``clock`` is injectable for tests."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, max_s: float = 300.0) -> None:
+        if not max_s > 0:
+            raise ValueError(f"a lease's max lifetime must be > 0 s, got {max_s}")
         self._clock = clock
+        self.max_s = max_s
         self._lock = threading.Lock()
         self._epoch: int | None = None
         self._key = b""
@@ -233,7 +263,8 @@ class LeaseTable:
                 self._bury(ref.generation, Ending.RELEASED, early)
                 self.stats["released_early"] += 1
                 return
-            lease = Lease(ref, groups, ttl_s, now + ttl_s, claim=early)
+            lease = Lease(ref, groups, ttl_s, min(now + ttl_s, now + self.max_s), now, now + self.max_s,
+                          claim=early)
             self._leases[ref.generation] = lease
             heapq.heappush(self._heap, (lease.expires_at, ref.generation))
 
@@ -245,8 +276,14 @@ class LeaseTable:
             return PENDING  # no step metadata yet: nothing is known, nothing is recorded
         if ref.epoch != self._epoch:
             return GONE  # another incarnation of the producer
-        expected = lease_token(self._key, ref.epoch, ref.generation, ref.request_id)
+        expected = lease_token(self._key, ref.epoch, ref.generation, ref.request_id, ref.binding)
         if not hmac.compare_digest(expected, ref.token):
+            lease = self._leases.get(ref.generation)
+            if lease is not None and hmac.compare_digest(lease.ref.token, ref.token):
+                # The token this table granted, presented with other blocks:
+                # params edited to read what another request holds.
+                self.stats["refused_forged"] += 1
+                return FORGED
             self.stats["refused_unknown"] += 1
             return UNKNOWN
         return None
@@ -316,7 +353,8 @@ class LeaseTable:
         if lease is not None:
             if self._owner(lease, call) is None:
                 return CLAIMED
-            lease.expires_at = self._clock() + lease.ttl_s  # the heap entry is re-checked on pop
+            # Never past its lifetime; the heap entry is re-checked on pop.
+            lease.expires_at = min(self._clock() + lease.ttl_s, lease.ends_at)
             lease.renewals += 1
             self.stats["renewed"] += 1
             return HELD
@@ -386,6 +424,10 @@ class LeaseTable:
         lease = self._leases.pop(generation)
         self._done.add(lease.ref.request_id)
         self._bury(generation, how, lease.claim)
+        if len(self._heap) > 2 * len(self._leases) + HEAP_SLACK:
+            # Entries of leases that ended before their expiry: drop them.
+            self._heap = [(lease.expires_at, gen) for gen, lease in self._leases.items()]
+            heapq.heapify(self._heap)
 
     def _bury(self, generation: int, how: Ending, claim: _Claim | None) -> None:
         if claim is None:
@@ -414,9 +456,23 @@ class LeaseTable:
                 if lease.expires_at > now:  # renewed since this entry was pushed
                     heapq.heappush(self._heap, (lease.expires_at, generation))
                     continue
-                self._end(generation, Ending.EXPIRED)
+                self._end(generation, Ending.LIFETIME if now >= lease.ends_at else Ending.EXPIRED)
                 expired.append(lease.ref.request_id)
         return expired
+
+    def reclaim(self, generations: Iterable[int]) -> list[RequestId]:
+        """End the live leases among ``generations`` now (the producer's
+        scheduler frees their blocks for new prefills); returns their
+        request ids. Generations not live (ended, or not granted here) are
+        passed over."""
+        ended = []
+        with self._lock:
+            for generation in generations:
+                lease = self._leases.get(generation)
+                if lease is not None:
+                    self._end(generation, Ending.RECLAIMED)
+                    ended.append(lease.ref.request_id)
+        return ended
 
     def take_done(self) -> set[RequestId]:
         """Requests whose lease ended since the last call (done_sending)."""
@@ -430,6 +486,24 @@ class LeaseTable:
     def __len__(self) -> int:
         with self._lock:
             return len(self._leases)
+
+    def holds_any(self, leases: Iterable[tuple[int, int]]) -> bool:
+        """Whether any of these (epoch, generation) leases is live here (the
+        side channel's proof of trust without a secret)."""
+        with self._lock:
+            return any(epoch == self._epoch and generation in self._leases for epoch, generation in leases)
+
+    def oldest_age_s(self) -> float:
+        """Seconds since the grant of the oldest live lease (0 with none)."""
+        with self._lock:
+            if not self._leases:
+                return 0.0
+            return self._clock() - min(lease.granted_at for lease in self._leases.values())
+
+    def heap_size(self) -> int:
+        """Entries in the expiry heap (live leases plus bounded stale ones)."""
+        with self._lock:
+            return len(self._heap)
 
     def held_block_ids(self) -> set[BlockId]:
         with self._lock:

@@ -144,6 +144,10 @@ class RdmaConnectorMetadata(KVConnectorMetadata):
     the workers start a handshake with any they do not know yet
     (``RdmaConsumer.preconnect``), so that it overlaps the request's wait
     for admission instead of following it."""
+    reclaims: tuple[int, ...] = ()
+    """Generations of leases the producer's scheduler ends now to free
+    blocks for waiting requests (memory pressure): the workers end them
+    (GONE to every later call) and report them in ``done_sending``."""
 
 
 @dataclasses.dataclass(frozen=True)

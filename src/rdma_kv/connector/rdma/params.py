@@ -22,6 +22,7 @@ Imports the standard library, ``rdma_kv.errors`` and the connector's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import struct
@@ -33,10 +34,12 @@ from rdma_kv.errors import ConfigError
 
 __all__ = [
     "PARAM_KEYS",
+    "LEASE_BINDING_BYTES",
     "LEASE_TOKEN_BYTES",
     "LeaseRef",
     "RemoteDecodeRequest",
     "RemotePrefillParams",
+    "lease_binding",
     "lease_token",
     "parse_kv_transfer_params",
 ]
@@ -64,29 +67,52 @@ _JSON_SAFE_INT = (1 << 53) - 1  # routers written in JS or Go may parse numbers 
 
 
 LEASE_TOKEN_BYTES = 16
+LEASE_BINDING_BYTES = 16
 
 
 @dataclasses.dataclass(frozen=True)
 class LeaseRef:
     """Names one lease on a producer: the producer scheduler's ``epoch``
     (random per process, so a restarted producer never confirms an old lease)
-    and a ``generation`` unique within that epoch, plus the request id and
-    the ``token`` that proves the producer granted it (:func:`lease_token`)."""
+    and a ``generation`` unique within that epoch, plus the request id, the
+    ``binding`` (:func:`lease_binding`: what the lease lets its holder read)
+    and the ``token`` that proves the producer granted exactly that
+    (:func:`lease_token`)."""
 
     epoch: int
     generation: int
     request_id: RequestId
     token: bytes = dataclasses.field(repr=False)
+    binding: bytes = dataclasses.field(repr=False)
 
 
-def lease_token(key: bytes, epoch: int, generation: int, request_id: str) -> bytes:
+def lease_binding(engine_id: str, tp_size: int, num_tokens: int, block_ids: GroupBlockIds) -> bytes:
+    """A digest of everything a lease lets its holder read: the producer
+    engine, its tensor-parallel size, the prompt's token count and the block
+    ids of every KV-cache group, in order. The grant token covers it, so
+    params altered to name other blocks (another request's, or blocks reused
+    since) fail the producer's check at every lease call, CONFIRM included:
+    what was read under them is never used."""
+    digest = hashlib.sha256(b"rdma-kv lease binding 1")
+    name = engine_id.encode()
+    digest.update(struct.pack(">QQQQ", len(name), tp_size, num_tokens, len(block_ids)) + name)
+    for group in block_ids:
+        digest.update(struct.pack(f">Q{len(group)}I", len(group), *group))
+    return digest.digest()[:LEASE_BINDING_BYTES]
+
+
+def lease_token(key: bytes, epoch: int, generation: int, request_id: str, binding: bytes) -> bytes:
     """The producer's proof that it granted lease ``(epoch, generation,
-    request_id)``: an HMAC-SHA256 under the scheduler's per-epoch lease key,
-    which only the producer engine's own processes know. A worker verifies it
-    before it records anything about a lease its scheduler has granted but
-    not yet shipped to it, so a peer cannot claim, renew or release a lease
-    by guessing the (sequential) generation."""
-    message = b"rdma-kv lease 1" + struct.pack(">QQ", epoch, generation) + request_id.encode()
+    request_id)`` over exactly ``binding`` (:func:`lease_binding`): an
+    HMAC-SHA256 under the scheduler's per-epoch lease key, which only the
+    producer engine's own processes know. A worker verifies it on every
+    lease call, before it records anything, so a peer can neither claim,
+    renew or release a lease by guessing the (sequential) generation, nor
+    point a lease it holds at blocks it was not granted."""
+    if len(binding) != LEASE_BINDING_BYTES:
+        raise ValueError(f"a lease binding is {LEASE_BINDING_BYTES} bytes, got {len(binding)}")
+    message = (b"rdma-kv lease 2" + struct.pack(">QQ", epoch, generation) + binding
+               + request_id.encode())
     return hmac.new(key, message, hashlib.sha256).digest()[:LEASE_TOKEN_BYTES]
 
 
@@ -119,10 +145,16 @@ class RemotePrefillParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "remote_block_ids", as_group_block_ids(self.remote_block_ids))
 
+    @functools.cached_property
+    def binding(self) -> bytes:
+        """What these params let their holder read (:func:`lease_binding`)."""
+        return lease_binding(self.remote_engine_id, self.tp_size, self.remote_num_tokens,
+                             self.remote_block_ids)
+
     @property
     def lease(self) -> LeaseRef:
         return LeaseRef(self.remote_lease_epoch, self.remote_lease_generation,
-                        self.remote_request_id, self.remote_lease_token)
+                        self.remote_request_id, self.remote_lease_token, self.binding)
 
     def to_dict(self) -> dict[str, Any]:
         """A new JSON-compatible dict in vLLM's P/D convention."""

@@ -36,7 +36,7 @@ from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.leases import LeaseCall, LeaseTable
 from rdma_kv.connector.rdma.meta import SendSpec
 from rdma_kv.connector.rdma.settings import RdmaSettings
-from rdma_kv.connector.rdma.sidechannel import SideChannelServer
+from rdma_kv.connector.rdma.sidechannel import ConnectionLimits, SideChannelServer
 from rdma_kv.connector.types import EngineId, RequestId
 
 __all__ = ["ProducerHandler", "RdmaProducer"]
@@ -78,6 +78,9 @@ class ProducerHandler:
     def on_release(self, request: wire.Release) -> wire.LeaseReply:
         return wire.LeaseReply(self._leases.release(_calls(request)), self._lease_ttl_s)
 
+    def holds(self, leases: Iterable[tuple[int, int]]) -> bool:
+        return self._leases.holds_any(leases)
+
 
 def _calls(request: wire.Renew | wire.Confirm | wire.Release) -> list[LeaseCall]:
     return [LeaseCall(w.ref(), w.claim, w.reader, w.readers) for w in request.leases]
@@ -93,7 +96,7 @@ class RdmaProducer:
         self._engine_id = engine_id
         self._settings = settings
         self._secret = secret
-        self.leases = LeaseTable(clock)
+        self.leases = LeaseTable(clock, max_s=settings.lease_max_s)
         self.handler: ProducerHandler | None = None
         self.server: SideChannelServer | None = None
         self._lease_stats_seen: collections.Counter[str] = collections.Counter()
@@ -106,12 +109,17 @@ class RdmaProducer:
         handler = ProducerHandler(self._engine_id, rank, s.lease_ttl_s, self.leases, compat,
                                   agent_metadata, geometry)
         port = s.side_channel_port
+        limits = (ConnectionLimits(max_connections=s.side_channel_max_connections)
+                  if s.side_channel_max_connections else ConnectionLimits())
         self.server = SideChannelServer(handler, s.side_channel_host, port + s.tp_rank if port else 0,
-                                        name=f"rdma-kv-sidechannel-{s.tp_rank}", secret=self._secret)
+                                        name=f"rdma-kv-sidechannel-{s.tp_rank}", secret=self._secret,
+                                        limits=limits)
         self.handler = handler
 
-    def on_step(self, lease_epoch: int, lease_key: bytes, sends: Iterable[SendSpec]) -> None:
-        """Apply the producer's part of one step's metadata. Never raises."""
+    def on_step(self, lease_epoch: int, lease_key: bytes, sends: Iterable[SendSpec],
+                reclaims: Iterable[int] = ()) -> None:
+        """Apply the producer's part of one step's metadata: the epoch, new
+        grants, then the leases the scheduler reclaims. Never raises."""
         if lease_epoch:
             self.leases.set_epoch(lease_epoch, lease_key)
         for send in sends:
@@ -119,6 +127,8 @@ class RdmaProducer:
                 self.leases.grant(send.lease, send.block_ids, send.lease_ttl_s)
             except Exception:
                 logger.exception("request %r: could not record its lease", send.request_id)
+        if reclaims:
+            self.leases.reclaim(reclaims)
 
     def take_done(self) -> set[RequestId]:
         """Requests whose lease was released or expired: their blocks may be freed."""
@@ -133,7 +143,8 @@ class RdmaProducer:
         return counters
 
     def resources(self) -> dict[str, int]:
-        return {"leases": len(self.leases), "held_blocks": len(self.leases.held_block_ids())}
+        return {"leases": len(self.leases), "held_blocks": len(self.leases.held_block_ids()),
+                "lease_age_max_ms": int(1000 * self.leases.oldest_age_s())}
 
     def close(self) -> None:
         if self.server is not None:

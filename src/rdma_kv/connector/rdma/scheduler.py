@@ -8,7 +8,15 @@ Owns the per-request decisions of both roles:
   this scheduler's random epoch); the returned params are what a router
   hands verbatim to the decode request. The lease is shipped to the workers
   in the next step's metadata; they report the request in ``done_sending``
-  when the consumer releases it or the lease expires.
+  when the consumer releases it or the lease expires. Its token covers
+  what the params let a consumer read (``params.lease_binding``).
+  **Memory pressure**: when a request the engine asked about this step was
+  not given blocks (it waits for memory) while leases hold more than
+  ``lease_max_share`` of the KV cache, the oldest leases beyond that share
+  are ended (``reclaims`` in the next step's metadata; their consumers get
+  GONE and recompute), so held blocks cannot starve new prefills. Each
+  lease also ends ``lease_max_s`` after its grant whatever its renewals
+  (``leases``).
 - **consumer** (``kv_consumer``/``kv_both``): a request whose params say
   ``do_remote_prefill`` loads the prompt tokens beyond its local prefix hit
   asynchronously (``(n, True)``). Blocks already computed locally are not
@@ -53,9 +61,11 @@ from rdma_kv.connector.rdma.meta import (
     RemoteLease,
     SendSpec,
 )
+from rdma_kv.connector.rdma.lograte import RateLimitedWarnings
 from rdma_kv.connector.rdma.params import (
     RemoteDecodeRequest,
     RemotePrefillParams,
+    lease_binding,
     lease_token,
     parse_kv_transfer_params,
 )
@@ -148,6 +158,7 @@ class RdmaScheduler:
         self._config = config
         self._settings = settings
         self._specs = tuple(group.kv_cache_spec for group in kv_cache_config.kv_cache_groups)
+        self._num_blocks = kv_cache_config.num_blocks
         self._clock = clock
         self._engine_id = EngineId(str(config.engine_id))
         self._producer = config.is_kv_producer
@@ -162,6 +173,17 @@ class RdmaScheduler:
         self._port = settings.side_channel_port
         # producer
         self._pending_sends: list[SendSpec] = []
+        self._held: dict[RequestId, tuple[int, int]] = {}
+        """Leases granted and not yet reported finished: request id ->
+        (generation, blocks held), oldest grant first."""
+        self._held_blocks = 0
+        self._waiting_for_blocks: set[RequestId] = set()
+        """Asked about this step (``get_num_new_matched_tokens``) and not
+        yet given blocks: at ``build_connector_meta``, memory pressure."""
+        self._pending_reclaims: list[int] = []
+        self._reclaim_warnings = RateLimitedWarnings(logger, "lease reclaims", burst=1, window_s=10.0)
+        self.reclaimed = 0
+        """Leases ended under memory pressure (for stats and tests)."""
         # consumer
         self._remote: dict[RequestId, _Remote] = {}
         self._bad: set[RequestId] = set()
@@ -230,6 +252,8 @@ class RdmaScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id
+        if self._producer:
+            self._waiting_for_blocks.add(rid)
         remote = self._remote.get(rid)
         if remote is None:
             parsed = self._parse(request)
@@ -248,6 +272,7 @@ class RdmaScheduler:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        self._waiting_for_blocks.discard(request.request_id)
         remote = self._remote.get(request.request_id)
         if remote is None or remote.state != "waiting":
             return
@@ -319,6 +344,9 @@ class RdmaScheduler:
             or now - r.renewed_at >= self._settings.renew_interval_for(r.params.remote_lease_ttl_s))]
         for remote in due:
             remote.renewed_at = now
+        if self._waiting_for_blocks:
+            self._reclaim_under_pressure()
+            self._waiting_for_blocks.clear()
         meta = RdmaConnectorMetadata(
             lease_epoch=self.epoch if self._producer else 0,
             lease_key=self._lease_key if self._producer else b"",
@@ -328,12 +356,39 @@ class RdmaScheduler:
             renewals=tuple(r.lease for r in due),
             aborts=tuple(self._pending_aborts),
             connects=tuple(self._pending_connects),
+            reclaims=tuple(self._pending_reclaims),
         )
         self._pending_sends, self._pending_releases, self._pending_aborts = [], [], []
+        self._pending_reclaims = []
         self._pending_connects = {}
         return meta
 
+    def _reclaim_under_pressure(self) -> None:
+        """A request waits for blocks: end the oldest leases until leases
+        hold at most ``lease_max_share`` of the KV cache."""
+        share = self._settings.lease_max_share
+        limit = int(share * self._num_blocks)
+        if share >= 1 or self._held_blocks <= limit:
+            return
+        ended, freed = 0, 0
+        for rid in list(self._held):
+            if self._held_blocks <= limit:
+                break
+            generation, num_blocks = self._held.pop(rid)
+            self._held_blocks -= num_blocks
+            self._pending_reclaims.append(generation)
+            ended, freed = ended + 1, freed + num_blocks
+        self.reclaimed += ended
+        self._reclaim_warnings.warn(
+            "pressure", "requests wait for KV-cache blocks while leases hold more than lease_max_share=%g "
+            "of %d blocks: ended the %d oldest lease(s) (%d blocks); their decodes recompute",
+            share, self._num_blocks, ended, freed)
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for rid in output.finished_sending:
+            held = self._held.pop(rid, None)
+            if held is not None:
+                self._held_blocks -= held[1]
         for rid in output.finished_recving:
             remote = self._remote.get(rid)
             if remote is not None and remote.state == "shipped":
@@ -349,6 +404,7 @@ class RdmaScheduler:
         rid = request.request_id
         groups = as_group_block_ids(block_ids)
         self._bad.discard(rid)
+        self._waiting_for_blocks.discard(rid)
         remote = self._remote.pop(rid, None)
         if remote is not None:
             if remote.state == "shipped":
@@ -405,6 +461,8 @@ class RdmaScheduler:
                          "set_xfer_handshake_metadata from the workers); not holding its KV", rid)
             return False, None
         settings = self._settings
+        generation = next(self._generations)
+        binding = lease_binding(self._engine_id, settings.tp_size, request.num_prompt_tokens, tuple(offered))
         params = RemotePrefillParams(
             remote_engine_id=self._engine_id,
             remote_host=settings.advertise_host,
@@ -413,12 +471,14 @@ class RdmaScheduler:
             remote_request_id=rid,
             tp_size=settings.tp_size,
             remote_lease_epoch=self.epoch,
-            remote_lease_generation=(generation := next(self._generations)),
-            remote_lease_token=lease_token(self._lease_key, self.epoch, generation, rid),
+            remote_lease_generation=generation,
+            remote_lease_token=lease_token(self._lease_key, self.epoch, generation, rid, binding),
             remote_lease_ttl_s=settings.lease_ttl_s,
             remote_num_tokens=request.num_prompt_tokens,
         )
         self._pending_sends.append(SendSpec(rid, tuple(held), params.lease, settings.lease_ttl_s))
+        self._held[rid] = (generation, sum(len(ids) for ids in held))
+        self._held_blocks += self._held[rid][1]
         return True, params.to_dict()
 
     # --- introspection --------------------------------------------------------------------------------
@@ -426,3 +486,7 @@ class RdmaScheduler:
     def num_tracked(self) -> int:
         """Consumer requests tracked (leak checks)."""
         return len(self._remote)
+
+    def num_held_blocks(self) -> int:
+        """Blocks held under leases granted and not yet reported finished."""
+        return self._held_blocks

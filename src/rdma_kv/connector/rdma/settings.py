@@ -57,6 +57,14 @@ class RdmaSettings:
     """How long a producer holds delayed blocks without a renewal."""
     renew_interval_s: float = 0.0
     """How often a consumer renews (0: a third of the producer's TTL)."""
+    lease_max_s: float = 300.0
+    """The longest a producer holds a lease's blocks, renewed or not: past
+    it the lease ends and the consumer recomputes. Covers a long admission
+    wait on a loaded decode (minutes), not an unbounded one."""
+    lease_max_share: float = 0.5
+    """Under memory pressure (a new request waits for blocks), leases may
+    hold at most this share of the producer's KV-cache blocks: past it the
+    oldest leases end first (their consumers recompute). 1: never reclaim."""
     read_timeout_s: float = 10.0
     """Deadline of one request's reads; a dead producer fails them within it."""
     load_timeout_s: float = 30.0
@@ -66,6 +74,11 @@ class RdmaSettings:
     rpc_retries: int = 2
     rpc_threads: int = 4
     """Threads for handshakes and lease RPCs (never the engine thread)."""
+    side_channel_max_connections: int = 0
+    """Connections a producer rank's side channel keeps open (one per consumer
+    rank that reads it, pooled). 0: sized from the process's file-descriptor
+    limit (``admission.default_max_connections``: 48,384 under vLLM, which
+    raises ``RLIMIT_NOFILE`` to 65,535)."""
     ucx_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """UCX settings without the ``UCX_`` prefix, e.g. ``{"TLS": "rc,sm"}``."""
     ucx_net_devices: str | Mapping[int, str] | None = None
@@ -134,9 +147,10 @@ class RdmaSettings:
         if config.is_kv_producer:
             _require_secret_off_loopback(host, values)
         for name, kind in (("tp_rank", int), ("tp_size", int), ("total_kv_heads", int), ("lease_ttl_s", float),
-                           ("renew_interval_s", float), ("read_timeout_s", float),
+                           ("renew_interval_s", float), ("lease_max_s", float), ("lease_max_share", float), ("read_timeout_s", float),
                            ("load_timeout_s", float), ("connect_timeout_s", float),
                            ("rpc_timeout_s", float), ("rpc_retries", int), ("rpc_threads", int),
+                           ("side_channel_max_connections", int),
                            ("lanes", int)):
             if name in extra:
                 values[name] = get(name, type=kind)
@@ -156,12 +170,18 @@ class RdmaSettings:
                               "consumers dial port + rank")
         if self.side_channel_port and self.side_channel_port + self.tp_size - 1 > 65535:
             raise ConfigError(f"side_channel_port {self.side_channel_port} + tp_size exceeds 65535")
-        for name in ("lease_ttl_s", "read_timeout_s", "load_timeout_s", "connect_timeout_s",
+        if not 0 < self.lease_max_share <= 1:
+            raise ConfigError(f"lease_max_share must be in (0, 1], got {self.lease_max_share}")
+        for name in ("lease_ttl_s", "lease_max_s", "read_timeout_s", "load_timeout_s", "connect_timeout_s",
                      "rpc_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.renew_interval_s < 0:
             raise ConfigError(f"renew_interval_s must be >= 0, got {self.renew_interval_s}")
+        if self.side_channel_max_connections and self.side_channel_max_connections < 64:
+            raise ConfigError(f"side_channel_max_connections must be 0 (sized from the file-descriptor "
+                              f"limit) or at least 64 (the budget of connections not yet authenticated), "
+                              f"got {self.side_channel_max_connections}")
         if self.rpc_retries < 0 or self.rpc_threads < 1:
             raise ConfigError("rpc_retries must be >= 0 and rpc_threads >= 1")
         if not 1 <= self.lanes <= MAX_LANES:

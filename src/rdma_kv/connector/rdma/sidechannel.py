@@ -1,12 +1,15 @@
-"""The side channel: a small TCP server per worker, and its client.
+"""The side channel's server: one event-driven TCP server per worker.
 
-Owns the sockets. The server binds only the configured interface
-(``kv_ip:kv_port + tp_rank``), admits connections within per-source and
-total limits (``admission``), and serves each in a thread: read a
-size-limited frame, decode it against the schema (``wire``), dispatch to a
-:class:`Handler` (the worker: handshake and leases), reply. A malformed
-frame gets an ``ErrorReply`` and the connection is closed; the server keeps
-serving everyone else. Every socket operation has a timeout.
+Owns the listening socket and every accepted connection. One thread runs a
+``selectors`` loop (epoll on Linux) over non-blocking sockets: it accepts,
+admits or evicts (``admission``), reads size-limited frames into a
+per-connection buffer, decodes them against the schema (``wire``),
+dispatches to a :class:`Handler` (the worker: handshake and leases) and
+writes the reply. A connection costs a file descriptor and a small record,
+not a thread, so one producer rank serves thousands of consumer ranks; the
+engine thread never waits on any of it (the handler's lease table has its
+own short lock). The server binds only the configured interface
+(``kv_ip:kv_port + tp_rank``).
 
 Every connection opens with HELLO -> CHALLENGE. With a shared secret
 (``auth``), AUTH -> AUTH_OK must follow before any other request is
@@ -15,31 +18,39 @@ server logs a WARNING naming the peer address and the reason (never the
 secret or a proof). Nothing else (agent metadata, remote keys, lease
 answers) is sent on a connection that has not completed this opening.
 
-A connection is untrusted until it authenticates (with a secret) or a lease
-request of it is answered HELD or PENDING (without one); an untrusted
-connection is closed at its opening deadline, a few seconds after its
-accept, whatever it sends. Floods therefore hold slots only briefly, only
-within their source's budget, and never the slots kept for trusted peers.
-Refusals are logged a few lines per window plus one summary line
-(``lograte.EventSummary``), never one line per connection.
+Trust (``admission``): with a secret, from AUTH on; without one, only while
+the connection has proven it holds a live lease (a lease call answered
+HELD, checked against the lease table again every ``TRUST_CHECK_S``),
+never from PENDING. Every wait is bounded, per connection:
 
-The client keeps one connection per peer, re-opened on failure, with
-bounded retries and backoff; every call has a deadline. Lease RPCs are
-idempotent (a retried CONFIRM of a lease its first attempt released still
-reads HELD; see ``leases``), so retrying is safe.
+- untrusted: closed at its opening deadline, a few seconds after its
+  accept or after it lost its trust, whatever it sends;
+- a frame once started must arrive whole within ``io_timeout_s``, and a
+  reply must drain within it (slowloris, before or after AUTH);
+- trusted: closed after ``idle_timeout_s`` without a request, and evicted
+  for a newcomer once idle ``evict_idle_s`` when a budget is full.
 
-Imports the standard library, ``rdma_kv.errors``, ``rdma.admission``, ``rdma.auth``,
-``rdma.lograte`` and ``rdma.wire``.
+A malformed frame gets an ``ErrorReply`` and the connection is closed; the
+server keeps serving everyone else. Refusals, evictions, closures and
+altered lease params (FORGED) are logged a few lines per window plus one
+summary line (``lograte.EventSummary``), never one line per connection.
+
+Imports the standard library, msgspec, ``rdma_kv.errors``, ``rdma.admission``,
+``rdma.auth``, ``rdma.lograte`` and ``rdma.wire``.
 """
 
 from __future__ import annotations
 
 import errno
+import heapq
+import itertools
 import logging
+import selectors
 import socket
 import struct
 import threading
 import time
+from collections.abc import Iterable
 from typing import Protocol
 
 import msgspec
@@ -47,11 +58,24 @@ import msgspec
 from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.admission import Admission, ConnectionLimits
 from rdma_kv.connector.rdma.lograte import EventSummary
-from rdma_kv.errors import AuthenticationError, ConfigError, HandshakeError, MetadataError, PeerError
+from rdma_kv.errors import ConfigError, MetadataError
 
-__all__ = ["ConnectionLimits", "Handler", "SideChannelClient", "SideChannelServer", "bind_advice"]
+__all__ = ["ConnectionLimits", "Handler", "SideChannelServer", "bind_advice"]
 
 logger = logging.getLogger(__name__)
+
+TRUST_CHECK_S = 1.0
+"""How often connections trusted by a lease (no secret) are checked against
+the lease table: trust ends within this long of the lease."""
+ACCEPTS_PER_TURN = 64
+"""Connections accepted per loop turn before the loop serves the open ones
+again: a connect flood cannot starve consumers already connected."""
+LEASE_VOUCHES = 32
+"""Connections one lease can make trusted (no secret): a consumer engine's
+ranks that read this producer rank under it, with room to spare. A holder
+of one params set gets no more than this many trusted connections."""
+RECV_BYTES = 65536
+_HEADER = struct.Struct(">I")
 
 
 class Handler(Protocol):
@@ -65,31 +89,52 @@ class Handler(Protocol):
 
     def on_release(self, request: wire.Release) -> wire.LeaseReply: ...
 
-
-class _Connection:
-    """One accepted connection's standing: untrusted until it authenticates
-    (secret) or proves it holds a lease (no secret); until then it must get
-    there before ``deadline``."""
-
-    __slots__ = ("source", "deadline", "trusted", "requests", "expired")
-
-    def __init__(self, source: str, deadline: float) -> None:
-        self.source, self.deadline = source, deadline
-        self.trusted, self.requests, self.expired = False, 0, False
+    def holds(self, leases: Iterable[tuple[int, int]]) -> bool:
+        """Whether any of these (epoch, generation) leases is live."""
+        ...
 
 
-# A lease reply with one of these proves the connection knows a live lease.
-_LIVE_STATUSES = frozenset((wire.LeaseStatus.HELD, wire.LeaseStatus.PENDING))
+class _Phase:
+    HELLO, AUTH, READY = range(3)
 
 
-def _abort(conn: socket.socket) -> None:
-    """Close with a reset (SO_LINGER 0): a refused or expired flood
+class _Conn:
+    """One accepted connection: its socket, buffers, phase, trust and deadlines."""
+
+    __slots__ = ("sock", "fd", "addr", "source", "phase", "trusted", "by_lease", "proofs", "voucher", "inbuf",
+                 "outbuf", "closing", "accepted_at", "last_active", "opening_deadline", "frame_started",
+                 "write_started", "due", "requests", "nonce", "hello", "closed", "mask")
+
+    def __init__(self, sock: socket.socket, addr: tuple, now: float, opening_s: float) -> None:
+        self.sock, self.fd, self.addr, self.source = sock, sock.fileno(), addr, str(addr[0])
+        self.phase = _Phase.HELLO
+        self.trusted = False
+        self.by_lease = False  # trusted through a lease (no secret), not AUTH
+        self.proofs: set[tuple[int, int]] = set()
+        self.voucher: tuple[int, int] | None = None  # the lease its trust counts against
+        self.inbuf = bytearray()
+        self.outbuf = bytearray()
+        self.closing = False  # close once the output drained
+        self.accepted_at = self.last_active = now
+        self.opening_deadline = now + opening_s
+        self.frame_started: float | None = None
+        self.write_started: float | None = None
+        self.due = 0.0
+        self.requests = 0
+        self.nonce = b""
+        self.hello: wire.Hello | None = None
+        self.closed = False
+        self.mask = selectors.EVENT_READ
+
+
+def _abort(sock: socket.socket) -> None:
+    """Close with a reset (SO_LINGER 0): a refused, evicted or expired flood
     connection leaves no TIME_WAIT entry behind on this host."""
     try:
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     except OSError:
         pass
-    conn.close()
+    sock.close()
 
 
 def bind_advice(exc: OSError, host: str, port: int) -> str | None:
@@ -107,15 +152,12 @@ def bind_advice(exc: OSError, host: str, port: int) -> str | None:
 class SideChannelServer:
     """Serves ``handler`` on ``host:port`` (port 0: the OS picks; see ``port``).
 
-    Admission (``limits``, see :class:`ConnectionLimits` for the defaults)
-    happens in the accept loop; a refused connection is reset without a
-    thread or a byte. An untrusted connection is closed ``opening_deadline_s``
-    after its accept; a trusted one after ``idle_timeout_s`` without a
-    request. ``backlog`` is the listen queue (the kernel caps it at
+    ``limits`` (:class:`ConnectionLimits`) are applied at accept, before a
+    byte is read; ``backlog`` is the listen queue (the kernel caps it at
     ``net.core.somaxconn``): deep enough that a legitimate SYN is not
-    dropped while the accept loop drains a flood. Refusals and closures are
-    logged through :class:`EventSummary`: ``log_burst`` lines per reason per
-    ``log_window_s``, then one summary line; ``stats`` counts every one.
+    dropped while the loop drains a flood. Refusals, evictions and closures
+    are logged through :class:`EventSummary` (``log_burst`` lines per reason
+    per ``log_window_s``, then one summary line); ``stats`` counts each.
     """
 
     def __init__(
@@ -127,7 +169,7 @@ class SideChannelServer:
         io_timeout_s: float = 5.0,
         idle_timeout_s: float = 300.0,
         limits: ConnectionLimits | None = None,
-        backlog: int = 1024,
+        backlog: int = 4096,
         log_burst: int = 3,
         log_window_s: float = 10.0,
         name: str = "rdma-kv-sidechannel",
@@ -158,161 +200,192 @@ class SideChannelServer:
             advice = bind_advice(exc, host, port) or "check side_channel_host and kv_port / side_channel_port"
             raise ConfigError(f"side channel cannot bind {host}:{port}: {exc.strerror}: {advice}") from None
         self._sock.listen(backlog)
-        self._sock.settimeout(0.2)  # the accept loop checks for close() this often
+        self._sock.setblocking(False)
         self.host = host
         self.port = self._sock.getsockname()[1]
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector.register(self._sock, selectors.EVENT_READ, None)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, self._wake_r)
+        self._conns: dict[int, _Conn] = {}
+        self._deadlines: list[tuple[float, int, _Conn]] = []
+        self._seq = itertools.count()
+        self._by_lease: set[_Conn] = set()
+        self._vouches: dict[tuple[int, int], int] = {}  # lease -> connections it made trusted
+        self._next_trust_check = 0.0
         self._closed = threading.Event()
-        self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
         self.stats = {"connections": 0, "refused_connections": 0, "bad_frames": 0, "requests": 0,
-                      "authenticated": 0, "auth_failures": 0, "trusted": 0, "closed_at_deadline": 0,
-                      **{f"refused_{reason}": 0 for reason in Admission.REASONS}}
-        self._thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
+                      "authenticated": 0, "auth_failures": 0, "trusted": 0, "untrusted_again": 0,
+                      "closed_at_deadline": 0, "closed_idle": 0, "closed_slow": 0, "forged": 0,
+                      **{f"refused_{reason}": 0 for reason in Admission.REASONS},
+                      **{f"evicted_{reason}": 0 for reason in Admission.EVICTIONS}}
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-loop", daemon=True)
         self._thread.start()
 
-    def _count(self, *keys: str) -> None:
-        with self._lock:
-            for key in keys:
-                self.stats[key] += 1
+    # --- the loop ------------------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
+    def _loop(self) -> None:
         while not self._closed.is_set():
-            self._events.flush()
+            now = time.monotonic()
+            timeout = min(0.5, max(0.0, self._deadlines[0][0] - now)) if self._deadlines else 0.5
             try:
-                conn, addr = self._sock.accept()
-            except (TimeoutError, socket.timeout):
-                continue
-            except OSError:
+                events = self._selector.select(timeout)
+            except OSError:  # closed under us
+                if self._closed.is_set():
+                    break
+                raise
+            for key, mask in events:
+                if key.data is None:
+                    self._accept_some()
+                elif key.data is self._wake_r:
+                    continue
+                else:
+                    conn = key.data
+                    if mask & selectors.EVENT_WRITE and not conn.closed:
+                        self._flush(conn)
+                        if not conn.closed and not conn.outbuf:
+                            self._serve(conn)  # what arrived while the reply was written
+                    if mask & selectors.EVENT_READ and not conn.closed:
+                        self._on_readable(conn)
+            now = time.monotonic()
+            self._expire(now)
+            if now >= self._next_trust_check:
+                self._check_lease_trust(now)
+                self._next_trust_check = now + TRUST_CHECK_S
+            self._events.flush()
+        for conn in list(self._conns.values()):
+            self._close(conn)
+        self._selector.close()
+
+    def _accept_some(self) -> None:
+        for _ in range(ACCEPTS_PER_TURN):
+            try:
+                sock, addr = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._events.event("no_fd", "-", "side channel %s: cannot accept: %s (raise the "
+                                       "file-descriptor limit, ulimit -n)", self._name, exc.strerror)
+                    return
                 if self._closed.is_set():
                     return
                 logger.exception("side channel %s: accept failed", self._name)
-                time.sleep(0.05)
-                continue
-            source = str(addr[0])
-            refusal = self._admission.admit(source)
-            if refusal is not None:
-                reason, why = refusal
-                self._count("refused_connections", f"refused_{reason}")
-                _abort(conn)
-                self._events.event(reason, source, "side channel %s: refused %s: %s", self._name, addr, why)
-                continue
-            with self._lock:
-                self._conns.add(conn)
-                self.stats["connections"] += 1
-            state = _Connection(source, time.monotonic() + self.limits.opening_deadline_s)
-            try:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                threading.Thread(target=self._serve, args=(conn, addr, state), daemon=True,
-                                 name=f"{self._name}-conn").start()
-            except (OSError, RuntimeError) as exc:  # reset by the peer already, or no thread to be had
-                self._admission.leave(source, trusted=False)
-                with self._lock:
-                    self._conns.discard(conn)
-                _abort(conn)
-                logger.debug("side channel %s: dropped %s at accept: %s", self._name, addr, exc)
-
-    def _serve(self, conn: socket.socket, addr: object, state: _Connection) -> None:
-        try:
-            if not self._open(conn, addr, state):
                 return
-            while not self._closed.is_set():
-                request = self._read(conn, addr, state)
-                if request is None:
-                    return
-                if isinstance(request, (wire.Hello, wire.Auth)):
-                    self._refuse(conn, addr, state, f"unexpected {type(request).__name__.upper()} "
-                                                    "after the opening")
-                    return
-                reply = self._dispatch(request)
-                self._count("requests")
-                state.requests += 1
-                if (not state.trusted and isinstance(reply, wire.LeaseReply)
-                        and any(status in _LIVE_STATUSES for status in reply.statuses)):
-                    self._trust(state)
-                wire.send_frame(conn, wire.encode(reply), self._io_timeout_s)
+            self._admit(sock, addr)
+
+    def _admit(self, sock: socket.socket, addr: tuple) -> None:
+        now = time.monotonic()
+        source = str(addr[0])
+        victims, refusal = self._admission.plan(source, now)
+        if refusal is not None:
+            reason, why = refusal
+            self.stats["refused_connections"] += 1
+            self.stats[f"refused_{reason}"] += 1
+            _abort(sock)
+            self._events.event(reason, source, "side channel %s: refused %s: %s", self._name, addr, why)
+            return
+        for victim, why in victims:
+            assert isinstance(victim, _Conn)
+            self.stats[f"evicted_{why}"] += 1
+            self._events.event(f"evicted_{why}", victim.source,
+                               "side channel %s: evicted %s (%s, idle %.1f s) for a new connection from %s: "
+                               "the %s budget was full", self._name, victim.addr,
+                               "trusted" if victim.trusted else "untrusted", now - victim.last_active,
+                               source, why.replace("_", " "))
+            self._close(victim, reset=True)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:  # reset by the peer already
+            _abort(sock)
+            return
+        conn = _Conn(sock, addr, now, self.limits.opening_deadline_s)
+        self._admission.enter(conn)
+        self._conns[conn.fd] = conn
+        self._selector.register(sock, selectors.EVENT_READ, conn)
+        self.stats["connections"] += 1
+        self._reschedule(conn)
+
+    # --- reading and dispatch -------------------------------------------------------------------
+
+    def _on_readable(self, conn: _Conn) -> None:
+        try:
+            chunk = conn.sock.recv(RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
         except OSError:
+            self._close(conn)
             return
-        finally:
-            self._admission.leave(state.source, state.trusted)
-            with self._lock:
-                self._conns.discard(conn)
-            if state.expired:
-                _abort(conn)
-            else:
-                conn.close()
-
-    def _trust(self, state: _Connection) -> None:
-        state.trusted = True
-        self._admission.trust(state.source)
-        self._count("trusted")
-
-    def _read(self, conn: socket.socket, addr: object, state: _Connection) -> wire.Request | None:
-        """One request; ``None`` when the connection is to be closed (bad
-        frames are answered and logged here). An untrusted connection reads
-        against its opening deadline, a trusted one against the idle timeout."""
-        timeout_s = self._idle_timeout_s if state.trusted else state.deadline - time.monotonic()
-        try:
-            if timeout_s <= 0:
-                raise TimeoutError("opening deadline passed")
-            body = wire.recv_frame(conn, wire.MAX_REQUEST_BYTES, timeout_s,
-                                   f"side channel request from {addr}")
-        except TimeoutError:
-            if not state.trusted:
-                self._expire(addr, state)
-            return None
-        except (OSError, PeerError):
-            return None
-        except MetadataError as exc:
-            self._bad(conn, addr, state, str(exc))
-            return None
-        if body is None:
-            return None
-        try:
-            return wire.decode_request(body)
-        except MetadataError as exc:
-            self._bad(conn, addr, state, str(exc))
-            return None
-
-    def _expire(self, addr: object, state: _Connection) -> None:
-        state.expired = True
-        self._count("closed_at_deadline")
-        if state.requests:  # a consumer that handshook and has no lease yet: it reconnects when it needs to
-            logger.debug("side channel %s: closed %s: not trusted %.1f s after connecting",
-                         self._name, addr, self.limits.opening_deadline_s)
+        if not chunk:
+            if conn.phase != _Phase.READY and self._secret is not None and conn.requests == 0:
+                self._auth_failed(conn, "closed before HELLO" if conn.phase == _Phase.HELLO
+                                  else "closed instead of answering the challenge")
+            self._close(conn)
             return
-        what = "authenticated" if self._secret is not None else "holding a lease"
-        self._events.event("opening_deadline", state.source,
-                           "side channel %s: closed %s: not %s %.1f s after connecting (opening_deadline_s)",
-                           self._name, addr, what, self.limits.opening_deadline_s)
+        conn.inbuf += chunk
+        self._serve(conn)
 
-    def _open(self, conn: socket.socket, addr: object, state: _Connection) -> bool:
-        """HELLO -> CHALLENGE, then AUTH -> AUTH_OK when a secret is set.
-        True when the connection may carry requests. Bounded by the opening
-        deadline, not the idle timeout: an unauthenticated peer cannot hold
-        a connection slot for long."""
-        hello = self._read(conn, addr, state)
-        if hello is None:
-            if self._secret is not None and not state.expired:
-                self._auth_failed(addr, state, "closed before HELLO")
-            return False
+    def _serve(self, conn: _Conn) -> None:
+        """Serve every whole request buffered, one reply at a time."""
+        now = time.monotonic()
+        while not conn.closed and not conn.closing and not conn.outbuf:
+            body = self._take_frame(conn)
+            if body is None:
+                break
+            conn.frame_started = None
+            self._on_frame(conn, body, now)
+        if not conn.closed:
+            if conn.inbuf and conn.frame_started is None:
+                conn.frame_started = now  # a partial frame: it must arrive whole in time
+            self._reschedule(conn)
+
+    def _take_frame(self, conn: _Conn) -> bytes | None:
+        buf = conn.inbuf
+        if len(buf) < _HEADER.size:
+            return None
+        (length,) = _HEADER.unpack_from(buf)
+        if length > wire.MAX_REQUEST_BYTES:
+            self._bad(conn, f"side channel request from {conn.addr}: frame of {length} bytes exceeds the "
+                            f"{wire.MAX_REQUEST_BYTES}-byte limit")
+            return None
+        if len(buf) < _HEADER.size + length:
+            return None
+        body = bytes(buf[_HEADER.size:_HEADER.size + length])
+        del buf[:_HEADER.size + length]
+        return body
+
+    def _on_frame(self, conn: _Conn, body: bytes, now: float) -> None:
+        try:
+            request = wire.decode_request(body)
+        except MetadataError as exc:
+            self._bad(conn, str(exc))
+            return
+        if conn.phase == _Phase.HELLO:
+            self._on_hello(conn, request)
+        elif conn.phase == _Phase.AUTH:
+            self._on_auth(conn, request)
+        elif isinstance(request, (wire.Hello, wire.Auth)):
+            self._refuse(conn, f"unexpected {type(request).__name__.upper()} after the opening")
+        else:
+            self._on_request(conn, request, now)
+
+    def _on_hello(self, conn: _Conn, hello: wire.Request) -> None:
         if hello.version != wire.PROTOCOL_VERSION:
-            self._refuse(conn, addr, state, self._version_refusal(hello.version))
-            return False
+            self._refuse(conn, self._version_refusal(hello.version))
+            return
         if not isinstance(hello, wire.Hello):
-            self._refuse(conn, addr, state, f"a connection must open with HELLO (side-channel protocol "
-                                            f"{wire.PROTOCOL_VERSION}), got {type(hello).__name__.upper()}")
-            return False
-        nonce = auth.new_nonce()
-        wire.send_frame(conn, wire.encode(wire.Challenge(wire.PROTOCOL_VERSION, nonce,
-                                                         self._secret is not None)),
-                        self._io_timeout_s)
-        if self._secret is None:
-            return True
-        answer = self._read(conn, addr, state)
-        if answer is None:
-            if not state.expired:
-                self._auth_failed(addr, state, "closed instead of answering the challenge")
-            return False
+            self._refuse(conn, f"a connection must open with HELLO (side-channel protocol "
+                               f"{wire.PROTOCOL_VERSION}), got {type(hello).__name__.upper()}")
+            return
+        conn.nonce, conn.hello = auth.new_nonce(), hello
+        self._send(conn, wire.Challenge(wire.PROTOCOL_VERSION, conn.nonce, self._secret is not None))
+        conn.phase = _Phase.AUTH if self._secret is not None else _Phase.READY
+
+    def _on_auth(self, conn: _Conn, answer: wire.Request) -> None:
+        assert self._secret is not None and conn.hello is not None
+        hello = conn.hello
         if not isinstance(answer, wire.Auth):
             reason = f"sent {type(answer).__name__.upper()} instead of AUTH"
         elif answer.version != wire.PROTOCOL_VERSION:
@@ -320,44 +393,69 @@ class SideChannelServer:
                       f"expects version {wire.PROTOCOL_VERSION}: run the same rdma-kv release on both sides")
         elif not answer.proof:
             reason = "peer has no shared secret configured"
-        elif not auth.verify(auth.client_proof(self._secret, nonce, hello.nonce, wire.PROTOCOL_VERSION,
+        elif not auth.verify(auth.client_proof(self._secret, conn.nonce, hello.nonce, wire.PROTOCOL_VERSION,
                                                hello.role), answer.proof):
             reason = "wrong proof (the peer's secret differs)"
         else:
-            self._count("authenticated")
-            self._trust(state)
-            proof = auth.server_proof(self._secret, hello.nonce, nonce, wire.PROTOCOL_VERSION, hello.role)
-            wire.send_frame(conn, wire.encode(wire.AuthOk(proof)), self._io_timeout_s)
-            return True
-        self._auth_failed(addr, state, reason)
-        self._send_quietly(conn, wire.Refused(f"authentication failed: {reason}"))
+            self.stats["authenticated"] += 1
+            self._trust(conn, by_lease=False)
+            conn.phase = _Phase.READY
+            proof = auth.server_proof(self._secret, hello.nonce, conn.nonce, wire.PROTOCOL_VERSION, hello.role)
+            self._send(conn, wire.AuthOk(proof))
+            return
+        self._auth_failed(conn, reason)
+        self._send(conn, wire.Refused(f"authentication failed: {reason}"), then_close=True)
+
+    def _on_request(self, conn: _Conn, request: wire.Request, now: float) -> None:
+        reply = self._dispatch(request)
+        self.stats["requests"] += 1
+        conn.requests += 1
+        conn.last_active = now
+        if conn.trusted:
+            self._admission.touch(conn)
+        if isinstance(reply, wire.LeaseReply) and isinstance(request, (wire.Renew, wire.Confirm, wire.Release)):
+            self._on_lease_reply(conn, request, reply)
+        self._send(conn, reply)
+
+    def _on_lease_reply(self, conn: _Conn, request: wire.Renew | wire.Confirm | wire.Release,
+                        reply: wire.LeaseReply) -> None:
+        forged = sum(status is wire.LeaseStatus.FORGED for status in reply.statuses)
+        if forged:
+            self.stats["forged"] += forged
+            self._events.event("forged", conn.source, "side channel %s: %s presented %d lease(s) with "
+                               "kv_transfer_params altered to name blocks the lease does not cover "
+                               "(answered FORGED; nothing was read under them that will be used)",
+                               self._name, conn.addr, forged)
+        if self._secret is not None:
+            return
+        # Without a secret, trust is earned by proof only: a lease this
+        # producer granted and still holds (never PENDING), and only while it lives.
+        held = {(lease.epoch, lease.generation) for lease, status in zip(request.leases, reply.statuses)
+                if status is wire.LeaseStatus.HELD}
+        if not held:
+            return
+        conn.proofs |= held
+        if len(conn.proofs) > wire.MAX_LEASES_PER_MESSAGE:  # bounded: keep the ones just proven
+            conn.proofs = held
+        if not conn.trusted and self._vouch(conn):
+            self._trust(conn, by_lease=True)
+
+    def _vouch(self, conn: _Conn) -> bool:
+        """Count ``conn`` against a live lease it proved that has vouches left."""
+        for lease in conn.proofs:
+            if self._vouches.get(lease, 0) < LEASE_VOUCHES and self._handler.holds((lease,)):
+                self._unvouch(conn)
+                conn.voucher = lease
+                self._vouches[lease] = self._vouches.get(lease, 0) + 1
+                return True
         return False
 
-    def _auth_failed(self, addr: object, state: _Connection, reason: str) -> None:
-        self._count("auth_failures")
-        self._events.event("auth_failed", state.source, "side channel %s: refused %s: authentication failed: %s",
-                           self._name, addr, reason)
-
-    def _refuse(self, conn: socket.socket, addr: object, state: _Connection, reason: str) -> None:
-        self._count("refused_connections")
-        self._events.event("protocol", state.source, "side channel %s: refused %s: %s", self._name, addr, reason)
-        self._send_quietly(conn, wire.Refused(reason[:8000]))
-
-    def _send_quietly(self, conn: socket.socket, message: msgspec.Struct) -> None:
-        try:
-            wire.send_frame(conn, wire.encode(message), self._io_timeout_s)
-        except OSError:
-            pass
-
-    @staticmethod
-    def _version_refusal(version: int) -> str:
-        return (f"side-channel protocol version {version} is not supported; this producer speaks "
-                f"version {wire.PROTOCOL_VERSION}: run the same rdma-kv release on both sides")
-
-    def _bad(self, conn: socket.socket, addr: object, state: _Connection, message: str) -> None:
-        self._count("bad_frames")
-        self._events.event("bad_frame", state.source, "side channel %s: closing %s: %s", self._name, addr, message)
-        self._send_quietly(conn, wire.ErrorReply(message[:8000]))
+    def _unvouch(self, conn: _Conn) -> None:
+        lease, conn.voucher = conn.voucher, None
+        if lease is not None:
+            self._vouches[lease] -= 1
+            if not self._vouches[lease]:
+                del self._vouches[lease]
 
     def _dispatch(self, request: wire.Request) -> wire.Reply:
         if request.version != wire.PROTOCOL_VERSION:
@@ -376,196 +474,172 @@ class SideChannelServer:
             logger.exception("side channel %s: handler failed", self._name)
             return wire.ErrorReply(f"producer failed to handle {type(request).__name__}: {exc}"[:8000])
 
+    # --- trust -----------------------------------------------------------------------------------
+
+    def _trust(self, conn: _Conn, by_lease: bool) -> None:
+        conn.by_lease = by_lease
+        self._admission.trust(conn)
+        self.stats["trusted"] += 1
+        if by_lease:
+            self._by_lease.add(conn)
+        self._reschedule(conn)
+
+    def _check_lease_trust(self, now: float) -> None:
+        """A connection trusted by a lease is untrusted again once no lease it
+        proved lives; it then has a new opening deadline to prove another."""
+        for conn in [c for c in self._by_lease
+                     if c.voucher is None or not self._handler.holds((c.voucher,))]:
+            if conn.voucher is not None:
+                conn.proofs.discard(conn.voucher)
+            if self._vouch(conn):
+                continue  # another lease it proved still lives
+            self._unvouch(conn)
+            self._by_lease.discard(conn)
+            conn.by_lease, conn.proofs = False, set()
+            self._admission.untrust(conn)
+            self.stats["untrusted_again"] += 1
+            conn.opening_deadline = now + self.limits.opening_deadline_s
+            self._reschedule(conn)
+
+    # --- writing ------------------------------------------------------------------------------------
+
+    def _send(self, conn: _Conn, message: msgspec.Struct, then_close: bool = False) -> None:
+        payload = wire.encode(message)
+        conn.outbuf += _HEADER.pack(len(payload))
+        conn.outbuf += payload
+        conn.closing = conn.closing or then_close
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        try:
+            while conn.outbuf:
+                sent = conn.sock.send(conn.outbuf)
+                del conn.outbuf[:sent]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self._close(conn)
+            return
+        if not conn.outbuf:
+            conn.write_started = None
+            if conn.closing:
+                self._close(conn)
+                return
+        elif conn.write_started is None:
+            conn.write_started = time.monotonic()
+        # Read only when nothing waits to be written: a peer that does not
+        # read its replies cannot make this server buffer without bound.
+        mask = selectors.EVENT_WRITE if conn.outbuf else selectors.EVENT_READ
+        if not conn.closed and mask != conn.mask:
+            conn.mask = mask
+            self._selector.modify(conn.sock, mask, conn)
+        if not conn.closed:
+            self._reschedule(conn)
+
+    # --- deadlines -----------------------------------------------------------------------------------
+
+    def _reschedule(self, conn: _Conn) -> None:
+        due = conn.opening_deadline if not conn.trusted else conn.last_active + self._idle_timeout_s
+        if conn.frame_started is not None:
+            due = min(due, conn.frame_started + self._io_timeout_s)
+        if conn.write_started is not None:
+            due = min(due, conn.write_started + self._io_timeout_s)
+        if due != conn.due:
+            conn.due = due
+            heapq.heappush(self._deadlines, (due, next(self._seq), conn))
+
+    def _expire(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            due, _, conn = heapq.heappop(self._deadlines)
+            if conn.closed or due != conn.due:
+                continue  # closed, or its deadline moved
+            if conn.write_started is not None and now >= conn.write_started + self._io_timeout_s:
+                self._count_close(conn, "closed_slow", "a reply was not read within io_timeout_s")
+            elif conn.frame_started is not None and now >= conn.frame_started + self._io_timeout_s:
+                self._count_close(conn, "closed_slow", "a request frame did not arrive whole within io_timeout_s")
+            elif not conn.trusted:
+                self._count_close(conn, "closed_at_deadline", None)
+            else:
+                self._count_close(conn, "closed_idle", None)
+        if len(self._deadlines) > 4 * len(self._conns) + 64:  # entries of moved deadlines
+            self._deadlines = [(c.due, next(self._seq), c) for c in self._conns.values()]
+            heapq.heapify(self._deadlines)
+
+    def _count_close(self, conn: _Conn, what: str, why: str | None) -> None:
+        self.stats[what] += 1
+        if what == "closed_at_deadline":
+            if conn.requests == 0:  # a consumer that handshook and holds no lease yet reconnects when it must
+                how = "authenticated" if self._secret is not None else "holding a lease"
+                self._events.event("opening_deadline", conn.source, "side channel %s: closed %s: not %s "
+                                   "%.1f s after connecting (opening_deadline_s)", self._name, conn.addr,
+                                   how, self.limits.opening_deadline_s)
+        elif why is not None:
+            self._events.event(what, conn.source, "side channel %s: closed %s: %s", self._name, conn.addr, why)
+        self._close(conn, reset=not conn.trusted)
+
+    # --- endings -------------------------------------------------------------------------------------
+
+    def _close(self, conn: _Conn, reset: bool = False) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        self._admission.leave(conn)
+        self._by_lease.discard(conn)
+        self._unvouch(conn)
+        self._conns.pop(conn.fd, None)
+        try:
+            self._selector.unregister(conn.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        if reset:
+            _abort(conn.sock)
+        else:
+            conn.sock.close()
+
+    def _auth_failed(self, conn: _Conn, reason: str) -> None:
+        self.stats["auth_failures"] += 1
+        self._events.event("auth_failed", conn.source, "side channel %s: refused %s: authentication failed: %s",
+                           self._name, conn.addr, reason)
+
+    def _refuse(self, conn: _Conn, reason: str) -> None:
+        self.stats["refused_connections"] += 1
+        self._events.event("protocol", conn.source, "side channel %s: refused %s: %s", self._name, conn.addr,
+                           reason)
+        self._send(conn, wire.Refused(reason[:8000]), then_close=True)
+
+    def _bad(self, conn: _Conn, message: str) -> None:
+        self.stats["bad_frames"] += 1
+        self._events.event("bad_frame", conn.source, "side channel %s: closing %s: %s", self._name, conn.addr,
+                           message)
+        conn.inbuf.clear()
+        self._send(conn, wire.ErrorReply(message[:8000]), then_close=True)
+
+    @staticmethod
+    def _version_refusal(version: int) -> str:
+        return (f"side-channel protocol version {version} is not supported; this producer speaks "
+                f"version {wire.PROTOCOL_VERSION}: run the same rdma-kv release on both sides")
+
+    # --- introspection and shutdown --------------------------------------------------------------------
+
+    def counts(self) -> tuple[int, int]:
+        """(open, untrusted) connections now."""
+        return self._admission.counts()
+
     def close(self) -> None:
         if self._closed.is_set():
             return
         self._closed.set()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._thread.join(timeout=5.0)
         self._sock.close()
-        self._thread.join(timeout=2.0)
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self._wake_r.close()
+        self._wake_w.close()
 
     def __enter__(self) -> SideChannelServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class SideChannelClient:
-    """One peer's side channel: request/reply with deadlines and bounded retries."""
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        *,
-        connect_timeout_s: float = 2.0,
-        rpc_timeout_s: float = 2.0,
-        retries: int = 2,
-        backoff_s: float = 0.05,
-        secret: auth.Secret | None = None,
-        role: str = "consumer",
-    ) -> None:
-        self.host, self.port = host, port
-        self._secret = secret
-        self._role = role
-        self._connect_timeout_s = connect_timeout_s
-        self._rpc_timeout_s = rpc_timeout_s
-        self._retries = retries
-        self._backoff_s = backoff_s
-        self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        self._closed = False
-        # After a failed call, fail fast for a moment: a dead peer must not
-        # tie up every RPC thread in connect timeouts.
-        self._down_until = 0.0
-        self._down_reason = ""
-        self._down_error: type[PeerError] = PeerError  # a refusal stays an AuthenticationError
-        self.down_s = 1.0
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def _connect(self, timeout_s: float) -> socket.socket:
-        sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout_s)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._open(sock, timeout_s)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-
-    def _exchange(self, sock: socket.socket, message: msgspec.Struct, timeout_s: float) -> wire.Reply:
-        wire.send_frame(sock, wire.encode(message), timeout_s)
-        body = wire.recv_frame(sock, wire.MAX_REPLY_BYTES, timeout_s, f"reply from {self.address}")
-        if body is None:
-            raise PeerError(f"{self.address} closed the side channel")
-        return wire.decode_reply(body)
-
-    def _open(self, sock: socket.socket, timeout_s: float) -> None:
-        """HELLO -> CHALLENGE (-> AUTH -> AUTH_OK). Raises ``HandshakeError``
-        (not retried) when the peer speaks another version, and
-        ``AuthenticationError`` when the two sides' secrets disagree."""
-        nonce = auth.new_nonce()
-        reply = self._exchange(sock, wire.Hello(wire.PROTOCOL_VERSION, self._role, nonce), timeout_s)
-        if isinstance(reply, wire.Refused):
-            raise HandshakeError(f"producer at {self.address} refused the connection: {reply.reason}")
-        if isinstance(reply, wire.ErrorReply):  # a version-1 producer does not know HELLO
-            raise HandshakeError(
-                f"producer at {self.address} does not speak side-channel protocol "
-                f"{wire.PROTOCOL_VERSION} ({reply.message}); run the same rdma-kv release on both sides")
-        if not isinstance(reply, wire.Challenge) or reply.version != wire.PROTOCOL_VERSION:
-            raise HandshakeError(f"{self.address} answered HELLO with {reply!r:.200}")
-        if not reply.auth_required:
-            if self._secret is not None:
-                raise AuthenticationError(
-                    f"producer at {self.address} does not authenticate, but this consumer has a "
-                    f"shared secret ({self._secret.source}); configure the same auth_secret_file / "
-                    "auth_secret_env on the producer (refusing to trust an unauthenticated peer)")
-            return
-        if self._secret is None:
-            self._send_quietly(sock, wire.Auth(wire.PROTOCOL_VERSION, b""), timeout_s)  # its log says why
-            raise AuthenticationError(
-                f"producer at {self.address} requires a shared secret and this consumer has none; "
-                "set kv_connector_extra_config auth_secret_file or auth_secret_env")
-        proof = auth.client_proof(self._secret, reply.nonce, nonce, wire.PROTOCOL_VERSION, self._role)
-        answer = self._exchange(sock, wire.Auth(wire.PROTOCOL_VERSION, proof), timeout_s)
-        if isinstance(answer, wire.Refused):
-            raise AuthenticationError(f"producer at {self.address} refused this consumer: {answer.reason}")
-        expected = auth.server_proof(self._secret, nonce, reply.nonce, wire.PROTOCOL_VERSION, self._role)
-        if not isinstance(answer, wire.AuthOk) or not auth.verify(expected, answer.proof):
-            raise AuthenticationError(
-                f"producer at {self.address} failed to prove it knows the shared secret (its secret "
-                "differs, or it is not the producer it claims to be)")
-
-    @staticmethod
-    def _send_quietly(sock: socket.socket, message: msgspec.Struct, timeout_s: float) -> None:
-        try:
-            wire.send_frame(sock, wire.encode(message), timeout_s)
-        except OSError:
-            pass
-
-    def call(self, request: wire.Request, timeout_s: float | None = None) -> wire.Reply:
-        """Send ``request``, return the decoded reply. Transport failures are
-        retried ``retries`` times; then :class:`PeerError`. An ``ErrorReply``
-        raises :class:`MetadataError`; ``Refused`` is returned (the caller
-        names what was refused)."""
-        timeout = self._rpc_timeout_s if timeout_s is None else timeout_s
-        payload = wire.encode(request)
-        last: Exception | None = None
-        with self._lock:
-            for attempt in range(self._retries + 1):
-                if self._closed:
-                    raise PeerError(f"side channel client for {self.address} is closed")
-                if time.monotonic() < self._down_until:
-                    raise self._down_error(f"side channel {self.address} is down: {self._down_reason}")
-                try:
-                    if self._sock is None:
-                        self._sock = self._connect(timeout)
-                    wire.send_frame(self._sock, payload, timeout)
-                    body = wire.recv_frame(self._sock, wire.MAX_REPLY_BYTES, timeout,
-                                           f"reply from {self.address}")
-                    if body is None:
-                        raise PeerError(f"{self.address} closed the side channel")
-                    reply = wire.decode_reply(body)
-                except HandshakeError as exc:  # refused at the opening: retrying cannot help
-                    self._drop()
-                    self._down_until = time.monotonic() + self.down_s
-                    self._down_reason, self._down_error = str(exc), type(exc)
-                    raise
-                except (OSError, TimeoutError, PeerError) as exc:
-                    last = exc
-                    self._drop()
-                    if attempt < self._retries:
-                        time.sleep(self._backoff_s * (2**attempt))
-                    continue
-                except MetadataError as exc:
-                    self._drop()
-                    raise MetadataError(f"malformed reply from {self.address}: {exc}") from None
-                if isinstance(reply, wire.ErrorReply):
-                    self._drop()
-                    raise MetadataError(f"{self.address} rejected {type(request).__name__}: {reply.message}")
-                return reply
-            self._down_until = time.monotonic() + self.down_s
-            self._down_reason = f"unreachable after {self._retries + 1} attempts: {last}"
-            self._down_error = PeerError
-        raise PeerError(f"side channel {self.address} {self._down_reason}")
-
-    def handshake(self, request: wire.Handshake) -> wire.HandshakeReply:
-        reply = self.call(request, timeout_s=max(self._rpc_timeout_s, 5.0))
-        if isinstance(reply, wire.Refused):
-            raise HandshakeError(f"producer at {self.address} refused the handshake: {reply.reason}")
-        if not isinstance(reply, wire.HandshakeReply):
-            raise HandshakeError(f"{self.address} answered a handshake with {type(reply).__name__}")
-        return reply
-
-    def lease_call(self, request: wire.Renew | wire.Confirm | wire.Release) -> wire.LeaseReply:
-        reply = self.call(request)
-        if isinstance(reply, wire.Refused):
-            raise HandshakeError(f"producer at {self.address} refused {type(request).__name__}: {reply.reason}")
-        if not isinstance(reply, wire.LeaseReply) or len(reply.statuses) != len(request.leases):
-            raise MetadataError(
-                f"{self.address} answered {type(request).__name__} of {len(request.leases)} leases "
-                f"with {reply!r:.200}"
-            )
-        return reply
-
-    def _drop(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            finally:
-                self._sock = None
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._drop()

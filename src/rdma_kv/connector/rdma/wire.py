@@ -29,7 +29,7 @@ from typing import Annotated, Union
 import msgspec
 
 from rdma_kv.connector.geometry import KVCacheGeometry, LayerGeometry, Layout, Region, Segment
-from rdma_kv.connector.rdma.params import LEASE_TOKEN_BYTES, LeaseRef
+from rdma_kv.connector.rdma.params import LEASE_BINDING_BYTES, LEASE_TOKEN_BYTES, LeaseRef
 from rdma_kv.connector.types import RequestId
 from rdma_kv.errors import MetadataError, PeerError
 
@@ -62,13 +62,16 @@ __all__ = [
     "send_frame",
 ]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """1: first release. 2: every connection opens with HELLO/CHALLENGE (and AUTH
 when a secret is configured). 3: a lease names its grant token and the
 consumer's claim; CLAIMED and UNKNOWN answers. 4: a lease call names the
 consumer rank making it (``reader``) and how many consumer ranks read this
 producer rank under the lease (``readers``): the lease ends when all of them
-released (heterogeneous tensor parallelism). A peer of another version is
+released (heterogeneous tensor parallelism). 5: a lease call carries the
+lease's binding (``params.lease_binding``: engine, TP size, token count and
+block ids of every group), which the grant token covers; FORGED answers a
+genuine token presented with other block ids. A peer of another version is
 refused with a message naming both versions."""
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 16 << 20  # agent metadata (worker address + rkeys) plus geometry
@@ -108,7 +111,12 @@ class LeaseStatus(enum.IntEnum):
     kv_transfer_params loaded twice, e.g. a router retry). Nothing changed."""
     UNKNOWN = 5
     """Refused: this producer never granted such a lease (its token does not
-    verify). Nothing was recorded."""
+    verify for what the call names). Nothing was recorded."""
+    FORGED = 6
+    """Refused: the token is one this producer granted, but the call names
+    other blocks (or another request id, token count, engine or TP size)
+    than the lease covers: the kv_transfer_params were altered. Nothing was recorded; the
+    producer logs the attempt with the peer's address."""
 
 
 class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -239,6 +247,7 @@ class GeometryWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 Token = Annotated[bytes, msgspec.Meta(min_length=LEASE_TOKEN_BYTES, max_length=LEASE_TOKEN_BYTES)]
+Binding = Annotated[bytes, msgspec.Meta(min_length=LEASE_BINDING_BYTES, max_length=LEASE_BINDING_BYTES)]
 ClaimKey = Annotated[bytes, msgspec.Meta(min_length=CLAIM_BYTES, max_length=CLAIM_BYTES)]
 
 
@@ -258,15 +267,17 @@ Readers = Annotated[int, msgspec.Meta(ge=1, le=MAX_READERS)]
 
 class LeaseWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """One lease in a RENEW, CONFIRM or RELEASE: the producer's name for it
-    (with its grant token), the asking consumer's claim, the consumer rank
-    making the call (``reader``) and how many consumer ranks read this
-    producer rank under the lease (``readers``, fixed by the first claim).
-    Omitted on the wire, the last two mean reader 0 of 1."""
+    (with its grant token and the binding the token covers), the asking
+    consumer's claim, the consumer rank making the call (``reader``) and how
+    many consumer ranks read this producer rank under the lease
+    (``readers``, fixed by the first claim). Omitted on the wire, the last
+    two mean reader 0 of 1."""
 
     epoch: U64
     generation: U64
     request_id: Str
     token: Token
+    binding: Binding
     claim: ClaimKey
     reader: Reader = 0
     readers: Readers = 1
@@ -274,10 +285,10 @@ class LeaseWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fie
     @classmethod
     def of(cls, ref: LeaseRef, claim: bytes, reader: int = 0, readers: int = 1) -> LeaseWire:
         check_reader(reader, readers)
-        return cls(ref.epoch, ref.generation, ref.request_id, ref.token, claim, reader, readers)
+        return cls(ref.epoch, ref.generation, ref.request_id, ref.token, ref.binding, claim, reader, readers)
 
     def ref(self) -> LeaseRef:
-        return LeaseRef(self.epoch, self.generation, RequestId(self.request_id), self.token)
+        return LeaseRef(self.epoch, self.generation, RequestId(self.request_id), self.token, self.binding)
 
 
 Leases = Annotated[list[LeaseWire], msgspec.Meta(max_length=MAX_LEASES_PER_MESSAGE)]

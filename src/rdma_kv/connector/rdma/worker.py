@@ -171,7 +171,7 @@ class RdmaWorker:
         if self._closed:
             return
         if self._producer is not None:
-            self._producer.on_step(meta.lease_epoch, meta.lease_key, meta.sends)
+            self._producer.on_step(meta.lease_epoch, meta.lease_key, meta.sends, meta.reclaims)
         elif meta.sends:
             logger.error("%d lease grant(s) sent to the worker of a consumer-only engine; ignored",
                          len(meta.sends))
@@ -221,7 +221,7 @@ class RdmaWorker:
         if self._consumer is not None:
             out.update(self._consumer.resources())
         out.update(self._producer.resources() if self._producer is not None
-                   else {"leases": 0, "held_blocks": 0})
+                   else {"leases": 0, "held_blocks": 0, "lease_age_max_ms": 0})
         transport = self._transport
         for name, attr in (("regions", "regions"), ("transport_peers", "peers"),
                            ("transfers_inflight", "inflight")):

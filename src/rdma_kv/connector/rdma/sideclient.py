@@ -1,0 +1,203 @@
+"""The side channel's client: one producer rank's side channel, as a
+consumer calls it.
+
+Owns the socket to one producer rank, re-opened on failure, with bounded
+retries and backoff; every call has a deadline. The opening (HELLO ->
+CHALLENGE, then AUTH -> AUTH_OK with a shared secret) is checked both
+ways: a consumer with a secret refuses a producer that cannot prove it
+knows the same one. Lease RPCs are idempotent (a retried CONFIRM of a
+lease its first attempt released still reads HELD; see ``leases``), so
+retrying is safe. After a failed call the client fails fast for
+``down_s``: a dead peer must not tie up every RPC thread in connect
+timeouts.
+
+Imports the standard library, msgspec, ``rdma_kv.errors`` and the
+connector's ``rdma.auth`` and ``rdma.wire``.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import msgspec
+
+from rdma_kv.connector.rdma import auth, wire
+from rdma_kv.errors import AuthenticationError, HandshakeError, MetadataError, PeerError
+
+__all__ = ["SideChannelClient"]
+
+
+class SideChannelClient:
+    """One peer's side channel: request/reply with deadlines and bounded retries."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        connect_timeout_s: float = 2.0,
+        rpc_timeout_s: float = 2.0,
+        retries: int = 2,
+        backoff_s: float = 0.05,
+        secret: auth.Secret | None = None,
+        role: str = "consumer",
+    ) -> None:
+        self.host, self.port = host, port
+        self._secret = secret
+        self._role = role
+        self._connect_timeout_s = connect_timeout_s
+        self._rpc_timeout_s = rpc_timeout_s
+        self._retries = retries
+        self._backoff_s = backoff_s
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._closed = False
+        # After a failed call, fail fast for a moment: a dead peer must not
+        # tie up every RPC thread in connect timeouts.
+        self._down_until = 0.0
+        self._down_reason = ""
+        self._down_error: type[PeerError] = PeerError  # a refusal stays an AuthenticationError
+        self.down_s = 1.0
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _connect(self, timeout_s: float) -> socket.socket:
+        sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._open(sock, timeout_s)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _exchange(self, sock: socket.socket, message: msgspec.Struct, timeout_s: float) -> wire.Reply:
+        wire.send_frame(sock, wire.encode(message), timeout_s)
+        body = wire.recv_frame(sock, wire.MAX_REPLY_BYTES, timeout_s, f"reply from {self.address}")
+        if body is None:
+            raise PeerError(f"{self.address} closed the side channel")
+        return wire.decode_reply(body)
+
+    def _open(self, sock: socket.socket, timeout_s: float) -> None:
+        """HELLO -> CHALLENGE (-> AUTH -> AUTH_OK). Raises ``HandshakeError``
+        (not retried) when the peer speaks another version, and
+        ``AuthenticationError`` when the two sides' secrets disagree."""
+        nonce = auth.new_nonce()
+        reply = self._exchange(sock, wire.Hello(wire.PROTOCOL_VERSION, self._role, nonce), timeout_s)
+        if isinstance(reply, wire.Refused):
+            raise HandshakeError(f"producer at {self.address} refused the connection: {reply.reason}")
+        if isinstance(reply, wire.ErrorReply):  # a version-1 producer does not know HELLO
+            raise HandshakeError(
+                f"producer at {self.address} does not speak side-channel protocol "
+                f"{wire.PROTOCOL_VERSION} ({reply.message}); run the same rdma-kv release on both sides")
+        if not isinstance(reply, wire.Challenge) or reply.version != wire.PROTOCOL_VERSION:
+            raise HandshakeError(f"{self.address} answered HELLO with {reply!r:.200}")
+        if not reply.auth_required:
+            if self._secret is not None:
+                raise AuthenticationError(
+                    f"producer at {self.address} does not authenticate, but this consumer has a "
+                    f"shared secret ({self._secret.source}); configure the same auth_secret_file / "
+                    "auth_secret_env on the producer (refusing to trust an unauthenticated peer)")
+            return
+        if self._secret is None:
+            self._send_quietly(sock, wire.Auth(wire.PROTOCOL_VERSION, b""), timeout_s)  # its log says why
+            raise AuthenticationError(
+                f"producer at {self.address} requires a shared secret and this consumer has none; "
+                "set kv_connector_extra_config auth_secret_file or auth_secret_env")
+        proof = auth.client_proof(self._secret, reply.nonce, nonce, wire.PROTOCOL_VERSION, self._role)
+        answer = self._exchange(sock, wire.Auth(wire.PROTOCOL_VERSION, proof), timeout_s)
+        if isinstance(answer, wire.Refused):
+            raise AuthenticationError(f"producer at {self.address} refused this consumer: {answer.reason}")
+        expected = auth.server_proof(self._secret, nonce, reply.nonce, wire.PROTOCOL_VERSION, self._role)
+        if not isinstance(answer, wire.AuthOk) or not auth.verify(expected, answer.proof):
+            raise AuthenticationError(
+                f"producer at {self.address} failed to prove it knows the shared secret (its secret "
+                "differs, or it is not the producer it claims to be)")
+
+    @staticmethod
+    def _send_quietly(sock: socket.socket, message: msgspec.Struct, timeout_s: float) -> None:
+        try:
+            wire.send_frame(sock, wire.encode(message), timeout_s)
+        except OSError:
+            pass
+
+    def call(self, request: wire.Request, timeout_s: float | None = None) -> wire.Reply:
+        """Send ``request``, return the decoded reply. Transport failures are
+        retried ``retries`` times; then :class:`PeerError`. An ``ErrorReply``
+        raises :class:`MetadataError`; ``Refused`` is returned (the caller
+        names what was refused)."""
+        timeout = self._rpc_timeout_s if timeout_s is None else timeout_s
+        payload = wire.encode(request)
+        last: Exception | None = None
+        with self._lock:
+            for attempt in range(self._retries + 1):
+                if self._closed:
+                    raise PeerError(f"side channel client for {self.address} is closed")
+                if time.monotonic() < self._down_until:
+                    raise self._down_error(f"side channel {self.address} is down: {self._down_reason}")
+                try:
+                    if self._sock is None:
+                        self._sock = self._connect(timeout)
+                    wire.send_frame(self._sock, payload, timeout)
+                    body = wire.recv_frame(self._sock, wire.MAX_REPLY_BYTES, timeout,
+                                           f"reply from {self.address}")
+                    if body is None:
+                        raise PeerError(f"{self.address} closed the side channel")
+                    reply = wire.decode_reply(body)
+                except HandshakeError as exc:  # refused at the opening: retrying cannot help
+                    self._drop()
+                    self._down_until = time.monotonic() + self.down_s
+                    self._down_reason, self._down_error = str(exc), type(exc)
+                    raise
+                except (OSError, TimeoutError, PeerError) as exc:
+                    last = exc
+                    self._drop()
+                    if attempt < self._retries:
+                        time.sleep(self._backoff_s * (2**attempt))
+                    continue
+                except MetadataError as exc:
+                    self._drop()
+                    raise MetadataError(f"malformed reply from {self.address}: {exc}") from None
+                if isinstance(reply, wire.ErrorReply):
+                    self._drop()
+                    raise MetadataError(f"{self.address} rejected {type(request).__name__}: {reply.message}")
+                return reply
+            self._down_until = time.monotonic() + self.down_s
+            self._down_reason = f"unreachable after {self._retries + 1} attempts: {last}"
+            self._down_error = PeerError
+        raise PeerError(f"side channel {self.address} {self._down_reason}")
+
+    def handshake(self, request: wire.Handshake) -> wire.HandshakeReply:
+        reply = self.call(request, timeout_s=max(self._rpc_timeout_s, 5.0))
+        if isinstance(reply, wire.Refused):
+            raise HandshakeError(f"producer at {self.address} refused the handshake: {reply.reason}")
+        if not isinstance(reply, wire.HandshakeReply):
+            raise HandshakeError(f"{self.address} answered a handshake with {type(reply).__name__}")
+        return reply
+
+    def lease_call(self, request: wire.Renew | wire.Confirm | wire.Release) -> wire.LeaseReply:
+        reply = self.call(request)
+        if isinstance(reply, wire.Refused):
+            raise HandshakeError(f"producer at {self.address} refused {type(request).__name__}: {reply.reason}")
+        if not isinstance(reply, wire.LeaseReply) or len(reply.statuses) != len(request.leases):
+            raise MetadataError(
+                f"{self.address} answered {type(request).__name__} of {len(request.leases)} leases "
+                f"with {reply!r:.200}"
+            )
+        return reply
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._drop()

@@ -1,0 +1,119 @@
+"""The producer scheduler's memory-pressure policy (no UCX, no sockets):
+leases are reclaimed, oldest first, only while a request waits for blocks
+and only down to ``lease_max_share`` of the KV cache. End to end through
+harness engines: tests/faults/test_lease_bounds.py."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from rdma_kv.connector import (
+    FullAttentionSpec,
+    KVCacheBlocks,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    KVConnectorOutput,
+    KVConnectorRole,
+    KVTransferConfig,
+    Request,
+    SchedulerOutput,
+)
+from rdma_kv.connector.rdma import RdmaConnector
+from rdma_kv.connector.rdma.params import parse_kv_transfer_params
+from rdma_kv.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(60)
+
+BS, NUM_BLOCKS = 4, 64
+SPEC = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype="float32")
+
+
+def producer(**extra):
+    config = KVTransferConfig(kv_connector="RdmaKVConnector", kv_role="kv_producer", engine_id="P",
+                              kv_port=5000, kv_connector_extra_config=extra)
+    cache = KVCacheConfig(NUM_BLOCKS, (KVCacheTensor(NUM_BLOCKS * SPEC.page_size_bytes, ("l0",)),),
+                          (KVCacheGroupSpec(("l0",), SPEC),))
+    return RdmaConnector(config, KVConnectorRole.SCHEDULER, cache)
+
+
+class Producer:
+    """A producer scheduler and the blocks it hands out, as an engine would."""
+
+    def __init__(self, **extra):
+        self.s = producer(**extra)
+        self.next_block = 0
+        self.generation = {}
+
+    def finish_prefill(self, rid, num_blocks):
+        request = Request(rid, list(range(1, num_blocks * BS + 1)), {"do_remote_decode": True})
+        request.num_computed_tokens = num_blocks * BS
+        self.s.get_num_new_matched_tokens(request, 0)
+        blocks = list(range(self.next_block, self.next_block + num_blocks))
+        self.s.update_state_after_alloc(request, KVCacheBlocks.of(blocks), 0)
+        self.next_block += num_blocks
+        delay, params = self.s.request_finished(request, blocks)
+        assert delay
+        self.generation[rid] = parse_kv_transfer_params(params).lease.generation
+
+    def step(self, waiting=()):
+        """One scheduler step in which ``waiting`` were asked about and got no blocks."""
+        for rid in waiting:
+            self.s.get_num_new_matched_tokens(Request(rid, list(range(1, 9)), {"do_remote_decode": True}), 0)
+        return self.s.build_connector_meta(SchedulerOutput())
+
+    def reclaimed(self, meta):
+        names = {g: rid for rid, g in self.generation.items()}
+        return [names[g] for g in meta.reclaims]
+
+
+def test_no_request_waits_no_reclaim_however_much_is_held():
+    p = Producer()
+    for i in range(6):
+        p.finish_prefill(f"r{i}", 10)  # 60 of 64 blocks
+    assert p.step().reclaims == ()
+    assert p.s.scheduler.num_held_blocks() == 60
+
+
+def test_a_waiting_request_reclaims_the_oldest_leases_down_to_the_share(caplog):
+    p = Producer()
+    for i in range(6):
+        p.finish_prefill(f"r{i}", 10)
+    p.step()
+    with caplog.at_level(logging.WARNING, logger="rdma_kv.connector.rdma.scheduler"):
+        meta = p.step(waiting=["new"])
+    assert p.reclaimed(meta) == ["r0", "r1", "r2"]  # 60 -> 30 <= 32 = 0.5 x 64
+    assert p.s.scheduler.num_held_blocks() == 30
+    assert "ended the 3 oldest lease(s) (30 blocks)" in caplog.text
+    assert p.step(waiting=["new"]).reclaims == ()  # at the share: nothing more
+    # A lease reported finished (released by its consumer) no longer counts.
+    p.s.update_connector_output(KVConnectorOutput.of(finished_sending=["r3", "r0"]))
+    assert p.s.scheduler.num_held_blocks() == 20
+
+
+def test_a_request_that_got_its_blocks_is_no_pressure():
+    p = Producer()
+    for i in range(6):
+        p.finish_prefill(f"r{i}", 10)
+    p.finish_prefill("late", 2)  # asked about and allocated in the same step
+    assert p.step().reclaims == ()
+
+
+@pytest.mark.parametrize("share, expected", [(1.0, []), (0.25, ["r0", "r1", "r2", "r3", "r4"])])
+def test_the_share_is_configurable(share, expected):
+    p = Producer(lease_max_share=share)
+    for i in range(6):
+        p.finish_prefill(f"r{i}", 10)
+    assert p.reclaimed(p.step(waiting=["new"])) == expected
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"lease_max_share": 0}, "lease_max_share must be in (0, 1]"),
+    ({"lease_max_share": 1.5}, "lease_max_share must be in (0, 1]"),
+    ({"lease_max_s": 0}, "lease_max_s must be > 0"),
+])
+def test_bad_bounds_are_refused(extra, says):
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace("]", r"\]")):
+        producer(**extra)
