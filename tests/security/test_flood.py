@@ -178,16 +178,19 @@ def test_per_source_budget_counts_trusted_connections_and_refuses_only_when_all_
 @pytest.mark.parametrize("kind", ["idle", "slowloris"])
 def test_an_insiders_trusted_connections_cannot_hold_the_door(kind):
     # An authenticated peer fills the server with trusted connections that
-    # sit idle, or dribble a frame that never completes (slowloris after AUTH).
+    # sit idle, or dribble a frame that never completes (slowloris after AUTH:
+    # evictable as stalled however recently it connected).
+    bounds = dict(evict_idle_s=0.2, evict_stalled_s=LONG) if kind == "idle" else dict(evict_idle_s=LONG,
+                                                                                       evict_stalled_s=0.2)
     with server(secret=True, max_connections=4, max_untrusted=4, max_per_source=4, max_untrusted_per_source=4,
-                evict_idle_s=0.2) as srv:
+                **bounds) as srv:
         hog = [connect(srv, "127.0.0.2") for _ in range(4)]
         for sock in hog:
             authenticate(sock)
             if kind == "slowloris":
                 sock.sendall(frame(renew())[:3])
         wait_until(lambda: srv.stats["authenticated"] == 4, what="the insider's connections")
-        time.sleep(0.4)  # idle past evict_idle_s (the outcome does not depend on how far)
+        time.sleep(0.4)  # idle (or stalled) past its bound (the outcome does not depend on how far)
         legit = connect(srv, "127.0.0.1")
         try:
             authenticate(legit)
@@ -439,7 +442,7 @@ def test_inconsistent_limits_are_refused(kw, says):
 
 class Member:
     def __init__(self, source, now=0.0):
-        self.source, self.trusted, self.last_active = source, False, now
+        self.source, self.trusted, self.last_active, self.frame_started = source, False, now, None
 
 
 def test_admission_counts_return_to_zero():

@@ -53,11 +53,15 @@ def frame(message) -> bytes:
 class Flood:
     """``per_source`` connections from each of ``sources``, kept open (reopened
     when closed) by one thread. ``kind``: ``idle`` (nothing sent), ``renew``
-    (HELLO then ``request`` every second), ``auth_idle`` / ``auth_slowloris``
-    (HELLO, AUTH, then nothing / a frame that never completes)."""
+    (HELLO then ``request`` at once and every second), ``auth_idle`` /
+    ``auth_slowloris`` (HELLO, AUTH, then nothing / a frame that never
+    completes). Except for ``idle``, it opens at most ``pace`` at a time, as
+    a competent attacker would: connections that evict each other while
+    opening would never establish."""
 
-    def __init__(self, port, sources, per_source, kind, request=None):
+    def __init__(self, port, sources, per_source, kind, request=None, pace=8):
         self.port, self.kind, self.request = port, kind, request
+        self.pace = None if kind == "idle" else pace
         self.want = [(src, per_source) for src in sources]
         self.sel = selectors.DefaultSelector()
         self.stop = threading.Event()
@@ -83,7 +87,7 @@ class Flood:
             return
         self.opened += 1
         self.sel.register(s, selectors.EVENT_READ, {"source": source, "nonce": os.urandom(32), "phase": 0,
-                                                    "next": time.monotonic() + 0.05})
+                                                    "next": time.monotonic() + 0.05, "replies": 0})
 
     def run(self):
         for source, n in self.want:
@@ -96,12 +100,16 @@ class Flood:
             for key in list(self.sel.get_map().values()):
                 if now >= key.data["next"]:
                     self.act(key.fileobj, key.data, now)
-            counts = {}
+            counts, opening = {}, 0
             for key in self.sel.get_map().values():
                 counts[key.data["source"]] = counts.get(key.data["source"], 0) + 1
+                opening += key.data["replies"] < 2  # not yet established
             for source, n in self.want:
                 for _ in range(n - counts.get(source, 0)):
+                    if self.pace is not None and opening >= self.pace:
+                        break
                     self.open_one(source)
+                    opening += 1
         for key in list(self.sel.get_map().values()):
             key.fileobj.close()
 
@@ -136,6 +144,7 @@ class Flood:
         if not data:
             self.drop(s)
             return
+        st["replies"] += 1
         if st["phase"] == 1 and self.kind.startswith("auth"):
             challenge = wire.decode_reply(data[4:])
             proof = auth.client_proof(auth.Secret(SECRET, "t"), challenge.nonce, st["nonce"],
@@ -146,7 +155,9 @@ class Flood:
                 self.send(s, frame(self.request or wire.Renew(wire.PROTOCOL_VERSION, []))[:3])
                 st["phase"] = 3
         elif st["phase"] == 1:
-            st["phase"] = 2
+            st["phase"] = 2  # opened: renew at once (and every second from now on)
+            if self.kind == "renew":
+                self.send(s, frame(self.request))
 
 
 def config(role, engine_id, secret_file=None, **extra):

@@ -136,6 +136,12 @@ def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dic
                         {"request_id": lease.ref.request_id, "generation": lease.ref.generation,
                          "renewals": lease.renewals, "claimed": lease.owner is not None}
                         for lease in engine.worker.worker.leases.leases()]))
+                elif op == "sidechannel":
+                    server = engine.worker.worker._server
+                    conn.send(("reply", {**server.stats, "open": server.counts()[0],
+                                         "untrusted": server.counts()[1],
+                                         "max_connections": server.limits.max_connections,
+                                         "threads": threading.active_count()}))
                 elif op == "lease_events":
                     conn.send(("reply", dict(engine.worker.worker.leases.stats)))
                 elif op == "scribble_free":
@@ -246,6 +252,12 @@ class EngineProcess:
 
     def close_gate(self) -> None:
         self.call("gate", False)
+
+    def pump(self, timeout_s: float = 0.0) -> None:
+        """Take in the results that arrived (waiting at most ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while self._conn.poll(max(0.0, deadline - time.monotonic())):
+            self._recv(0.0)
 
     def wait_results(self, request_ids: Any, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
         """Results of ``request_ids`` (blocks until all arrived, bounded)."""

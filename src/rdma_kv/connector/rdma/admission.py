@@ -8,11 +8,12 @@ and only while that lease lives. Untrusted connections are what a flood is
 made of, so they get the tight limits (per source and in all) and the
 opening deadline (``sidechannel``).
 
-A full budget does not refuse the newcomer: it evicts. The newcomer takes
-the slot of the oldest untrusted connection of the source holding the most
-untrusted connections (the flooder's, not the legitimate consumer's, which
-holds one), or, when every slot is trusted, of the trusted connection idle
-longest, if it has been idle at least ``evict_idle_s``. So neither an idle
+A full budget does not refuse the newcomer: it evicts. When an untrusted
+budget is full, the newcomer takes the slot of the oldest untrusted
+connection of the source holding the most untrusted connections (the
+flooder's, not the legitimate consumer's, which holds one); when the server
+is full, that of the trusted connection idle longest, if it has been idle at
+least ``evict_idle_s``, else again the flooder's oldest untrusted one. So neither an idle
 flood from many addresses nor an insider's idle (or slowloris) connections
 can hold the door; a refusal remains only when one source exceeds its own
 budget with active connections, or every trusted connection is busy.
@@ -77,6 +78,10 @@ class ConnectionLimits:
     evict_idle_s: float = 5.0
     """A trusted connection idle at least this long may be evicted for a
     newcomer when its source's budget or the server is full."""
+    evict_stalled_s: float = 1.0
+    """So may a connection whose request frame has been arriving for at least
+    this long (a legitimate peer sends a frame in one go; slowloris does not,
+    and reconnecting does not make it look fresh)."""
 
     def __post_init__(self) -> None:
         for name in ("max_connections", "max_per_source", "max_untrusted", "max_untrusted_per_source"):
@@ -90,8 +95,9 @@ class ConnectionLimits:
                               f"exceeds max_per_source ({self.max_per_source})")
         if not self.opening_deadline_s > 0:
             raise ConfigError(f"side channel opening_deadline_s must be > 0, got {self.opening_deadline_s}")
-        if not self.evict_idle_s >= 0:
-            raise ConfigError(f"side channel evict_idle_s must be >= 0, got {self.evict_idle_s}")
+        for name in ("evict_idle_s", "evict_stalled_s"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"side channel {name} must be >= 0, got {getattr(self, name)}")
 
 
 class Member(Protocol):
@@ -100,6 +106,8 @@ class Member(Protocol):
     source: str
     trusted: bool
     last_active: float
+    frame_started: float | None
+    """When the request frame now arriving started (None: none is)."""
 
 
 _Set = collections.OrderedDict  # an ordered set of members: oldest (or idle longest) first
@@ -118,6 +126,7 @@ class Admission:
         self._untrusted: dict[str, _Set[Member, None]] = {}  # source -> oldest first
         self._trusted: dict[str, _Set[Member, None]] = {}  # source -> idle longest first
         self._trusted_all: _Set[Member, None] = _Set()  # idle longest first
+        self._stalled: _Set[Member, None] = _Set()  # a frame arriving, the longest first
         self._open: collections.Counter[str] = collections.Counter()
         self.open_total = 0
         self.untrusted_total = 0
@@ -151,10 +160,19 @@ class Admission:
         def left(members: _Set[Member, None] | None) -> int:
             return sum(1 for m in members or () if id(m) not in chosen)
 
+        def stalled(of: str | None = None) -> Member | None:
+            for member in self._stalled:
+                started = member.frame_started
+                if started is None or now - started < lim.evict_stalled_s:
+                    return None  # ordered by when the frame started
+                if id(member) not in chosen and (of is None or member.source == of):
+                    return member
+            return None
+
         mine = self._untrusted.get(source)
         if self._open[source] - sum(1 for m, _ in victims if m.source == source) >= lim.max_per_source:
-            if not (take(first(mine), "per_source") or take(first(self._trusted.get(source), idle=True),
-                                                            "per_source")):
+            if not (take(first(mine), "per_source") or take(stalled(source), "per_source")
+                    or take(first(self._trusted.get(source), idle=True), "per_source")):
                 return [], ("per_source", f"{self._open[source]} connections from {source} open and "
                                           f"active (max_per_source {lim.max_per_source})")
         if left(mine) >= lim.max_untrusted_per_source:
@@ -163,9 +181,11 @@ class Admission:
             top = self._top_untrusted_source(chosen)
             take(first(self._untrusted.get(top) if top is not None else None), "untrusted_total")
         if self.open_total - len(victims) >= lim.max_connections:
+            # Untrusted connections are within their own budget here: what
+            # fills the server is trusted ones, so an idle one goes first.
             top = self._top_untrusted_source(chosen)
-            if not (top is not None and take(first(self._untrusted[top]), "full")
-                    or take(first(self._trusted_all, idle=True), "full")):
+            if not (take(stalled(), "full") or take(first(self._trusted_all, idle=True), "full")
+                    or top is not None and take(first(self._untrusted[top]), "full")):
                 return [], ("full", f"{self.open_total} connections open, every trusted one active in "
                                     f"the last {lim.evict_idle_s:g} s (max_connections {lim.max_connections})")
         return victims, None
@@ -210,8 +230,17 @@ class Admission:
         self._trusted[member.source].move_to_end(member)
         self._trusted_all.move_to_end(member)
 
+    def stall(self, member: Member) -> None:
+        """A request frame of ``member`` started arriving (``frame_started`` set)."""
+        self._stalled[member] = None
+
+    def unstall(self, member: Member) -> None:
+        """It arrived whole (or the connection closed)."""
+        self._stalled.pop(member, None)
+
     def leave(self, member: Member) -> None:
         """A connection closed."""
+        self._stalled.pop(member, None)
         self._open[member.source] -= 1
         if self._open[member.source] <= 0:
             del self._open[member.source]  # a flood from many sources leaves no key behind

@@ -334,11 +334,14 @@ class SideChannelServer:
             body = self._take_frame(conn)
             if body is None:
                 break
-            conn.frame_started = None
+            if conn.frame_started is not None:
+                conn.frame_started = None
+                self._admission.unstall(conn)
             self._on_frame(conn, body, now)
         if not conn.closed:
             if conn.inbuf and conn.frame_started is None:
                 conn.frame_started = now  # a partial frame: it must arrive whole in time
+                self._admission.stall(conn)
             self._reschedule(conn)
 
     def _take_frame(self, conn: _Conn) -> bytes | None:

@@ -30,7 +30,9 @@ __all__ = ["SideChannelClient"]
 
 
 class SideChannelClient:
-    """One peer's side channel: request/reply with deadlines and bounded retries."""
+    """One peer's side channel: request/reply with deadlines and bounded
+    retries. ``source_address``: the local address to connect from (a
+    multi-homed host; the cluster simulator gives each simulated rank its own)."""
 
     def __init__(
         self,
@@ -43,8 +45,10 @@ class SideChannelClient:
         backoff_s: float = 0.05,
         secret: auth.Secret | None = None,
         role: str = "consumer",
+        source_address: str | None = None,
     ) -> None:
         self.host, self.port = host, port
+        self._source = None if source_address is None else (source_address, 0)
         self._secret = secret
         self._role = role
         self._connect_timeout_s = connect_timeout_s
@@ -66,7 +70,8 @@ class SideChannelClient:
         return f"{self.host}:{self.port}"
 
     def _connect(self, timeout_s: float) -> socket.socket:
-        sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout_s)
+        sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout_s,
+                                        source_address=self._source)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._open(sock, timeout_s)
