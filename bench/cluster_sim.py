@@ -24,7 +24,8 @@ What runs, all on loopback:
 
 Recorded per N: handshake latency p50/p99 (connect to HANDSHAKE reply),
 RENEW and CONFIRM latency p50/p99, their failures and non-HELD answers, the
-producer's RSS before the ranks connected and at the end, its threads, CPU
+producer's RSS before the ranks connected, once they are connected (per
+connection), and at the end, its threads, CPU
 seconds per second, the side channel's refusals and evictions, the rate of
 CONFIRM+RELEASE reached, and the real loads' latency (idle, before the
 ranks connect, and loaded) and correctness.
@@ -287,6 +288,7 @@ def run(n: int, args: argparse.Namespace, secret_file: str, secret_value: bytes)
                 raise RuntimeError("simulated ranks did not finish their handshakes in 600 s")
             connected += pipe.recv()[1]
         connect_s = time.monotonic() - start
+        _, rss_connected, _ = proc_stat(p.pid)
         # The steady state: prefills fed at the target rate, their params to the ranks.
         cpu1, _, _ = proc_stat(p.pid)
         t1 = time.monotonic()
@@ -345,6 +347,8 @@ def run(n: int, args: argparse.Namespace, secret_file: str, secret_value: bytes)
         "answers": answers, "errors": errors,
         "producer_rss_before_mib": round(rss0 / 2**20, 1), "producer_rss_after_mib": round(rss2 / 2**20, 1),
         "producer_rss_growth_mib": round((rss2 - rss0) / 2**20, 1),
+        "producer_rss_connections_mib": round((rss_connected - rss0) / 2**20, 1),
+        "producer_rss_per_connection_kib": round((rss_connected - rss0) / 1024 / max(1, connected), 2),
         "producer_threads_before": threads0, "producer_threads_peak": peak_threads,
         "producer_cpu_s_per_s": round((cpu2 - cpu1) / (t2 - t1), 3),
         "sidechannel": {k: v for k, v in side.items() if v} if isinstance(side, dict) else None,

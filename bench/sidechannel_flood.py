@@ -16,16 +16,30 @@ Floods (each connection is reopened as soon as the server closes it):
   announcing 1000 bytes, then one byte a second;
 - ``hello_idle``: ``--hello`` connections (300) that send HELLO, read the
   CHALLENGE and then sit idle;
+- ``many_idle``: ``--per-source`` idle connections (16) from each of
+  ``--sources`` addresses (8 and 32: ``--sources 8,32`` runs both);
+- ``renew_garbage`` (no secret only): connections from ``--sources``
+  addresses x ``--per-source`` that send HELLO and a RENEW of a lease the
+  producer never granted every second; the server answers PENDING, as a
+  worker does before its first step (the old server trusted that);
+- ``insider_idle`` / ``insider_slowloris`` (secret only): an authenticated
+  peer's connections from ``--sources`` addresses x ``--per-source``, idle
+  after AUTH / dribbling a frame after AUTH, opened 8 at a time as a
+  competent attacker would (connections that evict each other while
+  opening never establish); with ``--max-connections 256`` they fill the
+  server as they did the old one;
 - ``none``: no flood (the reference).
 
-Each runs with and without a shared secret (``--secret on|off|both``).
+Each runs with and without a shared secret (``--secret on|off|both``; the
+``renew_garbage`` and ``insider_*`` floods only where they apply).
 Reported per run: attempts, successes within 2 s, latency p50/p99 of the
 successful attempts, the WARNING lines (and bytes) the server logged over
 the whole run (warm-up included), the server's stats and the attacker's
 connection count.
 
     .venv/bin/python bench/sidechannel_flood.py [--duration 30] [--warmup 5] \\
-        [--floods none,idle,slowloris,hello_idle] [--secret both] [--out FILE.json]
+        [--floods none,idle,slowloris,hello_idle,many_idle,renew_garbage,insider_idle,insider_slowloris] \\
+        [--secret both] [--sources 8,32] [--max-connections 256] [--out FILE.json]
 
 Only the server's public constructor is used, so the same script measures an
 older tree: ``PYTHONPATH=<old>/src .venv/bin/python bench/sidechannel_flood.py``.
@@ -48,8 +62,12 @@ import subprocess
 import time
 
 from rdma_kv.connector.rdma import auth, wire
-from rdma_kv.connector.rdma.sidechannel import SideChannelServer
-from rdma_kv.connector.rdma.sideclient import SideChannelClient
+from rdma_kv.connector.rdma.sidechannel import ConnectionLimits, SideChannelServer
+
+try:
+    from rdma_kv.connector.rdma.sideclient import SideChannelClient
+except ImportError:  # a tree before the client had its own module
+    from rdma_kv.connector.rdma.sidechannel import SideChannelClient  # type: ignore[attr-defined,no-redef]
 
 SECRET = b"flood-benchmark-secret-0123456789abcdef"
 ATTACKER, CONSUMER = "127.0.0.2", "127.0.0.1"
@@ -64,7 +82,9 @@ class CannedHandler:
                                    b"agent-metadata", geometry)
 
     def on_renew(self, request: wire.Renew) -> wire.LeaseReply:
-        return wire.LeaseReply([wire.LeaseStatus.HELD] * len(request.leases), 30.0)
+        # A lease "never granted" is PENDING: what a worker answers before its first step.
+        return wire.LeaseReply([wire.LeaseStatus.PENDING if lease.request_id == "garbage" else wire.LeaseStatus.HELD
+                                for lease in request.leases], 30.0)
 
     on_confirm = on_release = on_renew
 
@@ -82,39 +102,48 @@ class CountingHandler(logging.Handler):
         self.nbytes += len(f"{record.levelname} {record.name}: {record.getMessage()}\n")
 
 
-def serve(conn, with_secret: bool) -> None:
+def serve(conn, with_secret: bool, max_connections: int) -> None:
     """Child: run the server until told to stop, then report."""
     counter = CountingHandler()
     logging.getLogger("rdma_kv").addHandler(counter)
     logging.getLogger("rdma_kv").setLevel(logging.INFO)
     logging.getLogger("rdma_kv").propagate = False
     secret = auth.Secret(SECRET, "bench") if with_secret else None
-    with SideChannelServer(CannedHandler(), CONSUMER, 0, secret=secret) as server:
+    limits = ConnectionLimits(max_connections=max_connections) if max_connections else None
+    with SideChannelServer(CannedHandler(), CONSUMER, 0, secret=secret, limits=limits) as server:
         conn.send(server.port)
         conn.recv()  # stop
         stats = dict(server.stats)
     conn.send({"warning_lines": counter.lines, "warning_bytes": counter.nbytes, "server_stats": stats})
 
 
-def hello_frame() -> bytes:
-    body = wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "consumer", os.urandom(32)))
+def garbage_renew() -> bytes:
+    values = {"epoch": 1, "generation": 1, "request_id": "garbage", "token": os.urandom(16),
+              "binding": os.urandom(16), "claim": os.urandom(16)}
+    lease = wire.LeaseWire(**{k: values[k] for k in wire.LeaseWire.__struct_fields__ if k in values})
+    body = wire.encode(wire.Renew(wire.PROTOCOL_VERSION, [lease]))
     return struct.pack(">I", len(body)) + body
 
 
-def attack(port: int, kind: str, count: int, stop) -> None:
-    """Child: keep ``count`` connections of ``kind`` open from ATTACKER."""
+def attack(port: int, kind: str, count: int, sources: list[str], stop) -> None:
+    """Child: keep ``count`` connections of ``kind`` open from ``sources``
+    (spread evenly), reopening what the server closes."""
     sel = selectors.DefaultSelector()
-    drip_at: dict[socket.socket, list[float]] = {}  # slowloris: [next send time, bytes sent]
     drip = struct.pack(">I", 1000) + bytes(1000)
     connects = 0
-    hello = hello_frame()
+    hello_nonce = os.urandom(32)
+    body = wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "consumer", hello_nonce))
+    hello = struct.pack(">I", len(body)) + body
+    renew = garbage_renew()
+    pace = 8 if kind.startswith("insider") else None  # at most this many opening at once
+    want = {src: count // len(sources) + (i < count % len(sources)) for i, src in enumerate(sources)}
 
-    def open_one() -> None:
+    def open_one(src: str) -> None:
         nonlocal connects
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         s.setblocking(False)
         try:
-            s.bind((ATTACKER, 0))
+            s.bind((src, 0))
             err = s.connect_ex((CONSUMER, port))
         except OSError:
             s.close()
@@ -123,49 +152,77 @@ def attack(port: int, kind: str, count: int, stop) -> None:
             s.close()
             return
         connects += 1
-        sel.register(s, selectors.EVENT_WRITE, "connecting")
+        # state: [source, replies, next drip time, drip offset, next renew time]
+        sel.register(s, selectors.EVENT_WRITE, ["connecting", src, 0, 0.0, 0, 0.0])
 
-    def reopen(s: socket.socket) -> None:
+    def close(s: socket.socket) -> None:
         sel.unregister(s)
-        drip_at.pop(s, None)
         s.close()
 
-    for _ in range(count):
-        open_one()
+    def send(s: socket.socket, data: bytes) -> bool:
+        try:
+            s.send(data)
+            return True
+        except OSError:
+            close(s)
+            return False
+
     while not stop.is_set():
         for key, events in sel.select(0.05):
-            s = key.fileobj
-            if key.data == "connecting":
+            s, st = key.fileobj, key.data
+            if st[0] == "connecting":
                 if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-                    reopen(s)
+                    close(s)
                     continue
-                sel.modify(s, selectors.EVENT_READ, "open")
-                try:
-                    if kind == "hello_idle":
-                        s.send(hello)
-                    elif kind == "slowloris":
-                        s.send(drip[:1])
-                        drip_at[s] = [time.monotonic() + 1.0, 1]
-                except OSError:
-                    reopen(s)
+                st[0] = "open"
+                sel.modify(s, selectors.EVENT_READ, st)
+                if kind == "slowloris":
+                    send(s, drip[:1])
+                    st[3], st[4] = time.monotonic() + 1.0, 1
+                elif kind not in ("idle", "many_idle"):
+                    send(s, hello)
                 continue
             try:
-                data = s.recv(65536)  # a CHALLENGE (kept open), or the server's close
+                data = s.recv(65536)
             except OSError:
                 data = b""
             if not data:
-                reopen(s)
+                close(s)
+                continue
+            st[2] += 1
+            if st[2] == 1 and kind == "renew_garbage":
+                if send(s, renew):
+                    st[5] = time.monotonic() + 1.0
+            elif st[2] == 1 and kind.startswith("insider"):
+                challenge = wire.decode_reply(data[4:])
+                secret = auth.Secret(SECRET, "bench")
+                proof = auth.client_proof(secret, challenge.nonce, hello_nonce, wire.PROTOCOL_VERSION, "consumer")
+                answer = wire.encode(wire.Auth(wire.PROTOCOL_VERSION, proof))
+                if send(s, struct.pack(">I", len(answer)) + answer) and kind == "insider_slowloris":
+                    st[3], st[4] = time.monotonic() + 1.0, 0  # then dribble a frame after AUTH
         now = time.monotonic()
-        for s, state in list(drip_at.items()):
-            if now >= state[0]:
-                try:
-                    s.send(drip[int(state[1]):int(state[1]) + 1])  # header, then body, a byte a second
-                    state[0] += 1.0
-                    state[1] = min(state[1] + 1, len(drip) - 1)
-                except OSError:
-                    reopen(s)
-        for _ in range(count - len(sel.get_map())):
-            open_one()
+        opening = 0
+        per_source: dict[str, int] = {}
+        for key in list(sel.get_map().values()):
+            s, st = key.fileobj, key.data
+            per_source[st[1]] = per_source.get(st[1], 0) + 1
+            opening += st[2] < 2
+            if st[0] != "open":
+                continue
+            dribbling = kind == "slowloris" or (kind == "insider_slowloris" and st[2] >= 2)
+            if dribbling and st[3] and now >= st[3]:
+                if send(s, drip[st[4]:st[4] + 1]):  # header, then body, a byte a second
+                    st[3] += 1.0
+                    st[4] = min(st[4] + 1, len(drip) - 1)
+            elif kind == "renew_garbage" and st[5] and now >= st[5]:
+                if send(s, renew):
+                    st[5] = now + 1.0
+        for src, n in want.items():
+            for _ in range(n - per_source.get(src, 0)):
+                if pace is not None and opening >= pace:
+                    break
+                open_one(src)
+                opening += 1
     for key in list(sel.get_map().values()):
         key.fileobj.close()
     print(f"attacker {kind}: {connects} connections opened", flush=True)
@@ -194,10 +251,11 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def run(kind: str, count: int, with_secret: bool, duration_s: float, warmup_s: float, gap_s: float) -> dict:
+def run(kind: str, count: int, sources: list[str], with_secret: bool, duration_s: float, warmup_s: float,
+        gap_s: float, max_connections: int) -> dict:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    server = ctx.Process(target=serve, args=(child, with_secret), daemon=True)
+    server = ctx.Process(target=serve, args=(child, with_secret, max_connections), daemon=True)
     server.start()
     if not parent.poll(30):
         raise RuntimeError("the server process did not report its port within 30 s")
@@ -205,7 +263,7 @@ def run(kind: str, count: int, with_secret: bool, duration_s: float, warmup_s: f
     stop = ctx.Event()
     attacker = None
     if kind != "none":
-        attacker = ctx.Process(target=attack, args=(port, kind, count, stop), daemon=True)
+        attacker = ctx.Process(target=attack, args=(port, kind, count, sources, stop), daemon=True)
         attacker.start()
         time.sleep(warmup_s)
     results: list[tuple[bool, float, str]] = []
@@ -225,7 +283,8 @@ def run(kind: str, count: int, with_secret: bool, duration_s: float, warmup_s: f
         if not ok:
             failures[why] = failures.get(why, 0) + 1
     row = {
-        "flood": kind, "connections": count if kind != "none" else 0, "secret": with_secret,
+        "flood": kind, "connections": count if kind != "none" else 0, "sources": len(sources),
+        "secret": with_secret, "max_connections": max_connections or "default",
         "attempts": len(results), "successes": len(ok_latencies),
         "success_rate": round(len(ok_latencies) / len(results), 3) if results else None,
         "p50_ms": None if not ok_latencies else round(1000 * statistics.median(ok_latencies), 1),
@@ -247,17 +306,32 @@ def main() -> None:
     ap.add_argument("--idle", type=int, default=500)
     ap.add_argument("--slowloris", type=int, default=50)
     ap.add_argument("--hello", type=int, default=300)
+    ap.add_argument("--sources", default="8", help="attacker addresses for many_idle, renew_garbage and insider_* "
+                                                   "(comma-separated: one run each)")
+    ap.add_argument("--per-source", type=int, default=16, help="connections per address for those floods")
+    ap.add_argument("--max-connections", type=int, default=0, help="the server's max_connections (0: its default)")
     ap.add_argument("--label", default="", help="e.g. before / after, stored in the result")
     ap.add_argument("--out", help="write the results here (JSON)")
     args = ap.parse_args()
     sizes = {"none": 0, "idle": args.idle, "slowloris": args.slowloris, "hello_idle": args.hello}
     secrets = {"on": (True,), "off": (False,), "both": (False, True)}[args.secret]
-    rows = [run(kind, sizes[kind], with_secret, args.duration, args.warmup, args.gap)
-            for kind in args.floods.split(",") for with_secret in secrets]
-    print(f"{'flood':<11} {'conns':>5} {'secret':>6} {'ok/attempts':>12} {'rate':>6} {'p50 ms':>8} "
+    rows = []
+    for kind in args.floods.split(","):
+        for with_secret in secrets:
+            if kind == "renew_garbage" and with_secret or kind.startswith("insider") and not with_secret:
+                continue  # garbage earns nothing past AUTH; an insider has the secret
+            if kind in sizes:
+                plans = [(sizes[kind], [ATTACKER])]
+            else:
+                plans = [(n * args.per_source, [f"127.0.{100 + i // 250}.{1 + i % 250}" for i in range(n)])
+                         for n in map(int, args.sources.split(","))]
+            for count, addresses in plans:
+                rows.append(run(kind, count, addresses, with_secret, args.duration, args.warmup, args.gap,
+                                args.max_connections))
+    print(f"{'flood':<17} {'conns':>5} {'addrs':>5} {'secret':>6} {'ok/attempts':>12} {'rate':>6} {'p50 ms':>8} "
           f"{'p99 ms':>8} {'WARNING lines':>14}")
     for r in rows:
-        print(f"{r['flood']:<11} {r['connections']:>5} {'on' if r['secret'] else 'off':>6} "
+        print(f"{r['flood']:<17} {r['connections']:>5} {r['sources']:>5} {'on' if r['secret'] else 'off':>6} "
               f"{r['successes']:>5}/{r['attempts']:<6} {r['success_rate']:>6} {r['p50_ms']!s:>8} "
               f"{r['p99_ms']!s:>8} {r.get('warning_lines')!s:>14}")
     if args.out:

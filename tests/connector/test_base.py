@@ -59,6 +59,8 @@ REQUEST = Request("r1", [1, 2, 3])
 WORKER_CALLS = {
     "register_kv_caches": ({},),
     "get_handshake_metadata": (),
+    "unregister_kv_caches": (),
+    "restore_kv_caches": (),
     "bind_connector_metadata": (KVConnectorMetadata(),),
     "clear_connector_metadata": (),
     "has_connector_metadata": (),

@@ -104,7 +104,8 @@ def test_no_info_logging_on_the_transfer_path():
     """Per-request and per-transfer logging is DEBUG; INFO is left for
     once-per-process events (startup). A new logger.info in these modules
     must be one of the allowed ones."""
-    allowed = {"rdma-kv worker %s: %d layers in %d region(s), %d blocks, %d bytes per block; "}
+    allowed = {"rdma-kv worker %s: %d layers in %d region(s), %d blocks, %d bytes per block; ",
+               "rdma-kv worker %s: KV cache unregistered for sleep (registration %d)"}
     found = []
     for name in ("worker.py", "scheduler.py", "sidechannel.py", "connector.py", "leases.py", "metrics.py"):
         text = (SRC / "connector" / "rdma" / name).read_text()

@@ -246,6 +246,27 @@ class KVConnectorBase(abc.ABC):
         """What peers need to connect to this worker; None when nothing."""
         return None
 
+    @classmethod
+    def supports_sleep_mode(cls, config: KVTransferConfig) -> bool:
+        """Whether the connector follows the KV cache through sleep mode
+        (``unregister_kv_caches`` before the memory is unmapped,
+        ``restore_kv_caches`` after it is mapped again). vLLM 0.33's default
+        is True; a connector that registers KV memory with a NIC and keeps
+        no-op hooks would then publish keys to memory that is gone."""
+        return True
+
+    @worker_side
+    def unregister_kv_caches(self) -> None:
+        """Before sleep: drop every registration of the KV caches (transfers
+        are drained by the engine). Idempotent."""
+        return None
+
+    @worker_side
+    def restore_kv_caches(self) -> None:
+        """After wake: register the KV caches again; peers must load the new
+        registration. Idempotent."""
+        return None
+
     @worker_side
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Bind the step's metadata from ``build_connector_meta``."""

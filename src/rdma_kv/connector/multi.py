@@ -155,6 +155,20 @@ class MultiConnector(KVConnectorBase):
         for child in self._children:
             child.register_kv_caches(kv_caches)
 
+    @classmethod
+    def supports_sleep_mode(cls, config: KVTransferConfig) -> bool:
+        """Only if every child does."""
+        return all(KVConnectorFactory.get_connector_class(child).supports_sleep_mode(child)
+                   for child in child_configs(config))
+
+    def unregister_kv_caches(self) -> None:
+        for child in self._children:
+            child.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        for child in self._children:
+            child.restore_kv_caches()
+
     def get_handshake_metadata(self) -> MultiKVConnectorHandshakeMetadata | None:
         parts = tuple(child.get_handshake_metadata() for child in self._children)
         if all(part is None for part in parts):

@@ -354,6 +354,30 @@ class Engine:
         for part in self.ranks:
             part.worker.shutdown()
 
+    # --- sleep mode, as vLLM >= 0.33 drives it ---------------------------------------------
+
+    def sleep(self) -> None:
+        """vLLM's sleep (level 1): each worker's connector unregisters its KV
+        caches, then the KV memory is discarded (here: overwritten, as a
+        remapped allocation would read) and the prefix cache forgotten."""
+        for part in self.ranks:
+            part.worker.unregister_kv_caches()
+        for part in self.ranks:
+            part.kv.fill_(-1.0)
+        self.pool.cached.clear()
+        self.pool.key_of.clear()
+
+    def wake_up(self) -> None:
+        """vLLM's wake: each worker's connector registers the KV caches
+        again, then the engine core hands the scheduler the workers' new
+        handshake metadata (``set_xfer_handshake_metadata``)."""
+        handshakes = {}
+        for rank, part in enumerate(self.ranks):
+            part.worker.restore_kv_caches()
+            handshakes[rank] = part.worker.get_handshake_metadata()
+        if handshakes[0] is not None:
+            self.scheduler.set_xfer_handshake_metadata(handshakes)
+
     # --- one step ---------------------------------------------------------------------------
 
     def _busy(self) -> bool:

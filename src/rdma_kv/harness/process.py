@@ -112,7 +112,11 @@ def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dic
             kwargs["transport_factory"] = lambda name, s: _GatedTransport(agent_transport(name, s), gate)
         engine = Engine(KVTransferConfig.from_dict(config), ModelShape(**shape),
                         connector_kwargs=kwargs or None, verify=faults.get("verify", True))
-        engine.on_finished = lambda r: conn.send(("finished", _result_dict(r)))
+        def finished(result: Any) -> None:
+            conn.send(("finished", _result_dict(result)))
+            engine.results.pop(result.request_id, None)  # the parent keeps it: a long run stays flat
+
+        engine.on_finished = finished
         port = getattr(engine.worker, "worker", None)
         conn.send(("ready", {"pid": os.getpid(), "port": port.side_channel_port if port else None}))
         stepped = not faults.get("idle_until_request")
@@ -136,6 +140,12 @@ def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dic
                         {"request_id": lease.ref.request_id, "generation": lease.ref.generation,
                          "renewals": lease.renewals, "claimed": lease.owner is not None}
                         for lease in engine.worker.worker.leases.leases()]))
+                elif op == "sleep":
+                    engine.sleep()
+                    conn.send(("reply", True))
+                elif op == "wake_up":
+                    engine.wake_up()
+                    conn.send(("reply", True))
                 elif op == "sidechannel":
                     server = engine.worker.worker._server
                     conn.send(("reply", {**server.stats, "open": server.counts()[0],

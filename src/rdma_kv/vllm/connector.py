@@ -177,6 +177,22 @@ class RdmaKVConnector(KVConnectorBase_V1, SupportsHMA):
         inner = self._connector.get_handshake_metadata()
         return None if inner is None else RdmaKVHandshakeMetadata(inner)
 
+    # vLLM >= 0.33 sleep mode (0.32 never calls these): the worker calls
+    # unregister_kv_caches before the KV memory is unmapped and
+    # restore_kv_caches once it is mapped again; then the engine core hands
+    # the scheduler the workers' new handshake metadata, whose registration
+    # the params carry from then on.
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        self._connector.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        self._connector.restore_kv_caches()
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, RdmaKVConnectorMetadata):

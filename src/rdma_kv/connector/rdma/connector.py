@@ -120,6 +120,12 @@ class RdmaConnector(KVConnectorBase):
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self.worker.handshake_metadata()
 
+    def unregister_kv_caches(self) -> None:
+        self.worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        self.worker.restore_kv_caches()
+
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
         """Apply the step's metadata and post reads; returns at once (handshakes
         and lease RPCs run on the connector's threads)."""

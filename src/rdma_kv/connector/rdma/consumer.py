@@ -189,6 +189,10 @@ class RdmaConsumer:
             release_only = [t for t in self._sources.targets(spec.remote_lease) if t[0] in plan.release_only]
             for src in load.sources:
                 peer = self._known_peer(spec.peer, src.read.rank, now)
+                if (peer is not None and peer.state is not PeerStage.CONNECTING
+                        and 0 < peer.registration < spec.registration):
+                    self._forget(peer)  # the producer re-registered (woke from sleep): its old keys are void
+                    peer = None
                 if peer is not None and peer.state is PeerStage.FAILED:
                     self._fail(load, f"producer {spec.peer.engine_id!r} rank {src.read.rank} is "
                                      f"unavailable: {peer.error}")
@@ -198,6 +202,9 @@ class RdmaConsumer:
                     peer.waiting.append((load, src))
                 elif peer.state is PeerStage.CONNECTING:
                     peer.waiting.append((load, src))
+                elif (stale := self._registration_mismatch(spec, peer)) is not None:
+                    self._fail(load, stale)
+                    break
                 else:
                     ready.append((peer, src))
         if release_only:
@@ -306,13 +313,38 @@ class RdmaConsumer:
             return
         with self._lock:
             peer.state, peer.name, peer.geometry = PeerStage.READY, name, geometry
+            peer.registration = reply.registration
             peer.handshake_s = time.perf_counter() - t0
             waiting, peer.waiting = peer.waiting, []
             self._stats.counters["handshakes"] += 1
-            for load, _ in waiting:
+            post = []
+            for load, src in waiting:
                 load.measures = load.measures.at_least(handshake_s=peer.handshake_s)
-        for load, src in waiting:
+                stale = self._registration_mismatch(load.spec, peer)
+                if stale is None:
+                    post.append((load, src))
+                else:
+                    self._fail(load, stale)
+        for load, src in post:
             self._post(load, src, peer)
+
+    @staticmethod
+    def _registration_mismatch(spec: LoadSpec, peer: PeerState) -> str | None:
+        """Why ``spec`` must not be read from ``peer`` (None: it may): the
+        producer re-registered its KV cache since the params were issued."""
+        if spec.registration == peer.registration:
+            return None
+        return (f"producer {spec.peer.engine_id!r} rank {peer.rank} re-registered its KV cache (sleep mode: "
+                f"registration {peer.registration}) since these kv_transfer_params were issued (registration "
+                f"{spec.registration}): the blocks they name are gone; nothing was read")
+
+    def _forget(self, peer: PeerState) -> None:
+        """Drop a peer whose metadata is void (called with the lock held;
+        the transport call touches the transport's lock only)."""
+        del self._peers[self._peer_key(peer.address, peer.rank)]
+        peer.state, peer.error = PeerStage.FAILED, "re-registered"
+        if peer.name is not None:
+            self._safe_remove_peer(peer.name)
 
     def _safe_remove_peer(self, name: str) -> None:
         try:
@@ -619,6 +651,24 @@ class RdmaConsumer:
         transport has not yet resolved: their blocks can still be written."""
         with self._lock:
             return sorted(rid for rid, ld in self._loads.items() if ld.on_the_wire())
+
+    def suspend(self, reason: str, timeout_s: float) -> None:
+        """The worker is about to close the transport (sleep): fail every load
+        in flight, reported by the next ``get_finished`` with its blocks as
+        load errors, and forget every peer. Waits, at most ``timeout_s``,
+        for reads still on the wire to resolve; closing the transport then
+        fails the rest (no read lands after it)."""
+        with self._lock:
+            for load in list(self._loads.values()):
+                self._fail(load, reason)
+        deadline = time.monotonic() + timeout_s
+        while self.reads_on_the_wire() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        with self._lock:
+            self._peers.clear()
+            self._confirm_queue.clear()
+            self._confirm_retry.clear()
+            self._transport = None
 
     def close(self) -> None:
         """Stop the RPC threads and close the side-channel clients (the

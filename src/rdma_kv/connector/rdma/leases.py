@@ -134,6 +134,8 @@ class Ending(enum.Enum):
     EPOCH = "epoch"
     LIFETIME = "lifetime"
     """Reached ``max_s`` after its grant, renewed or not."""
+    SLEEP = "sleep"
+    """The producer's KV cache was unregistered (vLLM sleep mode)."""
     RECLAIMED = "reclaimed"
     """Ended by the producer's scheduler to free blocks for new prefills."""
 
@@ -459,6 +461,23 @@ class LeaseTable:
                 self._end(generation, Ending.LIFETIME if now >= lease.ends_at else Ending.EXPIRED)
                 expired.append(lease.ref.request_id)
         return expired
+
+    def end_all(self, how: Ending) -> list[RequestId]:
+        """End every live lease now (GONE to every later call); returns their
+        request ids, which ``take_done`` reports."""
+        with self._lock:
+            ended = [lease.ref.request_id for lease in self._leases.values()]
+            for generation in list(self._leases):
+                self._end(generation, how)
+        return ended
+
+    def discard(self, request_id: RequestId) -> None:
+        """A grant of an epoch already replaced (issued before a wake from
+        sleep, shipped after): never held; ``take_done`` reports it so the
+        engine frees its blocks (calls naming it answer GONE: another epoch)."""
+        with self._lock:
+            self._done.add(request_id)
+            self.stats[Ending.EPOCH.value] += 1
 
     def reclaim(self, generations: Iterable[int]) -> list[RequestId]:
         """End the live leases among ``generations`` now (the producer's

@@ -122,6 +122,8 @@ class PeerState:
     error: str | None = None
     failed_at: float = 0.0
     handshake_s: float = 0.0
+    registration: int = 0
+    """The producer's KV-cache registration its metadata is of (0: not yet)."""
 
 
 def due_renewals(loads: Iterable[LoadState], now: float, interval_for: Callable[[float], float],

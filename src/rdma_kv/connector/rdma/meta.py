@@ -91,6 +91,8 @@ class LoadSpec:
     num_skipped_blocks: tuple[int, ...] = ()
     """Per group, the prompt's blocks not read because they lie outside a
     sliding window (the decoder never attends to them); for the stats."""
+    registration: int = 1
+    """The producer's KV-cache registration the remote block ids index."""
 
     def __post_init__(self) -> None:
         # Not range-checked here: the worker checks them against both KV caches.
@@ -158,3 +160,6 @@ class RdmaHandshakeMetadata(KVConnectorHandshakeMetadata):
     """This rank's side-channel port (the base port is ``port - tp_rank``)."""
     tp_rank: int
     compat_hash: str
+    registration: int = 1
+    """This rank's KV-cache registration: 1, then one more after each wake
+    from sleep (the scheduler puts it into the params it issues)."""

@@ -58,7 +58,7 @@ _VLLM_KEYS = (
     "tp_size",
 )
 _RDMA_KEYS = ("remote_lease_epoch", "remote_lease_generation", "remote_lease_token",
-              "remote_lease_ttl_s", "remote_num_tokens")
+              "remote_lease_ttl_s", "remote_num_tokens", "remote_registration")
 PARAM_KEYS = _VLLM_KEYS + _RDMA_KEYS
 
 MAX_GROUPS = 64  # KV-cache groups of a hybrid model: a handful in practice
@@ -86,16 +86,18 @@ class LeaseRef:
     binding: bytes = dataclasses.field(repr=False)
 
 
-def lease_binding(engine_id: str, tp_size: int, num_tokens: int, block_ids: GroupBlockIds) -> bytes:
+def lease_binding(engine_id: str, tp_size: int, num_tokens: int, block_ids: GroupBlockIds,
+                  registration: int = 1) -> bytes:
     """A digest of everything a lease lets its holder read: the producer
-    engine, its tensor-parallel size, the prompt's token count and the block
-    ids of every KV-cache group, in order. The grant token covers it, so
+    engine, its tensor-parallel size, the prompt's token count, the block
+    ids of every KV-cache group, in order, and the registration of the
+    producer's KV cache they index (bumped when it re-registers after sleep). The grant token covers it, so
     params altered to name other blocks (another request's, or blocks reused
     since) fail the producer's check at every lease call, CONFIRM included:
     what was read under them is never used."""
     digest = hashlib.sha256(b"rdma-kv lease binding 1")
     name = engine_id.encode()
-    digest.update(struct.pack(">QQQQ", len(name), tp_size, num_tokens, len(block_ids)) + name)
+    digest.update(struct.pack(">QQQQQ", len(name), tp_size, num_tokens, registration, len(block_ids)) + name)
     for group in block_ids:
         digest.update(struct.pack(f">Q{len(group)}I", len(group), *group))
     return digest.digest()[:LEASE_BINDING_BYTES]
@@ -141,6 +143,11 @@ class RemotePrefillParams:
     remote_lease_ttl_s: float
     remote_num_tokens: int
     """Prompt tokens whose KV the remote blocks hold."""
+    remote_registration: int = 1
+    """The producer's KV-cache registration the block ids index: 1 from its
+    start, bumped each time it re-registers (vLLM sleep mode). A consumer
+    whose cached peer is of another registration handshakes again, and
+    params of an older one are a load error, never a read."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "remote_block_ids", as_group_block_ids(self.remote_block_ids))
@@ -149,7 +156,7 @@ class RemotePrefillParams:
     def binding(self) -> bytes:
         """What these params let their holder read (:func:`lease_binding`)."""
         return lease_binding(self.remote_engine_id, self.tp_size, self.remote_num_tokens,
-                             self.remote_block_ids)
+                             self.remote_block_ids, self.remote_registration)
 
     @property
     def lease(self) -> LeaseRef:
@@ -174,6 +181,7 @@ class RemotePrefillParams:
             "remote_lease_token": self.remote_lease_token.hex(),
             "remote_lease_ttl_s": self.remote_lease_ttl_s,
             "remote_num_tokens": self.remote_num_tokens,
+            "remote_registration": self.remote_registration,
         }
 
 
@@ -289,4 +297,6 @@ def parse_kv_transfer_params(
         remote_lease_token=_token(params, "remote_lease_token"),
         remote_lease_ttl_s=float(ttl),
         remote_num_tokens=num_tokens,
+        remote_registration=_int(params, "remote_registration", 1, _JSON_SAFE_INT)
+        if params.get("remote_registration") is not None else 1,
     )

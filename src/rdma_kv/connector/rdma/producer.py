@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 
 from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma import auth, wire
-from rdma_kv.connector.rdma.leases import LeaseCall, LeaseTable
+from rdma_kv.connector.rdma.leases import Ending, LeaseCall, LeaseTable
 from rdma_kv.connector.rdma.meta import SendSpec
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sidechannel import ConnectionLimits, SideChannelServer
@@ -55,10 +55,24 @@ class ProducerHandler:
         self._lease_ttl_s = lease_ttl_s
         self._leases = leases
         self._compat = compat
-        self._agent_metadata = agent_metadata
+        self._agent_metadata: Callable[[], bytes] | None = agent_metadata
         self._geometry = geometry
+        self.registration = 1
+
+    def suspend(self) -> None:
+        """The KV cache is about to be unregistered: refuse handshakes."""
+        self._agent_metadata = None
+
+    def resume(self, agent_metadata: Callable[[], bytes], geometry: KVCacheGeometry, registration: int) -> None:
+        """Registered again (a new transport, new remote keys)."""
+        self._geometry, self.registration = geometry, registration
+        self._agent_metadata = agent_metadata
 
     def on_handshake(self, request: wire.Handshake) -> wire.HandshakeReply | wire.Refused:
+        agent_metadata = self._agent_metadata
+        if agent_metadata is None:
+            return wire.Refused("the producer's KV cache is not registered (the engine is asleep, vLLM "
+                                "sleep mode); its KV is gone: compute locally, or retry once it woke up")
         compat = self._compat
         if request.compat != compat:
             diff = "; ".join(compat.mismatches(request.compat, mine="producer", theirs="consumer"))
@@ -67,7 +81,7 @@ class ProducerHandler:
                                 "model, dtype, block size and KV layout")
         return wire.HandshakeReply(
             wire.PROTOCOL_VERSION, self._engine_id, self._rank, compat, compat.compat_hash(),
-            self._agent_metadata(), wire.GeometryWire.from_geometry(self._geometry))
+            agent_metadata(), wire.GeometryWire.from_geometry(self._geometry), self.registration)
 
     def on_renew(self, request: wire.Renew) -> wire.LeaseReply:
         return wire.LeaseReply(self._leases.renew(_calls(request)), self._lease_ttl_s)
@@ -123,12 +137,27 @@ class RdmaProducer:
         if lease_epoch:
             self.leases.set_epoch(lease_epoch, lease_key)
         for send in sends:
+            if send.lease.epoch != lease_epoch:  # issued before a new epoch (a wake from sleep)
+                self.leases.discard(send.request_id)
+                continue
             try:
                 self.leases.grant(send.lease, send.block_ids, send.lease_ttl_s)
             except Exception:
                 logger.exception("request %r: could not record its lease", send.request_id)
         if reclaims:
             self.leases.reclaim(reclaims)
+
+    def suspend(self) -> None:
+        """Before the KV cache is unregistered (sleep): every lease ends, GONE
+        to every later call (its consumer's load fails), and handshakes are
+        refused until :meth:`resume`."""
+        if self.handler is not None:
+            self.handler.suspend()
+        self.leases.end_all(Ending.SLEEP)
+
+    def resume(self, agent_metadata: Callable[[], bytes], geometry: KVCacheGeometry, registration: int) -> None:
+        if self.handler is not None:
+            self.handler.resume(agent_metadata, geometry, registration)
 
     def take_done(self) -> set[RequestId]:
         """Requests whose lease was released or expired: their blocks may be freed."""

@@ -163,14 +163,10 @@ class RdmaScheduler:
         self._engine_id = EngineId(str(config.engine_id))
         self._producer = config.is_kv_producer
         self._consumer = config.is_kv_consumer
-        # Random per process and JSON-safe: a restarted producer never
-        # confirms a lease granted by its previous life.
-        self.epoch = secrets.randbits(52) | 1
-        # Signs this epoch's leases (params.lease_token); shipped to this
-        # engine's workers only, in the step metadata.
-        self._lease_key = secrets.token_bytes(32)
+        self._new_epoch()
         self._generations = itertools.count(1)
         self._port = settings.side_channel_port
+        self._registration = 1  # the workers' KV-cache registration (set_handshake_metadata)
         # producer
         self._pending_sends: list[SendSpec] = []
         self._held: dict[RequestId, tuple[int, int]] = {}
@@ -192,13 +188,32 @@ class RdmaScheduler:
         self._pending_aborts: list[RequestId] = []
         self._pending_connects: dict[PeerAddress, None] = {}  # ordered set, emptied every step
 
+    def _new_epoch(self) -> None:
+        """A new lease epoch: the workers end every lease of the old one when
+        it reaches them, and answer GONE to any call naming it. At start
+        (random per process and JSON-safe: a restarted producer never
+        confirms a lease granted by its previous life) and when the workers
+        re-registered their KV caches (sleep mode: the blocks of the old
+        leases were computed in memory that is gone; a lease issued then but
+        not yet shipped must not be confirmed as issued-and-held)."""
+        self.epoch = secrets.randbits(52) | 1
+        # Signs this epoch's leases (params.lease_token); shipped to this
+        # engine's workers only, in the step metadata.
+        self._lease_key = secrets.token_bytes(32)
+
     # --- startup ---------------------------------------------------------------------
 
     def set_handshake_metadata(self, metadata: Mapping[int, Any]) -> None:
-        """Learn the side-channel port the workers really bound (kv_port 0)."""
+        """Learn the side-channel port the workers really bound (kv_port 0)
+        and their KV-cache registration (params carry it)."""
         rank0 = metadata.get(0)
         if isinstance(rank0, RdmaHandshakeMetadata):
             self._port = rank0.port - rank0.tp_rank
+        # vLLM calls this again after a wake from sleep: the workers re-registered.
+        registrations = [m.registration for m in metadata.values() if isinstance(m, RdmaHandshakeMetadata)]
+        if registrations and max(registrations) != self._registration:
+            self._registration = max(registrations)
+            self._new_epoch()  # every lease of the memory before the sleep ends; its params answer GONE
 
     # --- parsing at the edge -------------------------------------------------------------
 
@@ -314,6 +329,7 @@ class RdmaScheduler:
             remote.claim,
             error,
             tuple(skipped),
+            params.remote_registration,
         ))
 
     def _unread_blocks(self, request: Request, num_computed: int, blocks: KVCacheBlocks,
@@ -462,7 +478,8 @@ class RdmaScheduler:
             return False, None
         settings = self._settings
         generation = next(self._generations)
-        binding = lease_binding(self._engine_id, settings.tp_size, request.num_prompt_tokens, tuple(offered))
+        binding = lease_binding(self._engine_id, settings.tp_size, request.num_prompt_tokens, tuple(offered),
+                                self._registration)
         params = RemotePrefillParams(
             remote_engine_id=self._engine_id,
             remote_host=settings.advertise_host,
@@ -475,6 +492,7 @@ class RdmaScheduler:
             remote_lease_token=lease_token(self._lease_key, self.epoch, generation, rid, binding),
             remote_lease_ttl_s=settings.lease_ttl_s,
             remote_num_tokens=request.num_prompt_tokens,
+            remote_registration=self._registration,
         )
         self._pending_sends.append(SendSpec(rid, tuple(held), params.lease, settings.lease_ttl_s))
         self._held[rid] = (generation, sum(len(ids) for ids in held))

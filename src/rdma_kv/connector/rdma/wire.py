@@ -70,8 +70,9 @@ consumer rank making it (``reader``) and how many consumer ranks read this
 producer rank under the lease (``readers``): the lease ends when all of them
 released (heterogeneous tensor parallelism). 5: a lease call carries the
 lease's binding (``params.lease_binding``: engine, TP size, token count and
-block ids of every group), which the grant token covers; FORGED answers a
-genuine token presented with other block ids. A peer of another version is
+block ids of every group, and the producer's registration), which the grant
+token covers; FORGED answers a genuine token presented with other block ids;
+the handshake reply names the producer's KV-cache registration. A peer of another version is
 refused with a message naming both versions."""
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 16 << 20  # agent metadata (worker address + rkeys) plus geometry
@@ -377,6 +378,9 @@ class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_ok", forbid_unk
     compat_hash: Str
     agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_REPLY_BYTES)]
     geometry: GeometryWire
+    registration: Annotated[int, msgspec.Meta(ge=1)] = 1
+    """The producer's KV-cache registration this metadata is of (bumped when
+    it re-registers after sleep): params naming another are not read."""
 
 
 class LeaseReply(msgspec.Struct, frozen=True, tag="lease", forbid_unknown_fields=True):

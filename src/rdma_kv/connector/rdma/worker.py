@@ -12,6 +12,13 @@ Owns :class:`RdmaWorker`, which ``RdmaConnector`` delegates to:
 - **reporting**: ``get_finished`` merges ``done_sending`` (leases released
   or expired, aborted loads) and ``done_recving``; ``stats`` and
   ``resources`` merge both parts' records.
+- **sleep** (vLLM >= 0.33 sleep mode): ``unregister_kv_caches`` fails the
+  loads in flight once no read can land, ends every lease (GONE), refuses
+  handshakes and closes the transport (every region deregistered, every
+  endpoint closed); ``restore_kv_caches`` registers the same KV caches with
+  a new transport under the next *registration* (handshake metadata, the
+  handshake reply and the params carry it), so no consumer reads with a
+  remote key or a peer of the memory before the sleep.
 
 A ``kv_both`` worker holds one part of each kind; a ``kv_consumer`` worker
 has no producer part; a ``kv_producer`` worker makes a consumer part only
@@ -87,6 +94,9 @@ class RdmaWorker:
         # What ``leases`` shows on a consumer-only worker: nothing grants into it.
         self._leases = self._producer.leases if self._producer is not None else LeaseTable(clock)
         self._closed = False
+        self._kv_caches: Mapping[str, Any] | None = None
+        self._registration = 1
+        self._asleep = False
 
     def _new_consumer(self) -> RdmaConsumer:
         consumer = RdmaConsumer(self._engine_id, self._settings, self._secret, self._clock)
@@ -107,6 +117,11 @@ class RdmaWorker:
                 "connector per worker process (vLLM: one per process), so one process cannot hold "
                 "two connector engines, such as a prefill LLM and a decode LLM; run each engine in "
                 "its own process (docs/vllm.md, 'Offline LLM')")
+        self._register(kv_caches)
+        self._kv_caches = kv_caches
+
+    def _register(self, kv_caches: Mapping[str, Any]) -> None:
+        """Register ``kv_caches`` with a new transport; start (or resume) the parts."""
         geometry = derive_geometry(kv_caches, self._kv_cache_config)
         # This rank's UCX context gets its own NICs (the GPU's, from the KV cache's device).
         transport = self._transport_factory(self.agent_name, self._settings.for_device(geometry.regions[0].device))
@@ -120,7 +135,10 @@ class RdmaWorker:
             compat = compat_info(self._kv_cache_config, geometry,
                                  s.total_kv_heads or rank.num_kv_heads * s.tp_size, s.attention_backend)
             if self._producer is not None:
-                self._producer.start(compat, rank, transport.metadata, geometry)
+                if self._producer.handler is None:
+                    self._producer.start(compat, rank, transport.metadata, geometry)
+                else:
+                    self._producer.resume(transport.metadata, geometry, self._registration)
         except BaseException:
             transport.close()
             raise
@@ -130,10 +148,41 @@ class RdmaWorker:
             self._consumer.attach(*self._attach_args)
         server = self._server
         logger.info("rdma-kv worker %s: %d layers in %d region(s), %d blocks, %d bytes per block; "
-                    "side channel %s, peer authentication %s", self.agent_name, len(geometry.layers),
-                    len(geometry.regions), slots.num_blocks, slots.bytes_per_block,
+                    "side channel %s, peer authentication %s, registration %d", self.agent_name,
+                    len(geometry.layers), len(geometry.regions), slots.num_blocks, slots.bytes_per_block,
                     f"{server.host}:{server.port}" if server else "off (consumer only)",
-                    f"on (secret from {self._secret.source})" if self._secret else "OFF")
+                    f"on (secret from {self._secret.source})" if self._secret else "OFF", self._registration)
+
+    # --- sleep mode (vLLM >= 0.33) ----------------------------------------------------------------
+
+    def unregister_kv_caches(self) -> None:
+        """Before the engine sleeps (its KV memory is unmapped, or remapped
+        after): fail every load in flight, once none of its reads can land
+        (bounded by ``read_timeout_s``: closing the transport then fails
+        them); end every lease the producer part holds (GONE); refuse
+        handshakes; close the transport. Idempotent."""
+        transport = self._transport
+        if transport is None or self._asleep or self._closed:
+            return
+        self._asleep = True
+        if self._consumer is not None:
+            self._consumer.suspend("the engine went to sleep (its KV cache is unregistered)",
+                                   self._settings.read_timeout_s)
+        if self._producer is not None:
+            self._producer.suspend()
+        self._transport = None
+        transport.close()
+        logger.info("rdma-kv worker %s: KV cache unregistered for sleep (registration %d)", self.agent_name,
+                    self._registration)
+
+    def restore_kv_caches(self) -> None:
+        """After the engine woke: register the same KV caches with a new
+        transport, under the next registration. Idempotent."""
+        if not self._asleep or self._closed or self._kv_caches is None:
+            return
+        self._registration += 1
+        self._register(self._kv_caches)
+        self._asleep = False
 
     def handshake_metadata(self) -> RdmaHandshakeMetadata:
         if self._compat is None:
@@ -142,7 +191,7 @@ class RdmaWorker:
         server = self._server
         return RdmaHandshakeMetadata(self._engine_id, self._settings.advertise_host,
                                      server.port if server else 0, self._settings.tp_rank,
-                                     self._compat.compat_hash())
+                                     self._compat.compat_hash(), self._registration)
 
     # --- the producer part, as tests and the harness reach it ----------------------------------
 
