@@ -37,6 +37,10 @@ def test_every_snippet_is_run_by_a_test() -> None:
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
+    # The documented runs had no UCX_NET_DEVICES; `rdma-kv demo`, run by an
+    # earlier test in this process, pins it to lo (and the selftest would
+    # then check that NIC).
+    env.pop("UCX_NET_DEVICES", None)
     # the interpreter running the tests, and its rdma-kv command, come first
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return env

@@ -68,11 +68,11 @@ def test_the_ranks_nic_reaches_the_registering_agent():
 
 def test_pump_context_fails_without_a_context_and_passes_on_device_reads():
     read = Check.passed("cuda:0.gpu-gpu", "bit-exact", workers=2)
-    assert pump_check("p", Reads([read], None, 2)).status is Status.FAIL
-    assert "nixl#2102" in pump_check("p", Reads([read], None, 2)).detail
-    failed = pump_check("p", Reads([read, Check.failed("cuda:0.host-gpu", "timeout")], 0xC0, 2))
+    assert pump_check("p", Reads((read,), None, 2)).status is Status.FAIL
+    assert "nixl#2102" in pump_check("p", Reads((read,), None, 2)).detail
+    failed = pump_check("p", Reads((read, Check.failed("cuda:0.host-gpu", "timeout")), 0xC0, 2))
     assert failed.status is Status.FAIL and "cuda:0.host-gpu" in failed.detail
-    ok = pump_check("p", Reads([read], 0xC0, 2))
+    ok = pump_check("p", Reads((read,), 0xC0, 2))
     assert ok.status is Status.PASS and ok.figures == {"context": "0xc0", "workers": 2, "lanes": 2}
 
 
@@ -87,7 +87,7 @@ def test_the_cuda_group_skips_when_torch_sees_no_gpu_saying_why(tmp_path):
         pytest.skip("this torch sees a GPU")
     sink = Collect()
     cuda_group({"connector": profile_of(default_settings()), "ucx_log": str(tmp_path / "log"), "quick": True,
-                "seed": 0, "deadline_s": 60.0}, sink)
+                "seed": 0, "deadline_s": 60.0, "cuda_ipc": False}, sink)
     (check,) = sink.checks
     assert check.name == "cuda" and check.status is Status.SKIP
     assert f"torch {torch.__version__} sees no CUDA device" in check.detail

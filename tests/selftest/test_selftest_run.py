@@ -24,6 +24,13 @@ pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess, pytest.mark.timeout(600
 DEADLINE = "240"
 
 
+@pytest.fixture(autouse=True)
+def engine_environment(monkeypatch):
+    """No UCX_NET_DEVICES from an earlier test in this process (``rdma-kv
+    demo`` pins it to lo): here it would name the NIC to check."""
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+
+
 def has_rdma_nic() -> bool:
     library = loaded_ucx().library
     binary = ucx_info_binary(library)

@@ -150,7 +150,10 @@ def cuda_group(params: dict[str, Any], sink: Sink) -> None:
             whole = torch.zeros(kv_cache_shape(quick), dtype=torch.float16, device=device)
             sink.add(register_check(f"{device}.register", whole, settings))
         del whole
-        reads = run_reads([ReadSpec(f"{device}.gpu-gpu", device, peer),
+        # UCX picks the transport (cuda_ipc between processes on one node, where
+        # it offers it); the label says whether it could, the protocol what it did.
+        ipc = "cuda_ipc offered" if params["cuda_ipc"] else "UCX offers no cuda_ipc: its own pick"
+        reads = run_reads([ReadSpec(f"{device}.gpu-gpu", device, peer, label=f"{peer} -> {device} ({ipc})"),
                            ReadSpec(f"{device}.gpu-host", "host", peer),
                            ReadSpec(f"{device}.host-gpu", device, "host")],
                           workload, sink, deadline, ucx_options=dict(settings.for_device(device).ucx_options),

@@ -26,7 +26,7 @@ import multiprocessing as mp
 import statistics
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -73,12 +73,13 @@ class ReadSpec:
     label: str = ""  # how the detail opens; default "<remote> -> <local>"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Reads:
-    """What a run of reads found, beyond its checks."""
+    """What a run of reads found: its checks, the CUDA context current where
+    the reader's agent was made (None: none, or host memory only), its lanes."""
 
-    checks: list[Check] = field(default_factory=list)
-    cuda_context: int | None = None  # the CUDA context current where the reader's agent was made
+    checks: tuple[Check, ...]
+    cuda_context: int | None = None
     lanes: int = 1
 
 
@@ -202,7 +203,9 @@ def run_reads(reads: Sequence[ReadSpec], workload: Workload, sink: Sink, deadlin
     from rdma_kv.transport import Agent, AgentConfig
     from rdma_kv.transport.cuda import creator_context
 
-    out = Reads()
+    checks: list[Check] = []
+    cuda_context: int | None = None
+    lanes_made = 1
     locals_ = sorted({r.local for r in reads})
     cuda = [m for m in locals_ if m != "host"]
     assert len(cuda) <= 1, "one reader agent per GPU, as one connector per rank"
@@ -222,8 +225,8 @@ def run_reads(reads: Sequence[ReadSpec], workload: Workload, sink: Sink, deadlin
             config = AgentConfig(ucx_options=options) if lanes is None else AgentConfig(ucx_options=options, lanes=lanes)
             agent = Agent("selftest-reader", config)
             made_in = creator_context()
-            out.cuda_context = made_in.handle if made_in is not None else None
-        out.lanes = agent.config.lanes
+            cuda_context = made_in.handle if made_in is not None else None
+        lanes_made = agent.config.lanes
         for buf in buffers.values():
             agent.register(buf.obj)
         peer = agent.add_peer(blob)
@@ -240,7 +243,7 @@ def run_reads(reads: Sequence[ReadSpec], workload: Workload, sink: Sink, deadlin
             except RdmaKVError as exc:  # this read failed (a transfer error, a deadline): the next may not
                 check = Check.failed(read.name, f"{type(exc).__name__}: {exc}")
             pending.remove(read)
-            out.checks.append(check)
+            checks.append(check)
             sink.add(check)
         child.chan.send({"type": "close"})
         child.chan.expect("closed", deadline.left())
@@ -248,14 +251,14 @@ def run_reads(reads: Sequence[ReadSpec], workload: Workload, sink: Sink, deadlin
         why = f"{type(exc).__name__}: {exc}"
         for read in pending:  # the first was running; the rest could not run
             check = Check.failed(read.name, why if read is pending[0] else f"not run: {why}")
-            out.checks.append(check)
+            checks.append(check)
             sink.add(check)
     finally:
         if agent is not None:
             agent.close()
         if child is not None:
             child.close(timeout_s=min(10.0, deadline.left()))
-    return out
+    return Reads(tuple(checks), cuda_context, lanes_made)
 
 
 def _one_read(read: ReadSpec, rep: int, w: Workload, agent: Any, chan: harness.Channel, local: Buffer,

@@ -92,7 +92,8 @@ def run_selftest(options: SelftestOptions | None = None,
         add(Check.skipped("layout", "needs a CUDA device: the KV layouts are checked on real CUDA tensors"))
     else:
         gpus = len(list(GPUS.iterdir())) if GPUS.is_dir() else 1
-        group("cuda", "cuda:cuda_group", scale=max(1, gpus) + 1)
+        cuda_ipc = any(t["transport"] == "cuda_ipc" for t in facts.transports or [])
+        group("cuda", "cuda:cuda_group", scale=max(1, gpus) + 1, cuda_ipc=cuda_ipc)
     targets, decided = nic_targets(facts, settings)
     for check in decided:
         add(check)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,37 +31,30 @@ __all__ = ["UcxFacts", "nic_targets", "ucx_checks"]
 IB_CLASS = Path("/sys/class/infiniband")
 
 
-@dataclass
+@dataclass(frozen=True)
 class UcxFacts:
     """What the UCX checks found, for the groups after them."""
 
-    checks: list[Check] = field(default_factory=list)
-    loaded: bool = False
-    transports: list[dict[str, str]] | None = None  # None: ucx_info could not be run
-
-    @property
-    def cuda_ipc(self) -> bool:
-        return any(t["transport"] == "cuda_ipc" for t in self.transports or [])
+    checks: tuple[Check, ...]
+    loaded: bool
+    transports: list[dict[str, str]] | None  # None: ucx_info could not be run
 
 
 def ucx_checks(settings: RdmaSettings) -> UcxFacts:
     from rdma_kv.transport.ucxinfo import loaded_ucx
 
-    facts = UcxFacts()
     prefer = os.environ.get("RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY", "false")
     try:
         ucx = loaded_ucx()
     except Exception as exc:  # a diagnostic: report it
-        facts.checks.append(Check.failed("ucx.library", f"UCX or the rdma-kv shim cannot be loaded: {exc}",
-                                         prefer_system=prefer))
-        return facts
-    facts.loaded = True
+        return UcxFacts((Check.failed("ucx.library", f"UCX or the rdma-kv shim cannot be loaded: {exc}",
+                                      prefer_system=prefer),), False, None)
     source = "the libucx-cu12 wheel" if ucx.source == "wheel" else "the system"
-    facts.checks.append(Check.passed("ucx.library", f"UCX {ucx.version} from {source}: {ucx.library} "
-                                     f"(RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY={prefer})", version=ucx.version,
-                                     source=ucx.source, library=ucx.library))
-    facts.checks.append(_transports(facts, ucx.library, settings))
-    return facts
+    library = Check.passed("ucx.library", f"UCX {ucx.version} from {source}: {ucx.library} "
+                           f"(RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY={prefer})", version=ucx.version,
+                           source=ucx.source, library=ucx.library)
+    transports, check = _transports(ucx.library, settings)
+    return UcxFacts((library, check), True, transports)
 
 
 def _context_memory_types(settings: RdmaSettings) -> list[str]:
@@ -75,35 +68,37 @@ def _context_memory_types(settings: RdmaSettings) -> list[str]:
         context.close()
 
 
-def _transports(facts: UcxFacts, library: str, settings: RdmaSettings) -> Check:
+def _transports(library: str, settings: RdmaSettings) -> tuple[list[dict[str, str]] | None, Check]:
+    """``ucx_info -d``'s transports (None when it cannot run) and the check."""
     name = "ucx.transports"
     try:
         context_types = _context_memory_types(settings)
     except Exception as exc:  # a diagnostic: report it
-        return Check.failed(name, f"cannot create a UCP context with the rank's settings: {exc}")
+        return None, Check.failed(name, f"cannot create a UCP context with the rank's settings: {exc}")
     tls = os.environ.get("UCX_TLS", "all (default)")
     supports = f"a UCP context made with this environment (UCX_TLS={tls}) supports: {', '.join(context_types)}"
     binary = ucx_info_binary(library)
     if binary is None:
-        return Check.skipped(name, f"no ucx_info for the loaded UCX: transports not listed; {supports}",
-                             context_memory_types=context_types)
+        return None, Check.skipped(name, f"no ucx_info for the loaded UCX: transports not listed; {supports}",
+                                   context_memory_types=context_types)
     try:
-        facts.transports, _ = parse_ucx_info(run_ucx_info(binary, library))
+        transports, _ = parse_ucx_info(run_ucx_info(binary, library))
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return Check.failed(name, f"{binary} -d failed: {exc}; {supports}", context_memory_types=context_types)
-    groups = by_memory_type(facts.transports)
+        return None, Check.failed(name, f"{binary} -d failed: {exc}; {supports}",
+                                  context_memory_types=context_types)
+    groups = by_memory_type(transports)
     listed = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in sorted(groups.items())) or "none"
     if "cuda" not in groups:
         listed += "; cuda: none (no CUDA transport loaded: no GPU driver, or a UCX built without CUDA)"
-    verbs = sorted({t["device"] for t in facts.transports if t["transport"] in VERBS_TRANSPORTS})
+    verbs = sorted({t["device"] for t in transports if t["transport"] in VERBS_TRANSPORTS})
     ib = sorted(p.name for p in IB_CLASS.iterdir()) if IB_CLASS.is_dir() else []
     figures: dict[str, Any] = {"by_memory_type": groups, "context_memory_types": context_types,
                                "verbs_devices": verbs, "ib_devices": ib}
     if ib and not verbs:
-        return Check.failed(name, f"InfiniBand devices {ib} exist but the loaded UCX has no verbs transport, so reads "
+        return transports, Check.failed(name, f"InfiniBand devices {ib} exist but the loaded UCX has no verbs transport, so reads "
                             "between nodes would go over TCP: set RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true to load "
                             f"the system UCX (MOFED/HPC-X; docs/deploy.md section 1). {listed}; {supports}", **figures)
-    return Check.passed(name, f"{listed}; {supports}", **figures)
+    return transports, Check.passed(name, f"{listed}; {supports}", **figures)
 
 
 def nic_targets(facts: UcxFacts, settings: RdmaSettings) -> tuple[list[dict[str, str]], list[Check]]:
@@ -112,15 +107,16 @@ def nic_targets(facts: UcxFacts, settings: RdmaSettings) -> tuple[list[dict[str,
     check SKIPs). The devices are the rank's ``ucx_net_devices`` (its KV
     cache on ``cuda:<rank>``), else ``NET_DEVICES`` from its ``ucx_options``
     or ``UCX_NET_DEVICES``, else every device with a verbs transport."""
-    if facts.transports is None:
+    transports = facts.transports
+    if transports is None:
         return [], [Check.skipped("nic", "no device list from ucx_info (see ucx.transports): NICs not checked")]
     named = settings.for_device(f"cuda:{settings.tp_rank}").ucx_options.get("NET_DEVICES")
     source = f"ucx_net_devices/NET_DEVICES of rank {settings.tp_rank}"
     if named is None and os.environ.get("UCX_NET_DEVICES", "all") != "all":
         named, source = os.environ["UCX_NET_DEVICES"], "UCX_NET_DEVICES"
-    network = sorted({t["device"] for t in facts.transports if t["type"] == "network" or t["transport"] == "tcp"})
+    network = sorted({t["device"] for t in transports if t["type"] == "network" or t["transport"] == "tcp"})
     if named is None:
-        devices = sorted({t["device"] for t in facts.transports if t["transport"] in VERBS_TRANSPORTS})
+        devices = sorted({t["device"] for t in transports if t["transport"] in VERBS_TRANSPORTS})
         if not devices:
             ib = sorted(p.name for p in IB_CLASS.iterdir()) if IB_CLASS.is_dir() else []
             return [], [Check.skipped("nic", "no RDMA NIC: UCX reports no rc/ud/dc transport on any device "
@@ -131,7 +127,7 @@ def nic_targets(facts: UcxFacts, settings: RdmaSettings) -> tuple[list[dict[str,
         devices = [d.strip() for d in named.split(",") if d.strip()]
     targets, decided = [], []
     for device in devices:
-        names = sorted({t["transport"] for t in facts.transports if t["device"] == device})
+        names = sorted({t["transport"] for t in transports if t["device"] == device})
         tls = ",".join(kind for kind in ("rc", "ud", "dc") if any(n.startswith(kind) for n in names))
         if not tls and "tcp" in names:
             tls = "tcp"
