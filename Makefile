@@ -4,11 +4,12 @@
 PYTHON    ?= python3
 VENV      ?= .venv
 VENV_VLLM ?= .venv-vllm
+KIT       ?= dist/rdma-kv-kit
 PY        := $(VENV)/bin/python
 PIP       := $(PY) -m pip
 STAMP     := $(VENV)/.rdma-kv-installed
 
-.PHONY: install vllm-env demo test test-core test-all bench bench-deps clean
+.PHONY: install vllm-env demo selftest kit test test-core test-all bench bench-deps clean
 
 # torch is pinned and installed first: an unpinned torch (or a range that
 # admits a newer release) pulls the CUDA build with GBs of nvidia-* wheels.
@@ -22,6 +23,18 @@ install: $(STAMP)
 
 demo: install
 	$(VENV)/bin/rdma-kv demo
+
+# Does rdma-kv work on this host? UCX, reads between two processes, CUDA and
+# NICs where present (docs/deploy.md, "Before starting an engine").
+selftest: install
+	$(VENV)/bin/rdma-kv selftest
+
+# The carry kit for a machine without network: the wheels the selftest needs
+# (not torch), under 64 MiB, and install.sh, which installs them there
+# offline into a venv and runs the selftest: `bash $(KIT)/install.sh`.
+# Versions are the ones installed in $(VENV), what the tests ran against.
+kit: install
+	PYTHON=$(PY) bash scripts/kit-build.sh $(KIT)
 
 # vLLM's CPU build lives in its own venv (it pins its own stack, ~3 min and
 # 2.8 GB on first install, seconds after): scripts/install-vllm.sh.
@@ -52,4 +65,4 @@ bench: bench-deps
 	$(VENV)/bin/rdma-kv bench --vs nixl
 
 clean:
-	rm -rf build src/*.egg-info src/rdma_kv/transport/_ucp*.so
+	rm -rf build dist src/*.egg-info src/rdma_kv/transport/_ucp*.so

@@ -1,7 +1,11 @@
-"""Fake CUDA tensors for tests that need no GPU: objects with the storage,
-stride and device interfaces of ``torch.Tensor`` (what rdma-kv reads from a
-tensor, duck-typed), laid over a host tensor's memory. The device says
-``cuda:N``; the bytes are host memory, so UCX detects them as host memory.
+"""Stand-ins for CUDA in tests that need no GPU.
+
+- Fake CUDA tensors: objects with the storage, stride and device interfaces
+  of ``torch.Tensor`` (what rdma-kv reads from a tensor, duck-typed), laid
+  over a host tensor's memory. The device says ``cuda:N``; the bytes are
+  host memory, so UCX detects them as host memory.
+- ``QueryAnswers``: an agent's cffi library whose ``ucp_mem_query`` answers
+  the memory type a test chooses (``agent._memory._lib = QueryAnswers(...)``).
 
 Importable from every test directory (tests/ is on sys.path through its
 conftest.py).
@@ -56,3 +60,23 @@ class FakeCudaTensor:
 
     def __getitem__(self, index: Any) -> FakeCudaTensor:
         return FakeCudaTensor(self._host[index], self.device.index)
+
+
+class QueryAnswers:
+    """The agent's cffi library, except that ``ucp_mem_query`` reports
+    ``mem_type`` (a ``ucs_memory_type_t`` name). Counts unmaps."""
+
+    def __init__(self, lib, mem_type: str) -> None:
+        self._lib, self._mem_type, self.unmapped = lib, mem_type, 0
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+    def ucp_mem_query(self, memh, attr):
+        status = self._lib.ucp_mem_query(memh, attr)
+        attr.mem_type = getattr(self._lib, f"UCS_MEMORY_TYPE_{self._mem_type}")
+        return status
+
+    def ucp_mem_unmap(self, context, memh):
+        self.unmapped += 1
+        return self._lib.ucp_mem_unmap(context, memh)

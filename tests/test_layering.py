@@ -1,5 +1,5 @@
 """Imports go one way: transport <- connector <- vllm adapter (cli, harness
-and bench may use any layer).
+and bench may use any layer; selftest any but the vLLM adapter and the CLI).
 
 Read from the source with ``ast`` (every ``import`` statement, at module
 level, under ``if TYPE_CHECKING`` and inside functions), never by importing
@@ -17,6 +17,8 @@ vLLM. The rules, as the code keeps them:
   ``agent_transport`` in ``connector/rdma/connector.py`` (which builds the
   real ``Agent``, lazily).
 - Nothing outside ``rdma_kv.vllm`` imports ``vllm``.
+- ``rdma_kv.selftest`` imports neither ``rdma_kv.vllm`` nor ``rdma_kv.cli``
+  (the CLI builds on it), except its ``__main__``, which hands over to the CLI.
 """
 
 from __future__ import annotations
@@ -151,7 +153,8 @@ def test_no_transport_part_imports_the_agent():
     assert not wrong, "transport parts must not import agent.py:\n" + "\n".join(wrong)
 
 
-@pytest.mark.parametrize("upper", ["rdma_kv.vllm", "rdma_kv.harness", "rdma_kv.cli", "rdma_kv.bench"])
+@pytest.mark.parametrize("upper", ["rdma_kv.vllm", "rdma_kv.harness", "rdma_kv.cli", "rdma_kv.bench",
+                                   "rdma_kv.selftest"])
 def test_connector_never_imports_an_upper_layer(upper):
     wrong = [str(i) for i in rdma_kv_modules_imported_by("rdma_kv.connector") if is_under(i.target, upper)]
     assert not wrong, f"the connector is below {upper}; move the code or invert the call:\n" + "\n".join(wrong)
@@ -170,6 +173,13 @@ def test_connector_reaches_the_transport_only_through_its_doors():
     assert not wrong, ("the connector imports rdma_kv.transport only in connector/rdma/transport_api.py "
                        "and in connector.agent_transport(); import what you need from transport_api:\n"
                        + "\n".join(wrong))
+
+
+def test_selftest_imports_neither_the_vllm_adapter_nor_the_cli():
+    wrong = [str(i) for i in rdma_kv_modules_imported_by("rdma_kv.selftest")
+             if (is_under(i.target, "rdma_kv.vllm") or is_under(i.target, "rdma_kv.cli"))
+             and i.module != "rdma_kv.selftest.__main__"]
+    assert not wrong, "rdma_kv.selftest sits below the CLI and beside the vLLM adapter:\n" + "\n".join(wrong)
 
 
 def test_only_the_vllm_adapter_imports_vllm():

@@ -36,6 +36,18 @@ def test_parse_ucx_info_lists_transports_devices_and_memory_types():
     assert mem == {"host", "cuda"}
 
 
+def test_transports_are_grouped_by_the_memory_types_of_their_domain():
+    """A domain that lists no memory type (tcp, cma) moves host memory
+    through the CPU; mlx5 registers host and CUDA memory (GPUDirect)."""
+    from rdma_kv.transport.ucxinfo import by_memory_type
+
+    text = UCX_INFO + "# Memory domain: tcp\n#         memory types: \n#      Transport: tcp\n#         Device: lo\n"
+    transports, _ = parse_ucx_info(text)
+    assert [t["memory_types"] for t in transports] == ["host", "host,cuda", "host,cuda", ""]
+    assert by_memory_type(transports) == {"host": ["self/memory", "rc_mlx5/mlx5_0:1", "ud_verbs/mlx5_0:1", "tcp/lo"],
+                                          "cuda": ["rc_mlx5/mlx5_0:1", "ud_verbs/mlx5_0:1"]}
+
+
 def test_kv_shape_parses_and_rejects_bad_input():
     w = parse_kv_shape("4:16:4096:contiguous")
     assert (w.num_layers, w.blocks_per_request, w.block_nbytes, w.block_order) == (4, 16, 4096, "contiguous")

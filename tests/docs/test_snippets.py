@@ -1,11 +1,12 @@
 """Every code block of README.md and docs/ runs as written or is marked a
 fragment (``snippets.py`` says how blocks are marked), and the runnable
 ones run here: the README's transport example and the ``rdma-kv info``
-examples. The vLLM guide's offline example runs in tests/vllm
+and ``rdma-kv selftest`` examples. The vLLM guide's offline example runs in tests/vllm
 (``test_vllm_docs.py``), inside vLLM."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 from snippets import Block, ROOT, all_blocks, snippet
 
-RUN_HERE = ("readme-transport", "readme-info", "deploy-info")
+RUN_HERE = ("readme-transport", "readme-info", "deploy-info", "deploy-selftest")
 RUN_IN_VLLM = ("vllm-offline/decode.py", "vllm-offline/prefill.py", "vllm-offline/run")
 TIMEOUT_S = 120
 
@@ -36,6 +37,10 @@ def test_every_snippet_is_run_by_a_test() -> None:
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
+    # The documented runs had no UCX_NET_DEVICES; `rdma-kv demo`, run by an
+    # earlier test in this process, pins it to lo (and the selftest would
+    # then check that NIC).
+    env.pop("UCX_NET_DEVICES", None)
     # the interpreter running the tests, and its rdma-kv command, come first
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return env
@@ -90,3 +95,23 @@ def test_deploy_info_example_prints_what_the_guide_shows(tmp_path: Path) -> None
            if line.startswith("  [") or line.startswith("exit status")]
     assert got == shown, f"{block.where}: the guide shows\n" + "\n".join(shown) + "\nbut it printed\n" \
         + result.stdout
+
+
+@pytest.mark.ucx
+@pytest.mark.multiprocess
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_deploy_selftest_example_prints_the_checks_the_guide_shows(tmp_path: Path) -> None:
+    """The same checks with the same status, in the same order (details hold
+    paths and GB/s, which differ run to run); and the JSON it wrote."""
+    block = snippet("deploy-selftest")
+    result = _run(["bash", "-c", block.code], block, tmp_path)
+    assert result.returncode == 0, f"{block.where} failed:\n{result.stdout}\n{result.stderr}"
+
+    def checks(text: str) -> list[str]:
+        return [" ".join(line.split()[:2]) for line in text.splitlines() if line[:4] in ("PASS", "FAIL", "SKIP")]
+
+    shown = checks(_shown_output(block))
+    assert shown, f"{block.where}: the output block shows no checks"
+    assert checks(result.stdout) == shown, f"{block.where}: the guide shows {shown} but it printed\n{result.stdout}"
+    written = json.loads((tmp_path / "selftest.json").read_text())["checks"]
+    assert [f"{c['status']} {c['name']}" for c in written] == shown

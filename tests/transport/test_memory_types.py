@@ -8,31 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from fake_cuda import FakeCudaTensor
+from fake_cuda import FakeCudaTensor, QueryAnswers
 
 from rdma_kv.errors import RegistrationError
 
 pytestmark = [pytest.mark.ucx, pytest.mark.timeout(60)]
-
-
-class QueryAnswers:
-    """The agent's cffi library, except that ``ucp_mem_query`` reports
-    ``mem_type`` (a ``ucs_memory_type_t`` name). Counts unmaps."""
-
-    def __init__(self, lib, mem_type: str) -> None:
-        self._lib, self._mem_type, self.unmapped = lib, mem_type, 0
-
-    def __getattr__(self, name):
-        return getattr(self._lib, name)
-
-    def ucp_mem_query(self, memh, attr):
-        status = self._lib.ucp_mem_query(memh, attr)
-        attr.mem_type = getattr(self._lib, f"UCS_MEMORY_TYPE_{self._mem_type}")
-        return status
-
-    def ucp_mem_unmap(self, context, memh):
-        self.unmapped += 1
-        return self._lib.ucp_mem_unmap(context, memh)
 
 
 def test_host_memory_declared_cuda_is_refused_naming_both_types(make_agent):

@@ -111,7 +111,7 @@ def child_entry(conn: Any, entry: str, role: str) -> None:
         conn.close()
 
 
-class _Child:
+class Child:
     """A spawned child and the runner's end of its pipe; always reaped."""
 
     def __init__(self, ctx: Any, entry: str, role: str) -> None:
@@ -149,11 +149,11 @@ def run_pair(
     per-rep records and its ready message (backend configuration)."""
     ctx = mp.get_context("spawn")
     start = {"type": "start", "workload": workload.to_dict(), "options": options or {}}
-    children: list[_Child] = []
+    children: list[Child] = []
     try:
-        target = _Child(ctx, f"{backend_module}:target", "target")
+        target = Child(ctx, f"{backend_module}:target", "target")
         children.append(target)
-        reader = _Child(ctx, f"{backend_module}:reader", "reader")
+        reader = Child(ctx, f"{backend_module}:reader", "reader")
         children.append(reader)
         target.chan.send(start)
         reader.chan.send(start)

@@ -213,15 +213,15 @@ def _run_backend(backend: str, results: list[ScalePoint], request: RequestShape,
     max_concurrency = max(r.concurrency for r in results)
     start = {"type": "start", "seed": seed, "block_nbytes": request.block_nbytes, "pool_blocks": POOL_BLOCKS,
              "local_blocks": max_concurrency * request.blocks}
-    children: list[harness._Child] = []
+    children: list[harness.Child] = []
     try:
         targets = []
         for i in range(num_targets):
-            child = harness._Child(ctx, f"{module}:{prefix}_target", f"{backend} target {i}")
+            child = harness.Child(ctx, f"{module}:{prefix}_target", f"{backend} target {i}")
             children.append(child)
             child.chan.send(dict(start, index=i))
             targets.append(child)
-        reader = harness._Child(ctx, f"{module}:{prefix}_reader", f"{backend} reader")
+        reader = harness.Child(ctx, f"{module}:{prefix}_reader", f"{backend} reader")
         children.append(reader)
         reader.chan.send(dict(start, targets=num_targets))
         for i, child in enumerate(targets):

@@ -1,4 +1,4 @@
-"""The ``rdma-kv`` command line: ``bench``, ``demo`` and ``info``.
+"""The ``rdma-kv`` command line: ``bench``, ``demo``, ``info`` and ``selftest``.
 
 Only the CLI configures logging; the library itself only adds a
 NullHandler. Subcommands live in their own modules and import what they
@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from rdma_kv import __version__
-from rdma_kv.cli import bench, demo, info
+from rdma_kv.cli import bench, demo, info, selftest
 from rdma_kv.errors import RdmaKVError
 
 
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     demo.add_parser(sub)
     info.add_parser(sub)
+    selftest.add_parser(sub)
     return parser
 
 

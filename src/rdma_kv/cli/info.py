@@ -23,19 +23,22 @@ the worst are warnings.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
-import re
-import shutil
 import socket
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Transports that mean RDMA hardware is usable through UCX.
-VERBS_TRANSPORTS = ("rc_verbs", "rc_mlx5", "ud_verbs", "ud_mlx5", "dc_mlx5", "rc", "ud", "dc")
+# ucx_info parsing lives with the transport (the selftest reads it too);
+# parse_ucx_info and ucx_info_binary stay importable from here.
+from rdma_kv.transport.ucxinfo import (  # noqa: F401  (parse_ucx_info: re-exported)
+    VERBS_TRANSPORTS,
+    parse_ucx_info,
+    run_ucx_info,
+    ucx_info_binary,
+)
 
 
 @dataclass
@@ -74,48 +77,14 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def ucx_info_binary(library: str) -> str | None:
-    """The ucx_info of the UCX that is loaded (wheel's bin/, else PATH)."""
-    lib_dir = Path(library).parent if library else None
-    if lib_dir is not None:
-        for candidate in (lib_dir.parent / "bin" / "ucx_info", lib_dir.parent.parent / "bin" / "ucx_info"):
-            if candidate.exists():
-                return str(candidate)
-    return shutil.which("ucx_info")
-
-
-def parse_ucx_info(text: str) -> tuple[list[dict[str, str]], set[str]]:
-    """Transports/devices and host/device memory types from ``ucx_info -d``."""
-    transports: list[dict[str, str]] = []
-    mem_types: set[str] = set()
-    md = ""
-    current: dict[str, str] | None = None
-    for line in text.splitlines():
-        line = line.strip("# \t")
-        if m := re.match(r"Memory domain:\s*(\S+)", line):
-            md, current = m.group(1), None
-        elif m := re.match(r"memory types:\s*(.*)", line):
-            mem_types.update(t.split(" ")[0] for t in re.split(r",\s*(?![^()]*\))", m.group(1)) if t.strip())
-        elif m := re.match(r"Transport:\s*(\S+)", line):
-            current = {"md": md, "transport": m.group(1), "device": "", "type": ""}
-            transports.append(current)
-        elif current is not None and (m := re.match(r"Device:\s*(\S+)", line)):
-            current["device"] = m.group(1)
-        elif current is not None and (m := re.match(r"Type:\s*(\S+)", line)):
-            current["type"] = m.group(1)
-    return transports, {t for t in mem_types if t}
-
-
 def probe() -> Report:
     report = Report(prefer_system=os.environ.get("RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY", "false"))
     try:
-        from rdma_kv.transport._lib import library_path, load, ucx_version
+        from rdma_kv.transport.ucxinfo import loaded_ucx
 
-        load()
+        ucx = loaded_ucx()
         report.shim = "loaded"
-        report.ucx_version = ucx_version()
-        report.ucx_library = library_path() or ""
-        report.ucx_source = "wheel" if "/libucx/" in report.ucx_library else "system"
+        report.ucx_version, report.ucx_library, report.ucx_source = ucx.version, ucx.library, ucx.source
     except Exception as exc:  # report, do not crash: this is a diagnostic tool
         report.ucx_source = "unavailable"
         report.shim = f"not loadable: {exc}"
@@ -123,12 +92,8 @@ def probe() -> Report:
         return report
     binary = ucx_info_binary(report.ucx_library)
     if binary:
-        env = dict(os.environ)
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(Path(report.ucx_library).parent),
-                                                               env.get("LD_LIBRARY_PATH", "")]))
         try:
-            out = subprocess.run([binary, "-d"], capture_output=True, text=True, timeout=60, env=env).stdout
-            transports, mem_types = parse_ucx_info(out)
+            transports, mem_types = parse_ucx_info(run_ucx_info(binary, report.ucx_library))
             report.transports, report.memory_types = transports, sorted(mem_types)
         except (OSError, subprocess.TimeoutExpired) as exc:
             report.findings.append(Finding("warning", f"{binary} -d failed ({exc}); transports not listed"))
@@ -217,8 +182,7 @@ def check_config(text: str, report: Report, *, engine: str = "auto") -> None:
     raw = _load(text, add)
     if raw is None:
         return
-    is_vllm = engine == "vllm" or (engine == "auto" and str(
-        raw.get("kv_connector_module_path") or "").startswith("rdma_kv.vllm"))
+    is_vllm = _is_vllm(raw, engine)
     try:
         if is_vllm:
             config = _vllm_config(raw, add)
@@ -246,6 +210,38 @@ def check_config(text: str, report: Report, *, engine: str = "auto") -> None:
                     "KV cache where the engine allocates it (host memory here)"))
 
 
+def load_settings(text: str, *, engine: str = "auto", tp_rank: int = 0, tp_size: int | None = None) -> Any:
+    """The RDMA connector's settings (``RdmaSettings``) of tensor-parallel
+    rank ``tp_rank`` under a kv-transfer config (JSON text or a file),
+    parsed as ``check_config`` parses it: what that rank's worker runs with.
+    ``tp_size`` defaults to the ranks a ``ucx_net_devices`` map names, else
+    ``tp_rank + 1``. ConfigError saying what is wrong."""
+    from rdma_kv.connector.config import KVTransferConfig
+    from rdma_kv.connector.rdma.settings import RdmaSettings
+    from rdma_kv.errors import ConfigError
+
+    findings: list[Finding] = []
+    raw = _load(text, findings.append)
+    if raw is None:
+        raise ConfigError(findings[0].message)
+    extra = raw.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict):
+        raise ConfigError(f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}")
+    devices = extra.get("ucx_net_devices")
+    size = tp_size or max(len(devices) if isinstance(devices, dict) else 0, tp_rank + 1)
+    if _is_vllm(raw, engine):
+        config = _vllm_config(raw, findings.append, tp_rank=tp_rank, tp_size=size)
+    else:
+        config = KVTransferConfig.from_dict({**raw, "kv_connector_extra_config": {**extra, "tp_rank": tp_rank,
+                                                                                   "tp_size": size}})
+    return RdmaSettings.from_config(config)
+
+
+def _is_vllm(raw: dict[str, Any], engine: str) -> bool:
+    return engine == "vllm" or (engine == "auto" and str(
+        raw.get("kv_connector_module_path") or "").startswith("rdma_kv.vllm"))
+
+
 def _load(text: str, add: Any) -> dict[str, Any] | None:
     if text.lstrip().startswith("{"):
         source, body = "config", text
@@ -271,7 +267,7 @@ def _load(text: str, add: Any) -> dict[str, Any] | None:
     return raw
 
 
-def _vllm_config(raw: dict[str, Any], add: Any) -> Any:
+def _vllm_config(raw: dict[str, Any], add: Any, *, tp_rank: int = 0, tp_size: int = 1) -> Any:
     """Our config from a vLLM ``--kv-transfer-config``, through the adapter's
     own translation (``rdma_kv.vllm.translate``, which never imports vLLM)."""
     from types import SimpleNamespace
@@ -289,7 +285,7 @@ def _vllm_config(raw: dict[str, Any], add: Any) -> Any:
         raise ConfigError(f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}")
     fields = {name: raw.get(name) for name in translate.VLLM_KV_TRANSFER_FIELDS}
     fields["kv_port"] = raw.get("kv_port", 14579)  # vLLM's default
-    return translate.transfer_config(SimpleNamespace(**fields))
+    return translate.transfer_config(SimpleNamespace(**fields), tp_rank=tp_rank, tp_size=tp_size)
 
 
 def _vllm_version() -> str | None:
