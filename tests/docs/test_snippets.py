@@ -16,7 +16,8 @@ import pytest
 from snippets import Block, ROOT, all_blocks, snippet
 
 RUN_HERE = ("readme-transport", "readme-info", "deploy-info")
-RUN_IN_VLLM = ("vllm-offline/decode.py", "vllm-offline/prefill.py", "vllm-offline/run")
+RUN_IN_VLLM = ("vllm-offline/decode.py", "vllm-offline/prefill.py", "vllm-offline/run",
+               "deploy-dynamo-config", "deploy-ray-recipe")
 TIMEOUT_S = 120
 
 

@@ -198,6 +198,40 @@ class Router(_Child):
         return f"http://127.0.0.1:{self.port}"
 
 
+class Smg(_Child):
+    """``smg launch --pd-disaggregation --backend vllm`` (SMG 1.13, the PyPI
+    wheel) with no workers; ``add_worker`` registers one the documented way
+    (``POST /workers``, with the ``kv_connector`` label)."""
+
+    def __init__(self, name: str, log_dir: Path) -> None:
+        self.name, self.port = name, free_port()
+        self.log_path = Path(log_dir) / f"{name}.log"
+        command = Path(sys.executable).parent / "smg"
+        if not command.exists():
+            raise FileNotFoundError(f"{command} not found: install it with scripts/install-vllm.sh")
+        self._spawn([str(command), "launch", "--pd-disaggregation", "--backend", "vllm",
+                     "--host", "127.0.0.1", "--port", str(self.port),
+                     "--prometheus-port", str(free_port()), "--policy", "round_robin"], os.environ)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def add_worker(self, url: str, worker_type: str, kv_connector: str, timeout_s: float = 120.0) -> None:
+        """Register an HTTP vLLM worker and wait until SMG reports it healthy."""
+        body = {"url": url, "worker_type": worker_type, "runtime_type": "vllm", "kv_connector": kv_connector}
+        request = urllib.request.Request(f"{self.url}/workers", data=json.dumps(body).encode(),
+                                         headers={"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as r:
+            assert r.status in (200, 201, 202), r.status
+
+        def ready() -> bool:
+            return any(w["url"] == url and w.get("is_healthy") and w.get("kv_connector") == kv_connector
+                       for w in get_json(f"{self.url}/workers").get("workers", []))
+
+        wait_for(f"{self.name}: worker {url} healthy", ready, timeout_s, poll_s=0.25)
+
+
 def get_json(url: str, timeout_s: float = 10.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout_s) as r:
         return json.loads(r.read().decode())

@@ -42,6 +42,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -54,6 +55,7 @@ if str(HERE) not in sys.path:
 from serve_proc import (  # noqa: E402
     ApiServer,
     Router,
+    Smg,
     complete,
     metric,
     wait_for,
@@ -120,7 +122,7 @@ def expected(plain: ApiServer, ref: dict[tuple[str, int], str], prompt: str,
     return ref[key]
 
 
-def check_equal(router: Router, plain: ApiServer, ref: dict[tuple[str, int], str],
+def check_equal(router: Router | Smg, plain: ApiServer, ref: dict[tuple[str, int], str],
                 prompts: Sequence[str], *, stream: bool = False, in_flight: int = 1) -> int:
     """Send ``prompts`` through ``router`` (``in_flight`` at a time) and
     assert each completion equals plain. Returns the number sent."""
@@ -138,14 +140,31 @@ def loads(decode: ApiServer, outcome: str) -> float:
     return metric(decode.url, "rdma_kv_loads_total", outcome=outcome)
 
 
-def test_router_1p1d_and_2p1d_equal_plain(model_dir: str, log_dir: Path, plain_server: ApiServer,
-                                          reference: dict[tuple[str, int], str]) -> None:
-    p0 = ApiServer("eq-prefill0", model_dir, log_dir, kv_transfer_config=rdma_config("kv_producer"))
-    p1 = ApiServer("eq-prefill1", model_dir, log_dir, kv_transfer_config=rdma_config("kv_producer"))
-    d = ApiServer("eq-decode", model_dir, log_dir, kv_transfer_config=rdma_config("kv_consumer"))
+@pytest.fixture(scope="class")
+def pd_servers(model_dir: str, log_dir: Path, plain_server: ApiServer
+               ) -> Iterator[tuple[ApiServer, ApiServer, ApiServer]]:
+    """Two prefills and a decode, shared by the default-tier tests."""
+    servers = (ApiServer("prefill0", model_dir, log_dir, kv_transfer_config=rdma_config("kv_producer")),
+               ApiServer("prefill1", model_dir, log_dir, kv_transfer_config=rdma_config("kv_producer")),
+               ApiServer("decode", model_dir, log_dir, kv_transfer_config=rdma_config("kv_consumer")))
     try:
-        start_all(plain_server, p0, p1, d)
+        start_all(plain_server, *servers)
+        yield servers
+    finally:
+        for s in servers:
+            s.close()
+
+
+class TestOnline:
+    """Default tier: one set of engines, three routers' ways of using them."""
+
+    def test_vllm_router_1p1d_and_2p1d_equal_plain(
+            self, log_dir: Path, plain_server: ApiServer, reference: dict[tuple[str, int], str],
+            pd_servers: tuple[ApiServer, ApiServer, ApiServer]) -> None:
+        p0, p1, d = pd_servers
         many = [ROUTER_PROMPTS[i % len(ROUTER_PROMPTS)] for i in range(16)]
+        ok_before = loads(d, "ok")
+        total = 0
         for shape, prefills in (("1p1d", [p0]), ("2p1d", [p0, p1])):
             served = [metric(p.url, "vllm:request_success_total") for p in prefills]
             with Router(f"router-{shape}", log_dir, prefill=[p.url for p in prefills],
@@ -158,13 +177,57 @@ def test_router_1p1d_and_2p1d_equal_plain(model_dir: str, log_dir: Path, plain_s
             assert all(a > b for a, b in zip(after, served)), f"{shape}: a prefill served nothing: " \
                                                               f"{served} -> {after}"
             assert sum(after) - sum(served) == sent, (shape, served, after, sent)
+            total += sent
         # Every decode request read its prompt's KV: none was recomputed.
-        assert loads(d, "ok") == 2 * (2 * len(ROUTER_PROMPTS) + len(many)), d.log()[-3000:]
+        assert loads(d, "ok") - ok_before == total, d.log()[-3000:]
         assert loads(d, "failed") == 0
         assert "KV load failed" not in d.log()
-    finally:
-        for s in (p0, p1, d):
-            s.close()
+
+    def test_smg_routes_workers_labelled_nixl(
+            self, log_dir: Path, plain_server: ApiServer, reference: dict[tuple[str, int], str],
+            pd_servers: tuple[ApiServer, ApiServer, ApiServer]) -> None:
+        """SMG picks the protocol from the prefill worker's kv_connector label:
+        NixlConnector makes it tag the prefill leg and relay the params (every
+        decode request loads its KV); RdmaKVConnector is an unknown name to
+        it, so it runs passthrough (nothing loaded, the decode recomputes)."""
+        p0, _, d = pd_servers
+        for label, loaded in (("NixlConnector", True), ("RdmaKVConnector", False)):
+            ok_before, failed_before = loads(d, "ok"), loads(d, "failed")
+            with Smg(f"smg-{label}", log_dir) as smg:
+                smg.wait_healthy(120)
+                smg.add_worker(p0.url, "prefill", label)
+                smg.add_worker(d.url, "decode", label)
+                sent = check_equal(smg, plain_server, reference, ROUTER_PROMPTS)
+                sent += check_equal(smg, plain_server, reference, ROUTER_PROMPTS, stream=True)
+            assert loads(d, "ok") - ok_before == (sent if loaded else 0), (label, smg.log()[-3000:])
+            assert loads(d, "failed") == failed_before
+
+    def test_production_stack_remote_host_rewrite(
+            self, plain_server: ApiServer, reference: dict[tuple[str, int], str],
+            pd_servers: tuple[ApiServer, ApiServer, ApiServer]) -> None:
+        """production-stack overwrites ``remote_host`` with the host of the
+        prefill's URL. Same machine as the side channel: the KV loads. Another
+        address: a load error naming it, at once, and a recomputed, equal
+        completion."""
+        p0, _, d = pd_servers
+        prompt = ROUTER_PROMPTS[2]
+        want = expected(plain_server, reference, prompt)
+        for url, loaded in ((p0.url, True), (f"http://127.0.0.2:{p0.port}", False)):
+            params = production_stack_rewrite(prefill_params(p0, prompt), prefill_url=url)
+            ok, failed = loads(d, "ok"), loads(d, "failed")
+            out = complete(d.url, prompt, kv_transfer_params=params)
+            assert out["status"] == 200 and out["text"] == want, out
+            assert (loads(d, "ok") - ok, loads(d, "failed") - failed) == ((1, 0) if loaded else (0, 1))
+            if not loaded:
+                reason = last_load_failure(d)
+                assert f"127.0.0.2:{params['remote_port']}" in reason and "refused" in reason, reason
+
+
+def production_stack_rewrite(params: dict[str, Any], *, prefill_url: str) -> dict[str, Any]:
+    """What production-stack's disaggregated-prefill router does to the
+    prefill's params before the decode leg: ``remote_host`` becomes the host
+    name of the prefill endpoint's URL."""
+    return {**params, "remote_host": urlsplit(prefill_url).hostname}
 
 
 @pytest.mark.slow
