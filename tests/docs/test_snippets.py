@@ -2,7 +2,8 @@
 fragment (``snippets.py`` says how blocks are marked), and the runnable
 ones run here: the README's transport example and the ``rdma-kv info``
 examples. The vLLM guide's offline example runs in tests/vllm
-(``test_vllm_docs.py``), inside vLLM."""
+(``test_vllm_docs.py``), inside vLLM; the deploy guide's Dynamo config in
+``test_vllm_frameworks.py`` and its Ray Serve recipe in ``test_vllm_ray.py``."""
 
 from __future__ import annotations
 
