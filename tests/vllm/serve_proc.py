@@ -211,7 +211,8 @@ class Smg(_Child):
             raise FileNotFoundError(f"{command} not found: install it with scripts/install-vllm.sh")
         self._spawn([str(command), "launch", "--pd-disaggregation", "--backend", "vllm",
                      "--host", "127.0.0.1", "--port", str(self.port),
-                     "--prometheus-port", str(free_port()), "--policy", "round_robin"], os.environ)
+                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                     "--policy", "round_robin"], os.environ)
 
     @property
     def url(self) -> str:
