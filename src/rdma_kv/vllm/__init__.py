@@ -14,8 +14,10 @@ code on a host without vLLM. vLLM loads the connector with
 imports ``connector``: vLLM's KV-connector base classes and rdma-kv's
 engine-neutral types; UCX, threads and sockets appear only when vLLM
 creates a connector instance in an engine. Modules: ``connector`` (the
-adapter class), ``translate``, ``stats`` (``RdmaKVConnectorStats``). See
-``docs/vllm.md``.
+adapter class), ``compat`` (``NixlConnector``: the same class under the
+name Dynamo and SMG's gRPC servicer select NIXL's request protocol by),
+``translate``, ``stats`` (``RdmaKVConnectorStats``). See ``docs/vllm.md``
+and docs/deploy.md, "Routers".
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ _LAZY = {
     "RdmaKVConnectorMetadata": "rdma_kv.vllm.connector",
     "RdmaKVHandshakeMetadata": "rdma_kv.vllm.connector",
     "RdmaKVConnectorStats": "rdma_kv.vllm.stats",
+    "NixlConnector": "rdma_kv.vllm.compat",
 }
 
 __all__ = [
+    "NixlConnector",
     "RdmaKVConnector",
     "RdmaKVConnectorMetadata",
     "RdmaKVConnectorStats",

