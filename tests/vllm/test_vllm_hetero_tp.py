@@ -36,7 +36,7 @@ if str(HERE) not in sys.path:
 
 from engine_proc import EngineProcess  # noqa: E402
 from netutil import free_base_port  # noqa: E402
-from test_vllm_rdma_pd import MAX_TOKENS, PD_PROMPTS, WRONG_BLOCK_OFFSET, prefill, tokens  # noqa: E402
+from test_vllm_rdma_pd import CONTROL_PROMPTS, MAX_TOKENS, PD_PROMPTS, prefill, tokens  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
@@ -92,10 +92,9 @@ def test_prefill_tp2_decode_tp1(engines) -> None:
     assert {p["tp_size"] for p in params} == {2}
     assert tokens(engines["tp1"].generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)) \
         == engines["plain"]
-    # Control: the same decode pointed at other (live) blocks of the TP=2 producer.
-    wrong = [{**p, "remote_block_ids": [b + WRONG_BLOCK_OFFSET for b in p["remote_block_ids"]]}
-             for p in prefill(engines["tp2"])]
-    control = tokens(engines["tp1"].generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=wrong))
+    # Control: the same decode given the TP=2 producer's params of other prompts of the same lengths.
+    control = tokens(engines["tp1"].generate(PD_PROMPTS, max_tokens=MAX_TOKENS,
+                                             kv_transfer_params=prefill(engines["tp2"], CONTROL_PROMPTS)))
     assert all(c != p for c, p in zip(control, engines["plain"])), "the TP=1 decode did not use the KV read"
     assert "KV load failed" not in engines["tp1"].log()
 

@@ -7,9 +7,13 @@ compared with a plain run of the same prompts (all submitted together):
 
 - ``test_pd_tokens_match_and_control``: identical for prompts of 7, 37,
   51, 64 and 71 tokens (shorter than a block, partial last blocks, exactly
-  two blocks); then the control: the same decode pointed at the wrong
-  remote blocks of a second, live prefill changes every output, so the KV
-  really came over the wire (a decode that recomputed would still match).
+  two blocks); then the control: the same decode given the (genuine)
+  params of other prompts of the same lengths changes every output, so the
+  KV really came over the wire (a decode that recomputed would still
+  match); and params edited to name other blocks of a live prefill are
+  refused by the producer (the lease does not cover them): every request
+  ends in an error under ``kv_load_failure_policy=fail``, nothing is read
+  into an answer.
 - ``test_producer_killed_recompute_and_fail``: the producer is SIGKILLed
   after the prefill, before any read. ``kv_load_failure_policy=recompute``:
   output still identical; ``fail``: every request ends with an error, and
@@ -52,6 +56,11 @@ PD_PROMPTS = (
     " ".join(["one two three four five six seven eight nine ten"] * 5),
     " ".join(["red green blue yellow black white orange purple"] * 8).rsplit(" ", 1)[0],
 )
+# The same token counts (one token per word), other content: each prompt's
+# length in the words of another prompt.
+CONTROL_PROMPTS = tuple(
+    " ".join((PD_PROMPTS[(i + 2) % len(PD_PROMPTS)].split(" ") * 64)[:len(p.split(" "))])
+    for i, p in enumerate(PD_PROMPTS))
 MAX_TOKENS = 8
 WRONG_BLOCK_OFFSET = 200  # well inside the 512-block cache, far from any prompt's blocks
 
@@ -88,10 +97,10 @@ def plain(model_dir: str, log_dir: Path) -> list[list[int]]:
     return [o["token_ids"] for o in outputs]
 
 
-def prefill(engine: EngineProcess) -> list[dict[str, Any]]:
+def prefill(engine: EngineProcess, prompts: tuple[str, ...] = PD_PROMPTS) -> list[dict[str, Any]]:
     """Run the prompts as prefill requests; the params a router would forward."""
-    outputs = engine.generate(PD_PROMPTS, max_tokens=1,
-                              kv_transfer_params=[{"do_remote_decode": True}] * len(PD_PROMPTS)
+    outputs = engine.generate(prompts, max_tokens=1,
+                              kv_transfer_params=[{"do_remote_decode": True}] * len(prompts)
                               )["outputs"]
     params = [o["kv_transfer_params"] for o in outputs]
     for o, p in zip(outputs, params):
@@ -118,20 +127,31 @@ def run_match_and_control(plain: list[list[int]], model_dir: str, log_dir: Path,
             # with multiprocessing on takes about that long here.
             consumer.start(rdma_config("kv_consumer"))
             good = prefill(producer)
-            spare = prefill(producer)  # a second set of live leases, for the control
+            spare = prefill(producer, CONTROL_PROMPTS)  # genuine params of other prompts, for the control
             # The params go verbatim, as a router forwards them (including the
             # remote_prefill_cached_tokens vLLM adds to them).
             assert tokens(consumer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS,
                                             kv_transfer_params=good)) == plain
             if multiprocessing:
                 return
-            wrong = [{**p, "remote_block_ids": [b + WRONG_BLOCK_OFFSET for b in p["remote_block_ids"]]}
-                     for p in spare]
             control = tokens(consumer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS,
-                                               kv_transfer_params=wrong))
+                                               kv_transfer_params=spare))
             differ = [c != p for c, p in zip(control, plain)]
-            assert all(differ), f"reading the wrong remote blocks left outputs unchanged: {differ}"
+            assert all(differ), f"reading other prompts' KV left outputs unchanged: {differ}"
             assert "KV load failed" not in consumer.log()
+            # Params edited to name other blocks (of live leases) are refused, never read into an answer.
+            wrong = [{**p, "remote_block_ids": [b + WRONG_BLOCK_OFFSET for b in p["remote_block_ids"]]}
+                     for p in prefill(producer)]
+            reply = consumer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=wrong)
+            reasons = [o["finish_reason"] for o in reply["outputs"]]
+            assert reasons == ["error"] * len(PD_PROMPTS), reasons
+            # FORGED once the grants reached the producer's worker; UNKNOWN before
+            # (vLLM ships the last prefills' grants with its next step).
+            log = consumer.log()
+            assert "its token is genuine but the kv_transfer_params name other blocks" in log \
+                or "never granted lease" in log, log[-2000:]
+            log = producer.log()
+            assert "altered to name blocks the lease does not cover" in log or "token does not verify" in log
     finally:
         producer.close()
 

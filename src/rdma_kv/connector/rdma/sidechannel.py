@@ -217,7 +217,7 @@ class SideChannelServer:
         self._closed = threading.Event()
         self.stats = {"connections": 0, "refused_connections": 0, "bad_frames": 0, "requests": 0,
                       "authenticated": 0, "auth_failures": 0, "trusted": 0, "untrusted_again": 0,
-                      "closed_at_deadline": 0, "closed_idle": 0, "closed_slow": 0, "forged": 0,
+                      "closed_at_deadline": 0, "closed_idle": 0, "closed_slow": 0, "forged": 0, "unknown": 0,
                       **{f"refused_{reason}": 0 for reason in Admission.REASONS},
                       **{f"evicted_{reason}": 0 for reason in Admission.EVICTIONS}}
         self._thread = threading.Thread(target=self._loop, name=f"{name}-loop", daemon=True)
@@ -423,12 +423,19 @@ class SideChannelServer:
     def _on_lease_reply(self, conn: _Conn, request: wire.Renew | wire.Confirm | wire.Release,
                         reply: wire.LeaseReply) -> None:
         forged = sum(status is wire.LeaseStatus.FORGED for status in reply.statuses)
+        unknown = sum(status is wire.LeaseStatus.UNKNOWN for status in reply.statuses)
         if forged:
             self.stats["forged"] += forged
             self._events.event("forged", conn.source, "side channel %s: %s presented %d lease(s) with "
                                "kv_transfer_params altered to name blocks the lease does not cover "
                                "(answered FORGED; nothing was read under them that will be used)",
                                self._name, conn.addr, forged)
+        if unknown:
+            self.stats["unknown"] += unknown
+            self._events.event("unknown", conn.source, "side channel %s: %s presented %d lease(s) whose "
+                               "token does not verify: kv_transfer_params altered (other blocks, or a "
+                               "lease not yet shipped to this worker), or another producer's (answered "
+                               "UNKNOWN; nothing recorded)", self._name, conn.addr, unknown)
         if self._secret is not None:
             return
         # Without a secret, trust is earned by proof only: a lease this
