@@ -8,7 +8,7 @@ decode engine whose reads are held (``gate_reads``), so its six loads of
 held. Then a 20-block (320-token) prefill is added to the producer, and the
 time until it finishes is measured, capped at ``--cap`` seconds (without a
 policy it waits for the leases, i.e. for as long as the decode renews).
-The reference is the same prefill with no lease held. Per repetition the
+The reference is the same prefill afterwards, with no lease held. Per repetition the
 engines are fresh. Reported: the median and max wait with leases held and
 without, and how many of the held loads ended as load errors (reclaimed)
 or verified once the reads are let through.
@@ -55,8 +55,6 @@ def one(rep: int, cap_s: float) -> dict:
     with EngineProcess(f"lp-prefill{rep}", config("kv_producer", f"LP{rep}", lease_ttl_s=2.0), SMALL) as p, \
             EngineProcess(f"lp-decode{rep}", config("kv_consumer", f"LD{rep}"), SHAPE,
                           faults={"gate_reads": True}) as d:
-        free = prefill(p, "alone", rng.integers(1, 999, 20 * 16).tolist(), cap_s)
-        p.call("expire_leases")  # nobody reads it
         held = {f"h{i}": rng.integers(1, 999, 10 * 16).tolist() for i in range(6)}
         params = {}
         for rid, prompt in held.items():
@@ -71,6 +69,9 @@ def one(rep: int, cap_s: float) -> dict:
         outcomes = {"verified": 0, "load_error": 0}
         for r in d.wait_results(list(held), timeout_s=120).values():
             outcomes["load_error" if r["load_failed"] else "verified"] += 1
+        p.call("expire_leases")  # the new prefill's own lease: nobody reads it
+        p.wait_status(lambda s: s["leases"] == 0 and s["held"] == 0, timeout_s=60)
+        free = prefill(p, "alone", rng.integers(1, 999, 20 * 16).tolist(), cap_s)  # the reference
     row = {"rep": rep, "alone_s": free, "with_leases_s": waited, **outcomes}
     print(json.dumps(row), flush=True)
     return row

@@ -13,7 +13,8 @@ completions until ``open_gate()`` (so a test can act "while the reads are in
 flight" deterministically); ``idle_until_request`` does not step the
 engine before its first request, as vLLM does not (its workers know no
 lease epoch until then); the ``expire_leases`` command ends every lease
-now and ``scribble_free`` overwrites every free block (memory reuse).
+now (after one step, which ships the grants of the prefills that just
+finished) and ``scribble_free`` overwrites every free block (memory reuse).
 
 Imports the standard library, torch (in the child) and ``rdma_kv.harness.engine``.
 """
@@ -133,6 +134,7 @@ def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dic
                     gate.set(msg[1])
                     conn.send(("reply", True))
                 elif op == "expire_leases":
+                    engine.step()  # ships the grants of prefills that finished in the last step
                     leases = engine.worker.worker.leases
                     conn.send(("reply", len(leases.expire(now=float("inf")))))
                 elif op == "leases":

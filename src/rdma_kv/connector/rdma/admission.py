@@ -64,7 +64,8 @@ class ConnectionLimits:
     max_connections: int = dataclasses.field(default_factory=default_max_connections)
     """Open connections in all, trusted or not (default: from the process's
     file-descriptor limit, :func:`default_max_connections`). Each costs a
-    file descriptor and about 1.5 KiB of memory idle (docs/reliability.md)."""
+    file descriptor and about 2.4 KiB of memory idle (docs/benchmarks.md,
+    "Control plane at cluster scale")."""
     max_per_source: int = 64
     """Open connections from one peer IP address, trusted or not (a decode
     host opens one per worker and engine)."""

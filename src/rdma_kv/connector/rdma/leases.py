@@ -458,7 +458,8 @@ class LeaseTable:
                 if lease.expires_at > now:  # renewed since this entry was pushed
                     heapq.heappush(self._heap, (lease.expires_at, generation))
                     continue
-                self._end(generation, Ending.LIFETIME if now >= lease.ends_at else Ending.EXPIRED)
+                # Its last renewal was cut short by the lifetime bound: that, not the TTL, ended it.
+                self._end(generation, Ending.LIFETIME if lease.expires_at >= lease.ends_at else Ending.EXPIRED)
                 expired.append(lease.ref.request_id)
         return expired
 
