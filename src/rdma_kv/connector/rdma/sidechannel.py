@@ -36,7 +36,7 @@ altered lease params (FORGED) are logged a few lines per window plus one
 summary line (``lograte.EventSummary``), never one line per connection.
 
 Imports the standard library, msgspec, ``rdma_kv.errors``, ``rdma.admission``,
-``rdma.auth``, ``rdma.lograte`` and ``rdma.wire``.
+``rdma.auth``, ``rdma.lograte``, ``rdma.sidetrust`` and ``rdma.wire``.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ import msgspec
 from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.admission import Admission, ConnectionLimits
 from rdma_kv.connector.rdma.lograte import EventSummary
+from rdma_kv.connector.rdma.sidetrust import LeaseTrust
 from rdma_kv.errors import ConfigError, MetadataError
 
 __all__ = ["ConnectionLimits", "Handler", "SideChannelServer", "bind_advice"]
@@ -70,10 +71,6 @@ the lease table: trust ends within this long of the lease."""
 ACCEPTS_PER_TURN = 64
 """Connections accepted per loop turn before the loop serves the open ones
 again: a connect flood cannot starve consumers already connected."""
-LEASE_VOUCHES = 32
-"""Connections one lease can make trusted (no secret): a consumer engine's
-ranks that read this producer rank under it, with room to spare. A holder
-of one params set gets no more than this many trusted connections."""
 RECV_BYTES = 65536
 _HEADER = struct.Struct(">I")
 
@@ -101,7 +98,7 @@ class _Phase:
 class _Conn:
     """One accepted connection: its socket, buffers, phase, trust and deadlines."""
 
-    __slots__ = ("sock", "fd", "addr", "source", "phase", "trusted", "by_lease", "proofs", "voucher", "inbuf",
+    __slots__ = ("sock", "fd", "addr", "source", "phase", "trusted", "inbuf",
                  "outbuf", "closing", "accepted_at", "last_active", "opening_deadline", "frame_started",
                  "write_started", "due", "requests", "nonce", "hello", "closed", "mask")
 
@@ -109,9 +106,6 @@ class _Conn:
         self.sock, self.fd, self.addr, self.source = sock, sock.fileno(), addr, str(addr[0])
         self.phase = _Phase.HELLO
         self.trusted = False
-        self.by_lease = False  # trusted through a lease (no secret), not AUTH
-        self.proofs: set[tuple[int, int]] = set()
-        self.voucher: tuple[int, int] | None = None  # the lease its trust counts against
         self.inbuf = bytearray()
         self.outbuf = bytearray()
         self.closing = False  # close once the output drained
@@ -211,8 +205,7 @@ class SideChannelServer:
         self._conns: dict[int, _Conn] = {}
         self._deadlines: list[tuple[float, int, _Conn]] = []
         self._seq = itertools.count()
-        self._by_lease: set[_Conn] = set()
-        self._vouches: dict[tuple[int, int], int] = {}  # lease -> connections it made trusted
+        self._lease_trust: LeaseTrust[_Conn] = LeaseTrust(handler.holds)
         self._next_trust_check = 0.0
         self._closed = threading.Event()
         self.stats = {"connections": 0, "refused_connections": 0, "bad_frames": 0, "requests": 0,
@@ -401,7 +394,7 @@ class SideChannelServer:
             reason = "wrong proof (the peer's secret differs)"
         else:
             self.stats["authenticated"] += 1
-            self._trust(conn, by_lease=False)
+            self._trust(conn)
             conn.phase = _Phase.READY
             proof = auth.server_proof(self._secret, hello.nonce, conn.nonce, wire.PROTOCOL_VERSION, hello.role)
             self._send(conn, wire.AuthOk(proof))
@@ -442,30 +435,8 @@ class SideChannelServer:
         # producer granted and still holds (never PENDING), and only while it lives.
         held = {(lease.epoch, lease.generation) for lease, status in zip(request.leases, reply.statuses)
                 if status is wire.LeaseStatus.HELD}
-        if not held:
-            return
-        conn.proofs |= held
-        if len(conn.proofs) > wire.MAX_LEASES_PER_MESSAGE:  # bounded: keep the ones just proven
-            conn.proofs = held
-        if not conn.trusted and self._vouch(conn):
-            self._trust(conn, by_lease=True)
-
-    def _vouch(self, conn: _Conn) -> bool:
-        """Count ``conn`` against a live lease it proved that has vouches left."""
-        for lease in conn.proofs:
-            if self._vouches.get(lease, 0) < LEASE_VOUCHES and self._handler.holds((lease,)):
-                self._unvouch(conn)
-                conn.voucher = lease
-                self._vouches[lease] = self._vouches.get(lease, 0) + 1
-                return True
-        return False
-
-    def _unvouch(self, conn: _Conn) -> None:
-        lease, conn.voucher = conn.voucher, None
-        if lease is not None:
-            self._vouches[lease] -= 1
-            if not self._vouches[lease]:
-                del self._vouches[lease]
+        if held and self._lease_trust.prove(conn, held) and not conn.trusted:
+            self._trust(conn)
 
     def _dispatch(self, request: wire.Request) -> wire.Reply:
         if request.version != wire.PROTOCOL_VERSION:
@@ -486,26 +457,15 @@ class SideChannelServer:
 
     # --- trust -----------------------------------------------------------------------------------
 
-    def _trust(self, conn: _Conn, by_lease: bool) -> None:
-        conn.by_lease = by_lease
+    def _trust(self, conn: _Conn) -> None:
         self._admission.trust(conn)
         self.stats["trusted"] += 1
-        if by_lease:
-            self._by_lease.add(conn)
         self._reschedule(conn)
 
     def _check_lease_trust(self, now: float) -> None:
         """A connection trusted by a lease is untrusted again once no lease it
         proved lives; it then has a new opening deadline to prove another."""
-        for conn in [c for c in self._by_lease
-                     if c.voucher is None or not self._handler.holds((c.voucher,))]:
-            if conn.voucher is not None:
-                conn.proofs.discard(conn.voucher)
-            if self._vouch(conn):
-                continue  # another lease it proved still lives
-            self._unvouch(conn)
-            self._by_lease.discard(conn)
-            conn.by_lease, conn.proofs = False, set()
+        for conn in self._lease_trust.lapsed():
             self._admission.untrust(conn)
             self.stats["untrusted_again"] += 1
             conn.opening_deadline = now + self.limits.opening_deadline_s
@@ -594,8 +554,7 @@ class SideChannelServer:
             return
         conn.closed = True
         self._admission.leave(conn)
-        self._by_lease.discard(conn)
-        self._unvouch(conn)
+        self._lease_trust.forget(conn)
         self._conns.pop(conn.fd, None)
         try:
             self._selector.unregister(conn.sock)
