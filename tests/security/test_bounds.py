@@ -39,7 +39,10 @@ def listening_address(port):
 
 
 class Nobody:
-    pass
+    """A handler that is never asked anything: the test only looks at the listening socket."""
+
+    def holds(self, leases):
+        return False
 
 
 def test_server_listens_on_the_configured_interface_only():
