@@ -48,6 +48,7 @@ older tree: ``PYTHONPATH=<old>/src .venv/bin/python bench/sidechannel_flood.py``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import json
 import logging
@@ -113,7 +114,7 @@ def serve(conn, with_secret: bool, max_connections: int) -> None:
     with SideChannelServer(CannedHandler(), CONSUMER, 0, secret=secret, limits=limits) as server:
         conn.send(server.port)
         conn.recv()  # stop
-        stats = dict(server.stats)
+        stats = dataclasses.asdict(server.stats)
     conn.send({"warning_lines": counter.lines, "warning_bytes": counter.nbytes, "server_stats": stats})
 
 

@@ -32,7 +32,7 @@ class Events:
     def __getitem__(self, name):
         stats = self.worker.stats()
         if stats is not None:
-            self.counts.update(stats.totals.events)
+            self.counts.update(stats.totals.events())
             self.records.extend(stats.requests)
         return self.counts[name]
 

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import threading
@@ -93,7 +94,7 @@ from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress, RemoteLease
 from rdma_kv.connector.rdma.planning import SlotTable, block_arrays, count_runs
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sideclient import SideChannelClient
-from rdma_kv.connector.rdma.stats import LoadRecord, LoadStats, Totals
+from rdma_kv.connector.rdma.stats import ConsumerCounters, LoadRecord, LoadStats, Tally, Totals
 from rdma_kv.connector.rdma.sources import Sources, Targeted
 from rdma_kv.connector.rdma.transport_api import TransferHandle, Transport
 from rdma_kv.connector.types import BlockId, EngineId, RequestId
@@ -137,6 +138,7 @@ class RdmaConsumer:
         self._confirm_scheduled: set[PeerKey] = set()
         self._confirm_retry: list[tuple[PeerState, LoadState, Source]] = []
         self._stats = LoadStats()
+        self._counters = Tally(ConsumerCounters)
         self._closed = False
 
     def attach(self, transport: Transport, geometry: KVCacheGeometry, slots: SlotTable, local_prep: Any,
@@ -236,7 +238,7 @@ class RdmaConsumer:
                     self._connect(address, rank)
                 except RuntimeError:  # the executor is shut down: closing
                     return
-                self._stats.counters["preconnects"] += 1
+                self._counters.add("preconnects")
 
     def _peer_key(self, address: PeerAddress, rank: int) -> PeerKey:
         return (address.engine_id, *address.rank_address(rank))
@@ -316,7 +318,7 @@ class RdmaConsumer:
             peer.registration = reply.registration
             peer.handshake_s = time.perf_counter() - t0
             waiting, peer.waiting = peer.waiting, []
-            self._stats.counters["handshakes"] += 1
+            self._counters.add("handshakes")
             post = []
             for load, src in waiting:
                 load.measures = load.measures.at_least(handshake_s=peer.handshake_s)
@@ -524,7 +526,7 @@ class RdmaConsumer:
             load.error = load.error or reason
             return
         load.stage, load.error = FAILED, load.error or reason
-        self._stats.counters["loads_failed"] += 1
+        self._counters.add("loads_failed")
         self._failure_warnings.warn(load.spec.peer.engine_id, "request %r: KV load failed: %s",
                                     load.spec.request_id, load.error)
         self._release_sources(load)
@@ -538,7 +540,7 @@ class RdmaConsumer:
             self._release_sources(load)
         load.stage = DONE
         self._hand_back(load.spec.request_id)
-        self._stats.counters["loads_aborted"] += 1
+        self._counters.add("loads_aborted")
 
     def _hand_back(self, rid: RequestId) -> None:
         """An aborted request's blocks go back to the scheduler at the next
@@ -611,7 +613,7 @@ class RdmaConsumer:
         refused = call_lease_rpc(self._client(address, rank), kind, address, leases)
         if refused is None:
             return
-        self._stats.counters[f"{kind.__name__.lower()}_rpcs"] += 1
+        self._counters.add("renew_rpcs" if kind is wire.Renew else "release_rpcs")
         if refused and kind is wire.Renew:
             # A load not yet reading gives up now; one whose reads are in
             # flight learns the same from its CONFIRM, once no read can land.
@@ -634,7 +636,8 @@ class RdmaConsumer:
     def take_stats(self) -> tuple[tuple[LoadRecord, ...], Totals]:
         """Per-load records, and their totals with the event counters, since the last call."""
         with self._lock:
-            return self._stats.take()
+            records, totals = self._stats.take()
+            return records, dataclasses.replace(totals, consumer=self._counters.take())
 
     def resources(self) -> dict[str, int]:
         with self._lock:

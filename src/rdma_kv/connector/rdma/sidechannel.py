@@ -36,11 +36,12 @@ altered lease params (FORGED) are logged a few lines per window plus one
 summary line (``lograte.EventSummary``), never one line per connection.
 
 Imports the standard library, msgspec, ``rdma_kv.errors``, ``rdma.admission``,
-``rdma.auth``, ``rdma.lograte`` and ``rdma.wire``.
+``rdma.auth``, ``rdma.lograte``, ``rdma.stats`` (its counters) and ``rdma.wire``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import heapq
 import itertools
@@ -58,9 +59,10 @@ import msgspec
 from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.admission import Admission, ConnectionLimits
 from rdma_kv.connector.rdma.lograte import EventSummary
+from rdma_kv.connector.rdma.stats import Counters, Tally
 from rdma_kv.errors import ConfigError, MetadataError
 
-__all__ = ["ConnectionLimits", "Handler", "SideChannelServer", "bind_advice"]
+__all__ = ["ConnectionLimits", "Handler", "SideChannelCounters", "SideChannelServer", "bind_advice"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,43 @@ ranks that read this producer rank under it, with room to spare. A holder
 of one params set gets no more than this many trusted connections."""
 RECV_BYTES = 65536
 _HEADER = struct.Struct(">I")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SideChannelCounters(Counters):
+    """What a side-channel server did with its connections (``SideChannelServer.stats``)."""
+
+    connections: int = 0
+    """Accepted (admitted) connections."""
+    requests: int = 0
+    authenticated: int = 0
+    trusted: int = 0
+    """Connections that became trusted (AUTH, or a lease they proved)."""
+    untrusted_again: int = 0
+    refused_connections: int = 0
+    """Refused at accept (any reason below) or at the opening."""
+    refused_full: int = 0
+    refused_per_source: int = 0
+    evicted_per_source: int = 0
+    evicted_untrusted_per_source: int = 0
+    evicted_untrusted_total: int = 0
+    evicted_full: int = 0
+    closed_at_deadline: int = 0
+    closed_idle: int = 0
+    closed_slow: int = 0
+    auth_failures: int = 0
+    bad_frames: int = 0
+    forged: int = 0
+    """Lease calls answered FORGED."""
+    unknown: int = 0
+    """Lease calls answered UNKNOWN."""
+
+
+REFUSED = {"full": "refused_full", "per_source": "refused_per_source"}
+"""``Admission.REASONS`` -> its counter (a field of :class:`SideChannelCounters`)."""
+EVICTED = {"per_source": "evicted_per_source", "untrusted_per_source": "evicted_untrusted_per_source",
+           "untrusted_total": "evicted_untrusted_total", "full": "evicted_full"}
+"""``Admission.EVICTIONS`` -> its counter."""
 
 
 class Handler(Protocol):
@@ -215,13 +254,14 @@ class SideChannelServer:
         self._vouches: dict[tuple[int, int], int] = {}  # lease -> connections it made trusted
         self._next_trust_check = 0.0
         self._closed = threading.Event()
-        self.stats = {"connections": 0, "refused_connections": 0, "bad_frames": 0, "requests": 0,
-                      "authenticated": 0, "auth_failures": 0, "trusted": 0, "untrusted_again": 0,
-                      "closed_at_deadline": 0, "closed_idle": 0, "closed_slow": 0, "forged": 0, "unknown": 0,
-                      **{f"refused_{reason}": 0 for reason in Admission.REASONS},
-                      **{f"evicted_{reason}": 0 for reason in Admission.EVICTIONS}}
+        self._counts = Tally(SideChannelCounters)  # counted on the loop thread only
         self._thread = threading.Thread(target=self._loop, name=f"{name}-loop", daemon=True)
         self._thread.start()
+
+    @property
+    def stats(self) -> SideChannelCounters:
+        """What the server did with its connections so far."""
+        return self._counts.snapshot()
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -281,14 +321,14 @@ class SideChannelServer:
         victims, refusal = self._admission.plan(source, now)
         if refusal is not None:
             reason, why = refusal
-            self.stats["refused_connections"] += 1
-            self.stats[f"refused_{reason}"] += 1
+            self._counts.add("refused_connections")
+            self._counts.add(REFUSED[reason])
             _abort(sock)
             self._events.event(reason, source, "side channel %s: refused %s: %s", self._name, addr, why)
             return
         for victim, why in victims:
             assert isinstance(victim, _Conn)
-            self.stats[f"evicted_{why}"] += 1
+            self._counts.add(EVICTED[why])
             self._events.event(f"evicted_{why}", victim.source,
                                "side channel %s: evicted %s (%s, idle %.1f s) for a new connection from %s: "
                                "the %s budget was full", self._name, victim.addr,
@@ -305,7 +345,7 @@ class SideChannelServer:
         self._admission.enter(conn)
         self._conns[conn.fd] = conn
         self._selector.register(sock, selectors.EVENT_READ, conn)
-        self.stats["connections"] += 1
+        self._counts.add("connections")
         self._reschedule(conn)
 
     # --- reading and dispatch -------------------------------------------------------------------
@@ -400,7 +440,7 @@ class SideChannelServer:
                                                hello.role), answer.proof):
             reason = "wrong proof (the peer's secret differs)"
         else:
-            self.stats["authenticated"] += 1
+            self._counts.add("authenticated")
             self._trust(conn, by_lease=False)
             conn.phase = _Phase.READY
             proof = auth.server_proof(self._secret, hello.nonce, conn.nonce, wire.PROTOCOL_VERSION, hello.role)
@@ -411,7 +451,7 @@ class SideChannelServer:
 
     def _on_request(self, conn: _Conn, request: wire.Request, now: float) -> None:
         reply = self._dispatch(request)
-        self.stats["requests"] += 1
+        self._counts.add("requests")
         conn.requests += 1
         conn.last_active = now
         if conn.trusted:
@@ -425,13 +465,13 @@ class SideChannelServer:
         forged = sum(status is wire.LeaseStatus.FORGED for status in reply.statuses)
         unknown = sum(status is wire.LeaseStatus.UNKNOWN for status in reply.statuses)
         if forged:
-            self.stats["forged"] += forged
+            self._counts.add("forged", forged)
             self._events.event("forged", conn.source, "side channel %s: %s presented %d lease(s) with "
                                "kv_transfer_params altered to name blocks the lease does not cover "
                                "(answered FORGED; nothing was read under them that will be used)",
                                self._name, conn.addr, forged)
         if unknown:
-            self.stats["unknown"] += unknown
+            self._counts.add("unknown", unknown)
             self._events.event("unknown", conn.source, "side channel %s: %s presented %d lease(s) whose "
                                "token does not verify: kv_transfer_params altered (other blocks, or a "
                                "lease not yet shipped to this worker), or another producer's (answered "
@@ -489,7 +529,7 @@ class SideChannelServer:
     def _trust(self, conn: _Conn, by_lease: bool) -> None:
         conn.by_lease = by_lease
         self._admission.trust(conn)
-        self.stats["trusted"] += 1
+        self._counts.add("trusted")
         if by_lease:
             self._by_lease.add(conn)
         self._reschedule(conn)
@@ -507,7 +547,7 @@ class SideChannelServer:
             self._by_lease.discard(conn)
             conn.by_lease, conn.proofs = False, set()
             self._admission.untrust(conn)
-            self.stats["untrusted_again"] += 1
+            self._counts.add("untrusted_again")
             conn.opening_deadline = now + self.limits.opening_deadline_s
             self._reschedule(conn)
 
@@ -576,7 +616,7 @@ class SideChannelServer:
             heapq.heapify(self._deadlines)
 
     def _count_close(self, conn: _Conn, what: str, why: str | None) -> None:
-        self.stats[what] += 1
+        self._counts.add(what)
         if what == "closed_at_deadline":
             if conn.requests == 0:  # a consumer that handshook and holds no lease yet reconnects when it must
                 how = "authenticated" if self._secret is not None else "holding a lease"
@@ -607,18 +647,18 @@ class SideChannelServer:
             conn.sock.close()
 
     def _auth_failed(self, conn: _Conn, reason: str) -> None:
-        self.stats["auth_failures"] += 1
+        self._counts.add("auth_failures")
         self._events.event("auth_failed", conn.source, "side channel %s: refused %s: authentication failed: %s",
                            self._name, conn.addr, reason)
 
     def _refuse(self, conn: _Conn, reason: str) -> None:
-        self.stats["refused_connections"] += 1
+        self._counts.add("refused_connections")
         self._events.event("protocol", conn.source, "side channel %s: refused %s: %s", self._name, conn.addr,
                            reason)
         self._send(conn, wire.Refused(reason[:8000]), then_close=True)
 
     def _bad(self, conn: _Conn, message: str) -> None:
-        self.stats["bad_frames"] += 1
+        self._counts.add("bad_frames")
         self._events.event("bad_frame", conn.source, "side channel %s: closing %s: %s", self._name, conn.addr,
                            message)
         conn.inbuf.clear()

@@ -38,6 +38,7 @@ transport only through ``transport_api`` (the real ``Agent`` is created by
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -255,8 +256,8 @@ class RdmaWorker:
         if self._consumer is not None:
             records, totals = self._consumer.take_stats()
         if self._producer is not None:
-            totals = totals + Totals(events=self._producer.take_counters())  # leases granted, released...
-        if not records and not totals.events:
+            totals = dataclasses.replace(totals, leases=self._producer.take_counters())  # granted, released...
+        if not records and not totals.events():
             return None
         return WorkerStats(records, totals, len(self.leases), self.resources())
 
