@@ -59,7 +59,7 @@ from rdma_kv.connector import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from rdma_kv.connector.geometry import derive_geometry
 from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.params import parse_kv_transfer_params
-from rdma_kv.connector.rdma.planning import compat_info, rank_info
+from rdma_kv.connector.rdma.compat import compat_info, rank_info
 from rdma_kv.harness.engine import ModelShape
 from rdma_kv.harness.process import EngineProcess
 

@@ -32,7 +32,8 @@ from rdma_kv.connector import (
 from rdma_kv.connector.geometry import derive_geometry
 from rdma_kv.connector.rdma import RdmaConnector
 from rdma_kv.connector.rdma.params import parse_kv_transfer_params
-from rdma_kv.connector.rdma.planning import SlotTable, compat_info, count_runs
+from rdma_kv.connector.rdma.compat import compat_info
+from rdma_kv.connector.rdma.slots import SlotTable, count_runs
 from rdma_kv.connector.rdma.scheduler import blocks_to_read
 from rdma_kv.errors import ConfigError, DescriptorError
 
