@@ -52,7 +52,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -144,7 +144,7 @@ class _Conn:
                  "outbuf", "closing", "accepted_at", "last_active", "opening_deadline", "frame_started",
                  "write_started", "due", "requests", "nonce", "hello", "closed", "mask")
 
-    def __init__(self, sock: socket.socket, addr: tuple, now: float, opening_s: float) -> None:
+    def __init__(self, sock: socket.socket, addr: tuple[Any, ...], now: float, opening_s: float) -> None:
         self.sock, self.fd, self.addr, self.source = sock, sock.fileno(), addr, str(addr[0])
         self.phase = _Phase.HELLO
         self.trusted = False
@@ -315,7 +315,7 @@ class SideChannelServer:
                 return
             self._admit(sock, addr)
 
-    def _admit(self, sock: socket.socket, addr: tuple) -> None:
+    def _admit(self, sock: socket.socket, addr: tuple[Any, ...]) -> None:
         now = time.monotonic()
         source = str(addr[0])
         victims, refusal = self._admission.plan(source, now)

@@ -24,7 +24,7 @@ import re
 import socket
 import struct
 import time
-from typing import Annotated, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
@@ -423,7 +423,7 @@ def _name_lease_field(message: str) -> str:
     return f"{message} (lease {match.group(1)}, field {fields[int(match.group(2))]!r})"
 
 
-def _decode(decoder: msgspec.msgpack.Decoder, body: bytes, what: str) -> object:
+def _decode(decoder: msgspec.msgpack.Decoder[Any], body: bytes, what: str) -> object:
     try:
         return decoder.decode(body)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
