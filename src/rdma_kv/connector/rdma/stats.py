@@ -131,7 +131,6 @@ class LoadRecord(LoadMeasures):
 
 
 _RECORD_KEYS = frozenset(f.name for f in dataclasses.fields(LoadRecord))
-_SUMMED = ("nbytes", "num_descs", "ops_posted", "block_runs", "num_blocks", "nbytes_skipped")
 
 C = TypeVar("C", bound="Counters")
 
@@ -249,7 +248,9 @@ class LeaseCounters(Counters):
 @dataclasses.dataclass(frozen=True, slots=True)
 class Totals:
     """Sums over every load recorded (dropped records included) and the
-    event counters of each owner. ``to_dict`` flattens them into one mapping."""
+    event counters of each owner. ``to_dict`` flattens them into one mapping.
+    A field named as a :class:`LoadMeasures` field sums that measure; the
+    others are ``loads_ok`` and the counters."""
 
     nbytes: int = 0
     num_descs: int = 0
@@ -264,13 +265,8 @@ class Totals:
     leases: LeaseCounters = LeaseCounters()
 
     def add_record(self, record: LoadRecord) -> Totals:
-        return dataclasses.replace(
-            self, nbytes=self.nbytes + (record.nbytes or 0), num_descs=self.num_descs + (record.num_descs or 0),
-            ops_posted=self.ops_posted + (record.ops_posted or 0),
-            block_runs=self.block_runs + (record.block_runs or 0),
-            num_blocks=self.num_blocks + (record.num_blocks or 0), loads_ok=self.loads_ok + record.ok,
-            transfer_s=self.transfer_s + (record.transfer_s or 0.0),
-            nbytes_skipped=self.nbytes_skipped + (record.nbytes_skipped or 0))
+        sums: dict[str, Any] = {name: getattr(self, name) + (getattr(record, name) or 0) for name in _SUMS}
+        return dataclasses.replace(self, loads_ok=self.loads_ok + record.ok, **sums)
 
     def __add__(self, other: Totals) -> Totals:
         return Totals(*(getattr(self, f.name) + getattr(other, f.name) for f in _TOTALS_FIELDS))
@@ -280,22 +276,24 @@ class Totals:
         return {**self.consumer.flat(), **self.leases.flat()}
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {k: getattr(self, k) for k in _SUMMED}
-        out.update(loads_ok=self.loads_ok, transfer_s=self.transfer_s, **self.events())
-        return out
+        return {**{name: getattr(self, name) for name in _NUMBERS}, **self.events()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Totals:
         unknown = set(data) - _TOTAL_KEYS
         if unknown:
             raise ValueError(f"unknown totals key(s) {sorted(unknown)}; valid: {sorted(_TOTAL_KEYS)}")
-        summed = {k: int(data.get(k, 0)) for k in (*_SUMMED, "loads_ok")}
-        return cls(**summed, transfer_s=float(data.get("transfer_s", 0.0)),
-                   consumer=ConsumerCounters.parse(data), leases=LeaseCounters.parse(data))
+        numbers: dict[str, Any] = {name: (float if name in _FLOATS else int)(data.get(name, 0)) for name in _NUMBERS}
+        return cls(**numbers, consumer=ConsumerCounters.parse(data), leases=LeaseCounters.parse(data))
 
 
 _TOTALS_FIELDS = dataclasses.fields(Totals)
-_TOTAL_KEYS = frozenset((*_SUMMED, "loads_ok", "transfer_s")) | ConsumerCounters.names() | LeaseCounters.names()
+_SUMS = tuple(f.name for f in _TOTALS_FIELDS if f.name in _MEASURED)
+"""The measures a record adds to the totals (nbytes, transfer_s...)."""
+_NUMBERS = (*_SUMS, "loads_ok")
+"""The totals that are numbers (the others are counters)."""
+_FLOATS = frozenset(f.name for f in _TOTALS_FIELDS if isinstance(f.default, float))
+_TOTAL_KEYS = frozenset(_NUMBERS) | ConsumerCounters.names() | LeaseCounters.names()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
