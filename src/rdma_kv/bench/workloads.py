@@ -120,12 +120,12 @@ class Workload:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, object]) -> Workload:
+    def from_dict(cls, data: dict[str, Any]) -> Workload:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown workload keys {unknown}; valid keys: {sorted(known)}")
-        return cls(**data)  # type: ignore[arg-type]
+        return cls(**data)
 
 
 @dataclass(frozen=True, eq=False)

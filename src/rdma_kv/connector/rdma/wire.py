@@ -24,7 +24,7 @@ import re
 import socket
 import struct
 import time
-from typing import Annotated, Any, Union
+from typing import Annotated, TypeVar, Union
 
 import msgspec
 
@@ -426,8 +426,11 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error", forbid_unknown_fields
 Reply = Union[Challenge, AuthOk, HandshakeReply, LeaseReply, Refused, ErrorReply]
 
 _encoder = msgspec.msgpack.Encoder()
-request_decoder = msgspec.msgpack.Decoder(Request)
-reply_decoder = msgspec.msgpack.Decoder(Reply)
+request_decoder: msgspec.msgpack.Decoder[Request] = msgspec.msgpack.Decoder(Request)
+reply_decoder: msgspec.msgpack.Decoder[Reply] = msgspec.msgpack.Decoder(Reply)
+
+
+T = TypeVar("T")
 
 
 def encode(message: msgspec.Struct) -> bytes:
@@ -446,7 +449,7 @@ def _name_lease_field(message: str) -> str:
     return f"{message} (lease {match.group(1)}, field {fields[int(match.group(2))]!r})"
 
 
-def _decode(decoder: msgspec.msgpack.Decoder[Any], body: bytes, what: str) -> object:
+def _decode(decoder: msgspec.msgpack.Decoder[T], body: bytes, what: str) -> T:
     try:
         return decoder.decode(body)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
@@ -459,12 +462,12 @@ def _decode(decoder: msgspec.msgpack.Decoder[Any], body: bytes, what: str) -> ob
 
 def decode_request(body: bytes) -> Request:
     """A side-channel request, schema-checked; ``MetadataError`` says what is wrong."""
-    return _decode(request_decoder, body, "side-channel request")  # type: ignore[return-value]
+    return _decode(request_decoder, body, "side-channel request")
 
 
 def decode_reply(body: bytes) -> Reply:
     """A side-channel reply, schema-checked; ``MetadataError`` says what is wrong."""
-    return _decode(reply_decoder, body, "side-channel reply")  # type: ignore[return-value]
+    return _decode(reply_decoder, body, "side-channel reply")
 
 
 # --- framing ---------------------------------------------------------------------------
