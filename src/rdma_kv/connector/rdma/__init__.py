@@ -15,7 +15,8 @@ Modules, by role (each docstring says what it owns and may import):
   RPC threads). Its loggers are all under ``rdma_kv.connector.rdma.consumer``.
 - producer: ``producer`` (the side-channel handler, starting and stopping
   the server, the lease table's owner), ``leases`` (the lease table and its
-  expiry: where a lease expires), ``sidechannel`` (the server) and
+  expiry: where a lease expires), ``sidechannel`` (the server),
+  ``sideconn`` (an accepted connection's record, the server's counters) and
   ``admission`` (its connection limits). The consumer's modules and these
   never import each other (``tests/test_layering.py``).
 - shared records and plumbing: ``params`` (typed kv_transfer_params),

@@ -36,12 +36,12 @@ altered lease params (FORGED) are logged a few lines per window plus one
 summary line (``lograte.EventSummary``), never one line per connection.
 
 Imports the standard library, msgspec, ``rdma_kv.errors``, ``rdma.admission``,
-``rdma.auth``, ``rdma.lograte``, ``rdma.stats`` (its counters) and ``rdma.wire``.
+``rdma.auth``, ``rdma.lograte``, ``rdma.sideconn`` (a connection's record,
+the server's counters), ``rdma.stats`` and ``rdma.wire``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import heapq
 import itertools
@@ -59,7 +59,8 @@ import msgspec
 from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.admission import Admission, ConnectionLimits
 from rdma_kv.connector.rdma.lograte import EventSummary
-from rdma_kv.connector.rdma.stats import Counters, Tally
+from rdma_kv.connector.rdma.sideconn import EVICTED, REFUSED, Accepted, Phase, SideChannelCounters, abort, bind_advice
+from rdma_kv.connector.rdma.stats import Tally
 from rdma_kv.errors import ConfigError, MetadataError
 
 __all__ = ["ConnectionLimits", "Handler", "SideChannelCounters", "SideChannelServer", "bind_advice"]
@@ -80,43 +81,6 @@ RECV_BYTES = 65536
 _HEADER = struct.Struct(">I")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class SideChannelCounters(Counters):
-    """What a side-channel server did with its connections (``SideChannelServer.stats``)."""
-
-    connections: int = 0
-    """Accepted (admitted) connections."""
-    requests: int = 0
-    authenticated: int = 0
-    trusted: int = 0
-    """Connections that became trusted (AUTH, or a lease they proved)."""
-    untrusted_again: int = 0
-    refused_connections: int = 0
-    """Refused at accept (any reason below) or at the opening."""
-    refused_full: int = 0
-    refused_per_source: int = 0
-    evicted_per_source: int = 0
-    evicted_untrusted_per_source: int = 0
-    evicted_untrusted_total: int = 0
-    evicted_full: int = 0
-    closed_at_deadline: int = 0
-    closed_idle: int = 0
-    closed_slow: int = 0
-    auth_failures: int = 0
-    bad_frames: int = 0
-    forged: int = 0
-    """Lease calls answered FORGED."""
-    unknown: int = 0
-    """Lease calls answered UNKNOWN."""
-
-
-REFUSED = {"full": "refused_full", "per_source": "refused_per_source"}
-"""``Admission.REASONS`` -> its counter (a field of :class:`SideChannelCounters`)."""
-EVICTED = {"per_source": "evicted_per_source", "untrusted_per_source": "evicted_untrusted_per_source",
-           "untrusted_total": "evicted_untrusted_total", "full": "evicted_full"}
-"""``Admission.EVICTIONS`` -> its counter."""
-
-
 class Handler(Protocol):
     """What the server dispatches to (the worker implements it)."""
 
@@ -131,61 +95,6 @@ class Handler(Protocol):
     def holds(self, leases: Iterable[tuple[int, int]]) -> bool:
         """Whether any of these (epoch, generation) leases is live."""
         ...
-
-
-class _Phase:
-    HELLO, AUTH, READY = range(3)
-
-
-class _Conn:
-    """One accepted connection: its socket, buffers, phase, trust and deadlines."""
-
-    __slots__ = ("sock", "fd", "addr", "source", "phase", "trusted", "by_lease", "proofs", "voucher", "inbuf",
-                 "outbuf", "closing", "accepted_at", "last_active", "opening_deadline", "frame_started",
-                 "write_started", "due", "requests", "nonce", "hello", "closed", "mask")
-
-    def __init__(self, sock: socket.socket, addr: tuple[Any, ...], now: float, opening_s: float) -> None:
-        self.sock, self.fd, self.addr, self.source = sock, sock.fileno(), addr, str(addr[0])
-        self.phase = _Phase.HELLO
-        self.trusted = False
-        self.by_lease = False  # trusted through a lease (no secret), not AUTH
-        self.proofs: set[tuple[int, int]] = set()
-        self.voucher: tuple[int, int] | None = None  # the lease its trust counts against
-        self.inbuf = bytearray()
-        self.outbuf = bytearray()
-        self.closing = False  # close once the output drained
-        self.accepted_at = self.last_active = now
-        self.opening_deadline = now + opening_s
-        self.frame_started: float | None = None
-        self.write_started: float | None = None
-        self.due = 0.0
-        self.requests = 0
-        self.nonce = b""
-        self.hello: wire.Hello | None = None
-        self.closed = False
-        self.mask = selectors.EVENT_READ
-
-
-def _abort(sock: socket.socket) -> None:
-    """Close with a reset (SO_LINGER 0): a refused, evicted or expired flood
-    connection leaves no TIME_WAIT entry behind on this host."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    except OSError:
-        pass
-    sock.close()
-
-
-def bind_advice(exc: OSError, host: str, port: int) -> str | None:
-    """What to change when the side channel cannot bind ``host:port`` (None:
-    no specific advice). ``rdma-kv info --config`` gives the same words."""
-    if exc.errno == errno.EADDRNOTAVAIL:
-        return (f"side_channel_host {host} is not an address of this host; set "
-                "kv_connector_extra_config['side_channel_host'] to one of its interfaces")
-    if exc.errno == errno.EADDRINUSE:
-        return (f"port {port} on {host} is in use; choose another kv_port or side_channel_port "
-                "(tensor-parallel rank r listens on port + r)")
-    return None
 
 
 class SideChannelServer:
@@ -247,10 +156,10 @@ class SideChannelServer:
         self._wake_r.setblocking(False)
         self._selector.register(self._sock, selectors.EVENT_READ, None)
         self._selector.register(self._wake_r, selectors.EVENT_READ, self._wake_r)
-        self._conns: dict[int, _Conn] = {}
-        self._deadlines: list[tuple[float, int, _Conn]] = []
+        self._conns: dict[int, Accepted] = {}
+        self._deadlines: list[tuple[float, int, Accepted]] = []
         self._seq = itertools.count()
-        self._by_lease: set[_Conn] = set()
+        self._by_lease: set[Accepted] = set()
         self._vouches: dict[tuple[int, int], int] = {}  # lease -> connections it made trusted
         self._next_trust_check = 0.0
         self._closed = threading.Event()
@@ -323,11 +232,11 @@ class SideChannelServer:
             reason, why = refusal
             self._counts.add("refused_connections")
             self._counts.add(REFUSED[reason])
-            _abort(sock)
+            abort(sock)
             self._events.event(reason, source, "side channel %s: refused %s: %s", self._name, addr, why)
             return
         for victim, why in victims:
-            assert isinstance(victim, _Conn)
+            assert isinstance(victim, Accepted)
             self._counts.add(EVICTED[why])
             self._events.event(f"evicted_{why}", victim.source,
                                "side channel %s: evicted %s (%s, idle %.1f s) for a new connection from %s: "
@@ -339,9 +248,9 @@ class SideChannelServer:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:  # reset by the peer already
-            _abort(sock)
+            abort(sock)
             return
-        conn = _Conn(sock, addr, now, self.limits.opening_deadline_s)
+        conn = Accepted(sock, addr, now, self.limits.opening_deadline_s)
         self._admission.enter(conn)
         self._conns[conn.fd] = conn
         self._selector.register(sock, selectors.EVENT_READ, conn)
@@ -350,7 +259,7 @@ class SideChannelServer:
 
     # --- reading and dispatch -------------------------------------------------------------------
 
-    def _on_readable(self, conn: _Conn) -> None:
+    def _on_readable(self, conn: Accepted) -> None:
         try:
             chunk = conn.sock.recv(RECV_BYTES)
         except (BlockingIOError, InterruptedError):
@@ -359,15 +268,15 @@ class SideChannelServer:
             self._close(conn)
             return
         if not chunk:
-            if conn.phase != _Phase.READY and self._secret is not None and conn.requests == 0:
-                self._auth_failed(conn, "closed before HELLO" if conn.phase == _Phase.HELLO
+            if conn.phase != Phase.READY and self._secret is not None and conn.requests == 0:
+                self._auth_failed(conn, "closed before HELLO" if conn.phase == Phase.HELLO
                                   else "closed instead of answering the challenge")
             self._close(conn)
             return
         conn.inbuf += chunk
         self._serve(conn)
 
-    def _serve(self, conn: _Conn) -> None:
+    def _serve(self, conn: Accepted) -> None:
         """Serve every whole request buffered, one reply at a time."""
         now = time.monotonic()
         while not conn.closed and not conn.closing and not conn.outbuf:
@@ -384,7 +293,7 @@ class SideChannelServer:
                 self._admission.stall(conn)
             self._reschedule(conn)
 
-    def _take_frame(self, conn: _Conn) -> bytes | None:
+    def _take_frame(self, conn: Accepted) -> bytes | None:
         buf = conn.inbuf
         if len(buf) < _HEADER.size:
             return None
@@ -399,22 +308,22 @@ class SideChannelServer:
         del buf[:_HEADER.size + length]
         return body
 
-    def _on_frame(self, conn: _Conn, body: bytes, now: float) -> None:
+    def _on_frame(self, conn: Accepted, body: bytes, now: float) -> None:
         try:
             request = wire.decode_request(body)
         except MetadataError as exc:
             self._bad(conn, str(exc))
             return
-        if conn.phase == _Phase.HELLO:
+        if conn.phase == Phase.HELLO:
             self._on_hello(conn, request)
-        elif conn.phase == _Phase.AUTH:
+        elif conn.phase == Phase.AUTH:
             self._on_auth(conn, request)
         elif isinstance(request, (wire.Hello, wire.Auth)):
             self._refuse(conn, f"unexpected {type(request).__name__.upper()} after the opening")
         else:
             self._on_request(conn, request, now)
 
-    def _on_hello(self, conn: _Conn, hello: wire.Request) -> None:
+    def _on_hello(self, conn: Accepted, hello: wire.Request) -> None:
         if hello.version != wire.PROTOCOL_VERSION:
             self._refuse(conn, self._version_refusal(hello.version))
             return
@@ -424,9 +333,9 @@ class SideChannelServer:
             return
         conn.nonce, conn.hello = auth.new_nonce(), hello
         self._send(conn, wire.Challenge(wire.PROTOCOL_VERSION, conn.nonce, self._secret is not None))
-        conn.phase = _Phase.AUTH if self._secret is not None else _Phase.READY
+        conn.phase = Phase.AUTH if self._secret is not None else Phase.READY
 
-    def _on_auth(self, conn: _Conn, answer: wire.Request) -> None:
+    def _on_auth(self, conn: Accepted, answer: wire.Request) -> None:
         assert self._secret is not None and conn.hello is not None
         hello = conn.hello
         if not isinstance(answer, wire.Auth):
@@ -442,14 +351,14 @@ class SideChannelServer:
         else:
             self._counts.add("authenticated")
             self._trust(conn, by_lease=False)
-            conn.phase = _Phase.READY
+            conn.phase = Phase.READY
             proof = auth.server_proof(self._secret, hello.nonce, conn.nonce, wire.PROTOCOL_VERSION, hello.role)
             self._send(conn, wire.AuthOk(proof))
             return
         self._auth_failed(conn, reason)
         self._send(conn, wire.Refused(f"authentication failed: {reason}"), then_close=True)
 
-    def _on_request(self, conn: _Conn, request: wire.Request, now: float) -> None:
+    def _on_request(self, conn: Accepted, request: wire.Request, now: float) -> None:
         reply = self._dispatch(request)
         self._counts.add("requests")
         conn.requests += 1
@@ -460,7 +369,7 @@ class SideChannelServer:
             self._on_lease_reply(conn, request, reply)
         self._send(conn, reply)
 
-    def _on_lease_reply(self, conn: _Conn, request: wire.Renew | wire.Confirm | wire.Release,
+    def _on_lease_reply(self, conn: Accepted, request: wire.Renew | wire.Confirm | wire.Release,
                         reply: wire.LeaseReply) -> None:
         forged = sum(status is wire.LeaseStatus.FORGED for status in reply.statuses)
         unknown = sum(status is wire.LeaseStatus.UNKNOWN for status in reply.statuses)
@@ -490,7 +399,7 @@ class SideChannelServer:
         if not conn.trusted and self._vouch(conn):
             self._trust(conn, by_lease=True)
 
-    def _vouch(self, conn: _Conn) -> bool:
+    def _vouch(self, conn: Accepted) -> bool:
         """Count ``conn`` against a live lease it proved that has vouches left."""
         for lease in conn.proofs:
             if self._vouches.get(lease, 0) < LEASE_VOUCHES and self._handler.holds((lease,)):
@@ -500,7 +409,7 @@ class SideChannelServer:
                 return True
         return False
 
-    def _unvouch(self, conn: _Conn) -> None:
+    def _unvouch(self, conn: Accepted) -> None:
         lease, conn.voucher = conn.voucher, None
         if lease is not None:
             self._vouches[lease] -= 1
@@ -526,7 +435,7 @@ class SideChannelServer:
 
     # --- trust -----------------------------------------------------------------------------------
 
-    def _trust(self, conn: _Conn, by_lease: bool) -> None:
+    def _trust(self, conn: Accepted, by_lease: bool) -> None:
         conn.by_lease = by_lease
         self._admission.trust(conn)
         self._counts.add("trusted")
@@ -553,14 +462,14 @@ class SideChannelServer:
 
     # --- writing ------------------------------------------------------------------------------------
 
-    def _send(self, conn: _Conn, message: msgspec.Struct, then_close: bool = False) -> None:
+    def _send(self, conn: Accepted, message: msgspec.Struct, then_close: bool = False) -> None:
         payload = wire.encode(message)
         conn.outbuf += _HEADER.pack(len(payload))
         conn.outbuf += payload
         conn.closing = conn.closing or then_close
         self._flush(conn)
 
-    def _flush(self, conn: _Conn) -> None:
+    def _flush(self, conn: Accepted) -> None:
         try:
             while conn.outbuf:
                 sent = conn.sock.send(conn.outbuf)
@@ -588,7 +497,7 @@ class SideChannelServer:
 
     # --- deadlines -----------------------------------------------------------------------------------
 
-    def _reschedule(self, conn: _Conn) -> None:
+    def _reschedule(self, conn: Accepted) -> None:
         due = conn.opening_deadline if not conn.trusted else conn.last_active + self._idle_timeout_s
         if conn.frame_started is not None:
             due = min(due, conn.frame_started + self._io_timeout_s)
@@ -615,7 +524,7 @@ class SideChannelServer:
             self._deadlines = [(c.due, next(self._seq), c) for c in self._conns.values()]
             heapq.heapify(self._deadlines)
 
-    def _count_close(self, conn: _Conn, what: str, why: str | None) -> None:
+    def _count_close(self, conn: Accepted, what: str, why: str | None) -> None:
         self._counts.add(what)
         if what == "closed_at_deadline":
             if conn.requests == 0:  # a consumer that handshook and holds no lease yet reconnects when it must
@@ -629,7 +538,7 @@ class SideChannelServer:
 
     # --- endings -------------------------------------------------------------------------------------
 
-    def _close(self, conn: _Conn, reset: bool = False) -> None:
+    def _close(self, conn: Accepted, reset: bool = False) -> None:
         if conn.closed:
             return
         conn.closed = True
@@ -642,22 +551,22 @@ class SideChannelServer:
         except (KeyError, ValueError, OSError):
             pass
         if reset:
-            _abort(conn.sock)
+            abort(conn.sock)
         else:
             conn.sock.close()
 
-    def _auth_failed(self, conn: _Conn, reason: str) -> None:
+    def _auth_failed(self, conn: Accepted, reason: str) -> None:
         self._counts.add("auth_failures")
         self._events.event("auth_failed", conn.source, "side channel %s: refused %s: authentication failed: %s",
                            self._name, conn.addr, reason)
 
-    def _refuse(self, conn: _Conn, reason: str) -> None:
+    def _refuse(self, conn: Accepted, reason: str) -> None:
         self._counts.add("refused_connections")
         self._events.event("protocol", conn.source, "side channel %s: refused %s: %s", self._name, conn.addr,
                            reason)
         self._send(conn, wire.Refused(reason[:8000]), then_close=True)
 
-    def _bad(self, conn: _Conn, message: str) -> None:
+    def _bad(self, conn: Accepted, message: str) -> None:
         self._counts.add("bad_frames")
         self._events.event("bad_frame", conn.source, "side channel %s: closing %s: %s", self._name, conn.addr,
                            message)

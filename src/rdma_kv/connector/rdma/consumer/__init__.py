@@ -19,7 +19,9 @@ may import):
 Every logger here is under ``rdma_kv.connector.rdma.consumer``: operators
 filter the consumer's lines on that name. Nothing here imports the
 producer's modules (``producer``, ``leases``, ``sidechannel``,
-``admission``), nor they these (``tests/test_layering.py``).
+``sideconn``, ``admission``), nor they these (``tests/test_layering.py``).
+
+Imports only its own modules (re-exporting what the worker builds).
 """
 
 from rdma_kv.connector.rdma.consumer.clients import ClientPool
