@@ -30,9 +30,10 @@ seconds per second, the side channel's refusals and evictions, the rate of
 CONFIRM+RELEASE reached, and the real loads' latency (idle, before the
 ranks connect, and loaded) and correctness.
 
-Runs against an older tree too (``PYTHONPATH=<old>/src``): only the
-harness, the client and the wire are used, and a client bound to a source
-address is made by subclassing when the tree's client cannot bind.
+Uses public APIs only: the engine harness, the side channel's client and
+wire messages. (The "before" figures in docs/benchmarks/ were taken with an
+older tree, whose client could not bind a source address; this script no
+longer carries the workaround.)
 """
 
 from __future__ import annotations
@@ -58,15 +59,11 @@ import torch
 from rdma_kv.connector import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from rdma_kv.connector.geometry import derive_geometry
 from rdma_kv.connector.rdma import auth, wire
-from rdma_kv.connector.rdma.params import parse_kv_transfer_params
-from rdma_kv.connector.rdma.planning import compat_info, rank_info
+from rdma_kv.connector.rdma.params import RemotePrefillParams, parse_kv_transfer_params
+from rdma_kv.connector.rdma.compat import compat_info, rank_info
 from rdma_kv.harness.engine import ModelShape
+from rdma_kv.connector.rdma.sideclient import SideChannelClient
 from rdma_kv.harness.process import EngineProcess
-
-try:
-    from rdma_kv.connector.rdma.sideclient import SideChannelClient
-except ImportError:  # a tree before the client had its own module
-    from rdma_kv.connector.rdma.sidechannel import SideChannelClient  # type: ignore[attr-defined,no-redef]
 
 SHAPE = ModelShape(num_layers=4, num_kv_heads=4, head_size=32, block_size=16, num_blocks=8192)
 TTL_S = 30.0
@@ -96,24 +93,9 @@ def compat_and_rank() -> tuple[wire.CompatInfo, wire.RankInfo]:
     return compat_info(config, derive_geometry(caches, config), shape.num_kv_heads), rank
 
 
-def connect(cls: type, port: int, index: int, secret: auth.Secret) -> Any:
-    try:
-        return cls("127.0.0.1", port, secret=secret, source_address=source(index), rpc_timeout_s=10.0,
-                   connect_timeout_s=10.0)
-    except TypeError:  # a client without source_address
-        class Bound(cls):  # type: ignore[misc, valid-type]
-            def _connect(self, timeout_s: float) -> Any:
-                import socket
-                sock = socket.create_connection((self.host, self.port), timeout=10.0,
-                                                source_address=(source(index), 0))
-                try:
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    self._open(sock, timeout_s)
-                except BaseException:
-                    sock.close()
-                    raise
-                return sock
-        return Bound("127.0.0.1", port, secret=secret, rpc_timeout_s=10.0, connect_timeout_s=10.0)
+def connect(port: int, index: int, secret: auth.Secret) -> SideChannelClient:
+    return SideChannelClient("127.0.0.1", port, secret=secret, source_address=source(index), rpc_timeout_s=10.0,
+                             connect_timeout_s=10.0)
 
 
 def ranks_proc(conn: Any, port: int, first: int, count: int, secret_value: bytes, renew_s: float,
@@ -140,7 +122,7 @@ def ranks_proc(conn: Any, port: int, first: int, count: int, secret_value: bytes
     def handshake(i: int) -> None:
         start = time.perf_counter()
         try:
-            client = connect(SideChannelClient, port, first + i, secret)
+            client = connect(port, first + i, secret)
             client.handshake(wire.Handshake(wire.PROTOCOL_VERSION, f"sim{first + i}", rank, compat))
             clients[i] = client
             with lock:
@@ -163,8 +145,11 @@ def ranks_proc(conn: Any, port: int, first: int, count: int, secret_value: bytes
             key = f"{kind}:{status.name}"
             answers[key] = answers.get(key, 0) + 1
 
-    def lease(i: int, params: dict) -> Any:
-        return wire.LeaseWire.of(parse_kv_transfer_params(params).lease, claims[i])
+    def lease(i: int, params: dict[str, Any]) -> wire.LeaseWire:
+        parsed = parse_kv_transfer_params(params)
+        if not isinstance(parsed, RemotePrefillParams):
+            raise ValueError(f"not a prefill's kv_transfer_params: {params}")
+        return wire.LeaseWire.of(parsed.lease, claims[i])
 
     alive = [i for i in range(count) if clients[i] is not None]
     renew_at = [(time.monotonic() + renew_s * (k / max(1, len(alive))), i) for k, i in enumerate(alive)]
@@ -208,16 +193,6 @@ def proc_stat(pid: int) -> tuple[float, int, int]:
             elif line.startswith("Threads:"):
                 threads = int(line.split()[1])
     return cpu, rss, threads
-
-
-def pump(engine: EngineProcess, timeout_s: float) -> None:
-    """Take in the results that arrived (an older harness has no ``pump``)."""
-    if hasattr(engine, "pump"):
-        engine.pump(timeout_s)
-        return
-    deadline = time.monotonic() + timeout_s
-    while engine._conn.poll(max(0.0, deadline - time.monotonic())):
-        engine._recv(0.0)
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -306,7 +281,7 @@ def run(n: int, args: argparse.Namespace, secret_file: str, secret_value: bytes)
                 rid = f"c{fed}"
                 pending.add(rid)
                 p.add(rid, rng.integers(1, 999, SHAPE.block_size).tolist(), {"do_remote_decode": True})
-            pump(p, 0.005)
+            p.pump(0.005)
             finished = [rid for rid in pending if rid in p.results]
             if finished:
                 batch = [p.results.pop(rid)["kv_transfer_params"] for rid in finished]
@@ -321,7 +296,7 @@ def run(n: int, args: argparse.Namespace, secret_file: str, secret_value: bytes)
             peak_threads = max(peak_threads, proc_stat(p.pid)[2])
         t2 = time.monotonic()
         cpu2, rss2, threads2 = proc_stat(p.pid)
-        side = p.call("sidechannel") if hasattr(p, "pump") else None  # an older harness has neither
+        side = p.call("sidechannel")
         for pipe in pipes:
             pipe.send("stop")
         reports = [pipe.recv()[1] for pipe in pipes if pipe.poll(300)]

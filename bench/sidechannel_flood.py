@@ -48,6 +48,7 @@ older tree: ``PYTHONPATH=<old>/src .venv/bin/python bench/sidechannel_flood.py``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import json
 import logging
@@ -60,6 +61,7 @@ import statistics
 import struct
 import subprocess
 import time
+from typing import Any, cast
 
 from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.sidechannel import ConnectionLimits, SideChannelServer
@@ -82,11 +84,19 @@ class CannedHandler:
                                    b"agent-metadata", geometry)
 
     def on_renew(self, request: wire.Renew) -> wire.LeaseReply:
+        return self._answer(request.leases)
+
+    def on_confirm(self, request: wire.Confirm) -> wire.LeaseReply:
+        return self._answer(request.leases)
+
+    def on_release(self, request: wire.Release) -> wire.LeaseReply:
+        return self._answer(request.leases)
+
+    @staticmethod
+    def _answer(leases: list[wire.LeaseWire]) -> wire.LeaseReply:
         # A lease "never granted" is PENDING: what a worker answers before its first step.
         return wire.LeaseReply([wire.LeaseStatus.PENDING if lease.request_id == "garbage" else wire.LeaseStatus.HELD
-                                for lease in request.leases], 30.0)
-
-    on_confirm = on_release = on_renew
+                                for lease in leases], 30.0)
 
     def holds(self, leases: object) -> bool:
         return True  # every lease it answered HELD lives
@@ -113,12 +123,12 @@ def serve(conn, with_secret: bool, max_connections: int) -> None:
     with SideChannelServer(CannedHandler(), CONSUMER, 0, secret=secret, limits=limits) as server:
         conn.send(server.port)
         conn.recv()  # stop
-        stats = dict(server.stats)
+        stats = dataclasses.asdict(server.stats)
     conn.send({"warning_lines": counter.lines, "warning_bytes": counter.nbytes, "server_stats": stats})
 
 
 def garbage_renew() -> bytes:
-    values = {"epoch": 1, "generation": 1, "request_id": "garbage", "token": os.urandom(16),
+    values: dict[str, Any] = {"epoch": 1, "generation": 1, "request_id": "garbage", "token": os.urandom(16),
               "binding": os.urandom(16), "claim": os.urandom(16)}
     lease = wire.LeaseWire(**{k: values[k] for k in wire.LeaseWire.__struct_fields__ if k in values})
     body = wire.encode(wire.Renew(wire.PROTOCOL_VERSION, [lease]))
@@ -169,7 +179,7 @@ def attack(port: int, kind: str, count: int, sources: list[str], stop) -> None:
 
     while not stop.is_set():
         for key, events in sel.select(0.05):
-            s, st = key.fileobj, key.data
+            s, st = cast(socket.socket, key.fileobj), key.data
             if st[0] == "connecting":
                 if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
                     close(s)
@@ -195,6 +205,9 @@ def attack(port: int, kind: str, count: int, sources: list[str], stop) -> None:
                     st[5] = time.monotonic() + 1.0
             elif st[2] == 1 and kind.startswith("insider"):
                 challenge = wire.decode_reply(data[4:])
+                if not isinstance(challenge, wire.Challenge):
+                    close(s)  # refused: the server's answer to a full budget
+                    continue
                 secret = auth.Secret(SECRET, "bench")
                 proof = auth.client_proof(secret, challenge.nonce, hello_nonce, wire.PROTOCOL_VERSION, "consumer")
                 answer = wire.encode(wire.Auth(wire.PROTOCOL_VERSION, proof))
@@ -204,7 +217,7 @@ def attack(port: int, kind: str, count: int, sources: list[str], stop) -> None:
         opening = 0
         per_source: dict[str, int] = {}
         for key in list(sel.get_map().values()):
-            s, st = key.fileobj, key.data
+            s, st = cast(socket.socket, key.fileobj), key.data
             per_source[st[1]] = per_source.get(st[1], 0) + 1
             opening += st[2] < 2
             if st[0] != "open":
@@ -224,7 +237,7 @@ def attack(port: int, kind: str, count: int, sources: list[str], stop) -> None:
                 open_one(src)
                 opening += 1
     for key in list(sel.get_map().values()):
-        key.fileobj.close()
+        cast(socket.socket, key.fileobj).close()
     print(f"attacker {kind}: {connects} connections opened", flush=True)
 
 
@@ -244,9 +257,8 @@ def attempt(port: int, with_secret: bool) -> tuple[bool, float, str]:
     return ok and elapsed <= SUCCESS_WITHIN_S, elapsed, why
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (not empty), nearest rank."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 

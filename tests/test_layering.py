@@ -21,6 +21,11 @@ vLLM. The rules, as the code keeps them:
   part of rdma-kv (the Ray backend only sets ports, ids and hosts).
 - ``rdma_kv.selftest`` imports neither ``rdma_kv.vllm`` nor ``rdma_kv.cli``
   (the CLI builds on it), except its ``__main__``, which hands over to the CLI.
+- Roles inside the RDMA connector: the consumer's modules
+  (``connector/rdma/consumer/``) never import the producer's (``producer``,
+  ``leases``, ``sidechannel``, ``sideconn``, ``admission``), nor the producer's the
+  consumer's; only ``worker`` (which routes a step to both) and the modules
+  both share (``wire``, ``meta``, ``stats``...) sit between them.
 """
 
 from __future__ import annotations
@@ -175,6 +180,21 @@ def test_connector_reaches_the_transport_only_through_its_doors():
     assert not wrong, ("the connector imports rdma_kv.transport only in connector/rdma/transport_api.py "
                        "and in connector.agent_transport(); import what you need from transport_api:\n"
                        + "\n".join(wrong))
+
+
+CONSUMER = ("rdma_kv.connector.rdma.consumer",)
+PRODUCER = ("rdma_kv.connector.rdma.producer", "rdma_kv.connector.rdma.leases",
+            "rdma_kv.connector.rdma.sidechannel", "rdma_kv.connector.rdma.sideconn",
+            "rdma_kv.connector.rdma.admission")
+
+
+@pytest.mark.parametrize("role, other", [(CONSUMER, PRODUCER), (PRODUCER, CONSUMER)], ids=["consumer", "producer"])
+def test_the_connectors_roles_do_not_import_each_other(role, other):
+    mine = [i for package in role for i in rdma_kv_modules_imported_by(package)]
+    assert mine, f"no module of {role} was parsed"  # the rule would prove nothing
+    wrong = [str(i) for i in mine if any(is_under(i.target, o) for o in other)]
+    assert not wrong, ("the consumer's and the producer's modules never import each other; move what both "
+                       "need into a shared module (wire, meta, stats...):\n" + "\n".join(wrong))
 
 
 def test_selftest_imports_neither_the_vllm_adapter_nor_the_cli():

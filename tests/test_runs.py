@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rdma_kv.connector.rdma.planning import count_runs
+from rdma_kv.connector.rdma.slots import count_runs
 from rdma_kv.runs import run_starts
 from rdma_kv.transport.descriptors import coalesce
 

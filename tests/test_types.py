@@ -1,6 +1,7 @@
 """The type checker over the whole package (transport, connector, vLLM
-adapter, harness, CLI, benchmarks), with pyproject.toml's settings: a type
-error anywhere in ``src/rdma_kv`` fails the suite."""
+adapter, harness, CLI, benchmarks) and the maintained benchmarks in
+``bench/`` (not ``bench/experiments/``), with pyproject.toml's settings: a
+type error anywhere in them fails the suite."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKED = ["src/rdma_kv"]
+CHECKED = ["src/rdma_kv", "bench"]
 
 
 @pytest.mark.timeout(300)

@@ -6,8 +6,7 @@ local and the remote addresses of a read, say), splits into runs: span
 ``i`` ends and lies in the same region. One run is one operation to post.
 
 :func:`run_starts` is the rule; ``transport.descriptors.coalesce`` (explicit
-descriptors), ``connector.geometry.paired_block_ranges`` (byte ranges of
-block ids) and ``connector.rdma.planning.count_runs`` (runs of block ids)
+descriptors) and ``connector.rdma.slots.count_runs`` (runs of block ids)
 call it, and tests compare against it. The C shim merges by the same rule
 as it posts (``rk_post_indexed`` in ``transport/csrc/shim.c``).
 

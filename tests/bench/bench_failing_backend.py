@@ -1,4 +1,4 @@
-"""A backend whose target raises: the harness must forward the traceback."""
+"""A backend whose target raises: the runner must forward the traceback."""
 
 
 def target(chan, start):

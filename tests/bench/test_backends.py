@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rdma_kv.bench import baselines, cma, harness, nixl_peer
+from rdma_kv.bench import baselines, cma, nixl_peer, runner
 from rdma_kv.bench.workloads import Workload
 
 TINY = Workload("tiny", "kv", num_layers=2, blocks_per_request=8, block_nbytes=4096, pool_blocks=16, seed=11)
@@ -23,7 +23,7 @@ def test_cma_moves_and_verifies(w):
 
 @pytest.mark.parametrize("w", [TINY, Workload("c", "contiguous", nbytes=1 << 20)])
 def test_cma_with_threads_moves_and_verifies(w):
-    """cma-tN: the plan cut across N reader threads still lands bit-exact
+    """cma-tN: the batch cut across N reader threads still lands bit-exact
     (the reader verifies every rep)."""
     r = cma.run_backend(w, 2, threads=3)
     assert r.status == "ok", r.reason
@@ -50,12 +50,12 @@ def test_split_iovecs_covers_every_byte_once_from_its_own_source():
 
 
 def test_child_failure_is_forwarded_with_traceback():
-    with pytest.raises(harness.BenchError, match="target exploded on purpose"):
-        harness.run_pair("bench_failing_backend", TINY, 1, setup_timeout_s=60)
+    with pytest.raises(runner.BenchError, match="target exploded on purpose"):
+        runner.run_pair("bench_failing_backend", TINY, 1, setup_timeout_s=60)
 
 
 def test_runner_reports_failed_and_unknown_backends():
-    baselines.register_backend("broken", lambda w, reps: harness.run_pair("bench_failing_backend", w, reps))
+    baselines.register_backend("broken", lambda w, reps: runner.run_pair("bench_failing_backend", w, reps))
     try:
         results = baselines.run([TINY], backends=["cma", "broken"], reps=1)
     finally:
@@ -97,11 +97,11 @@ def test_nixl_with_notify_moves_verifies_and_each_rep_notifies():
 
 
 def test_a_missing_or_extra_notification_fails_the_target():
-    with pytest.raises(harness.BenchError, match=r"expected one notification per repetition \(2\), got 1"):
-        harness.await_notifications(lambda: [b"rep0"], [b"rep0", b"rep1"], 0.05, "test target")
-    with pytest.raises(harness.BenchError, match="extra"):
-        harness.await_notifications(lambda: [b"rep0", b"rep0"], [b"rep0"], 0.05, "test target")
-    harness.await_notifications(lambda: [b"rep1", b"rep0"], [b"rep0", b"rep1"], 0.05, "test target")
+    with pytest.raises(runner.BenchError, match=r"expected one notification per repetition \(2\), got 1"):
+        runner.await_notifications(lambda: [b"rep0"], [b"rep0", b"rep1"], 0.05, "test target")
+    with pytest.raises(runner.BenchError, match="extra"):
+        runner.await_notifications(lambda: [b"rep0", b"rep0"], [b"rep0"], 0.05, "test target")
+    runner.await_notifications(lambda: [b"rep1", b"rep0"], [b"rep0", b"rep1"], 0.05, "test target")
 
 
 def test_rounds_alternate_the_backends_and_pool_their_reps():

@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from rdma_kv.bench import harness
+from rdma_kv.bench import runner
 from rdma_kv.bench.perftest import parse_final
 from rdma_kv.bench.report import Result, table, to_json
-from rdma_kv.bench.workloads import Workload, plan
+from rdma_kv.bench.workloads import Workload, batch
 
 W = Workload("t", "kv", num_layers=2, blocks_per_request=4, block_nbytes=256, pool_blocks=9, seed=3)
 
@@ -23,30 +23,30 @@ def _read(target: np.ndarray, p) -> np.ndarray:
 @pytest.mark.parametrize("rep", [0, 1, 4])
 def test_verify_accepts_a_correct_read_and_rejects_a_wrong_one(rep):
     target = np.zeros(W.buffer_nbytes, dtype=np.uint8)
-    filler = harness.PatternFiller(target, W.seed)
+    filler = runner.PatternFiller(target, W.seed)
     for r in range(rep + 1):  # incremental refill must equal a fresh fill
         filler.fill(r)
     fresh = np.zeros_like(target)
-    harness.PatternFiller(fresh, W.seed).fill(rep)
+    runner.PatternFiller(fresh, W.seed).fill(rep)
     assert np.array_equal(target, fresh)
-    p = plan(W, rep)
+    p = batch(W, rep)
     local = _read(target, p)
-    harness.verify(local, p)
+    runner.verify(local, p)
     local[int(p.local_offsets[5]) + 17] ^= 1
-    with pytest.raises(harness.VerificationError, match="descriptor 5"):
-        harness.verify(local, p)
-    with pytest.raises(harness.VerificationError):  # stale rep's data
-        harness.verify(_read(target, p), plan(W, rep + 1))
+    with pytest.raises(runner.VerificationError, match="descriptor 5"):
+        runner.verify(local, p)
+    with pytest.raises(runner.VerificationError):  # stale rep's data
+        runner.verify(_read(target, p), batch(W, rep + 1))
 
 
 def test_verify_contiguous_workload():
     w = Workload("c", "contiguous", nbytes=1 << 16)
     target = np.zeros(w.buffer_nbytes, dtype=np.uint8)
-    harness.PatternFiller(target, 0).fill(2)
-    p = plan(w, 2)
-    harness.verify(target.copy(), p)
-    with pytest.raises(harness.VerificationError):
-        harness.verify(np.zeros_like(target), p)
+    runner.PatternFiller(target, 0).fill(2)
+    p = batch(w, 2)
+    runner.verify(target.copy(), p)
+    with pytest.raises(runner.VerificationError):
+        runner.verify(np.zeros_like(target), p)
 
 
 def test_result_statistics_and_table():
@@ -65,5 +65,5 @@ def test_result_statistics_and_table():
 def test_parse_perftest_final_line():
     out = "junk\nFinal:                  2000      4.637    12.630    12.630     2474.36    2474.36       79180       79180\n"
     assert parse_final(out) == (4.637, 12.630, 2474.36, 79180.0)
-    with pytest.raises(harness.BenchError):
+    with pytest.raises(runner.BenchError):
         parse_final("no final here")

@@ -1,5 +1,5 @@
-"""Scale curves (``rdma-kv bench --scale``): argument parsing, the plan and
-its check, the table and CSV, and a 2-point real run with tiny sizes (no
+"""Scale curves (``rdma-kv bench --scale``): argument parsing, the requests drawn and
+their check, the table and CSV, and a 2-point real run with tiny sizes (no
 timing asserted: only that every point ran, verified and was reported)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from rdma_kv.bench import harness, scale
+from rdma_kv.bench import runner, scale
 from rdma_kv.cli import main
 from rdma_kv.errors import ConfigError
 
@@ -55,31 +55,31 @@ def test_the_cli_rejects_a_bad_axis_before_running(capsys):
     assert "expected a comma list of concurrency, producers" in capsys.readouterr().err
 
 
-def test_the_plan_spreads_requests_over_producers_into_blocks_of_their_own():
-    plan = scale.request_plan(seed=1, rep=0, producers=3, concurrency=7, blocks=4, pool_blocks=64)
-    assert [p for p, _, _ in plan] == [0, 1, 2, 0, 1, 2, 0]
-    local = np.concatenate([ids for _, ids, _ in plan])
+def test_the_requests_spread_over_producers_into_blocks_of_their_own():
+    requests = scale.draw_requests(seed=1, rep=0, producers=3, concurrency=7, blocks=4, pool_blocks=64)
+    assert [p for p, _, _ in requests] == [0, 1, 2, 0, 1, 2, 0]
+    local = np.concatenate([ids for _, ids, _ in requests])
     assert sorted(local.tolist()) == list(range(28))
-    assert all(len(set(r.tolist())) == 4 and r.max() < 64 for _, _, r in plan)
-    assert scale.request_plan(1, 1, 3, 7, 4, 64)[0][2].tolist() != plan[0][2].tolist()  # a new draw per rep
+    assert all(len(set(r.tolist())) == 4 and r.max() < 64 for _, _, r in requests)
+    assert scale.draw_requests(1, 1, 3, 7, 4, 64)[0][2].tolist() != requests[0][2].tolist()  # a new draw per rep
 
 
 def test_verify_catches_a_block_from_the_wrong_producer():
     size, pool = 64, 16
-    plan = scale.request_plan(seed=5, rep=2, producers=2, concurrency=2, blocks=3, pool_blocks=pool)
+    requests = scale.draw_requests(seed=5, rep=2, producers=2, concurrency=2, blocks=3, pool_blocks=pool)
     pools = []
     for t in range(2):
         buf = np.zeros(pool * size, dtype=np.uint8)
-        harness.PatternFiller(buf, 5 + t).fill(2)
+        runner.PatternFiller(buf, 5 + t).fill(2)
         pools.append(buf.view(np.uint64).reshape(pool, -1))
     local = np.zeros(6 * size, dtype=np.uint8)
     rows = local.view(np.uint64).reshape(6, -1)
-    for p, local_ids, remote_ids in plan:
+    for p, local_ids, remote_ids in requests:
         rows[local_ids] = pools[p][remote_ids]
-    scale.verify(local, plan, 5, 2, size, "test")
-    rows[plan[1][1][0]] = pools[0][plan[1][2][0]]  # request 1's first block read from producer 0
-    with pytest.raises(harness.VerificationError, match="request 1 .producer 1."):
-        scale.verify(local, plan, 5, 2, size, "test")
+    scale.verify(local, requests, 5, 2, size, "test")
+    rows[requests[1][1][0]] = pools[0][requests[1][2][0]]  # request 1's first block read from producer 0
+    with pytest.raises(runner.VerificationError, match="request 1 .producer 1."):
+        scale.verify(local, requests, 5, 2, size, "test")
 
 
 def test_table_and_csv_report_every_point_and_why_one_is_missing():

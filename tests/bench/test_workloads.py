@@ -1,9 +1,9 @@
-"""Plan and coalescing math (no processes, no UCX)."""
+"""Batch and coalescing math (no processes, no UCX)."""
 
 import numpy as np
 import pytest
 
-from rdma_kv.bench.workloads import PRESETS, Workload, coalesce, op_count, plan, preset
+from rdma_kv.bench.workloads import PRESETS, Workload, coalesce, op_count, batch, preset
 from rdma_kv.errors import ConfigError
 
 SMALL = Workload("t", "kv", num_layers=3, regions_per_layer=2, blocks_per_request=5,
@@ -11,7 +11,7 @@ SMALL = Workload("t", "kv", num_layers=3, regions_per_layer=2, blocks_per_reques
 
 
 def test_offsets_follow_layer_outermost_layout():
-    p = plan(SMALL, 0)
+    p = batch(SMALL, 0)
     assert p.descriptor_count == 3 * 2 * 5
     assert p.buffer_nbytes == 3 * 2 * 11 * 64
     lo = p.local_offsets.reshape(3, 2, 5)
@@ -25,18 +25,18 @@ def test_offsets_follow_layer_outermost_layout():
 
 
 def test_random_ids_are_distinct_seeded_and_vary_per_rep():
-    a, b = plan(SMALL, 0), plan(SMALL, 0)
+    a, b = batch(SMALL, 0), batch(SMALL, 0)
     assert (a.local_slots == b.local_slots).all() and (a.remote_slots == b.remote_slots).all()
     first = a.local_slots[:5]
     assert len(set(first.tolist())) == 5
     assert not np.array_equal(a.local_slots, a.remote_slots)
-    assert not np.array_equal(plan(SMALL, 1).local_slots, a.local_slots)
-    assert not np.array_equal(plan(SMALL.replace(seed=8), 0).local_slots, a.local_slots)
+    assert not np.array_equal(batch(SMALL, 1).local_slots, a.local_slots)
+    assert not np.array_equal(batch(SMALL.replace(seed=8), 0).local_slots, a.local_slots)
 
 
 def test_contiguous_order_coalesces_to_one_op_per_region():
     w = SMALL.replace(block_order="contiguous")
-    p = plan(w, 3)
+    p = batch(w, 3)
     assert (p.local_slots == p.remote_slots).all()
     lo, ro, ln = coalesce(p.local_offsets, p.remote_offsets, p.lengths)
     assert lo.shape[0] == 6 and (ln == 5 * 64).all()
@@ -58,11 +58,11 @@ def test_coalesce_needs_both_sides_contiguous():
 def test_presets_match_the_issue_table():
     r, c, one, big = (PRESETS[n] for n in ("kv-random", "kv-contiguous", "kv-one-block", "contiguous-256m"))
     assert r.descriptor_count == 16384 and r.transfer_nbytes == 512 << 20
-    assert op_count(plan(c, 0)) == 64
+    assert op_count(batch(c, 0)) == 64
     assert one.descriptor_count == 64 and one.transfer_nbytes == 64 * 32 * 1024
     assert big.descriptor_count == 1 and big.transfer_nbytes == 256 << 20
     assert all(w.buffer_nbytes <= int(1.2 * (1 << 30)) for w in PRESETS.values())
-    assert op_count(plan(r, 0)) > 16000  # random ids rarely line up on both sides
+    assert op_count(batch(r, 0)) > 16000  # random ids rarely line up on both sides
 
 
 def test_invalid_workloads_are_rejected():

@@ -14,10 +14,9 @@ from rdma_kv.connector import (
     MLAAttentionSpec,
     derive_geometry,
     derive_layer_geometry,
-    paired_block_ranges,
     region_bytes,
 )
-from rdma_kv.errors import DescriptorError, SpecError
+from rdma_kv.errors import SpecError
 
 H, BS, D, NB = 2, 4, 8, 6  # heads, block size, head size, blocks
 SPEC = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype="float16")
@@ -171,92 +170,3 @@ def test_layers_must_match_the_config():
     caches = {"l0": torch.empty(NB, H, BS, 2 * D, dtype=torch.float16)}
     with pytest.raises(SpecError, match=r"missing layers \['l1', 'l2'\]"):
         derive_geometry(caches, KVCacheConfig.uniform(NB, LAYERS, SPEC))
-
-
-# --- planning ----------------------------------------------------------------------
-
-
-def _reference_ranges(layers, ids):
-    """Per-block Python reference: one range per (layer, segment, block), merged."""
-    out = []
-    for layer in layers:
-        for seg in layer.segments:
-            for b in ids:
-                r = (layer.region_index, seg.offset + int(b) * seg.block_stride_bytes, seg.block_nbytes)
-                if out and out[-1][0] == r[0] and out[-1][1] + out[-1][2] == r[1]:
-                    out[-1] = (r[0], out[-1][1], out[-1][2] + r[2])
-                else:
-                    out.append(r)
-    return out
-
-
-def _cpu_geometry(num_blocks=NB):
-    whole = torch.empty(len(LAYERS), num_blocks, H, BS, 2 * D, dtype=torch.float16)
-    caches = {name: whole[i] for i, name in enumerate(LAYERS)}
-    return derive_geometry(caches, KVCacheConfig.uniform(num_blocks, LAYERS, SPEC))
-
-
-def block_ranges(layers, ids):
-    """One side's ranges: paired with itself, a run breaks only where memory does."""
-    return paired_block_ranges(layers, ids, layers, ids)[0]
-
-
-def test_contiguous_runs_are_merged_within_and_across_layers():
-    geometry = _cpu_geometry()
-    ranges = block_ranges(geometry.layers, np.array([2, 3, 4]))
-    assert ranges.offsets.tolist() == [2 * PAGE, NB * PAGE + 2 * PAGE, 2 * NB * PAGE + 2 * PAGE]
-    assert ranges.lengths.tolist() == [3 * PAGE] * 3
-    # All blocks of all layers of one allocation: a single range.
-    everything = block_ranges(geometry.layers, np.arange(NB))
-    assert everything.offsets.tolist() == [0]
-    assert everything.lengths.tolist() == [len(LAYERS) * NB * PAGE]
-    assert everything.nbytes == len(LAYERS) * NB * PAGE
-    # Reversed order is not contiguous in memory order.
-    assert len(block_ranges(geometry.layers, np.array([4, 3]))) == 2 * len(LAYERS)
-
-
-def test_block_ranges_match_a_per_block_reference(rng):
-    num_blocks = 64
-    geometry = _cpu_geometry(num_blocks)
-    kv_first = {n: torch.empty(2, num_blocks, BS, H, D, dtype=torch.float16) for n in LAYERS}
-    geometry2 = derive_geometry(kv_first, KVCacheConfig.uniform(num_blocks, LAYERS, SPEC))
-    for geo in (geometry, geometry2):
-        for _ in range(20):
-            n = int(rng.integers(0, 40))
-            # Mix runs and jumps: sorted unique ids with random gaps.
-            ids = np.sort(rng.choice(num_blocks, size=n, replace=False))
-            got = block_ranges(geo.layers, ids)
-            want = _reference_ranges(geo.layers, ids)
-            assert list(zip(got.region_index.tolist(), got.offsets.tolist(), got.lengths.tolist())) == want
-
-
-def test_paired_ranges_merge_only_where_both_sides_are_contiguous():
-    local, remote = _cpu_geometry(), _cpu_geometry()
-    ours, theirs = paired_block_ranges(
-        local.layers, np.array([0, 1, 2, 5]), remote.layers, np.array([3, 4, 0, 1])
-    )
-    # Per layer: (0,1)<-(3,4) merge; 2<-0 breaks remote; 5<-1 breaks local.
-    assert len(ours) == len(theirs) == 3 * len(LAYERS)
-    assert ours.lengths.tolist() == theirs.lengths.tolist() == [2 * PAGE, PAGE, PAGE] * len(LAYERS)
-    assert ours.offsets[:3].tolist() == [0, 2 * PAGE, 5 * PAGE]
-    assert theirs.offsets[:3].tolist() == [3 * PAGE, 0, PAGE]
-
-
-def test_paired_ranges_reject_mismatched_sides():
-    cpu = _cpu_geometry()
-    kv_first = {n: torch.empty(2, NB, BS, H, D, dtype=torch.float16) for n in LAYERS}
-    other = derive_geometry(kv_first, KVCacheConfig.uniform(NB, LAYERS, SPEC))
-    with pytest.raises(DescriptorError, match="differ in length"):
-        paired_block_ranges(cpu.layers, np.array([1]), other.layers, np.array([1]))
-    with pytest.raises(DescriptorError, match="2 local block ids but 1 remote"):
-        paired_block_ranges(cpu.layers, np.array([1, 2]), cpu.layers, np.array([1]))
-
-
-def test_block_ids_out_of_range_or_not_integers_are_rejected():
-    geometry = _cpu_geometry()
-    with pytest.raises(DescriptorError, match=r"\[6, -1\] are outside \[0, 6\)"):
-        block_ranges(geometry.layers, np.array([0, 6, -1]))
-    with pytest.raises(DescriptorError, match="1-D integer"):
-        block_ranges(geometry.layers, np.array([0.5]))
-    empty = block_ranges(geometry.layers, np.array([], dtype=np.int64))
-    assert len(empty) == 0 and empty.nbytes == 0

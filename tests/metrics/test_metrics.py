@@ -12,7 +12,7 @@ import pytest
 
 from rdma_kv.connector.rdma import metrics
 from rdma_kv.connector.rdma.metrics import Histogram, TransferMetrics, merge_stats, record_values
-from rdma_kv.connector.rdma.stats import MAX_RECORDS, LoadMeasures, LoadRecord, LoadStats, WorkerStats, merge
+from rdma_kv.connector.rdma.stats import MAX_RECORDS, LoadMeasures, LoadRecord, LoadStats, Totals, WorkerStats, merge
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "rdma_kv"
 
@@ -22,8 +22,8 @@ def _stats(*records, counters=None, leases_held=0, resources=None):
     s = LoadStats()
     for rid, fields, ok, error in records:
         s.record(rid, LoadMeasures(**fields), ok=ok, total_s=0.05, error=error)
-    s.counters.update(counters or {})
     recorded, totals = s.take()
+    totals = totals + Totals.from_dict(counters or {})  # the parts' counters, by their flat names
     return WorkerStats(recorded, totals, leases_held, resources).to_dict()
 
 
@@ -67,7 +67,7 @@ def test_transfer_metrics_aggregate_records_and_counters():
     m.observe(None)
     m.observe(_stats(("a", OK, True, None), ("b", OK, True, None),
                      ("c", FAILED_BEFORE_POST, False, "handshake refused"),
-                     counters={"handshakes": 1, "loads_failed": 1, "confirm_rpcs": 2}, leases_held=3,
+                     counters={"handshakes": 1, "loads_failed": 1, "release_rpcs": 2}, leases_held=3,
                      resources={"inflight_loads": 0, "peers": 1}))
     m.observe(_stats(("d", OK, True, None), counters={"handshakes": 1}))
     snap = m.snapshot()
@@ -75,7 +75,7 @@ def test_transfer_metrics_aggregate_records_and_counters():
     gbps = snap["histograms"]["transfer_gbps"]
     assert gbps["count"] == 3 and 4.0 < gbps["p50"] <= 8.0  # 5 GB/s sits in the (4, 8] bucket
     assert snap["histograms"]["load_seconds"]["count"] == 4
-    assert snap["events"] == {"handshakes": 2, "loads_failed": 1, "confirm_rpcs": 2}
+    assert snap["events"] == {"handshakes": 2, "loads_failed": 1, "release_rpcs": 2}
     assert snap["gauges"] == {"leases_held": 0, "inflight_loads": 0, "peers": 1}
     assert re.match(r"rdma-kv loads: 4 \(3 ok, 1 failed\), 0\.201 GB read; transfer p50 [\d.]+ ms", m.summary())
 

@@ -127,8 +127,8 @@ def test_full_hit_releases_the_producer(pair):
     results = pair.decode({"b": prompt}, params)
     assert results["b"].external_tokens == 0 and results["b"].local_hit_tokens == len(prompt)
     pair.settle()  # b's lease was released (not left to expire)
-    assert pair.P.worker.worker.leases.stats["released"] == 2
-    assert pair.P.worker.worker.leases.stats.get("expired", 0) == 0
+    assert pair.P.worker.worker.leases.stats.released == 2
+    assert pair.P.worker.worker.leases.stats.expired == 0
 
 
 def test_abort_before_load_releases_and_abort_during_load_delays_the_free(pair, fabric):
@@ -206,7 +206,7 @@ def test_a_dead_producer_logs_a_burst_of_failures_then_a_count(fabric, caplog):
                                    for r in prompts), step=pair.D.step, what="load errors")
         lines = [r.getMessage() for r in caplog.records if "KV load failed" in r.getMessage()]
         assert len(lines) == 5, lines
-        assert pair.D.worker.worker.stats().totals.events["loads_failed"] == 20
+        assert pair.D.worker.worker.stats().totals.consumer.loads_failed == 20
     finally:
         pair.close()
 

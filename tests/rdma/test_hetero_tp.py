@@ -15,7 +15,7 @@ from netutil import free_base_port
 
 from rdma_kv.connector import KVTransferConfig
 from rdma_kv.connector.geometry import derive_geometry
-from rdma_kv.connector.rdma.planning import HeadSlice, SlotTable
+from rdma_kv.connector.rdma.slots import HeadSlice, SlotTable
 from rdma_kv.connector.specs import FullAttentionSpec, KVCacheConfig
 from rdma_kv.errors import DescriptorError
 from rdma_kv.harness.engine import Engine, ModelShape

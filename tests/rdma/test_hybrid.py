@@ -32,8 +32,9 @@ from rdma_kv.connector import (
 from rdma_kv.connector.geometry import derive_geometry
 from rdma_kv.connector.rdma import RdmaConnector
 from rdma_kv.connector.rdma.params import parse_kv_transfer_params
-from rdma_kv.connector.rdma.planning import SlotTable, compat_info, count_runs
-from rdma_kv.connector.rdma.scheduler import plan_group
+from rdma_kv.connector.rdma.compat import compat_info
+from rdma_kv.connector.rdma.slots import SlotTable, count_runs
+from rdma_kv.connector.rdma.scheduler import blocks_to_read
 from rdma_kv.errors import ConfigError, DescriptorError
 
 pytestmark = pytest.mark.timeout(60)
@@ -88,31 +89,31 @@ def test_sliding_window_skips_the_blocks_before_the_window_of_the_next_token(num
     ("window exactly the prompt", WINDOW),
     ("window larger than the prompt", 3),
 ])
-def test_plan_group_reads_only_inside_the_window(case, num_tokens):
+def test_blocks_to_read_reads_only_inside_the_window(case, num_tokens):
     last = -(-num_tokens // BS)
     local = list(range(100, 100 + last))
     producer = list(range(200, 200 + last))
     skipped = SLIDING.num_skipped_blocks(num_tokens)
     # The producer offers the window only (what request_finished holds).
-    plan = plan_group(SLIDING, num_tokens, 0, local, producer[skipped:])
+    plan = blocks_to_read(SLIDING, num_tokens, 0, local, producer[skipped:])
     assert plan == (tuple(local[skipped:]), tuple(producer[skipped:]), skipped), case
     if case == "window smaller than the prompt":
         assert skipped > 0
     else:
         assert skipped == 0 and plan[0] == tuple(local)
     # A full-attention group reads every block, whatever the window.
-    assert plan_group(FULL, num_tokens, 0, local, producer) == (tuple(local), tuple(producer), 0)
+    assert blocks_to_read(FULL, num_tokens, 0, local, producer) == (tuple(local), tuple(producer), 0)
 
 
-def test_plan_group_with_a_local_prefix_hit_and_bad_input():
+def test_blocks_to_read_with_a_local_prefix_hit_and_bad_input():
     # 17 tokens: window starts at block 3; a local hit of 2 blocks does not count as skipped
-    assert plan_group(SLIDING, 17, 2 * BS, [1, 2, 3, 4, 5], [9, 8]) == ((4, 5), (9, 8), 1)
+    assert blocks_to_read(SLIDING, 17, 2 * BS, [1, 2, 3, 4, 5], [9, 8]) == ((4, 5), (9, 8), 1)
     # a hit beyond the window start: nothing is skipped by the window
-    assert plan_group(SLIDING, 17, 4 * BS, [1, 2, 3, 4, 5], [9, 8]) == ((5,), (8,), 0)
+    assert blocks_to_read(SLIDING, 17, 4 * BS, [1, 2, 3, 4, 5], [9, 8]) == ((5,), (8,), 0)
     # the producer must cover the window
-    assert "block 3 is needed" in plan_group(SLIDING, 17, 0, [1, 2, 3, 4, 5], [8])
-    assert "not a multiple of block size" in plan_group(SLIDING, 17, 3, [1, 2, 3, 4, 5], [9, 8])
-    assert "5 needed" in plan_group(FULL, 17, 0, [1, 2], [1, 2, 3, 4, 5])
+    assert "block 3 is needed" in blocks_to_read(SLIDING, 17, 0, [1, 2, 3, 4, 5], [8])
+    assert "not a multiple of block size" in blocks_to_read(SLIDING, 17, 3, [1, 2, 3, 4, 5], [9, 8])
+    assert "5 needed" in blocks_to_read(FULL, 17, 0, [1, 2], [1, 2, 3, 4, 5])
 
 
 # --- the slot table per group ---------------------------------------------------------

@@ -16,7 +16,7 @@ from rdma_kv.connector import KVTransferConfig
 from rdma_kv.connector.geometry import derive_geometry
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.leases import LeaseTable
-from rdma_kv.connector.rdma.planning import compat_info
+from rdma_kv.connector.rdma.compat import compat_info
 from rdma_kv.connector.rdma.producer import ProducerHandler
 from rdma_kv.connector.specs import FullAttentionSpec, KVCacheConfig, MLAAttentionSpec
 from rdma_kv.connector.types import EngineId

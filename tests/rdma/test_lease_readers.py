@@ -15,7 +15,7 @@ from rdma_testutil import wait_until
 from test_connector_fake import SHAPE, config
 
 from rdma_kv.connector.rdma import wire
-from rdma_kv.connector.rdma.lease_rpc import call_lease_rpc
+from rdma_kv.connector.rdma.consumer.lease_rpc import call_lease_rpc
 from rdma_kv.connector.rdma.meta import PeerAddress, RemoteLease
 from rdma_kv.connector.rdma.params import parse_kv_transfer_params
 from rdma_kv.connector.rdma.sideclient import SideChannelClient

@@ -189,7 +189,7 @@ def test_two_readers_the_lease_ends_only_when_both_released():
     assert table.renew(rcall(1, 1)) == [HELD]
     assert table.confirm(rcall(1, 1), release=True) == [HELD]
     assert table.take_done() == {"r1"} and len(table) == 0
-    assert table.stats["released"] == 1 and table.stats["reader_released"] == 2
+    assert table.stats.released == 1 and table.stats.reader_released == 2
 
 
 def test_a_release_without_confirm_counts_as_a_reader_released():
@@ -227,7 +227,7 @@ def test_another_reader_count_under_the_owners_claim_is_claimed_and_changes_noth
     assert table.release(call(1)) == [CLAIMED]  # the single-reader default is a count too
     assert state(table) == before, "a call with another reader count changed the lease"
     assert table.take_done() == set()
-    assert table.stats["refused_readers"] == 7
+    assert table.stats.refused_readers == 7
     assert table.confirm(rcall(1, 1), release=True) == [HELD]
     assert table.take_done() == {"r1"}
 
@@ -270,7 +270,7 @@ def test_a_renewal_by_any_reader_extends_the_lease_for_all():
         assert table.renew(rcall(1, 1)) == [HELD]  # rank 1, still reading, keeps it alive
     assert table.take_done() == set()
     assert table.confirm(rcall(1, 1), release=True) == [HELD]
-    assert table.take_done() == {"r1"} and table.stats.get("expired", 0) == 0
+    assert table.take_done() == {"r1"} and table.stats.expired == 0
 
 
 def test_expiry_with_one_reader_released():
@@ -279,7 +279,7 @@ def test_expiry_with_one_reader_released():
     assert table.confirm(rcall(1, 0), release=True) == [HELD]
     clock.t += 2.5  # rank 1's reads were slow and nobody renewed
     assert table.confirm(rcall(1, 1), release=True) == [GONE]
-    assert table.take_done() == {"r1"} and table.stats["expired"] == 1
+    assert table.take_done() == {"r1"} and table.stats.expired == 1
     # Rank 0 released (through a CONFIRM answered HELD) while the lease lived.
     assert table.confirm(rcall(1, 0), release=True) == [HELD]
     assert table.renew(rcall(1, 0)) == [GONE] and table.renew(rcall(1, 1)) == [GONE]
@@ -312,7 +312,7 @@ def test_early_claims_with_two_readers():
     assert table.confirm(rcall(3, 1), release=True) == [GONE]  # released without a confirm
     assert table.confirm(rcall(3, 2), release=False) == [GONE]
     table.grant(ref(3), [30], 10.0)
-    assert table.take_done() == {"r3"} and table.stats["released_early"] == 1
+    assert table.take_done() == {"r3"} and table.stats.released_early == 1
     assert table.confirm(rcall(3, 0), release=True) == [HELD]  # retry after the grant
     assert table.confirm(rcall(3, 1), release=True) == [GONE]
 
@@ -360,7 +360,7 @@ def test_a_genuine_token_pointed_at_another_leases_blocks_is_forged_and_changes_
     pointed = [LeaseCall(dataclasses.replace(ref(1), binding=ref(2).binding), A)]
     for act in (lambda c: table.confirm(c, release=True), table.renew, table.release):
         assert act(pointed) == [FORGED]
-    assert state(table) == before and table.stats["refused_forged"] == 3
+    assert state(table) == before and table.stats.refused_forged == 3
     # The victim's own load is unaffected, and so is the attacker's honest one.
     assert table.confirm(call(2, B), release=True) == [HELD]
     assert table.confirm(call(1, A), release=True) == [HELD]
@@ -393,8 +393,8 @@ def test_a_lease_renewed_forever_ends_at_its_lifetime_bound():
         clock.t += 1.0  # well within the TTL, every time
         assert renewals < 100
     assert renewals == 10  # granted at t, renewed at t..t+9; at t+10 its life is over
-    assert table.take_done() == {"r1"} and table.stats["lifetime"] == 1
-    assert table.stats.get("expired", 0) == 0
+    assert table.take_done() == {"r1"} and table.stats.lifetime == 1
+    assert table.stats.expired == 0
     assert table.confirm(call(1, A), release=True) == [GONE]  # the owner's load is a load error
 
 
@@ -407,14 +407,14 @@ def test_a_renewal_never_pushes_the_expiry_past_the_lifetime_bound():
     assert table.renew(call(1, A)) == [HELD]
     assert table.leases()[0].expires_at == clock.t + 2.0  # capped at grant + 5, not now + 4
     clock.t += 2.0
-    assert table.expire() == ["r1"] and table.stats["lifetime"] == 1
+    assert table.expire() == ["r1"] and table.stats.lifetime == 1
 
 
 def test_reclaimed_leases_end_for_everyone():
     table = table_with(1, 2, 3)
     assert table.renew(call(1, A)) == [HELD]
     assert table.reclaim([1, 3, 99]) == ["r1", "r3"]  # 99 was never granted: passed over
-    assert table.take_done() == {"r1", "r3"} and table.stats["reclaimed"] == 2
+    assert table.take_done() == {"r1", "r3"} and table.stats.reclaimed == 2
     assert table.confirm(call(1, A), release=True) == [GONE]
     assert table.renew(call(3, B)) == [GONE]
     assert table.confirm(call(2, B), release=True) == [HELD]

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from rdma_kv.connector.rdma.clients import ClientPool
+from rdma_kv.connector.rdma.consumer.clients import ClientPool
 from rdma_kv.connector.rdma.lograte import RateLimitedWarnings
 
 

@@ -14,7 +14,7 @@ from fakes import FakeFabric
 from test_connector_fake import Pair, scheduler
 
 from rdma_kv.connector import Request, SchedulerOutput
-import rdma_kv.connector.rdma.consumer as consumer
+import rdma_kv.connector.rdma.consumer.peers as peers
 from rdma_kv.connector.rdma import RdmaConnectorMetadata
 from rdma_kv.connector.rdma.meta import PeerAddress
 from rdma_kv.connector.rdma.params import parse_kv_transfer_params
@@ -32,7 +32,7 @@ class Events:
     def __getitem__(self, name):
         stats = self.worker.stats()
         if stats is not None:
-            self.counts.update(stats.totals.events)
+            self.counts.update(stats.totals.events())
             self.records.extend(stats.requests)
         return self.counts[name]
 
@@ -87,7 +87,7 @@ def test_a_failed_preconnect_is_a_failed_handshake_no_more(pair, monkeypatch, ca
     params = pair.prefill(prompts)
     fabric, worker = pair.fabric, pair.D.worker.worker
     events = Events(worker)
-    monkeypatch.setattr(consumer, "PEER_RETRY_S", 3600.0)
+    monkeypatch.setattr(peers, "PEER_RETRY_S", 3600.0)
     producer = fabric.agents.pop("P/tp0")  # add_peer now fails: unknown agent
     with caplog.at_level(logging.WARNING, logger="rdma_kv"):
         worker.on_step(RdmaConnectorMetadata(connects=(address(params["f0"]),)))
@@ -97,7 +97,7 @@ def test_a_failed_preconnect_is_a_failed_handshake_no_more(pair, monkeypatch, ca
     r = pair.decode({"f0": prompts["f0"]}, params)["f0"]
     assert r.load_failed and r.status.value == "finished" and fabric.reads == 0
     assert "is unavailable" in caplog.text  # the existing rule, with the pre-connect's reason
-    monkeypatch.setattr(consumer, "PEER_RETRY_S", 0.0)  # the retry window is over
+    monkeypatch.setattr(peers, "PEER_RETRY_S", 0.0)  # the retry window is over
     r = pair.decode({"f1": prompts["f1"]}, params)["f1"]
     assert not r.load_failed and r.status.value == "finished" and fabric.reads == 1
     assert events["handshakes"] == 1

@@ -76,7 +76,7 @@ def test_malformed_frames_get_an_error_and_the_server_keeps_serving(server, payl
     client = SideChannelClient("127.0.0.1", server.port)
     assert client.lease_call(renew()).statuses == [wire.LeaseStatus.HELD]
     client.close()
-    assert server.stats["bad_frames"] >= 1
+    assert server.stats.bad_frames >= 1
 
 
 def test_unreachable_peer_fails_within_bounds():

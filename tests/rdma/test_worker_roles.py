@@ -29,9 +29,9 @@ def test_a_producer_only_engine_releases_a_lease_it_cannot_load():
             other.step()
 
         leases = pair.P.worker.worker.leases
-        wait_until(lambda: leases.stats["released"] == 1 and not pair.P.held, step=pump,
+        wait_until(lambda: leases.stats.released == 1 and not pair.P.held, step=pump,
                    what="P's lease released by the producer-only engine P2")
-        assert leases.stats.get("expired", 0) == 0
+        assert leases.stats.expired == 0
         wait_until(lambda: "a" in other.results, step=pump, what="P2 finished the request")
         assert other.results["a"].external_tokens == 0
     finally:

@@ -148,7 +148,7 @@ def test_right_secret_authenticates_both_ways(server, handler, caplog):
         assert client.lease_call(wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, 1, "r", b"t" * 16, b"b" * 16, b"c" * 16)])).statuses
     finally:
         client.close()
-    assert server.stats["authenticated"] == 1 and server.stats["auth_failures"] == 0
+    assert server.stats.authenticated == 1 and server.stats.auth_failures == 0
     assert handler.calls == 2
     assert_no_secret_in(caplog.text)
 
@@ -166,7 +166,7 @@ def test_wrong_or_missing_secret_is_refused(server, handler, caplog, client_secr
             client.handshake(handshake())
     finally:
         client.close()
-    wait_until(lambda: server.stats["auth_failures"] == 1, timeout_s=5, what="the server's refusal")
+    wait_until(lambda: server.stats.auth_failures == 1, timeout_s=5, what="the server's refusal")
     assert handler.calls == 0, "an unauthenticated peer reached the handler"
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "authentication failed" in r.message]
     assert warnings and server_says in warnings[0].message
@@ -194,7 +194,7 @@ def test_retry_after_refusal_fails_fast_without_new_attempts(server):
             client.handshake(handshake())
     finally:
         client.close()
-    assert server.stats["auth_failures"] == 1  # not retried: one refusal, one log line
+    assert server.stats.auth_failures == 1  # not retried: one refusal, one log line
 
 
 def impostor_server(proof_for):
@@ -342,12 +342,12 @@ def test_connector_end_to_end(secret_files, monkeypatch, caplog, consumer):
         if consumer.startswith("same"):
             for rid, r in results.items():
                 assert r.status.value == "finished" and not r.load_failed and r.bad_blocks == [], rid
-            assert server.stats["authenticated"] >= 1 and server.stats["auth_failures"] == 0
+            assert server.stats.authenticated >= 1 and server.stats.auth_failures == 0
         else:
             for rid, r in results.items():  # refused: computed locally instead
                 assert r.load_failed and r.recomputed_from_block == 0, rid
             assert fabric.reads == 0
-            assert server.stats["auth_failures"] >= 1
+            assert server.stats.auth_failures >= 1
             assert "authentication" in caplog.text
         for value in params.values():
             assert_no_secret_in(repr(value))

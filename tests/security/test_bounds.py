@@ -144,7 +144,7 @@ def test_remote_block_ids_beyond_the_producer_cache_are_never_read(pair):
     assert fabric.reads == reads, "a read was posted for a block outside the producer's KV cache"
     # The altered params cannot release the genuine lease (their RELEASE is
     # refused FORGED): it is left to its TTL, here forced.
-    assert p.worker.worker.leases.stats["refused_forged"] >= 1 and p.held
+    assert p.worker.worker.leases.stats.refused_forged >= 1 and p.held
     p.worker.worker.leases.expire(now=float("inf"))
     pump_until(p, d, lambda: not p.held, "the producer's lease expired")
 

@@ -126,11 +126,11 @@ def authenticate(sock):
 def test_a_source_over_its_untrusted_budget_evicts_its_own_oldest_while_another_is_served():
     with server(max_untrusted_per_source=2) as srv:
         held = [connect(srv), connect(srv)]
-        wait_until(lambda: srv.stats["connections"] == 2, what="both admitted")
+        wait_until(lambda: srv.stats.connections == 2, what="both admitted")
         newest = connect(srv)
         try:
             assert closed_by_server(held[0]), "the source's oldest untrusted connection was not evicted"
-            assert srv.stats["evicted_untrusted_per_source"] == 1
+            assert srv.stats.evicted_untrusted_per_source == 1
             for sock in (held[1], newest):  # the others were not touched
                 assert isinstance(hello(sock), wire.Challenge)
             client = SideChannelClient("127.0.0.1", srv.port, retries=0)  # another source: served
@@ -147,11 +147,11 @@ def test_a_full_untrusted_budget_evicts_the_flooders_connection_not_the_lone_con
     with server(max_untrusted=3, max_untrusted_per_source=2) as srv:
         lone = connect(srv, "127.0.0.3")  # the oldest, but its source holds one
         flood = [connect(srv), connect(srv)]  # 127.0.0.2 holds two
-        wait_until(lambda: srv.stats["connections"] == 3, what="three admitted")
+        wait_until(lambda: srv.stats.connections == 3, what="three admitted")
         late = connect(srv, "127.0.0.4")
         try:
             assert closed_by_server(flood[0]), "the flooder's oldest connection was not evicted"
-            assert srv.stats["evicted_untrusted_total"] == 1
+            assert srv.stats.evicted_untrusted_total == 1
             for sock in (lone, flood[1], late):
                 assert isinstance(hello(sock), wire.Challenge)
         finally:
@@ -166,9 +166,9 @@ def test_per_source_budget_counts_trusted_connections_and_refuses_only_when_all_
             hello(sock)
             exchange(sock, renew())  # trusted by a live lease
         try:
-            assert srv.stats["trusted"] == 2
+            assert srv.stats.trusted == 2
             assert refused(srv)  # both active within evict_idle_s: the source is at its budget
-            assert srv.stats["refused_per_source"] == 1
+            assert srv.stats.refused_per_source == 1
             assert isinstance(exchange(a, handshake()), wire.HandshakeReply)
         finally:
             for sock in (a, b):
@@ -189,13 +189,13 @@ def test_an_insiders_trusted_connections_cannot_hold_the_door(kind):
             authenticate(sock)
             if kind == "slowloris":
                 sock.sendall(frame(renew())[:3])
-        wait_until(lambda: srv.stats["authenticated"] == 4, what="the insider's connections")
+        wait_until(lambda: srv.stats.authenticated == 4, what="the insider's connections")
         time.sleep(0.4)  # idle (or stalled) past its bound (the outcome does not depend on how far)
         legit = connect(srv, "127.0.0.1")
         try:
             authenticate(legit)
             assert isinstance(exchange(legit, handshake()), wire.HandshakeReply)
-            assert srv.stats["evicted_full"] == 1 and closed_by_server(hog[0])
+            assert srv.stats.evicted_full == 1 and closed_by_server(hog[0])
         finally:
             for sock in (*hog, legit):
                 sock.close()
@@ -208,7 +208,7 @@ def test_a_frame_started_after_auth_must_arrive_whole_in_time():
             authenticate(sock)
             sock.sendall(frame(renew())[:5])
             assert closed_by_server(sock), "a trusted connection held a half frame open"
-            wait_until(lambda: srv.stats["closed_slow"] == 1, what="counted as slow")
+            wait_until(lambda: srv.stats.closed_slow == 1, what="counted as slow")
         finally:
             sock.close()
 
@@ -220,7 +220,7 @@ def test_an_idle_trusted_connection_is_closed_at_the_idle_timeout():
             authenticate(sock)
             assert isinstance(exchange(sock, handshake()), wire.HandshakeReply)
             assert closed_by_server(sock)
-            wait_until(lambda: srv.stats["closed_idle"] == 1, what="counted as idle")
+            wait_until(lambda: srv.stats.closed_idle == 1, what="counted as idle")
         finally:
             sock.close()
 
@@ -263,7 +263,7 @@ def test_no_trust_from_pending_or_from_a_lease_the_table_does_not_hold(answer):
             hello(sock)
             rid = "pending-1" if answer == "pending" else "held-1"  # (1, 1) is not in handler.live
             exchange(sock, renew(rid))
-            assert srv.stats["trusted"] == 0
+            assert srv.stats.trusted == 0
             assert closed_by_server(sock), "an unproven connection outlived its opening deadline"
         finally:
             sock.close()
@@ -277,11 +277,11 @@ def test_trust_from_a_live_lease_ends_with_the_lease():
         try:
             hello(sock)
             assert exchange(sock, renew("held-1")).statuses == [wire.LeaseStatus.HELD]
-            assert srv.stats["trusted"] == 1
+            assert srv.stats.trusted == 1
             handler.live.clear()  # the lease ended (released, expired)
-            wait_until(lambda: srv.stats["untrusted_again"] == 1, what="trust withdrawn")
+            wait_until(lambda: srv.stats.untrusted_again == 1, what="trust withdrawn")
             assert closed_by_server(sock), "trust outlived the lease that proved it"
-            assert srv.stats["closed_at_deadline"] == 1
+            assert srv.stats.closed_at_deadline == 1
         finally:
             sock.close()
 
@@ -304,8 +304,8 @@ def test_an_untrusted_connection_is_closed_at_the_opening_deadline(opening):
             if opening == "hello+renew of a gone lease":
                 assert exchange(sock, renew("gone-1")).statuses == [wire.LeaseStatus.GONE]
             assert closed_by_server(sock), f"an untrusted connection ({opening}) outlived the deadline"
-            wait_until(lambda: srv.stats["closed_at_deadline"] == 1, what="the deadline counted")
-            assert srv.stats["trusted"] == 0
+            wait_until(lambda: srv.stats.closed_at_deadline == 1, what="the deadline counted")
+            assert srv.stats.trusted == 0
         finally:
             sock.close()
 
@@ -323,7 +323,7 @@ def test_a_trusted_connection_survives_the_opening_deadline(secret):
                 assert exchange(sock, renew()).statuses == [wire.LeaseStatus.HELD]  # trusted by a lease
             time.sleep(4 * deadline_s)  # well past the deadline (the assertion does not depend on how far)
             assert isinstance(exchange(sock, handshake()), wire.HandshakeReply)
-            assert srv.stats["closed_at_deadline"] == 0 and srv.stats["trusted"] == 1
+            assert srv.stats.closed_at_deadline == 0 and srv.stats.trusted == 1
         finally:
             sock.close()
 
@@ -333,9 +333,9 @@ def test_a_client_reconnects_after_its_untrusted_connection_was_closed():
         client = SideChannelClient("127.0.0.1", srv.port, retries=2)
         try:
             assert isinstance(client.handshake(handshake()), wire.HandshakeReply)
-            wait_until(lambda: srv.stats["closed_at_deadline"] == 1, what="the deadline closing it")
+            wait_until(lambda: srv.stats.closed_at_deadline == 1, what="the deadline closing it")
             assert client.lease_call(renew()).statuses == [wire.LeaseStatus.HELD]  # on a new connection
-            assert srv.stats["connections"] == 2
+            assert srv.stats.connections == 2
         finally:
             client.close()
 
@@ -348,7 +348,7 @@ def test_a_burst_of_evictions_logs_a_bounded_number_of_lines(caplog):
     with server(max_untrusted_per_source=1, log_burst=2, log_window_s=LONG) as srv:
         socks = [connect(srv) for _ in range(61)]  # each newcomer evicts the one before it
         try:
-            wait_until(lambda: srv.stats["evicted_untrusted_per_source"] == 60, what="the evictions")
+            wait_until(lambda: srv.stats.evicted_untrusted_per_source == 60, what="the evictions")
         finally:
             for sock in socks:
                 sock.close()
@@ -421,7 +421,7 @@ def test_a_wrong_auth_is_refused_naming_what_was_wrong(answer, says):
             hello(sock)
             reply = exchange(sock, answer)
             assert isinstance(reply, wire.Refused) and says in reply.reason, reply
-            assert srv.stats["auth_failures"] == 1
+            assert srv.stats.auth_failures == 1
         finally:
             sock.close()
 

@@ -32,7 +32,7 @@ from rdma_kv.connector import KVTransferConfig, Request
 from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress, RdmaConnectorMetadata
 from rdma_kv.connector.rdma.params import PARAM_KEYS, LeaseRef, RemotePrefillParams, parse_kv_transfer_params
-from rdma_kv.connector.rdma.planning import SlotTable
+from rdma_kv.connector.rdma.slots import SlotTable
 from rdma_kv.connector.rdma.sidechannel import SideChannelServer
 from rdma_kv.connector.rdma.sideclient import SideChannelClient
 from rdma_kv.errors import ConfigError, MetadataError, PeerError, RdmaKVError

@@ -3,7 +3,7 @@
 A backend is a plain function ``run_backend(workload: Workload, reps: int)
 -> Result`` registered in ``BACKENDS`` by name; the rdma-kv backend plugs
 in with ``register_backend("rdma-kv", fn)``. Each backend run gets its own
-child processes (reaped by the harness, each step under a timeout). A
+child processes (reaped by the runner, each step under a timeout). A
 backend whose dependency is missing is reported as *skipped*; one that
 fails is reported as *failed* with the child's traceback; neither stops
 the run.
@@ -23,7 +23,7 @@ import time
 from typing import Callable, Iterable, Sequence
 
 from rdma_kv.bench import cma, nixl_peer, perftest, rdmakv_peer
-from rdma_kv.bench.harness import BackendUnavailableError, BenchError
+from rdma_kv.bench.runner import BackendUnavailableError, BenchError
 from rdma_kv.bench.report import Result, run_meta, table, to_json
 from rdma_kv.bench.workloads import PRESETS, Workload, preset
 from rdma_kv.errors import ConfigError

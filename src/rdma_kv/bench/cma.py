@@ -6,7 +6,7 @@ syscall and the kernel copies straight from the target's pages. It bounds
 what any one-sided read engine can reach between two processes here.
 
 With ``threads=N`` (the ``cma-tN`` rows of ``rdma-kv bench --lanes N``) the
-plan is cut into N slices of about equal bytes (runs of iovec pairs, or
+batch is cut into N slices of about equal bytes (runs of iovec pairs, or
 page-aligned pieces of each pair when there are fewer pairs than threads),
 read by N threads at once (ctypes drops the GIL for the syscall). The time
 reported is the longest *single thread's* syscall span, as if all started
@@ -14,7 +14,7 @@ together: no wake-up or hand-off is counted, so it is the kernel's own
 limit for N readers, a bound no N-worker engine can beat.
 
 Owns the cma backend: ``target`` / ``reader`` child bodies for
-``harness.run_pair`` and ``run_backend(workload, reps) -> Result``.
+``runner.run_pair`` and ``run_backend(workload, reps) -> Result``.
 Imports numpy, ctypes, the stdlib and ``rdma_kv.bench`` siblings only.
 """
 
@@ -29,17 +29,17 @@ from typing import Any
 
 import numpy as np
 
-from rdma_kv.bench import harness
-from rdma_kv.bench.harness import BenchError, Channel
+from rdma_kv.bench import runner
+from rdma_kv.bench.runner import BenchError, Channel
 from rdma_kv.bench.report import Result
-from rdma_kv.bench.workloads import Workload, coalesce, plan
+from rdma_kv.bench.workloads import Workload, coalesce, batch
 
 NAME = "cma"
 IOV_MAX = 1024  # Linux UIO_MAXIOV: entries per iovec array per syscall
 _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 
-# struct iovec {void *iov_base; size_t iov_len;} as a numpy record: a plan's
+# struct iovec {void *iov_base; size_t iov_len;} as a numpy record: a batch's
 # descriptors become iovec arrays with two vectorised adds, no Python loop.
 IOVEC = np.dtype([("base", np.uint64), ("len", np.uint64)])
 
@@ -185,9 +185,9 @@ def target(chan: Channel, start: dict[str, Any]) -> None:
     workload = Workload.from_dict(start["workload"])
     allow_ptrace_from_any()
     buf = page_aligned_buffer(workload.buffer_nbytes)
-    filler = harness.PatternFiller(buf, workload.seed)
+    filler = runner.PatternFiller(buf, workload.seed)
     chan.send({"type": "ready", "pid": os.getpid(), "address": buf.ctypes.data, "nbytes": buf.nbytes})
-    harness.serve_target(chan, filler.fill, lambda: None)
+    runner.serve_target(chan, filler.fill, lambda: None)
 
 
 def reader(chan: Channel, start: dict[str, Any]) -> None:
@@ -203,7 +203,7 @@ def reader(chan: Channel, start: dict[str, Any]) -> None:
     chan.send({"type": "ready", "config": {"coalesce": merge, "iov_max": IOV_MAX, "threads": threads}})
 
     def run_rep(rep: int) -> dict[str, Any]:
-        p = plan(workload, rep)
+        p = batch(workload, rep)
         local.fill(0)  # nothing stale can pass verification; pages stay resident
         t0 = time.perf_counter()
         lo, ro, ln = (
@@ -218,7 +218,7 @@ def reader(chan: Channel, start: dict[str, Any]) -> None:
             seconds = time.perf_counter() - t1
         else:
             syscalls, seconds = pool.read(liov, riov)
-        harness.verify(local, p, "cma reader")
+        runner.verify(local, p, "cma reader")
         return {
             "seconds": seconds,
             "prep_seconds": t1 - t0,
@@ -228,7 +228,7 @@ def reader(chan: Channel, start: dict[str, Any]) -> None:
             "syscalls": syscalls,
         }
 
-    harness.serve_reader(chan, run_rep, pool.close if pool is not None else lambda: None)
+    runner.serve_reader(chan, run_rep, pool.close if pool is not None else lambda: None)
 
 
 # --- backend ----------------------------------------------------------------------------
@@ -236,5 +236,5 @@ def reader(chan: Channel, start: dict[str, Any]) -> None:
 
 def run_backend(workload: Workload, reps: int, **options: Any) -> Result:
     """Batched process_vm_readv of ``workload``'s plans, ``reps`` times."""
-    records, config = harness.run_pair(__name__, workload, reps, options)
+    records, config = runner.run_pair(__name__, workload, reps, options)
     return Result.from_records(NAME, workload, records, config=config.get("config", {}))

@@ -1,4 +1,4 @@
-"""Baseline: NIXL (``nixl-cu12==1.5.1``, UCX backend) on the identical plan.
+"""Baseline: NIXL (``nixl-cu12==1.5.1``, UCX backend) on the identical batches.
 
 NIXL is an optional bench dependency, never a library dependency: it is
 imported only inside the two child processes, and a missing NIXL turns into
@@ -31,11 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from rdma_kv.bench import harness
+from rdma_kv.bench import runner
 from rdma_kv.bench.cma import page_aligned_buffer
-from rdma_kv.bench.harness import BenchError, Channel
+from rdma_kv.bench.runner import BenchError, Channel
 from rdma_kv.bench.report import Result
-from rdma_kv.bench.workloads import Workload, plan
+from rdma_kv.bench.workloads import Workload, batch
 
 NAME = "nixl"
 DEFAULT_OPTIONS: dict[str, Any] = {
@@ -115,7 +115,7 @@ def target(chan: Channel, start: dict[str, Any]) -> None:
     agent = _agent("bench-target", dict(options, progress_thread=options["target_progress_thread"]))
     buf = page_aligned_buffer(workload.buffer_nbytes)
     reg = _register(agent, buf)
-    filler = harness.PatternFiller(buf, workload.seed)
+    filler = runner.PatternFiller(buf, workload.seed)
     chan.send({"type": "ready", "address": buf.ctypes.data, "nbytes": buf.nbytes}, agent.get_agent_metadata())
     fills = []
 
@@ -132,10 +132,10 @@ def target(chan: Channel, start: dict[str, Any]) -> None:
                     got.extend(bytes(m) for m in msgs)
                 return got
 
-            harness.await_notifications(poll, [f"rep{r}".encode() for r in fills], NOTIFY_WAIT_S, "nixl target")
+            runner.await_notifications(poll, [f"rep{r}".encode() for r in fills], NOTIFY_WAIT_S, "nixl target")
         agent.deregister_memory(reg)
 
-    harness.serve_target(chan, fill, close)
+    runner.serve_target(chan, fill, close)
 
 
 def reader(chan: Channel, start: dict[str, Any]) -> None:
@@ -159,7 +159,7 @@ def reader(chan: Channel, start: dict[str, Any]) -> None:
     notify = bool(options["notify"])
 
     def run_rep(rep: int) -> dict[str, Any]:
-        p = plan(workload, rep)
+        p = batch(workload, rep)
         local.fill(0)
         msg = f"rep{rep}".encode() if notify else b""
         t0 = time.perf_counter()
@@ -187,7 +187,7 @@ def reader(chan: Channel, start: dict[str, Any]) -> None:
         else:
             record["ops"] = p.descriptor_count  # unknown without telemetry: report the request size
         handle.release()
-        harness.verify(local, p, "nixl reader")
+        runner.verify(local, p, "nixl reader")
         return record
 
     def close() -> None:
@@ -197,7 +197,7 @@ def reader(chan: Channel, start: dict[str, Any]) -> None:
         agent.remove_remote_agent(remote_name)
 
     chan.send({"type": "ready", "config": dict(options, prep_xfer_dlist_s=prep_dlist_s, nixl_version=_version())})
-    harness.serve_reader(chan, run_rep, close)
+    runner.serve_reader(chan, run_rep, close)
 
 
 def _warm_up(agent: Any, local_h: Any, remote_h: Any) -> None:
@@ -229,5 +229,5 @@ def run_backend(workload: Workload, reps: int, **options: Any) -> Result:
     reason = nixl_available()
     if reason:
         return Result.skipped(NAME, workload.name, reason)
-    records, config = harness.run_pair(__name__, workload, reps, dict(DEFAULT_OPTIONS, **options))
+    records, config = runner.run_pair(__name__, workload, reps, dict(DEFAULT_OPTIONS, **options))
     return Result.from_records(NAME, workload, records, config=config.get("config", {}))

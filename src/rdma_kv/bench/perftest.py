@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rdma_kv.bench.report import Result
-from rdma_kv.bench.harness import BenchError
+from rdma_kv.bench.runner import BenchError
 
 NAME = "ucx_perftest"
 MiB = 1 << 20

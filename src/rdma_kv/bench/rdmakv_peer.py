@@ -1,4 +1,4 @@
-"""The rdma-kv backend: ``rdma_kv.transport.Agent`` on the identical plan.
+"""The rdma-kv backend: ``rdma_kv.transport.Agent`` on the identical batches.
 
 Driven like the NIXL backend, so the two compare one to one: each side's
 buffer registered once; on the reader one *prepared* list per side covering
@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from rdma_kv.bench import harness
+from rdma_kv.bench import runner
 from rdma_kv.bench.cma import page_aligned_buffer
-from rdma_kv.bench.harness import BenchError, Channel
+from rdma_kv.bench.runner import BenchError, Channel
 from rdma_kv.bench.report import Result
-from rdma_kv.bench.workloads import Workload, plan
+from rdma_kv.bench.workloads import Workload, batch
 
 NAME = "rdma-kv"
 DEFAULT_OPTIONS: dict[str, Any] = {
@@ -63,7 +63,7 @@ def target(chan: Channel, start: dict[str, Any]) -> None:
     agent = _agent("bench-target", options["target_progress"], options["ucx_options"])
     buf = page_aligned_buffer(workload.buffer_nbytes)
     agent.register(buf)
-    filler = harness.PatternFiller(buf, workload.seed)
+    filler = runner.PatternFiller(buf, workload.seed)
     fills = []
 
     def fill(rep: int) -> None:
@@ -78,11 +78,11 @@ def target(chan: Channel, start: dict[str, Any]) -> None:
                 got.extend(n.payload for n in agent.get_notifications())
                 return got
 
-            harness.await_notifications(poll, [f"rep{r}".encode() for r in fills], NOTIFY_WAIT_S, "rdma-kv target")
+            runner.await_notifications(poll, [f"rep{r}".encode() for r in fills], NOTIFY_WAIT_S, "rdma-kv target")
         agent.close()
 
     chan.send({"type": "ready", "address": buf.ctypes.data, "nbytes": buf.nbytes}, agent.metadata())
-    harness.serve_target(chan, fill, close)
+    runner.serve_target(chan, fill, close)
 
 
 def reader(chan: Channel, start: dict[str, Any]) -> None:
@@ -102,7 +102,7 @@ def reader(chan: Channel, start: dict[str, Any]) -> None:
     agent.read_prepared(local_prep, zero, remote_prep, zero).wait(60)  # wire-up, untimed
 
     def run_rep(rep: int) -> dict[str, Any]:
-        p = plan(workload, rep)
+        p = batch(workload, rep)
         local.fill(0)
         t0 = time.perf_counter()
         xfer = agent.read_prepared(local_prep, p.local_slots, remote_prep, p.remote_slots,
@@ -112,8 +112,8 @@ def reader(chan: Channel, start: dict[str, Any]) -> None:
         t2 = time.perf_counter()
         prep = (t1 - t0) - xfer.post_s
         if xfer.nbytes != p.nbytes:
-            raise BenchError(f"rdma-kv moved {xfer.nbytes} bytes, plan says {p.nbytes}")
-        harness.verify(local, p, "rdma-kv reader")
+            raise BenchError(f"rdma-kv moved {xfer.nbytes} bytes, the batch says {p.nbytes}")
+        runner.verify(local, p, "rdma-kv reader")
         return {
             "seconds": t2 - t0 - prep,
             "prep_seconds": prep,
@@ -127,7 +127,7 @@ def reader(chan: Channel, start: dict[str, Any]) -> None:
 
     chan.send({"type": "ready", "config": dict(options, lanes=agent.config.lanes, prep_lists_s=prep_list_s,
                                                ucx_version=ucx_version(), ucx_library=library_path() or "")})
-    harness.serve_reader(chan, run_rep, agent.close)
+    runner.serve_reader(chan, run_rep, agent.close)
 
 
 # --- backend ----------------------------------------------------------------------------
@@ -135,5 +135,5 @@ def reader(chan: Channel, start: dict[str, Any]) -> None:
 
 def run_backend(workload: Workload, reps: int, **options: Any) -> Result:
     """rdma-kv READ of ``workload``'s plans, ``reps`` times."""
-    records, config = harness.run_pair(__name__, workload, reps, dict(DEFAULT_OPTIONS, **options))
+    records, config = runner.run_pair(__name__, workload, reps, dict(DEFAULT_OPTIONS, **options))
     return Result.from_records(NAME, workload, records, config=config.get("config", {}))

@@ -3,7 +3,7 @@
 Units: GB/s is 1e9 bytes per second (decimal, like NIXL's and the issue's
 figures); ``ucx_perftest`` prints MB/s with MB = 2**20 bytes and is
 converted. ``seconds`` is post-to-completion time; ``prep_seconds`` is the
-time to build the request from the plan (NIXL ``make_prepped_xfer``, cma
+time to build the request from the batch (NIXL ``make_prepped_xfer``, cma
 iovec building); ``post_seconds`` the post call alone where a backend has
 one. ``total`` = prep + transfer.
 

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from rdma_kv.bench import harness
+from rdma_kv.bench import runner
 from rdma_kv.bench.sweep import format_nbytes, parse_nbytes
 from rdma_kv.errors import ConfigError
 
@@ -213,15 +213,15 @@ def _run_backend(backend: str, results: list[ScalePoint], request: RequestShape,
     max_concurrency = max(r.concurrency for r in results)
     start = {"type": "start", "seed": seed, "block_nbytes": request.block_nbytes, "pool_blocks": POOL_BLOCKS,
              "local_blocks": max_concurrency * request.blocks}
-    children: list[harness.Child] = []
+    children: list[runner.Child] = []
     try:
         targets = []
         for i in range(num_targets):
-            child = harness.Child(ctx, f"{module}:{prefix}_target", f"{backend} target {i}")
+            child = runner.Child(ctx, f"{module}:{prefix}_target", f"{backend} target {i}")
             children.append(child)
             child.chan.send(dict(start, index=i))
             targets.append(child)
-        reader = harness.Child(ctx, f"{module}:{prefix}_reader", f"{backend} reader")
+        reader = runner.Child(ctx, f"{module}:{prefix}_reader", f"{backend} reader")
         children.append(reader)
         reader.chan.send(dict(start, targets=num_targets))
         for i, child in enumerate(targets):
@@ -251,11 +251,11 @@ def _run_backend(backend: str, results: list[ScalePoint], request: RequestShape,
             child.close(timeout_s=10)
 
 
-# --- the plan and its check (used by the reader children) -------------------------------
+# --- the requests drawn and their check (used by the reader children) ---------------------
 
 
-def request_plan(seed: int, rep: int, producers: int, concurrency: int, blocks: int,
-                 pool_blocks: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+def draw_requests(seed: int, rep: int, producers: int, concurrency: int, blocks: int,
+                  pool_blocks: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """(producer, local block ids, remote block ids) of each request of one
     rep: request ``i`` reads from producer ``i % producers`` into local
     blocks ``[i * blocks, (i + 1) * blocks)``, from random distinct pool blocks."""
@@ -265,7 +265,7 @@ def request_plan(seed: int, rep: int, producers: int, concurrency: int, blocks: 
             for i in range(concurrency)]
 
 
-def verify(local: np.ndarray, plan: list[tuple[int, np.ndarray, np.ndarray]], seed: int, rep: int,
+def verify(local: np.ndarray, requests: list[tuple[int, np.ndarray, np.ndarray]], seed: int, rep: int,
            block_nbytes: int, who: str) -> None:
     """Raise ``VerificationError`` unless every request's blocks hold its
     producer's pattern for ``rep`` (producer ``t`` fills with seed ``seed + t``)."""
@@ -273,11 +273,11 @@ def verify(local: np.ndarray, plan: list[tuple[int, np.ndarray, np.ndarray]], se
     rows = local.view(np.uint64).reshape(-1, row_words)
     col = np.arange(row_words, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        for i, (producer, local_ids, remote_ids) in enumerate(plan):
-            salt = harness.pattern_salt(seed + producer, rep)
-            want = (remote_ids.astype(np.uint64)[:, None] * np.uint64(row_words) + col) * harness._MUL + salt
+        for i, (producer, local_ids, remote_ids) in enumerate(requests):
+            salt = runner.pattern_salt(seed + producer, rep)
+            want = (remote_ids.astype(np.uint64)[:, None] * np.uint64(row_words) + col) * runner._MUL + salt
             if not np.array_equal(rows[local_ids], want):
-                raise harness.VerificationError(f"{who}: rep {rep} request {i} (producer {producer}) does not "
+                raise runner.VerificationError(f"{who}: rep {rep} request {i} (producer {producer}) does not "
                                                 "hold the producer's bytes")
 
 

@@ -6,7 +6,7 @@ pattern (seed ``seed + index``) per rep and sends its address and agent
 metadata. The reader registers ``local_blocks`` blocks, adds every target
 as a peer with one prepared list per side (made once, untimed, then one
 small warm-up read per peer), and per rep posts one read per request of
-the plan, then waits for all; it returns the span (first post to last
+the requests, then waits for all; it returns the span (first post to last
 completion) and each request's latency from the first post.
 
 Imports numpy, the stdlib and ``rdma_kv.bench`` siblings; the transport
@@ -20,29 +20,29 @@ from typing import Any
 
 import numpy as np
 
-from rdma_kv.bench import harness, scale
+from rdma_kv.bench import runner, scale
 from rdma_kv.bench.cma import page_aligned_buffer
-from rdma_kv.bench.harness import BenchError, Channel
+from rdma_kv.bench.runner import BenchError, Channel
 
 WAIT_S = 120.0  # one rep's reads
 TARGET_PROGRESS_S = 0.001  # a NIXL target progresses its worker this often while idle
 
 
-def _plan(start: dict[str, Any], msg: dict[str, Any]) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    return scale.request_plan(start["seed"], int(msg["rep"]), int(msg["producers"]), int(msg["concurrency"]),
-                              int(msg["blocks"]), start["pool_blocks"])
+def _requests(start: dict[str, Any], msg: dict[str, Any]) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    return scale.draw_requests(start["seed"], int(msg["rep"]), int(msg["producers"]), int(msg["concurrency"]),
+                               int(msg["blocks"]), start["pool_blocks"])
 
 
 def _serve(chan: Channel, start: dict[str, Any], local: np.ndarray, run: Any, close: Any, who: str) -> None:
-    """Reader loop: ``run(plan) -> (t_first_post, [completion times])`` per rep."""
+    """Reader loop: ``run(requests) -> (t_first_post, [completion times])`` per rep."""
     while True:
         msg, _ = chan.recv()
         if msg["type"] == "rep":
-            plan = _plan(start, msg)
-            local[: len(plan) * int(msg["blocks"]) * start["block_nbytes"]].fill(0)
-            t0, done = run(plan)
-            scale.verify(local, plan, start["seed"], int(msg["rep"]), start["block_nbytes"], who)
-            nbytes = sum(len(ids) for _, ids, _ in plan) * start["block_nbytes"]
+            requests = _requests(start, msg)
+            local[: len(requests) * int(msg["blocks"]) * start["block_nbytes"]].fill(0)
+            t0, done = run(requests)
+            scale.verify(local, requests, start["seed"], int(msg["rep"]), start["block_nbytes"], who)
+            nbytes = sum(len(ids) for _, ids, _ in requests) * start["block_nbytes"]
             chan.send({"type": "rep_result", "rep": msg["rep"], "nbytes": nbytes, "span_s": max(done) - t0,
                        "latencies_s": [t - t0 for t in done]})
         elif msg["type"] == "close":
@@ -68,9 +68,9 @@ def rdmakv_target(chan: Channel, start: dict[str, Any]) -> None:
     agent = Agent(f"scale-target-{start['index']}", AgentConfig(progress="thread"))
     buf = page_aligned_buffer(start["pool_blocks"] * start["block_nbytes"])
     agent.register(buf)
-    filler = harness.PatternFiller(buf, start["seed"] + start["index"])
+    filler = runner.PatternFiller(buf, start["seed"] + start["index"])
     chan.send({"type": "ready", "address": buf.ctypes.data}, agent.metadata())
-    harness.serve_target(chan, filler.fill, agent.close)
+    runner.serve_target(chan, filler.fill, agent.close)
 
 
 def rdmakv_reader(chan: Channel, start: dict[str, Any]) -> None:
@@ -92,10 +92,10 @@ def rdmakv_reader(chan: Channel, start: dict[str, Any]) -> None:
         agent.read_prepared(local_prep, zero, prep, zero).wait(60)  # wire-up, untimed
         remotes.append(prep)
 
-    def run(plan: list[tuple[int, np.ndarray, np.ndarray]]) -> tuple[float, list[float]]:
+    def run(requests: list[tuple[int, np.ndarray, np.ndarray]]) -> tuple[float, list[float]]:
         t0 = time.perf_counter()
         xfers = [agent.read_prepared(local_prep, local_ids, remotes[p], remote_ids, timeout_s=WAIT_S)
-                 for p, local_ids, remote_ids in plan]
+                 for p, local_ids, remote_ids in requests]
         for x in xfers:
             x.wait(WAIT_S)
         return t0, [x.finished if x.finished is not None else time.perf_counter() for x in xfers]
@@ -127,7 +127,7 @@ def nixl_target(chan: Channel, start: dict[str, Any]) -> None:
     agent = _nixl_agent(f"scale-target-{start['index']}", False)
     buf = page_aligned_buffer(start["pool_blocks"] * start["block_nbytes"])
     reg = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
-    filler = harness.PatternFiller(buf, start["seed"] + start["index"])
+    filler = runner.PatternFiller(buf, start["seed"] + start["index"])
     chan.send({"type": "ready", "address": buf.ctypes.data}, agent.get_agent_metadata())
     while True:
         if not chan.poll(TARGET_PROGRESS_S):
@@ -164,10 +164,10 @@ def nixl_reader(chan: Channel, start: dict[str, Any]) -> None:
         remotes.append(handle)
         names.append(name)
 
-    def run(plan: list[tuple[int, np.ndarray, np.ndarray]]) -> tuple[float, list[float]]:
+    def run(requests: list[tuple[int, np.ndarray, np.ndarray]]) -> tuple[float, list[float]]:
         t0 = time.perf_counter()
         handles = []
-        for p, local_ids, remote_ids in plan:
+        for p, local_ids, remote_ids in requests:
             h = agent.make_prepped_xfer("READ", local_h, local_ids, remotes[p], remote_ids)
             handles.append((h, agent.transfer(h)))
         done: list[float | None] = [None] * len(handles)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rdma_kv.bench import baselines, perftest
-from rdma_kv.bench.harness import BenchError
+from rdma_kv.bench.runner import BenchError
 from rdma_kv.bench.progress import ProgressBar
 from rdma_kv.bench.report import Result
 from rdma_kv.bench.workloads import KiB, MiB, Workload

@@ -1,9 +1,9 @@
-"""Benchmark workloads and the transfer plans every backend executes.
+"""Benchmark workloads and the batches every backend executes.
 
-Owns: ``Workload`` (what to move), ``Plan`` (the exact descriptors of one
+Owns: ``Workload`` (what to move), ``Batch`` (the exact descriptors of one
 repetition), the named presets (docs/benchmarks.md), and descriptor
 coalescing. Every backend (cma, NIXL, rdma-kv) builds its transfers from
-``plan(workload, rep)``, so all of them move the same bytes between the
+``batch(workload, rep)``, so all of them move the same bytes between the
 same offsets in the same order.
 
 Memory model: each side owns ONE buffer; all KV regions are views of it,
@@ -120,16 +120,16 @@ class Workload:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, object]) -> Workload:
+    def from_dict(cls, data: dict[str, Any]) -> Workload:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown workload keys {unknown}; valid keys: {sorted(known)}")
-        return cls(**data)  # type: ignore[arg-type]
+        return cls(**data)
 
 
 @dataclass(frozen=True, eq=False)
-class Plan:
+class Batch:
     """The descriptors of one repetition of a workload.
 
     ``local_slots``/``remote_slots`` (int32) index the full per-slot
@@ -174,13 +174,13 @@ def block_ids(workload: Workload, rep: int) -> tuple[np.ndarray, np.ndarray]:
     return local.astype(np.int64), remote.astype(np.int64)
 
 
-def plan(workload: Workload, rep: int) -> Plan:
+def batch(workload: Workload, rep: int) -> Batch:
     """The descriptors of repetition ``rep`` (deterministic in seed and rep)."""
     if rep < 0:
         raise ConfigError(f"rep must be >= 0, got {rep}")
     if workload.kind == "contiguous":
         zero = np.zeros(1, dtype=np.uint64)
-        return Plan(
+        return Batch(
             workload, rep, workload.buffer_nbytes,
             np.zeros(1, np.int32), np.zeros(1, np.int32),
             zero, zero.copy(), np.full(1, workload.nbytes, dtype=np.uint64),
@@ -191,7 +191,7 @@ def plan(workload: Workload, rep: int) -> Plan:
     local_slots = (region_base + local_ids[None, :]).ravel()
     remote_slots = (region_base + remote_ids[None, :]).ravel()
     size = np.uint64(workload.block_nbytes)
-    return Plan(
+    return Batch(
         workload, rep, workload.buffer_nbytes,
         local_slots.astype(np.int32), remote_slots.astype(np.int32),
         local_slots.astype(np.uint64) * size, remote_slots.astype(np.uint64) * size,
@@ -220,8 +220,8 @@ def coalesce(
     return lo, ro, ln
 
 
-def op_count(p: Plan) -> int:
-    """Operations left after coalescing the plan's descriptors."""
+def op_count(p: Batch) -> int:
+    """Operations left after coalescing the batch's descriptors."""
     return int(coalesce(p.local_offsets, p.remote_offsets, p.lengths)[2].shape[0])
 
 

@@ -3,7 +3,7 @@
 identical workloads in one run.
 
 Each backend runs in its own pair of processes (target and reader) on the
-same plan: same buffers, offsets, block ids and order; every repetition is
+same batches: same buffers, offsets, block ids and order; every repetition is
 verified bit-exact outside the timed region.
 
 ``--sweep`` (implied by ``--plot FILE.png``) runs a descriptor-size sweep

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_transport(args: argparse.Namespace) -> int:
     from rdma_kv.bench import rdmakv_peer
-    from rdma_kv.bench.harness import BenchError
+    from rdma_kv.bench.runner import BenchError
     from rdma_kv.bench.workloads import PRESETS
 
     base = PRESETS["kv-random"].replace(num_layers=args.layers, blocks_per_request=args.blocks,

@@ -26,7 +26,6 @@ from rdma_kv.connector.config import (
 )
 from rdma_kv.connector.factory import KVConnectorFactory
 from rdma_kv.connector.geometry import (
-    BlockRanges,
     KVCacheGeometry,
     LayerGeometry,
     Layout,
@@ -34,7 +33,6 @@ from rdma_kv.connector.geometry import (
     Segment,
     derive_geometry,
     derive_layer_geometry,
-    paired_block_ranges,
     region_bytes,
     storage_address,
 )
@@ -73,7 +71,6 @@ from rdma_kv.connector.types import (
 __all__ = [
     "AttentionSpec",
     "BlockId",
-    "BlockRanges",
     "CachedRequestData",
     "EngineId",
     "FullAttentionSpec",
@@ -113,7 +110,6 @@ __all__ = [
     "get_kv_transfer_group",
     "has_kv_transfer_group",
     "is_v1_kv_transfer_group",
-    "paired_block_ranges",
     "region_bytes",
     "reset_kv_transfer_state",
     "storage_address",

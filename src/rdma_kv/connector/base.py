@@ -16,7 +16,7 @@ import abc
 import enum
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from rdma_kv.connector.config import KVTransferConfig
 from rdma_kv.connector.specs import KVCacheConfig
@@ -89,7 +89,7 @@ def _role_checked(fn: F, role: KVConnectorRole) -> F:
         return fn(self, *args, **kwargs)
 
     setattr(checked, _ROLE_ATTR, role)
-    return checked  # type: ignore[return-value]
+    return cast(F, checked)  # functools.wraps keeps fn's signature
 
 
 def scheduler_side(fn: F) -> F:

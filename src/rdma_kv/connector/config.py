@@ -18,7 +18,7 @@ import json
 import uuid
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from rdma_kv.errors import ConfigError
 
@@ -242,7 +242,7 @@ class KVTransferConfig:
                 f"got {value.__class__.__name__} {value!r}"
             )
         if type is float and isinstance(value, int):
-            return float(value)  # type: ignore[return-value]
+            return cast(T, float(value))  # the caller asked for a float: T is float
         return value
 
     def get_from_extra_config(self, key: str, default: Any) -> Any:

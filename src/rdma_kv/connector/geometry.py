@@ -3,8 +3,7 @@
 Owns the derivation of per-layer block geometry from the KV tensors an
 engine hands to ``register_kv_caches`` (shape, strides and spec; a layout is
 never assumed), the grouping of layers into allocations (*regions*: layers
-that are views of one allocation are registered once), and the vectorised
-planning of block ids into coalesced byte ranges.
+that are views of one allocation are registered once).
 
 A layer is a list of *segments*. Segment ``s`` of block ``b`` occupies
 ``[offset + b * block_stride_bytes, + block_nbytes)`` relative to its
@@ -18,8 +17,7 @@ region's base. Layouts seen in engines:
 
 Works on torch tensors and numpy arrays alike (duck-typed: torch is never
 imported here unless a torch tensor is passed in). Imports numpy,
-``rdma_kv.errors``, ``rdma_kv.runs`` and ``rdma_kv.connector.specs``; never
-the transport.
+``rdma_kv.errors`` and ``rdma_kv.connector.specs``; never the transport.
 """
 
 from __future__ import annotations
@@ -27,17 +25,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from rdma_kv.connector.specs import AttentionSpec, KVCacheConfig, KVCacheSpec, normalize_dtype
-from rdma_kv.errors import DescriptorError, SpecError
-from rdma_kv.runs import run_starts
+from rdma_kv.errors import SpecError
 
 __all__ = [
-    "BlockRanges",
     "KVCacheGeometry",
     "LayerGeometry",
     "Layout",
@@ -45,7 +41,6 @@ __all__ = [
     "Segment",
     "derive_geometry",
     "derive_layer_geometry",
-    "paired_block_ranges",
     "region_bytes",
     "storage_address",
 ]
@@ -147,22 +142,6 @@ class KVCacheGeometry:
     def bytes_per_block(self) -> int:
         """Bytes of one block id across every layer."""
         return sum(layer.block_nbytes for layer in self.layers)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class BlockRanges:
-    """Byte ranges, each inside region ``region_index[i]`` of a geometry."""
-
-    region_index: np.ndarray  # int32
-    offsets: np.ndarray  # int64, from the region base
-    lengths: np.ndarray  # int64
-
-    def __len__(self) -> int:
-        return len(self.offsets)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.lengths.sum())
 
 
 # --- reading tensors --------------------------------------------------------
@@ -486,77 +465,3 @@ def derive_geometry(
         names = tuple(layer.name for layer in layers if layer.region_index == index)
         regions.append(Region(lo, hi - lo, device, names))
     return KVCacheGeometry(tuple(regions), tuple(layers))
-
-
-# --- planning ranges -----------------------------------------------------------
-
-
-def _segment_table(layers: Sequence[LayerGeometry]) -> tuple[np.ndarray, ...]:
-    rows = [
-        (layer.region_index, seg.offset, seg.block_stride_bytes, seg.block_nbytes, layer.num_blocks)
-        for layer in layers
-        for seg in layer.segments
-    ]
-    table = np.array(rows, dtype=np.int64).reshape(-1, 5)
-    return tuple(table[:, i] for i in range(5))
-
-
-def _unmerged(layers: Sequence[LayerGeometry], block_ids: Any) -> BlockRanges:
-    """One range per (layer, segment, block), layer-major, blocks in the given order."""
-    ids = np.asarray(block_ids)
-    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-        raise DescriptorError(f"block ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
-    ids = ids.astype(np.int64, copy=False)
-    region, offset, stride, nbytes, num_blocks = _segment_table(layers)
-    if ids.size and len(num_blocks):
-        low, high = int(ids.min()), int(ids.max())
-        limit = int(num_blocks.min())
-        if low < 0 or high >= limit:
-            bad = ids[(ids < 0) | (ids >= limit)]
-            raise DescriptorError(
-                f"block ids {bad[:8].tolist()} are outside [0, {limit}) of the KV cache"
-            )
-    offsets = offset[:, None] + stride[:, None] * ids[None, :]
-    shape = offsets.shape
-    return BlockRanges(
-        np.broadcast_to(region[:, None], shape).astype(np.int32).ravel(),
-        offsets.ravel(),
-        np.broadcast_to(nbytes[:, None], shape).ravel().copy(),
-    )
-
-
-def _coalesce(sides: Sequence[BlockRanges]) -> list[BlockRanges]:
-    """Merge range ``i + 1`` into range ``i`` where it continues it on every side."""
-    n = len(sides[0])
-    for side in sides:
-        if not np.array_equal(side.lengths, sides[0].lengths):
-            raise DescriptorError("paired ranges differ in length; the two geometries disagree")
-    if n == 0:
-        return list(sides)
-    starts = run_starts(sides[0].lengths, [(side.offsets, side.region_index) for side in sides])
-    lengths = np.add.reduceat(sides[0].lengths, starts)
-    return [BlockRanges(s.region_index[starts], s.offsets[starts], lengths) for s in sides]
-
-
-def paired_block_ranges(
-    local_layers: Sequence[LayerGeometry],
-    local_block_ids: Any,
-    remote_layers: Sequence[LayerGeometry],
-    remote_block_ids: Any,
-) -> tuple[BlockRanges, BlockRanges]:
-    """Matching local and remote ranges for copying ``remote_block_ids[i]``
-    into ``local_block_ids[i]``; a run is merged only where it is contiguous
-    on both sides, so range ``i`` of one side pairs with range ``i`` of the other."""
-    if len(local_layers) != len(remote_layers):
-        raise DescriptorError(
-            f"local geometry has {len(local_layers)} layers, remote {len(remote_layers)}"
-        )
-    local_ids, remote_ids = np.asarray(local_block_ids), np.asarray(remote_block_ids)
-    if local_ids.shape != remote_ids.shape:
-        raise DescriptorError(
-            f"{local_ids.size} local block ids but {remote_ids.size} remote block ids"
-        )
-    local, remote = _coalesce(
-        [_unmerged(local_layers, local_ids), _unmerged(remote_layers, remote_ids)]
-    )
-    return local, remote

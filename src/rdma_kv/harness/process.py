@@ -150,12 +150,12 @@ def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dic
                     conn.send(("reply", True))
                 elif op == "sidechannel":
                     server = engine.worker.worker._server
-                    conn.send(("reply", {**server.stats, "open": server.counts()[0],
+                    conn.send(("reply", {**dataclasses.asdict(server.stats), "open": server.counts()[0],
                                          "untrusted": server.counts()[1],
                                          "max_connections": server.limits.max_connections,
                                          "threads": threading.active_count()}))
                 elif op == "lease_events":
-                    conn.send(("reply", dict(engine.worker.worker.leases.stats)))
+                    conn.send(("reply", engine.worker.worker.leases.stats.counts()))
                 elif op == "scribble_free":
                     free = list(engine.pool.free)
                     engine.kv[:, free] = 7

@@ -18,7 +18,7 @@ the device under test, and checks for each:
 
 Device-agnostic: ``cuda:N`` in the selftest, ``cpu`` in the tests.
 
-May import: numpy, rdma_kv.connector (geometry, specs, rdma.planning,
+May import: numpy, rdma_kv.connector (geometry, specs, rdma.compat,
 rdma.wire), rdma_kv.selftest.report; torch is passed in.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from rdma_kv.connector.geometry import Layout, derive_geometry
-from rdma_kv.connector.rdma.planning import compat_info
+from rdma_kv.connector.rdma.compat import compat_info
 from rdma_kv.connector.rdma.wire import CompatInfo
 from rdma_kv.connector.specs import FullAttentionSpec, KVCacheConfig, MLAAttentionSpec
 from rdma_kv.selftest.report import Check

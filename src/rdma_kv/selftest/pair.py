@@ -11,11 +11,11 @@ each side once, and reads by block-table indices (``read_prepared``), as
 the connector does. Every read is verified bit-exact and timed from post to
 completion.
 
-Control messages are JSON over a pipe (``rdma_kv.bench.harness``'s
+Control messages are JSON over a pipe (``rdma_kv.bench.runner``'s
 channel); every wait is bounded by the check's ``Deadline``.
 
 May import: numpy, the standard library, rdma_kv.errors, rdma_kv.transport,
-rdma_kv.bench (workloads, harness, peer descriptors), rdma_kv.selftest;
+rdma_kv.bench (workloads, runner, peer descriptors), rdma_kv.selftest;
 torch only for ``cuda:N`` memory, inside the processes that use it.
 """
 
@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from rdma_kv.bench import harness
+from rdma_kv.bench import runner
 from rdma_kv.bench.cma import page_aligned_buffer
 from rdma_kv.bench.rdmakv_peer import slot_descs
-from rdma_kv.bench.workloads import Workload, plan
+from rdma_kv.bench.workloads import Workload, batch
 from rdma_kv.errors import RdmaKVError
 from rdma_kv.selftest.protocols import PROTO_INFO, read_protocols
 from rdma_kv.selftest.report import Check
@@ -120,13 +120,13 @@ class Buffer:
             self.obj = torch.zeros(nbytes, dtype=torch.uint8, device=torch.device(memory))
             torch.cuda.synchronize(self.obj.device)
             self.address = int(self.obj.data_ptr())
-        self._filler = harness.PatternFiller(self._host, 0)
+        self._filler = runner.PatternFiller(self._host, 0)
         self._seed = -1
 
     def fill(self, seed: int, rep: int) -> None:
         """The benchmark pattern of (seed, rep): every 8-byte word distinct."""
         if seed != self._seed:
-            self._filler, self._seed = harness.PatternFiller(self._host, seed), seed
+            self._filler, self._seed = runner.PatternFiller(self._host, seed), seed
         self._filler.fill(rep)
         if self.memory != "host":
             torch = _torch()
@@ -147,7 +147,7 @@ class Buffer:
 # --- the producer peer (a child of the check process) -----------------------------------
 
 
-def producer(chan: harness.Channel, start: dict[str, Any]) -> None:
+def producer(chan: runner.Channel, start: dict[str, Any]) -> None:
     """Register one buffer per memory, then fill / report notifications on
     request until ``close``. Its agent is made after the CUDA buffers, so
     its pump gets their device's context."""
@@ -174,7 +174,7 @@ def producer(chan: harness.Channel, start: dict[str, Any]) -> None:
             elif msg["type"] == "close":
                 break
             else:
-                raise harness.BenchError(f"producer peer: unexpected message {msg['type']!r}")
+                raise runner.BenchError(f"producer peer: unexpected message {msg['type']!r}")
     finally:
         agent.close()
     chan.send({"type": "closed"})
@@ -210,11 +210,11 @@ def run_reads(reads: Sequence[ReadSpec], workload: Workload, sink: Sink, deadlin
     cuda = [m for m in locals_ if m != "host"]
     assert len(cuda) <= 1, "one reader agent per GPU, as one connector per rank"
     ctx = mp.get_context("spawn")
-    child: harness.Child | None = None
+    child: runner.Child | None = None
     agent: Any = None
     pending = list(reads)
     try:
-        child = harness.Child(ctx, PRODUCER, "producer peer")
+        child = runner.Child(ctx, PRODUCER, "producer peer")
         child.chan.send({"type": "start", "workload": workload.to_dict(), "memories": sorted({r.remote for r in reads}),
                          "ucx_options": ucx_options, "idle_timeout_s": deadline.seconds})
         info, blob = child.chan.expect("ready", deadline.left())
@@ -238,7 +238,7 @@ def run_reads(reads: Sequence[ReadSpec], workload: Workload, sink: Sink, deadlin
             try:
                 check = _one_read(read, rep, workload, agent, child.chan, buffers[read.local],
                                   local_prep[read.local], remote_prep[read.remote], deadline, log, protocols)
-            except harness.BenchError:
+            except runner.BenchError:
                 raise  # the producer peer is gone: nothing after this can run
             except RdmaKVError as exc:  # this read failed (a transfer error, a deadline): the next may not
                 check = Check.failed(read.name, f"{type(exc).__name__}: {exc}")
@@ -261,14 +261,14 @@ def run_reads(reads: Sequence[ReadSpec], workload: Workload, sink: Sink, deadlin
     return Reads(tuple(checks), cuda_context, lanes_made)
 
 
-def _one_read(read: ReadSpec, rep: int, w: Workload, agent: Any, chan: harness.Channel, local: Buffer,
+def _one_read(read: ReadSpec, rep: int, w: Workload, agent: Any, chan: runner.Channel, local: Buffer,
               local_prep: Any, remote_prep: Any, deadline: Deadline, log: UcxLog | None,
               protocols: dict[tuple[str, str], list[str]]) -> Check:
     """``w.repetitions`` timed reads of one (local, remote) pair after an
     untimed one, each verified (a notified read's notification too).
     ``protocols`` gathers UCX's tables as they are printed (once per kind)."""
     seconds, ops, workers = [], 0, 1
-    p = plan(w, rep)
+    p = batch(w, rep)
     chan.send({"type": "fill", "memory": read.remote, "rep": rep})
     chan.expect("filled", deadline.left())
     for i in range(w.repetitions + 1):  # the first is a warm-up (endpoints wired, protocols chosen): untimed
@@ -282,8 +282,8 @@ def _one_read(read: ReadSpec, rep: int, w: Workload, agent: Any, chan: harness.C
             seconds.append(time.perf_counter() - t0)
         ops, workers = xfer.ops_posted, len([n for n in (xfer.worker_ops or (1,)) if n])
         try:
-            harness.verify(local.host_view(), p, f"{read.name} ({read.remote} -> {read.local})")
-        except harness.VerificationError as exc:
+            runner.verify(local.host_view(), p, f"{read.name} ({read.remote} -> {read.local})")
+        except runner.VerificationError as exc:
             return Check.failed(read.name, str(exc))
         if payload is not None:
             chan.send({"type": "await_notification", "payload": payload.decode(), "timeout_s": deadline.left()})

@@ -18,7 +18,7 @@ A group is a function ``group(params: dict, sink: Sink) -> None`` named as
 ``ucx_log`` added (the path fd 1 points at). The same
 function runs in-process with a ``Collect`` sink (tests).
 
-May import: the standard library, rdma_kv.errors, rdma_kv.bench.harness
+May import: the standard library, rdma_kv.errors, rdma_kv.bench.runner
 (the JSON control channel), rdma_kv.selftest.report.
 """
 
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from rdma_kv.bench.harness import BenchError, Channel
+from rdma_kv.bench.runner import BenchError, Channel
 from rdma_kv.selftest.report import Check, from_wire
 
 __all__ = ["Collect", "Deadline", "Sink", "UcxLog", "run_group"]

@@ -17,9 +17,12 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+if TYPE_CHECKING:
+    from rdma_kv.connector.rdma.stats import WorkerStats
 
 __all__ = ["RdmaKVConnectorStats", "RdmaKVPromMetrics"]
 
@@ -27,13 +30,27 @@ __all__ = ["RdmaKVConnectorStats", "RdmaKVPromMetrics"]
 class RdmaKVConnectorStats(KVConnectorStats):
     """``data``: the worker's summary in its dict form,
     ``{"requests": [record, ...], "totals": {name: number}, "leases_held": n[, "resources": {...}]}``
-    (``rdma_kv.connector.rdma.stats.WorkerStats.to_dict``)."""
+    (``rdma_kv.connector.rdma.stats.WorkerStats.to_dict``), parsed once, at
+    first use, into the typed summary every method reads."""
+
+    def __post_init__(self) -> None:
+        self._typed: WorkerStats | None = None
+
+    def _parsed(self) -> WorkerStats:
+        if self._typed is None:
+            # Lazy, as in RdmaKVPromMetrics: vLLM imports this module in its front end.
+            from rdma_kv.connector.rdma.stats import WorkerStats
+
+            self._typed = WorkerStats.from_dict(self.data)
+        return self._typed
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
+        self._typed = None
 
     def is_empty(self) -> bool:
-        return not self.data.get("requests") and not any(self.data.get("totals", {}).values())
+        typed = self._parsed()
+        return not typed.requests and not any(typed.totals.to_dict().values())
 
     def aggregate(self, other: KVConnectorStats) -> RdmaKVConnectorStats:
         """Fold ``other`` (another worker, or a later interval) in with the
@@ -43,30 +60,29 @@ class RdmaKVConnectorStats(KVConnectorStats):
             raise TypeError(f"cannot aggregate {type(other).__name__} into RdmaKVConnectorStats")
         if other.is_empty():
             return self
-        # Lazy, as in RdmaKVPromMetrics: vLLM imports this module in its front end.
         from rdma_kv.connector.rdma.stats import WorkerStats, merge
 
-        merged = merge([WorkerStats.from_dict(self.data), WorkerStats.from_dict(other.data)])
-        self.data = merged.to_dict() if merged is not None else {}
+        merged = merge([self._parsed(), other._parsed()]) or WorkerStats()
+        self._typed, self.data = merged, merged.to_dict()  # the dict vLLM carries, kept in step
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        records = self.data.get("requests", [])
-        totals = self.data.get("totals", {})
-        ok = [r for r in records if r.get("ok")]
+        typed = self._parsed()
+        totals = typed.totals
+        ok = [r for r in typed.requests if r.ok]
         out: dict[str, int | float] = {
-            "loads": len(records),
-            "loads_failed": len(records) - len(ok),
-            "bytes": int(totals.get("nbytes", 0)),
-            "bytes_skipped": int(totals.get("nbytes_skipped", 0)),
-            "descriptors": int(totals.get("num_descs", 0)),
-            "ops_posted": int(totals.get("ops_posted", 0)),
-            "handshakes": int(totals.get("handshakes", 0)),
+            "loads": len(typed.requests),
+            "loads_failed": len(typed.requests) - len(ok),
+            "bytes": totals.nbytes,
+            "bytes_skipped": totals.nbytes_skipped,
+            "descriptors": totals.num_descs,
+            "ops_posted": totals.ops_posted,
+            "handshakes": totals.consumer.handshakes,
         }
-        for key in ("transfer_s", "total_s"):
-            values = [float(r[key]) for r in ok if key in r]
-            if values:
-                out[f"median_{key[:-2]}_ms"] = round(1e3 * statistics.median(values), 3)
+        for name, values in (("transfer", [r.transfer_s for r in ok]), ("total", [r.total_s for r in ok])):
+            measured = [v for v in values if v is not None]
+            if measured:
+                out[f"median_{name}_ms"] = round(1e3 * statistics.median(measured), 3)
         return out
 
 

@@ -7,24 +7,27 @@ Modules, by role (each docstring says what it owns and may import):
   ``scheduler`` (both roles' scheduler side), ``worker`` (registration, then
   routes each step to the producer and consumer parts and merges their
   reports).
-- consumer (the read path): ``consumer`` (peers and handshakes, planning
-  and posting the reads, completion, validate-after-read, renewals,
-  releases: where a load fails), with its helpers ``loads`` (load and peer
-  records, their stage enums), ``clients`` (side-channel clients per
-  producer address), ``lease_rpc`` (RENEW/RELEASE batches and refusal
-  reasons) and ``lograte`` (rate-limited warnings, also used by the side
-  channel).
+- consumer (the read path): the package ``consumer`` (``loads``: the load
+  state machine, where a load fails; ``peers``: the peer directory,
+  handshakes and every slot table; ``confirms``: validate-after-read;
+  ``lease_rpc``: RENEW and RELEASE; ``records``: a load's records and the
+  book the worker reports from; ``clients``: side-channel clients and the
+  RPC threads). Its loggers are all under ``rdma_kv.connector.rdma.consumer``.
 - producer: ``producer`` (the side-channel handler, starting and stopping
-  the server, the lease table's owner) and ``leases`` (the lease table and
-  its expiry: where a lease expires).
+  the server, the lease table's owner), ``leases`` (the lease table and its
+  expiry: where a lease expires), ``sidechannel`` (the server),
+  ``sideconn`` (an accepted connection's record, the server's counters) and
+  ``admission`` (its connection limits). The consumer's modules and these
+  never import each other (``tests/test_layering.py``).
 - shared records and plumbing: ``params`` (typed kv_transfer_params),
   ``settings`` (extra config), ``meta`` (step and handshake metadata),
-  ``planning`` (block ids to descriptor indices, compatibility record),
-  ``wire`` (side-channel messages), ``sidechannel`` (server and client),
-  ``admission`` (the side channel's connection limits), ``auth`` (the
-  shared secret), ``transport_api`` (the transport Protocol), ``stats``
-  (per-load records and their summary) and ``metrics`` (histograms and
-  Prometheus series from those records).
+  ``slots`` (block ids to slot indices), ``compat`` (what two engines must
+  agree on), ``topology`` (the rank plan), ``wire`` (side-channel messages),
+  ``sideclient`` (the side channel's client), ``auth`` (the shared secret),
+  ``lograte`` (rate-limited warnings), ``transport_api`` (the transport
+  Protocol), ``stats`` (per-load records, each part's counters and their
+  summary) and ``metrics`` (histograms and Prometheus series from those
+  records).
 
 Importing this package does not load UCX: the transport's ``Agent`` is
 created when a worker registers its KV caches. Never imports vLLM.

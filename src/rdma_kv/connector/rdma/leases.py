@@ -77,8 +77,9 @@ more than twice as many entries as live leases (plus a small slack), so
 its size stays O(live leases), whatever the release rate.
 
 Thread-safe (the side-channel threads and the engine thread share it).
-Imports the standard library and the connector's ``params``, ``types`` and
-``rdma.wire`` (for ``LeaseStatus`` and the reader bounds).
+Imports the standard library and the connector's ``params``, ``types``,
+``rdma.stats`` (its counters) and ``rdma.wire`` (for ``LeaseStatus`` and the
+reader bounds).
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from rdma_kv.connector.rdma.params import LeaseRef, lease_token
+from rdma_kv.connector.rdma.stats import LeaseCounters, Tally
 from rdma_kv.connector.rdma.wire import LeaseStatus, check_reader
 from rdma_kv.connector.types import BlockId, GroupBlockIds, RequestId, as_group_block_ids
 
@@ -224,7 +226,7 @@ class LeaseTable:
         self._ended = collections.OrderedDict[int, _Tombstone]()
         self._ended_readers = 0  # sum of len(tombstone.confirmed)
         self._early: dict[int, _Claim] = {}
-        self.stats = collections.Counter[str]()
+        self._counts = Tally(LeaseCounters)
 
     # --- grants (from the producer scheduler, through step metadata) -------------
 
@@ -236,7 +238,7 @@ class LeaseTable:
                 return
             for lease in self._leases.values():
                 self._done.add(lease.ref.request_id)
-                self.stats[Ending.EPOCH.value] += 1
+                self._counts.add(Ending.EPOCH.value)
             self._leases.clear()
             self._heap.clear()
             self._ended.clear()
@@ -257,13 +259,13 @@ class LeaseTable:
             if ref.generation in self._leases or ref.generation in self._ended:
                 raise ValueError(f"lease {ref} was granted already")
             self._max_generation = max(self._max_generation, ref.generation)
-            self.stats["granted"] += 1
+            self._counts.add("granted")
             early = self._early.pop(ref.generation, None)
             if early is not None and early.all_released:
                 # Every reader read, confirmed and released it before the grant got here.
                 self._done.add(ref.request_id)
                 self._bury(ref.generation, Ending.RELEASED, early)
-                self.stats["released_early"] += 1
+                self._counts.add("released_early")
                 return
             lease = Lease(ref, groups, ttl_s, min(now + ttl_s, now + self.max_s), now, now + self.max_s,
                           claim=early)
@@ -284,9 +286,9 @@ class LeaseTable:
             if lease is not None and hmac.compare_digest(lease.ref.token, ref.token):
                 # The token this table granted, presented with other blocks:
                 # params edited to read what another request holds.
-                self.stats["refused_forged"] += 1
+                self._counts.add("refused_forged")
                 return FORGED
-            self.stats["refused_unknown"] += 1
+            self._counts.add("refused_unknown")
             return UNKNOWN
         return None
 
@@ -313,7 +315,7 @@ class LeaseTable:
         # Another consumer's claim, or the owner's with another reader count
         # (its ranks disagree on who reads this producer rank): either way
         # the call must not count towards the owner's releases.
-        self.stats["refused_claimed" if call.claim != claim.owner else "refused_readers"] += 1
+        self._counts.add("refused_claimed" if call.claim != claim.owner else "refused_readers")
         return False
 
     def renew(self, calls: Iterable[LeaseCall]) -> list[LeaseStatus]:
@@ -358,7 +360,7 @@ class LeaseTable:
             # Never past its lifetime; the heap entry is re-checked on pop.
             lease.expires_at = min(self._clock() + lease.ttl_s, lease.ends_at)
             lease.renewals += 1
-            self.stats["renewed"] += 1
+            self._counts.add("renewed")
             return HELD
         if call.ref.generation <= self._max_generation:
             return GONE
@@ -369,7 +371,7 @@ class LeaseTable:
 
     def _confirm_one(self, call: LeaseCall, release: bool) -> LeaseStatus:
         status = self._confirm_status(call, release)
-        self.stats["confirmed" if status is HELD else "refused_confirm"] += 1
+        self._counts.add("confirmed" if status is HELD else "refused_confirm")
         return status
 
     def _confirm_status(self, call: LeaseCall, release: bool) -> LeaseStatus:
@@ -417,7 +419,7 @@ class LeaseTable:
     def _release_reader(self, lease: Lease, owner: _Claim, reader: int, confirmed: bool) -> None:
         """Reader ``reader`` of a live lease is done with it; the last ends it."""
         if reader not in owner.released:
-            self.stats["reader_released"] += 1
+            self._counts.add("reader_released")
         owner.release(reader, confirmed)
         if owner.all_released:
             self._end(lease.ref.generation, Ending.RELEASED)
@@ -441,7 +443,7 @@ class LeaseTable:
         while len(self._ended) > MAX_TOMBSTONES or self._ended_readers > MAX_TOMBSTONE_READERS:
             _, old = self._ended.popitem(last=False)
             self._ended_readers -= len(old.confirmed)
-        self.stats[how.value] += 1
+        self._counts.add(how.value)
 
     # --- reaper and done_sending --------------------------------------------------------
 
@@ -478,7 +480,7 @@ class LeaseTable:
         engine frees its blocks (calls naming it answer GONE: another epoch)."""
         with self._lock:
             self._done.add(request_id)
-            self.stats[Ending.EPOCH.value] += 1
+            self._counts.add(Ending.EPOCH.value)
 
     def reclaim(self, generations: Iterable[int]) -> list[RequestId]:
         """End the live leases among ``generations`` now (the producer's
@@ -502,6 +504,17 @@ class LeaseTable:
             return done
 
     # --- introspection (stats, leak checks) -------------------------------------------------
+
+    @property
+    def stats(self) -> LeaseCounters:
+        """What happened to this table's leases so far."""
+        with self._lock:
+            return self._counts.snapshot()
+
+    def take_counters(self) -> LeaseCounters:
+        """What happened to this table's leases since the last call."""
+        with self._lock:
+            return self._counts.take()
 
     def __len__(self) -> int:
         with self._lock:

@@ -231,7 +231,7 @@ class TransferMetrics:
                     self.bytes_skipped_total += record.nbytes_skipped or 0
                 if debug:
                     logger.debug("%s", _debug_line(record, values))
-            for name, n in typed.totals.events.items():
+            for name, n in typed.totals.events().items():
                 self.events[name] = self.events.get(name, 0) + n
             self.gauges.update(gauges(typed))
 
@@ -350,7 +350,7 @@ class PrometheusMetrics:
                     self._child(self.read_bytes).inc(record.nbytes)
                 if record.ok and record.nbytes_skipped:
                     self._child(self.skipped_bytes).inc(record.nbytes_skipped)
-            for name, n in typed.totals.events.items():
+            for name, n in typed.totals.events().items():
                 if n > 0:
                     self._child(self.events, name).inc(n)
             for name, value in gauges(typed).items():

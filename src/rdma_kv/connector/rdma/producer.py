@@ -21,12 +21,12 @@ does its own locking. Authentication happens before any of this, in
 
 Imports the standard library, the connector's ``geometry`` and ``types``,
 and its ``rdma`` modules ``auth``, ``wire``, ``leases``, ``meta``,
-``settings`` and ``sidechannel``. Never the consumer's modules or ``worker``.
+``settings``, ``sidechannel`` and ``stats``. Never the consumer's modules
+(``rdma.consumer``) or ``worker``.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -37,6 +37,7 @@ from rdma_kv.connector.rdma.leases import Ending, LeaseCall, LeaseTable
 from rdma_kv.connector.rdma.meta import SendSpec
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sidechannel import ConnectionLimits, SideChannelServer
+from rdma_kv.connector.rdma.stats import LeaseCounters
 from rdma_kv.connector.types import EngineId, RequestId
 
 __all__ = ["ProducerHandler", "RdmaProducer"]
@@ -113,7 +114,6 @@ class RdmaProducer:
         self.leases = LeaseTable(clock, max_s=settings.lease_max_s)
         self.handler: ProducerHandler | None = None
         self.server: SideChannelServer | None = None
-        self._lease_stats_seen: collections.Counter[str] = collections.Counter()
 
     def start(self, compat: wire.CompatInfo, rank: wire.RankInfo, agent_metadata: Callable[[], bytes],
               geometry: KVCacheGeometry) -> None:
@@ -163,13 +163,9 @@ class RdmaProducer:
         """Requests whose lease was released or expired: their blocks may be freed."""
         return self.leases.take_done()
 
-    def take_counters(self) -> dict[str, int]:
-        """Lease events (granted, released, expired...) since the last call,
-        as ``leases_<event>`` counters."""
-        lease_stats = collections.Counter(self.leases.stats)
-        counters = {f"leases_{key}": value for key, value in (lease_stats - self._lease_stats_seen).items()}
-        self._lease_stats_seen = lease_stats
-        return counters
+    def take_counters(self) -> LeaseCounters:
+        """Lease events (granted, released, expired...) since the last call."""
+        return self.leases.take_counters()
 
     def resources(self) -> dict[str, int]:
         return {"leases": len(self.leases), "held_blocks": len(self.leases.held_block_ids()),

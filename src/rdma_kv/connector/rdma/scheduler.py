@@ -31,7 +31,7 @@ Owns the per-request decisions of both roles:
 
 Block ids are handled per KV-cache group (hybrid models): a sliding-window
 group is held, offered and read only from the first block its window still
-needs (``plan_group``, ``KVCacheSpec.num_skipped_blocks``); every other
+needs (``blocks_to_read``, ``KVCacheSpec.num_skipped_blocks``); every other
 group from the first block not computed locally.
 
 Nothing here raises into the engine for bad peer input: bad params make the
@@ -45,6 +45,7 @@ Imports the standard library and the connector's ``config``, ``specs``,
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
 import logging
 import secrets
@@ -85,9 +86,20 @@ from rdma_kv.connector.types import (
 )
 from rdma_kv.errors import ConfigError
 
-__all__ = ["RdmaScheduler"]
+__all__ = ["RdmaScheduler", "RemoteStage", "blocks_to_read"]
 
 logger = logging.getLogger(__name__)
+
+
+class RemoteStage(enum.Enum):
+    """Where a consumer request with remote-prefill params is:
+    WAITING -> PENDING -> SHIPPED -> LOADED, or RELEASED from WAITING or PENDING."""
+
+    WAITING = "waiting"  # waits for admission (its lease renewed by the workers)
+    PENDING = "pending"  # blocks allocated, its load queued for the next step's metadata
+    SHIPPED = "shipped"  # its load handed to the workers
+    LOADED = "loaded"  # the workers reported it in done_recving
+    RELEASED = "released"  # nothing to load (full hit, bad params, abort): its lease released
 
 
 @dataclasses.dataclass
@@ -97,7 +109,7 @@ class _Remote:
     params: RemotePrefillParams
     num_computed: int = 0
     count: int = 0
-    state: str = "waiting"  # waiting -> pending (load queued) -> shipped -> loaded | released
+    stage: RemoteStage = RemoteStage.WAITING
     claim: bytes = dataclasses.field(default_factory=lambda: secrets.token_bytes(CLAIM_BYTES), repr=False)
     """This request's claim on the producer's lease: the same in every lease
     call made for it, so the producer can tell this request from another
@@ -111,9 +123,9 @@ class _Remote:
         return RemoteLease(PeerAddress.of(self.params), self.params.lease, self.claim)
 
 
-def plan_group(spec: KVCacheSpec, num_prompt_tokens: int, num_computed: int,
-               local_blocks: Sequence[BlockId], remote_blocks: Sequence[BlockId]
-               ) -> tuple[BlockIds, BlockIds, int] | str:
+def blocks_to_read(spec: KVCacheSpec, num_prompt_tokens: int, num_computed: int,
+                   local_blocks: Sequence[BlockId], remote_blocks: Sequence[BlockId]
+                   ) -> tuple[BlockIds, BlockIds, int] | str:
     """One KV-cache group's part of a load: ``(local, remote, skipped)``,
     the blocks to read into and from, and how many of the prompt's blocks
     are not read because they lie before the group's sliding window; or why
@@ -276,7 +288,7 @@ class RdmaScheduler:
                 return 0, False
             remote = self._remote[rid] = _Remote(parsed)
             self._pending_connects[PeerAddress.of(parsed)] = None
-        if remote.state != "waiting":
+        if remote.stage is not RemoteStage.WAITING:
             return 0, False  # loaded (or released) already: e.g. after a preemption
         count = request.num_prompt_tokens - num_computed_tokens
         remote.num_computed, remote.count = num_computed_tokens, max(count, 0)
@@ -289,13 +301,15 @@ class RdmaScheduler:
     ) -> None:
         self._waiting_for_blocks.discard(request.request_id)
         remote = self._remote.get(request.request_id)
-        if remote is None or remote.state != "waiting":
+        if remote is None or remote.stage is not RemoteStage.WAITING:
             return
         if num_external_tokens == 0:
             self._release(remote)  # full hit, or the engine chose to compute locally
             return
         params = remote.params
-        local, remote_ids, skipped = [], [], []
+        local_block_ids: list[BlockIds] = []
+        remote_block_ids: list[BlockIds] = []
+        skipped: list[int] = []
         error = None
         if num_external_tokens != remote.count:
             error = (f"asked to load {num_external_tokens} tokens after {remote.num_computed}, "
@@ -305,24 +319,24 @@ class RdmaScheduler:
         for g, spec in enumerate(self._specs):
             if error is not None:
                 break
-            plan = plan_group(spec, request.num_prompt_tokens, remote.num_computed,
-                              blocks.group(g), params.remote_block_ids[g])
-            if isinstance(plan, str):
-                error = plan if len(self._specs) == 1 else f"KV-cache group {g}: {plan}"
+            part = blocks_to_read(spec, request.num_prompt_tokens, remote.num_computed,
+                                  blocks.group(g), params.remote_block_ids[g])
+            if isinstance(part, str):
+                error = part if len(self._specs) == 1 else f"KV-cache group {g}: {part}"
                 break
-            local.append(plan[0])
-            remote_ids.append(plan[1])
-            skipped.append(plan[2])
+            local_block_ids.append(part[0])
+            remote_block_ids.append(part[1])
+            skipped.append(part[2])
         if error is not None:
             # Nothing is read; the blocks it would have filled are reported as load errors.
-            local = [self._unread_blocks(request, remote.num_computed, blocks, g)
-                     for g in range(len(self._specs))]
-            remote_ids, skipped = [() for _ in self._specs], []
-        remote.state = "pending"
+            local_block_ids = [self._unread_blocks(request, remote.num_computed, blocks, g)
+                               for g in range(len(self._specs))]
+            remote_block_ids, skipped = [() for _ in self._specs], []
+        remote.stage = RemoteStage.PENDING
         self._pending_loads.append(LoadSpec(
             request.request_id,
-            tuple(local),
-            tuple(remote_ids),
+            tuple(local_block_ids),
+            tuple(remote_block_ids),
             PeerAddress.of(params),
             params.lease,
             params.remote_lease_ttl_s,
@@ -342,8 +356,8 @@ class RdmaScheduler:
         return tuple(blocks.group(group)[first:-(-request.num_prompt_tokens // spec.block_size)])
 
     def _release(self, remote: _Remote) -> None:
-        if remote.state in ("waiting", "pending"):
-            remote.state = "released"
+        if remote.stage in (RemoteStage.WAITING, RemoteStage.PENDING):
+            remote.stage = RemoteStage.RELEASED
             self._pending_releases.append(remote.lease)
 
     # --- every step ------------------------------------------------------------------------------
@@ -353,11 +367,10 @@ class RdmaScheduler:
         for load in loads:
             remote = self._remote.get(load.request_id)
             if remote is not None:
-                remote.state = "shipped"
+                remote.stage = RemoteStage.SHIPPED
         now = self._clock()
-        due = [r for r in self._remote.values() if r.state == "waiting" and (
-            r.renewed_at is None
-            or now - r.renewed_at >= self._settings.renew_interval_for(r.params.remote_lease_ttl_s))]
+        due = [r for r in self._remote.values() if r.stage is RemoteStage.WAITING
+               and self._settings.renewal_due(r.renewed_at, now, r.params.remote_lease_ttl_s)]
         for remote in due:
             remote.renewed_at = now
         if self._waiting_for_blocks:
@@ -407,8 +420,8 @@ class RdmaScheduler:
                 self._held_blocks -= held[1]
         for rid in output.finished_recving:
             remote = self._remote.get(rid)
-            if remote is not None and remote.state == "shipped":
-                remote.state = "loaded"
+            if remote is not None and remote.stage is RemoteStage.SHIPPED:
+                remote.stage = RemoteStage.LOADED
 
     # --- end of a request ---------------------------------------------------------------------------
 
@@ -423,12 +436,12 @@ class RdmaScheduler:
         self._waiting_for_blocks.discard(rid)
         remote = self._remote.pop(rid, None)
         if remote is not None:
-            if remote.state == "shipped":
+            if remote.stage is RemoteStage.SHIPPED:
                 # A read may still land in these blocks: the worker reports the
                 # request in done_sending once its transfer completed or failed.
                 self._pending_aborts.append(rid)
                 return True, None
-            if remote.state == "pending":
+            if remote.stage is RemoteStage.PENDING:
                 self._pending_loads = [s for s in self._pending_loads if s.request_id != rid]
             self._release(remote)
             return False, None

@@ -211,6 +211,14 @@ class RdmaSettings:
         third = remote_ttl_s / 3.0
         return min(self.renew_interval_s, third) if self.renew_interval_s else third
 
+    def renewal_due(self, renewed_at: float | None, now: float, remote_ttl_s: float) -> bool:
+        """Whether a consumer renews a lease of TTL ``remote_ttl_s`` at ``now``:
+        at once if it never renewed it (that first RENEW also claims the
+        lease), then every ``renew_interval_for(remote_ttl_s)``. The one rule
+        of the scheduler (requests waiting for admission) and of the workers
+        (loads running)."""
+        return renewed_at is None or now - renewed_at >= self.renew_interval_for(remote_ttl_s)
+
 
 def _require_secret_off_loopback(host: str, values: Mapping[str, Any]) -> None:
     """A producer hands out remote keys of its KV cache to whoever completes

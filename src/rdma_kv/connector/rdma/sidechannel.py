@@ -36,7 +36,9 @@ altered lease params (FORGED) are logged a few lines per window plus one
 summary line (``lograte.EventSummary``), never one line per connection.
 
 Imports the standard library, msgspec, ``rdma_kv.errors``, ``rdma.admission``,
-``rdma.auth``, ``rdma.lograte``, ``rdma.sidetrust`` and ``rdma.wire``.
+``rdma.auth``, ``rdma.lograte``, ``rdma.sideconn`` (a connection's record,
+the server's counters), ``rdma.sidetrust`` (trust earned by a lease),
+``rdma.stats`` and ``rdma.wire``.
 """
 
 from __future__ import annotations
@@ -51,17 +53,19 @@ import struct
 import threading
 import time
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
 from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.admission import Admission, ConnectionLimits
 from rdma_kv.connector.rdma.lograte import EventSummary
+from rdma_kv.connector.rdma.sideconn import EVICTED, REFUSED, Accepted, Phase, SideChannelCounters, abort, bind_advice
 from rdma_kv.connector.rdma.sidetrust import LeaseTrust
+from rdma_kv.connector.rdma.stats import Tally
 from rdma_kv.errors import ConfigError, MetadataError
 
-__all__ = ["ConnectionLimits", "Handler", "SideChannelServer", "bind_advice"]
+__all__ = ["ConnectionLimits", "Handler", "SideChannelCounters", "SideChannelServer", "bind_advice"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,58 +93,6 @@ class Handler(Protocol):
     def holds(self, leases: Iterable[tuple[int, int]]) -> bool:
         """Whether any of these (epoch, generation) leases is live."""
         ...
-
-
-class _Phase:
-    HELLO, AUTH, READY = range(3)
-
-
-class _Conn:
-    """One accepted connection: its socket, buffers, phase, trust and deadlines."""
-
-    __slots__ = ("sock", "fd", "addr", "source", "phase", "trusted", "inbuf",
-                 "outbuf", "closing", "accepted_at", "last_active", "opening_deadline", "frame_started",
-                 "write_started", "due", "requests", "nonce", "hello", "closed", "mask")
-
-    def __init__(self, sock: socket.socket, addr: tuple, now: float, opening_s: float) -> None:
-        self.sock, self.fd, self.addr, self.source = sock, sock.fileno(), addr, str(addr[0])
-        self.phase = _Phase.HELLO
-        self.trusted = False
-        self.inbuf = bytearray()
-        self.outbuf = bytearray()
-        self.closing = False  # close once the output drained
-        self.accepted_at = self.last_active = now
-        self.opening_deadline = now + opening_s
-        self.frame_started: float | None = None
-        self.write_started: float | None = None
-        self.due = 0.0
-        self.requests = 0
-        self.nonce = b""
-        self.hello: wire.Hello | None = None
-        self.closed = False
-        self.mask = selectors.EVENT_READ
-
-
-def _abort(sock: socket.socket) -> None:
-    """Close with a reset (SO_LINGER 0): a refused, evicted or expired flood
-    connection leaves no TIME_WAIT entry behind on this host."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    except OSError:
-        pass
-    sock.close()
-
-
-def bind_advice(exc: OSError, host: str, port: int) -> str | None:
-    """What to change when the side channel cannot bind ``host:port`` (None:
-    no specific advice). ``rdma-kv info --config`` gives the same words."""
-    if exc.errno == errno.EADDRNOTAVAIL:
-        return (f"side_channel_host {host} is not an address of this host; set "
-                "kv_connector_extra_config['side_channel_host'] to one of its interfaces")
-    if exc.errno == errno.EADDRINUSE:
-        return (f"port {port} on {host} is in use; choose another kv_port or side_channel_port "
-                "(tensor-parallel rank r listens on port + r)")
-    return None
 
 
 class SideChannelServer:
@@ -202,19 +154,20 @@ class SideChannelServer:
         self._wake_r.setblocking(False)
         self._selector.register(self._sock, selectors.EVENT_READ, None)
         self._selector.register(self._wake_r, selectors.EVENT_READ, self._wake_r)
-        self._conns: dict[int, _Conn] = {}
-        self._deadlines: list[tuple[float, int, _Conn]] = []
+        self._conns: dict[int, Accepted] = {}
+        self._deadlines: list[tuple[float, int, Accepted]] = []
         self._seq = itertools.count()
-        self._lease_trust: LeaseTrust[_Conn] = LeaseTrust(handler.holds)
+        self._lease_trust: LeaseTrust[Accepted] = LeaseTrust(handler.holds)
         self._next_trust_check = 0.0
         self._closed = threading.Event()
-        self.stats = {"connections": 0, "refused_connections": 0, "bad_frames": 0, "requests": 0,
-                      "authenticated": 0, "auth_failures": 0, "trusted": 0, "untrusted_again": 0,
-                      "closed_at_deadline": 0, "closed_idle": 0, "closed_slow": 0, "forged": 0, "unknown": 0,
-                      **{f"refused_{reason}": 0 for reason in Admission.REASONS},
-                      **{f"evicted_{reason}": 0 for reason in Admission.EVICTIONS}}
+        self._counts = Tally(SideChannelCounters)  # counted on the loop thread only
         self._thread = threading.Thread(target=self._loop, name=f"{name}-loop", daemon=True)
         self._thread.start()
+
+    @property
+    def stats(self) -> SideChannelCounters:
+        """What the server did with its connections so far."""
+        return self._counts.snapshot()
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -268,20 +221,20 @@ class SideChannelServer:
                 return
             self._admit(sock, addr)
 
-    def _admit(self, sock: socket.socket, addr: tuple) -> None:
+    def _admit(self, sock: socket.socket, addr: tuple[Any, ...]) -> None:
         now = time.monotonic()
         source = str(addr[0])
         victims, refusal = self._admission.plan(source, now)
         if refusal is not None:
             reason, why = refusal
-            self.stats["refused_connections"] += 1
-            self.stats[f"refused_{reason}"] += 1
-            _abort(sock)
+            self._counts.add("refused_connections")
+            self._counts.add(REFUSED[reason])
+            abort(sock)
             self._events.event(reason, source, "side channel %s: refused %s: %s", self._name, addr, why)
             return
         for victim, why in victims:
-            assert isinstance(victim, _Conn)
-            self.stats[f"evicted_{why}"] += 1
+            assert isinstance(victim, Accepted)
+            self._counts.add(EVICTED[why])
             self._events.event(f"evicted_{why}", victim.source,
                                "side channel %s: evicted %s (%s, idle %.1f s) for a new connection from %s: "
                                "the %s budget was full", self._name, victim.addr,
@@ -292,18 +245,18 @@ class SideChannelServer:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:  # reset by the peer already
-            _abort(sock)
+            abort(sock)
             return
-        conn = _Conn(sock, addr, now, self.limits.opening_deadline_s)
+        conn = Accepted(sock, addr, now, self.limits.opening_deadline_s)
         self._admission.enter(conn)
         self._conns[conn.fd] = conn
         self._selector.register(sock, selectors.EVENT_READ, conn)
-        self.stats["connections"] += 1
+        self._counts.add("connections")
         self._reschedule(conn)
 
     # --- reading and dispatch -------------------------------------------------------------------
 
-    def _on_readable(self, conn: _Conn) -> None:
+    def _on_readable(self, conn: Accepted) -> None:
         try:
             chunk = conn.sock.recv(RECV_BYTES)
         except (BlockingIOError, InterruptedError):
@@ -312,15 +265,15 @@ class SideChannelServer:
             self._close(conn)
             return
         if not chunk:
-            if conn.phase != _Phase.READY and self._secret is not None and conn.requests == 0:
-                self._auth_failed(conn, "closed before HELLO" if conn.phase == _Phase.HELLO
+            if conn.phase != Phase.READY and self._secret is not None and conn.requests == 0:
+                self._auth_failed(conn, "closed before HELLO" if conn.phase == Phase.HELLO
                                   else "closed instead of answering the challenge")
             self._close(conn)
             return
         conn.inbuf += chunk
         self._serve(conn)
 
-    def _serve(self, conn: _Conn) -> None:
+    def _serve(self, conn: Accepted) -> None:
         """Serve every whole request buffered, one reply at a time."""
         now = time.monotonic()
         while not conn.closed and not conn.closing and not conn.outbuf:
@@ -337,7 +290,7 @@ class SideChannelServer:
                 self._admission.stall(conn)
             self._reschedule(conn)
 
-    def _take_frame(self, conn: _Conn) -> bytes | None:
+    def _take_frame(self, conn: Accepted) -> bytes | None:
         buf = conn.inbuf
         if len(buf) < _HEADER.size:
             return None
@@ -352,22 +305,22 @@ class SideChannelServer:
         del buf[:_HEADER.size + length]
         return body
 
-    def _on_frame(self, conn: _Conn, body: bytes, now: float) -> None:
+    def _on_frame(self, conn: Accepted, body: bytes, now: float) -> None:
         try:
             request = wire.decode_request(body)
         except MetadataError as exc:
             self._bad(conn, str(exc))
             return
-        if conn.phase == _Phase.HELLO:
+        if conn.phase == Phase.HELLO:
             self._on_hello(conn, request)
-        elif conn.phase == _Phase.AUTH:
+        elif conn.phase == Phase.AUTH:
             self._on_auth(conn, request)
         elif isinstance(request, (wire.Hello, wire.Auth)):
             self._refuse(conn, f"unexpected {type(request).__name__.upper()} after the opening")
         else:
             self._on_request(conn, request, now)
 
-    def _on_hello(self, conn: _Conn, hello: wire.Request) -> None:
+    def _on_hello(self, conn: Accepted, hello: wire.Request) -> None:
         if hello.version != wire.PROTOCOL_VERSION:
             self._refuse(conn, self._version_refusal(hello.version))
             return
@@ -377,9 +330,9 @@ class SideChannelServer:
             return
         conn.nonce, conn.hello = auth.new_nonce(), hello
         self._send(conn, wire.Challenge(wire.PROTOCOL_VERSION, conn.nonce, self._secret is not None))
-        conn.phase = _Phase.AUTH if self._secret is not None else _Phase.READY
+        conn.phase = Phase.AUTH if self._secret is not None else Phase.READY
 
-    def _on_auth(self, conn: _Conn, answer: wire.Request) -> None:
+    def _on_auth(self, conn: Accepted, answer: wire.Request) -> None:
         assert self._secret is not None and conn.hello is not None
         hello = conn.hello
         if not isinstance(answer, wire.Auth):
@@ -393,18 +346,18 @@ class SideChannelServer:
                                                hello.role), answer.proof):
             reason = "wrong proof (the peer's secret differs)"
         else:
-            self.stats["authenticated"] += 1
+            self._counts.add("authenticated")
             self._trust(conn)
-            conn.phase = _Phase.READY
+            conn.phase = Phase.READY
             proof = auth.server_proof(self._secret, hello.nonce, conn.nonce, wire.PROTOCOL_VERSION, hello.role)
             self._send(conn, wire.AuthOk(proof))
             return
         self._auth_failed(conn, reason)
         self._send(conn, wire.Refused(f"authentication failed: {reason}"), then_close=True)
 
-    def _on_request(self, conn: _Conn, request: wire.Request, now: float) -> None:
+    def _on_request(self, conn: Accepted, request: wire.Request, now: float) -> None:
         reply = self._dispatch(request)
-        self.stats["requests"] += 1
+        self._counts.add("requests")
         conn.requests += 1
         conn.last_active = now
         if conn.trusted:
@@ -413,18 +366,18 @@ class SideChannelServer:
             self._on_lease_reply(conn, request, reply)
         self._send(conn, reply)
 
-    def _on_lease_reply(self, conn: _Conn, request: wire.Renew | wire.Confirm | wire.Release,
+    def _on_lease_reply(self, conn: Accepted, request: wire.Renew | wire.Confirm | wire.Release,
                         reply: wire.LeaseReply) -> None:
         forged = sum(status is wire.LeaseStatus.FORGED for status in reply.statuses)
         unknown = sum(status is wire.LeaseStatus.UNKNOWN for status in reply.statuses)
         if forged:
-            self.stats["forged"] += forged
+            self._counts.add("forged", forged)
             self._events.event("forged", conn.source, "side channel %s: %s presented %d lease(s) with "
                                "kv_transfer_params altered to name blocks the lease does not cover "
                                "(answered FORGED; nothing was read under them that will be used)",
                                self._name, conn.addr, forged)
         if unknown:
-            self.stats["unknown"] += unknown
+            self._counts.add("unknown", unknown)
             self._events.event("unknown", conn.source, "side channel %s: %s presented %d lease(s) whose "
                                "token does not verify: kv_transfer_params altered (other blocks, or a "
                                "lease not yet shipped to this worker), or another producer's (answered "
@@ -457,9 +410,9 @@ class SideChannelServer:
 
     # --- trust -----------------------------------------------------------------------------------
 
-    def _trust(self, conn: _Conn) -> None:
+    def _trust(self, conn: Accepted) -> None:
         self._admission.trust(conn)
-        self.stats["trusted"] += 1
+        self._counts.add("trusted")
         self._reschedule(conn)
 
     def _check_lease_trust(self, now: float) -> None:
@@ -467,20 +420,20 @@ class SideChannelServer:
         proved lives; it then has a new opening deadline to prove another."""
         for conn in self._lease_trust.lapsed():
             self._admission.untrust(conn)
-            self.stats["untrusted_again"] += 1
+            self._counts.add("untrusted_again")
             conn.opening_deadline = now + self.limits.opening_deadline_s
             self._reschedule(conn)
 
     # --- writing ------------------------------------------------------------------------------------
 
-    def _send(self, conn: _Conn, message: msgspec.Struct, then_close: bool = False) -> None:
+    def _send(self, conn: Accepted, message: msgspec.Struct, then_close: bool = False) -> None:
         payload = wire.encode(message)
         conn.outbuf += _HEADER.pack(len(payload))
         conn.outbuf += payload
         conn.closing = conn.closing or then_close
         self._flush(conn)
 
-    def _flush(self, conn: _Conn) -> None:
+    def _flush(self, conn: Accepted) -> None:
         try:
             while conn.outbuf:
                 sent = conn.sock.send(conn.outbuf)
@@ -508,7 +461,7 @@ class SideChannelServer:
 
     # --- deadlines -----------------------------------------------------------------------------------
 
-    def _reschedule(self, conn: _Conn) -> None:
+    def _reschedule(self, conn: Accepted) -> None:
         due = conn.opening_deadline if not conn.trusted else conn.last_active + self._idle_timeout_s
         if conn.frame_started is not None:
             due = min(due, conn.frame_started + self._io_timeout_s)
@@ -535,8 +488,8 @@ class SideChannelServer:
             self._deadlines = [(c.due, next(self._seq), c) for c in self._conns.values()]
             heapq.heapify(self._deadlines)
 
-    def _count_close(self, conn: _Conn, what: str, why: str | None) -> None:
-        self.stats[what] += 1
+    def _count_close(self, conn: Accepted, what: str, why: str | None) -> None:
+        self._counts.add(what)
         if what == "closed_at_deadline":
             if conn.requests == 0:  # a consumer that handshook and holds no lease yet reconnects when it must
                 how = "authenticated" if self._secret is not None else "holding a lease"
@@ -549,7 +502,7 @@ class SideChannelServer:
 
     # --- endings -------------------------------------------------------------------------------------
 
-    def _close(self, conn: _Conn, reset: bool = False) -> None:
+    def _close(self, conn: Accepted, reset: bool = False) -> None:
         if conn.closed:
             return
         conn.closed = True
@@ -561,23 +514,23 @@ class SideChannelServer:
         except (KeyError, ValueError, OSError):
             pass
         if reset:
-            _abort(conn.sock)
+            abort(conn.sock)
         else:
             conn.sock.close()
 
-    def _auth_failed(self, conn: _Conn, reason: str) -> None:
-        self.stats["auth_failures"] += 1
+    def _auth_failed(self, conn: Accepted, reason: str) -> None:
+        self._counts.add("auth_failures")
         self._events.event("auth_failed", conn.source, "side channel %s: refused %s: authentication failed: %s",
                            self._name, conn.addr, reason)
 
-    def _refuse(self, conn: _Conn, reason: str) -> None:
-        self.stats["refused_connections"] += 1
+    def _refuse(self, conn: Accepted, reason: str) -> None:
+        self._counts.add("refused_connections")
         self._events.event("protocol", conn.source, "side channel %s: refused %s: %s", self._name, conn.addr,
                            reason)
         self._send(conn, wire.Refused(reason[:8000]), then_close=True)
 
-    def _bad(self, conn: _Conn, message: str) -> None:
-        self.stats["bad_frames"] += 1
+    def _bad(self, conn: Accepted, message: str) -> None:
+        self._counts.add("bad_frames")
         self._events.event("bad_frame", conn.source, "side channel %s: closing %s: %s", self._name, conn.addr,
                            message)
         conn.inbuf.clear()

@@ -1,7 +1,7 @@
-"""Per-request transfer records of a worker's consumer part, and the
-worker's stats summary for ``get_kv_connector_stats``.
+"""Per-request transfer records of a worker's consumer part, the event
+counters of each part, and the worker's stats summary for ``get_kv_connector_stats``.
 
-Owns three typed records and the one way to combine them:
+Owns the typed records and the one way to combine them:
 
 - :class:`LoadMeasures`: what a load measures while it runs (replaced
   stage by stage by ``consumer.RdmaConsumer`` under its lock).
@@ -11,19 +11,24 @@ Owns three typed records and the one way to combine them:
   confirm / total seconds, outcome. A field is None when the load never
   reached the stage that measures it (a load that failed in its handshake
   has no ``nbytes``).
+- :class:`Counters`: one owner's event counters, a frozen record with one
+  field per event: :class:`ConsumerCounters` (handshakes, lease RPCs,
+  failed and aborted loads) and :class:`LeaseCounters` (the producer's
+  lease table). An owner counts into a :class:`Tally` of its kind.
+- :class:`Totals`: record sums, and each owner's counters as a field.
 - :class:`WorkerStats`: one worker's summary since the last collection:
-  the records, the :class:`Totals` (record sums plus event counters:
-  handshakes, lease RPCs, failed and aborted loads, the producer's lease
-  counters), leases held and the resources the worker holds.
+  the records, the totals, leases held and the resources the worker holds.
 
 :func:`merge` combines several summaries (TP ranks, or vLLM's
 aggregation) and keeps at most :data:`MAX_RECORDS` records. A dict
-appears only at the boundary: :meth:`WorkerStats.to_dict` is what
+appears only at the boundary, where counters are flattened into their
+names (``leases_granted``...): :meth:`WorkerStats.to_dict` is what
 ``get_kv_connector_stats()`` returns (and vLLM carries as
-``KVConnectorStats.data``); :meth:`WorkerStats.from_dict` parses it back.
+``KVConnectorStats.data``); :meth:`WorkerStats.from_dict` parses it back,
+refusing keys it does not know.
 
 :class:`LoadStats` is the consumer's accumulator. Not thread-safe:
-``consumer.RdmaConsumer`` calls it under its lock.
+the consumer calls it under its lock.
 
 Imports the standard library only.
 """
@@ -33,9 +38,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar, Generic, TypeVar
 
-__all__ = ["MAX_RECORDS", "LoadMeasures", "LoadRecord", "LoadStats", "Totals", "WorkerStats", "merge"]
+__all__ = ["MAX_RECORDS", "ConsumerCounters", "Counters", "LeaseCounters", "LoadMeasures", "LoadRecord",
+           "LoadStats", "Tally", "Totals", "WorkerStats", "merge"]
 
 MAX_RECORDS = 10_000
 """Per-request records kept until collected, and across merges; beyond it
@@ -125,13 +131,126 @@ class LoadRecord(LoadMeasures):
 
 
 _RECORD_KEYS = frozenset(f.name for f in dataclasses.fields(LoadRecord))
-_SUMMED = ("nbytes", "num_descs", "ops_posted", "block_runs", "num_blocks", "nbytes_skipped")
+
+C = TypeVar("C", bound="Counters")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Counters:
+    """Event counters of one owner, one field each: summed and subtracted
+    field by field, flattened into ``{prefix + name: count}`` (non-zero
+    counts only) at the edge, and parsed back from that form."""
+
+    PREFIX: ClassVar[str] = ""
+    """Put before each field's name in the flat form (``get_kv_connector_stats``,
+    the ``event`` label of ``rdma_kv_events_total``)."""
+
+    def _values(self) -> list[int]:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+    def __add__(self: C, other: C) -> C:
+        return type(self)(*(a + b for a, b in zip(self._values(), other._values())))
+
+    def __sub__(self: C, other: C) -> C:
+        return type(self)(*(a - b for a, b in zip(self._values(), other._values())))
+
+    def __bool__(self) -> bool:
+        return any(self._values())
+
+    def counts(self) -> dict[str, int]:
+        """The non-zero counts by field name."""
+        return {f.name: v for f, v in zip(dataclasses.fields(self), self._values()) if v}
+
+    def flat(self) -> dict[str, int]:
+        """The non-zero counts by their flat names."""
+        return {self.PREFIX + name: v for name, v in self.counts().items()}
+
+    @classmethod
+    def names(cls) -> frozenset[str]:
+        """Every flat name of this kind of counters."""
+        return frozenset(cls.PREFIX + f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def parse(cls: type[C], data: Mapping[str, Any]) -> C:
+        """The counters among ``data``'s flat names (absent ones are 0)."""
+        return cls(*(int(data.get(cls.PREFIX + f.name, 0)) for f in dataclasses.fields(cls)))
+
+
+class Tally(Generic[C]):
+    """What an owner counts into, read as its frozen counters. Counting is
+    a dict increment (the lease table counts every lease of every call);
+    a name that is not a field of the counters is a ``KeyError``. Not
+    thread-safe: its owner counts under its own lock."""
+
+    __slots__ = ("_kind", "_counts", "_taken")
+
+    def __init__(self, kind: type[C]) -> None:
+        self._kind = kind
+        self._counts = {f.name: 0 for f in dataclasses.fields(kind)}
+        self._taken = kind()
+
+    def add(self, name: str, n: int = 1) -> None:
+        self._counts[name] += n
+
+    def snapshot(self) -> C:
+        """Everything counted so far."""
+        return self._kind(**self._counts)
+
+    def take(self) -> C:
+        """What was counted since the last :meth:`take`."""
+        now = self.snapshot()
+        since, self._taken = now - self._taken, now
+        return since
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ConsumerCounters(Counters):
+    """A worker's consumer part (``consumer``, ``peers``, ``lease_rpc``)."""
+
+    handshakes: int = 0
+    preconnects: int = 0
+    """Handshakes started before a load, from the scheduler's ``connects``."""
+    loads_failed: int = 0
+    loads_aborted: int = 0
+    renew_rpcs: int = 0
+    """RENEW calls answered (whatever the answer)."""
+    release_rpcs: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeaseCounters(Counters):
+    """A producer's lease table (``leases``): what happened to its leases.
+    The ways a lease ends are ``leases.Ending``'s values."""
+
+    PREFIX: ClassVar[str] = "leases_"
+
+    granted: int = 0
+    released_early: int = 0
+    """Released by every reader before its grant reached the table."""
+    renewed: int = 0
+    confirmed: int = 0
+    refused_confirm: int = 0
+    reader_released: int = 0
+    """One reader of a lease released it (the lease ends with the last)."""
+    refused_forged: int = 0
+    refused_unknown: int = 0
+    refused_claimed: int = 0
+    refused_readers: int = 0
+    """A call under the owner's claim with another reader count."""
+    released: int = 0
+    expired: int = 0
+    lifetime: int = 0
+    reclaimed: int = 0
+    epoch: int = 0
+    sleep: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Totals:
     """Sums over every load recorded (dropped records included) and the
-    event counters. ``to_dict`` flattens both into one mapping."""
+    event counters of each owner. ``to_dict`` flattens them into one mapping.
+    A field named as a :class:`LoadMeasures` field sums that measure; the
+    others are ``loads_ok`` and the counters."""
 
     nbytes: int = 0
     num_descs: int = 0
@@ -140,40 +259,41 @@ class Totals:
     num_blocks: int = 0
     loads_ok: int = 0
     transfer_s: float = 0.0
-    events: Mapping[str, int] = dataclasses.field(default_factory=dict)
     nbytes_skipped: int = 0
     """Bytes sliding windows kept from being read (``LoadMeasures.nbytes_skipped``)."""
+    consumer: ConsumerCounters = ConsumerCounters()
+    leases: LeaseCounters = LeaseCounters()
 
     def add_record(self, record: LoadRecord) -> Totals:
-        return Totals(self.nbytes + (record.nbytes or 0), self.num_descs + (record.num_descs or 0),
-                      self.ops_posted + (record.ops_posted or 0), self.block_runs + (record.block_runs or 0),
-                      self.num_blocks + (record.num_blocks or 0), self.loads_ok + record.ok,
-                      self.transfer_s + (record.transfer_s or 0.0), self.events,
-                      self.nbytes_skipped + (record.nbytes_skipped or 0))
+        sums: dict[str, Any] = {name: getattr(self, name) + (getattr(record, name) or 0) for name in _SUMS}
+        return dataclasses.replace(self, loads_ok=self.loads_ok + record.ok, **sums)
 
     def __add__(self, other: Totals) -> Totals:
-        events = collections.Counter(self.events)
-        events.update(other.events)
-        return Totals(self.nbytes + other.nbytes, self.num_descs + other.num_descs,
-                      self.ops_posted + other.ops_posted, self.block_runs + other.block_runs,
-                      self.num_blocks + other.num_blocks, self.loads_ok + other.loads_ok,
-                      self.transfer_s + other.transfer_s, dict(events),
-                      self.nbytes_skipped + other.nbytes_skipped)
+        return Totals(*(getattr(self, f.name) + getattr(other, f.name) for f in _TOTALS_FIELDS))
+
+    def events(self) -> dict[str, int]:
+        """Every owner's non-zero counters by their flat names."""
+        return {**self.consumer.flat(), **self.leases.flat()}
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {k: getattr(self, k) for k in _SUMMED}
-        out.update(loads_ok=self.loads_ok, transfer_s=self.transfer_s, **self.events)
-        return out
+        return {**{name: getattr(self, name) for name in _NUMBERS}, **self.events()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Totals:
-        summed = {k: int(data.get(k, 0)) for k in (*_SUMMED, "loads_ok")}
-        events = {k: int(v) for k, v in data.items()
-                  if k not in _TOTAL_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        return cls(**summed, transfer_s=float(data.get("transfer_s", 0.0)), events=events)
+        unknown = set(data) - _TOTAL_KEYS
+        if unknown:
+            raise ValueError(f"unknown totals key(s) {sorted(unknown)}; valid: {sorted(_TOTAL_KEYS)}")
+        numbers: dict[str, Any] = {name: (float if name in _FLOATS else int)(data.get(name, 0)) for name in _NUMBERS}
+        return cls(**numbers, consumer=ConsumerCounters.parse(data), leases=LeaseCounters.parse(data))
 
 
-_TOTAL_KEYS = frozenset((*_SUMMED, "loads_ok", "transfer_s"))
+_TOTALS_FIELDS = dataclasses.fields(Totals)
+_SUMS = tuple(f.name for f in _TOTALS_FIELDS if f.name in _MEASURED)
+"""The measures a record adds to the totals (nbytes, transfer_s...)."""
+_NUMBERS = (*_SUMS, "loads_ok")
+"""The totals that are numbers (the others are counters)."""
+_FLOATS = frozenset(f.name for f in _TOTALS_FIELDS if isinstance(f.default, float))
+_TOTAL_KEYS = frozenset(_NUMBERS) | ConsumerCounters.names() | LeaseCounters.names()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -224,12 +344,11 @@ def merge(parts: Iterable[WorkerStats | None]) -> WorkerStats | None:
 
 
 class LoadStats:
-    """The consumer's records and event counters since the last :meth:`take`."""
+    """The consumer's records since the last :meth:`take`."""
 
     def __init__(self) -> None:
         self.records: collections.deque[LoadRecord] = collections.deque(maxlen=MAX_RECORDS)
         self.totals = Totals()
-        self.counters = collections.Counter[str]()
 
     def record(self, request_id: str, measures: LoadMeasures, *, ok: bool, total_s: float,
                error: str | None) -> None:
@@ -238,10 +357,8 @@ class LoadStats:
         self.totals = self.totals.add_record(record)
 
     def take(self) -> tuple[tuple[LoadRecord, ...], Totals]:
-        """Hand over what was recorded since the last call (the counters as
-        the totals' events), and reset."""
-        out = tuple(self.records), dataclasses.replace(self.totals, events=dict(self.counters))
+        """Hand over what was recorded since the last call, and reset."""
+        out = tuple(self.records), self.totals
         self.records.clear()
         self.totals = Totals()
-        self.counters.clear()
         return out

@@ -7,7 +7,7 @@ process with ``memmove``. Nothing here imports UCX.
 
 Also the connector's one door to the transport package at import time:
 it re-exports :class:`DescList` (plain numpy; the slot tables in
-``planning`` are built from it). ``tests/test_layering.py`` keeps every
+``slots`` are built from it). ``tests/test_layering.py`` keeps every
 other connector module off ``rdma_kv.transport`` (``connector.agent_transport``
 builds the real ``Agent``, lazily).
 

@@ -24,7 +24,7 @@ import re
 import socket
 import struct
 import time
-from typing import Annotated, Union
+from typing import Annotated, TypeVar, Union
 
 import msgspec
 
@@ -63,17 +63,40 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 5
-"""1: first release. 2: every connection opens with HELLO/CHALLENGE (and AUTH
-when a secret is configured). 3: a lease names its grant token and the
-consumer's claim; CLAIMED and UNKNOWN answers. 4: a lease call names the
-consumer rank making it (``reader``) and how many consumer ranks read this
-producer rank under the lease (``readers``): the lease ends when all of them
-released (heterogeneous tensor parallelism). 5: a lease call carries the
-lease's binding (``params.lease_binding``: engine, TP size, token count and
-block ids of every group, and the producer's registration), which the grant
-token covers; FORGED answers a genuine token presented with other block ids;
-the handshake reply names the producer's KV-cache registration. A peer of another version is
-refused with a message naming both versions."""
+"""The side channel's version: both ends must speak the same one. A peer of
+another version is refused with a message naming both versions (a version-1
+producer answers HELLO with ``error``, which the client reports as a version
+mismatch). Each version, and what changed under it without a new number
+(fields added with a default, which an older peer of the same version
+refuses as unknown: ``forbid_unknown_fields``):
+
+1. First release (2026-11-22). HANDSHAKE ``{version, engine_id, tp_rank,
+   compat}`` answered ``handshake_ok{version, engine_id, tp_rank, compat,
+   compat_hash, agent_metadata, geometry}``; RENEW, CONFIRM (with
+   ``release``) and RELEASE of ``[epoch, generation, request_id]`` answered
+   HELD, PENDING or GONE. ``CompatInfo`` named ``num_kv_heads`` and
+   ``tp_size``.
+2. (2026-11-22) Every connection opens with HELLO -> CHALLENGE and, when
+   the producer has a shared secret, AUTH -> AUTH_OK (``auth``); a peer's
+   geometry is capped (``MAX_BLOCKS_PER_LAYER``, ``MAX_SLOTS``). Later under
+   2: ``CompatInfo`` gained ``kv_layout`` and ``attention_backend``.
+3. (2026-11-24) A lease names its grant ``token`` and the consumer's
+   ``claim``; CLAIMED and UNKNOWN answers.
+4. (2026-11-24) A lease call names the consumer rank making it (``reader``)
+   and how many consumer ranks read this producer rank under the lease
+   (``readers``): the lease ends when all of them released. Later under 4
+   (heterogeneous tensor parallel, hybrid models): HANDSHAKE and its reply
+   name a ``RankInfo`` (``tp_rank, tp_size, num_kv_heads``) instead of
+   ``tp_rank``; ``CompatInfo`` names ``total_kv_heads`` instead of
+   ``num_kv_heads`` and drops ``tp_size``, and gained ``layer_groups``; a
+   geometry layer gained ``head_nbytes`` and ``group``.
+5. (2026-11-25) A lease call carries the lease's ``binding``
+   (``params.lease_binding``: engine, TP size, token count and block ids of
+   every group), which the grant token covers; FORGED answers a genuine
+   token presented with other block ids. Later under 5 (sleep mode): the
+   handshake reply names the producer's KV-cache ``registration`` (default
+   1), and the binding covers it.
+"""
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 16 << 20  # agent metadata (worker address + rkeys) plus geometry
 MAX_LEASES_PER_MESSAGE = 4096
@@ -403,8 +426,11 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error", forbid_unknown_fields
 Reply = Union[Challenge, AuthOk, HandshakeReply, LeaseReply, Refused, ErrorReply]
 
 _encoder = msgspec.msgpack.Encoder()
-request_decoder = msgspec.msgpack.Decoder(Request)
-reply_decoder = msgspec.msgpack.Decoder(Reply)
+request_decoder: msgspec.msgpack.Decoder[Request] = msgspec.msgpack.Decoder(Request)
+reply_decoder: msgspec.msgpack.Decoder[Reply] = msgspec.msgpack.Decoder(Reply)
+
+
+T = TypeVar("T")
 
 
 def encode(message: msgspec.Struct) -> bytes:
@@ -423,7 +449,7 @@ def _name_lease_field(message: str) -> str:
     return f"{message} (lease {match.group(1)}, field {fields[int(match.group(2))]!r})"
 
 
-def _decode(decoder: msgspec.msgpack.Decoder, body: bytes, what: str) -> object:
+def _decode(decoder: msgspec.msgpack.Decoder[T], body: bytes, what: str) -> T:
     try:
         return decoder.decode(body)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
@@ -436,12 +462,12 @@ def _decode(decoder: msgspec.msgpack.Decoder, body: bytes, what: str) -> object:
 
 def decode_request(body: bytes) -> Request:
     """A side-channel request, schema-checked; ``MetadataError`` says what is wrong."""
-    return _decode(request_decoder, body, "side-channel request")  # type: ignore[return-value]
+    return _decode(request_decoder, body, "side-channel request")
 
 
 def decode_reply(body: bytes) -> Reply:
     """A side-channel reply, schema-checked; ``MetadataError`` says what is wrong."""
-    return _decode(reply_decoder, body, "side-channel reply")  # type: ignore[return-value]
+    return _decode(reply_decoder, body, "side-channel reply")
 
 
 # --- framing ---------------------------------------------------------------------------

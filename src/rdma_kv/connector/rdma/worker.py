@@ -26,6 +26,12 @@ if its scheduler asks it to release a lease it was handed (a request with
 ``do_remote_prefill`` sent to a producer-only engine), to give the blocks
 back before the lease expires.
 
+The consumer part is built once the KV caches are registered, from one
+frozen record (``consumer.LocalKV``), and again after each wake from sleep
+(over the new transport). The worker owns what outlives one consumer: the
+``consumer.LoadBook`` (loads finished and not yet reported, stats) and the
+side-channel clients and RPC threads (``consumer.ClientPool``).
+
 Where to look: a load's whole life, its failures and validate-after-read
 are in ``consumer``; a lease's grant, renewal, confirmation and expiry in
 ``leases``; the side-channel answers in ``producer``.
@@ -38,6 +44,7 @@ transport only through ``transport_api`` (the real ``Agent`` is created by
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -46,14 +53,16 @@ from typing import Any
 from rdma_kv.connector.config import KVTransferConfig
 from rdma_kv.connector.geometry import derive_geometry
 from rdma_kv.connector.rdma import auth, wire
-from rdma_kv.connector.rdma.consumer import RdmaConsumer
+from rdma_kv.connector.rdma.compat import compat_info, rank_info
+from rdma_kv.connector.rdma.consumer import ClientPool, LoadBook, LocalKV, RdmaConsumer
 from rdma_kv.connector.rdma.leases import LeaseTable
 from rdma_kv.connector.rdma.meta import RdmaConnectorMetadata, RdmaHandshakeMetadata
-from rdma_kv.connector.rdma.planning import SlotTable, compat_info, rank_info
 from rdma_kv.connector.rdma.producer import ProducerHandler, RdmaProducer
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sidechannel import SideChannelServer
-from rdma_kv.connector.rdma.stats import LoadRecord, Totals, WorkerStats
+from rdma_kv.connector.rdma.sideclient import SideChannelClient
+from rdma_kv.connector.rdma.slots import SlotTable
+from rdma_kv.connector.rdma.stats import WorkerStats
 from rdma_kv.connector.rdma.transport_api import Transport
 from rdma_kv.connector.specs import KVCacheConfig
 from rdma_kv.connector.types import BlockId, EngineId, RequestId
@@ -83,14 +92,17 @@ class RdmaWorker:
         # Loaded here, once, and kept only in the parts (never in settings,
         # params, metadata or logs; its repr hides the value).
         self._secret = auth.load_secret(settings.auth_secret_env, settings.auth_secret_file)
-        self._transport: Transport | None = None
-        self._slots: SlotTable | None = None
+        self._transport: Transport | None = None  # None before registration and while asleep
+        self._local: LocalKV | None = None  # likewise
         self._compat: wire.CompatInfo | None = None
-        self._attach_args: tuple[Any, ...] | None = None
-        """What a consumer reads into (``RdmaConsumer.attach``), once registered."""
         self._producer = (RdmaProducer(self._engine_id, settings, self._secret, clock)
                           if config.is_kv_producer else None)
-        self._consumer = self._new_consumer() if config.is_kv_consumer else None
+        self._consumes = config.is_kv_consumer
+        self._consumer: RdmaConsumer | None = None
+        """Built at registration (a ``kv_producer`` worker: when first asked to release a lease)."""
+        self._book = LoadBook(clock)
+        self._pool = ClientPool(self._make_client, clock=clock, threads=settings.rpc_threads,
+                                thread_name=f"rdma-kv-rpc-{settings.tp_rank}")
         # What ``leases`` shows on a consumer-only worker: nothing grants into it.
         self._leases = self._producer.leases if self._producer is not None else LeaseTable(clock)
         self._closed = False
@@ -98,11 +110,13 @@ class RdmaWorker:
         self._registration = 1
         self._asleep = False
 
-    def _new_consumer(self) -> RdmaConsumer:
-        consumer = RdmaConsumer(self._engine_id, self._settings, self._secret, self._clock)
-        if self._attach_args is not None:
-            consumer.attach(*self._attach_args)
-        return consumer
+    def _new_consumer(self, local: LocalKV) -> RdmaConsumer:
+        return RdmaConsumer(local, self._engine_id, self._settings, self._pool, self._book, self._clock)
+
+    def _make_client(self, host: str, port: int) -> SideChannelClient:
+        s = self._settings
+        return SideChannelClient(host, port, connect_timeout_s=s.connect_timeout_s,
+                                 rpc_timeout_s=s.rpc_timeout_s, retries=s.rpc_retries, secret=self._secret)
 
     # --- startup -----------------------------------------------------------------------
 
@@ -142,10 +156,11 @@ class RdmaWorker:
         except BaseException:
             transport.close()
             raise
-        self._transport, self._slots, self._compat = transport, slots, compat
-        self._attach_args = (transport, geometry, slots, local_prep, compat, rank)
-        if self._consumer is not None:
-            self._consumer.attach(*self._attach_args)
+        self._transport, self._compat = transport, compat
+        self._local = LocalKV(transport, geometry, slots, local_prep, compat, rank)
+        if self._consumes or self._consumer is not None:
+            # A new consumer over the new transport; it reports what the one before the sleep left.
+            self._consumer = self._new_consumer(self._local)
         server = self._server
         logger.info("rdma-kv worker %s: %d layers in %d region(s), %d blocks, %d bytes per block; "
                     "side channel %s, peer authentication %s, registration %d", self.agent_name,
@@ -170,7 +185,7 @@ class RdmaWorker:
                                    self._settings.read_timeout_s)
         if self._producer is not None:
             self._producer.suspend()
-        self._transport = None
+        self._transport = self._local = None
         transport.close()
         logger.info("rdma-kv worker %s: KV cache unregistered for sleep (registration %d)", self.agent_name,
                     self._registration)
@@ -224,14 +239,16 @@ class RdmaWorker:
         elif meta.sends:
             logger.error("%d lease grant(s) sent to the worker of a consumer-only engine; ignored",
                          len(meta.sends))
-        if self._consumer is None and meta.releases:
-            self._consumer = self._new_consumer()
+        if self._consumer is None and meta.releases and self._local is not None:
+            self._consumer = self._new_consumer(self._local)
         if self._consumer is not None:
             for address in meta.connects:  # before the loads: one of them may read from it
                 self._consumer.preconnect(address)
             self._consumer.on_step(meta.loads, meta.releases, meta.renewals, meta.aborts)
-        elif meta.loads or meta.renewals or meta.aborts:
-            logger.error("loads, renewals or aborts sent to the worker of a producer-only engine; ignored")
+        elif meta.loads or meta.renewals or meta.aborts or meta.releases:
+            logger.error("loads, renewals, releases or aborts sent to the worker of %s; ignored",
+                         "a producer-only engine" if not self._consumes else
+                         "an engine that has not registered its KV caches (register_kv_caches() first)")
 
     # --- get_finished ---------------------------------------------------------------------------------------
 
@@ -243,20 +260,17 @@ class RdmaWorker:
         return sending | aborted, recving
 
     def take_load_errors(self) -> set[BlockId]:
-        return self._consumer.take_load_errors() if self._consumer is not None else set()
+        return self._book.take_load_errors()
 
     # --- stats and shutdown -----------------------------------------------------------------------------------
 
     def stats(self) -> WorkerStats | None:
         """Both parts' records and counters since the last call (None if
         nothing happened), with the leases and resources held now."""
-        records: tuple[LoadRecord, ...] = ()
-        totals = Totals()
-        if self._consumer is not None:
-            records, totals = self._consumer.take_stats()
+        records, totals = self._book.take_stats()
         if self._producer is not None:
-            totals = totals + Totals(events=self._producer.take_counters())  # leases granted, released...
-        if not records and not totals.events:
+            totals = dataclasses.replace(totals, leases=self._producer.take_counters())  # granted, released...
+        if not records and not totals.events():
             return None
         return WorkerStats(records, totals, len(self.leases), self.resources())
 
@@ -280,12 +294,12 @@ class RdmaWorker:
         return out
 
     def num_inflight(self) -> int:
-        return self._consumer.num_inflight() if self._consumer is not None else 0
+        return self._book.num_loads()
 
     def reads_on_the_wire(self) -> list[str]:
         """Request ids (aborted ones included) whose read transfer the
         transport has not yet resolved: their blocks can still be written."""
-        return self._consumer.reads_on_the_wire() if self._consumer is not None else []
+        return self._book.reads_on_the_wire()
 
     def shutdown(self) -> None:
         if self._closed:
@@ -293,7 +307,6 @@ class RdmaWorker:
         self._closed = True
         if self._producer is not None:
             self._producer.close()
-        if self._consumer is not None:
-            self._consumer.close()
+        self._pool.close()
         if self._transport is not None:
             self._transport.close()

@@ -1,19 +1,26 @@
 """The consumer's side-channel clients, one per producer address, made on
-first use and closed once idle (a helper of ``consumer.RdmaConsumer``).
+first use and closed once idle, and the RPC threads that call them.
 
 A client holds a socket to one producer rank. Producers come and go (a
 restart with an OS-chosen port is a new address), so a client nobody
 used for ``idle_s`` and that no peer or load refers to is closed and
 forgotten; the next load that needs the address makes a new one.
 
+Handshakes, confirmations and lease calls run on the pool's threads
+(:meth:`ClientPool.submit`), never on the engine thread. The worker owns
+the pool: it outlives a consumer put to sleep, so the calls that consumer
+queued (releases of the loads the sleep failed) still go out.
+
 Imports the standard library and the connector's ``sideclient``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Collection
+from typing import Any
 
 from rdma_kv.connector.rdma.sideclient import SideChannelClient
 
@@ -24,11 +31,21 @@ Address = tuple[str, int]
 
 class ClientPool:
     def __init__(self, make: Callable[[str, int], SideChannelClient], idle_s: float = 120.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, threads: int = 1,
+                 thread_name: str = "rdma-kv-rpc") -> None:
         self._make, self._idle_s, self._clock = make, idle_s, clock
         self._lock = threading.Lock()
         self._clients: dict[Address, tuple[SideChannelClient, float]] = {}
         self._closed = False
+        self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=thread_name)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """Run ``fn(*args)`` on an RPC thread; False (nothing runs) once closed."""
+        try:
+            self._executor.submit(fn, *args)
+        except RuntimeError:  # shut down: the worker is closing
+            return False
+        return True
 
     def get(self, host: str, port: int) -> SideChannelClient:
         with self._lock:
@@ -57,6 +74,8 @@ class ClientPool:
         return len(dropped)
 
     def close(self) -> None:
+        """Stop the RPC threads (calls not started are dropped) and close every client."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             self._closed = True
             clients = [c for c, _ in self._clients.values()]

@@ -1,4 +1,4 @@
-"""Block ids to descriptor indices, and the compatibility record of a KV cache.
+"""Block ids to slot indices: the slot tables of a KV cache.
 
 Owns the *slot table* of one side's KV cache: one descriptor per (layer,
 segment, block), listed layer-major, prepared once with the transport at
@@ -22,12 +22,13 @@ a row belongs to its layer's group and takes that group's block ids, so a
 load's block ids travel per group (a sliding-window group's list is shorter:
 only the blocks inside the window are read).
 
-Also owns :func:`compat_info` and :func:`rank_info`: what two engines must
-agree on, and one rank's share of the model.
+Also owns :class:`BlockPairs`, a load's block ids in the one form the
+slot tables take (per group, int64 arrays, local and remote paired), made
+once per load.
 
-Imports numpy, ``rdma_kv.errors``, ``rdma_kv.runs``, the connector's ``geometry`` and
-``specs``, ``rdma.wire``, and the transport's ``DescList`` (plain numpy)
-through ``rdma.transport_api``.
+Imports numpy, ``rdma_kv.errors``, ``rdma_kv.runs``, the connector's ``geometry``
+and ``types``, and the transport's ``DescList`` (plain numpy) through
+``rdma.transport_api``.
 """
 
 from __future__ import annotations
@@ -40,12 +41,11 @@ import numpy as np
 
 from rdma_kv.connector.geometry import KVCacheGeometry, LayerGeometry, Segment
 from rdma_kv.connector.rdma.transport_api import DescList
-from rdma_kv.connector.rdma.wire import CompatInfo, RankInfo
-from rdma_kv.connector.specs import AttentionSpec, KVCacheConfig
+from rdma_kv.connector.types import GroupBlockIds
 from rdma_kv.errors import DescriptorError
 from rdma_kv.runs import run_starts
 
-__all__ = ["HeadSlice", "SlotTable", "block_arrays", "compat_info", "count_runs", "rank_info"]
+__all__ = ["BlockPairs", "HeadSlice", "SlotTable", "block_arrays", "count_runs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,10 +118,14 @@ class SlotTable:
         return len(self.row_base)
 
     def indices(self, block_ids: GroupIds, side: str) -> np.ndarray:
-        """Descriptor indices of the per-group ``block_ids`` (one 1-D array per
-        group; a bare 1-D array is the one group of a single-group cache),
-        row-major: row ``r`` contributes ``block_ids[row_group[r]]``."""
-        groups = _as_groups(block_ids)
+        """Slot indices (into ``descs``, and the list prepared from it) of the
+        per-group ``block_ids`` (one 1-D array or sequence per group; a bare
+        1-D array is the one group of a single-group cache), row-major: row
+        ``r`` contributes ``block_ids[row_group[r]]``."""
+        return self._indices(_as_groups(block_ids), side)
+
+    def _indices(self, groups: Sequence[np.ndarray], side: str) -> np.ndarray:
+        """:meth:`indices` of per-group int64 arrays, taken as they are."""
         if len(groups) != self.num_groups:
             raise DescriptorError(f"{len(groups)} groups of {side} block ids for a {side} KV cache "
                                   f"of {self.num_groups} KV-cache group(s)")
@@ -133,7 +137,8 @@ class SlotTable:
                     f"of the {side} KV cache"
                 )
         if len(groups) == 1:
-            return (self.row_base[:, None] + groups[0][None, :]).ravel()
+            flat: np.ndarray = (self.row_base[:, None] + groups[0][None, :]).ravel()
+            return flat
         # Rows of one group take the same ids: one broadcast per group, scattered
         # to where the group's rows start in the row-major output.
         sizes = np.array([ids.size for ids in groups], dtype=np.int64)[self.row_group]
@@ -183,7 +188,10 @@ def count_runs(local_ids: GroupIds, remote_ids: GroupIds, rows: int | SlotTable)
     """Operations a read of these blocks needs when blocks are adjacent in
     memory (blocks-first layouts): runs contiguous on both sides, per row.
     ``rows`` is a row count (one group) or the slot table (its rows per group)."""
-    local, remote = block_arrays(local_ids, remote_ids)
+    return _runs(*block_arrays(local_ids, remote_ids), rows)
+
+
+def _runs(local: Sequence[np.ndarray], remote: Sequence[np.ndarray], rows: int | SlotTable) -> int:
     if isinstance(rows, SlotTable):
         per_group = np.bincount(rows.row_group, minlength=len(local))
     else:
@@ -195,46 +203,31 @@ def count_runs(local_ids: GroupIds, remote_ids: GroupIds, rows: int | SlotTable)
     return total
 
 
-def _rank_heads(spec: object) -> int:
-    """KV heads one rank holds (1 for MLA, whose latent is not split)."""
-    if isinstance(spec, AttentionSpec):
-        return 1 if spec.use_mla else spec.num_kv_heads
-    return 1
+@dataclasses.dataclass(frozen=True, eq=False)
+class BlockPairs:
+    """A load's block ids as the slot tables take them: per KV-cache group,
+    an int64 array of local ids and one of remote ids, of equal length
+    (``local[g][i]`` is read from ``remote[g][i]``). Made once per load
+    (:meth:`of`); :meth:`slots` turns them into slot indices as they are."""
 
+    local: tuple[np.ndarray, ...]
+    remote: tuple[np.ndarray, ...]
 
-def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, total_kv_heads: int,
-                attention_backend: str = "") -> CompatInfo:
-    """What this engine's KV cache is, for the handshake to compare, in
-    terms independent of tensor parallelism: model shape (``total_kv_heads``
-    before sharding), dtype, block size, the spec of each KV-cache group
-    (``+``-joined, page size per head) and, with several groups, each
-    layer's group; the attention backend, and per layer the layout, bytes
-    per head and memory order (so an NHD and an HND cache of one shape
-    differ)."""
-    specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
-    spec = specs[0]
-    heads = _rank_heads(spec)
-    layouts = [
-        f"{layer.layout.value}:" + ",".join(str(s.block_nbytes // heads) for s in layer.segments)
-        + f":{layer.head_nbytes}" + (f":{layer.memory_order}" if layer.memory_order else "")
-        for layer in geometry.layers
-    ]
-    head_size, dtype = (spec.head_size, spec.dtype) if isinstance(spec, AttentionSpec) else (0, "")
-    return CompatInfo(
-        num_layers=len(geometry.layers),
-        block_size=spec.block_size,
-        total_kv_heads=total_kv_heads if isinstance(spec, AttentionSpec) and not spec.use_mla else 1,
-        head_size=head_size,
-        dtype=dtype,
-        spec="+".join(f"{s.type_id.rsplit('_', 2)[0]}_{s.block_size}_{s.page_size_bytes // _rank_heads(s)}"
-                      for s in specs),
-        layouts=layouts,
-        kv_layout="/".join(sorted({layer.kv_layout for layer in geometry.layers})),
-        attention_backend=attention_backend,
-        layer_groups=[layer.group for layer in geometry.layers] if len(specs) > 1 else [],
-    )
+    @classmethod
+    def of(cls, local_block_ids: GroupBlockIds, remote_block_ids: GroupBlockIds) -> BlockPairs:
+        """Raises ``ValueError`` when the two sides do not pair up."""
+        local, remote = block_arrays(local_block_ids, remote_block_ids)
+        return cls(tuple(local), tuple(remote))
 
+    @property
+    def num_blocks(self) -> int:
+        return sum(int(ids.size) for ids in self.local)
 
-def rank_info(kv_cache_config: KVCacheConfig, tp_rank: int, tp_size: int) -> RankInfo:
-    """This rank's share of the model, for the handshake."""
-    return RankInfo(tp_rank, tp_size, _rank_heads(kv_cache_config.kv_cache_groups[0].kv_cache_spec))
+    def slots(self, local: SlotTable, remote: SlotTable) -> tuple[np.ndarray, np.ndarray]:
+        """The slot indices of both sides in ``local`` and ``remote``: what
+        one ``read_prepared`` call takes."""
+        return local._indices(self.local, "local"), remote._indices(self.remote, "remote")
+
+    def runs(self, table: SlotTable) -> int:
+        """:func:`count_runs` of these pairs over ``table``'s rows."""
+        return _runs(self.local, self.remote, table)

@@ -9,7 +9,7 @@ of the polling thread and of every lane's pump: *run* (ms on a CPU) and
 time. Two workers copying in parallel show run ~= wall on both threads;
 a lane starved of a CPU shows its queued time instead.
 
-    .venv/bin/python bench/lane_busy.py [--reps 5] [--lanes 2] [--json PATH]
+    .venv/bin/python bench/experiments/lane_busy.py [--reps 5] [--lanes 2] [--json PATH]
 """
 
 from __future__ import annotations

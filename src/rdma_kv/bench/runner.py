@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from rdma_kv.bench.workloads import Plan, Workload
+from rdma_kv.bench.workloads import Batch, Workload
 from rdma_kv.errors import RdmaKVError
 
 
@@ -258,7 +258,7 @@ class PatternFiller:
         self._salt = salt
 
 
-def verify(local: np.ndarray, p: Plan, what: str = "") -> None:
+def verify(local: np.ndarray, p: Batch, what: str = "") -> None:
     """Raise VerificationError unless every descriptor of ``p`` landed in
     ``local`` holding the target's pattern for ``p.rep``."""
     salt = pattern_salt(p.workload.seed, p.rep)
@@ -286,7 +286,7 @@ def verify(local: np.ndarray, p: Plan, what: str = "") -> None:
                     _fail(p, i, what)
 
 
-def _fail(p: Plan, index: int, what: str) -> None:
+def _fail(p: Batch, index: int, what: str) -> None:
     raise VerificationError(
         f"{what or 'reader'}: {p.workload.name} rep {p.rep}: descriptor {index} "
         f"(local offset {int(p.local_offsets[index])}, remote offset {int(p.remote_offsets[index])}, "

@@ -17,7 +17,7 @@ measures, on the same agents, memory and peer:
 Prints medians and the ratio connector / raw GB/s (the bar: >= 0.9), and
 descriptors posted per request vs contiguous block runs.
 
-Usage: python bench/connector_overhead.py [--reps 7] [--blocks 256] [--layers 32]
+Usage: python bench/experiments/connector_overhead.py [--reps 7] [--blocks 256] [--layers 32]
 """
 
 from __future__ import annotations
@@ -73,15 +73,15 @@ def main(argv=None) -> int:
             rec = D.worker.get_kv_connector_stats()["requests"][-1]
             assert not D.results[rid].load_failed and rec["ok"], rec
             # raw: the same agents, peer and block ids, straight through read_prepared
-            w = D.worker.worker._consumer  # the read path: its peers, slot table and transport
-            peer = next(iter(w._peers.values()))
+            w = D.worker.worker._consumer  # the read path: its peers, slot tables and transport
+            peer = next(iter(w.peers._peers.values()))
             remote_ids = np.asarray(params["remote_block_ids"], dtype=np.int64)
             local_ids = np.arange(len(remote_ids), dtype=np.int64) + 4
-            plan = w._sources.plan(peer.address)
-            (slots, local_prep), (remote, remote_prep) = w._sources.tables(plan, plan.reads[0], peer)
+            plan = w.peers.plan(peer.address)
+            (slots, local_prep), (remote, remote_prep) = w.peers.tables(plan, plan.reads[0], peer.connection)
             li, ri = slots.indices(local_ids, "local"), remote.indices(remote_ids, "remote")
             t1 = time.perf_counter()
-            xfer = w._transport.read_prepared(local_prep, li, remote_prep, ri, timeout_s=30)
+            xfer = w._local.transport.read_prepared(local_prep, li, remote_prep, ri, timeout_s=30)
             xfer.wait(60)
             raw_s = time.perf_counter() - t1
             P.run(until=lambda: not P.held, timeout_s=30)

@@ -15,7 +15,7 @@ deadline), ``submit`` (rk_submit, the C post loop), ``posted`` (accounting),
 (return to completion: the copy plus the wake-ups), ``total`` (call + wait).
 Prints medians and p90 in microseconds; ``--json`` saves every rep.
 
-    .venv/bin/python bench/fixed_cost.py [--reps 200] [--lanes 1,2]
+    .venv/bin/python bench/experiments/fixed_cost.py [--reps 200] [--lanes 1,2]
         [--lane-min-bytes N] [--warm] [--bare] [--help-ab] [--json PATH]
 """
 

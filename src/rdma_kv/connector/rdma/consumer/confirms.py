@@ -1,0 +1,118 @@
+"""Validate-after-read: the consumer's CONFIRM calls, queued, batched and retried.
+
+Owns :class:`Confirmations`: a source whose reads landed is queued for its
+peer; one CONFIRM (with ``release``) per peer carries every source queued
+since the last one, on an RPC thread. The producer's answer per source:
+
+- HELD: the lease was held during the whole read (and this reader's share
+  is released): the source is CONFIRMED; the load's ``on_confirmed`` runs
+  once every source of it is.
+- PENDING (the producer has not been shipped the lease yet): queued again
+  for the next :meth:`Confirmations.retry` (the next ``get_finished``).
+- GONE, CLAIMED, UNKNOWN or FORGED: the data read cannot be trusted; the
+  load fails (``lease_rpc.refusal_reason``).
+
+A call that fails fails every load of its batch; a producer that is gone
+(``PeerError``) is failed in the peer directory too, so its endpoint and
+keys do not outlive it.
+
+Imports the standard library, ``rdma_kv.errors`` and the connector's
+``rdma.wire`` and the consumer's ``clients``, ``lease_rpc``, ``peers`` and
+``records``.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+
+from rdma_kv.connector.rdma import wire
+from rdma_kv.connector.rdma.consumer.clients import ClientPool
+from rdma_kv.connector.rdma.consumer.lease_rpc import LeaseCalls, refusal_reason
+from rdma_kv.connector.rdma.consumer.peers import PeerDirectory, PeerKey, PeerState
+from rdma_kv.connector.rdma.consumer.records import LoadState, Source, SourceStage
+from rdma_kv.errors import PeerError
+
+__all__ = ["Confirmations"]
+
+Queued = tuple[LoadState, Source]
+
+
+class Confirmations:
+    """The CONFIRM calls of one consumer rank. Methods marked "lock held"
+    expect the consumer's lock (``lock``) held by the caller."""
+
+    def __init__(self, lock: threading.RLock, pool: ClientPool, peers: PeerDirectory, leases: LeaseCalls,
+                 fail: Callable[[LoadState, str], None],
+                 on_confirmed: Callable[[LoadState, float], None]) -> None:
+        self._lock = lock
+        self._pool = pool
+        self._peers = peers
+        self._leases = leases
+        self._fail = fail
+        self._on_confirmed = on_confirmed
+        self._queue: dict[PeerKey, list[Queued]] = collections.defaultdict(list)
+        self._scheduled: set[PeerKey] = set()
+        self._pending: list[tuple[PeerState, LoadState, Source]] = []
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queue.values())
+
+    def queue(self, peer: PeerState, load: LoadState, src: Source) -> None:
+        """``src``'s reads landed: confirm it with the next CONFIRM to ``peer``. Lock held."""
+        self._queue[peer.key].append((load, src))
+        if peer.key not in self._scheduled and self._pool.submit(self._confirm, peer):
+            self._scheduled.add(peer.key)
+
+    def retry(self) -> None:
+        """Queue again the sources the producer answered PENDING. Lock held."""
+        pending, self._pending = self._pending, []
+        for peer, load, src in pending:
+            if src.stage is SourceStage.CONFIRMING and not load.stage.terminal:
+                self.queue(peer, load, src)
+
+    def clear(self) -> None:
+        """Drop everything queued (the consumer is being suspended). Lock held."""
+        self._queue.clear()
+        self._pending.clear()
+
+    def _confirm(self, peer: PeerState) -> None:
+        """RPC thread: one CONFIRM+RELEASE for what is queued for ``peer``."""
+        with self._lock:
+            self._scheduled.discard(peer.key)
+            batch = [(ld, src) for ld, src in self._queue.pop(peer.key, [])
+                     if src.stage is SourceStage.CONFIRMING and not ld.stage.terminal]
+        if not batch:
+            return
+        request = wire.Confirm(wire.PROTOCOL_VERSION, [self._leases.of(ld, src)[1].to_wire() for ld, src in batch],
+                               release=True)
+        try:
+            statuses = self._pool.get(*peer.address.rank_address(peer.rank)).lease_call(request).statuses
+        except Exception as exc:
+            with self._lock:
+                for load, _ in batch:
+                    self._fail(load, f"could not confirm the lease with {peer.address.engine_id!r} rank "
+                                     f"{peer.rank}, so the data read cannot be trusted: {exc}")
+            if isinstance(exc, PeerError):
+                # The producer is gone: drop its endpoint and rkeys now, not
+                # at the next load, or they outlive it.
+                self._peers.failed(peer, str(exc))
+            return
+        now = time.perf_counter()
+        with self._lock:
+            for (load, src), status in zip(batch, statuses):
+                if load.stage.terminal or src.stage is not SourceStage.CONFIRMING:
+                    continue
+                if status is wire.LeaseStatus.PENDING:
+                    self._pending.append((peer, load, src))  # re-sent at the next step
+                    continue
+                src.released = True  # HELD released this reader's share; a refusal holds nothing
+                if status is not wire.LeaseStatus.HELD:
+                    reason = refusal_reason(status, peer.address.engine_id, load.spec.lease.generation)
+                    self._fail(load, f"{reason}; the data read cannot be trusted, discarded")
+                    continue
+                src.stage = SourceStage.CONFIRMED
+                if load.all_confirmed:
+                    self._on_confirmed(load, now)

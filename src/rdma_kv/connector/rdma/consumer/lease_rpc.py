@@ -1,0 +1,166 @@
+"""A consumer rank's lease calls to producers: RENEW while a load runs or
+waits for admission, RELEASE when it ends or is abandoned.
+
+Owns :class:`LeaseCalls`: whom a call goes to (as reader ``tp_rank``, to
+every producer rank this rank calls for the lease, each with the number of
+consumer ranks that call it, so a producer rank read by several consumer
+ranks keeps the blocks until each released), which renewals are due
+(``RdmaSettings.renewal_due``, the scheduler's rule too), batching (per
+producer rank, at most ``wire.MAX_LEASES_PER_MESSAGE`` leases a message),
+the call on the RPC threads, and the wording of a producer's refusal
+(:func:`refusal_reason`). A failed call is logged at DEBUG and dropped: the
+producer's lease then expires on its own, which is the design, not an
+error. A refused RENEW fails a load not yet reading at once (one whose
+reads are in flight learns the same from its CONFIRM, once no read can land).
+
+Imports the standard library and the connector's ``rdma`` modules
+``meta``, ``settings``, ``sideclient``, ``topology`` and ``wire``, and the
+consumer's ``clients`` and ``records``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+
+from rdma_kv.connector.rdma import wire
+from rdma_kv.connector.rdma.consumer.clients import ClientPool
+from rdma_kv.connector.rdma.consumer.records import LoadBook, LoadStage, LoadState, Source
+from rdma_kv.connector.rdma.meta import PeerAddress, RemoteLease
+from rdma_kv.connector.rdma.settings import RdmaSettings
+from rdma_kv.connector.rdma.sideclient import SideChannelClient
+from rdma_kv.connector.rdma.topology import RankPlan
+from rdma_kv.errors import ConfigError
+
+__all__ = ["REFUSALS", "LeaseCalls", "LeaseKind", "Refused", "Targeted", "call_lease_rpc", "refusal_reason"]
+
+logger = logging.getLogger(__name__)
+
+Targeted = tuple[int, RemoteLease]
+"""(producer rank, the lease as this reader names it)."""
+Refused = list[tuple[RemoteLease, wire.LeaseStatus]]
+"""The leases a producer rank refused in one call, with its answers."""
+LeaseKind = type[wire.Renew] | type[wire.Release]
+
+REFUSALS = frozenset({wire.LeaseStatus.GONE, wire.LeaseStatus.CLAIMED, wire.LeaseStatus.UNKNOWN,
+                      wire.LeaseStatus.FORGED})
+"""Answers that mean the producer holds nothing for this consumer under the lease."""
+
+
+class LeaseCalls:
+    """The RENEW and RELEASE calls of consumer rank ``settings.tp_rank``."""
+
+    def __init__(self, settings: RdmaSettings, plan: Callable[[PeerAddress], RankPlan], pool: ClientPool,
+                 book: LoadBook, fail: Callable[[LoadState, str], None]) -> None:
+        self._settings = settings
+        self._reader, self._tp_size = settings.tp_rank, settings.tp_size
+        self._plan = plan
+        self._pool = pool
+        self._book = book
+        self._fail = fail
+
+    def targets(self, lease: RemoteLease) -> list[Targeted]:
+        """Where this rank sends a RENEW or RELEASE made for a whole request."""
+        try:
+            readers = self._plan(lease.peer).readers
+        except ConfigError:
+            # No load can run: each producer rank is released by one consumer rank.
+            readers = {p: 1 for p in range(lease.peer.tp_size) if p % self._tp_size == self._reader}
+        return [(p, dataclasses.replace(lease, reader=self._reader, readers=n)) for p, n in readers.items()]
+
+    def of(self, load: LoadState, src: Source) -> Targeted:
+        """The lease call of ``load`` to its source ``src``."""
+        return src.read.rank, dataclasses.replace(load.spec.remote_lease, reader=self._reader,
+                                                  readers=src.readers)
+
+    def due(self, loads: Iterable[LoadState], now: float) -> list[Targeted]:
+        """The renewals due now, the loads marked renewed: every running
+        load's, to each source not yet released (``RdmaSettings.renewal_due``)."""
+        due: list[Targeted] = []
+        for load in loads:
+            if not load.stage.terminal and self._settings.renewal_due(load.renewed_at, now, load.spec.lease_ttl_s):
+                load.renewed_at = now
+                due.extend(self.of(load, src) for src in load.sources if not src.released)
+        return due
+
+    def release_load(self, load: LoadState) -> None:
+        """RELEASE this reader's share of every source of ``load`` not yet
+        released (a load that failed before it had sources: every producer
+        rank this rank calls, as for a request released by the scheduler).
+        Lock held."""
+        if load.sources:
+            targets = [self.of(load, src) for src in load.sources if not src.released]
+            for src in load.sources:
+                src.released = True
+        else:
+            targets = self.targets(load.spec.remote_lease)
+        self.release(targets)
+
+    def renew(self, targets: Iterable[Targeted]) -> None:
+        self._send(wire.Renew, targets)
+
+    def release(self, targets: Iterable[Targeted]) -> None:
+        self._send(wire.Release, targets)
+
+    def _send(self, kind: LeaseKind, targets: Iterable[Targeted]) -> None:
+        """Group the calls by producer rank and submit them to the RPC threads."""
+        by_peer: dict[tuple[PeerAddress, int], list[RemoteLease]] = collections.defaultdict(list)
+        for rank, lease in targets:
+            by_peer[lease.peer, rank].append(lease)
+        for (address, rank), leases in by_peer.items():
+            for start in range(0, len(leases), wire.MAX_LEASES_PER_MESSAGE):
+                chunk = leases[start:start + wire.MAX_LEASES_PER_MESSAGE]
+                if not self._pool.submit(self._call, kind, address, rank, chunk):
+                    return  # the pool is closed: the worker is shutting down
+
+    def _call(self, kind: LeaseKind, address: PeerAddress, rank: int, leases: list[RemoteLease]) -> None:
+        """RPC thread: one call; a refused RENEW fails its load if it is not reading yet."""
+        refused = call_lease_rpc(self._pool.get(*address.rank_address(rank)), kind, address, leases)
+        if refused is None:
+            return
+        with self._book.lock:
+            self._book.counters.add("renew_rpcs" if kind is wire.Renew else "release_rpcs")
+            if not refused or kind is not wire.Renew:
+                return
+            by_claim = {ld.spec.claim: ld for ld in self._book.loads.values()}
+            for lease, status in refused:
+                load = by_claim.get(lease.claim)
+                if load is not None and load.stage is LoadStage.HANDSHAKE:
+                    for src in load.sources:
+                        if src.read.rank == rank:
+                            src.released = True  # the producer holds nothing for it
+                    self._fail(load, refusal_reason(status, address.engine_id, lease.lease.generation))
+
+
+def call_lease_rpc(client: SideChannelClient, kind: LeaseKind, address: PeerAddress,
+                   leases: list[RemoteLease]) -> Refused | None:
+    """One RENEW or RELEASE; the leases the producer refused (GONE, CLAIMED,
+    UNKNOWN, FORGED) with its answers, or None if the call failed (logged at DEBUG:
+    the leases expire on their own)."""
+    try:
+        reply = client.lease_call(kind(wire.PROTOCOL_VERSION, [r.to_wire() for r in leases]))
+    except Exception as exc:
+        logger.debug("%s of %d lease(s) with %r failed (the leases expire on their own): %s",
+                     kind.__name__, len(leases), address.engine_id, exc)
+        return None
+    return [(r, s) for r, s in zip(leases, reply.statuses) if s in REFUSALS]
+
+
+def refusal_reason(status: wire.LeaseStatus, producer: str, generation: int) -> str:
+    """Why a load cannot trust (or start) its reads, for a producer's refusal."""
+    if status is wire.LeaseStatus.CLAIMED:
+        return (f"producer {producer!r} refused lease {generation}: another consumer claimed it first "
+                "(the same kv_transfer_params were loaded twice, e.g. a router retry or a duplicate "
+                "request); the blocks belong to that load")
+    if status is wire.LeaseStatus.FORGED:
+        return (f"producer {producer!r} refused lease {generation}: its token is genuine but the "
+                "kv_transfer_params name other blocks (or another request id, token count, engine or "
+                "TP size) "
+                "than the producer granted: the params were altered after the prefill returned them")
+    if status is wire.LeaseStatus.UNKNOWN:
+        return (f"producer {producer!r} never granted lease {generation} (its token does not verify): "
+                "the kv_transfer_params were altered or come from another producer")
+    return (f"producer {producer!r} no longer holds lease {generation} (released or expired): the "
+            "blocks may have been reused")

@@ -1,0 +1,319 @@
+"""The consumer's load state machine: from a load in the step metadata to ``done_recving``.
+
+Owns :class:`RdmaConsumer`. A load goes HANDSHAKE -> READING -> CONFIRMING
+-> DONE, or FAILED from any stage (``records.LoadStage``), with one *source*
+per producer rank it reads (the rank plan, ``peers``). One source's reads
+are one ``read_prepared`` call (vectorised index math plus one C loop), on
+the engine thread when the peer is ready, else on the RPC thread that ended
+the handshake. Completion arrives on the transport's progress thread; the
+source is then confirmed (``confirms``); the load is DONE once all are.
+
+Guarantees, and where they are kept:
+
+- ``done_recving`` without load errors only after the producer confirmed
+  the lease was held during the whole read (``confirms``).
+- A failed, unconfirmed, refused or unreachable load is reported in
+  ``done_recving`` *and* its blocks in ``take_load_errors``, in the same
+  step (``records.LoadBook``); the deadlines (read: the transport's
+  per-transfer ``timeout_s``; handshake and confirmation:
+  ``load_timeout_s``) bound when. Every failure goes through ``_fail``,
+  which waits until none of the load's reads can still land.
+- An aborted request is reported in ``done_sending`` (its blocks handed
+  back) only once its transfer completed or failed (``_abort``).
+- Nothing raises into the engine loop: ``on_step`` catches, logs, and turns
+  the failure into load errors.
+
+Lock discipline: the book's lock guards load and peer state; the transport
+is never called while holding it (its completion callbacks take it).
+Load-failure warnings are rate-limited per producer (``lograte``).
+
+Imports the standard library, ``rdma_kv.errors``, the connector's
+``types`` and its ``rdma`` modules ``meta``, ``settings``, ``slots``,
+``lograte``, ``transport_api`` and the consumer's ``clients``, ``confirms``,
+``lease_rpc``, ``peers`` and ``records``. Never the producer's modules.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from rdma_kv.connector.rdma.consumer.clients import ClientPool
+from rdma_kv.connector.rdma.consumer.confirms import Confirmations
+from rdma_kv.connector.rdma.consumer.lease_rpc import LeaseCalls
+from rdma_kv.connector.rdma.consumer.peers import Connection, LocalKV, PeerDirectory, PeerState
+from rdma_kv.connector.rdma.consumer.records import LoadBook, LoadStage, LoadState, Source, SourceStage
+from rdma_kv.connector.rdma.lograte import RateLimitedWarnings
+from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress, RemoteLease
+from rdma_kv.connector.rdma.settings import RdmaSettings
+from rdma_kv.connector.rdma.slots import BlockPairs
+from rdma_kv.connector.rdma.transport_api import TransferHandle
+from rdma_kv.connector.types import EngineId, RequestId
+from rdma_kv.errors import ConfigError
+
+__all__ = ["RdmaConsumer"]
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE, READING, CONFIRMING, DONE, FAILED = (
+    LoadStage.HANDSHAKE, LoadStage.READING, LoadStage.CONFIRMING, LoadStage.DONE, LoadStage.FAILED)
+
+
+class RdmaConsumer:
+    """The read path of one worker, built once its KV caches are registered
+    (``local``). Reports into ``book``, which a consumer built after a wake
+    from sleep takes over."""
+
+    def __init__(self, local: LocalKV, engine_id: EngineId, settings: RdmaSettings, pool: ClientPool,
+                 book: LoadBook, clock: Callable[[], float] = time.monotonic) -> None:
+        self._local = local
+        self._settings = settings
+        self._clock = clock
+        self._pool = pool
+        self._book = book
+        self._lock = book.lock
+        self._failure_warnings = RateLimitedWarnings(logger, "KV load failures", clock=clock)
+        self.peers = PeerDirectory(local, engine_id, settings.tp_rank, self._lock, pool, book.counters, clock,
+                                   self._handshake_done)
+        self.leases = LeaseCalls(settings, self.peers.plan, pool, book, self._fail)
+        self._confirms = Confirmations(self._lock, pool, self.peers, self.leases, self._fail, self._confirmed)
+        self._asleep: str | None = None  # why loads fail at once (suspend)
+
+    # --- every step ------------------------------------------------------------------------------
+
+    def on_step(self, loads: Iterable[LoadSpec], releases: Iterable[RemoteLease],
+                renewals: Iterable[RemoteLease], aborts: Iterable[RequestId]) -> None:
+        """Apply the consumer's part of one step's metadata. Never raises."""
+        self.leases.release(t for lease in releases for t in self.leases.targets(lease))
+        self.leases.renew(t for lease in renewals for t in self.leases.targets(lease))
+        for rid in aborts:
+            self._abort(rid)
+        for spec in loads:
+            try:
+                self._start(spec)
+            except Exception as exc:  # a bug here must not escape into the engine loop
+                logger.exception("request %r: starting its load failed", spec.request_id)
+                with self._lock:
+                    load = self._book.loads.get(spec.request_id)
+                    if load is not None:
+                        self._fail(load, f"starting the load failed: {exc}")
+
+    def preconnect(self, address: PeerAddress) -> None:
+        """Handshake ahead of the first load from ``address`` (``peers``). Never raises."""
+        if self._asleep is None:
+            self.peers.preconnect(address)
+
+    def _start(self, spec: LoadSpec) -> None:
+        now = self._clock()
+        load = LoadState(spec, now + self._settings.load_timeout_s, now)
+        ready: list[tuple[Source, PeerState, Connection]] = []
+        with self._lock:
+            if spec.request_id in self._book.loads:
+                logger.warning("request %r: a load is already running; ignoring the second", spec.request_id)
+                return
+            self._book.loads[spec.request_id] = load
+            if spec.error is not None or self._asleep is not None:
+                self._fail(load, f"the scheduler could not plan the load: {spec.error}" if spec.error
+                           else str(self._asleep))
+                return
+            try:
+                plan = self.peers.plan(spec.peer)
+            except ConfigError as exc:
+                self._fail(load, f"cannot map tensor-parallel ranks: {exc}")
+                return
+            load.sources = [Source(read, plan.readers[read.rank]) for read in plan.reads]
+            release_only = [t for t in self.leases.targets(spec.remote_lease) if t[0] in plan.release_only]
+            for src in load.sources:
+                found = self.peers.peer_for(load, src, now)
+                if isinstance(found, str):
+                    self._fail(load, found)
+                    break
+                if found is not None:
+                    ready.append((src, *found))
+        self.leases.release(release_only)
+        for src, peer, connection in ready:
+            self._post(load, src, peer, connection)
+
+    def _handshake_done(self, peer: PeerState, waiting: list[tuple[LoadState, Source]]) -> None:
+        """RPC thread: ``peer`` became READY (post its waiting loads) or FAILED (fail them)."""
+        post = []
+        with self._lock:
+            for load, src in waiting:
+                if peer.connection is None or peer.error is not None:
+                    self._fail(load, peer.error or "handshake failed")
+                    continue
+                load.measures = load.measures.at_least(handshake_s=peer.connection.handshake_s)
+                stale = peer.connection.stale_for(load.spec.registration, peer)
+                if stale is None:
+                    post.append((load, src, peer.connection))
+                else:
+                    self._fail(load, stale)
+        for load, src, connection in post:
+            self._post(load, src, peer, connection)
+
+    # --- reads -----------------------------------------------------------------------------------
+
+    def _post(self, load: LoadState, src: Source, peer: PeerState, connection: Connection) -> None:
+        """Post one source's reads. Called without the lock held."""
+        spec, read = load.spec, src.read
+        with self._lock:
+            if load.stage.terminal or load.error is not None or src.stage is not SourceStage.WAITING:
+                return  # failed meanwhile (deadline, another source)
+            if load.aborted:
+                if load.read_resolved:
+                    self._finish_aborted(load)
+                return
+            src.stage, src.resolved = SourceStage.READING, False
+            if load.stage is HANDSHAKE:
+                load.stage = READING
+        t0 = time.perf_counter()
+        try:
+            # Not under the lock: preparing tables calls the transport, whose
+            # completion callbacks take it (lock order, module docstring).
+            (local, local_prep), (remote, remote_prep) = self.peers.tables(self.peers.plan(spec.peer), read,
+                                                                           connection)
+            pairs = BlockPairs.of(spec.local_block_ids, spec.remote_block_ids)
+            local_slots, remote_slots = pairs.slots(local, remote)
+            xfer = self._local.transport.read_prepared(local_prep, local_slots, remote_prep, remote_slots,
+                                                       timeout_s=self._settings.read_timeout_s)
+        except Exception as exc:
+            with self._lock:
+                src.resolved = True
+                self._fail(load, f"posting reads from {spec.peer.engine_id!r} rank {read.rank} failed: {exc}")
+            if not isinstance(exc, (ValueError, ConfigError)):
+                self.peers.failed(peer, str(exc))
+            return
+        src.transfer = xfer
+        runs, skipped = pairs.runs(local), local.skipped_nbytes(spec.num_skipped_blocks)
+        with self._lock:
+            load.measures = load.measures.with_(num_blocks=pairs.num_blocks).add(
+                block_runs=runs, nbytes_skipped=skipped,
+                plan_s=time.perf_counter() - t0 - xfer.post_s, post_s=xfer.post_s)
+        xfer.add_done_callback(functools.partial(self._on_read_done, load, src, peer))
+
+    def _on_read_done(self, load: LoadState, src: Source, peer: PeerState, xfer: TransferHandle) -> None:
+        """Transport progress thread: one source's reads completed or failed."""
+        failed = xfer.error is not None
+        with self._lock:
+            load.measures = load.measures.add(nbytes=xfer.nbytes, num_descs=xfer.num_descs,
+                                              ops_posted=xfer.ops_posted).at_least(transfer_s=xfer.elapsed_s)
+            src.resolved = True
+            if failed:
+                self._fail(load, f"reads from {load.spec.peer.engine_id!r} rank {src.read.rank} "
+                                 f"failed: {xfer.error}")
+            elif not load.stage.terminal:
+                src.stage = SourceStage.CONFIRMING
+                if load.error is not None:
+                    self._fail(load, load.error)  # failed while reads were in flight
+                elif load.aborted:
+                    if load.read_resolved:
+                        self._finish_aborted(load)
+                else:
+                    self._confirms.queue(peer, load, src)
+                    if load.all_confirming:
+                        load.stage = CONFIRMING
+                        load.confirm_started = time.perf_counter()
+        if failed:
+            self.peers.failed(peer, str(xfer.error))
+
+    def _confirmed(self, load: LoadState, now: float) -> None:
+        """Every source of ``load`` was confirmed HELD (lock held)."""
+        started = load.confirm_started
+        load.measures = load.measures.with_(confirm_s=0.0 if started is None else now - started)
+        if load.aborted:
+            self._finish_aborted(load)
+        else:
+            load.stage = DONE
+            self._book.finish(load)
+
+    # --- endings (lock held) ---------------------------------------------------------------------
+
+    def _fail(self, load: LoadState, reason: str) -> None:
+        """The one place a load fails."""
+        if load.stage.terminal:
+            return
+        if not load.read_resolved:
+            # Reads can still land: defer until every transfer resolves (its
+            # deadline bounds this); _on_read_done fails it.
+            load.error = load.error or reason
+            return
+        load.stage, load.error = FAILED, load.error or reason
+        self._book.counters.add("loads_failed")
+        self._failure_warnings.warn(load.spec.peer.engine_id, "request %r: KV load failed: %s",
+                                    load.spec.request_id, load.error)
+        self.leases.release_load(load)
+        if load.aborted:
+            self._book.hand_back(load.spec.request_id)
+        else:
+            self._book.finish(load)
+
+    def _finish_aborted(self, load: LoadState) -> None:
+        if not load.stage.terminal:
+            self.leases.release_load(load)
+        load.stage = DONE
+        self._book.hand_back(load.spec.request_id)
+        self._book.counters.add("loads_aborted")
+
+    def _abort(self, rid: RequestId) -> None:
+        """The scheduler finished ``rid`` while its load was handed to us."""
+        with self._lock:
+            load = self._book.loads.get(rid)
+            if load is None or (load.stage.terminal and load.read_resolved):
+                self._book.hand_back(rid)  # nothing in flight (a finished load goes unreported)
+                return
+            load.aborted = True
+            if load.read_resolved:
+                self._finish_aborted(load)
+            # else: _on_read_done finishes it once no read can land
+
+    # --- get_finished, introspection, sleep -------------------------------------------------------
+
+    def get_finished(self) -> tuple[set[RequestId], set[RequestId]]:
+        """(aborted requests whose blocks may be freed, loads finished):
+        fails the loads past their deadline, re-queues PENDING confirmations
+        and sends the renewals due."""
+        now = self._clock()
+        with self._lock:
+            for load in list(self._book.loads.values()):
+                if not load.stage.terminal and load.error is None and now > load.deadline:
+                    self._fail(load, f"not finished within load_timeout_s={self._settings.load_timeout_s} "
+                                     f"(stage {load.stage.value})")
+            finished = self._book.report()
+            self._confirms.retry()
+            renew = self.leases.due(self._book.loads.values(), now)
+            self.peers.prune(now)
+        self.leases.renew(renew)
+        self._pool.prune(self._addresses_in_use, now)
+        self._failure_warnings.flush(now)
+        return finished
+
+    def _addresses_in_use(self) -> set[tuple[str, int]]:
+        with self._lock:
+            return self.peers.addresses() | {ld.spec.peer.rank_address(src.read.rank)
+                                             for ld in self._book.loads.values() for src in ld.sources}
+
+    def resources(self) -> dict[str, int]:
+        with self._lock:
+            return {"inflight_loads": len(self._book.loads), "peers": len(self.peers),
+                    "clients": len(self._pool), "unreported": self._book.num_unreported,
+                    "confirm_queue": len(self._confirms)}
+
+    def suspend(self, reason: str, timeout_s: float) -> None:
+        """The worker is about to close the transport (sleep): fail every load
+        in flight, reported by the next ``get_finished`` with its blocks as
+        load errors, and forget every peer; from now on a load fails at once
+        with ``reason``. Waits, at most ``timeout_s``, for reads still on the
+        wire to resolve; closing the transport then fails the rest (no read
+        lands after it)."""
+        with self._lock:
+            self._asleep = reason
+            for load in list(self._book.loads.values()):
+                self._fail(load, reason)
+        deadline = time.monotonic() + timeout_s
+        while self._book.reads_on_the_wire() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        with self._lock:
+            self.peers.clear()
+            self._confirms.clear()

@@ -1,0 +1,337 @@
+"""The consumer's peer directory: the producer ranks it reads from, and every slot table.
+
+Owns, for one consumer rank:
+
+- :class:`LocalKV`: this rank's registered KV cache as a reader sees it,
+  one frozen record the worker builds once its KV caches are registered
+  (transport, geometry, whole-block slot table and its prepared list,
+  compatibility record, rank share).
+- the **rank plan** for a producer engine (:meth:`PeerDirectory.plan`:
+  ``topology.plan_ranks`` from this rank's share, the producer's TP size
+  and the model's KV heads).
+- one :class:`PeerState` per producer rank, CONNECTING -> READY (HANDSHAKE
+  over the side channel: the reply's engine, compatibility record and rank
+  share checked against the plan, its agent metadata imported into the
+  transport) or FAILED. A FAILED peer is forgotten :data:`PEER_RETRY_S`
+  after its failure (:meth:`PeerState.forgotten`, the one retry rule): the
+  next load handshakes again. A peer whose producer re-registered its KV
+  cache since (sleep mode) is dropped for a new one.
+- every **slot table** a read uses, prepared with the transport once: this
+  rank's own per head slice, and each peer's per head slice (whole blocks
+  when both sides hold the same heads).
+
+Loads wait on a CONNECTING peer (``PeerState.waiting``); when its handshake
+ends, the directory hands them to ``on_handshake`` without its lock.
+Handshakes run on the RPC threads. Lock discipline: peer state is guarded
+by the consumer's lock (handed in); tables are prepared under a lock of
+their own, never the consumer's, which the transport's completion
+callbacks take (holding it here deadlocked a load with two sources).
+
+Imports the standard library, numpy, ``rdma_kv.errors`` and the
+connector's ``geometry``, ``types`` and ``rdma`` modules ``wire``, ``meta``,
+``slots``, ``topology``, ``transport_api``, ``stats``, ``sideclient``,
+``auth``, ``settings`` and the consumer's ``records`` and ``clients``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from rdma_kv.connector.geometry import KVCacheGeometry
+from rdma_kv.connector.rdma import wire
+from rdma_kv.connector.rdma.consumer.clients import ClientPool
+from rdma_kv.connector.rdma.consumer.records import LoadState, Source
+from rdma_kv.connector.rdma.meta import PeerAddress
+from rdma_kv.connector.rdma.slots import HeadSlice, SlotTable
+from rdma_kv.connector.rdma.stats import ConsumerCounters, Tally
+from rdma_kv.connector.rdma.topology import RankPlan, Read, plan_ranks
+from rdma_kv.connector.rdma.transport_api import Transport
+from rdma_kv.connector.types import EngineId
+from rdma_kv.errors import HandshakeError
+
+__all__ = ["PEER_RETRY_S", "Connection", "LocalKV", "PeerDirectory", "PeerStage", "PeerState", "Table"]
+
+logger = logging.getLogger(__name__)
+
+PEER_RETRY_S = 1.0
+"""A peer whose handshake or reads failed is not dialled again for this long."""
+
+Table = tuple[SlotTable, Any]
+"""A slot table and its prepared descriptor list (the transport's handle)."""
+Waiter = tuple[LoadState, Source]
+PeerKey = tuple[str, str, int]  # engine id, side-channel host, the producer rank's port
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LocalKV:
+    """This rank's KV cache, registered with ``transport``: what reads land in."""
+
+    transport: Transport
+    geometry: KVCacheGeometry
+    slots: SlotTable
+    """Whole blocks, every layer."""
+    prepared: Any
+    """``slots.descs`` prepared with ``transport`` (``prep_local``)."""
+    compat: wire.CompatInfo
+    rank: wire.RankInfo
+
+
+class PeerStage(enum.Enum):
+    CONNECTING = "connecting"  # handshake in flight; loads wait in PeerState.waiting
+    READY = "ready"  # agent metadata imported
+    FAILED = "failed"  # not dialled again for PEER_RETRY_S
+
+
+@dataclasses.dataclass(eq=False)
+class Connection:
+    """What a handshake with one producer rank gave this consumer rank."""
+
+    name: str
+    """The peer's name in the transport (its agent metadata imported)."""
+    geometry: KVCacheGeometry
+    registration: int
+    """The producer's KV-cache registration its metadata is of."""
+    handshake_s: float
+    tables: dict[HeadSlice | None, Table] = dataclasses.field(default_factory=dict)
+    """Its slot tables, per head slice read (None: whole blocks); the directory's."""
+
+    def stale_for(self, registration: int, peer: PeerState) -> str | None:
+        """Why a load of params issued under ``registration`` must not read
+        through this connection (None: it may): the producer re-registered its
+        KV cache since the params were issued."""
+        if registration == self.registration:
+            return None
+        return (f"producer {peer.address.engine_id!r} rank {peer.rank} re-registered its KV cache (sleep "
+                f"mode: registration {self.registration}) since these kv_transfer_params were issued "
+                f"(registration {registration}): the blocks they name are gone; nothing was read")
+
+
+@dataclasses.dataclass(eq=False)
+class PeerState:
+    """Producer rank ``rank`` of the engine at ``address``."""
+
+    address: PeerAddress
+    rank: int
+    state: PeerStage = PeerStage.CONNECTING
+    connection: Connection | None = None
+    """Set when it became READY (kept once it FAILED after that)."""
+    waiting: list[Waiter] = dataclasses.field(default_factory=list)
+    error: str | None = None
+    failed_at: float = 0.0
+
+    @property
+    def key(self) -> PeerKey:
+        return (self.address.engine_id, *self.address.rank_address(self.rank))
+
+    def forgotten(self, now: float) -> bool:
+        """FAILED at least ``PEER_RETRY_S`` ago: the next load dials it again."""
+        return self.state is PeerStage.FAILED and now - self.failed_at >= PEER_RETRY_S
+
+
+class PeerDirectory:
+    """The producer ranks one consumer rank reads from. Methods marked
+    "lock held" expect the consumer's lock (``lock``) held by the caller."""
+
+    def __init__(self, local: LocalKV, engine_id: EngineId, tp_rank: int, lock: threading.RLock,
+                 pool: ClientPool, counters: Tally[ConsumerCounters], clock: Callable[[], float],
+                 on_handshake: Callable[[PeerState, list[Waiter]], None]) -> None:
+        self._local = local
+        self._engine_id = engine_id
+        self._tp_rank = tp_rank
+        self._lock = lock
+        self._pool = pool
+        self._counters = counters
+        self._clock = clock
+        self._on_handshake = on_handshake
+        self._peers: dict[PeerKey, PeerState] = {}
+        self._tables_lock = threading.Lock()
+        self._local_tables: dict[HeadSlice | None, Table] = {None: (local.slots, local.prepared)}
+
+    def plan(self, address: PeerAddress) -> RankPlan:
+        """What this rank reads from the producer at ``address``; raises
+        ``ConfigError`` when the two TP sizes cannot share the model's heads."""
+        compat, rank = self._local.compat, self._local.rank
+        return plan_ranks(self._tp_rank, rank.tp_size, address.tp_size, max(1, compat.total_kv_heads),
+                          compat.kv_layout == "MLA")
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    # --- finding a peer (lock held) -----------------------------------------------------------
+
+    def _known(self, address: PeerAddress, rank: int, now: float) -> PeerState | None:
+        key = (address.engine_id, *address.rank_address(rank))
+        peer = self._peers.get(key)
+        if peer is not None and peer.forgotten(now):
+            del self._peers[key]
+            return None
+        return peer
+
+    def peer_for(self, load: LoadState, src: Source, now: float) -> tuple[PeerState, Connection] | str | None:
+        """The READY peer (and its connection) to read ``src`` of ``load``
+        from now; None when the load waits for the peer's handshake (started
+        if needed); or why the load cannot read from it. Lock held."""
+        spec, rank = load.spec, src.read.rank
+        peer = self._known(spec.peer, rank, now)
+        if peer is not None and peer.connection is not None and peer.connection.registration < spec.registration:
+            self._forget(peer)  # the producer re-registered (woke from sleep): its old keys are void
+            peer = None
+        if peer is None:
+            peer = self._connect(spec.peer, rank)
+            if peer is None:
+                return "the worker is shutting down"
+        if peer.state is PeerStage.FAILED:
+            return f"producer {spec.peer.engine_id!r} rank {rank} is unavailable: {peer.error}"
+        if peer.state is PeerStage.CONNECTING or peer.connection is None:
+            peer.waiting.append((load, src))
+            return None
+        return peer.connection.stale_for(spec.registration, peer) or (peer, peer.connection)
+
+    def preconnect(self, address: PeerAddress) -> None:
+        """Start the handshakes with the producer ranks at ``address`` this
+        rank reads, so that the first load from them finds the peers READY or
+        CONNECTING. A peer already known, or failed less than
+        ``PEER_RETRY_S`` ago, is left alone. Never raises."""
+        try:
+            ranks = sorted({read.rank for read in self.plan(address).reads})
+        except Exception:
+            return  # no plan: the load fails with the reason
+        with self._lock:
+            for rank in ranks:
+                if self._known(address, rank, self._clock()) is None:
+                    if self._connect(address, rank) is None:
+                        return
+                    self._counters.add("preconnects")
+
+    def _connect(self, address: PeerAddress, rank: int) -> PeerState | None:
+        """A new CONNECTING peer, its handshake submitted to the RPC threads
+        (None once they are shut down). Lock held."""
+        peer = PeerState(address, rank)
+        self._peers[peer.key] = peer
+        if not self._pool.submit(self._handshake, peer):
+            del self._peers[peer.key]
+            return None
+        return peer
+
+    # --- the handshake (RPC thread) ------------------------------------------------------------
+
+    def _handshake(self, peer: PeerState) -> None:
+        """Make ``peer`` READY or FAILED, then hand its waiting loads over."""
+        address, t0 = peer.address, time.perf_counter()
+        name = None
+        try:
+            reply = self._ask(peer)
+            geometry = reply.geometry.to_geometry()
+            name = self._local.transport.add_peer(reply.agent_metadata)
+        except Exception as exc:
+            if name is not None:
+                self._remove(name)
+            host, port = address.rank_address(peer.rank)
+            reason = f"handshake with {host}:{port} failed: {exc}"
+            logger.warning("producer %r: %s", address.engine_id, reason)
+            with self._lock:
+                peer.state, peer.error, peer.failed_at = PeerStage.FAILED, reason, self._clock()
+                waiting, peer.waiting = peer.waiting, []
+        else:
+            with self._lock:
+                peer.state = PeerStage.READY
+                peer.connection = Connection(name, geometry, reply.registration, time.perf_counter() - t0)
+                waiting, peer.waiting = peer.waiting, []
+                self._counters.add("handshakes")
+        self._on_handshake(peer, waiting)
+
+    def _ask(self, peer: PeerState) -> wire.HandshakeReply:
+        """HANDSHAKE with ``peer``; the reply, its engine, KV cache and rank share checked."""
+        address, compat = peer.address, self._local.compat
+        client = self._pool.get(*address.rank_address(peer.rank))
+        reply = client.handshake(wire.Handshake(wire.PROTOCOL_VERSION, self._engine_id, self._local.rank, compat))
+        if reply.engine_id != address.engine_id:
+            raise HandshakeError(
+                f"expected producer engine {address.engine_id!r} at {client.address}, found "
+                f"{reply.engine_id!r}; the request's kv_transfer_params point at another engine")
+        if reply.compat != compat:
+            diff = "; ".join(compat.mismatches(reply.compat, mine="consumer", theirs="producer"))
+            raise HandshakeError(f"producer {reply.engine_id!r} has an incompatible KV cache: {diff}")
+        expected = wire.RankInfo(peer.rank, address.tp_size, self.plan(address).remote_heads)
+        if reply.rank != expected:
+            raise HandshakeError(
+                f"producer {reply.engine_id!r} at {client.address} is rank {reply.rank.tp_rank} of "
+                f"{reply.rank.tp_size} with {reply.rank.num_kv_heads} KV heads; expected rank "
+                f"{expected.tp_rank} of {expected.tp_size} with {expected.num_kv_heads} (the "
+                "kv_transfer_params' tp_size, or the producer's ports, are wrong)")
+        return reply
+
+    # --- failures ---------------------------------------------------------------------------------
+
+    def _forget(self, peer: PeerState) -> None:
+        """Drop a peer whose metadata is void. Lock held (the transport call
+        takes the transport's lock only)."""
+        del self._peers[peer.key]
+        peer.state, peer.error = PeerStage.FAILED, "re-registered"
+        if peer.connection is not None:
+            self._remove(peer.connection.name)
+
+    def failed(self, peer: PeerState, reason: str) -> None:
+        """``peer``'s reads or confirmation failed: it is FAILED (dialled again
+        after ``PEER_RETRY_S``) and its transport peer removed (a restarted
+        producer has a new agent). Called without the lock held."""
+        with self._lock:
+            if self._peers.get(peer.key) is not peer or peer.state is not PeerStage.READY:
+                return
+            peer.state, peer.error, peer.failed_at = PeerStage.FAILED, reason, self._clock()
+        if peer.connection is not None:
+            self._remove(peer.connection.name)
+
+    def _remove(self, name: str) -> None:
+        try:
+            self._local.transport.remove_peer(name)
+        except Exception:
+            pass  # already gone (the transport failed it itself, or closed)
+
+    def prune(self, now: float) -> None:
+        """Forget the peers :meth:`PeerState.forgotten` (producers that come and
+        go, with new engine ids on restart, do not accumulate). Lock held."""
+        for key, peer in list(self._peers.items()):
+            if peer.forgotten(now):
+                del self._peers[key]
+
+    def clear(self) -> None:
+        """Forget every peer (the transport is about to close). Lock held."""
+        self._peers.clear()
+
+    def addresses(self) -> set[tuple[str, int]]:
+        """The side channels of the peers known. Lock held."""
+        return {p.address.rank_address(p.rank) for p in self._peers.values()}
+
+    # --- slot tables ---------------------------------------------------------------------------
+
+    def tables(self, plan: RankPlan, read: Read, peer: Connection) -> tuple[Table, Table]:
+        """(local, remote) prepared slot tables for ``read`` through ``peer``;
+        raises ``ValueError`` (once, when the remote table is first made) if
+        their rows differ in bytes per block. Called without the consumer's
+        lock (preparing calls the transport)."""
+        whole = plan.whole(read)
+        local = None if whole else HeadSlice(read.local_first, read.count, plan.local_heads)
+        remote = None if whole else HeadSlice(read.remote_first, read.count, plan.remote_heads)
+        transport = self._local.transport
+        with self._tables_lock:
+            mine = self._local_tables.get(local)
+            if mine is None:
+                slots = SlotTable(self._local.geometry, local)
+                mine = self._local_tables[local] = (slots, transport.prep_local(slots.descs))
+            theirs = peer.tables.get(remote)
+            if theirs is None:
+                slots = SlotTable(peer.geometry, remote)
+                if not np.array_equal(mine[0].row_nbytes, slots.row_nbytes):
+                    raise ValueError(f"the local and producer rank {read.rank} slot tables differ in "
+                                     "bytes per block; the KV layouts do not match")
+                theirs = peer.tables[remote] = (slots, transport.prep_remote(peer.name, slots.descs))
+        return mine, theirs

@@ -1,0 +1,182 @@
+"""The consumer's records: one load and its sources, and the book of loads a worker reports.
+
+Owns the stages of a load (:class:`LoadStage`: HANDSHAKE -> READING ->
+CONFIRMING -> DONE, or FAILED from any stage), of each of its sources (one
+per producer rank it reads, :class:`SourceStage`: WAITING -> READING ->
+CONFIRMING -> CONFIRMED), and :class:`LoadBook`: the loads a consumer
+runs and what it has not reported yet (finished loads, aborted requests
+whose blocks may be freed, load errors, stats), with the lock that guards
+them. The book outlives a consumer: the worker hands the same book to the
+consumer it builds after a wake from sleep, so loads the old one finished
+are still reported.
+
+A load with equal tensor-parallel sizes on both sides has one source; a
+consumer rank that owns heads held by several producer ranks has one per
+rank (``topology``). A load is CONFIRMING once every source's reads
+landed, and DONE once every source was confirmed HELD.
+
+Imports the standard library and the connector's ``types`` and ``rdma``
+data modules (``meta``, ``stats``, ``topology``, ``transport_api``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+from collections.abc import Callable
+
+from rdma_kv.connector.rdma.meta import LoadSpec
+from rdma_kv.connector.rdma.stats import ConsumerCounters, LoadMeasures, LoadRecord, LoadStats, Tally, Totals
+from rdma_kv.connector.rdma.topology import Read
+from rdma_kv.connector.rdma.transport_api import TransferHandle
+from rdma_kv.connector.types import BlockId, RequestId
+
+__all__ = ["LoadBook", "LoadStage", "LoadState", "Source", "SourceStage"]
+
+
+class LoadStage(enum.Enum):
+    """Where one load is. A load holds its producer's lease (and renews
+    it) in every stage that is not ``terminal``."""
+
+    HANDSHAKE = "handshake"  # waiting for its peer to become ready
+    READING = "reading"  # reads posted, the transfer not yet resolved
+    CONFIRMING = "confirming"  # reads landed; waiting for the producer's CONFIRM
+    DONE = "done"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (LoadStage.DONE, LoadStage.FAILED)
+
+
+class SourceStage(enum.Enum):
+    """Where the part of a load read from one producer rank is."""
+
+    WAITING = "waiting"  # its peer's handshake is in flight
+    READING = "reading"  # reads posted, the transfer not yet resolved
+    CONFIRMING = "confirming"  # reads landed; CONFIRM(release) queued or sent
+    CONFIRMED = "confirmed"  # the producer answered HELD (and released the lease for this reader)
+
+
+@dataclasses.dataclass(eq=False)
+class Source:
+    """The part of one load read from producer rank ``read.rank``."""
+
+    read: Read
+    readers: int
+    """Consumer ranks that call this producer rank for this lease (``topology``)."""
+    stage: SourceStage = SourceStage.WAITING
+    transfer: TransferHandle | None = None
+    resolved: bool = True
+    """No read of this source can still land (never posted, completed or failed)."""
+    released: bool = False
+    """This reader's share of the lease needs no RELEASE any more (sent, confirmed
+    with release, or refused by the producer)."""
+
+
+@dataclasses.dataclass(eq=False)
+class LoadState:
+    spec: LoadSpec
+    deadline: float
+    created: float
+    stage: LoadStage = LoadStage.HANDSHAKE
+    aborted: bool = False
+    sources: list[Source] = dataclasses.field(default_factory=list)
+    error: str | None = None
+    renewed_at: float | None = None
+    confirm_started: float | None = None
+    """``perf_counter()`` when the load entered CONFIRMING (its ``confirm_s`` runs from here)."""
+    measures: LoadMeasures = dataclasses.field(default_factory=LoadMeasures)
+
+    @property
+    def read_resolved(self) -> bool:
+        """No read of any source can still land in this load's blocks."""
+        return all(src.resolved for src in self.sources)
+
+    def on_the_wire(self) -> bool:
+        """A posted transfer of this load is not yet resolved by the transport."""
+        return any(src.transfer is not None and not src.transfer.done() for src in self.sources)
+
+    @property
+    def all_confirming(self) -> bool:
+        """Every source's reads landed (none is waiting or reading)."""
+        return all(s.stage in (SourceStage.CONFIRMING, SourceStage.CONFIRMED) for s in self.sources)
+
+    @property
+    def all_confirmed(self) -> bool:
+        return all(s.stage is SourceStage.CONFIRMED for s in self.sources)
+
+
+class LoadBook:
+    """The loads of one worker's consumer and what it has not reported yet.
+    :meth:`finish`, :meth:`hand_back` and :meth:`report` expect :attr:`lock`
+    held by the caller; the others take it."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.lock = threading.RLock()
+        self._clock = clock
+        self.loads: dict[RequestId, LoadState] = {}
+        """Every load not yet reported: running, or finished and waiting for ``report``."""
+        self._finished: list[LoadState] = []  # DONE or FAILED, in ``loads`` until reported
+        self._handed_back: set[RequestId] = set()
+        self._load_errors: set[BlockId] = set()
+        self._stats = LoadStats()
+        self.counters = Tally(ConsumerCounters)
+
+    def finish(self, load: LoadState) -> None:
+        """``load`` is DONE or FAILED: the next :meth:`report` names it."""
+        self._finished.append(load)
+
+    def hand_back(self, rid: RequestId) -> None:
+        """An aborted request's blocks go back to the scheduler at the next
+        report (its ``finished_sending``); its load, if any, is forgotten
+        unreported."""
+        load = self.loads.pop(rid, None)
+        if load is not None:
+            self._finished = [ld for ld in self._finished if ld is not load]
+        self._handed_back.add(rid)
+
+    def report(self) -> tuple[set[RequestId], set[RequestId]]:
+        """(aborted requests whose blocks may be freed, loads finished) since
+        the last call; the failed loads' blocks go to the load errors and every
+        finished load to the stats."""
+        recving: set[RequestId] = set()
+        now = self._clock()
+        for load in self._finished:
+            rid = load.spec.request_id
+            recving.add(rid)
+            self.loads.pop(rid, None)
+            if load.stage is LoadStage.FAILED:
+                self._load_errors.update(load.spec.all_local_block_ids)
+            self._stats.record(rid, load.measures, ok=load.stage is LoadStage.DONE, total_s=now - load.created,
+                               error=load.error)
+        self._finished = []
+        sending, self._handed_back = self._handed_back, set()
+        return sending, recving
+
+    def take_load_errors(self) -> set[BlockId]:
+        with self.lock:
+            errors, self._load_errors = self._load_errors, set()
+            return errors
+
+    def take_stats(self) -> tuple[tuple[LoadRecord, ...], Totals]:
+        """Per-load records, and their totals with the consumer's counters, since the last call."""
+        with self.lock:
+            records, totals = self._stats.take()
+            return records, dataclasses.replace(totals, consumer=self.counters.take())
+
+    @property
+    def num_unreported(self) -> int:
+        return len(self._finished)
+
+    def reads_on_the_wire(self) -> list[str]:
+        """Request ids (aborted ones included) whose read transfers the
+        transport has not yet resolved: their blocks can still be written."""
+        with self.lock:
+            return sorted(rid for rid, ld in self.loads.items() if ld.on_the_wire())
+
+    def num_loads(self) -> int:
+        """Loads running or finished and not yet reported."""
+        with self.lock:
+            return len(self.loads)
