@@ -79,13 +79,13 @@ def _until_notified(a, b, xfer, tag: bytes, at_once) -> int:
     one ``ucp_worker_progress`` at a time and its notification ring watched
     directly: ``Agent.progress()`` runs until idle, which would apply the
     rest of the data before the test could look."""
-    ring = a._completions.ctx
+    ring = a._core.inflight.ctx
     end = time.monotonic() + WAIT_S
     while ring.notif_head == ring.notif_tail:
         if b.manual_progress:
             b.progress()
-        with a._lock:
-            a._worker.progress(1)
+        with a._core.lock:
+            a._core.worker.progress(1)
         assert time.monotonic() < end, f"notification {tag!r} not seen after {WAIT_S} s ({xfer!r})"
     wrong = at_once()
     got = a.get_notifications()
@@ -159,4 +159,4 @@ def test_a_striped_notification_never_precedes_its_data(make_agent, transport, p
                 early.append((trial, len(li), bad))
         assert not a.get_notifications(), "a notification arrived twice"
     assert not early, f"seed={seed}: notified before the data was visible (trial, slots, bytes wrong): {early}"
-    assert b.stats["failed"] == 0
+    assert b.stats.failed == 0
