@@ -91,22 +91,31 @@ class PreparedLists:
         ``op``'s OP_*): one C call on a current route, else the checked path.
 
         Written for a cold cache, where each new kind of step costs
-        microseconds: int64 or int32 numpy index arrays go to the shim as
-        they are (the shim reads both widths and checks every index), with
-        no other Python call before it than the lock's."""
+        microseconds (a page of numpy's, cffi's or the interpreter's own code
+        to fetch): int64 or int32 numpy index arrays go to the shim as they
+        are (it reads both widths and checks every index), read with three
+        numpy calls (type, dtype, shape) and one buffer export each, under
+        the lock taken without ``with`` (its special-method lookups cost
+        more than the lock, cold)."""
         li, ri = local_index, remote_index
         if type(li) is _NDARRAY and type(ri) is _NDARRAY:
             ld, rd = li.dtype, ri.dtype
             flags = (0 if ld is _INT64 else 1 if ld is INT32 else 8) | (0 if rd is _INT64 else 2 if rd is INT32 else 8)
+            lshape, rshape = li.shape, ri.shape
+            if len(lshape) != 1 or len(rshape) != 1:
+                flags = 8
         else:
             flags = 8
-        if flags & 8 or li.ndim != 1 or ri.ndim != 1:  # lists, other dtypes, views: converted once
+        if flags & 8:  # lists, other dtypes or shapes: converted once, then as above
             li, ri = as_index(local_index), as_index(remote_index)
             flags = (li.dtype is INT32) | (ri.dtype is INT32) << 1
-        n = len(li)
-        if n != len(ri):
-            raise DescriptorError(f"selected descriptors must pair up: {n} local vs {len(ri)} remote")
-        with self._lock:
+            lshape, rshape = li.shape, ri.shape
+        n = lshape[0]
+        if n != rshape[0]:
+            raise DescriptorError(f"selected descriptors must pair up: {n} local vs {rshape[0]} remote")
+        lock = self._lock
+        lock.acquire()
+        try:
             route = remote.route
             if route is not None and route.local is local and route.builder is self._routes:
                 try:
@@ -123,6 +132,8 @@ class PreparedLists:
             li, ri = as_index(li), as_index(ri)
             return self._checked(op, code, local, li, local_index, remote, ri, remote_index,
                                  (li.dtype is INT32) | (ri.dtype is INT32) << 1, notify, timeout_s)
+        finally:
+            lock.release()
 
     def _checked(self, op: XferOp, code: int, local: PreparedList, li: Any, local_index: Any, remote: PreparedList,
                  ri: Any, remote_index: Any, flags: int, notify: bytes | None,
