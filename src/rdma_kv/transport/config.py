@@ -56,7 +56,7 @@ class AgentConfig:
     # A transfer too small to stripe goes whole to the next worker in turn
     # (own, lane 1, ...), so that concurrent requests copy on every worker at
     # once; False keeps every such transfer on the agent's own worker.
-    spread: bool = False
+    spread: bool = True
     # close() first lets what is in flight finish for this long: force-closing
     # an endpoint with CMA gets still queued can trip a UCX assertion
     # (arbiter group not empty) when the worker is destroyed.
