@@ -115,7 +115,7 @@ def _rdmakv_reps(opts: dict[str, Any]) -> list[dict[str, float]]:
                 else:
                     reader._completions.helpers = ()
             # The shim's clock reads of the last request (rk_submit's out), where there are any.
-            out = core.inflight._out if core is not None and hasattr(core, "inflight") else None
+            out = core.inflight.out if core is not None and hasattr(core, "inflight") else None
             local = reader.prep_local(DescList(_addrs(dst.ctypes.data), SLOT_BYTES))
             remote = reader.prep_remote(peer, DescList(_addrs(addr), SLOT_BYTES))
             one = np.zeros(1, dtype=np.int64)

@@ -80,7 +80,7 @@ class InFlight:
             SUBMIT_BAD_PAIR, SUBMIT_FULL, SUBMIT_NOTIF_SIZE), "inflight.py's constants differ from csrc/shim.h"
         self._null = ffi.NULL
         self._unpack = ffi.unpack
-        self._rk_submit = lib.rk_submit
+        self.rk_submit = lib.rk_submit
         self._rk_drain = lib.rk_drain
         self._lib = lib
         self.closed = False
@@ -98,7 +98,7 @@ class InFlight:
         self._zombies: dict[int, bytes | None] = {}  # slot -> what UCX may still read
         self._drained = ffi.new("uint64_t[]", n)
         self._expired = ffi.new("uint32_t[]", _EXPIRED_MAX)
-        self._out = ffi.new("uint64_t[]", 9 + 16)  # rk_submit's out: 9 fields + one per worker (MAX_LANES)
+        self.out = ffi.new("uint64_t[]", 9 + 16)  # rk_submit's out: 9 fields + one per worker (MAX_LANES)
         self._callbacks: Callbacks = []
         self._failed = 0
 
@@ -107,25 +107,28 @@ class InFlight:
     def submit(self, route: Route, op: XferOp, code: int, n: int, local: Any, remote: Any, llen: Any, rlen: Any,
                flags: int, notify: bytes | None, timeout_s: float | None) -> Transfer | int:
         """The one submit path: ``rk_submit`` on ``route`` (see csrc/shim.h for
-        the arguments), then the ``Transfer`` of its slot. Returns the
-        negative RK_SUBMIT_* code of a request the route could not post
-        (stale route, failed peer, a bad pair: nothing was posted); raises
-        when the table is full or the notification too long. ``code`` is
-        ``op``'s OP_* (an enum's hash is a Python call: the caller knows it)."""
-        out = self._out
-        timeout_ns = 0 if timeout_s is None else max(1, int(timeout_s * 1e9))
-        if notify is None:
-            slot = self._rk_submit(route.c, code, n, local, remote, llen, rlen, flags, self._null, 0,
-                                   timeout_ns, out)
-        else:
-            if type(notify) is not bytes:
-                notify = bytes(notify)
-            slot = self._rk_submit(route.c, code, n, local, remote, llen, rlen, flags | NOTIFY,
-                                   notify, len(notify), timeout_ns, out)
+        the arguments), then ``track``. Returns the negative RK_SUBMIT_* code
+        of a request the route could not post (stale route, failed peer, a
+        bad pair: nothing was posted). ``code`` is ``op``'s OP_* (an enum's
+        hash is a Python call: the caller knows it). The prepared path makes
+        the same two calls itself, one Python frame fewer (prepared.py)."""
+        if notify is not None and type(notify) is not bytes:
+            notify = bytes(notify)
+        slot = self.rk_submit(route.c, code, n, local, remote, llen, rlen,
+                              flags if notify is None else flags | NOTIFY, notify or self._null,
+                              0 if notify is None else len(notify),
+                              0 if timeout_s is None else max(1, int(timeout_s * 1e9)), self.out)
+        return self.track(slot, route, op, n, notify)
+
+    def track(self, slot: int, route: Route, op: XferOp, n: int, notify: bytes | None) -> Transfer | int:
+        """The ``Transfer`` of what ``rk_submit`` just posted in ``slot`` (its
+        record is in ``out``), or the negative code of a refusal; raises when
+        the table is full or the notification too long."""
         if slot < 0:
             if slot == SUBMIT_FULL or slot == SUBMIT_NOTIF_SIZE:
                 self._refuse(slot, notify)
             return int(slot)
+        out = self.out
         rec = self._unpack(out, 9)
         xfer = Transfer(self._owner, slot, op, route.peer, n, rec, notify)
         if rec[3] > 1:
@@ -140,7 +143,7 @@ class InFlight:
     @property
     def bad_pair(self) -> int:
         """After SUBMIT_BAD_PAIR: the position of the first pair that failed."""
-        return int(self._out[0])
+        return int(self.out[0])
 
     def _refuse(self, code: int, notify: bytes | None) -> None:
         cfg = self.config

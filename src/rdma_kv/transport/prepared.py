@@ -33,7 +33,7 @@ import numpy as np
 from rdma_kv.errors import ClosedError, DescriptorError, PeerError
 from rdma_kv.transport._lib import load
 from rdma_kv.transport.descriptors import INT32, DescList, PreparedList, as_index, pair_indices
-from rdma_kv.transport.inflight import SUBMIT_BAD_PAIR, SUBMIT_PEER_FAILED, InFlight
+from rdma_kv.transport.inflight import NOTIFY, SUBMIT_BAD_PAIR, SUBMIT_PEER_FAILED, InFlight
 from rdma_kv.transport.peer import Peer
 from rdma_kv.transport.peers import PeerTable
 from rdma_kv.transport.registry import MemoryRegistry
@@ -117,14 +117,20 @@ class PreparedLists:
         lock.acquire()
         try:
             route = remote.route
-            if route is not None and route.local is local and route.builder is self._routes:
+            if route is not None and route.local is local and route.builder is self._routes and (
+                    notify is None or type(notify) is bytes):
                 try:
                     lbuf, rbuf = self._from_buffer(li), self._from_buffer(ri)
                 except (BufferError, ValueError):  # not contiguous (numpy says ValueError): a copy that is
                     li, ri = as_index(li), as_index(ri)
                     lbuf, rbuf = self._from_buffer(li), self._from_buffer(ri)
-                x = self._inflight.submit(route, op, code, n, lbuf, rbuf, self._null, self._null, flags, notify,
-                                          timeout_s)
+                # InFlight.submit, inlined (one frame fewer, cold): rk_submit, then track.
+                inflight, null = self._inflight, self._null
+                slot = inflight.rk_submit(route.c, code, n, lbuf, rbuf, null, null,
+                                          flags if notify is None else flags | NOTIFY, notify or null,
+                                          0 if notify is None else len(notify),
+                                          0 if timeout_s is None else max(1, int(timeout_s * 1e9)), inflight.out)
+                x = inflight.track(slot, route, op, n, notify)
                 if isinstance(x, Transfer):
                     return x
             # No route for this pair yet, a stale one (the agent's peers or
