@@ -18,6 +18,8 @@
 #include "shim.h"
 #include "core.h"
 
+enum { RK_AWAIT_NAP_NS = 1000000 }; /* a blocked waiter looks for work to help with at least this often */
+
 struct rk_pump {
     ucp_worker_h worker;
     ucp_worker_h wake_worker;
@@ -259,25 +261,30 @@ int rk_await(rk_ctx_t *ctx, uint32_t slot, uint64_t id, rk_pump_t *const *help, 
 {
     rk_batch_t *b = &ctx->slots[slot];
     uint32_t expect = (uint32_t)(id << 1), i;
-    uint64_t start = rk_now_ns(), waited = 0, events;
+    uint64_t start = rk_now_ns(), now = start, last = start, events, nap;
 
     while (__atomic_load_n(&b->state, __ATOMIC_ACQUIRE) == expect) {
-        if (waited >= timeout_ns || __atomic_load_n(&ctx->closing, __ATOMIC_ACQUIRE)) {
+        if (now - start >= timeout_ns || __atomic_load_n(&ctx->closing, __ATOMIC_ACQUIRE)) {
             return 0;
         }
-        if (waited < spin_ns) {
-            /* Do the work of a pump that is not running (asleep, or not
-             * given a CPU yet) rather than wait for its wake-up. */
-            for (i = 0, events = 0; i < nhelp; ++i) {
-                events += rk_pump_help(help[i], 64);
-            }
-            if (events == 0) {
-                rk_cpu_relax();
-            }
-        } else {
-            rk_slot_sleep(b, expect, timeout_ns - waited);
+        /* Do the work of any pump that is not running (asleep, or runnable
+         * but not given a CPU: on a busy host each of a pump's wake-ups can
+         * wait a time slice) rather than wait for it. */
+        for (i = 0, events = 0; i < nhelp; ++i) {
+            events += rk_pump_help(help[i], 64);
         }
-        waited = rk_now_ns() - start;
+        if (events > 0) {
+            last = now;
+        } else if (now - last < spin_ns) {
+            rk_cpu_relax();
+        } else {
+            /* Nothing to help with for spin_ns: the rest is the pumps' (busy)
+             * or in flight. Sleep on the slot, woken by its completion, and
+             * look again within RK_AWAIT_NAP_NS. */
+            nap = timeout_ns - (now - start);
+            rk_slot_sleep(b, expect, nap < RK_AWAIT_NAP_NS ? nap : RK_AWAIT_NAP_NS);
+        }
+        now = rk_now_ns();
     }
     return 1;
 }

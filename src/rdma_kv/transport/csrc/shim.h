@@ -254,9 +254,11 @@ uint64_t rk_pump_help(rk_pump_t *pump, uint64_t max_rounds);
 int rk_pump_tid(const rk_pump_t *pump);
 
 /* Block until the transfer `id` in `slot` completed or was abandoned (1),
- * or timeout_ns passed (0). For the first spin_ns it progresses each of
- * the nhelp pumps' workers that its pump is not progressing (rk_pump_help),
- * then sleeps on the slot. Call without the agent's lock. */
+ * or timeout_ns passed (0). Meanwhile it progresses each of the nhelp
+ * pumps' workers that its pump is not progressing (rk_pump_help); once
+ * spin_ns pass with nothing to help with, it sleeps on the slot (woken by
+ * the completion), looking again every millisecond. Call without the
+ * agent's lock. */
 int rk_await(rk_ctx_t *ctx, uint32_t slot, uint64_t id, rk_pump_t *const *help, uint32_t nhelp,
              uint64_t spin_ns, uint64_t timeout_ns);
 
