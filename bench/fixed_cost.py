@@ -22,8 +22,9 @@ Stages, in microseconds (medians and p90 of every rep):
   clocks (before issue 29) reports ``call`` and ``post`` (its ``post_s``).
 - NIXL: ``build`` (``make_prepped_xfer``), ``post`` (``transfer()``).
 - both: ``call`` (call -> returned: build + post + return for rdma-kv,
-  build + transfer for NIXL), ``wait`` (returned -> completion seen),
-  ``total``.
+  build + transfer for NIXL), ``wait`` (returned -> completion seen: by
+  ``wait()``, or with ``--signal callback`` when ``add_done_callback``'s
+  callback runs, as the connector learns of it), ``total``.
 
 ``--vs PYTHON`` also runs this script under another interpreter (another
 checkout's venv: the code before a change) as ``before``, and ``--nixl``
@@ -44,6 +45,7 @@ import multiprocessing as mp
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -126,8 +128,11 @@ def _rdmakv_reps(opts: dict[str, Any]) -> list[dict[str, float]]:
                 t0 = time.perf_counter_ns()
                 xfer = reader.read_prepared(local, li, remote, ri, notify=msg)
                 t1 = time.perf_counter_ns()
-                xfer.wait(10)
-                t2 = time.perf_counter_ns()
+                if opts.get("signal") == "callback":
+                    t2 = _callback_time(xfer)
+                else:
+                    xfer.wait(10)
+                    t2 = time.perf_counter_ns()
                 row = {"call": t1 - t0, "wait": t2 - t1, "total": t2 - t0, "post": xfer.post_s * 1e9}
                 if out is not None:
                     entered, p0, p1 = int(out[5]), int(out[6]), int(out[7])
@@ -143,6 +148,23 @@ def _rdmakv_reps(opts: dict[str, Any]) -> list[dict[str, float]]:
             if got < opts["reps"]:  # (the wire-up's notification counts too)
                 raise SystemExit(f"target got {got} notifications for {opts['reps']} reps")
     return rows
+
+
+def _callback_time(xfer: Any) -> int:
+    """When a completion callback ran (the connector's way: it reads no
+    handle, it is called back on the agent's thread)."""
+    when: list[int] = []
+    ran = threading.Event()
+
+    def done(_: Any) -> None:
+        when.append(time.perf_counter_ns())
+        ran.set()
+
+    xfer.add_done_callback(done)
+    if not ran.wait(10):
+        raise SystemExit("no completion callback within 10 s")
+    xfer.wait(0)
+    return when[0]
 
 
 # --- NIXL ---------------------------------------------------------------------------------------
@@ -234,6 +256,9 @@ def main() -> None:
     ap.add_argument("--lanes", default="2", help="comma list of the rdma-kv reader's lanes (default 2)")
     ap.add_argument("--modes", default="cold,warm", help="cold (caches swept before every rep), warm, or both")
     ap.add_argument("--progress", default="poll", choices=("poll", "thread"), help="the rdma-kv reader's")
+    ap.add_argument("--signal", default="wait", choices=("wait", "callback"),
+                    help="rdma-kv: completion seen by wait() (default) or when add_done_callback's callback runs "
+                         "(the connector's way; with --progress thread)")
     ap.add_argument("--nixl", action="store_true", help="add NIXL (its request build and transfer)")
     ap.add_argument("--vs", metavar="PYTHON", help="another checkout's interpreter, run as 'before'")
     ap.add_argument("--help-ab", action="store_true",
@@ -250,7 +275,7 @@ def main() -> None:
             for help_ in ((True, False) if args.help_ab and lanes > 1 else (True,)):
                 tag = f"{mode} lanes={lanes}" + ("" if not args.help_ab or lanes == 1 else "/help" if help_ else "/nohelp")
                 opts = {"backend": "rdma-kv", "reps": args.reps, "cold": mode == "cold", "lanes": lanes,
-                        "progress": args.progress, "help": help_}
+                        "progress": args.progress, "help": help_, "signal": args.signal}
                 if args.vs:
                     configs.append((f"before {tag}", args.vs, opts))
                 configs.append((f"after {tag}" if args.vs else tag, None, opts))
