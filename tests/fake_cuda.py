@@ -5,7 +5,7 @@
   over a host tensor's memory. The device says ``cuda:N``; the bytes are
   host memory, so UCX detects them as host memory.
 - ``QueryAnswers``: an agent's cffi library whose ``ucp_mem_query`` answers
-  the memory type a test chooses (``agent._memory._lib = QueryAnswers(...)``).
+  the memory type a test chooses (``agent._core.memory._lib = QueryAnswers(...)``).
 
 Importable from every test directory (tests/ is on sys.path through its
 conftest.py).

@@ -66,7 +66,7 @@ def main() -> None:
             peer = reader.add_peer(md)
             local, remote = reader.prep_local(_slots(dst.ctypes.data)), reader.prep_remote(peer, _slots(addr))
             tids = {"poller": threading.get_native_id()}
-            tids.update({f"pump{i}": lane.pump.tid for i, lane in enumerate(reader._lanes, 1)
+            tids.update({f"pump{i}": lane.pump.tid for i, lane in enumerate(reader._core.lanes, 1)
                          if lane.pump is not None})
             rng = np.random.default_rng(0)
             for rep in range(args.reps + 1):

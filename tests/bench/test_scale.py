@@ -28,7 +28,9 @@ def parse(*argv):
 
 def test_scale_arguments_parse_with_their_defaults():
     p = parse("--scale", "concurrency,producers")
-    assert p["axes"] == ["concurrency", "producers"] and p["backends"] == ["rdma-kv", "nixl"]
+    # The kernel's two-thread copy limit (cma-t2) is on the same curves by default.
+    assert p["axes"] == ["concurrency", "producers"] and p["backends"] == ["rdma-kv", "nixl", "cma-t2"]
+    assert parse("--scale", "concurrency", "--vs", "nixl")["backends"] == ["rdma-kv", "nixl", "cma-t2"]
     assert p["concurrency"] == [1, 2, 4, 8, 16, 32, 64, 128, 256] and p["producers"] == [1, 2, 4, 8]
     assert p["request"] == scale.RequestShape(16, 32 << 10) and p["per_producer"] == 8
     p = parse("--scale", "producers", "--producers", "3,1", "--scale-request", "4x4KiB", "--scale-backends", "nixl")
@@ -42,7 +44,7 @@ def test_scale_arguments_parse_with_their_defaults():
     (["--scale", "concurrency", "--concurrency", "1:4096"], "each 1..1024"),
     (["--scale", "concurrency", "--scale-request", "16"], "expected BLOCKSxSIZE"),
     (["--scale", "concurrency", "--scale-request", "16x12"], "multiple of 8"),
-    (["--scale", "concurrency", "--scale-backends", "mooncake"], "valid: rdma-kv, nixl"),
+    (["--scale", "concurrency", "--scale-backends", "mooncake"], "valid: rdma-kv, nixl, cma-t2"),
     (["--scale", "producers", "--producer-requests", "0"], "--producer-requests must be"),
 ])
 def test_bad_scale_arguments_say_what_to_give(argv, message):
@@ -99,14 +101,15 @@ def test_table_and_csv_report_every_point_and_why_one_is_missing():
 def test_a_two_point_run_with_tiny_sizes_writes_table_csv_json_and_plot(tmp_path, capsys):
     files = {k: tmp_path / f"scale.{k}" for k in ("png", "csv", "json")}
     rc = main(["bench", "--scale", "concurrency,producers", "--concurrency", "1,2", "--producers", "1,2",
-               "--producer-requests", "1", "--scale-request", "2x4KiB", "--reps", "1", "--scale-backends", "rdma-kv",
+               "--producer-requests", "1", "--scale-request", "2x4KiB", "--reps", "1", "--scale-backends", "rdma-kv,cma-t2",
                "--plot", str(files["png"]), "--csv", str(files["csv"]), "--json", str(files["json"])])
     out = capsys.readouterr()
     assert rc == 0, out.err
     rows = list(csv.DictReader(io.StringIO(files["csv"].read_text())))
-    assert [(r["axis"], r["producers"], r["concurrency"], r["status"]) for r in rows] == [
-        ("concurrency", "1", "1", "ok"), ("concurrency", "1", "2", "ok"),
-        ("producers", "1", "1", "ok"), ("producers", "2", "2", "ok")]
+    assert [(r["axis"], r["backend"], r["producers"], r["concurrency"], r["status"]) for r in rows] == [
+        (axis, backend, p, c, "ok") for axis, points in (("concurrency", [("1", "1"), ("1", "2")]),
+                                                        ("producers", [("1", "1"), ("2", "2")]))
+        for backend in ("rdma-kv", "cma-t2") for p, c in points]
     data = json.loads(files["json"].read_text())
     assert all(len(p["gbps"]) == 1 and p["gbps"][0] > 0 for p in data["scale"])
     assert "concurrency  rdma-kv" in out.out

@@ -31,7 +31,7 @@ def answering(mem_type: str | None, made: list):
     def factory(name, settings):
         agent = agent_transport(name, settings)
         if mem_type is not None:
-            agent._memory._lib = QueryAnswers(agent._memory._lib, mem_type)
+            agent._core.memory._lib = QueryAnswers(agent._core.memory._lib, mem_type)
         made.append(agent)
         return agent
     return factory

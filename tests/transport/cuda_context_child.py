@@ -55,7 +55,7 @@ def main() -> None:
                       DescList.from_regions(src.ctypes.data, offsets, 1 << 20), timeout_s=30.0)
         xfer.wait(timeout_s=30.0)
         assert np.array_equal(src, dst)
-        pumps = 1 + len(a._lanes) + 1
+        pumps = 1 + len(a._core.lanes) + 1
     print(json.dumps({"ctx": CTX, "pumps": pumps, "threads": records(cuda)}))
 
 

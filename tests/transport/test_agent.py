@@ -144,7 +144,7 @@ def test_random_blocks_bit_exact(pair: Pair, rng, op):
         assert xfer.ops_posted == contiguous_runs(local_off, remote_off, block)
         np.testing.assert_array_equal(dst, expect)
     assert b.inflight == 0
-    assert b.stats["transfers"] == 25 and b.stats["failed"] == 0
+    assert b.stats.transfers == 25 and b.stats.failed == 0
 
 
 def test_contiguous_descriptors_coalesce_into_one_op_with_the_same_bytes(pair: Pair):
@@ -201,7 +201,7 @@ def test_prepared_index_checks_happen_before_anything_is_posted(pair: Pair):
     nslots = PAIR_NBYTES // block
     slots = np.arange(nslots) * block
     local, remote = b.prep_local(pair.desc_b(slots, block)), b.prep_remote("a", pair.desc_a(slots, block))
-    posted = b.stats["ops_posted"]
+    posted = b.stats.ops_posted
     good = np.arange(8, dtype=np.int64)
     cases = [
         (np.append(good, nslots), np.append(good, 0), f"descriptor index {nslots} out of range .* local"),
@@ -215,13 +215,13 @@ def test_prepared_index_checks_happen_before_anything_is_posted(pair: Pair):
     for li, ri, message in cases:
         with pytest.raises(DescriptorError, match=message):
             b.read_prepared(local, li, remote, ri)
-    assert b.stats["ops_posted"] == posted and b.inflight == 0
+    assert b.stats.ops_posted == posted and b.inflight == 0
     assert not pair.buf_b.any(), "a rejected transfer moved bytes"
     # Lengths are compared per pair only when the lists are not uniform.
     mixed = b.prep_local(pair.desc_b([0, block], [block, 2 * block]))
     with pytest.raises(DescriptorError, match="lengths differ"):
         b.read_prepared(mixed, [1], remote, [0])
-    assert b.stats["ops_posted"] == posted
+    assert b.stats.ops_posted == posted
 
 
 @pytest.mark.parametrize("kind", ["list", "int32", "int32-both", "big-endian", "big-endian-int32", "strided",
@@ -296,7 +296,7 @@ def test_oversized_notification_is_rejected_and_nothing_posted(make_agent):
     pair = connect(make_agent, notif_max_bytes=16)
     with pytest.raises(ConfigError, match="notification of 17 bytes exceeds notif_max_bytes=16"):
         pair.b.read("a", pair.desc_b([0], 8), pair.desc_a([0], 8), notify=b"x" * 17)
-    assert pair.b.inflight == 0 and pair.b.stats["transfers"] == 0
+    assert pair.b.inflight == 0 and pair.b.stats.transfers == 0
 
 
 # -- error paths ------------------------------------------------------------------------------
@@ -351,7 +351,7 @@ def test_out_of_bounds_descriptors_post_nothing(pair: Pair, side, offset, length
             post("a", local, remote)
     with pytest.raises(DescriptorError, match=f"descriptor 2 .* {why}"):
         b.prep_local(local) if side == "local" else b.prep_remote("a", remote)
-    assert b.inflight == 0 and b.stats["transfers"] == 0
+    assert b.inflight == 0 and b.stats.transfers == 0
     np.testing.assert_array_equal(pair.buf_b, before)
 
 
@@ -403,7 +403,7 @@ def test_prepared_lists_of_another_agent_are_rejected(make_agent):
     assert other[:4096].any()
     with pytest.raises(DescriptorError, match="local prepared list"):
         pair.b.read_prepared(foreign_local, [0], foreign_remote, [0])
-    assert pair.b.inflight == 0 and pair.b.stats["transfers"] == 0
+    assert pair.b.inflight == 0 and pair.b.stats.transfers == 0
 
 
 def test_deadline_fails_a_stalled_transfer_and_re_import_recovers(make_agent):
@@ -431,7 +431,7 @@ def test_deadline_fails_a_stalled_transfer_and_re_import_recovers(make_agent):
         later.wait(WAIT_S)
     with pytest.raises(PeerError, match="peer 'target' failed"):
         reader.read("target", local, remote)
-    assert reader.inflight == 0 and reader.stats["failed"] == 2
+    assert reader.inflight == 0 and reader.stats.failed == 2
 
     reader.add_peer(target.metadata())  # "once it is back"
     xfer = reader.read("target", local, remote)
@@ -696,7 +696,7 @@ def test_engine_threads_post_and_wait_concurrently(pair: Pair, rng):
     assert not any(w.is_alive() for w in workers), "a posting thread hung"
     assert not errors, errors[0]
     assert pair.b.inflight == 0
-    assert pair.b.stats["transfers"] == threads_n * rounds and pair.b.stats["failed"] == 0
+    assert pair.b.stats.transfers == threads_n * rounds and pair.b.stats.failed == 0
 
 
 def test_prepared_reads_merge_runs_but_never_across_adjacent_regions(make_agent):
@@ -755,7 +755,7 @@ def test_thread_mode_is_pumped_in_c_and_burns_no_core_while_idle(make_agent):
     """progress="thread": a C pump progresses the worker and the Python
     thread sleeps on an eventfd; after the work is done neither spins."""
     pair = connect(make_agent, progress="thread")
-    assert pair.b._completions.pump is not None and pair.b._completions.wake_fd >= 0 and not pair.b.manual_progress
+    assert pair.b._core.driver.pump is not None and pair.b._core.wake.fd >= 0 and not pair.b.manual_progress
     xfer = pair.b.read("a", pair.desc_b([0], 4096), pair.desc_a([0], 4096)).wait(WAIT_S)
     assert xfer.state is XferState.DONE
     time.sleep(0.05)  # past the pumps' spin window

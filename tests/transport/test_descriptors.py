@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from rdma_kv.errors import DescriptorError
-from rdma_kv.transport.descriptors import DescList, PreparedDescList, coalesce
+from rdma_kv.transport.descriptors import DescList, PreparedList, coalesce
 
 U64 = np.uint64
 U32 = np.uint32
@@ -175,12 +175,12 @@ def test_descriptor_error_is_a_value_error():
         DescList([-1], 1)
 
 
-# -- PreparedDescList.take ---------------------------------------------------------
+# -- PreparedList.take ---------------------------------------------------------
 
 
-def prepared(n: int, peer: str | None = None) -> PreparedDescList:
+def prepared(n: int, peer: str | None = None) -> PreparedList:
     descs = DescList(np.arange(n, dtype=U64) * U64(16) + U64(0x1000), 16)
-    return PreparedDescList(descs, np.arange(n, dtype=U32) % U32(2), peer, generation=1)
+    return PreparedList(descs, np.arange(n, dtype=U32) % U32(2), peer, generation=1)
 
 
 def test_take_gathers_by_index_in_the_given_order():
@@ -214,9 +214,9 @@ def test_take_rejects_non_integer_or_non_1d_indices(index):
 
 
 def _prepared(addrs, lengths, regions, peer=None):
-    from rdma_kv.transport.descriptors import PreparedDescList
+    from rdma_kv.transport.descriptors import PreparedList
 
-    return PreparedDescList(DescList(addrs, lengths), np.asarray(regions, dtype=np.uint32), peer, 1)
+    return PreparedList(DescList(addrs, lengths), np.asarray(regions, dtype=np.uint32), peer, 1)
 
 
 def test_pair_indices_uniform_lists_need_no_per_descriptor_length_check():

@@ -61,7 +61,7 @@ def test_striped_reads_are_bit_exact_and_use_every_worker(make_agent, rng, progr
         np.testing.assert_array_equal(got[li], pair.buf_a.reshape(SLOTS, BLOCK)[ri])
         untouched = np.setdiff1d(np.arange(SLOTS), li)
         assert not got[untouched].any()
-    assert pair.b.stats["transfers"] == 20 and pair.b.stats["failed"] == 0
+    assert pair.b.stats.transfers == 20 and pair.b.stats.failed == 0
     assert pair.b.inflight == 0
 
 
@@ -127,12 +127,12 @@ def test_a_failed_lane_endpoint_fails_the_peer_for_the_whole_agent(make_agent):
     local, remote = prepared(pair)
     idx = np.arange(64)
     pair.b.read_prepared(local, idx, remote, idx).wait(WAIT_S)
-    pair.b._lanes[1].fail("a", "injected by the test")
+    pair.b._core.lanes[1].fail("a", "injected by the test")
     with pytest.raises(PeerError, match=r"peer 'a' failed \(lane 2's endpoint failed \(injected by the test\)\)"):
         pair.b.read_prepared(local, idx, remote, idx)
     with pytest.raises(PeerError, match="lane 2"):  # the agent's own endpoint is failed too
         pair.b.read_prepared(local, idx, remote, idx)
-    assert all(not ln.peers["a"].healthy for ln in pair.b._lanes)
+    assert all(not ln.peers["a"].healthy for ln in pair.b._core.lanes)
     # Re-importing the peer installs fresh endpoints on every lane.
     pair.b.add_peer(pair.a.metadata())
     local, remote = prepared(pair)
@@ -144,12 +144,12 @@ def test_a_failed_lane_endpoint_fails_the_peer_for_the_whole_agent(make_agent):
 
 def test_remove_and_replace_peer_reach_every_lane(make_agent):
     pair = connect(make_agent, lanes=2)
-    lane = pair.b._lanes[0]
+    lane = pair.b._core.lanes[0]
     first = lane.peers["a"]
     pair.b.add_peer(pair.a.metadata())
     # The lane's old endpoint is closed (UCX may hand its address to the new one).
     assert lane.peers["a"] is not first and first.ep is None and lane.peers["a"].healthy
-    assert lane.peers["a"].generation == pair.b._peers["a"].generation
+    assert lane.peers["a"].generation == pair.b._core.peers["a"].generation
     pair.b.remove_peer("a")
     assert "a" not in lane.peers and pair.b.peers == () and first.ep is None
 
@@ -179,7 +179,7 @@ def test_a_lanes_pump_is_kept_off_the_posters_cpu(make_agent):
     a lane's pump is bound to the agent's CPUs minus the poster's."""
     allowed = os.sched_getaffinity(0)
     pair = connect(make_agent, lanes=2, lane_min_bytes=BLOCK, progress="poll")
-    (lane,) = pair.b._lanes
+    (lane,) = pair.b._core.lanes
     lane_pump = lane.pump.tid  # the thread itself, whatever else runs
     assert lane_pump in pump_tids()
     local, remote = prepared(pair)
@@ -244,10 +244,10 @@ def test_lanes_are_pumped_by_c_threads_not_python_threads(make_agent):
     pair = connect(make_agent, lanes=3, progress="poll")  # a and b: two lanes each
     assert pump_threads() == before + 4
     assert {t.name for t in progress_threads()} == python_before  # polling agents, pumped lanes: none new
-    assert all(ln.pump is not None for ln in pair.b._lanes)
+    assert all(ln.pump is not None for ln in pair.b._core.lanes)
     pair.b.close()
     assert pump_threads() == before + 2
-    assert all(ln.pump is None for ln in pair.b._lanes)
+    assert all(ln.pump is None for ln in pair.b._core.lanes)
 
 
 @pytest.mark.parametrize("progress", ["poll", "thread"])
@@ -285,10 +285,10 @@ def test_split_reads_posted_from_several_threads_at_once(make_agent, progress):
         t.join(60)
     assert not errors, errors[0]
     assert done == [3] * (posters * rounds * batch)
-    assert pair.b.inflight == 0 and pair.b.stats["transfers"] == posters * rounds * batch
+    assert pair.b.inflight == 0 and pair.b.stats.transfers == posters * rounds * batch
     # Every transfer was published exactly once, on the agent's ring (a lane has none).
-    comp = pair.b._completions
-    assert load()[1].rk_done_head(comp.ctx) == comp.done_tail == comp.ctx.done_claim == pair.b.stats["transfers"]
+    ctx = pair.b._core.inflight.ctx
+    assert ctx.done_head == ctx.done_tail == ctx.done_claim == pair.b.stats.transfers
 
 
 def test_close_takes_the_lanes_and_their_threads_down(make_agent):
@@ -297,7 +297,7 @@ def test_close_takes_the_lanes_and_their_threads_down(make_agent):
     local, remote = prepared(pair)
     idx = np.arange(SLOTS)
     xfers = [pair.b.read_prepared(local, idx, remote, idx) for _ in range(8)]
-    lanes = list(pair.b._lanes)
+    lanes = list(pair.b._core.lanes)
     pair.b.close()
     assert all(x.state is not XferState.IN_PROGRESS for x in xfers)
     for x in xfers:  # each one either landed or failed with the close as its reason
@@ -383,10 +383,10 @@ def test_a_striped_transfer_to_a_stopped_peer_fails_on_every_worker(make_agent):
                 x.wait(WAIT_S)
             assert isinstance(err.value, TransferTimeoutError) or "lanes-tcp" in str(err.value)
         assert sorted(resolved) == sorted(x.id for x in xfers)
-        assert reader.inflight == 0 and reader.stats["failed"] == 3
+        assert reader.inflight == 0 and reader.stats.failed == 3
         # Without the lanes' endpoints closed, their gets would stay queued and these never clear.
-        wait_until(lambda: not reader._completions.zombies, WAIT_S, "every cancelled operation handed back")
-        assert all(not lane.peers[child.name].healthy for lane in reader._lanes)
+        wait_until(lambda: not reader._core.inflight.zombies, WAIT_S, "every cancelled operation handed back")
+        assert all(not lane.peers[child.name].healthy for lane in reader._core.lanes)
         with pytest.raises(PeerError):
             reader.read_prepared(lp, idx, rp, idx)
     finally:
@@ -421,7 +421,7 @@ def test_explicit_transfers_are_striped_too(make_agent, rng, op):
     notified = pair.b.read("a", pair.desc_b([0], PAIR_NBYTES), pair.desc_a([0], PAIR_NBYTES), notify=b"n")
     assert notified.wait(WAIT_S).worker_ops == (1, 1, 1) and notified.ops_posted == 3
     collect_notifications(pair.a, [], b"n", WAIT_S)
-    assert src.stats["failed"] == dst.stats["failed"] == 0
+    assert src.stats.failed == dst.stats.failed == 0
 
 
 def test_a_polling_caller_moves_the_part_of_a_lane_whose_pump_does_not_run(make_agent, rng):
@@ -433,7 +433,7 @@ def test_a_polling_caller_moves_the_part_of_a_lane_whose_pump_does_not_run(make_
     pair = connect(make_agent, lanes=3, lane_min_bytes=BLOCK, progress="poll")
     local, remote = prepared(pair)
     lib = load()[1]
-    pumps = [lane.pump.handle for lane in pair.b._lanes]
+    pumps = [lane.pump.handle for lane in pair.b._core.lanes]
     for pump in pumps:
         lib.rk_pump_hold(pump, 1)
     try:

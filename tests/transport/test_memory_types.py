@@ -34,7 +34,7 @@ def test_fake_cuda_tensor_is_refused_when_ucx_maps_it_as_host(make_agent):
 
 def test_mem_query_answering_host_for_cuda_memory_is_refused_and_unmapped(make_agent):
     agent = make_agent("a", progress="poll")
-    agent._memory._lib = spy = QueryAnswers(agent._memory._lib, "HOST")
+    agent._core.memory._lib = spy = QueryAnswers(agent._core.memory._lib, "HOST")
     kv = FakeCudaTensor(torch.zeros(4, 1024))
     with pytest.raises(RegistrationError, match="declared cuda memory but UCX maps it as host"):
         agent.register(kv)
@@ -45,17 +45,17 @@ def test_mem_query_is_what_decides(make_agent):
     """The same fake CUDA tensor is accepted when UCX says CUDA (or managed),
     and a host array is refused when UCX says CUDA: the check reads the query."""
     agent = make_agent("a", progress="poll")
-    real = agent._memory._lib
+    real = agent._core.memory._lib
     for answer in ("CUDA", "CUDA_MANAGED"):
-        agent._memory._lib = QueryAnswers(real, answer)
+        agent._core.memory._lib = QueryAnswers(real, answer)
         region = agent.register(FakeCudaTensor(torch.zeros(1024)))
         assert region.kind.value == answer.lower().replace("_", "-")
-        agent._memory._lib = real
+        agent._core.memory._lib = real
         agent.deregister(region)
-    agent._memory._lib = QueryAnswers(real, "CUDA")
+    agent._core.memory._lib = QueryAnswers(real, "CUDA")
     with pytest.raises(RegistrationError, match="declared host memory but UCX maps it as cuda"):
         agent.register(np.zeros(4096, dtype=np.uint8))
-    agent._memory._lib = real
+    agent._core.memory._lib = real
 
 
 def test_declared_type_must_be_valid_and_agree_with_the_object(make_agent):

@@ -1,7 +1,9 @@
-"""Notified transfers striped over lanes: the notification goes out once
-every part on every worker has completed (for a WRITE, once each endpoint
-that carried a part was flushed), on the agent's own endpoint, and never
-arrives before the data it announces is visible.
+"""Notified transfers striped over lanes, or spread whole over them: the
+notification goes out once every part on every worker has completed (for a
+WRITE, once each endpoint that carried a part was flushed), on the agent's
+own endpoint, and never arrives before the data it announces is visible --
+also when a lane carried the whole transfer (its endpoint is another than
+the notification's).
 
 - WRITE: the target, on seeing the notification, finds every written byte
   already equal to the pattern.
@@ -79,13 +81,13 @@ def _until_notified(a, b, xfer, tag: bytes, at_once) -> int:
     one ``ucp_worker_progress`` at a time and its notification ring watched
     directly: ``Agent.progress()`` runs until idle, which would apply the
     rest of the data before the test could look."""
-    ring = a._completions.ctx
+    ring = a._core.inflight.ctx
     end = time.monotonic() + WAIT_S
     while ring.notif_head == ring.notif_tail:
         if b.manual_progress:
             b.progress()
-        with a._lock:
-            a._worker.progress(1)
+        with a._core.lock:
+            a._core.worker.progress(1)
         assert time.monotonic() < end, f"notification {tag!r} not seen after {WAIT_S} s ({xfer!r})"
     wrong = at_once()
     got = a.get_notifications()
@@ -102,9 +104,11 @@ def _finish(a, b, xfer) -> None:
     assert xfer.state is XferState.DONE
 
 
-def _trial(rng, lanes):
-    """Random slots on both sides (disjoint within a side), enough for a part on every worker."""
-    n = int(rng.integers(lanes * LANE_MIN // BLOCK, SLOTS))
+def _trial(rng, lanes, shape):
+    """Random slots on both sides (disjoint within a side): enough for a part
+    on every worker (striped), or too few for two parts (spread: whole)."""
+    lo, hi = (lanes * LANE_MIN // BLOCK, SLOTS) if shape == "striped" else (1, 2 * LANE_MIN // BLOCK)
+    n = int(rng.integers(lo, hi))
     li = rng.permutation(SLOTS)[:n]
     ri = np.sort(rng.choice(SLOTS, n, replace=False)) if rng.integers(2) else rng.permutation(SLOTS)[:n]
     return li, ri
@@ -124,7 +128,8 @@ def _post(b, op, li, ri, buf_a_addr, buf_b_addr, tag, prepared):
 @pytest.mark.parametrize("transport", ["tcp", "tcp-sw-rma", "shm"])
 @pytest.mark.parametrize("progress", ["poll", "thread"])
 @pytest.mark.parametrize("op", ["write", "read"])
-def test_a_striped_notification_never_precedes_its_data(make_agent, transport, progress, op):
+@pytest.mark.parametrize("shape", ["striped", "spread"])
+def test_a_notification_never_precedes_its_data(make_agent, transport, progress, op, shape):
     seed = int(np.random.SeedSequence().entropy % (1 << 32))
     print(f"seed={seed}")
     rng = np.random.default_rng(seed)
@@ -134,9 +139,9 @@ def test_a_striped_notification_never_precedes_its_data(make_agent, transport, p
     prepared = (b.prep_local(DescList(buf_b.ctypes.data + slots, BLOCK)),
                 b.prep_remote("a", DescList(buf_a.ctypes.data + slots, BLOCK)))
     view_a, view_b = buf_a.reshape(SLOTS, BLOCK), buf_b.reshape(SLOTS, BLOCK)
-    early = []
+    early, workers = [], set()
     for trial in range(TRIALS):
-        li, ri = _trial(rng, lanes)
+        li, ri = _trial(rng, lanes, shape)
         # A fresh pattern each trial, never equal to what the other side holds.
         old = rng.integers(0, 256, NBYTES, dtype=np.uint8)
         if op == "write":
@@ -152,11 +157,16 @@ def test_a_striped_notification_never_precedes_its_data(make_agent, transport, p
         if wrong:
             early.append((trial, len(li), wrong))
         _finish(a, b, xfer)
-        assert xfer.worker_ops is not None and len(xfer.worker_ops) == lanes, xfer.worker_ops
+        if shape == "striped":
+            assert xfer.worker_ops is not None and len(xfer.worker_ops) == lanes, xfer.worker_ops
+        else:
+            assert xfer.worker_ops is None and xfer.worker is not None
+            workers.add(xfer.worker)
         if op == "read":
             bad = np.count_nonzero(view_b[li] != old.reshape(SLOTS, BLOCK)[ri])
             if bad:
                 early.append((trial, len(li), bad))
         assert not a.get_notifications(), "a notification arrived twice"
     assert not early, f"seed={seed}: notified before the data was visible (trial, slots, bytes wrong): {early}"
-    assert b.stats["failed"] == 0
+    assert shape == "striped" or workers == set(range(lanes)), f"whole transfers went to workers {workers} only"
+    assert b.stats.failed == 0

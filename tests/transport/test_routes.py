@@ -21,13 +21,13 @@ WAIT_S = 20.0
 def counting_slow_path(agent) -> list[int]:
     """Count the requests that take the checked (slow) path."""
     calls = [0]
-    slow = agent._routes._checked
+    slow = agent._core.prepared._checked
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return slow(*args, **kwargs)
 
-    agent._routes._checked = counted
+    agent._core.prepared._checked = counted
     return calls
 
 
@@ -66,7 +66,7 @@ def test_a_route_is_built_once_and_rebuilt_after_any_change(make_agent, lanes):
     pair.b.add_peer(pair.a.metadata())  # the peer replaced: lists for it must be prepared again
     with pytest.raises(DescriptorError, match="earlier incarnation"):
         pair.b.read_prepared(local, idx, remote, idx)
-    assert pair.b.stats["failed"] == 0
+    assert pair.b.stats.failed == 0
 
 
 def test_an_endpoint_failed_by_ucx_stops_the_fast_path(make_agent):
@@ -77,10 +77,10 @@ def test_an_endpoint_failed_by_ucx_stops_the_fast_path(make_agent):
     local, remote = prepare_slots(pair, BLOCK)
     idx = np.arange(64)
     pair.b.read_prepared(local, idx, remote, idx).wait(WAIT_S)  # builds the route
-    posted = pair.b.stats["ops_posted"]
-    lane_peer = pair.b._lanes[0].peers["a"]
+    posted = pair.b.stats.ops_posted
+    lane_peer = pair.b._core.lanes[0].peers["a"]
     lane_peer.ep_state.status = -25  # as rk_ep_error_cb writes it (UCS_ERR_ENDPOINT_TIMEOUT... any error)
     lane_peer.ep_state.failed = 1
     with pytest.raises(PeerError, match=r"peer 'a' failed \(lane 1's endpoint failed"):
         pair.b.read_prepared(local, idx, remote, idx)
-    assert pair.b.stats["ops_posted"] == posted and pair.b.inflight == 0
+    assert pair.b.stats.ops_posted == posted and pair.b.inflight == 0

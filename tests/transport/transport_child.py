@@ -53,9 +53,13 @@ def serve(conn: Any, name: str, env: dict[str, str], sizes: list[int], seed: int
         def read_with_notifications(peer: str, remote_addr: int, nbytes: int, payloads: list[bytes]) -> None:
             local = DescList([bufs[0].ctypes.data], nbytes)
             remote = DescList([remote_addr], nbytes)
-            xfers = [agent.read(peer, local, remote, notify=p) for p in payloads]
+            # The last payload is the reader's sentinel: posted once every other
+            # read completed (transfers on different workers complete, and
+            # notify, in any order).
+            xfers = [agent.read(peer, local, remote, notify=p) for p in payloads[:-1]]
             for x in xfers:
                 x.wait(ANSWER_S)
+            agent.read(peer, local, remote, notify=payloads[-1]).wait(ANSWER_S)
 
         commands = {
             "add_peer": agent.add_peer,

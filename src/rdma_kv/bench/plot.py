@@ -32,6 +32,8 @@ STYLES = {
     "nixl": {"color": "#ff7f0e", "marker": "s", "linestyle": "-", "label": "NIXL (UCX backend)"},
     "ucx_perftest": {"color": "#555555", "marker": "^", "linestyle": "--", "label": "ucx_perftest ucp_get -O 64"},
     "cma": {"color": "#2ca02c", "marker": "D", "linestyle": ":", "label": "process_vm_readv (kernel copy limit)"},
+    "cma-t2": {"color": "#2ca02c", "marker": "D", "linestyle": ":",
+               "label": "process_vm_readv, 2 threads (kernel copy limit)"},
 }
 
 

@@ -42,7 +42,7 @@ NOTIFY_WAIT_S = 10.0  # at close, how long the target waits for the last notific
 def _agent(name: str, progress: str, ucx_options: dict[str, str], lanes: int | None = None) -> Any:
     from rdma_kv.transport import Agent, AgentConfig
 
-    extra = {} if lanes is None else {"lanes": lanes}
+    extra: dict[str, Any] = {} if lanes is None else {"lanes": lanes}
     return Agent(name, AgentConfig(progress=progress, ucx_options=dict(ucx_options), **extra))
 
 

@@ -20,10 +20,13 @@ pattern per rep) outside the timed region. One set of processes serves a
 whole concurrency axis; each point of the producers axis starts exactly
 its own targets.
 
-Backends: ``rdma-kv`` (one ``read_prepared`` per request, reader polling)
-and ``nixl`` (one ``make_prepped_xfer`` + ``transfer`` per request, then
+Backends: ``rdma-kv`` (one ``read_prepared`` per request, reader polling),
+``nixl`` (one ``make_prepped_xfer`` + ``transfer`` per request, then
 ``check_xfer_state`` on all; skipped with its reason when NIXL does not
-import). NIXL's targets run without NIXL's progress thread here, unlike
+import) and ``cma-t2``, the kernel's own copy of the same blocks on two
+threads (batched ``process_vm_readv``, the requests' blocks shared out
+whole between the threads; its span is the longer thread's syscalls and
+stands as every request's latency): the limit of any two-worker engine. NIXL's targets run without NIXL's progress thread here, unlike
 the workload table's: that thread spins a core per target, and with
 several targets on one 2-core host the curve would measure the spinning,
 not the fan-in. Each target's command loop progresses its worker every
@@ -55,13 +58,14 @@ __all__ = ["AXES", "BACKENDS", "RequestShape", "ScalePoint", "parse_counts", "pa
            "scale_csv", "scale_table"]
 
 AXES = ("concurrency", "producers")
-BACKENDS = ("rdma-kv", "nixl")
+BACKENDS = ("rdma-kv", "nixl", "cma-t2")
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_PRODUCERS = (1, 2, 4, 8)
 MAX_CONCURRENCY = 1024
 MAX_PRODUCERS = 16
 POOL_BLOCKS = 1024  # each producer's pool of blocks to draw from
-_PEER_MODULES = {"rdma-kv": "rdma_kv.bench.scale_peers:rdmakv", "nixl": "rdma_kv.bench.scale_peers:nixl"}
+_PEER_MODULES = {"rdma-kv": "rdma_kv.bench.scale_peers:rdmakv", "nixl": "rdma_kv.bench.scale_peers:nixl",
+                 "cma-t2": "rdma_kv.bench.scale_peers:cma"}
 
 
 @dataclasses.dataclass(frozen=True)

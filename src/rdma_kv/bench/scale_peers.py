@@ -1,5 +1,6 @@
 """Child bodies of the scale curves (:mod:`rdma_kv.bench.scale`): targets
-(producers) and the one reader (consumer), for rdma-kv and NIXL.
+(producers) and the one reader (consumer), for rdma-kv, NIXL and the
+kernel's two-thread copy limit (``cma-t2``).
 
 A target registers a pool of ``pool_blocks`` blocks, fills it with its own
 pattern (seed ``seed + index``) per rep and sends its address and agent
@@ -15,6 +16,8 @@ and NIXL only inside these functions (the child processes).
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from typing import Any
 
@@ -26,6 +29,7 @@ from rdma_kv.bench.runner import BenchError, Channel
 
 WAIT_S = 120.0  # one rep's reads
 TARGET_PROGRESS_S = 0.001  # a NIXL target progresses its worker this often while idle
+CMA_THREADS = 2  # cma-t2: the kernel's copy on two threads, as two lanes copy here
 
 
 def _requests(start: dict[str, Any], msg: dict[str, Any]) -> list[tuple[int, np.ndarray, np.ndarray]]:
@@ -102,6 +106,74 @@ def rdmakv_reader(chan: Channel, start: dict[str, Any]) -> None:
 
     chan.send({"type": "ready"})
     _serve(chan, start, local, run, agent.close, "rdma-kv reader")
+
+
+# --- the kernel's copy on two threads -----------------------------------------------------
+
+
+def cma_target(chan: Channel, start: dict[str, Any]) -> None:
+    from rdma_kv.bench.cma import allow_ptrace_from_any
+
+    allow_ptrace_from_any()
+    buf = page_aligned_buffer(start["pool_blocks"] * start["block_nbytes"])
+    filler = harness.PatternFiller(buf, start["seed"] + start["index"])
+    chan.send({"type": "ready", "address": buf.ctypes.data, "pid": os.getpid()})
+    harness.serve_target(chan, filler.fill, lambda: None)
+
+
+def cma_reader(chan: Channel, start: dict[str, Any]) -> None:
+    """Every block of every request of a point, as batched
+    ``process_vm_readv`` (1,024 iovecs a call) from each producer, cut into
+    ``CMA_THREADS`` shares of about equal bytes read at once; the span is
+    the longest share's syscalls alone (no hand-off counted), every
+    request's latency that span: the bound for any two-worker engine."""
+    from rdma_kv.bench.cma import _libc, build_iovecs, read_batched
+
+    size = start["block_nbytes"]
+    local = page_aligned_buffer(start["local_blocks"] * size)
+    peers: list[tuple[int, int]] = []
+    for _ in range(start["targets"]):
+        msg, _ = chan.expect("peer")
+        peers.append((int(msg["pid"]), int(msg["address"])))
+    libc = _libc()
+
+    def run(plan: list[tuple[int, np.ndarray, np.ndarray]]) -> tuple[float, list[float]]:
+        # Each request's blocks are one share's at a time, whole: shares alternate by request.
+        shares: list[list[tuple[int, np.ndarray, np.ndarray]]] = [[] for _ in range(CMA_THREADS)]
+        for i, (p, local_ids, remote_ids) in enumerate(plan):
+            pid, base = peers[p]
+            lengths = np.full(len(local_ids), size, dtype=np.uint64)
+            liov, riov = build_iovecs(local.ctypes.data, base, local_ids.astype(np.uint64) * np.uint64(size),
+                                      remote_ids.astype(np.uint64) * np.uint64(size), lengths)
+            shares[i % CMA_THREADS].append((pid, liov, riov))
+        spans = [0.0] * CMA_THREADS
+
+        def read(k: int) -> None:
+            t0 = time.perf_counter()
+            for pid, liov, riov in _batched(shares[k]):
+                read_batched(libc, pid, liov, riov)
+            spans[k] = time.perf_counter() - t0
+
+        threads = [threading.Thread(target=read, args=(k,)) for k in range(1, CMA_THREADS)]
+        for t in threads:
+            t.start()
+        read(0)
+        for t in threads:
+            t.join(WAIT_S)
+        span = max(spans)
+        return 0.0, [span] * len(plan)
+
+    chan.send({"type": "ready"})
+    _serve(chan, start, local, run, lambda: None, "cma reader")
+
+
+def _batched(share: list[tuple[int, np.ndarray, np.ndarray]]) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """One share's iovecs joined per producer (fewer, fuller syscalls)."""
+    by_pid: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for pid, liov, riov in share:
+        by_pid.setdefault(pid, []).append((liov, riov))
+    return [(pid, np.concatenate([lv for lv, _ in pairs]), np.concatenate([rv for _, rv in pairs]))
+            for pid, pairs in by_pid.items()]
 
 
 # --- NIXL ------------------------------------------------------------------------------------

@@ -81,7 +81,9 @@ def add_parser(sub: Any) -> None:
                    help="concurrent requests from each producer on the producers axis (default 8)")
     c.add_argument("--scale-request", default="16x32KiB",
                    help="one request: BLOCKSxSIZE random blocks (default 16x32KiB)")
-    c.add_argument("--scale-backends", default="rdma-kv,nixl", help="comma list of rdma-kv, nixl (default both)")
+    c.add_argument("--scale-backends", default=None,
+                   help="comma list of rdma-kv, nixl, cma-t2 (the kernel's copy on two threads); default "
+                        "rdma-kv, the --vs peers (nixl without --vs) and cma-t2")
     c.add_argument("--csv", metavar="PATH", help="with --scale: also write the table as CSV")
     p.set_defaults(run=run)
 
@@ -233,10 +235,12 @@ def parse_scale(args: argparse.Namespace) -> dict[str, Any]:
     unknown = [a for a in axes if a not in scale.AXES]
     if not axes or unknown:
         raise ConfigError(f"--scale {args.scale!r}: expected a comma list of {', '.join(scale.AXES)}")
-    backends = [b for b in args.scale_backends.split(",") if b]
+    peers = [v for v in args.vs.split(",") if v] or ["nixl"]
+    text = args.scale_backends or ",".join(["rdma-kv", *peers, "cma-t2"])
+    backends = [b for b in text.split(",") if b]
     bad = [b for b in backends if b not in scale.BACKENDS]
     if not backends or bad:
-        raise ConfigError(f"--scale-backends {args.scale_backends!r}: valid: {', '.join(scale.BACKENDS)}")
+        raise ConfigError(f"--scale-backends {text!r}: valid: {', '.join(scale.BACKENDS)}")
     if not 1 <= args.producer_requests <= scale.MAX_CONCURRENCY:
         raise ConfigError(f"--producer-requests must be 1..{scale.MAX_CONCURRENCY}, got {args.producer_requests}")
     if args.reps < 1:

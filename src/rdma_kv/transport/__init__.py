@@ -8,19 +8,21 @@ Importing this package does not load UCX; creating an ``Agent`` does.
 May import: numpy, msgspec, cffi (through _lib), rdma_kv.errors.
 """
 
-from rdma_kv.transport.agent import Agent, AgentConfig, Notification
-from rdma_kv.transport.descriptors import DescList, PreparedDescList, coalesce
+from rdma_kv.transport.agent import Agent, AgentConfig, AgentStats, Notification
+from rdma_kv.transport.descriptors import DescList, PreparedDescList, PreparedList, coalesce
 from rdma_kv.transport.memory import MemoryKind, MemoryRegion
 from rdma_kv.transport.transfer import Transfer, XferOp, XferState
 
 __all__ = [
     "Agent",
     "AgentConfig",
+    "AgentStats",
     "DescList",
     "MemoryKind",
     "MemoryRegion",
     "Notification",
     "PreparedDescList",
+    "PreparedList",
     "Transfer",
     "XferOp",
     "XferState",

@@ -1,6 +1,6 @@
 """cffi build script (API mode) for ``rdma_kv.transport._ucp``.
 
-Compiles ``csrc/shim.c``, ``csrc/pump.c`` and the cffi wrappers of ``csrc/ucp.cdef`` against
+Compiles ``csrc/core.c``, ``csrc/post.c``, ``csrc/pump.c`` and the cffi wrappers of ``csrc/ucp.cdef`` against
 the UCP headers of the libucx wheel -- or of a system UCX when
 ``RDMA_KV_UCX_PREFIX`` names its install prefix (e.g. ``/opt/hpcx/ucx``).
 The extension links libucp by soname without an rpath: at run time
@@ -51,7 +51,7 @@ def make_ffi() -> FFI:
         "rdma_kv.transport._ucp",
         '#include <ucp/api/ucp.h>\n#include "shim.h"\n',
         # setuptools wants sources relative to the project root (cwd).
-        sources=[os.path.relpath(CSRC / "shim.c"), os.path.relpath(CSRC / "pump.c")],
+        sources=[os.path.relpath(CSRC / name) for name in ("core.c", "post.c", "pump.c")],
         include_dirs=[str(CSRC)],
         library_dirs=[lib_dir],
         libraries=["ucp", "uct", "ucs"],

@@ -53,7 +53,7 @@ def load() -> tuple[Any, Any]:
 
 def status_name(status: int) -> str:
     ffi, lib = load()
-    return ffi.string(lib.ucs_status_string(status)).decode()
+    return str(ffi.string(lib.ucs_status_string(status)).decode())
 
 
 def check_status(status: int, what: str) -> None:
@@ -65,7 +65,7 @@ def check_status(status: int, what: str) -> None:
 
 def ucx_version() -> str:
     ffi, lib = load()
-    return ffi.string(lib.ucp_get_version_string()).decode()
+    return str(ffi.string(lib.ucp_get_version_string()).decode())
 
 
 def library_path() -> str | None:

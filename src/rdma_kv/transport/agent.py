@@ -14,20 +14,24 @@ calls named here:
   keys, memory types; the local descriptor table.
 - ``PeerTable`` (peers.py): endpoints and remote keys on the own worker,
   metadata export and import, retired incarnations.
-- ``Completions`` (progress.py): batch records, transfers in flight and
-  their deadlines, the progress thread or polling, the completion and
-  notification rings. ``Transfer`` reaches it only through
-  ``transfer.Completer``.
+- ``InFlight`` (inflight.py): the C context, the slab of batch records,
+  the one submit path, and the only code that settles a ``Transfer``.
+- ``Notifications`` (notifications.py): the notification ring.
+- ``ProgressDriver`` (progress.py): the own pump and the service thread,
+  or polling; what a waiting caller does.
 - ``Lanes`` (lanes.py): extra workers, each with its pump and endpoints.
-- ``Routes`` (prepared.py): prepared lists and the one-C-call request path.
+- ``RouteBuilder`` (route.py): the C routes requests are posted on.
+- ``PreparedLists`` (prepared.py): prepared lists and requests by index.
 - ``Posting`` (posting.py): explicit descriptor lists (``read``, ``write``,
-  ``flush``), checked, merged and posted in one C call.
+  ``flush``).
 
-The registry and the peer table move the ``Epoch`` the routes are checked
-against. Failing a peer spans three parts, so it is the agent's
-(``_fail_peer``): the table force-closes its endpoint, the lanes theirs,
-the completions settle what UCX cancelled. The completions call it back
-when a deadline passes or UCX reports an endpoint failed.
+What spans parts is the agent's own, in ``AgentCore``: the settling round
+the driver runs (``service``), the check that a peer is usable on every
+worker, and failing a peer (the table force-closes its endpoint, the
+lanes theirs, the in-flight table settles what UCX cancelled), which a
+passed deadline or an endpoint error triggers. The core holds every part
+and never the ``Agent``, so that a forgotten agent can be closed by its
+finalizer (``weakref.finalize``: a ``ResourceWarning``, then ``close``).
 
 Threading and lock order. There is one Python lock, the agent's
 (``threading.RLock``), shared by every part: each public call and the
@@ -39,17 +43,12 @@ is simply
 and never the other way: the C pumps (the own worker's with
 ``progress="thread"``, and every lane's) progress their workers under
 UCX's lock alone and never take the agent's; they wake the settling
-thread through an eventfd or the own worker's signal. Completion callbacks
+thread through an eventfd or the own worker's signal, and a caller
+blocked in ``wait()`` through its transfer's slot. Completion callbacks
 and ``Transfer`` waiters run with no lock held (callbacks queued under the
 lock, run after it is released; the posting thread runs those due at once
 with the lock still held, which is reentrant). ``_lib``'s loader lock is
 taken once, before any of these.
-
-With ``progress="thread"`` a C pump progresses the own worker
-(``UCS_THREAD_MODE_MULTI``) without the interpreter lock and a Python
-thread sleeps on an eventfd until it reports something to settle; with
-``progress="poll"`` (``UCS_THREAD_MODE_SERIALIZED`` without lanes) the
-caller drives it through ``progress()`` (``wait`` and ``done`` do so too).
 
 Bounded failure: every transfer has a deadline. When it passes, or when UCX
 reports the peer's endpoint failed, the peer is marked failed, its
@@ -62,25 +61,196 @@ May import: numpy, rdma_kv.errors, the other rdma_kv.transport modules.
 from __future__ import annotations
 
 import threading
+import warnings
+import weakref
+from collections.abc import Callable
 from typing import Any
 
-from rdma_kv.errors import ConfigError, PeerError
+from rdma_kv.errors import ClosedError, ConfigError, PeerError
 from rdma_kv.transport import metadata as wire
+from rdma_kv.transport._lib import status_name
 from rdma_kv.transport.config import AgentConfig
 from rdma_kv.transport.cuda import creator_context
-from rdma_kv.transport.descriptors import DescList, PreparedDescList, new_generation
+from rdma_kv.transport.descriptors import DescList, PreparedList, new_generation
+from rdma_kv.transport.inflight import OP_GET, OP_PUT, AgentStats, InFlight
 from rdma_kv.transport.lanes import Lanes
 from rdma_kv.transport.memory import MemoryRegion
+from rdma_kv.transport.notifications import Notification, Notifications
 from rdma_kv.transport.peer import Peer
 from rdma_kv.transport.peers import PeerTable
 from rdma_kv.transport.posting import Posting
-from rdma_kv.transport.prepared import Epoch, Routes
-from rdma_kv.transport.progress import Completions, Notification
+from rdma_kv.transport.prepared import PreparedLists, RequestParts
+from rdma_kv.transport.progress import ProgressDriver, Wake
 from rdma_kv.transport.registry import MemoryRegistry
+from rdma_kv.transport.route import Epoch, RouteBuilder
 from rdma_kv.transport.transfer import Transfer, XferOp
 from rdma_kv.transport.ucx import Context, Worker
 
-__all__ = ["Agent", "AgentConfig", "Notification"]
+__all__ = ["Agent", "AgentConfig", "AgentStats", "Notification"]
+
+_READ, _WRITE = XferOp.READ, XferOp.WRITE  # module globals: an Enum class attribute is a slower lookup
+
+
+class AgentCore:
+    """Every part of one agent, and what spans them. It never refers to the
+    ``Agent``: the agent's finalizer closes it. It is also what a
+    ``Transfer`` waits through (``transfer.Owner``)."""
+
+    def __init__(self, name: str, config: AgentConfig) -> None:
+        self.name = name
+        self.config = cfg = config
+        self.lock = threading.RLock()
+        self.context = Context(cfg.ucx_options, name=name, shared_workers=cfg.lanes > 1)
+        self._made: list[Any] = []  # parts made so far, closed in reverse if a later one fails
+        try:
+            # A pumped worker (progress="thread") is progressed by a C thread
+            # while Python posts: UCX's own worker lock. With lanes, a lane's
+            # pump may complete a batch's last operation and then send its
+            # notification on this worker's endpoint.
+            self.worker = Worker(self.context, multi_thread=cfg.progress == "thread" or cfg.lanes > 1)
+            self._made.append(self.worker)
+            self.inflight = InFlight(name, cfg, self)
+            self.notifications = Notifications(name, self.inflight.ctx, self.worker, cfg)
+            self.epoch = epoch = Epoch()
+            self.memory = MemoryRegistry(self.context, f"agent {name!r}", cfg.ucx_options.get("TLS", ""),
+                                         epoch.move)
+            self.peers = PeerTable(name, self.worker, self.inflight.ctx, epoch.move)
+            # The creator's CUDA context (None without CUDA): every pump makes
+            # it current before it progresses (cuda.py).
+            cuda = creator_context()
+            self.wake = wake = Wake(cfg.progress, self.worker)
+            self._made.append(wake)
+            self.lanes = Lanes(self.context, cfg.lanes - 1, name, self.inflight.ctx, wake.worker, wake.fd,
+                               cfg.spin_s, cuda, epoch.move)
+            self._made.append(self.lanes)
+            self.driver = ProgressDriver(name, cfg, self.worker, self.lock, self.inflight, wake,
+                                         self.lanes.pumps, cuda, self.service, self.fail_all)
+            self._made.append(self.driver)
+            self.routes = RouteBuilder(self.inflight.ctx, epoch, self.memory, self.lanes, self.worker,
+                                       self.driver.pump, cfg.lane_min_bytes, cfg.spread)
+            parts = RequestParts(name, self.lock, self.memory, self.peers, self.routes, self.inflight,
+                                 self.usable_peer)
+            self.prepared = PreparedLists(parts)
+            self.posting = Posting(parts)
+        except BaseException:
+            self._abandon_init()
+            raise
+
+    def _abandon_init(self) -> None:
+        """Undo a constructor that failed part-way (nothing registered or connected yet)."""
+        inflight: InFlight | None = getattr(self, "inflight", None)
+        if inflight is not None:
+            inflight.closed = True
+        for part in reversed(self._made):
+            if isinstance(part, ProgressDriver):
+                part.stop()
+                part.stop_helping()
+            elif isinstance(part, (Lanes, Worker, Wake)):
+                part.close()
+        self.context.close()
+
+    # ------------------------------------------------- what a Transfer waits through
+
+    @property
+    def manual_progress(self) -> bool:
+        return self.driver.manual_progress
+
+    def poll(self) -> None:
+        self.driver.poll()
+
+    def progress_once(self, block_s: float) -> None:
+        self.driver.progress_once(block_s)
+
+    def block(self, xfer: Transfer, block_s: float) -> None:
+        self.driver.block(xfer, block_s)
+
+    def add_done_callback(self, xfer: Transfer, fn: Callable[[Transfer], None]) -> bool:
+        return self.driver.add_done_callback(xfer, fn)
+
+    # ------------------------------------------------------- what spans parts
+
+    def require_open(self) -> None:
+        if self.inflight.closed:
+            raise ClosedError(f"agent {self.name!r} is closed")
+
+    def service(self) -> int:
+        """Settle what progress produced: completions, notifications, failed
+        endpoints, deadlines, retired peers. Returns completions drained.
+        Caller holds the lock."""
+        drained = self.inflight.drain()
+        self.notifications.drain()
+        for peer in self.peers.failed_endpoints():
+            self.fail_peer(peer, f"endpoint error {status_name(peer.ep_state.status)}")
+        self.inflight.expire(self.fail_peer)
+        self.peers.close_idle_retired()
+        return drained
+
+    def usable_peer(self, name: str) -> Peer:
+        """The peer ``name`` if its endpoint on every worker is healthy; else
+        PeerError (a lane's endpoint that failed fails the peer everywhere)."""
+        peer = self.peers.usable(name)
+        if len(self.lanes):
+            reason = self.lanes.problem(name)
+            if reason is not None:
+                self.fail_peer(peer, reason)
+                raise PeerError(f"peer {name!r} failed ({reason}); re-import its metadata with add_peer() "
+                                "once it is back")
+        return peer
+
+    def fail_peer(self, peer: Peer, reason: str) -> None:
+        """Mark failed and force-close its endpoints on every worker; UCX
+        cancels its operations, whose completions are settled right away.
+        Caller holds the lock."""
+        self.peers.mark_failed(peer, reason)
+        if len(self.lanes):
+            self.lanes.fail(peer.name, reason)
+        self.inflight.drain()
+
+    def fail_all(self, why: str) -> None:
+        """Fail every peer with work in flight (UCX cancels its operations),
+        then settle what is left. Caller holds the lock."""
+        for peer in self.peers.with_inflight():
+            self.fail_peer(peer, why)
+        self.inflight.fail_all(why)
+
+    # ------------------------------------------------------------------ closing
+
+    def close(self) -> None:
+        """Let what is in flight finish (at most ``close_drain_s``), fail the
+        rest, then tear down: lanes, remote keys and endpoints, memory,
+        worker, context. Idempotent."""
+        inflight, driver = self.inflight, self.driver
+        with self.lock:
+            if inflight.closed:
+                return
+            inflight.closed = True
+            self.epoch.move()  # every route is stale: requests go to the checked path, which says closed
+            driver.wake_all()
+        driver.stop()  # from here on, this thread progresses the own worker
+        with self.lock:
+            # The lanes' pumps still run: they progress their share meanwhile.
+            callbacks = driver.drain_for_close()
+            self.fail_all(f"agent {self.name!r} closed")  # (failing peers closes lane endpoints)
+            callbacks += inflight.take_callbacks()
+            driver.stop_helping()  # the pumps stop next
+        self.lanes.close()  # their workers go before the context
+        with self.lock:
+            inflight.drain()
+            callbacks += inflight.take_callbacks()
+            driver.close()
+            self.peers.close()
+            self.memory.close()
+            self.worker.close()
+            self.context.close()
+        inflight.run_callbacks(callbacks)
+
+
+def _collect(core: AgentCore) -> None:
+    """The finalizer of an agent nobody closed: say so, then close it."""
+    if not core.inflight.closed:
+        warnings.warn(f"agent {core.name!r} was not closed: closing it now; call close() or use it as a "
+                      "context manager", ResourceWarning, stacklevel=2)
+        core.close()
 
 
 class Agent:
@@ -91,50 +261,12 @@ class Agent:
         if not name or len(name.encode()) > wire.MAX_NAME_BYTES:
             raise ConfigError(f"agent name must be 1..{wire.MAX_NAME_BYTES} bytes, got {name!r}")
         self.name = name
-        self.config = cfg = config or AgentConfig()
-        self._lock = threading.RLock()
-        self._context = Context(cfg.ucx_options, name=name, shared_workers=cfg.lanes > 1)
-        lanes: Lanes | None = None
-        try:
-            # A pumped worker (progress="thread") is progressed by a C thread
-            # while Python posts: UCX's own worker lock. With lanes, a lane's
-            # pump may complete a batch's last operation and then send its
-            # notification on this worker's endpoint.
-            self._worker = Worker(self._context, multi_thread=cfg.progress == "thread" or cfg.lanes > 1)
-            self._completions = comp = Completions(name, cfg, self._worker, self._lock, has_lanes=cfg.lanes > 1)
-            self.stats = comp.stats
-            epoch = Epoch()
-            self._memory = MemoryRegistry(self._context, f"agent {name!r}", cfg.ucx_options.get("TLS", ""),
-                                          epoch.move)
-            self._peers = PeerTable(name, self._worker, comp.ctx, epoch.move)
-            # The creator's CUDA context (None without CUDA): every pump makes
-            # it current before it progresses (cuda.py).
-            cuda = creator_context()
-            self._lanes = lanes = Lanes(self._context, cfg.lanes - 1, name, comp.ctx, comp.wake_worker,
-                                        comp.wake_fd, cfg.spin_s, cuda, epoch.move)
-            self._posting = Posting(cfg.lane_min_bytes, self._memory, lanes, comp, self._worker, self._usable_peer)
-            self._routes = Routes(name, cfg.lane_min_bytes, epoch, self._memory, self._peers, lanes, comp,
-                                  self._worker, self._usable_peer)
-            comp.start(self._peers, self._fail_peer, cuda)
-            comp.helpers = tuple(lane.pump.handle for lane in lanes if lane.pump is not None)
-        except BaseException:
-            self._abandon_init(lanes)
-            raise
-
-    def _abandon_init(self, lanes: Lanes | None) -> None:
-        """Undo a constructor that failed part-way (nothing registered or connected yet)."""
-        comp: Completions | None = getattr(self, "_completions", None)
-        if comp is not None:
-            comp.begin_close()
-            comp.stop_progress()
-            comp.helpers = ()
-        if lanes is not None:
-            lanes.close()
-        if comp is not None:
-            comp.close()
-        if getattr(self, "_worker", None) is not None:
-            self._worker.close()
-        self._context.close()
+        self.config = config or AgentConfig()
+        self._core = core = AgentCore(name, self.config)
+        # The per-request paths, one attribute away.
+        self._prepared = core.prepared
+        self._posting = core.posting
+        self._finalizer = weakref.finalize(self, _collect, core)
 
     # ------------------------------------------------------------------ memory
 
@@ -148,118 +280,105 @@ class Agent:
         and memory it maps as another type than the declared one is refused
         (RegistrationError): device memory mapped as host memory would be
         touched by the CPU and registered without GPUDirect."""
-        with self._lock:
-            self._completions.require_open()
-            return self._memory.register(obj, memory_type)
+        core = self._core
+        with core.lock:
+            core.require_open()
+            return core.memory.register(obj, memory_type)
 
     def deregister(self, region: MemoryRegion) -> None:
         """Drop one reference; unmap when the last one goes. Peers must
         re-import metadata afterwards."""
-        with self._lock:
-            self._completions.require_open()
-            self._memory.deregister(region, self.inflight)
+        core = self._core
+        with core.lock:
+            core.require_open()
+            core.memory.deregister(region, core.inflight.live)
 
     @property
     def regions(self) -> tuple[MemoryRegion, ...]:
-        return self._memory.regions
+        return self._core.memory.regions
 
     # ------------------------------------------------------------------- peers
 
     def metadata(self) -> bytes:
         """Typed, versioned bytes a peer passes to ``add_peer``."""
-        with self._lock:
-            self._completions.require_open()
-            return self._peers.export(self._memory.infos())
+        core = self._core
+        with core.lock:
+            core.require_open()
+            return core.peers.export(core.memory.infos())
 
     def add_peer(self, blob: bytes) -> str:
         """Import a peer's metadata; returns its name. Importing a name again
         replaces the peer (a restarted peer has a new worker address): its
         transfers in flight fail, prepared lists for it must be prepared again."""
-        md = self._peers.decode(blob)
-        with self._lock:
-            self._completions.require_open()
+        core = self._core
+        md = core.peers.decode(blob)
+        with core.lock:
+            core.require_open()
             generation = new_generation()
-            old = self._peers.discard(md.name)
+            old = core.peers.discard(md.name)
             if old is not None:
-                self._fail_peer(old, "replaced by newly imported metadata")
-                self._peers.retire(old)
-            self._peers.connect(md, generation)
+                core.fail_peer(old, "replaced by newly imported metadata")
+                core.peers.retire(old)
+            core.peers.connect(md, generation)
             try:
-                self._lanes.connect(md, generation)
+                core.lanes.connect(md, generation)
             except BaseException:
                 self.remove_peer(md.name)
                 raise
             return md.name
 
     def remove_peer(self, name: str) -> None:
-        with self._lock:
-            self._completions.require_open()
-            peer = self._peers.pop(name)
+        core = self._core
+        with core.lock:
+            core.require_open()
+            peer = core.peers.pop(name)
             if peer.inflight:
-                self._fail_peer(peer, "removed by remove_peer()")
-            self._peers.retire(peer)
-            self._lanes.disconnect(name)
+                core.fail_peer(peer, "removed by remove_peer()")
+            core.peers.retire(peer)
+            core.lanes.disconnect(name)
 
     @property
     def peers(self) -> tuple[str, ...]:
-        return self._peers.names
-
-    def _usable_peer(self, name: str) -> Peer:
-        """The peer ``name`` if its endpoint on every worker is healthy; else
-        PeerError (a lane's endpoint that failed fails the peer everywhere)."""
-        peer = self._peers.usable(name)
-        if len(self._lanes):
-            reason = self._lanes.problem(name)
-            if reason is not None:
-                self._fail_peer(peer, reason)
-                raise PeerError(f"peer {name!r} failed ({reason}); re-import its metadata with add_peer() "
-                                "once it is back")
-        return peer
-
-    def _fail_peer(self, peer: Peer, reason: str) -> None:
-        """Mark failed and force-close its endpoints on every worker; UCX
-        cancels its operations, whose completions are settled right away.
-        Caller holds the lock."""
-        self._peers.mark_failed(peer, reason)
-        if len(self._lanes):
-            self._lanes.fail(peer.name, reason)
-        self._completions.drain()
+        return self._core.peers.names
 
     # ------------------------------------------------------------- descriptors
 
-    def prep_local(self, descs: DescList) -> PreparedDescList:
+    def prep_local(self, descs: DescList) -> PreparedList:
         """Check local descriptors once; transfers then address them by index."""
-        with self._lock:
-            self._completions.require_open()
-            return self._routes.prep_local(descs)
+        core = self._core
+        with core.lock:
+            core.require_open()
+            return core.prepared.prep_local(descs)
 
-    def prep_remote(self, peer: str, descs: DescList) -> PreparedDescList:
-        with self._lock:
-            self._completions.require_open()
-            return self._routes.prep_remote(peer, descs)
+    def prep_remote(self, peer: str, descs: DescList) -> PreparedList:
+        core = self._core
+        with core.lock:
+            core.require_open()
+            return core.prepared.prep_remote(peer, descs)
 
     # ---------------------------------------------------------------- transfers
 
     def read(self, peer: str, local: DescList, remote: DescList, *, notify: bytes | None = None,
              timeout_s: float | None = None) -> Transfer:
         """Read remote descriptors of ``peer`` into local ones (RMA get)."""
-        return self._posting.transfer(XferOp.READ, peer, local, remote, notify, timeout_s)
+        return self._posting.transfer(_READ, OP_GET, peer, local, remote, notify, timeout_s)
 
     def write(self, peer: str, local: DescList, remote: DescList, *, notify: bytes | None = None,
               timeout_s: float | None = None) -> Transfer:
         """Write local descriptors to ``peer``'s remote ones (RMA put)."""
-        return self._posting.transfer(XferOp.WRITE, peer, local, remote, notify, timeout_s)
+        return self._posting.transfer(_WRITE, OP_PUT, peer, local, remote, notify, timeout_s)
 
-    def read_prepared(self, local: PreparedDescList, local_index: Any, remote: PreparedDescList,
+    def read_prepared(self, local: PreparedList, local_index: Any, remote: PreparedList,
                       remote_index: Any, *, notify: bytes | None = None,
                       timeout_s: float | None = None) -> Transfer:
         """Read ``remote[remote_index]`` into ``local[local_index]``."""
-        return self._routes.transfer(XferOp.READ, local, local_index, remote, remote_index, notify, timeout_s)
+        return self._prepared.transfer(_READ, OP_GET, local, local_index, remote, remote_index, notify, timeout_s)
 
-    def write_prepared(self, local: PreparedDescList, local_index: Any, remote: PreparedDescList,
+    def write_prepared(self, local: PreparedList, local_index: Any, remote: PreparedList,
                        remote_index: Any, *, notify: bytes | None = None,
                        timeout_s: float | None = None) -> Transfer:
-        return self._routes.transfer(XferOp.WRITE, local, local_index, remote, remote_index, notify, timeout_s)
+        return self._prepared.transfer(_WRITE, OP_PUT, local, local_index, remote, remote_index, notify,
+                                       timeout_s)
 
     def flush(self, peer: str, *, timeout_s: float | None = None) -> Transfer:
         """A transfer that completes once every earlier operation to ``peer``
@@ -270,51 +389,46 @@ class Agent:
 
     @property
     def manual_progress(self) -> bool:
-        return self._completions.manual_progress
+        return self._core.driver.manual_progress
 
     @property
     def inflight(self) -> int:
         """Transfers in flight (a transfer striped over lanes counts once)."""
-        return len(self._completions.inflight)
+        return self._core.inflight.live
+
+    @property
+    def stats(self) -> AgentStats:
+        """What this agent has done so far: a frozen snapshot."""
+        core = self._core
+        with core.lock:
+            return core.inflight.stats()
 
     def progress(self) -> int:
         """Drive the worker once (polling mode). Returns UCX events handled."""
-        self._completions.require_open()
-        return self._completions.progress()
+        core = self._core
+        core.require_open()
+        return core.driver.progress()
 
     def get_notifications(self) -> list[Notification]:
         """Notifications received since the last call, in arrival order."""
-        self._completions.require_open()
-        return self._completions.notifications()
+        core = self._core
+        core.require_open()
+        core.driver.poll()
+        with core.lock:
+            return core.notifications.take()
 
     # ------------------------------------------------------------------ closing
 
     @property
     def closed(self) -> bool:
-        return self._completions.closed
+        return self._core.inflight.closed
 
     def close(self) -> None:
         """Let what is in flight finish (at most ``close_drain_s``), fail the
         rest, then tear down: lanes, remote keys and endpoints, memory,
         worker, context. Idempotent."""
-        comp = self._completions
-        with self._lock:
-            if not comp.begin_close():
-                return
-        comp.stop_progress()  # from here on, this thread progresses the own worker
-        with self._lock:
-            # The lanes' pumps still run: they progress their share meanwhile.
-            callbacks = comp.drain_for_close(f"agent {self.name!r} closed")  # also closes lane endpoints
-        with self._lock:
-            comp.helpers = ()  # the pumps stop next
-        self._lanes.close()  # their workers go before the context
-        with self._lock:
-            callbacks += comp.close()
-            self._peers.close()
-            self._memory.close()
-            self._worker.close()
-            self._context.close()
-        comp.run_callbacks(callbacks)
+        self._finalizer.detach()
+        self._core.close()
 
     def __enter__(self) -> Agent:
         return self
@@ -322,14 +436,7 @@ class Agent:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:  # backstop only; close() is the contract
-        comp = getattr(self, "_completions", None)
-        if comp is not None and not comp.closed and hasattr(self, "_routes"):
-            try:
-                self.close()
-            except Exception:
-                pass
-
     def __repr__(self) -> str:
-        return (f"Agent({self.name!r}, regions={len(self._memory.regions)}, peers={len(self._peers)}, "
-                f"lanes={len(self._lanes) + 1}, inflight={self.inflight}, closed={self.closed})")
+        core = self._core
+        return (f"Agent({self.name!r}, regions={len(core.memory.regions)}, peers={len(core.peers)}, "
+                f"lanes={len(core.lanes) + 1}, inflight={self.inflight}, closed={self.closed})")

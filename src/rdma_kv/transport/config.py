@@ -53,6 +53,10 @@ class AgentConfig:
     # about 1 MiB or more earns back in parallel bytes (docs/design.md,
     # "Lanes", has the measurements behind the default).
     lane_min_bytes: int = 1 << 20
+    # A transfer too small to stripe goes whole to the next worker in turn
+    # (own, lane 1, ...), so that concurrent requests copy on every worker at
+    # once; False keeps every such transfer on the agent's own worker.
+    spread: bool = True
     # close() first lets what is in flight finish for this long: force-closing
     # an endpoint with CMA gets still queued can trip a UCX assertion
     # (arbiter group not empty) when the worker is destroyed.

@@ -1,7 +1,7 @@
 """Descriptor lists (numpy-backed), prepared lists addressed by index, and
 merging of descriptors that are contiguous on both sides.
 
-A descriptor is ``(address, nbytes)``. A ``PreparedDescList`` has been checked
+A descriptor is ``(address, nbytes)``. A ``PreparedList`` has been checked
 against the registered regions of one side once, so a transfer built from it
 by index (``block table -> descriptor index``) does no per-descriptor work in
 Python: gathering, merging and posting are vectorised or in C.
@@ -89,7 +89,7 @@ def _integer_index(index: Any) -> np.ndarray:
 
 
 @dataclass(frozen=True, eq=False)
-class PreparedDescList:
+class PreparedList:
     """A DescList checked against one side's regions; ``regions[i]`` is the
     region index of descriptor ``i``. ``peer`` is None for the local side.
     ``generation`` ties it to the peer incarnation it was checked against.
@@ -120,7 +120,7 @@ class PreparedDescList:
     def __len__(self) -> int:
         return len(self.descs)
 
-    def attach_c_tables(self, ffi: Any) -> PreparedDescList:
+    def attach_c_tables(self, ffi: Any) -> PreparedList:
         """Attach ``c_tables`` (C views made once, at prep time, so that a
         transfer does not rebuild them) and return this list."""
         # NULL means region 0 for every descriptor: only then may the table be skipped.
@@ -151,6 +151,11 @@ class PreparedDescList:
         return self.descs.addrs[idx], self.descs.lengths[idx], self.regions[idx]
 
 
+# The name before the transport's re-cut (issue 28); one object, two names
+# only so that code written against the old name keeps importing.
+PreparedDescList = PreparedList
+
+
 def as_index(index: Any) -> np.ndarray:
     """``index`` as a contiguous 1-D int32 or int64 array (the C side reads
     both), without a copy (or any numpy call) when it already is one; other
@@ -166,7 +171,7 @@ def as_index(index: Any) -> np.ndarray:
 
 
 def pair_indices(
-    local: PreparedDescList, local_index: Any, remote: PreparedDescList, remote_index: Any
+    local: PreparedList, local_index: Any, remote: PreparedList, remote_index: Any
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Checked int64 index arrays of a transfer between prepared lists, and its
     byte count. Paired lengths must match: with uniform lists that is one

@@ -10,14 +10,15 @@ the interpreter lock. A lane posts no batch of its own and has no
 completion or notification ring: its pump completes parts of the agent's
 batches, and the agent settles them.
 
-A transfer of at least ``2 * lane_min_bytes`` (prepared, or explicit: its
-lists then serve as the tables) is *striped*: one C call
-(``rk_post_indexed`` over ``rk_stripe_parts`` workers) cuts the byte stream
+A transfer of at least ``2 * lane_min_bytes`` (prepared, or explicit) is
+*striped*: the one C call every request is (``rk_submit``) cuts the byte stream
 of its index pairs into parts of about equal bytes (at 4 KiB boundaries,
 so one 256 MiB descriptor is cut too) and posts each part on
 its worker's endpoint -- the lanes' parts first (each lane's pump kicked
 awake before, held off its worker while its part is posted, released
-right after), the agent's own part last. It is still *one*
+right after), the agent's own part last. A smaller transfer goes *whole*
+to one worker, the next in turn (the route's ``spread``): concurrent
+requests then copy on every worker at once. Either way it is *one*
 batch and one ``Transfer``: its operation count is atomic, the pumps count
 down the lanes' operations on their threads, and whichever thread finishes
 the last one publishes the batch on the agent's completion ring and (a
@@ -27,10 +28,12 @@ operation on every worker has, and costs the caller one C call.
 A polling agent (``progress="poll"``) whose own worker is idle while a
 transfer is in flight progresses each lane's worker itself whenever that
 lane's pump is not progressing it at that moment (``rk_pump_help``; the
-completions call it): a pump asleep, or woken but not yet given a CPU,
-then costs the caller nothing, while a running pump is left alone.
+progress driver calls it), and so does a caller blocked in ``wait()`` with
+``progress="thread"`` for its first ``spin_s`` (``rk_await``): a pump
+asleep, or woken but not yet given a CPU, then costs the caller nothing,
+while a running pump is left alone.
 
-A notification is sent then, by that same thread, on the agent's own
+A notification is sent, by whichever thread completes the last operation, on the agent's own
 endpoint (so the agent's worker is ``UCS_THREAD_MODE_MULTI`` whenever it
 has lanes): a READ's once every part completed locally, a WRITE's once,
 in addition, every endpoint that carried a part was flushed
@@ -93,8 +96,9 @@ class Lane:
         self.peers: dict[str, Peer] = {}
         self.worker = Worker(context, multi_thread=True)  # the pump progresses it while the agent posts
         try:
+            # Steered: a lane adds bandwidth only on another core than the poster's.
             self.pump: Pump | None = Pump(self.worker, watch, wake_worker=wake_worker, wake_fd=wake_fd,
-                                          spin_s=spin_s, cuda=cuda, name=name)
+                                          spin_s=spin_s, cuda=cuda, name=name, steer=True)
         except BaseException:
             self.worker.close()
             raise
@@ -135,6 +139,22 @@ class Lane:
             peer.close(force=not peer.healthy)
         self.peers.clear()
         self.worker.close()
+
+
+class Paths:
+    """One peer on every worker of an agent (0: its own, 1..: the lanes), as
+    the C arrays of a route (``rk_route_t``): ``eps``, ``rkeys``,
+    ``workers``, ``pumps`` (NULL: none) and ``ep_states``."""
+
+    def __init__(self, peers: list[Peer], workers: list[Worker], pumps: list[Pump | None]) -> None:
+        ffi = load()[0]
+        self.count = len(peers)
+        self.eps = ffi.new("ucp_ep_h[]", [q.ep for q in peers])
+        self.rkeys = ffi.new("ucp_rkey_h *[]", [q.rkeys for q in peers])
+        self.workers = ffi.new("ucp_worker_h[]", [w.handle for w in workers])
+        self.pumps = ffi.new("rk_pump_t *[]", [ffi.NULL if q is None else q.handle for q in pumps])
+        self.ep_states = ffi.new("rk_ep_state_t *[]", [q.ep_state for q in peers])
+        self._peers = peers  # their endpoints, keys and states outlive the arrays
 
 
 class Lanes:
@@ -189,24 +209,22 @@ class Lanes:
         """``p`` then its endpoint on every lane: worker order of a stripe."""
         return [p] + [lane.peers[p.name] for lane in self._lanes]
 
-    def stripe(self, p: Peer, own: Worker, own_pump: Pump | None) -> Any:
-        """The ``rk_stripe_t`` of peer ``p`` (its endpoint and remote keys on
-        the agent's worker ``own``, then on each lane's), made at the first
-        striped transfer and kept with the peer: re-importing a peer makes a
-        new one. The caller has checked ``problem(p.name)``."""
-        if p.stripe is None:
-            ffi = load()[0]
-            peers = self.endpoints(p)
-            workers = [own] + [lane.worker for lane in self._lanes]
-            pumps = [own_pump] + [lane.pump for lane in self._lanes]
-            eps = ffi.new("ucp_ep_h[]", [q.ep for q in peers])
-            rkeys = ffi.new("ucp_rkey_h *[]", [q.rkeys for q in peers])
-            handles = ffi.new("ucp_worker_h[]", [w.handle for w in workers])
-            c_pumps = ffi.new("rk_pump_t *[]", [ffi.NULL if q is None else q.handle for q in pumps])
-            stripe = ffi.new("rk_stripe_t *", {"eps": eps, "rkeys": rkeys, "workers": handles, "pumps": c_pumps})
-            ops = ffi.new("uint64_t[]", len(workers))
-            p.stripe = (stripe, ops, eps, rkeys, handles, c_pumps, peers)  # the last five keep the arrays alive
-        return p.stripe
+    @property
+    def pumps(self) -> tuple[Any, ...]:
+        """Every running lane pump's handle (``rk_pump_t *``): what a poller
+        or a blocked waiter may help."""
+        return tuple(lane.pump.handle for lane in self._lanes if lane.pump is not None)
+
+    def paths(self, p: Peer, own: Worker, own_pump: Pump | None) -> Paths:
+        """``p``'s endpoint, remote keys, worker, pump and endpoint state on the
+        agent's worker ``own``, then on each lane's, as C arrays: made at the
+        first route to ``p`` and kept with the peer (re-importing a peer
+        makes a new one). The caller has checked ``problem(p.name)``."""
+        if p.paths is None:
+            p.paths = Paths(self.endpoints(p), [own] + [lane.worker for lane in self._lanes],
+                            [own_pump] + [lane.pump for lane in self._lanes])
+        paths: Paths = p.paths
+        return paths
 
     def close(self) -> None:
         for lane in self._lanes:

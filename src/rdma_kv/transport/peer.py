@@ -33,9 +33,9 @@ class Peer:
         self.generation = generation
         self.worker_address = md.worker_address
         self.ucx_version = md.ucx_version
-        self.inflight = 0
         self.failure: str | None = None
-        self.stripe: Any = None  # rk_stripe_t and its arrays, made by the agent (lanes.py)
+        self.paths: Any = None  # the peer on every worker, as C arrays (lanes.Paths), made with its first route
+        self.list_route: Any = None  # the route of explicit descriptors to it (posting.py)
         self.ep_state = ffi.new("rk_ep_state_t *")
         if ctx is not None:  # the error callback counts ep_errors there (wakes a pump's owner)
             self.ep_state.ctx = ctx
@@ -71,6 +71,11 @@ class Peer:
             raise
         self.table = RegionTable([(r.base, r.nbytes) for r in md.regions], f"peer {md.name!r}")
         self.kinds = [r.kind for r in md.regions]
+
+    @property
+    def inflight(self) -> int:
+        """Transfers in flight with this peer (counted by the shim)."""
+        return int(self.ep_state.inflight)
 
     @property
     def healthy(self) -> bool:

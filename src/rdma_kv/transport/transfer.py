@@ -1,12 +1,11 @@
-"""Transfer handles: one posted batch of READ or WRITE operations.
+"""Transfer handles: one posted batch of READ, WRITE or FLUSH operations.
 
-The handle owns the C batch record that UCX completion callbacks write into;
-the agent's completions (progress.py) keep it alive until UCX is done with
-it, whatever the caller does. State moves IN_PROGRESS -> DONE | FAILED
-exactly once, under the agent's lock, by the completions; waiters are woken
-through a ``threading.Event`` and asyncio futures through
-``call_soon_threadsafe``. A handle reaches its completions only through
-``Completer``.
+A ``Transfer`` is the Python half of one slot of the agent's slab of C
+batch records (``rk_batch_t``, csrc/shim.h): the slot is where UCX's
+completion callbacks count, the handle is what the caller holds. State
+moves IN_PROGRESS -> DONE | FAILED exactly once, under the agent's lock,
+through ``_settle``, which only the agent's in-flight table calls
+(inflight.py). A handle reaches progress only through its ``Owner``.
 
 May import: rdma_kv.errors.
 """
@@ -15,16 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import threading
 import time
 from collections.abc import Callable, Generator
 from typing import Any, Protocol
 
 from rdma_kv.errors import TransferError, TransferTimeoutError
 
+Callback = Callable[["Transfer"], None]
 
-class Completer(Protocol):
-    """What a ``Transfer`` needs of the completions that resolve it."""
+
+class Owner(Protocol):
+    """What a ``Transfer`` needs of the agent's progress (progress.py)."""
 
     @property
     def manual_progress(self) -> bool:
@@ -34,15 +34,14 @@ class Completer(Protocol):
     def poll(self) -> None:
         """Progress once unless a service thread does."""
 
-    def progress_once(self, block_s: float | None) -> None:
+    def progress_once(self, block_s: float) -> None:
         """Polling mode: progress, or sleep briefly (at most ``block_s``) when idle."""
 
-    def completion_event(self, xfer: Transfer) -> threading.Event:
-        """The event set when ``xfer`` resolves (set already if it has)."""
-        ...
+    def block(self, xfer: Transfer, block_s: float) -> None:
+        """Pumped mode: return once ``xfer`` settled or ``block_s`` passed."""
 
-    def add_done_callback(self, xfer: Transfer, fn: Callable[[Transfer], None]) -> bool:
-        """Queue ``fn`` for ``xfer``'s resolution; False if it has resolved already."""
+    def add_done_callback(self, xfer: Transfer, fn: Callback) -> bool:
+        """Queue ``fn`` for ``xfer``'s settlement; False if it has settled already."""
         ...
 
 
@@ -58,65 +57,78 @@ class XferState(enum.Enum):
     FAILED = "failed"
 
 
+_IN_PROGRESS, _DONE, _FAILED = XferState.IN_PROGRESS, XferState.DONE, XferState.FAILED
+
+
 class Transfer:
     """A batch in flight. Poll ``state`` / ``done()``, block on ``wait()``, or
-    ``await`` it. After failure ``error`` holds the exception ``wait`` raises."""
+    ``await`` it. After failure ``error`` holds the exception ``wait`` raises.
 
-    # Defaults as class attributes: a transfer is made per request on the
-    # engine's hot path (often with caches cold), so __init__ stores only
-    # what differs per transfer.
-    ops_posted = 0
-    post_s = 0.0
+    ``started`` and ``finished`` are ``time.perf_counter()`` seconds (the
+    shim reads that clock at the call); ``post_s`` is the C post loop's
+    time; ``worker_ops`` the operations on each worker (own first) of a
+    transfer striped over lanes, else None, and ``worker`` the worker that
+    carried a transfer whole, else None."""
+
+    # Made per request on the engine's hot path, often with caches cold: the
+    # constructor stores seven references (the shim's record of the post as
+    # it came, ``_rec``), every other field is a class default until it
+    # changes, and what is derived is computed when asked for.
+    state = XferState.IN_PROGRESS
     finished: float | None = None
     error: TransferError | None = None
-    _event: threading.Event | None = None  # made by the first blocking wait()
-    _peer_ref: Any = None  # the Peer incarnation it was posted to
-    _expired = False
-    _keepalive: tuple[Any, ...] = ()  # buffers UCX may still read (notification)
-    # Operations posted on each worker (own first, then lanes) when striped
-    # over lanes (lanes.py), else None.
     worker_ops: tuple[int, ...] | None = None
+    _callbacks: list[Callback] | None = None
+    _expired = False
 
-    def __init__(
-        self,
-        completions: Completer,
-        xfer_id: int,
-        op: XferOp,
-        peer: str,
-        batch: Any,
-        keepalive: tuple[Any, ...],
-        nbytes: int,
-        num_descs: int,
-        deadline: float | None,
-    ) -> None:
-        self._completions = completions
-        self.id = xfer_id
+    def __init__(self, owner: Owner, slot: int, op: XferOp, peer: Any, num_descs: int, rec: list[int],
+                 notify: bytes | None) -> None:
+        self._owner = owner
+        self._slot = slot
         self.op = op
-        self.peer = peer
-        self._batch = batch
-        if keepalive:
-            self._keepalive = keepalive
-        self.nbytes = nbytes
+        self._peer = peer  # the Peer incarnation it was posted to
         self.num_descs = num_descs
-        self.started = time.perf_counter()
-        self.deadline = deadline
-        self.state = XferState.IN_PROGRESS
-        self._callbacks: list[Callable[[Transfer], None]] = []
+        self._rec = rec  # rk_submit's out[0:9]: id, bytes, ops, workers, worker, t0, post start, post end, ring
+        self._notify = notify  # UCX reads it when the batch completes
 
-    # -- completion (called by the completions, under the agent's lock) -----
+    @property
+    def id(self) -> int:
+        return self._rec[0]
 
-    def _resolve(self, error: TransferError | None) -> list[Callable[[Transfer], None]]:
-        if self.state is not XferState.IN_PROGRESS:
-            return []
-        self.finished = time.perf_counter()
+    @property
+    def peer(self) -> str:
+        name: str = self._peer.name
+        return name
+
+    @property
+    def nbytes(self) -> int:
+        return self._rec[1]
+
+    @property
+    def ops_posted(self) -> int:
+        return self._rec[2]
+
+    @property
+    def worker(self) -> int | None:
+        return self._rec[4] if self._rec[3] == 1 else None
+
+    @property
+    def started(self) -> float:
+        return self._rec[5] * 1e-9
+
+    @property
+    def post_s(self) -> float:
+        return (self._rec[7] - self._rec[6]) * 1e-9
+
+    # -- settlement (the in-flight table's, under the agent's lock) -------------
+
+    def _settle(self, error: TransferError | None, finished: float) -> list[Callback] | None:
+        """Move to DONE or FAILED once; returns the callbacks to run."""
+        self.finished = finished
         self.error = error
-        self.state = XferState.FAILED if error else XferState.DONE
-        self._batch = None
-        self._keepalive = ()
-        self._peer_ref = None
-        if self._event is not None:
-            self._event.set()
-        callbacks, self._callbacks = self._callbacks, []
+        self.state = _FAILED if error is not None else _DONE
+        self._notify = None
+        callbacks, self._callbacks = self._callbacks, None
         return callbacks
 
     # -- caller API -------------------------------------------------------------
@@ -134,39 +146,42 @@ class Transfer:
     def done(self) -> bool:
         """True once the transfer has completed or failed (drives progress in
         polling mode)."""
-        if self.state is XferState.IN_PROGRESS:
-            self._completions.poll()
-        return self.state is not XferState.IN_PROGRESS
+        if self.state is _IN_PROGRESS:
+            self._owner.poll()
+        return self.state is not _IN_PROGRESS
 
     def wait(self, timeout_s: float | None = None) -> Transfer:
         """Block until completion; raise ``error`` on failure and
         ``TransferTimeoutError`` if ``timeout_s`` passes first (the transfer
         itself goes on; its own deadline still applies)."""
         end = None if timeout_s is None else time.monotonic() + timeout_s
-        while self.state is XferState.IN_PROGRESS:
-            left = None if end is None else end - time.monotonic()
-            if left is not None and left <= 0:
+        owner = self._owner
+        while self.state is _IN_PROGRESS:
+            # Unbounded waits still return to Python every second: the
+            # transfer's own deadline settles it, and Ctrl-C gets through.
+            left = 1.0 if end is None else end - time.monotonic()
+            if left <= 0:
                 raise TransferTimeoutError(
                     f"{self.op.value} transfer {self.id} with {self.peer!r} not complete "
                     f"after waiting {timeout_s} s ({self.num_descs} descriptors, "
                     f"{self.nbytes} bytes)"
                 )
-            if self._completions.manual_progress:
-                self._completions.progress_once(left)
+            if owner.manual_progress:
+                owner.progress_once(left)
             else:
-                self._completions.completion_event(self).wait(left if left is None else min(left, 1.0))
+                owner.block(self, min(left, 1.0))
         if self.error is not None:
             raise self.error
         return self
 
-    def add_done_callback(self, fn: Callable[[Transfer], None]) -> None:
+    def add_done_callback(self, fn: Callback) -> None:
         """Call ``fn(self)`` on completion (from the progress thread), or now."""
-        if not self._completions.add_done_callback(self, fn):
+        if not self._owner.add_done_callback(self, fn):
             fn(self)
 
     def __await__(self) -> Generator[Any, None, Transfer]:
         loop = asyncio.get_running_loop()
-        if self._completions.manual_progress:
+        if self._owner.manual_progress:
             while not self.done():
                 yield from asyncio.sleep(0).__await__()
         else:

@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from rdma_kv.transport.descriptors import DescList
+from rdma_kv.transport.descriptors import DescList, PreparedList
 
-__all__ = ["DescList", "TransferHandle", "Transport", "TransportFactory"]
+__all__ = ["DescList", "PreparedList", "TransferHandle", "Transport", "TransportFactory"]
 
 
 @runtime_checkable
@@ -31,10 +31,17 @@ class TransferHandle(Protocol):
     @property
     def error(self) -> BaseException | None:
         """The failure once the transfer failed; None while running or after success."""
-    ops_posted: int
-    num_descs: int
-    nbytes: int
-    post_s: float
+    @property
+    def ops_posted(self) -> int: ...
+
+    @property
+    def num_descs(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def post_s(self) -> float: ...
 
     @property
     def elapsed_s(self) -> float: ...
@@ -62,16 +69,16 @@ class Transport(Protocol):
 
     def remove_peer(self, name: str) -> None: ...
 
-    def prep_local(self, descs: DescList) -> Any:
+    def prep_local(self, descs: DescList) -> PreparedList:
         """Check local descriptors once; reads then address them by index."""
 
-    def prep_remote(self, peer: str, descs: DescList) -> Any: ...
+    def prep_remote(self, peer: str, descs: DescList) -> PreparedList: ...
 
     def read_prepared(
         self,
-        local: Any,
+        local: PreparedList,
         local_index: Any,
-        remote: Any,
+        remote: PreparedList,
         remote_index: Any,
         *,
         notify: bytes | None = None,

@@ -1,9 +1,10 @@
 /* rdma-kv pumps: C threads that progress a UCX worker without the Python
  * interpreter lock (an agent's own worker in progress="thread" mode, and
- * every lane's), and what a poster does to them: steer (keep a lane off the
- * poster's CPU), kick (wake it early) and hold (keep it off its worker
- * while its part is posted). Declarations: shim.h (public), pump.h (for
- * shim.c). */
+ * every lane's); what a poster does to them: kick (hold it off its worker
+ * while its part is posted, steer it off the poster's CPU where the agent
+ * asked for that, wake it early); and what a blocked waiter does: help
+ * (progress a worker whose pump is not running) and sleep on its slot.
+ * Uses core.c. Declarations: shim.h (public), core.h (for post.c). */
 
 #define _GNU_SOURCE /* pthread_setname_np, sched_getcpu, CPU_* */
 #include <errno.h>
@@ -12,11 +13,12 @@
 #include <sched.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
-#include <time.h>
 #include <unistd.h>
 #include <ucp/api/ucp.h>
 #include "shim.h"
-#include "pump.h"
+#include "core.h"
+
+enum { RK_AWAIT_NAP_NS = 1000000 }; /* a blocked waiter looks for work to help with at least this often */
 
 struct rk_pump {
     ucp_worker_h worker;
@@ -30,7 +32,8 @@ struct rk_pump {
     pid_t tid;      /* set by the thread itself once running (0 before) */
     int steered_from; /* the poster CPU it was last kept off, or -1 (posters
                        * touch it under their agent's lock) */
-    cpu_set_t allowed; /* the CPUs the agent's creator could run on */
+    int steer;        /* the agent asked for steering, to the CPUs of allowed */
+    cpu_set_t allowed;
     int hold;       /* > 0: a poster is posting on the worker, or a poller
                      * progresses it (rk_pump_help); keep off it */
     int busy;       /* 1 while the pump's thread is in ucp_worker_progress */
@@ -43,20 +46,19 @@ struct rk_pump {
     pthread_cond_t cond;
 };
 
-/* Keep a lane's pump off the CPU the poster runs on. A lane only adds
- * bandwidth on another core, but the scheduler may wake a thread on its
- * waker's CPU (it skips the idle-CPU search when the cache domain looks
- * busy) and then let it preempt the waker: the poster's and the lane's
- * parts are then copied one after the other on one core. So before it is
- * signalled the pump's affinity becomes the creator's CPU set minus the
- * poster's current CPU; a syscall only when the poster has moved. */
+/* Keep a pump off the CPU the poster runs on (the agent decides which
+ * pumps, and to which CPUs: a lane only adds bandwidth on another core,
+ * but the scheduler may wake a thread on its waker's CPU and then let it
+ * preempt the waker, so that both parts are copied one after the other on
+ * one core). Its affinity becomes the allowed set minus the poster's
+ * current CPU; a syscall only when the poster has moved. */
 static void rk_pump_steer(rk_pump_t *pump)
 {
     int cpu = sched_getcpu();
     pid_t tid = __atomic_load_n(&pump->tid, __ATOMIC_ACQUIRE);
     cpu_set_t set;
 
-    if (cpu < 0 || cpu >= CPU_SETSIZE || tid == 0 || cpu == pump->steered_from) {
+    if (!pump->steer || cpu < 0 || cpu >= CPU_SETSIZE || tid == 0 || cpu == pump->steered_from) {
         return;
     }
     set = pump->allowed;
@@ -85,26 +87,10 @@ uint64_t rk_pump_help(rk_pump_t *pump, uint64_t max_rounds)
 
 void rk_pump_kick(rk_pump_t *pump)
 {
+    rk_pump_hold(pump, 1);
     rk_pump_steer(pump);
     __atomic_fetch_add(&pump->kicks, 1, __ATOMIC_RELEASE);
-    ucp_worker_signal(pump->worker);
-}
-
-static uint64_t rk_now_ns(void)
-{
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-/* A number that changes whenever the context has something to settle:
- * the three counters only grow. */
-static uint64_t rk_ctx_stamp(rk_ctx_t *ctx)
-{
-    return rk_done_head(ctx) +
-           __atomic_load_n(&ctx->notif_head, __ATOMIC_ACQUIRE) +
-           __atomic_load_n(&ctx->ep_errors, __ATOMIC_ACQUIRE);
+    (void)ucp_worker_signal(pump->worker);
 }
 
 static void rk_pump_wake(rk_pump_t *pump)
@@ -112,7 +98,7 @@ static void rk_pump_wake(rk_pump_t *pump)
     uint64_t one = 1;
 
     if (pump->wake_worker != NULL) {
-        ucp_worker_signal(pump->wake_worker);
+        (void)ucp_worker_signal(pump->wake_worker);
     }
     /* EAGAIN (counter saturated) is fine: the reader is due to wake. */
     if (pump->wake_fd >= 0 && write(pump->wake_fd, &one, sizeof(one)) < 0) {
@@ -206,11 +192,12 @@ static void rk_pump_free(rk_pump_t *pump)
 }
 
 rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
-                         ucp_worker_h wake_worker, int wake_fd,
-                         uint64_t spin_ns, rk_cu_set_ctx_t set_ctx,
-                         void *cu_ctx, int *cu_status)
+                         ucp_worker_h wake_worker, int wake_fd, uint64_t spin_ns,
+                         const uint64_t *steer_cpus, uint32_t steer_words,
+                         rk_cu_set_ctx_t set_ctx, void *cu_ctx, int *cu_status)
 {
     rk_pump_t *pump = calloc(1, sizeof(*pump));
+    uint32_t cpu;
 
     *cu_status = 0;
     if (pump == NULL) {
@@ -227,8 +214,12 @@ rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
     pump->cu_ctx = cu_ctx;
     pthread_mutex_init(&pump->lock, NULL);
     pthread_cond_init(&pump->cond, NULL);
-    if (sched_getaffinity(0, sizeof(pump->allowed), &pump->allowed) != 0) {
-        CPU_ZERO(&pump->allowed); /* unknown: never steer */
+    pump->steer = steer_cpus != NULL;
+    CPU_ZERO(&pump->allowed);
+    for (cpu = 0; pump->steer && cpu < 64 * steer_words && cpu < CPU_SETSIZE; ++cpu) {
+        if ((steer_cpus[cpu / 64] >> (cpu % 64)) & 1) {
+            CPU_SET(cpu, &pump->allowed);
+        }
     }
     if (pthread_create(&pump->thread, NULL, rk_pump_main, pump) != 0) {
         rk_pump_free(pump);
@@ -255,7 +246,7 @@ void rk_pump_stop(rk_pump_t *pump)
         return;
     }
     __atomic_store_n(&pump->stop, 1, __ATOMIC_RELEASE);
-    ucp_worker_signal(pump->worker);
+    (void)ucp_worker_signal(pump->worker);
     pthread_join(pump->thread, NULL);
     rk_pump_free(pump);
 }
@@ -263,4 +254,37 @@ void rk_pump_stop(rk_pump_t *pump)
 int rk_pump_tid(const rk_pump_t *pump)
 {
     return (int)__atomic_load_n(&pump->tid, __ATOMIC_ACQUIRE);
+}
+
+int rk_await(rk_ctx_t *ctx, uint32_t slot, uint64_t id, rk_pump_t *const *help, uint32_t nhelp,
+             uint64_t spin_ns, uint64_t timeout_ns)
+{
+    rk_batch_t *b = &ctx->slots[slot];
+    uint32_t expect = (uint32_t)(id << 1), i;
+    uint64_t start = rk_now_ns(), now = start, last = start, events, nap;
+
+    while (__atomic_load_n(&b->state, __ATOMIC_ACQUIRE) == expect) {
+        if (now - start >= timeout_ns || __atomic_load_n(&ctx->closing, __ATOMIC_ACQUIRE)) {
+            return 0;
+        }
+        /* Do the work of any pump that is not running (asleep, or runnable
+         * but not given a CPU: on a busy host each of a pump's wake-ups can
+         * wait a time slice) rather than wait for it. */
+        for (i = 0, events = 0; i < nhelp; ++i) {
+            events += rk_pump_help(help[i], 64);
+        }
+        if (events > 0) {
+            last = now;
+        } else if (now - last < spin_ns) {
+            rk_cpu_relax();
+        } else {
+            /* Nothing to help with for spin_ns: the rest is the pumps' (busy)
+             * or in flight. Sleep on the slot, woken by its completion, and
+             * look again within RK_AWAIT_NAP_NS. */
+            nap = timeout_ns - (now - start);
+            rk_slot_sleep(b, expect, nap < RK_AWAIT_NAP_NS ? nap : RK_AWAIT_NAP_NS);
+        }
+        now = rk_now_ns();
+    }
+    return 1;
 }

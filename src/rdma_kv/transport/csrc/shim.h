@@ -5,22 +5,76 @@
  * lines, no includes, no macros.
  *
  * Ownership: every struct below is allocated and owned by the caller
- * (Python, through ffi.new); the shim only writes into it. A batch must stay
- * alive until its `done` flag is set, because UCX completion callbacks
- * write into it.
+ * (Python, through ffi.new); the shim only writes into it. The slab of
+ * batch records must outlive every operation posted from it, because UCX
+ * completion callbacks write into it.
+ *
+ * Units: core.c (the context, completion, the rings, progress), post.c
+ * (the one submit path and its post loop), pump.c (progress threads and
+ * the blocking wait). Policy -- which worker, how many parts, whether a
+ * pump is steered, which pumps a waiter helps -- is the caller's, passed
+ * in through the route and the calls below.
  */
 
+struct rk_ctx;
+
+typedef struct rk_ep_state {
+    int32_t status;          /* set by the endpoint error callback */
+    int32_t failed;
+    struct rk_ctx *ctx;      /* its agent's: the callback counts ep_errors */
+    uint64_t inflight;       /* transfers in flight with the peer (own worker's state only; under the agent's lock) */
+} rk_ep_state_t;
+
+/* One transfer in flight: a slot of the agent's slab. */
+typedef struct rk_batch {
+    uint64_t id;             /* the transfer's id (never 0 while in use) */
+    struct rk_ctx *ctx;
+    ucp_ep_h notif_ep;       /* the peer's endpoint on the agent's own worker */
+    rk_ep_state_t *peer;     /* the peer's state there: counts its transfers */
+    int64_t pending;         /* operations not completed (+1 while posting); atomic */
+    uint64_t posted;         /* operations handed to UCX */
+    uint64_t deadline_ns;    /* CLOCK_MONOTONIC; 0 once settled or abandoned */
+    int32_t status;          /* first failure, UCS_OK if none */
+    uint32_t state;          /* futex word: (uint32_t)(id << 1), | 1 once complete */
+    uint32_t waiters;        /* threads asleep on state (rk_await) */
+    int32_t abandoned;       /* failed by the agent before UCX completed it */
+    int32_t has_notif;
+    int32_t notif_sent;
+    const void *notif_data;  /* the caller keeps it alive until the slot is drained */
+    uint64_t notif_len;
+} rk_batch_t;
+
 typedef struct rk_ctx {
-    /* Completion ring: ids of finished batches, written by the shim. The
-     * caller keeps at most done_cap batches in flight, so it never
-     * overflows. Completions may be pushed by two threads at once (the
-     * poster, for work done in place, and a pump): a producer claims a slot
-     * by done_claim, then publishes in claim order through done_head
-     * (release store; read it with rk_done_head). */
-    uint64_t *done_ring;
+    /* The slab and its free slots (a stack). Under the agent's lock. */
+    rk_batch_t *slots;
+    uint32_t *free_slots;
+    uint32_t nslots;
+    uint32_t nfree;
+    uint64_t next_id;
+    uint64_t live;              /* transfers in flight, neither drained nor abandoned */
+    uint64_t next_deadline_ns;  /* no live transfer's deadline is earlier */
+    uint64_t timeout_ns;        /* a transfer's deadline when the caller gives none */
+    uint32_t cursor;            /* the worker the next spread request goes to */
+    int32_t closing;            /* set by rk_wake_waiters: rk_await returns at once */
+    /* Notifications: an active message am_id, the agent's name as header. */
+    uint32_t am_id;
+    const char *name;
+    uint64_t name_len;
+    uint64_t notif_max;
+    /* Totals (the agent's stats). */
+    uint64_t transfers;
+    uint64_t ops_posted;
+    uint64_t descs;
+    uint64_t bytes;
+    /* Completion ring: slots of finished batches. Producers (the poster, for
+     * work done in place, and pumps) claim a slot by done_claim, then
+     * publish in claim order through done_head (release store). done_cap >=
+     * nslots, so it never overflows. The agent drains it (rk_drain). */
+    uint32_t *done_ring;
     uint64_t done_cap;
     uint64_t done_head;
     uint64_t done_claim;
+    uint64_t done_tail;
     /* Notification ring: fixed-size slots; slot layout is
      * [uint32 header_len][uint32 data_len][header][data]. */
     uint8_t *notif_slots;
@@ -30,44 +84,34 @@ typedef struct rk_ctx {
     uint64_t notif_tail;
     uint64_t notif_dropped_full;
     uint64_t notif_dropped_rndv;
-    uint64_t ep_errors;     /* endpoint error callbacks so far (atomic) */
+    uint64_t ep_errors;         /* endpoint error callbacks so far (atomic) */
 } rk_ctx_t;
 
-typedef struct rk_batch {
-    uint64_t id;
-    rk_ctx_t *ctx;
-    ucp_ep_h ep;
-    /* Operations not completed yet (+1 while posting). Atomic: on a pumped
-     * worker completions run on the pump's thread while the poster posts. */
-    int64_t pending;
-    uint64_t posted;        /* operations handed to UCX */
-    int32_t status;         /* first failure, UCS_OK if none */
-    int32_t done;           /* 1 once every operation (and notification) completed */
-    int32_t has_notif;      /* send an AM notification once the batch completed */
-    int32_t notif_sent;
-    uint32_t am_id;
-    const void *notif_header;
-    uint64_t notif_header_len;
-    const void *notif_data;
-    uint64_t notif_data_len;
-} rk_batch_t;
-
-typedef struct rk_ep_state {
-    int32_t status;          /* set by the endpoint error callback */
-    int32_t failed;
-    rk_ctx_t *ctx;           /* its agent's: the callback counts ep_errors */
-} rk_ep_state_t;
+/* Make the slab of nslots records and its free stack (both caller-owned,
+ * zeroed) usable; the completion ring must hold at least nslots. */
+void rk_ctx_init(rk_ctx_t *ctx, rk_batch_t *slots, uint32_t *free_slots, uint32_t nslots,
+                 uint32_t *done_ring, uint64_t done_cap);
 
 enum {
     RK_OP_GET = 0,
-    RK_OP_PUT = 1
+    RK_OP_PUT = 1,
+    RK_OP_FLUSH = 2
 };
 
-/* Index arrays (lidx, ridx) are int64, or int32 where idx32 has the bit:
- * int32 block tables (NIXL's, many engines') are read as they are. */
+/* rk_submit's flags. */
 enum {
-    RK_IDX_L32 = 1,
-    RK_IDX_R32 = 2
+    RK_IDX_L32 = 1,     /* the local index array is int32 (else int64) */
+    RK_IDX_R32 = 2,     /* the remote index array is int32 */
+    RK_LIST = 4,        /* explicit descriptors: addresses and lengths, located by region */
+    RK_NOTIFY = 8       /* send the notification once every operation completed */
+};
+
+enum {
+    RK_SUBMIT_STALE = -1,        /* the route must be rebuilt */
+    RK_SUBMIT_PEER_FAILED = -2,  /* an endpoint of the peer failed */
+    RK_SUBMIT_BAD_PAIR = -3,     /* out[0]: the first pair that failed its check */
+    RK_SUBMIT_FULL = -4,         /* no free slot: nslots transfers in flight */
+    RK_SUBMIT_NOTIF_SIZE = -5    /* the notification is longer than notif_max */
 };
 
 void rk_ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t status);
@@ -75,127 +119,94 @@ void rk_ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t status);
 /* A C thread progressing one worker; see rk_pump_start below. */
 typedef struct rk_pump rk_pump_t;
 
-/* Check a transfer by index before anything is posted: every lidx[i] in
- * [0, nl), every ridx[i] in [0, nr) and, when llen_tab and rlen_tab are
- * given (lengths not uniform), llen_tab[lidx[i]] == rlen_tab[ridx[i]].
- * *nbytes receives the sum of the paired lengths (0 when llen_tab is NULL:
- * the caller multiplies). Returns n when every pair passes, else the
- * position of the first pair that does not. */
-uint64_t rk_check_indexed(uint64_t n, const void *lidx, const void *ridx, uint32_t idx32,
-                          uint64_t nl, uint64_t nr, const uint64_t *llen_tab,
-                          const uint64_t *rlen_tab, uint64_t *nbytes);
+/* One side of a route. A prepared list (addressed by index): addr, len and
+ * reg (NULL: region 0 for all) of its n descriptors. Explicit descriptors
+ * (RK_LIST): the side's regions sorted by base, [base, end) and their
+ * index (order), where each descriptor is looked up. */
+typedef struct rk_side {
+    const uint64_t *addr;
+    const uint64_t *len;
+    const uint32_t *reg;
+    uint64_t n;
+    const uint64_t *base;
+    const uint64_t *end;
+    const uint32_t *order;
+    uint64_t nregions;
+} rk_side_t;
 
-/* The workers one transfer may be striped over (lanes.py): index w = 0 is
- * the poster's own worker, 1.. its lanes. eps[w] is the endpoint to the
- * peer on worker w, rkeys[w] the peer's remote keys unpacked on it,
- * pumps[w] the pump progressing worker w (NULL: none). */
-typedef struct rk_stripe {
+/* A route: everything a transfer to one peer needs, gathered once by the
+ * agent so that a request is one C call. Worker w = 0 is the agent's own,
+ * 1.. its lanes: eps[w], rkeys[w], workers[w], pumps[w] (NULL: none) and
+ * ep_states[w] are the peer's endpoint, remote keys and endpoint state on
+ * worker w. Valid while *epoch == built_at: the agent moves its epoch when
+ * a peer is added, replaced, failed or removed and when its regions
+ * change. lane_min_bytes and spread are the agent's policy: a transfer of
+ * at least two lane_min_bytes parts is striped over that many workers;
+ * with spread, a smaller one goes whole to the next worker in turn. */
+typedef struct rk_route {
+    rk_ctx_t *ctx;
+    uint32_t nworkers;
     ucp_ep_h const *eps;
     ucp_rkey_h const *const *rkeys;
     ucp_worker_h const *workers;
     rk_pump_t *const *pumps;
-} rk_stripe_t;
-
-/* The post loop, the only one: every batch of operations is posted here
- * (rk_submit calls it for prepared lists, the agent for explicit lists,
- * with identity indices over the lists as tables). Descriptor i is local
- * slot lidx[i] (address laddr_tab[], length len_tab[], region lreg_tab[]
- * or 0 when NULL) paired with remote slot ridx[i] (raddr_tab[], rreg_tab[]
- * or 0 when NULL); runs contiguous on both sides within the same regions
- * merge into one operation, and everything is gathered, merged and posted
- * in one pass. The caller has checked the pairs (rk_check_indexed) and
- * decided nparts (rk_stripe_parts); memhs may be NULL.
- *
- * nparts <= 1: posted on batch->ep with rkeys (stripe unused, may be
- * NULL); with flush set, an endpoint flush follows the operations and is
- * counted as one (for PUT + notification: remote completion before
- * notifying).
- *
- * nparts > 1: striped over the first nparts workers of stripe (rkeys
- * unused): the byte stream of the pairs (nbytes in all) is cut into nparts
- * parts of about equal bytes at 4 KiB boundaries (a descriptor may be
- * cut), each posted on its worker -- the lanes' first (each lane's pump
- * held off its worker and kicked before anything is posted, released once
- * its part is posted; a lane without a pump is signalled then), the own
- * worker's last. One batch:
- * it completes when every operation on every worker has (the count is
- * atomic; the pumps complete operations on their threads). With flush
- * set, an endpoint flush is posted on every worker's endpoint that carried
- * a part (counted as an operation each, not in worker_ops). A notification
- * in the batch record is sent on batch->ep (worker 0's endpoint) once
- * every operation, flushes included, completed; the last may complete on
- * a lane's pump, so worker 0 must then be UCS_THREAD_MODE_MULTI.
- *
- * worker_ops[w] receives the operations posted on worker w (NULL allowed
- * when nparts <= 1). Returns the number of operations posted (flushes
- * not counted); stops at the first error (batch->status). */
-uint64_t rk_post_indexed(rk_batch_t *batch, int op, uint64_t n,
-                         const void *lidx, const void *ridx, uint32_t idx32,
-                         const uint64_t *laddr_tab, const uint64_t *raddr_tab,
-                         const uint64_t *len_tab, const uint32_t *lreg_tab,
-                         const uint32_t *rreg_tab, ucp_mem_h const *memhs,
-                         ucp_rkey_h const *rkeys, const rk_stripe_t *stripe,
-                         uint32_t nparts, uint64_t nbytes, uint64_t *worker_ops,
-                         int flush);
-
-/* A route: what a prepared transfer between one local and one remote list
- * needs, gathered once by the agent (prepared.py) so that a request is one
- * C call. Valid while *epoch == built_at: the agent moves its epoch when a
- * peer is added, replaced, failed or removed and when its own regions
- * change. ep_states[w] is the peer's endpoint state on worker w (0: the
- * agent's, 1..: its lanes'), checked per request because UCX fails an
- * endpoint asynchronously. */
-typedef struct rk_route {
-    const uint64_t *laddr;
-    const uint64_t *llen;
-    const uint32_t *lreg;
-    uint64_t nl;
-    const uint64_t *raddr;
-    const uint64_t *rlen;
-    const uint32_t *rreg;
-    uint64_t nr;
-    uint64_t uniform;            /* the one length of both lists, 0: not uniform */
-    ucp_mem_h const *memhs;      /* NULL: none */
-    rk_ctx_t *ctx;               /* the agent's */
-    ucp_ep_h ep;                 /* the peer's endpoint on the agent's worker */
-    ucp_rkey_h const *rkeys;     /* the peer's remote keys, unpacked on it */
-    const rk_stripe_t *stripe;   /* NULL: no lanes */
-    uint32_t nworkers;           /* 1 + lanes */
-    uint64_t lane_min_bytes;     /* a striped part is at least this large */
     rk_ep_state_t *const *ep_states;
+    ucp_mem_h const *memhs;      /* NULL: none */
     const uint64_t *epoch;
     uint64_t built_at;
+    uint64_t lane_min_bytes;
+    uint32_t spread;
+    uint64_t uniform;            /* the one length of both prepared lists, 0: not uniform */
+    rk_side_t local;
+    rk_side_t remote;
 } rk_route_t;
 
-enum {
-    RK_SUBMIT_STALE = -1,        /* the route must be rebuilt */
-    RK_SUBMIT_PEER_FAILED = -2,  /* an endpoint of the peer failed */
-    RK_SUBMIT_BAD_PAIR = -3      /* out[0]: the first pair that failed the check */
-};
+/* One request, the only way anything is posted: check it, take a slot
+ * (id, deadline = now + timeout_ns or ctx->timeout_ns when 0, the
+ * notification of notif_len bytes with RK_NOTIFY), choose its workers and
+ * post it -- gathered, merged (runs contiguous on both sides in the same
+ * regions become one operation) and posted in one pass.
+ *
+ * By index (flags without RK_LIST): pair i is local slot l[i] with remote
+ * slot r[i] of the route's prepared lists (int64, or int32 per RK_IDX_*);
+ * llen and rlen unused. Explicit (RK_LIST): l, r are uint64 addresses,
+ * llen, rlen their lengths, located in the route's regions.
+ *
+ * Workers: below two parts of lane_min_bytes the whole request goes to
+ * one worker (the next in turn with spread, else the own); otherwise its
+ * byte stream is cut into parts of about equal bytes at 4 KiB boundaries
+ * (a descriptor may be cut), the lanes' parts posted first, each lane's
+ * pump held off its worker and kicked before, released after. A WRITE
+ * with RK_NOTIFY, and RK_OP_FLUSH (n = 0, every worker), add an endpoint
+ * flush per endpoint used, counted as operations. Completion of the last
+ * operation (on any thread) sends the notification on the own worker's
+ * endpoint, then publishes the slot on the completion ring.
+ *
+ * Returns the slot (>= 0), or a negative RK_SUBMIT_* with nothing posted.
+ * out[0] the id, [1] the bytes, [2] the operations, [3] the workers used,
+ * [4] the worker of a whole request, [5] the clock at the call, [6] and
+ * [7] before and after the post loop (ns), [8] 1 if anything is on the
+ * completion ring, [9 + w] the operations on worker w. */
+int64_t rk_submit(const rk_route_t *route, int op, uint64_t n, const void *l, const void *r,
+                  const void *llen, const void *rlen, uint32_t flags,
+                  const char *notif, uint64_t notif_len, uint64_t timeout_ns, uint64_t *out);
 
-/* How many workers carry a transfer of nbytes: nbytes / lane_min_bytes,
- * at most nworkers; 1 (not striped) below two parts. */
-uint32_t rk_stripe_parts(uint64_t nbytes, uint32_t nworkers, uint64_t lane_min_bytes);
+/* Move up to max finished slots off the completion ring and free them;
+ * out[i] = slot | (uint32_t)status << 32. Under the agent's lock. */
+uint64_t rk_drain(rk_ctx_t *ctx, uint64_t *out, uint64_t max);
 
-/* One prepared request on a route, in a batch record whose id, ctx and ep
- * are set here once the route is found current (the rest zeroed, or a
- * notification filled in by the caller): check every index pair (as
- * rk_check_indexed), then post it with rk_post_indexed over
- * rk_stripe_parts workers (the agent's own alone, or striped over the
- * lanes), with the endpoint flushes of `flush` (a WRITE that notifies). Returns the operations posted, or a negative RK_SUBMIT_* with
- * nothing posted. out[0] receives the bytes, out[1] the workers used,
- * out[2 + w] the operations on worker w. */
-int64_t rk_submit(const rk_route_t *route, rk_batch_t *batch, uint64_t id, int op, uint64_t n,
-                  const void *lidx, const void *ridx, uint32_t idx32, int flush,
-                  uint64_t *out);
+/* Slots whose deadline has passed (at most max into out), once now_ns
+ * reaches the earliest deadline; 0 otherwise. Under the agent's lock. */
+uint64_t rk_expired(rk_ctx_t *ctx, uint64_t now_ns, uint32_t *out, uint64_t max);
+
+/* The agent failed the slot's transfer before UCX completed it: it stops
+ * counting as live, its waiters wake; the slot is freed once UCX hands it
+ * back through the ring. Under the agent's lock. */
+void rk_abandon(rk_ctx_t *ctx, uint32_t slot);
 
 /* Call ucp_worker_progress until it reports no event or max_rounds calls
  * were made. Returns the number of events progressed. */
 uint64_t rk_progress(ucp_worker_h worker, uint64_t max_rounds);
-
-/* done_head with acquire ordering: every ring slot below it, and the
- * batch records they name, are fully written. */
-uint64_t rk_done_head(rk_ctx_t *ctx);
 
 /* cuCtxSetCurrent's shape: CUresult (*)(CUcontext). The agent hands in
  * libcuda's function (found with dlsym at run time), so the shim has no
@@ -212,36 +223,48 @@ typedef int (*rk_cu_set_ctx_t)(void *ctx);
  * endpoint error), it wakes whoever settles it: ucp_worker_signal(wake_worker)
  * when not NULL (a polling owner sleeps on its worker's fd), and an 8-byte
  * write to wake_fd when >= 0 (an eventfd a Python thread sleeps on).
+ * steer_cpus (NULL: never steer) is a CPU mask of steer_words words: when
+ * kicked, the pump's thread is bound to those CPUs minus the kicker's.
  * With set_ctx not NULL the thread first calls set_ctx(cu_ctx), making the
  * creator's CUDA context current (UCX's CUDA transports call the driver
  * during progress); rk_pump_start returns once it has. NULL if the thread
  * cannot start or set_ctx failed (its result in *cu_status, else 0). */
 rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
-                         ucp_worker_h wake_worker, int wake_fd,
-                         uint64_t spin_ns, rk_cu_set_ctx_t set_ctx,
-                         void *cu_ctx, int *cu_status);
+                         ucp_worker_h wake_worker, int wake_fd, uint64_t spin_ns,
+                         const uint64_t *steer_cpus, uint32_t steer_words,
+                         rk_cu_set_ctx_t set_ctx, void *cu_ctx, int *cu_status);
 
 /* Stop the pump's thread, join it and free the pump (bounded by one
  * progress call plus its wake-up). */
 void rk_pump_stop(rk_pump_t *pump);
 
 /* Add delta (+1 / -1) to the pump's hold count: while it is above zero the
- * pump does not progress its worker (a striped post holds each lane it
- * posts on; tests hold a pump to stand for one that is never scheduled). */
+ * pump does not progress its worker (a post holds each worker it posts on;
+ * tests hold a pump to stand for one that is never scheduled). */
 void rk_pump_hold(rk_pump_t *pump, int delta);
 
 /* Progress the pump's worker on the calling thread (at most max_rounds
  * rounds, as rk_progress) if the pump is not progressing it right now;
  * returns the events handled, 0 if the pump was. While the caller helps,
- * the pump keeps off the worker (as while a poster holds it). A poller
- * whose own worker is idle calls it: a lane's part then moves on the
- * poller's CPU instead of waiting for the pump's thread to be woken and
- * scheduled. */
+ * the pump keeps off the worker. */
 uint64_t rk_pump_help(rk_pump_t *pump, uint64_t max_rounds);
 
 /* The pump thread's kernel thread id (/proc/self/task/<tid>); set before
  * rk_pump_start returns. */
 int rk_pump_tid(const rk_pump_t *pump);
+
+/* Block until the transfer `id` in `slot` completed or was abandoned (1),
+ * or timeout_ns passed (0). Meanwhile it progresses each of the nhelp
+ * pumps' workers that its pump is not progressing (rk_pump_help); once
+ * spin_ns pass with nothing to help with, it sleeps on the slot (woken by
+ * the completion), looking again every millisecond. Call without the
+ * agent's lock. */
+int rk_await(rk_ctx_t *ctx, uint32_t slot, uint64_t id, rk_pump_t *const *help, uint32_t nhelp,
+             uint64_t spin_ns, uint64_t timeout_ns);
+
+/* The agent is closing: every rk_await returns (now, or at its next
+ * look) and helps no pump from here on. */
+void rk_wake_waiters(rk_ctx_t *ctx);
 
 /* Install the notification receive handler for am_id on the worker. */
 ucs_status_t rk_set_notif_handler(ucp_worker_h worker, uint32_t am_id,
