@@ -116,9 +116,9 @@ def cma_target(chan: Channel, start: dict[str, Any]) -> None:
 
     allow_ptrace_from_any()
     buf = page_aligned_buffer(start["pool_blocks"] * start["block_nbytes"])
-    filler = harness.PatternFiller(buf, start["seed"] + start["index"])
+    filler = runner.PatternFiller(buf, start["seed"] + start["index"])
     chan.send({"type": "ready", "address": buf.ctypes.data, "pid": os.getpid()})
-    harness.serve_target(chan, filler.fill, lambda: None)
+    runner.serve_target(chan, filler.fill, lambda: None)
 
 
 def cma_reader(chan: Channel, start: dict[str, Any]) -> None:
