@@ -27,15 +27,28 @@ def test_256_concurrent_requests_bit_exact(rng):
             d.add(rid, prompt, params[rid])
         results = d.wait_results(prompts, timeout_s=120)
         kinds = [check_loaded(rid, r) for rid, r in results.items()]
-        assert kinds.count("verified") == 256, "a load failed with no fault injected"
+        failed = sorted((rid for rid, kind in zip(results, kinds) if kind != "verified"), key=lambda r: int(r[1:]))
+        assert not failed, (f"{len(failed)} loads failed with no fault injected ({failed[:8]}...); how the "
+                            f"producer's leases ended: {lease_totals(p)}; the decode's: {lease_totals(d)}")
         p.wait_status(idle(), timeout_s=15)
         d.wait_status(idle(), timeout_s=15)
 
 # No fault is injected here: these tests check bit-exactness and leaks under
 # load, not detection speed, so the fault suite's tight deadlines (read 2 s,
 # load 4 s) are relaxed -- on a loaded 2-core CI machine they expired with no
-# fault at all.
-NO_FAULT_DEADLINES = dict(read_timeout_s=30.0, load_timeout_s=60.0, rpc_timeout_s=10.0, connect_timeout_s=10.0)
+# fault at all. So is the lease TTL: here every prompt is prefilled before the
+# decode sees the first (a router forwards each at once), and once on a loaded
+# CI machine 108 of 256 loads found their lease gone at CONFIRM, each about
+# 30 s (the default TTL) after its grant; the failure message now says how
+# the producer's leases ended.
+NO_FAULT_DEADLINES = dict(read_timeout_s=30.0, load_timeout_s=60.0, rpc_timeout_s=10.0, connect_timeout_s=10.0,
+                          lease_ttl_s=120.0)
+
+
+def lease_totals(engine):
+    """The engine's lease and load counters (how leases ended, what failed)."""
+    totals = (engine.call("stats") or {}).get("totals", {})
+    return {k: v for k, v in totals.items() if k.startswith(("leases_", "loads_", "refused_")) and v}
 
 
 def resources(engine):
