@@ -47,10 +47,10 @@ TRIALS = 16
 WAIT_S = 30.0
 
 
-def _agents(make_agent, transport, progress, lanes):
+def _agents(make_agent, transport, progress, lanes, **config):
     options = {"tcp": TCP, "tcp-sw-rma": TCP_SW_RMA, "shm": LOOPBACK}[transport]
     a = make_agent("a", ucx_options=options, progress="poll", lanes=1)  # the receiver, driven here
-    b = make_agent("b", ucx_options=options, progress=progress, lanes=lanes, lane_min_bytes=LANE_MIN)
+    b = make_agent("b", ucx_options=options, progress=progress, lanes=lanes, lane_min_bytes=LANE_MIN, **config)
     buf_a = np.zeros(NBYTES, dtype=np.uint8)
     buf_b = np.zeros(NBYTES, dtype=np.uint8)
     a.register(buf_a)
@@ -134,7 +134,10 @@ def test_a_notification_never_precedes_its_data(make_agent, transport, progress,
     print(f"seed={seed}")
     rng = np.random.default_rng(seed)
     lanes = 2 if transport == "shm" else 3
-    a, b, buf_a, buf_b = _agents(make_agent, transport, progress, lanes)
+    # The trials post one transfer at a time: spread_alone sends even a lone
+    # whole transfer to the next worker in turn, so that every worker's
+    # notification path is tried (by default a lone one stays on the own worker).
+    a, b, buf_a, buf_b = _agents(make_agent, transport, progress, lanes, spread_alone=shape == "spread")
     slots = np.arange(SLOTS, dtype=np.uint64) * BLOCK
     prepared = (b.prep_local(DescList(buf_b.ctypes.data + slots, BLOCK)),
                 b.prep_remote("a", DescList(buf_a.ctypes.data + slots, BLOCK)))
@@ -170,3 +173,35 @@ def test_a_notification_never_precedes_its_data(make_agent, transport, progress,
     assert not early, f"seed={seed}: notified before the data was visible (trial, slots, bytes wrong): {early}"
     assert shape == "striped" or workers == set(range(lanes)), f"whole transfers went to workers {workers} only"
     assert b.stats.failed == 0
+
+
+@pytest.mark.parametrize("spread_alone", [False, True])
+def test_a_lone_whole_transfer_stays_on_the_own_worker_unless_spread_alone(make_agent, spread_alone):
+    """A transfer too small to stripe, posted while nothing else is in
+    flight, goes to the own worker (its caller drives it; a lane's pump
+    would have to wake up); posted beside others, the next ones go to the
+    lanes in turn. With ``spread_alone`` every one goes in turn."""
+    a, b, buf_a, buf_b = _agents(make_agent, "shm", "poll", 3, spread_alone=spread_alone)
+    buf_a[:] = np.arange(NBYTES, dtype=np.uint64).astype(np.uint8)
+    slots = np.arange(SLOTS, dtype=np.uint64) * BLOCK
+    local = b.prep_local(DescList(buf_b.ctypes.data + slots, BLOCK))
+    remote = b.prep_remote("a", DescList(buf_a.ctypes.data + slots, BLOCK))
+    one = np.arange(4, dtype=np.int64)  # 16 KiB: far below two LANE_MIN parts
+
+    def post(i):
+        return b.read_prepared(local, one + 4 * i, remote, one + 4 * i)
+
+    alone = []
+    for i in range(3):  # each finished (drained) before the next is posted
+        xfer = post(i)
+        xfer.wait(WAIT_S)
+        alone.append(xfer.worker)
+    together = [post(3 + i) for i in range(4)]  # posted back to back: the first is still in flight
+    for xfer in together:
+        xfer.wait(WAIT_S)
+    assert (buf_b[:7 * 4 * BLOCK] == buf_a[:7 * 4 * BLOCK]).all()
+    if spread_alone:
+        assert alone == [0, 1, 2], alone
+    else:
+        assert alone == [0, 0, 0], alone
+        assert [x.worker for x in together] == [0, 1, 2, 0], [x.worker for x in together]

@@ -127,7 +127,7 @@ class AgentCore:
                                          self.lanes.pumps, cuda, self.service, self.fail_all)
             self._made.append(self.driver)
             self.routes = RouteBuilder(self.inflight.ctx, epoch, self.memory, self.lanes, self.worker,
-                                       self.driver.pump, cfg.lane_min_bytes, cfg.spread)
+                                       self.driver.pump, cfg.lane_min_bytes, cfg.spread, cfg.spread_alone)
             parts = RequestParts(name, self.lock, self.memory, self.peers, self.routes, self.inflight,
                                  self.usable_peer)
             self.prepared = PreparedLists(parts)

@@ -66,10 +66,11 @@ class Route:
 class RouteBuilder:
     """Builds the routes of one agent: its context ``ctx``, ``epoch``,
     ``registry``, ``lanes``, own ``worker`` and its ``pump`` (None when
-    polled), and the policy ``lane_min_bytes`` and ``spread``."""
+    polled), and the policy ``lane_min_bytes``, ``spread`` and ``spread_alone``."""
 
     def __init__(self, ctx: Any, epoch: Epoch, registry: MemoryRegistry, lanes: Lanes, worker: Worker,
-                 pump: Pump | None, lane_min_bytes: int, spread: bool) -> None:
+                 pump: Pump | None, lane_min_bytes: int, spread: bool,
+                 spread_alone: bool) -> None:
         self._ffi = load()[0]
         self._ctx = ctx
         self._epoch = epoch
@@ -79,6 +80,7 @@ class RouteBuilder:
         self._pump = pump
         self._lane_min_bytes = lane_min_bytes
         self._spread = spread
+        self._spread_alone = spread_alone
 
     def prepared(self, local: PreparedList, remote: PreparedList, peer: Peer) -> Route:
         """The route of (``local``, ``remote``) to ``peer``, current as of now.
@@ -104,7 +106,7 @@ class RouteBuilder:
             sides, ctx=self._ctx, nworkers=paths.count, eps=paths.eps, rkeys=paths.rkeys, workers=paths.workers,
             pumps=paths.pumps, ep_states=paths.ep_states, memhs=self._registry.memhs_c, epoch=self._epoch.c,
             built_at=self._epoch.c[0], lane_min_bytes=self._lane_min_bytes,
-            spread=1 if self._spread and paths.count > 1 else 0))
+            spread=0 if not self._spread or paths.count < 2 else 2 if self._spread_alone else 1))
         return Route(c, self, local, peer, (paths, memhs, self._epoch, keep))
 
     @staticmethod

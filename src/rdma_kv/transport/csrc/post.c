@@ -357,7 +357,12 @@ int64_t rk_submit(const rk_route_t *r, int op, uint64_t n, const void *l, const 
     nparts = op == RK_OP_FLUSH ? r->nworkers : rk_parts(nbytes, r->nworkers, r->lane_min_bytes);
     top = nparts - 1;
     if (nparts == 1 && r->spread && r->nworkers > 1) {
-        top = ctx->cursor++ % r->nworkers;
+        if (ctx->live == 0 && r->spread == 1) {
+            top = 0;                /* alone: the own worker, which its caller drives */
+            ctx->cursor = 1;
+        } else {
+            top = ctx->cursor++ % r->nworkers;
+        }
     }
     b->id = ++ctx->next_id;
     b->notif_ep = r->eps[0];

@@ -142,7 +142,9 @@ typedef struct rk_side {
  * a peer is added, replaced, failed or removed and when its regions
  * change. lane_min_bytes and spread are the agent's policy: a transfer of
  * at least two lane_min_bytes parts is striped over that many workers;
- * with spread, a smaller one goes whole to the next worker in turn. */
+ * with spread, a smaller one goes whole to the next worker in turn (spread
+ * 1: unless nothing else is in flight, then to the own worker, which its
+ * caller drives; 2: always). */
 typedef struct rk_route {
     rk_ctx_t *ctx;
     uint32_t nworkers;
