@@ -1,4 +1,6 @@
 #!/bin/bash
+# Only the `fixed` step of this script ran (01:47-01:57, load 2-16); the other
+# steps were run, merged tree against 7fb5275, by 2026-11-26-merged-run.sh.
 # Issue 29's benchmarks: the code before (main at 7fb5275, a detached
 # worktree with its own .venv from `make install`) and after (i29, a
 # detached worktree of the commit under test, same), side by side, pairs in
