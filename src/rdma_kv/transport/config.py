@@ -60,7 +60,7 @@ class AgentConfig:
     # With spread, a transfer posted while the agent has nothing else in
     # flight still stays on the own worker, which its caller drives (a
     # lane's pump would have to wake up for it: a lone 512 KiB request's p99
-    # 0.52 -> 0.18 ms, docs/benchmarks.md); True spreads it as well.
+    # 0.55-0.59 -> 0.20 ms, docs/benchmarks.md); True spreads it as well.
     spread_alone: bool = False
     # close() first lets what is in flight finish for this long: force-closing
     # an endpoint with CMA gets still queued can trip a UCX assertion

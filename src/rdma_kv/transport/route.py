@@ -71,7 +71,7 @@ class RouteBuilder:
     def __init__(self, ctx: Any, epoch: Epoch, registry: MemoryRegistry, lanes: Lanes, worker: Worker,
                  pump: Pump | None, lane_min_bytes: int, spread: bool,
                  spread_alone: bool) -> None:
-        self._ffi = load()[0]
+        self._ffi, lib = load()
         self._ctx = ctx
         self._epoch = epoch
         self._registry = registry
@@ -79,8 +79,8 @@ class RouteBuilder:
         self._worker = worker
         self._pump = pump
         self._lane_min_bytes = lane_min_bytes
-        self._spread = spread
-        self._spread_alone = spread_alone
+        self._spread = (lib.RK_SPREAD_OFF if not spread else lib.RK_SPREAD_ALWAYS if spread_alone
+                        else lib.RK_SPREAD_BUSY)
 
     def prepared(self, local: PreparedList, remote: PreparedList, peer: Peer) -> Route:
         """The route of (``local``, ``remote``) to ``peer``, current as of now.
@@ -106,7 +106,7 @@ class RouteBuilder:
             sides, ctx=self._ctx, nworkers=paths.count, eps=paths.eps, rkeys=paths.rkeys, workers=paths.workers,
             pumps=paths.pumps, ep_states=paths.ep_states, memhs=self._registry.memhs_c, epoch=self._epoch.c,
             built_at=self._epoch.c[0], lane_min_bytes=self._lane_min_bytes,
-            spread=0 if not self._spread or paths.count < 2 else 2 if self._spread_alone else 1))
+            spread=self._spread))
         return Route(c, self, local, peer, (paths, memhs, self._epoch, keep))
 
     @staticmethod

@@ -356,8 +356,8 @@ int64_t rk_submit(const rk_route_t *r, int op, uint64_t n, const void *l, const 
      * large transfer is striped; a small one goes whole to one worker. */
     nparts = op == RK_OP_FLUSH ? r->nworkers : rk_parts(nbytes, r->nworkers, r->lane_min_bytes);
     top = nparts - 1;
-    if (nparts == 1 && r->spread && r->nworkers > 1) {
-        if (ctx->live == 0 && r->spread == 1) {
+    if (nparts == 1 && r->spread != RK_SPREAD_OFF && r->nworkers > 1) {
+        if (ctx->live == 0 && r->spread == RK_SPREAD_BUSY) {
             top = 0;                /* alone: the own worker, which its caller drives */
             ctx->cursor = 1;
         } else {

@@ -98,6 +98,13 @@ enum {
     RK_OP_FLUSH = 2
 };
 
+/* rk_route_t.spread: where a transfer too small to stripe goes. */
+enum {
+    RK_SPREAD_OFF = 0,      /* the own worker */
+    RK_SPREAD_BUSY = 1,     /* the next worker in turn; the own one while nothing else is in flight */
+    RK_SPREAD_ALWAYS = 2    /* the next worker in turn */
+};
+
 /* rk_submit's flags. */
 enum {
     RK_IDX_L32 = 1,     /* the local index array is int32 (else int64) */
@@ -142,9 +149,7 @@ typedef struct rk_side {
  * a peer is added, replaced, failed or removed and when its regions
  * change. lane_min_bytes and spread are the agent's policy: a transfer of
  * at least two lane_min_bytes parts is striped over that many workers;
- * with spread, a smaller one goes whole to the next worker in turn (spread
- * 1: unless nothing else is in flight, then to the own worker, which its
- * caller drives; 2: always). */
+ * a smaller one goes whole to one worker, chosen by spread (RK_SPREAD_*). */
 typedef struct rk_route {
     rk_ctx_t *ctx;
     uint32_t nworkers;
