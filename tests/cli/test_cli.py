@@ -97,3 +97,14 @@ def test_demo_moves_and_verifies_bytes(capsys):
     out = capsys.readouterr().out
     assert "16 operations" in out or "32 descriptors" in out
     assert "demo passed" in out
+
+
+def test_python_dash_m_rdma_kv_is_the_cli():
+    """``python -m rdma_kv`` where the console script is not on PATH (a
+    source tree on PYTHONPATH, as on the GPU node of deploy.md section 10)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "rdma_kv", "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("rdma-kv ")

@@ -10,7 +10,9 @@ For GPU ``i`` (its reads pair it with GPU ``i+1``, itself when there is one):
 - ``cuda:i.gpu-gpu``, ``cuda:i.gpu-host``, ``cuda:i.host-gpu``: two
   processes, prepared lists, KV-shaped reads GPU -> GPU (cuda_ipc where UCX
   offers it, else what UCX picks; the protocol UCX chose is reported),
-  GPU -> host and host -> GPU, bit-exact, GB/s;
+  GPU -> host and host -> GPU, bit-exact, GB/s; GPU -> GPU FAILs when UCX
+  carried it by software emulation (no zero-copy path: a GPU KV cache would
+  move at TCP speed);
 - ``cuda:i.pump-context``: the reader's agent, made on a thread whose
   current context is GPU ``i``'s, recorded it, and its pumps progressed
   those device reads to completion (a pump without a context fails them:
@@ -41,6 +43,12 @@ from rdma_kv.selftest.supervise import Deadline, Sink, UcxLog
 __all__ = ["cuda_group", "kv_cache_shape", "kv_caches", "pump_check", "register_check"]
 
 MiB = 1 << 20
+
+# What an operator does when GPU -> GPU reads are not zero-copy (measured on
+# an H200 without NVLink: UCX's cuda_ipc get is off by default there).
+GPU_GPU_HINT = ("rdma-kv asks UCX for cuda_ipc gets (CUDA_IPC_ENABLE_GET_ZCOPY=y): check that "
+                "UCX_CUDA_IPC_ENABLE_GET_ZCOPY is not set to n/off, that ucx_options/UCX_TLS keep cuda_ipc "
+                "(or an RDMA transport with GPUDirect), and that both processes see the GPUs (deploy.md, section 10)")
 
 
 def kv_cache_shape(quick: bool) -> tuple[int, ...]:
@@ -153,7 +161,8 @@ def cuda_group(params: dict[str, Any], sink: Sink) -> None:
         # UCX picks the transport (cuda_ipc between processes on one node, where
         # it offers it); the label says whether it could, the protocol what it did.
         ipc = "cuda_ipc offered" if params["cuda_ipc"] else "UCX offers no cuda_ipc: its own pick"
-        reads = run_reads([ReadSpec(f"{device}.gpu-gpu", device, peer, label=f"{peer} -> {device} ({ipc})"),
+        reads = run_reads([ReadSpec(f"{device}.gpu-gpu", device, peer, label=f"{peer} -> {device} ({ipc})",
+                                    zero_copy=True, hint=GPU_GPU_HINT),
                            ReadSpec(f"{device}.gpu-host", "host", peer),
                            ReadSpec(f"{device}.host-gpu", device, "host")],
                           workload, sink, deadline, ucx_options=dict(settings.for_device(device).ucx_options),

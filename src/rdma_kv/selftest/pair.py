@@ -71,6 +71,11 @@ class ReadSpec:
     remote: str
     notify: bool = False
     label: str = ""  # how the detail opens; default "<remote> -> <local>"
+    # FAIL when UCX carried the read by software emulation (an active-message
+    # exchange, e.g. over tcp/lo) rather than a zero-copy transport: set where
+    # a zero-copy path is the point (GPU -> GPU: cuda_ipc or the HCA).
+    zero_copy: bool = False
+    hint: str = ""  # what to do when ``zero_copy`` fails
 
 
 @dataclass(frozen=True)
@@ -307,6 +312,10 @@ def _one_read(read: ReadSpec, rep: int, w: Workload, agent: Any, chan: runner.Ch
             via = f" via {figures['ucx_protocol']}"
     notified = ", notification delivered" if read.notify else ""
     timed = f"median of {len(seconds)} after a warm-up" if len(seconds) > 1 else "after a warm-up"
+    if read.zero_copy and "software emulation" in str(figures.get("ucx_protocol", "")):
+        return Check.failed(read.name, f"{read.label or f'{read.remote} -> {read.local}'}: bit-exact but UCX carried "
+                            f"it by {figures['ucx_protocol']} (no zero-copy path), {gbps:.2f} GB/s"
+                            f"{'; ' + read.hint if read.hint else ''}", **figures)
     return Check.passed(read.name, f"{read.label or f'{read.remote} -> {read.local}'}: {describe(w)}, "
                         f"{p.descriptor_count} descriptors in {ops} ops on {workers} worker(s){via}; "
                         f"bit-exact{notified}; {gbps:.2f} GB/s ({timed})", **figures)

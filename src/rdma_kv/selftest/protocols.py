@@ -26,7 +26,9 @@ __all__ = ["PROTO_INFO", "read_protocols"]
 PROTO_INFO = {"PROTO_INFO": "y"}
 
 _PREFIX = re.compile(r"^\[[^\]]*\]\s*\[[^\]]*\]\s*")  # "[1795647200.934] [vm:6126 :0]"
-_READ = re.compile(r"remote memory read by ucp_get\S*\s+into\s+([\w-]+)\s+memory\s+from\s+([\w-]+)")
+# "into host memory from host", "into cuda/GPU0 from cuda/dev[0]" (UCX names
+# device memory by type/device): the memory type is what precedes " memory" or "/".
+_READ = re.compile(r"remote memory read by ucp_get\S*\s+into\s+([\w-]+)(?:\s+memory|/\S+)\s+from\s+([\w-]+)")
 _RANGE = re.compile(r"^\d+(\.\.(\d+|inf))?$")
 
 

@@ -34,8 +34,16 @@ log = logging.getLogger(__name__)
 # IB_PCI_RELAXED_ORDERING=try enables PCIe relaxed ordering where the HCA
 # supports it (an option of UCX's IB module: unknown to a UCX without verbs,
 # such as the libucx wheel). NIXL's UCX backend sets the same values.
+# CUDA_IPC_ENABLE_GET_ZCOPY=y: UCX's default ("auto") turns cuda_ipc's get
+# off on a node without NVLink, and a GPU -> GPU ucp_get between processes
+# then falls to software emulation over TCP. Measured on one H200 (no
+# NVLink), libucx-cu12 1.22, the selftest's reads: 0.31-0.49 GB/s over
+# tcp/lo with the default; with get zero-copy, cuda_ipc carries them at
+# 167-228 GB/s (2 MiB runs), 43 GB/s (256 KiB random blocks), 2.9 GB/s
+# (16 KiB random blocks) (docs/deploy.md, section 10). Pull is made of
+# gets, so rdma-kv asks for them; unknown to a UCX without CUDA (skipped).
 DEFAULT_OPTIONS = {"RNDV_THRESH": "inf", "MAX_RMA_RAILS": "2", "MAX_HCA_PER_GPU": "auto",
-                   "IB_PCI_RELAXED_ORDERING": "try"}
+                   "IB_PCI_RELAXED_ORDERING": "try", "CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 
 
 def effective_options(options: Mapping[str, str] | None) -> dict[str, str]:
