@@ -62,6 +62,8 @@ class FakeTransfer:
             self.error = error
             self._finished = time.perf_counter()
             callbacks, self._callbacks = self._callbacks, []
+        if error is None and getattr(self, "notify", None) is not None:
+            self.notify()  # a write's notification: after its data landed, as UCX's flush then send
         for fn in callbacks:
             fn(self)
 
@@ -75,6 +77,7 @@ class FakeFabric:
         self.fail_next = 0
         self.on_prep = None
         self.reads = 0
+        self.writes = 0
         self.lock = threading.Lock()
 
     def factory(self, name, settings=None):
@@ -99,6 +102,11 @@ class FakeFabric:
             xfer._resolve(TransferError(f"fake: peer {name!r} died", status="UCS_ERR_CONNECTION_RESET"))
 
 
+class FakeNotification:
+    def __init__(self, peer, payload):
+        self.peer, self.payload = peer, payload
+
+
 class FakePrep:
     def __init__(self, descs, peer):
         self.descs, self.peer = descs, peer
@@ -114,6 +122,7 @@ class FakeTransport:
         self.memory_types = []  # register()'s memory_type, per region
         self.peers = {}
         self.closed = False
+        self.inbox = []  # notifications received (push mode)
 
     def register(self, obj, *, memory_type=None):
         base, nbytes = obj
@@ -154,6 +163,11 @@ class FakeTransport:
         return FakePrep(descs, peer)
 
     def read_prepared(self, local, local_index, remote, remote_index, *, notify=None, timeout_s=None):
+        self.fabric.reads += 1
+        return self._post(local, local_index, remote, remote_index, write=False)
+
+    def _post(self, local, local_index, remote, remote_index, write, notify=None):
+        """A read copies remote -> local; a write local -> remote, then notifies the peer."""
         fabric = self.fabric
         if self.closed:
             raise PeerError("fake: closed")
@@ -165,19 +179,34 @@ class FakeTransport:
         if not np.array_equal(lens, remote.descs.lengths[ri]):
             raise DescriptorError("fake: lengths differ")
         zeros = np.zeros(len(li), dtype=np.uint32)
-        merged = coalesce(laddr, raddr, lens, zeros, zeros)
+        dst, src = (raddr, laddr) if write else (laddr, raddr)
+        merged = coalesce(dst, src, lens, zeros, zeros)
         xfer = FakeTransfer(fabric, remote.peer, merged[0], merged[1], merged[2], len(merged[0]))
         xfer.reader = self.name
-        fabric.reads += 1
+        if notify is not None:
+            target = fabric.agents[remote.peer]
+            xfer.notify = lambda: target.inbox.append(FakeNotification(self.name, bytes(notify)))
         if fabric.fail_next:
             fabric.fail_next -= 1
-            xfer._resolve(TransferError("fake: injected read failure", status="UCS_ERR_IO_ERROR"))
+            xfer._resolve(TransferError(f"fake: injected {'write' if write else 'read'} failure",
+                                        status="UCS_ERR_IO_ERROR"))
         elif fabric.hold:
             with fabric.lock:
                 fabric.pending.append(xfer)
         else:
             xfer._resolve()
         return xfer
+
+    def write_prepared(self, local, local_index, remote, remote_index, *, notify=None, timeout_s=None):
+        """Push mode: write ``local[local_index]`` into the peer's
+        ``remote[remote_index]``; the notification reaches the peer's
+        ``get_notifications`` once the data was copied."""
+        self.fabric.writes += 1
+        return self._post(local, local_index, remote, remote_index, write=True, notify=notify)
+
+    def get_notifications(self):
+        out, self.inbox[:] = list(self.inbox), []
+        return out
 
     def close(self):
         self.closed = True

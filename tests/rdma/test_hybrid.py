@@ -235,13 +235,18 @@ def test_scheduler_offers_and_loads_the_window_per_group():
 # --- two workers over the fake transport -----------------------------------------------------
 
 
-def test_hybrid_load_reads_the_window_bit_exact_and_records_the_bytes_skipped():
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_hybrid_load_reads_the_window_bit_exact_and_records_the_bytes_skipped(mode):
+    """Pull reads the window; push (the producer writes) writes only it, and
+    touches nothing else of the decode's cache."""
     fabric = FakeFabric()
     kw = {"transport_factory": fabric.factory}
-    p_sched = RdmaConnector(transfer_config("kv_producer", "P"), KVConnectorRole.SCHEDULER, hybrid_config())
-    p_work = RdmaConnector(transfer_config("kv_producer", "P"), KVConnectorRole.WORKER, hybrid_config(), **kw)
-    d_sched = RdmaConnector(transfer_config("kv_consumer", "D"), KVConnectorRole.SCHEDULER, hybrid_config())
-    d_work = RdmaConnector(transfer_config("kv_consumer", "D"), KVConnectorRole.WORKER, hybrid_config(), **kw)
+    p_sched = RdmaConnector(transfer_config("kv_producer", "P", mode=mode), KVConnectorRole.SCHEDULER, hybrid_config())
+    p_work = RdmaConnector(transfer_config("kv_producer", "P", mode=mode), KVConnectorRole.WORKER, hybrid_config(),
+                           **kw)
+    d_sched = RdmaConnector(transfer_config("kv_consumer", "D", mode=mode), KVConnectorRole.SCHEDULER, hybrid_config())
+    d_work = RdmaConnector(transfer_config("kv_consumer", "D", mode=mode), KVConnectorRole.WORKER, hybrid_config(),
+                           **kw)
     src, dst = kv_caches(fill=1.0), kv_caches()
     try:
         p_work.register_kv_caches(src)
@@ -274,6 +279,7 @@ def test_hybrid_load_reads_the_window_bit_exact_and_records_the_bytes_skipped():
 
         wait_until(lambda: "r" in done, step=pump, what="the hybrid load")
         assert d_work.get_block_ids_with_load_errors() == set()
+        assert (fabric.reads, fabric.writes) == ((1, 0) if mode == "pull" else (0, 1))
         for name, (mine, theirs) in {"l0": (sliding_d, sliding_p), "l2": (sliding_d, sliding_p),
                                      "l1": (full_d, full_p)}.items():
             first = 3 if name != "l1" else 0

@@ -8,7 +8,9 @@ Every parent-side wait is bounded; a child's traceback is forwarded.
 ``netns``: run the child in that network namespace (``harness.netns``), a
 separate host for partition tests.
 
-Fault injection for tests (``faults``): ``gate_reads`` holds read
+Fault injection for tests (``faults``): ``gate_writes`` holds a push's
+writes before they are posted (push mode, on the producer) until
+``open_gate()``; ``gate_reads`` holds read
 completions until ``open_gate()`` (so a test can act "while the reads are in
 flight" deterministically); ``idle_until_request`` does not step the
 engine before its first request, as vLLM does not (its workers know no
@@ -75,15 +77,61 @@ class _GatedHandle:
         self._inner.add_done_callback(gated)
 
 
+class _DeferredWrite:
+    """A push's writes held before they are posted (``gate_writes``): the
+    producer answered RUNNING, nothing is on the wire yet, no notification."""
+
+    def __init__(self, post: Any, gate: _Gate) -> None:
+        self._post = post
+        self._inner: Any = None
+        self._callbacks: list[Any] = []
+        self._lock = threading.Lock()
+        with gate.lock:
+            if not gate.open:
+                gate.held.append((lambda _: self._start(), self))
+                return
+        self._start()
+
+    def _start(self) -> None:
+        inner = self._post()
+        with self._lock:
+            self._inner, callbacks, self._callbacks = inner, self._callbacks, []
+        for fn in callbacks:
+            inner.add_done_callback(lambda _, fn=fn: fn(self))
+
+    def __getattr__(self, name: str) -> Any:
+        inner = self.__dict__.get("_inner")
+        if inner is None:
+            return 0 if name in ("nbytes", "num_descs", "ops_posted", "post_s", "elapsed_s") else None
+        return getattr(inner, name)
+
+    def done(self) -> bool:
+        return self._inner is not None and self._inner.done()
+
+    def add_done_callback(self, fn: Any) -> None:
+        with self._lock:
+            if self._inner is None:
+                self._callbacks.append(fn)
+                return
+        self._inner.add_done_callback(lambda _: fn(self))
+
+
 class _GatedTransport:
-    def __init__(self, inner: Any, gate: _Gate) -> None:
+    def __init__(self, inner: Any, gate: _Gate, reads: bool = True, writes: bool = False) -> None:
         self._inner, self._gate = inner, gate
+        self._reads, self._writes = reads, writes
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
     def read_prepared(self, *args: Any, **kwargs: Any) -> Any:
-        return _GatedHandle(self._inner.read_prepared(*args, **kwargs), self._gate)
+        xfer = self._inner.read_prepared(*args, **kwargs)
+        return _GatedHandle(xfer, self._gate) if self._reads else xfer
+
+    def write_prepared(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._writes:
+            return self._inner.write_prepared(*args, **kwargs)
+        return _DeferredWrite(lambda: self._inner.write_prepared(*args, **kwargs), self._gate)
 
 
 # --- the child -------------------------------------------------------------------------------
@@ -109,8 +157,10 @@ def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dic
         torch.set_num_threads(1)
         gate = _Gate()
         kwargs: dict[str, Any] = {}
-        if faults.get("gate_reads"):
-            kwargs["transport_factory"] = lambda name, s: _GatedTransport(agent_transport(name, s), gate)
+        if faults.get("gate_reads") or faults.get("gate_writes"):
+            reads, writes = bool(faults.get("gate_reads")), bool(faults.get("gate_writes"))
+            kwargs["transport_factory"] = lambda name, s: _GatedTransport(agent_transport(name, s), gate,
+                                                                           reads, writes)
         engine = Engine(KVTransferConfig.from_dict(config), ModelShape(**shape),
                         connector_kwargs=kwargs or None, verify=faults.get("verify", True))
         def finished(result: Any) -> None:
@@ -175,6 +225,7 @@ def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dic
                         "requests": len(engine.requests),
                         "leases": len(inner.leases) if inner else 0,
                         "inflight_loads": inner.num_inflight() if inner else 0,
+                        "resources": inner.resources() if inner else {},
                     }))
                 elif op == "stats":
                     conn.send(("reply", engine.worker.get_kv_connector_stats()))

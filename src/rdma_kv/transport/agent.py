@@ -380,10 +380,11 @@ class Agent:
         return self._prepared.transfer(_WRITE, OP_PUT, local, local_index, remote, remote_index, notify,
                                        timeout_s)
 
-    def flush(self, peer: str, *, timeout_s: float | None = None) -> Transfer:
+    def flush(self, peer: str, *, notify: bytes | None = None, timeout_s: float | None = None) -> Transfer:
         """A transfer that completes once every earlier operation to ``peer``
-        has completed remotely."""
-        return self._posting.flush(peer, timeout_s)
+        has completed remotely; with ``notify``, ``peer`` receives that
+        notification only then (every earlier write visible to it)."""
+        return self._posting.flush(peer, timeout_s, notify)
 
     # ------------------------------------------------------ progress, notifications
 

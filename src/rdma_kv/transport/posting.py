@@ -64,10 +64,11 @@ class Posting:
                 route = None
             raise AssertionError("rk_submit found a route built just now stale")
 
-    def flush(self, peer: str, timeout_s: float | None) -> Transfer:
+    def flush(self, peer: str, timeout_s: float | None, notify: bytes | None = None) -> Transfer:
         """A transfer that completes once every earlier operation to ``peer``
-        has completed remotely, on every worker."""
-        return self.transfer(XferOp.FLUSH, OP_FLUSH, peer, _EMPTY, _EMPTY, None, timeout_s)
+        has completed remotely, on every worker; with ``notify``, the peer
+        receives it after that (a seal: push mode's layer-wise writes)."""
+        return self.transfer(XferOp.FLUSH, OP_FLUSH, peer, _EMPTY, _EMPTY, notify, timeout_s)
 
     def _route(self, peer: str) -> Route:
         """A current explicit route to ``peer``, after the peer's checks."""

@@ -25,7 +25,7 @@ def _rank_heads(spec: object) -> int:
 
 
 def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, total_kv_heads: int,
-                attention_backend: str = "") -> CompatInfo:
+                attention_backend: str = "", transfer_mode: str = "pull") -> CompatInfo:
     """What this engine's KV cache is, for the handshake to compare, in
     terms independent of tensor parallelism: model shape (``total_kv_heads``
     before sharding), dtype, block size, the spec of each KV-cache group
@@ -54,6 +54,7 @@ def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, total
         kv_layout="/".join(sorted({layer.kv_layout for layer in geometry.layers})),
         attention_backend=attention_backend,
         layer_groups=[layer.group for layer in geometry.layers] if len(specs) > 1 else [],
+        transfer_mode=transfer_mode,
     )
 
 

@@ -203,6 +203,9 @@ class _Tombstone:
                 and call.reader in self.confirmed)
 
 
+PIN_RECHECK_S = 0.1
+"""How soon a due lease that a push pins is looked at again."""
+
 HEAP_SLACK = 64
 """Stale heap entries tolerated beyond the live leases before a rebuild."""
 
@@ -226,6 +229,7 @@ class LeaseTable:
         self._ended = collections.OrderedDict[int, _Tombstone]()
         self._ended_readers = 0  # sum of len(tombstone.confirmed)
         self._early: dict[int, _Claim] = {}
+        self._pinned: set[int] = set()  # generations a push is writing from (push mode)
         self._counts = Tally(LeaseCounters)
 
     # --- grants (from the producer scheduler, through step metadata) -------------
@@ -399,6 +403,32 @@ class LeaseTable:
             early.release(call.reader, confirmed=True)
         return HELD
 
+    def pin_for_push(self, call: LeaseCall) -> tuple[LeaseStatus, GroupBlockIds]:
+        """Push mode: HELD and the lease's block ids, the lease now *pinned*
+        (no expiry, lifetime bound or reclaim ends it until :meth:`unpin`:
+        the producer is writing from its blocks, and they must not be
+        reused under the write); else the refusal (PENDING: its grant has
+        not reached this worker yet) and nothing pinned. A pin lasts at
+        most one write's timeout (``pusher``)."""
+        self.expire()
+        with self._lock:
+            status = self._verify(call.ref)
+            if status is not None:
+                return status, ()
+            lease = self._leases.get(call.ref.generation)
+            if lease is None:
+                return (GONE if call.ref.generation <= self._max_generation else PENDING), ()
+            if self._owner(lease, call) is None:
+                return CLAIMED, ()
+            self._pinned.add(call.ref.generation)
+            return HELD, lease.block_ids
+
+    def unpin(self, generation: int) -> None:
+        """The push from lease ``generation`` resolved: it may end again (an
+        expiry that fell due meanwhile applies at the next reap)."""
+        with self._lock:
+            self._pinned.discard(generation)
+
     def _release_one(self, call: LeaseCall) -> LeaseStatus:
         gen = call.ref.generation
         lease = self._leases.get(gen)
@@ -460,6 +490,9 @@ class LeaseTable:
                 if lease.expires_at > now:  # renewed since this entry was pushed
                     heapq.heappush(self._heap, (lease.expires_at, generation))
                     continue
+                if generation in self._pinned:  # a push writes from it: look again shortly
+                    heapq.heappush(self._heap, (now + PIN_RECHECK_S, generation))
+                    continue
                 # Its last renewal was cut short by the lifetime bound: that, not the TTL, ended it.
                 self._end(generation, Ending.LIFETIME if lease.expires_at >= lease.ends_at else Ending.EXPIRED)
                 expired.append(lease.ref.request_id)
@@ -491,7 +524,7 @@ class LeaseTable:
         with self._lock:
             for generation in generations:
                 lease = self._leases.get(generation)
-                if lease is not None:
+                if lease is not None and generation not in self._pinned:  # a pinned one ends when its push does
                     self._end(generation, Ending.RECLAIMED)
                     ended.append(lease.ref.request_id)
         return ended

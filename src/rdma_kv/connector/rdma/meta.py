@@ -93,6 +93,18 @@ class LoadSpec:
     sliding window (the decoder never attends to them); for the stats."""
     registration: int = 1
     """The producer's KV-cache registration the remote block ids index."""
+    transfer_id: str | None = None
+    """Concurrent dispatch (push mode): the router's id of the pair; there is
+    no lease (``lease`` is a placeholder, no lease call is made) and no
+    producer block ids: the producer writes its blocks from token
+    ``first_token`` on into ``local_block_ids``."""
+    first_token: int = 0
+    num_tokens: int = 0
+    """Concurrent dispatch: the prompt's tokens (the producer checks its own)."""
+
+    @property
+    def concurrent(self) -> bool:
+        return self.transfer_id is not None
 
     def __post_init__(self) -> None:
         # Not range-checked here: the worker checks them against both KV caches.
@@ -119,6 +131,10 @@ class SendSpec:
     block_ids: GroupBlockIds
     lease: LeaseRef
     lease_ttl_s: float
+    transfer_id: str | None = None
+    """Push mode, concurrent dispatch: the router's id of the pair, under
+    which the decode registers its blocks (``pusher``)."""
+    num_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_ids", as_group_block_ids(self.block_ids))

@@ -322,6 +322,13 @@ class PrometheusMetrics:
                                   "not read because they lie outside a sliding window")
         self.events = make(counter_cls, "events", "rdma-kv: worker events (handshakes, lease RPCs, "
                                                   "failed and aborted loads)", ["event"])
+        self.pushes = make(counter_cls, "pushes", "rdma-kv: pushes a producer resolved (mode push), by outcome "
+                           "(done, failed, aborted, refused)", ["outcome"])
+        self.push_written_bytes = make(counter_cls, "push_written_bytes", "rdma-kv: bytes a producer wrote into "
+                                       "decodes' KV caches by pushes that completed (mode push)")
+        self.pushed_loads = make(counter_cls, "pushed_loads", "rdma-kv: load sources a decode received by push "
+                                 "(mode push), by outcome; rdma_kv_loads_total counts loads of either mode",
+                                 ["outcome"])
         self.leases_held = make(gauge_cls, "leases_held", "rdma-kv: leases the producer holds now")
         self.resources = make(gauge_cls, "resource", "rdma-kv: what the worker holds now", ["resource"])
 
@@ -353,6 +360,16 @@ class PrometheusMetrics:
             for name, n in typed.totals.events().items():
                 if n > 0:
                     self._child(self.events, name).inc(n)
+            push = typed.totals.push
+            for outcome, n in (("done", push.done), ("failed", push.failed), ("aborted", push.aborted),
+                               ("refused", push.refused)):
+                if n > 0:
+                    self._child(self.pushes, outcome).inc(n)
+            if push.written_bytes > 0:
+                self._child(self.push_written_bytes).inc(push.written_bytes)
+            for outcome, n in (("ok", push.loads_done), ("failed", push.loads_failed)):
+                if n > 0:
+                    self._child(self.pushed_loads, outcome).inc(n)
             for name, value in gauges(typed).items():
                 if name == "leases_held":
                     self._child(self.leases_held).set(value)

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import hashlib
 import hmac
+import re
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -34,6 +35,9 @@ from rdma_kv.errors import ConfigError
 
 __all__ = [
     "PARAM_KEYS",
+    "ConcurrentPrefill",
+    "format_router_address",
+    "router_address",
     "LEASE_BINDING_BYTES",
     "LEASE_TOKEN_BYTES",
     "LeaseRef",
@@ -59,7 +63,11 @@ _VLLM_KEYS = (
 )
 _RDMA_KEYS = ("remote_lease_epoch", "remote_lease_generation", "remote_lease_token",
               "remote_lease_ttl_s", "remote_num_tokens", "remote_registration")
-PARAM_KEYS = _VLLM_KEYS + _RDMA_KEYS
+# Concurrent dispatch (vllm-router's ``--kv-connector moriio`` WRITE mode, Ray
+# Serve's concurrent handoff): both legs carry the router's ``transfer_id``;
+# the data-parallel and TP keys are informational here.
+_ROUTER_KEYS = ("transfer_id", "remote_dp_size", "remote_tp_size", "remote_dp_rank")
+PARAM_KEYS = _VLLM_KEYS + _RDMA_KEYS + _ROUTER_KEYS
 
 MAX_GROUPS = 64  # KV-cache groups of a hybrid model: a handful in practice
 MAX_BLOCK_IDS = 1 << 20  # a 16M-token prompt at block 16; anything above is an attack or a bug
@@ -120,7 +128,59 @@ def lease_token(key: bytes, epoch: int, generation: int, request_id: str, bindin
 
 @dataclasses.dataclass(frozen=True)
 class RemoteDecodeRequest:
-    """A prefill request that asks the producer to keep its KV for a decoder."""
+    """A prefill request that asks the producer to keep its KV for a decoder;
+    ``transfer_id``: a router dispatching both legs at once names the pair
+    (push mode: the decode registers its blocks under it)."""
+
+    transfer_id: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ConcurrentPrefill:
+    """A decode request dispatched together with its prefill (no params of
+    the producer yet): its KV is pushed by the producer whose side channel
+    the router named in the request id (:func:`router_address`), paired by
+    ``transfer_id``."""
+
+    transfer_id: str
+
+
+ROUTER_ADDRESS_RE = re.compile(r"___prefill_addr_(.+?)___decode_addr_")
+"""How vllm-router (moriio mode) and Ray Serve name the prefill's registered
+address inside the request id both legs carry (``X-Request-Id``)."""
+
+
+def format_router_address(host: str, port: int, engine_id: str, tp_size: int) -> str:
+    """What a push-mode engine registers with a router as its address
+    (``zmq_address``): the side channel of its rank 0, its engine id and TP size."""
+    if "___" in engine_id or "," in engine_id or ":" in engine_id:
+        raise ConfigError(f"engine id {engine_id!r} cannot be carried in a router address "
+                          "(no '___', ',' or ':' allowed)")
+    return f"host:{host},handshake:{port},engine:{engine_id},tp:{tp_size}"
+
+
+def router_address(request_id: str) -> tuple[str, int, str, int] | None:
+    """(host, port, engine id, TP size) of the prefill named in ``request_id``
+    by a concurrently dispatching router; None when it names none. Raises
+    ``ConfigError`` for an address that is not :func:`format_router_address`'s."""
+    match = ROUTER_ADDRESS_RE.search(request_id)
+    if match is None:
+        return None
+    fields: dict[str, str] = {}
+    for part in match.group(1).split(","):
+        key, sep, value = part.partition(":")
+        if sep:
+            fields[key] = value
+    try:
+        port, tp = int(fields["handshake"]), int(fields.get("tp", "1"))
+        host, engine = fields["host"], fields["engine"]
+    except (KeyError, ValueError):
+        raise ConfigError(f"the request id names prefill address {match.group(1)[:200]!r}; expected "
+                          "'host:H,handshake:PORT,engine:ID,tp:N' (what an rdma-kv producer registers)") from None
+    if not (host and engine and 0 < port < 65536 and 0 < tp <= 1024):
+        raise ConfigError(f"the request id names prefill address {match.group(1)[:200]!r}: bad host, port, "
+                          "engine or tp")
+    return host, port, engine, tp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +314,7 @@ def _block_id_groups(ids: Any) -> GroupBlockIds:
 
 def parse_kv_transfer_params(
     params: Mapping[str, Any] | None,
-) -> RemoteDecodeRequest | RemotePrefillParams | None:
+) -> RemoteDecodeRequest | RemotePrefillParams | ConcurrentPrefill | None:
     """Parse a request's ``kv_transfer_params``: ``None`` when they ask for
     nothing from this connector, else the typed form. Raises ``ConfigError``
     naming the field and the valid values; never mutates ``params``."""
@@ -276,10 +336,15 @@ def parse_kv_transfer_params(
             "kv_transfer_params sets both do_remote_decode and do_remote_prefill; a request "
             "is either a prefill for a remote decoder or a decode of a remote prefill"
         )
+    transfer_id = params.get("transfer_id")
+    if transfer_id is not None:
+        transfer_id = _str(params, "transfer_id", 256)
     if decode:
-        return RemoteDecodeRequest()
+        return RemoteDecodeRequest(transfer_id)
     if not prefill:
         return None
+    if transfer_id is not None and params.get("remote_engine_id") is None:
+        return ConcurrentPrefill(transfer_id)  # the producer's params never come: it pushes
     groups = _block_id_groups(params.get("remote_block_ids"))
     ttl = params.get("remote_lease_ttl_s")
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= 86400:

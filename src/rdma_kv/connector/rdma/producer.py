@@ -15,13 +15,14 @@ agent metadata (worker address, packed remote keys) and the block geometry
 incompatible (model shape, dtype, block size, layout). Tensor-parallel
 sizes may differ: the reply names this rank's share (``wire.RankInfo``) and
 the consumer plans which heads to read from it (``topology``). RENEW, CONFIRM and RELEASE act on
-the lease table. It runs on the side channel's threads; the lease table
+the lease table; in push mode PUSH_HELLO, PUSH and PUSH_QUERY go to the
+``pusher``. It runs on the side channel's threads; the lease table
 does its own locking. Authentication happens before any of this, in
 ``sidechannel``.
 
 Imports the standard library, the connector's ``geometry`` and ``types``,
-and its ``rdma`` modules ``auth``, ``wire``, ``leases``, ``meta``,
-``settings``, ``sidechannel`` and ``stats``. Never the consumer's modules
+and its ``rdma`` modules ``auth``, ``wire``, ``leases``, ``meta``, ``pusher``,
+``settings``, ``sidechannel``, ``stats`` and ``transport_api``. Never the consumer's modules
 (``rdma.consumer``) or ``worker``.
 """
 
@@ -35,9 +36,11 @@ from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.leases import Ending, LeaseCall, LeaseTable
 from rdma_kv.connector.rdma.meta import SendSpec
+from rdma_kv.connector.rdma.pusher import PushWriter
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sidechannel import ConnectionLimits, SideChannelServer
-from rdma_kv.connector.rdma.stats import LeaseCounters
+from rdma_kv.connector.rdma.stats import LeaseCounters, PushCounters
+from rdma_kv.connector.rdma.transport_api import Transport
 from rdma_kv.connector.types import EngineId, RequestId
 
 __all__ = ["ProducerHandler", "RdmaProducer"]
@@ -59,15 +62,20 @@ class ProducerHandler:
         self._agent_metadata: Callable[[], bytes] | None = agent_metadata
         self._geometry = geometry
         self.registration = 1
+        self.pusher: PushWriter | None = None
+        """Push mode's writer (None in pull mode, and while asleep)."""
 
     def suspend(self) -> None:
-        """The KV cache is about to be unregistered: refuse handshakes."""
+        """The KV cache is about to be unregistered: refuse handshakes and pushes."""
         self._agent_metadata = None
+        self.pusher = None
 
-    def resume(self, agent_metadata: Callable[[], bytes], geometry: KVCacheGeometry, registration: int) -> None:
+    def resume(self, agent_metadata: Callable[[], bytes], geometry: KVCacheGeometry, registration: int,
+               pusher: PushWriter | None = None) -> None:
         """Registered again (a new transport, new remote keys)."""
         self._geometry, self.registration = geometry, registration
         self._agent_metadata = agent_metadata
+        self.pusher = pusher
 
     def on_handshake(self, request: wire.Handshake) -> wire.HandshakeReply | wire.Refused:
         agent_metadata = self._agent_metadata
@@ -78,8 +86,11 @@ class ProducerHandler:
         if request.compat != compat:
             diff = "; ".join(compat.mismatches(request.compat, mine="producer", theirs="consumer"))
             logger.warning("refused handshake from consumer %r: %s", request.engine_id, diff)
-            return wire.Refused(f"incompatible KV caches ({diff}); both engines must run the same "
-                                "model, dtype, block size and KV layout")
+            hint = ("both engines must run the same model, dtype, block size and KV layout"
+                    if any(not m.startswith("transfer_mode") for m in compat.mismatches(request.compat)) else
+                    "both engines must run the same transfer mode (kv_connector_extra_config 'mode': "
+                    "'pull' or 'push')")
+            return wire.Refused(f"incompatible KV caches ({diff}); {hint}")
         return wire.HandshakeReply(
             wire.PROTOCOL_VERSION, self._engine_id, self._rank, compat, compat.compat_hash(),
             agent_metadata(), wire.GeometryWire.from_geometry(self._geometry), self.registration)
@@ -95,6 +106,33 @@ class ProducerHandler:
 
     def holds(self, leases: Iterable[tuple[int, int]]) -> bool:
         return self._leases.holds_any(leases)
+
+    # --- push mode (``pusher``) ------------------------------------------------------------------
+
+    def on_push_hello(self, request: wire.PushHello) -> wire.PushReply:
+        return self._to_pusher(request, lambda p: p.hello(request))
+
+    def on_push(self, request: wire.Push) -> wire.PushReply:
+        return self._to_pusher(request, lambda p: p.push(request))
+
+    def on_push_reg(self, request: wire.PushReg) -> wire.PushReply:
+        return self._to_pusher(request, lambda p: p.register(request))
+
+    def on_push_query(self, request: wire.PushQuery) -> wire.PushReply:
+        return self._to_pusher(request, lambda p: p.query(request))
+
+    def _to_pusher(self, request: object, act: Callable[[PushWriter], wire.PushReply]) -> wire.PushReply:
+        pusher = self.pusher
+        if pusher is None:  # pull mode, or asleep: nothing is written (a query: nothing was)
+            state = wire.PushState.UNKNOWN if isinstance(request, wire.PushQuery) else wire.PushState.REFUSED
+            return wire.PushReply(state, self._not_pushing())
+        return act(pusher)
+
+    def _not_pushing(self) -> str:
+        if self._agent_metadata is None:
+            return "the producer's KV cache is not registered (the engine is asleep): nothing is written"
+        return (f"this producer runs mode {self._compat.transfer_mode!r}; push needs mode 'push' on both "
+                "engines (kv_connector_extra_config)")
 
 
 def _calls(request: wire.Renew | wire.Confirm | wire.Release) -> list[LeaseCall]:
@@ -113,15 +151,18 @@ class RdmaProducer:
         self._secret = secret
         self.leases = LeaseTable(clock, max_s=settings.lease_max_s)
         self.handler: ProducerHandler | None = None
+        self._block_size = 0
         self.server: SideChannelServer | None = None
 
-    def start(self, compat: wire.CompatInfo, rank: wire.RankInfo, agent_metadata: Callable[[], bytes],
+    def start(self, compat: wire.CompatInfo, rank: wire.RankInfo, transport: Transport,
               geometry: KVCacheGeometry) -> None:
         """Start the side-channel server (on ``side_channel_port + tp_rank``,
         or an OS-chosen port when it is 0)."""
         s = self._settings
         handler = ProducerHandler(self._engine_id, rank, s.lease_ttl_s, self.leases, compat,
-                                  agent_metadata, geometry)
+                                  transport.metadata, geometry)
+        self._block_size = compat.block_size
+        handler.pusher = self._pusher(transport, geometry)
         port = s.side_channel_port
         limits = (ConnectionLimits(max_connections=s.side_channel_max_connections)
                   if s.side_channel_max_connections else ConnectionLimits())
@@ -144,6 +185,13 @@ class RdmaProducer:
                 self.leases.grant(send.lease, send.block_ids, send.lease_ttl_s)
             except Exception:
                 logger.exception("request %r: could not record its lease", send.request_id)
+                continue
+            pusher = self.handler.pusher if self.handler is not None else None
+            if send.transfer_id is not None and pusher is not None:
+                pusher.granted(send)  # a decode registered (or will) under its transfer id
+        pusher = self.handler.pusher if self.handler is not None else None
+        if pusher is not None:
+            pusher.reap()
         if reclaims:
             self.leases.reclaim(reclaims)
 
@@ -155,9 +203,15 @@ class RdmaProducer:
             self.handler.suspend()
         self.leases.end_all(Ending.SLEEP)
 
-    def resume(self, agent_metadata: Callable[[], bytes], geometry: KVCacheGeometry, registration: int) -> None:
+    def resume(self, transport: Transport, geometry: KVCacheGeometry, registration: int) -> None:
         if self.handler is not None:
-            self.handler.resume(agent_metadata, geometry, registration)
+            self.handler.resume(transport.metadata, geometry, registration, self._pusher(transport, geometry))
+
+    def _pusher(self, transport: Transport, geometry: KVCacheGeometry) -> PushWriter | None:
+        if self._settings.mode != "push":
+            return None
+        return PushWriter(transport, geometry, self.leases, self._settings.read_timeout_s,
+                          wait_s=self._settings.load_timeout_s, block_size=self._block_size)
 
     def take_done(self) -> set[RequestId]:
         """Requests whose lease was released or expired: their blocks may be freed."""
@@ -168,8 +222,15 @@ class RdmaProducer:
         return self.leases.take_counters()
 
     def resources(self) -> dict[str, int]:
+        pusher = self.handler.pusher if self.handler is not None else None
         return {"leases": len(self.leases), "held_blocks": len(self.leases.held_block_ids()),
-                "lease_age_max_ms": int(1000 * self.leases.oldest_age_s())}
+                "lease_age_max_ms": int(1000 * self.leases.oldest_age_s()),
+                **({"pushes_running": pusher.running()} if pusher is not None else {})}
+
+    def take_push_counters(self) -> PushCounters:
+        """Push events since the last call (zero in pull mode)."""
+        pusher = self.handler.pusher if self.handler is not None else None
+        return pusher.take_counters() if pusher is not None else PushCounters()
 
     def close(self) -> None:
         if self.server is not None:

@@ -64,11 +64,14 @@ from rdma_kv.connector.rdma.meta import (
 )
 from rdma_kv.connector.rdma.lograte import RateLimitedWarnings
 from rdma_kv.connector.rdma.params import (
+    ConcurrentPrefill,
+    LeaseRef,
     RemoteDecodeRequest,
     RemotePrefillParams,
     lease_binding,
     lease_token,
     parse_kv_transfer_params,
+    router_address,
 )
 from rdma_kv.connector.rdma.wire import CLAIM_BYTES
 from rdma_kv.connector.rdma.settings import RdmaSettings
@@ -103,10 +106,19 @@ class RemoteStage(enum.Enum):
 
 
 @dataclasses.dataclass
+class _Concurrent:
+    """Push mode, concurrent dispatch: a decode whose prefill runs at the
+    same time (no lease: the producer pushes under ``transfer_id``)."""
+
+    transfer_id: str
+    peer: PeerAddress
+
+
+@dataclasses.dataclass
 class _Remote:
     """A consumer request with remote-prefill params, until it finishes."""
 
-    params: RemotePrefillParams
+    params: RemotePrefillParams | _Concurrent
     num_computed: int = 0
     count: int = 0
     stage: RemoteStage = RemoteStage.WAITING
@@ -119,7 +131,14 @@ class _Remote:
     renewal, which also claims the lease, goes out with the next step)."""
 
     @property
-    def lease(self) -> RemoteLease:
+    def concurrent(self) -> _Concurrent | None:
+        return self.params if isinstance(self.params, _Concurrent) else None
+
+    @property
+    def lease(self) -> RemoteLease | None:
+        """The lease to renew or release; None for a concurrent push (none exists)."""
+        if isinstance(self.params, _Concurrent):
+            return None
         return RemoteLease(PeerAddress.of(self.params), self.params.lease, self.claim)
 
 
@@ -229,11 +248,13 @@ class RdmaScheduler:
 
     # --- parsing at the edge -------------------------------------------------------------
 
-    def _parse(self, request: Request) -> RemoteDecodeRequest | RemotePrefillParams | None:
+    def _parse(self, request: Request) -> RemoteDecodeRequest | RemotePrefillParams | _Concurrent | None:
         if request.request_id in self._bad:
             return None
         try:
             parsed = parse_kv_transfer_params(request.kv_transfer_params)
+            if isinstance(parsed, ConcurrentPrefill):
+                return self._concurrent(request, parsed)
         except ConfigError as exc:
             self._bad.add(request.request_id)
             logger.warning("request %r: invalid kv_transfer_params, computing locally: %s",
@@ -245,9 +266,32 @@ class RdmaScheduler:
                 self._bad.add(request.request_id)
                 logger.warning("request %r: cannot load remote KV, computing locally: %s",
                                request.request_id, problem)
-                self._pending_releases.append(_Remote(parsed).lease)
+                self._release(_Remote(parsed))
                 return None
         return parsed
+
+    def _concurrent(self, request: Request, parsed: ConcurrentPrefill) -> _Concurrent | None:
+        """A decode dispatched with its prefill: the producer is the one the
+        router named in the request id. ConfigError (computed locally) when
+        this engine cannot take it."""
+        if not self._consumer:
+            raise ConfigError(f"this engine's kv_role is {self._config.kv_role!r}; loading needs "
+                              "kv_consumer or kv_both")
+        if self._settings.mode != "push":
+            raise ConfigError(f"transfer_id {parsed.transfer_id!r} without the producer's params: a router "
+                              "dispatched the decode with its prefill, which needs mode 'push' on both engines "
+                              "(kv_connector_extra_config); this engine runs mode 'pull'")
+        if len(self._specs) != 1:
+            raise ConfigError("concurrent dispatch (a transfer_id without the producer's params) serves "
+                              f"models with one KV-cache group; this engine has {len(self._specs)} (a hybrid "
+                              "model): use a router that dispatches sequentially (its NIXL protocol)")
+        address = router_address(request.request_id)
+        if address is None:
+            raise ConfigError(f"transfer_id {parsed.transfer_id!r} without the producer's params, and the "
+                              f"request id {request.request_id[:200]!r} names no prefill address "
+                              "('___prefill_addr_...___decode_addr_', set by vllm-router's moriio mode)")
+        host, port, engine, tp = address
+        return _Concurrent(parsed.transfer_id, PeerAddress(EngineId(engine), host, port, tp))
 
     def _check_remote(self, request: Request, params: RemotePrefillParams) -> str | None:
         if not self._consumer:
@@ -284,10 +328,10 @@ class RdmaScheduler:
         remote = self._remote.get(rid)
         if remote is None:
             parsed = self._parse(request)
-            if not isinstance(parsed, RemotePrefillParams):
+            if not isinstance(parsed, (RemotePrefillParams, _Concurrent)):
                 return 0, False
             remote = self._remote[rid] = _Remote(parsed)
-            self._pending_connects[PeerAddress.of(parsed)] = None
+            self._pending_connects[parsed.peer if isinstance(parsed, _Concurrent) else PeerAddress.of(parsed)] = None
         if remote.stage is not RemoteStage.WAITING:
             return 0, False  # loaded (or released) already: e.g. after a preemption
         count = request.num_prompt_tokens - num_computed_tokens
@@ -305,6 +349,9 @@ class RdmaScheduler:
             return
         if num_external_tokens == 0:
             self._release(remote)  # full hit, or the engine chose to compute locally
+            return
+        if isinstance(remote.params, _Concurrent):
+            self._concurrent_load(request, remote, remote.params, blocks, num_external_tokens)
             return
         params = remote.params
         local_block_ids: list[BlockIds] = []
@@ -346,6 +393,30 @@ class RdmaScheduler:
             params.remote_registration,
         ))
 
+    def _concurrent_load(self, request: Request, remote: _Remote, concurrent: _Concurrent,
+                         blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """The load of a concurrent push: this engine's blocks from the first
+        token not computed locally, registered with the producer under the
+        transfer id (no lease: a placeholder names the request)."""
+        spec = self._specs[0]
+        first = remote.num_computed // spec.block_size
+        last = -(-request.num_prompt_tokens // spec.block_size)
+        error = None
+        if num_external_tokens != remote.count:
+            error = (f"asked to load {num_external_tokens} tokens after {remote.num_computed}, "
+                     f"but {remote.count} were offered")
+        elif blocks.num_groups != 1 or len(blocks.group(0)) < last:
+            error = f"{len(blocks.group(0)) if blocks.num_groups else 0} blocks allocated for {last}"
+        elif remote.num_computed % spec.block_size:
+            error = f"a local prefix hit of {remote.num_computed} tokens is not whole blocks"
+        local = tuple(blocks.group(0)[first:last]) if blocks.num_groups else ()
+        remote.stage = RemoteStage.PENDING
+        placeholder = LeaseRef(0, 0, request.request_id, bytes(16), bytes(16))
+        self._pending_loads.append(LoadSpec(
+            request.request_id, (local,), ((),), concurrent.peer, placeholder, self._settings.lease_ttl_s,
+            remote.claim, error, (0,), 1, concurrent.transfer_id, remote.num_computed,
+            request.num_prompt_tokens))
+
     def _unread_blocks(self, request: Request, num_computed: int, blocks: KVCacheBlocks,
                        group: int) -> BlockIds:
         """The blocks a failed plan of ``group`` would have loaded (best effort)."""
@@ -358,7 +429,9 @@ class RdmaScheduler:
     def _release(self, remote: _Remote) -> None:
         if remote.stage in (RemoteStage.WAITING, RemoteStage.PENDING):
             remote.stage = RemoteStage.RELEASED
-            self._pending_releases.append(remote.lease)
+            lease = remote.lease
+            if lease is not None:  # a concurrent push holds none: its producer's registration never came
+                self._pending_releases.append(lease)
 
     # --- every step ------------------------------------------------------------------------------
 
@@ -370,6 +443,7 @@ class RdmaScheduler:
                 remote.stage = RemoteStage.SHIPPED
         now = self._clock()
         due = [r for r in self._remote.values() if r.stage is RemoteStage.WAITING
+               and isinstance(r.params, RemotePrefillParams)
                and self._settings.renewal_due(r.renewed_at, now, r.params.remote_lease_ttl_s)]
         for remote in due:
             remote.renewed_at = now
@@ -382,7 +456,7 @@ class RdmaScheduler:
             loads=loads,
             sends=tuple(self._pending_sends),
             releases=tuple(self._pending_releases),
-            renewals=tuple(r.lease for r in due),
+            renewals=tuple(r.lease for r in due if r.lease is not None),
             aborts=tuple(self._pending_aborts),
             connects=tuple(self._pending_connects),
             reclaims=tuple(self._pending_reclaims),
@@ -455,6 +529,8 @@ class RdmaScheduler:
             # still tell the producer, or its blocks wait for the lease to expire.
             self._release(_Remote(parsed))
             return False, None
+        if isinstance(parsed, ConcurrentPrefill):
+            return False, None  # never registered: the producer's lease ends at its TTL
         if not self._producer:
             return False, None
         if not isinstance(parsed, RemoteDecodeRequest) or not any(groups):
@@ -507,7 +583,9 @@ class RdmaScheduler:
             remote_num_tokens=request.num_prompt_tokens,
             remote_registration=self._registration,
         )
-        self._pending_sends.append(SendSpec(rid, tuple(held), params.lease, settings.lease_ttl_s))
+        transfer_id = parsed.transfer_id if settings.mode == "push" else None
+        self._pending_sends.append(SendSpec(rid, tuple(held), params.lease, settings.lease_ttl_s, transfer_id,
+                                            request.num_prompt_tokens))
         self._held[rid] = (generation, sum(len(ids) for ids in held))
         self._held_blocks += self._held[rid][1]
         return True, params.to_dict()

@@ -36,7 +36,9 @@ def default_lanes() -> int:
     return max(1, min(cpus, DEFAULT_LANES_CAP, MAX_LANES))
 
 
-__all__ = ["EXTRA_KEYS", "USER_KEYS", "RdmaSettings"]
+__all__ = ["EXTRA_KEYS", "MODES", "USER_KEYS", "RdmaSettings"]
+
+MODES = ("pull", "push")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +110,13 @@ class RdmaSettings:
     allow_unauthenticated: bool = False
     """Let a producer whose side channel listens on a non-loopback address
     start without a shared secret. Off: such a producer refuses to start."""
+    mode: str = "pull"
+    """``pull``: the decode reads the producer's blocks (one-sided GET),
+    then confirms the lease. ``push``: the decode allocates and registers its
+    blocks with the producer, which writes them (one-sided PUT) and notifies
+    once every write is remotely complete (``pusher``, ``consumer/pushes``).
+    Both engines must run the same mode: the handshake refuses a mismatch,
+    naming both, and the request recomputes."""
 
     @classmethod
     def from_config(cls, config: KVTransferConfig) -> RdmaSettings:
@@ -144,6 +153,7 @@ class RdmaSettings:
                                   "name an environment variable / a file")
             values[name] = value
         values["allow_unauthenticated"] = get("allow_unauthenticated", False, type=bool)
+        values["mode"] = get("mode", "pull", type=str)
         if config.is_kv_producer:
             _require_secret_off_loopback(host, values)
         for name, kind in (("tp_rank", int), ("tp_size", int), ("total_kv_heads", int), ("lease_ttl_s", float),
@@ -159,6 +169,9 @@ class RdmaSettings:
         return settings
 
     def _validate(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"kv_connector_extra_config['mode']={self.mode!r}: use one of {list(MODES)} "
+                              "('pull': the decode reads; 'push': the producer writes), the same on both engines")
         if not 0 <= self.side_channel_port <= 65535:
             raise ConfigError(f"side_channel_port={self.side_channel_port} not in [0, 65535]")
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:

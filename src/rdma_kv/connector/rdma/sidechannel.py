@@ -95,6 +95,18 @@ class Handler(Protocol):
         ...
 
 
+class PushHandler(Handler, Protocol):
+    """A handler that also takes push mode's requests (``producer.ProducerHandler``)."""
+
+    def on_push_hello(self, request: wire.PushHello) -> wire.PushReply: ...
+
+    def on_push(self, request: wire.Push) -> wire.PushReply: ...
+
+    def on_push_reg(self, request: wire.PushReg) -> wire.PushReply: ...
+
+    def on_push_query(self, request: wire.PushQuery) -> wire.PushReply: ...
+
+
 class SideChannelServer:
     """Serves ``handler`` on ``host:port`` (port 0: the OS picks; see ``port``).
 
@@ -403,6 +415,15 @@ class SideChannelServer:
                 return self._handler.on_confirm(request)
             if isinstance(request, wire.Release):
                 return self._handler.on_release(request)
+            if isinstance(request, (wire.PushHello, wire.Push, wire.PushReg, wire.PushQuery)):
+                # Push mode's requests (PushHandler); a handler without them refuses.
+                name = {wire.PushHello: "on_push_hello", wire.Push: "on_push", wire.PushReg: "on_push_reg",
+                        wire.PushQuery: "on_push_query"}[type(request)]
+                answer = getattr(self._handler, name, None)
+                if answer is None:
+                    return wire.Refused("this side channel does not take push requests")
+                reply: wire.Reply = answer(request)
+                return reply
             return wire.ErrorReply(f"unexpected {type(request).__name__} after the opening")
         except Exception as exc:  # a handler bug must not kill the server
             logger.exception("side channel %s: handler failed", self._name)

@@ -41,7 +41,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
 __all__ = ["MAX_RECORDS", "ConsumerCounters", "Counters", "LeaseCounters", "LoadMeasures", "LoadRecord",
-           "LoadStats", "Tally", "Totals", "WorkerStats", "merge"]
+           "LoadStats", "PushCounters", "Tally", "Totals", "WorkerStats", "merge"]
 
 MAX_RECORDS = 10_000
 """Per-request records kept until collected, and across merges; beyond it
@@ -246,6 +246,35 @@ class LeaseCounters(Counters):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class PushCounters(Counters):
+    """Push mode: the producer's writer (``pusher``) and the decode's pushes
+    (``consumer/pushes``). Zero in pull mode."""
+
+    PREFIX: ClassVar[str] = "push_"
+
+    hellos: int = 0
+    """Decode ranks that introduced their KV cache (producer)."""
+    done: int = 0
+    """Pushes whose writes all completed remotely, notification sent (producer)."""
+    failed: int = 0
+    aborted: int = 0
+    refused: int = 0
+    """PUSH answered REFUSED: nothing written (a lease refusal, blocks outside the lease, a replay)."""
+    abort_asked: int = 0
+    written_bytes: int = 0
+    """Bytes written by pushes that completed (producer)."""
+    loads_done: int = 0
+    """Sources whose push completed (decode)."""
+    loads_failed: int = 0
+    producer_gone: int = 0
+    """Pushes resolved because the producer's side channel refused connections (decode)."""
+    unreachable: int = 0
+    """Pushes resolved only at their bound, the producer unreachable (decode)."""
+    notifications_unmatched: int = 0
+    """Notifications of a push the decode no longer waits for (decode)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Totals:
     """Sums over every load recorded (dropped records included) and the
     event counters of each owner. ``to_dict`` flattens them into one mapping.
@@ -263,6 +292,7 @@ class Totals:
     """Bytes sliding windows kept from being read (``LoadMeasures.nbytes_skipped``)."""
     consumer: ConsumerCounters = ConsumerCounters()
     leases: LeaseCounters = LeaseCounters()
+    push: PushCounters = PushCounters()
 
     def add_record(self, record: LoadRecord) -> Totals:
         sums: dict[str, Any] = {name: getattr(self, name) + (getattr(record, name) or 0) for name in _SUMS}
@@ -273,7 +303,7 @@ class Totals:
 
     def events(self) -> dict[str, int]:
         """Every owner's non-zero counters by their flat names."""
-        return {**self.consumer.flat(), **self.leases.flat()}
+        return {**self.consumer.flat(), **self.leases.flat(), **self.push.flat()}
 
     def to_dict(self) -> dict[str, Any]:
         return {**{name: getattr(self, name) for name in _NUMBERS}, **self.events()}
@@ -284,7 +314,8 @@ class Totals:
         if unknown:
             raise ValueError(f"unknown totals key(s) {sorted(unknown)}; valid: {sorted(_TOTAL_KEYS)}")
         numbers: dict[str, Any] = {name: (float if name in _FLOATS else int)(data.get(name, 0)) for name in _NUMBERS}
-        return cls(**numbers, consumer=ConsumerCounters.parse(data), leases=LeaseCounters.parse(data))
+        return cls(**numbers, consumer=ConsumerCounters.parse(data), leases=LeaseCounters.parse(data),
+                   push=PushCounters.parse(data))
 
 
 _TOTALS_FIELDS = dataclasses.fields(Totals)
@@ -293,7 +324,7 @@ _SUMS = tuple(f.name for f in _TOTALS_FIELDS if f.name in _MEASURED)
 _NUMBERS = (*_SUMS, "loads_ok")
 """The totals that are numbers (the others are counters)."""
 _FLOATS = frozenset(f.name for f in _TOTALS_FIELDS if isinstance(f.default, float))
-_TOTAL_KEYS = frozenset(_NUMBERS) | ConsumerCounters.names() | LeaseCounters.names()
+_TOTAL_KEYS = frozenset(_NUMBERS) | ConsumerCounters.names() | LeaseCounters.names() | PushCounters.names()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

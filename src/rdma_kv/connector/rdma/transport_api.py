@@ -88,6 +88,23 @@ class Transport(Protocol):
         contiguous on both sides are merged into one operation. Fails (never
         hangs) within ``timeout_s`` when the peer dies."""
 
+    def write_prepared(
+        self,
+        local: PreparedList,
+        local_index: Any,
+        remote: PreparedList,
+        remote_index: Any,
+        *,
+        notify: bytes | None = None,
+        timeout_s: float | None = None,
+    ) -> TransferHandle:
+        """Write ``local[local_index]`` into ``remote[remote_index]`` (push
+        mode); with ``notify``, the peer receives it only after every write
+        is remotely complete (the transport flushes first)."""
+
+    def get_notifications(self) -> list[Any]:
+        """Notifications received since the last call (``.payload``: bytes)."""
+
     def close(self) -> None: ...
 
 

@@ -35,6 +35,14 @@ from rdma_kv.errors import MetadataError, PeerError
 
 __all__ = [
     "CLAIM_BYTES",
+    "PUSH_TOKEN_BYTES",
+    "HeadsWire",
+    "Push",
+    "PushHello",
+    "PushQuery",
+    "PushReg",
+    "PushReply",
+    "PushState",
     "MAX_READER",
     "MAX_READERS",
     "PROTOCOL_VERSION",
@@ -62,7 +70,7 @@ __all__ = [
     "send_frame",
 ]
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """The side channel's version: both ends must speak the same one. A peer of
 another version is refused with a message naming both versions (a version-1
 producer answers HELLO with ``error``, which the client reports as a version
@@ -96,6 +104,12 @@ refuses as unknown: ``forbid_unknown_fields``):
    token presented with other block ids. Later under 5 (sleep mode): the
    handshake reply names the producer's KV-cache ``registration`` (default
    1), and the binding covers it.
+6. (2026-11-26) Push mode (``mode: "push"``): ``CompatInfo`` names the
+   ``transfer_mode`` (a pull engine and a push engine refuse each other at
+   the handshake); PUSH_HELLO (the decode's agent metadata and geometry),
+   PUSH (a lease, the decode's allocation ``token`` and both sides' block
+   ids: the producer writes those blocks) and PUSH_QUERY (state, or abort)
+   answered ``push{state, detail, writes_end_within_s}``.
 """
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 16 << 20  # agent metadata (worker address + rkeys) plus geometry
@@ -167,6 +181,9 @@ class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layer_groups: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_LAYERS)] = []
     """Per layer, its KV-cache group; empty for a single group (hybrid
     models: block ids travel per group, so both sides must group alike)."""
+    transfer_mode: Str = "pull"
+    """``pull`` (the decode reads) or ``push`` (the producer writes): both
+    engines must run the same mode."""
 
     def compat_hash(self) -> str:
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:32]
@@ -373,7 +390,85 @@ class Release(msgspec.Struct, frozen=True, tag="release", forbid_unknown_fields=
     leases: Leases
 
 
-Request = Union[Hello, Auth, Handshake, Renew, Confirm, Release]
+PUSH_TOKEN_BYTES = 16
+PushToken = Annotated[bytes, msgspec.Meta(min_length=PUSH_TOKEN_BYTES, max_length=PUSH_TOKEN_BYTES)]
+BlockIdList = Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_BLOCKS_PER_LAYER)]],
+                        msgspec.Meta(max_length=1 << 20)]
+GroupIdLists = Annotated[list[BlockIdList], msgspec.Meta(min_length=1, max_length=MAX_LAYERS)]
+
+
+class HeadsWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """Heads ``[first, first + count)`` of the ``of`` KV heads a rank holds (``slots.HeadSlice``)."""
+
+    first: Annotated[int, msgspec.Meta(ge=0, lt=1 << 20)]
+    count: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+    of: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+
+
+class PushHello(msgspec.Struct, frozen=True, tag="push_hello", forbid_unknown_fields=True):
+    """A decode rank introduces its KV cache to a producer rank that will
+    write into it: its agent metadata (worker address, packed remote keys)
+    and geometry, under its KV-cache ``registration``."""
+
+    version: int
+    engine_id: Str
+    rank: RankInfo
+    registration: Annotated[int, msgspec.Meta(ge=1)]
+    agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_REQUEST_BYTES // 2)]
+    geometry: GeometryWire
+
+
+class Push(msgspec.Struct, frozen=True, tag="push", forbid_unknown_fields=True):
+    """Write the lease's ``remote_block_ids`` (the producer's, per group)
+    into the decode's ``local_block_ids`` (per group, allocated to this
+    request), the heads of each side given by ``*_heads`` (None: whole
+    blocks); notify ``token`` once every write is remotely complete."""
+
+    version: int
+    lease: LeaseWire
+    token: PushToken
+    engine_id: Str
+    tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+    registration: Annotated[int, msgspec.Meta(ge=1)]
+    local_block_ids: GroupIdLists
+    remote_block_ids: GroupIdLists
+    local_heads: HeadsWire | None = None
+    remote_heads: HeadsWire | None = None
+
+
+class PushReg(msgspec.Struct, frozen=True, tag="push_reg", forbid_unknown_fields=True):
+    """Concurrent dispatch: register the decode's blocks for the prompt from
+    ``first_token`` on (one KV-cache group) under the router's
+    ``transfer_id``, before or after the prefill ran; the producer writes
+    them once the prefill under that id finished (its own lease, pinned),
+    and notifies ``token``. ``reader``/``readers``: this decode rank, and how
+    many decode ranks register for this producer rank (heterogeneous TP)."""
+
+    version: int
+    transfer_id: Str
+    token: PushToken
+    engine_id: Str
+    tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+    registration: Annotated[int, msgspec.Meta(ge=1)]
+    first_token: Annotated[int, msgspec.Meta(ge=0)]
+    num_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    local_block_ids: GroupIdLists
+    reader: Reader = 0
+    readers: Readers = 1
+    local_heads: HeadsWire | None = None
+    remote_heads: HeadsWire | None = None
+
+
+class PushQuery(msgspec.Struct, frozen=True, tag="push_query", forbid_unknown_fields=True):
+    """Where the push of ``token`` is; with ``abort``, stop it first (no
+    write is posted for it after this answer)."""
+
+    version: int
+    token: PushToken
+    abort: bool = False
+
+
+Request = Union[Hello, Auth, Handshake, Renew, Confirm, Release, PushHello, Push, PushReg, PushQuery]
 
 
 # --- replies (server -> client) ------------------------------------------------------
@@ -423,7 +518,41 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error", forbid_unknown_fields
     message: Annotated[str, msgspec.Meta(max_length=8192)]
 
 
-Reply = Union[Challenge, AuthOk, HandshakeReply, LeaseReply, Refused, ErrorReply]
+class PushState(str, enum.Enum):
+    """A push as the producer sees it. ``running``: writes posted, not yet
+    resolved; ``waiting``: registered under a transfer id whose prefill has
+    not finished (nothing posted yet); ``done``: every write remotely complete (flushed) and the
+    notification sent; ``failed``/``aborted``: resolved, and no write for
+    it will be posted again; ``refused``: nothing was written (``detail``
+    says why: the lease's answer, blocks outside the lease, an unknown
+    decode); ``pending``: the lease's grant has not reached this worker yet
+    (ask again); ``unknown``: no push of this token (never received, or
+    forgotten long after it resolved)."""
+
+    RUNNING = "running"
+    WAITING = "waiting"
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+    REFUSED = "refused"
+    PENDING = "pending"
+    UNKNOWN = "unknown"
+
+    @property
+    def resolved(self) -> bool:
+        """No write of this push can still land."""
+        return self not in (PushState.RUNNING, PushState.WAITING)
+
+
+class PushReply(msgspec.Struct, frozen=True, tag="push_state", forbid_unknown_fields=True):
+    state: PushState
+    detail: Annotated[str, msgspec.Meta(max_length=8192)] = ""
+    writes_end_within_s: float = 0.0
+    """While ``running``: no write of this push lands later than this many
+    seconds after the answer (the producer's transfer timeout)."""
+
+
+Reply = Union[Challenge, AuthOk, HandshakeReply, LeaseReply, Refused, ErrorReply, PushReply]
 
 _encoder = msgspec.msgpack.Encoder()
 request_decoder: msgspec.msgpack.Decoder[Request] = msgspec.msgpack.Decoder(Request)

@@ -111,7 +111,8 @@ class RdmaWorker:
         self._asleep = False
 
     def _new_consumer(self, local: LocalKV) -> RdmaConsumer:
-        return RdmaConsumer(local, self._engine_id, self._settings, self._pool, self._book, self._clock)
+        return RdmaConsumer(local, self._engine_id, self._settings, self._pool, self._book, self._clock,
+                            self._registration)
 
     def _make_client(self, host: str, port: int) -> SideChannelClient:
         s = self._settings
@@ -147,12 +148,12 @@ class RdmaWorker:
             s = self._settings
             rank = rank_info(self._kv_cache_config, s.tp_rank, s.tp_size)
             compat = compat_info(self._kv_cache_config, geometry,
-                                 s.total_kv_heads or rank.num_kv_heads * s.tp_size, s.attention_backend)
+                                 s.total_kv_heads or rank.num_kv_heads * s.tp_size, s.attention_backend, s.mode)
             if self._producer is not None:
                 if self._producer.handler is None:
-                    self._producer.start(compat, rank, transport.metadata, geometry)
+                    self._producer.start(compat, rank, transport, geometry)
                 else:
-                    self._producer.resume(transport.metadata, geometry, self._registration)
+                    self._producer.resume(transport, geometry, self._registration)
         except BaseException:
             transport.close()
             raise
@@ -269,7 +270,10 @@ class RdmaWorker:
         nothing happened), with the leases and resources held now."""
         records, totals = self._book.take_stats()
         if self._producer is not None:
-            totals = dataclasses.replace(totals, leases=self._producer.take_counters())  # granted, released...
+            totals = dataclasses.replace(totals, leases=self._producer.take_counters(),  # granted, released...
+                                         push=totals.push + self._producer.take_push_counters())
+        if self._consumer is not None and self._consumer.pushes is not None:
+            totals = dataclasses.replace(totals, push=totals.push + self._consumer.pushes.take_counters())
         if not records and not totals.events():
             return None
         return WorkerStats(records, totals, len(self.leases), self.resources())

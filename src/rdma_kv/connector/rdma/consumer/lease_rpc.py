@@ -80,6 +80,8 @@ class LeaseCalls:
         load's, to each source not yet released (``RdmaSettings.renewal_due``)."""
         due: list[Targeted] = []
         for load in loads:
+            if load.spec.concurrent:
+                continue  # a concurrent push holds no lease (the producer pins its own while it writes)
             if not load.stage.terminal and self._settings.renewal_due(load.renewed_at, now, load.spec.lease_ttl_s):
                 load.renewed_at = now
                 due.extend(self.of(load, src) for src in load.sources if not src.released)
@@ -90,6 +92,8 @@ class LeaseCalls:
         released (a load that failed before it had sources: every producer
         rank this rank calls, as for a request released by the scheduler).
         Lock held."""
+        if load.spec.concurrent:
+            return  # no lease to release (the producer releases its own when the push resolves)
         if load.sources:
             targets = [self.of(load, src) for src in load.sources if not src.released]
             for src in load.sources:

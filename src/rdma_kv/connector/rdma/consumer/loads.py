@@ -30,7 +30,7 @@ Load-failure warnings are rate-limited per producer (``lograte``).
 Imports the standard library, ``rdma_kv.errors``, the connector's
 ``types`` and its ``rdma`` modules ``meta``, ``settings``, ``slots``,
 ``lograte``, ``transport_api`` and the consumer's ``clients``, ``confirms``,
-``lease_rpc``, ``peers`` and ``records``. Never the producer's modules.
+``lease_rpc``, ``peers``, ``pushes`` and ``records``. Never the producer's modules.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from rdma_kv.connector.rdma.consumer.clients import ClientPool
 from rdma_kv.connector.rdma.consumer.confirms import Confirmations
 from rdma_kv.connector.rdma.consumer.lease_rpc import LeaseCalls
 from rdma_kv.connector.rdma.consumer.peers import Connection, LocalKV, PeerDirectory, PeerState
+from rdma_kv.connector.rdma.consumer.pushes import PushHandle, Pushes
 from rdma_kv.connector.rdma.consumer.records import LoadBook, LoadStage, LoadState, Source, SourceStage
 from rdma_kv.connector.rdma.lograte import RateLimitedWarnings
 from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress, RemoteLease
@@ -67,7 +68,7 @@ class RdmaConsumer:
     from sleep takes over."""
 
     def __init__(self, local: LocalKV, engine_id: EngineId, settings: RdmaSettings, pool: ClientPool,
-                 book: LoadBook, clock: Callable[[], float] = time.monotonic) -> None:
+                 book: LoadBook, clock: Callable[[], float] = time.monotonic, registration: int = 1) -> None:
         self._local = local
         self._settings = settings
         self._clock = clock
@@ -80,6 +81,9 @@ class RdmaConsumer:
         self.leases = LeaseCalls(settings, self.peers.plan, pool, book, self._fail)
         self._confirms = Confirmations(self._lock, pool, self.peers, self.leases, self._fail, self._confirmed)
         self._asleep: str | None = None  # why loads fail at once (suspend)
+        self.pushes = (Pushes(local, engine_id, registration, settings, pool, self.peers.failed, clock)
+                       if settings.mode == "push" else None)
+        """Push mode: the producer writes each source (``pushes``); None in pull mode."""
 
     # --- every step ------------------------------------------------------------------------------
 
@@ -124,7 +128,8 @@ class RdmaConsumer:
                 self._fail(load, f"cannot map tensor-parallel ranks: {exc}")
                 return
             load.sources = [Source(read, plan.readers[read.rank]) for read in plan.reads]
-            release_only = [t for t in self.leases.targets(spec.remote_lease) if t[0] in plan.release_only]
+            release_only = [] if spec.concurrent else [
+                t for t in self.leases.targets(spec.remote_lease) if t[0] in plan.release_only]
             for src in load.sources:
                 found = self.peers.peer_for(load, src, now)
                 if isinstance(found, str):
@@ -168,6 +173,9 @@ class RdmaConsumer:
             src.stage, src.resolved = SourceStage.READING, False
             if load.stage is HANDSHAKE:
                 load.stage = READING
+        if self.pushes is not None:
+            self._push(load, src, peer)
+            return
         t0 = time.perf_counter()
         try:
             # Not under the lock: preparing tables calls the transport, whose
@@ -192,6 +200,63 @@ class RdmaConsumer:
                 block_runs=runs, nbytes_skipped=skipped,
                 plan_s=time.perf_counter() - t0 - xfer.post_s, post_s=xfer.post_s)
         xfer.add_done_callback(functools.partial(self._on_read_done, load, src, peer))
+
+    def _push(self, load: LoadState, src: Source, peer: PeerState) -> None:
+        """Push mode: register this source's blocks with its producer rank,
+        which writes them (``pushes``). Called without the lock held."""
+        assert self.pushes is not None
+        spec = load.spec
+        try:
+            plan = self.peers.plan(spec.peer)
+            if spec.concurrent:
+                handle = self.pushes.register(peer, plan, src.read, src.readers, spec)
+            else:
+                handle = self.pushes.start(peer, plan, src.read, self.leases.of(load, src)[1],
+                                           spec.local_block_ids, spec.remote_block_ids)
+        except Exception as exc:  # nothing was sent
+            with self._lock:
+                src.resolved = True
+                self._fail(load, f"registering the blocks with {spec.peer.engine_id!r} rank {src.read.rank} "
+                                 f"failed: {exc}")
+            return
+        src.transfer = handle
+        handle.add_done_callback(functools.partial(self._on_push_done, load, src))
+
+    def _on_push_done(self, load: LoadState, src: Source, handle: PushHandle) -> None:
+        """An RPC, progress or engine thread: one source's push resolved (no
+        write of it can land any more, ``pushes``)."""
+        ok = handle.error is None
+        skipped = self._local.slots.skipped_nbytes(load.spec.num_skipped_blocks) if ok else 0
+        if ok and skipped:  # this source's heads' share (heterogeneous TP)
+            plan = self.peers.plan(load.spec.peer)
+            skipped = skipped * src.read.count // plan.local_heads if not plan.whole(src.read) else skipped
+        num_blocks = sum(len(g) for g in load.spec.local_block_ids)
+        with self._lock:
+            load.measures = load.measures.with_(num_blocks=num_blocks).add(
+                nbytes=handle.nbytes if ok else 0, num_descs=handle.num_descs,
+                nbytes_skipped=skipped).at_least(transfer_s=handle.elapsed_s)
+            src.resolved = True
+            if handle.error is not None:
+                self._fail(load, f"push from {load.spec.peer.engine_id!r} rank {src.read.rank}: {handle.error}")
+                return
+            src.released = True  # the producer released its lease when the push resolved
+            if load.stage.terminal:
+                return
+            src.stage = SourceStage.CONFIRMED  # the producer held the lease (pinned) through every write
+            if load.error is not None:
+                self._fail(load, load.error)
+            elif load.aborted:
+                if load.read_resolved:
+                    self._finish_aborted(load)
+            elif load.all_confirmed:
+                self._confirmed(load, self._clock())
+
+    def _stop_pushes(self, load: LoadState) -> None:
+        """Ask the producers to stop the load's pushes still running (lock held)."""
+        if self.pushes is not None:
+            for src in load.sources:
+                if isinstance(src.transfer, PushHandle) and not src.transfer.done():
+                    self.pushes.abort(src.transfer)
 
     def _on_read_done(self, load: LoadState, src: Source, peer: PeerState, xfer: TransferHandle) -> None:
         """Transport progress thread: one source's reads completed or failed."""
@@ -238,6 +303,7 @@ class RdmaConsumer:
             # Reads can still land: defer until every transfer resolves (its
             # deadline bounds this); _on_read_done fails it.
             load.error = load.error or reason
+            self._stop_pushes(load)
             return
         load.stage, load.error = FAILED, load.error or reason
         self._book.counters.add("loads_failed")
@@ -266,7 +332,8 @@ class RdmaConsumer:
             load.aborted = True
             if load.read_resolved:
                 self._finish_aborted(load)
-            # else: _on_read_done finishes it once no read can land
+            else:  # _on_read_done finishes it once no read can land
+                self._stop_pushes(load)
 
     # --- get_finished, introspection, sleep -------------------------------------------------------
 
@@ -274,6 +341,8 @@ class RdmaConsumer:
         """(aborted requests whose blocks may be freed, loads finished):
         fails the loads past their deadline, re-queues PENDING confirmations
         and sends the renewals due."""
+        if self.pushes is not None:
+            self.pushes.poll()
         now = self._clock()
         with self._lock:
             for load in list(self._book.loads.values()):
@@ -296,9 +365,12 @@ class RdmaConsumer:
 
     def resources(self) -> dict[str, int]:
         with self._lock:
-            return {"inflight_loads": len(self._book.loads), "peers": len(self.peers),
-                    "clients": len(self._pool), "unreported": self._book.num_unreported,
-                    "confirm_queue": len(self._confirms)}
+            out = {"inflight_loads": len(self._book.loads), "peers": len(self.peers),
+                   "clients": len(self._pool), "unreported": self._book.num_unreported,
+                   "confirm_queue": len(self._confirms)}
+        if self.pushes is not None:
+            out["pushes_running"] = self.pushes.running()
+        return out
 
     def suspend(self, reason: str, timeout_s: float) -> None:
         """The worker is about to close the transport (sleep): fail every load

@@ -1,0 +1,374 @@
+"""Push mode, the decode's side: registering an allocation, and knowing when no write can land.
+
+Owns :class:`Pushes` and :class:`PushHandle`. In push mode a load's source
+is not read: its blocks (the decode's, allocated to this request by its
+scheduler) are registered with the producer rank (PUSH, on an RPC thread),
+which writes them and notifies the allocation's random ``token`` once every
+write is remotely complete. The handle stands where a read's transfer
+stands in pull (``loads``): ``done()``, ``error`` and done-callbacks, so the
+load state machine is the same one.
+
+**When a handle resolves** -- the decode may act on its blocks (use them,
+or hand them back to its engine) only then:
+
+- success: the producer's notification for the token (the transport sent
+  it after flushing every endpoint that carried a write: the data landed),
+  or its answer DONE to a query;
+- failure, nothing can land: the producer answered REFUSED or PENDING
+  past the load's deadline (nothing was posted), FAILED or ABORTED (every
+  write it posted resolved; it posts none again; after FAILED the decode
+  also drops its endpoints to the producer, for transports whose writes
+  its own worker applies), or UNKNOWN to a query after it had answered the
+  PUSH (it never had it);
+- failure, the producer is gone: its side channel refuses connections
+  (no process listens: none writes; its endpoints went with it) -- the
+  transport peer is dropped first;
+- failure, unreachable: no answer at all, until ``lease_max_s`` plus the
+  write timeout after the PUSH was sent (the lease ended by then on the
+  producer's own clock, and it posts no write for an ended lease; a write
+  posted before had its timeout). The blocks stay out of the engine until
+  then; the bound is documented (docs/rdma-connector.md, "Push mode").
+
+A load that fails or is aborted while its push runs asks the producer to
+abort (PUSH_QUERY with ``abort``) and waits for one of the above.
+
+Runs on the engine thread (``start``, ``poll``), the RPC threads (PUSH,
+PUSH_QUERY) and never blocks the engine. Imports numpy, the standard
+library, the connector's ``rdma`` modules ``wire``, ``settings``, ``slots``,
+``topology``, ``meta``, ``pusher`` (the notification prefix only), and the
+consumer's ``clients``, ``peers`` and ``records``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from rdma_kv.connector.rdma import wire
+from rdma_kv.connector.rdma.consumer.clients import ClientPool
+from rdma_kv.connector.rdma.consumer.peers import LocalKV, PeerState
+from rdma_kv.connector.rdma.meta import LoadSpec, RemoteLease
+from rdma_kv.connector.rdma.pusher import PUSH_NOTIFY_PREFIX
+from rdma_kv.connector.rdma.settings import RdmaSettings
+from rdma_kv.connector.rdma.slots import HeadSlice, SlotTable
+from rdma_kv.connector.rdma.stats import PushCounters, Tally
+from rdma_kv.connector.rdma.topology import RankPlan, Read
+from rdma_kv.connector.types import GroupBlockIds
+from rdma_kv.errors import PeerError
+
+__all__ = ["PushHandle", "Pushes"]
+
+logger = logging.getLogger(__name__)
+
+QUERY_AFTER_S = 1.0
+"""A push with no notification this long after its PUSH was answered is
+queried (and again every ``QUERY_EVERY_S``): a lost or late notification,
+or a producer that failed, is found within about a second."""
+QUERY_EVERY_S = 0.5
+PENDING_RETRY_S = 0.05
+"""A PUSH answered PENDING (the lease's grant had not reached the
+producer's worker) is sent again after this long."""
+
+
+class PushFailed(Exception):
+    """Why a push resolved without the data."""
+
+
+@dataclasses.dataclass(eq=False)
+class PushHandle:
+    """One source's push: a ``TransferHandle`` for the load state machine."""
+
+    token: bytes
+    peer: PeerState
+    request: wire.Push | wire.PushReg
+    nbytes: int
+    num_descs: int
+    sent_at: float
+    hard_deadline: float
+    """Past this, with no answer, no write can land (module docstring)."""
+    ops_posted: int = 0
+    post_s: float = 0.0
+    answered: bool = False
+    """The producer answered the PUSH (it knows the token, or refused it)."""
+    aborting: bool = False
+    next_query_at: float = 0.0
+    busy: bool = False  # an RPC for it is on an RPC thread
+    resend: bool = False  # answered PENDING: the next due time sends the PUSH again
+    error: BaseException | None = None
+    _done: bool = False
+    _finished_at: float | None = None
+    _callbacks: list[Callable[[Any], None]] = dataclasses.field(default_factory=list)
+
+    @property
+    def elapsed_s(self) -> float:
+        return (self._finished_at or time.perf_counter()) - self.sent_at
+
+    def done(self) -> bool:
+        return self._done
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        if self._done:
+            fn(self)
+        else:
+            self._callbacks.append(fn)
+
+
+class Pushes:
+    """The pushes of one decode rank."""
+
+    def __init__(self, local: LocalKV, engine_id: str, registration: int, settings: RdmaSettings,
+                 pool: ClientPool, peer_failed: Callable[[PeerState, str], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._local = local
+        self._engine_id = engine_id
+        self._registration = registration
+        self._settings = settings
+        self._pool = pool
+        self._peer_failed = peer_failed
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._running: dict[bytes, PushHandle] = {}
+        self._hellos: set[tuple[str, int, int]] = set()  # (host, port, producer registration) introduced to
+        self._counts = Tally(PushCounters)  # counted under self._lock
+        self._tables: dict[HeadSlice, SlotTable] = {}  # engine thread only
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts.add(name, n)
+
+    # --- starting (engine thread) ------------------------------------------------------------------
+
+    def start(self, peer: PeerState, plan: RankPlan, read: Read, lease: RemoteLease,
+              local_block_ids: GroupBlockIds, remote_block_ids: GroupBlockIds) -> PushHandle:
+        """Register this source's blocks with its producer rank (on an RPC thread)."""
+        whole = plan.whole(read)
+        local_heads = None if whole else wire.HeadsWire(read.local_first, read.count, plan.local_heads)
+        remote_heads = None if whole else wire.HeadsWire(read.remote_first, read.count, plan.remote_heads)
+        token = secrets.token_bytes(wire.PUSH_TOKEN_BYTES)
+        request = wire.Push(wire.PROTOCOL_VERSION, lease.to_wire(), token, self._engine_id, self._settings.tp_rank,
+                            self._registration, [list(g) for g in local_block_ids],
+                            [list(g) for g in remote_block_ids], local_heads, remote_heads)
+        return self._begin(token, peer, request, plan, read, local_block_ids)
+
+    def _begin(self, token: bytes, peer: PeerState, request: wire.Push | wire.PushReg, plan: RankPlan,
+               read: Read, local_block_ids: GroupBlockIds) -> PushHandle:
+        whole = plan.whole(read)
+        heads = None if whole else HeadSlice(read.local_first, read.count, plan.local_heads)
+        table = self._local.slots if heads is None else self._sliced(heads)
+        counts = np.array([len(g) for g in local_block_ids], dtype=np.int64)
+        nbytes = int((counts * table.group_nbytes[:len(counts)]).sum())  # a group's id covers its layers only
+        ndescs = int(counts[table.row_group].sum()) if len(counts) == table.num_groups else 0
+        now = self._clock()
+        handle = PushHandle(token, peer, request, nbytes, ndescs, time.perf_counter(),
+                            hard_deadline=now + self._settings.lease_max_s + self._settings.read_timeout_s)
+        with self._lock:
+            self._running[token] = handle
+            handle.busy = True
+        if not self._pool.submit(self._send, handle):
+            self._resolve(handle, PushFailed("the worker is closing"))
+        return handle
+
+    def _sliced(self, heads: HeadSlice) -> SlotTable:
+        """This rank's slot table cut to ``heads`` (the push's sizes; made once per slice)."""
+        table = self._tables.get(heads)
+        if table is None:
+            table = self._tables[heads] = SlotTable(self._local.geometry, heads)
+        return table
+
+    def register(self, peer: PeerState, plan: RankPlan, read: Read, readers: int, spec: LoadSpec) -> PushHandle:
+        """Concurrent dispatch: register this source's blocks with its
+        producer rank under the router's transfer id (on an RPC thread)."""
+        assert spec.transfer_id is not None
+        whole = plan.whole(read)
+        local_heads = None if whole else wire.HeadsWire(read.local_first, read.count, plan.local_heads)
+        remote_heads = None if whole else wire.HeadsWire(read.remote_first, read.count, plan.remote_heads)
+        token = secrets.token_bytes(wire.PUSH_TOKEN_BYTES)
+        request = wire.PushReg(wire.PROTOCOL_VERSION, spec.transfer_id, token, self._engine_id,
+                               self._settings.tp_rank, self._registration, spec.first_token, spec.num_tokens,
+                               [list(g) for g in spec.local_block_ids], self._settings.tp_rank, readers,
+                               local_heads, remote_heads)
+        return self._begin(token, peer, request, plan, read, spec.local_block_ids)
+
+    # --- RPC threads -------------------------------------------------------------------------------
+
+    def _client(self, handle: PushHandle) -> Any:
+        return self._pool.get(*handle.peer.address.rank_address(handle.peer.rank))
+
+    def _hello(self, handle: PushHandle, client: Any, again: bool = False) -> None:
+        connection = handle.peer.connection
+        registration = connection.registration if connection is not None else 0
+        key = (client.host, client.port, registration)
+        if key in self._hellos and not again:
+            return
+        local = self._local
+        reply = client.call(wire.PushHello(wire.PROTOCOL_VERSION, self._engine_id, local.rank, self._registration,
+                                           local.transport.metadata(), wire.GeometryWire.from_geometry(local.geometry)))
+        if not isinstance(reply, wire.PushReply) or reply.state is not wire.PushState.DONE:
+            detail = reply.detail if isinstance(reply, wire.PushReply) else getattr(reply, "reason", repr(reply))
+            raise PushFailed(f"producer {client.address} refused this decode's KV cache: {detail}")
+        self._hellos.add(key)
+
+    def _send(self, handle: PushHandle) -> None:
+        """PUSH ``handle`` (its producer rank's RPC thread)."""
+        try:
+            client = self._client(handle)
+            self._hello(handle, client)
+            reply = client.call(handle.request, timeout_s=self._settings.rpc_timeout_s)
+            if isinstance(reply, wire.PushReply) and reply.state is wire.PushState.REFUSED \
+                    and "PUSH_HELLO" in reply.detail:
+                self._hello(handle, client, again=True)  # the producer forgot us (it re-registered)
+                reply = client.call(handle.request, timeout_s=self._settings.rpc_timeout_s)
+        except PushFailed as exc:
+            self._after(handle, None, exc)
+            return
+        except Exception as exc:
+            self._after(handle, None, exc)
+            return
+        self._after(handle, reply, None)
+
+    def _query(self, handle: PushHandle) -> None:
+        """PUSH_QUERY (with ``abort`` once the load no longer wants the data)."""
+        try:
+            reply = self._client(handle).call(wire.PushQuery(wire.PROTOCOL_VERSION, handle.token, handle.aborting),
+                                              timeout_s=self._settings.rpc_timeout_s)
+        except Exception as exc:
+            self._after(handle, None, exc)
+            return
+        self._after(handle, reply, None)
+
+    def _after(self, handle: PushHandle, reply: Any, exc: BaseException | None) -> None:
+        """An answer (or none) to a PUSH or PUSH_QUERY: resolve, or look again later."""
+        now = self._clock()
+        with self._lock:
+            handle.busy = False
+            if handle.done():
+                return
+        S = wire.PushState
+        if exc is not None:
+            if _refused_connection(exc):
+                # No process listens on the producer's side channel: nothing of it writes.
+                self._peer_failed(handle.peer, str(exc))
+                self._count("producer_gone")
+                self._resolve(handle, PushFailed(f"producer rank {handle.peer.rank} is gone ({exc}); "
+                                                 "no write of it can land"))
+                return
+            if now >= handle.hard_deadline:
+                self._count("unreachable")
+                self._resolve(handle, PushFailed(f"producer rank {handle.peer.rank} unreachable since the push "
+                                                 f"({exc}); past lease_max_s + read_timeout_s no write can land"))
+                return
+            with self._lock:
+                handle.next_query_at = now + QUERY_EVERY_S
+            return
+        if not isinstance(reply, wire.PushReply):
+            why = getattr(reply, "reason", None) or getattr(reply, "message", None) or repr(reply)
+            if handle.answered:  # a query misunderstood: keep asking until a bound
+                with self._lock:
+                    handle.next_query_at = now + QUERY_EVERY_S
+                return
+            self._resolve(handle, PushFailed(f"the producer refused the push: {why}"))  # nothing was taken
+            return
+        state = reply.state
+        if state is S.DONE:
+            self._resolve(handle, None)
+        elif state in (S.RUNNING, S.WAITING):  # WAITING: registered, its prefill not finished yet
+            with self._lock:
+                handle.answered = True
+                handle.next_query_at = now + (QUERY_EVERY_S if handle.aborting else QUERY_AFTER_S)
+                handle.hard_deadline = min(handle.hard_deadline, now + reply.writes_end_within_s + 1.0)
+        elif state is S.PENDING and not handle.answered:
+            if handle.aborting:
+                self._resolve(handle, PushFailed("aborted before the producer took the push"))
+            else:  # the grant is one producer step away: PUSH again shortly (poll)
+                with self._lock:
+                    handle.resend, handle.next_query_at = True, now + PENDING_RETRY_S
+        elif state is S.UNKNOWN and not handle.answered:
+            # A query after a PUSH whose answer was lost: the producer never took it.
+            self._resolve(handle, PushFailed(f"the producer has no push of this allocation: {reply.detail}"))
+        else:  # REFUSED, FAILED, ABORTED, UNKNOWN after an answer (forgotten long after it resolved)
+            if state is S.FAILED and handle.answered:
+                # The producer's transport cancelled a posted batch. Where the
+                # decode's own worker applies writes (TCP's software emulation
+                # of PUT), bytes already received could still be applied: drop
+                # the endpoints to this producer before the blocks go back.
+                self._peer_failed(handle.peer, f"a push from it failed: {reply.detail}")
+            self._resolve(handle, PushFailed(f"push {state.value}: {reply.detail}"))
+
+    # --- every step (engine thread) ----------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Match the producers' notifications; query the pushes due."""
+        for note in self._local.transport.get_notifications():
+            payload = getattr(note, "payload", b"")
+            if not payload.startswith(PUSH_NOTIFY_PREFIX):
+                continue
+            with self._lock:
+                handle = self._running.get(payload[len(PUSH_NOTIFY_PREFIX):])
+            if handle is None:
+                self._count("notifications_unmatched")  # a load that gave up on it: its blocks were kept until then
+                continue
+            self._resolve(handle, None)
+        now = self._clock()
+        due = []
+        with self._lock:
+            for handle in self._running.values():
+                if not handle.busy and handle.next_query_at and now >= handle.next_query_at:
+                    handle.busy = True
+                    due.append(handle)
+        for handle in due:
+            resend, handle.resend = handle.resend, False
+            if resend and handle.aborting:  # its last answer was PENDING: never taken, never sent again
+                self._resolve(handle, PushFailed("aborted before the producer took the push"))
+            elif not self._pool.submit(self._send if resend else self._query, handle):
+                self._resolve(handle, PushFailed("the worker is closing"))
+
+    def abort(self, handle: PushHandle) -> None:
+        """The load no longer wants this push: ask the producer to stop, now."""
+        with self._lock:
+            if handle.done() or handle.aborting:
+                return
+            handle.aborting = True
+            if handle.answered or handle.resend:
+                handle.next_query_at = self._clock()  # the next poll asks (or resends, and learns PENDING)
+
+    def _resolve(self, handle: PushHandle, error: BaseException | None) -> None:
+        with self._lock:
+            if handle._done:
+                return
+            handle._done, handle.error, handle._finished_at = True, error, time.perf_counter()
+            self._running.pop(handle.token, None)
+            callbacks, handle._callbacks = handle._callbacks, []
+            self._counts.add("loads_done" if error is None else "loads_failed")
+        for fn in callbacks:
+            try:
+                fn(handle)
+            except Exception:
+                logger.exception("push completion callback failed")
+
+    def running(self) -> int:
+        with self._lock:
+            return len(self._running)
+
+    def take_counters(self) -> PushCounters:
+        with self._lock:
+            return self._counts.take()
+
+
+def _refused_connection(exc: BaseException) -> bool:
+    """The producer's side channel actively refused a connection (nothing
+    listens), as opposed to a timeout or a reset mid-call."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ConnectionRefusedError) or getattr(seen, "errno", None) == errno.ECONNREFUSED:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return isinstance(exc, PeerError) and "refused" in str(exc).lower() and "connect" in str(exc).lower()
+

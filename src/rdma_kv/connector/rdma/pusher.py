@@ -1,0 +1,438 @@
+"""Push mode, the producer's side: writing a lease's blocks into a decode's KV cache.
+
+Owns :class:`PushWriter`: the decode ranks that introduced their KV cache
+(PUSH_HELLO: agent metadata, geometry, registration), and the pushes (one
+per decode allocation ``token``): PUSH checks the lease, writes, and the
+transport notifies the decode once every write is remotely complete;
+PUSH_QUERY answers where a push is, or aborts it.
+
+What a push may write, and when (the never-silent argument in full:
+docs/rdma-connector.md, "Push mode"):
+
+- **Only the lease's blocks, only into the allocation named.** PUSH carries
+  the lease as RENEW/CONFIRM do (token, binding, claim): FORGED, UNKNOWN,
+  GONE or CLAIMED write nothing. The producer block ids must be among the
+  lease's (per group); the decode block ids are the decode's allocation for
+  this request, and its ``token`` is random per allocation. One push per
+  lease and decode rank: a second PUSH under the same lease from the same
+  rank (a replay, a stale registration) is refused.
+- **From blocks that stay held.** The lease is pinned while its writes are
+  in flight (``LeaseTable.pin_for_push``): no expiry or reclaim frees the
+  source blocks under a write.
+- **Completion is never early.** The writes are posted with the decode's
+  token as their notification: the transport flushes every endpoint that
+  carried a part before it sends the notification (``csrc/post.c``), so the
+  decode sees the token only after every byte landed.
+- **Bounded.** Every write batch has the transfer timeout
+  (``read_timeout_s``, the pull reads' own); ``writes_end_within_s`` in the
+  answer says so. Once a push resolved (DONE, FAILED, ABORTED), nothing for
+  it is posted again, and the lease is released (its blocks go back to the
+  prefill engine through ``done_sending``).
+
+Runs on the side channel's loop thread (posting does not block) and the
+transport's progress thread (completions). Imports numpy, the standard
+library, the connector's ``geometry`` and ``types``, and its ``rdma``
+modules ``leases``, ``slots``, ``stats``, ``transport_api`` and ``wire``.
+Never the consumer's modules.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from rdma_kv.connector.geometry import KVCacheGeometry
+from rdma_kv.connector.rdma import wire
+from rdma_kv.connector.rdma.leases import LeaseCall, LeaseTable
+from rdma_kv.connector.rdma.meta import SendSpec
+from rdma_kv.connector.rdma.slots import HeadSlice, SlotTable
+from rdma_kv.connector.rdma.stats import PushCounters, Tally
+from rdma_kv.connector.rdma.transport_api import PreparedList, TransferHandle, Transport
+
+__all__ = ["PUSH_NOTIFY_PREFIX", "PushWriter"]
+
+logger = logging.getLogger(__name__)
+
+PUSH_NOTIFY_PREFIX = b"rdma-kv-push:"
+"""A push's notification: this prefix, then the decode's 16-byte token."""
+
+FORGET_AFTER_S = 600.0
+"""A resolved push is remembered this long (a decode's late query reads its state)."""
+MAX_REMEMBERED = 1 << 16
+
+RUNNING, WAITING, DONE, FAILED, ABORTED, REFUSED, PENDING, UNKNOWN = (
+    wire.PushState.RUNNING, wire.PushState.WAITING, wire.PushState.DONE, wire.PushState.FAILED,
+    wire.PushState.ABORTED, wire.PushState.REFUSED, wire.PushState.PENDING, wire.PushState.UNKNOWN)
+
+
+@dataclasses.dataclass
+class _Decode:
+    """A decode rank that introduced its KV cache (PUSH_HELLO)."""
+
+    name: str  # the transport peer
+    geometry: KVCacheGeometry
+    registration: int
+    tables: dict[HeadSlice | None, tuple[SlotTable, PreparedList]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(eq=False)
+class _Push:
+    call: LeaseCall | None
+    """The lease it writes from (pinned while it writes); None while WAITING."""
+    state: wire.PushState = RUNNING
+    detail: str = ""
+    aborted: bool = False
+    nbytes: int = 0
+    resolved_at: float | None = None
+    reg: wire.PushReg | None = None
+    """Concurrent dispatch: the registration, until its prefill's lease is granted."""
+    token: bytes = b""
+    wait_until: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Granted:
+    """A lease granted under a transfer id (concurrent dispatch), for the
+    decode ranks that register under it."""
+
+    send: SendSpec
+    at: float
+
+
+class PushWriter:
+    """The producer rank's pushes."""
+
+    def __init__(self, transport: Transport, geometry: KVCacheGeometry, leases: LeaseTable,
+                 write_timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 wait_s: float = 30.0, block_size: int = 0) -> None:
+        self._transport = transport
+        self._geometry = geometry
+        self._leases = leases
+        self._write_timeout_s = write_timeout_s
+        self._wait_s = wait_s
+        self._block_size = block_size  # tokens per block (concurrent dispatch maps tokens to blocks)
+        """How long a registration waits for its prefill (concurrent dispatch)."""
+        self._waiting: dict[str, list[bytes]] = collections.defaultdict(list)  # transfer id -> tokens
+        self._granted: collections.OrderedDict[str, _Granted] = collections.OrderedDict()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._decodes: dict[tuple[str, int], _Decode] = {}
+        self._pushes: collections.OrderedDict[bytes, _Push] = collections.OrderedDict()
+        self._generations: set[tuple[int, int]] = set()  # (lease, reader) pushed: a second PUSH is refused
+        self._own: dict[HeadSlice | None, tuple[SlotTable, PreparedList]] = {}
+        self._counts = Tally(PushCounters)  # counted under self._lock
+
+    # --- PUSH_HELLO ------------------------------------------------------------------------
+
+    def hello(self, request: wire.PushHello) -> wire.PushReply:
+        key = (request.engine_id, request.rank.tp_rank)
+        geometry = request.geometry.to_geometry()
+        with self._lock:
+            old = self._decodes.get(key)
+        if old is not None and old.registration == request.registration:
+            return wire.PushReply(DONE, "known")
+        name = self._transport.add_peer(request.agent_metadata)  # replaces an older incarnation
+        with self._lock:
+            self._decodes[key] = _Decode(name, geometry, request.registration)
+        with self._lock:
+            self._counts.add("hellos")
+        return wire.PushReply(DONE, "introduced")
+
+    # --- PUSH --------------------------------------------------------------------------------
+
+    def push(self, request: wire.Push) -> wire.PushReply:
+        token = request.token
+        with self._lock:
+            known = self._pushes.get(token)
+            if known is not None:  # the decode asking again (a retried call)
+                return self._answer(known)
+            decode = self._decodes.get((request.engine_id, request.tp_rank))
+            replayed = (request.lease.generation, request.lease.reader) in self._generations
+        if decode is None or decode.registration != request.registration:
+            return wire.PushReply(REFUSED, f"decode {request.engine_id!r} rank {request.tp_rank} registration "
+                                           f"{request.registration} did not introduce its KV cache (PUSH_HELLO) "
+                                           "to this producer rank")
+        if replayed:
+            self._count("refused")
+            return wire.PushReply(REFUSED, f"lease {request.lease.generation} was already pushed to decode rank "
+                                           f"{request.lease.reader}: a replayed or stale registration writes nothing")
+        w = request.lease
+        call = LeaseCall(w.ref(), w.claim, w.reader, w.readers)
+        status, lease_blocks = self._leases.pin_for_push(call)
+        if status is wire.LeaseStatus.PENDING:
+            return wire.PushReply(PENDING, "the lease's grant has not reached this worker yet")
+        if status is not wire.LeaseStatus.HELD:
+            self._count("refused")
+            return wire.PushReply(REFUSED, f"lease {status.name}")
+        entry = _Push(call, token=token)
+        try:
+            planned = self._plan(request.remote_block_ids, request.local_block_ids, request.remote_heads,
+                                 request.local_heads, decode, lease_blocks)
+        except ValueError as exc:
+            self._leases.unpin(w.generation)
+            self._count("refused")
+            return wire.PushReply(REFUSED, str(exc))
+        with self._lock:
+            self._generations.add((w.generation, w.reader))
+            self._remember(token, entry)
+        self._write(entry, planned, request.engine_id)
+        with self._lock:
+            return self._answer(entry)
+
+    def _write(self, entry: _Push, planned: tuple[np.ndarray, np.ndarray, PreparedList, PreparedList],
+               decode: str) -> None:
+        """Post ``entry``'s writes, notified with its token once remotely complete."""
+        src, dst, own_prep, dst_prep = planned
+        try:
+            xfer = self._transport.write_prepared(own_prep, src, dst_prep, dst,
+                                                  notify=PUSH_NOTIFY_PREFIX + entry.token,
+                                                  timeout_s=self._write_timeout_s)
+        except Exception as exc:  # nothing posted: a post that raises leaves nothing in flight
+            rid = entry.call.ref.request_id if entry.call is not None else "?"
+            logger.warning("push of %r to %r: posting the writes failed: %s", rid, decode, exc)
+            self._resolve(entry, None, f"posting the writes failed: {exc}")
+            return
+        entry.nbytes = xfer.nbytes
+        xfer.add_done_callback(lambda x: self._resolve(entry, x, None))
+
+    def _plan(self, remote_ids: list[list[int]], local_ids: list[list[int]], remote_heads: wire.HeadsWire | None,
+              local_heads: wire.HeadsWire | None, decode: _Decode, lease_blocks: tuple[tuple[int, ...], ...]
+              ) -> tuple[np.ndarray, np.ndarray, PreparedList, PreparedList]:
+        """(source slots, destination slots, their prepared lists); ValueError
+        naming what is wrong (nothing posted then)."""
+        remote = [np.asarray(g, dtype=np.int64) for g in remote_ids]
+        local = [np.asarray(g, dtype=np.int64) for g in local_ids]
+        if len(remote) != len(lease_blocks) or len(local) != len(lease_blocks):
+            raise ValueError(f"{len(remote)} and {len(local)} groups of block ids for a lease of "
+                             f"{len(lease_blocks)} groups")
+        for i, (mine, held) in enumerate(zip(remote, lease_blocks)):
+            outside = np.setdiff1d(mine, np.asarray(held, dtype=np.int64))
+            if outside.size:
+                raise ValueError(f"producer block(s) {outside[:8].tolist()} of group {i} are not the lease's: "
+                                 "a push writes only the blocks its lease holds")
+            if mine.size != local[i].size:
+                raise ValueError(f"group {i}: {mine.size} producer blocks for {local[i].size} decode blocks")
+        own_heads = _heads(remote_heads)
+        dst_heads = _heads(local_heads)
+        with self._lock:
+            own = self._own.get(own_heads)
+            dst = decode.tables.get(dst_heads)
+        if own is None:
+            table = SlotTable(self._geometry, own_heads)
+            own = (table, self._transport.prep_local(table.descs))
+            with self._lock:
+                self._own[own_heads] = own
+        if dst is None:
+            table = SlotTable(decode.geometry, dst_heads)
+            if not np.array_equal(table.row_nbytes, own[0].row_nbytes):
+                raise ValueError("the decode's and this producer's slot tables differ in bytes per block "
+                                 "(KV layouts or head slices do not match)")
+            dst = (table, self._transport.prep_remote(decode.name, table.descs))
+            with self._lock:
+                decode.tables[dst_heads] = dst
+        return own[0].indices(remote, "producer"), dst[0].indices(local, "decode"), own[1], dst[1]
+
+    def _resolve(self, entry: _Push, xfer: TransferHandle | None, error: str | None) -> None:
+        """The push's writes resolved (``xfer`` done or failed), or were never
+        posted (``error``): nothing more is written for it; unpin and release
+        the lease (its blocks go back to the engine)."""
+        failure = error if error is not None else (None if xfer is None or xfer.error is None
+                                                  else f"writes failed: {xfer.error}")
+        with self._lock:
+            if failure is not None:  # even if aborted: the decode must know the batch broke (pushes.py)
+                entry.state, entry.detail = FAILED, failure
+            elif entry.aborted:
+                entry.state, entry.detail = ABORTED, "aborted by the decode (its writes had completed)"
+            else:
+                entry.state = DONE
+            entry.resolved_at = self._clock()
+            self._counts.add(entry.state.value)
+            if entry.state is DONE:
+                self._counts.add("written_bytes", entry.nbytes)
+        if entry.call is not None:
+            self._leases.unpin(entry.call.ref.generation)
+            self._leases.release([entry.call])
+
+    # --- PUSH_REG: concurrent dispatch -----------------------------------------------------------
+
+    def register(self, request: wire.PushReg) -> wire.PushReply:
+        """A decode's blocks under a transfer id: written once (or as soon as)
+        the prefill under that id finished; WAITING until then, REFUSED if no
+        such prefill finishes within ``wait_s``."""
+        self.reap()
+        token = request.token
+        with self._lock:
+            known = self._pushes.get(token)
+            if known is not None:
+                return self._answer(known)
+            decode = self._decodes.get((request.engine_id, request.tp_rank))
+        if decode is None or decode.registration != request.registration:
+            return wire.PushReply(REFUSED, f"decode {request.engine_id!r} rank {request.tp_rank} registration "
+                                           f"{request.registration} did not introduce its KV cache (PUSH_HELLO) "
+                                           "to this producer rank")
+        if len(request.local_block_ids) != 1:
+            return wire.PushReply(REFUSED, "concurrent dispatch serves models with one KV-cache group")
+        entry = _Push(None, WAITING, token=token, reg=request, wait_until=self._clock() + self._wait_s)
+        with self._lock:
+            self._remember(token, entry)
+            self._waiting[request.transfer_id].append(token)
+            granted = self._granted.get(request.transfer_id)
+        if granted is not None:
+            self._start_registered(entry, granted.send)
+        with self._lock:
+            return self._answer(entry)
+
+    def granted(self, send: SendSpec) -> None:
+        """The prefill under ``send.transfer_id`` finished and its lease was
+        granted (producer worker, step metadata): write every registration
+        waiting for it; later ones are written when they come."""
+        assert send.transfer_id is not None
+        with self._lock:
+            self._granted[send.transfer_id] = _Granted(send, self._clock())
+            while len(self._granted) > MAX_REMEMBERED:
+                self._granted.popitem(last=False)
+            tokens = self._waiting.pop(send.transfer_id, [])
+            entries = [self._pushes[t] for t in tokens if t in self._pushes]
+        for entry in entries:
+            self._start_registered(entry, send)
+
+    def _start_registered(self, entry: _Push, send: SendSpec) -> None:
+        """Pin ``send``'s lease for ``entry``'s decode rank and write."""
+        reg = entry.reg
+        assert reg is not None
+        with self._lock:
+            if entry.state is not WAITING:
+                return  # aborted or expired meanwhile
+            decode = self._decodes.get((reg.engine_id, reg.tp_rank))
+            entry.state = RUNNING  # taken: no second start
+        problem = None
+        bs = self._block_size
+        first = reg.first_token // bs if bs else 0
+        ids = send.block_ids[0] if send.block_ids else ()
+        local = list(reg.local_block_ids[0])
+        if decode is None:
+            problem = "the decode forgot its KV cache (re-registered)"
+        elif not bs or reg.first_token % bs:
+            problem = f"first token {reg.first_token} is not at a block boundary (block size {bs})"
+        elif send.num_tokens != reg.num_tokens:
+            problem = (f"the prefill under transfer id {reg.transfer_id!r} has {send.num_tokens} prompt tokens, "
+                       f"the decode {reg.num_tokens}: a router must send both legs the same prompt")
+        elif first + len(local) > len(ids):
+            problem = f"the decode registered {len(local)} blocks from block {first}; the prefill holds {len(ids)}"
+        call = LeaseCall(send.lease, _claim(reg.transfer_id), reg.reader, reg.readers)
+        if problem is None:
+            status, lease_blocks = self._leases.pin_for_push(call)
+            if status is not wire.LeaseStatus.HELD:
+                problem = f"the prefill's lease is {status.name}"
+        if problem is not None:
+            with self._lock:
+                entry.state, entry.detail, entry.resolved_at = REFUSED, problem, self._clock()
+                self._counts.add("refused")
+            return
+        entry.call = call
+        try:
+            assert decode is not None
+            planned = self._plan([list(ids[first:first + len(local)])], [local], reg.remote_heads,
+                                 reg.local_heads, decode, lease_blocks)
+        except ValueError as exc:
+            self._leases.unpin(send.lease.generation)
+            with self._lock:
+                entry.state, entry.detail, entry.resolved_at = REFUSED, str(exc), self._clock()
+                self._counts.add("refused")
+            return
+        self._write(entry, planned, reg.engine_id)
+
+    def reap(self) -> None:
+        """Registrations whose prefill did not finish within ``wait_s``: REFUSED
+        (the decode's load fails and it recomputes); nothing was posted."""
+        now = self._clock()
+        with self._lock:
+            for transfer_id, tokens in list(self._waiting.items()):
+                keep = []
+                for t in tokens:
+                    entry = self._pushes.get(t)
+                    if entry is None or entry.state is not WAITING:
+                        continue
+                    if now >= entry.wait_until:
+                        entry.state, entry.resolved_at = REFUSED, now
+                        entry.detail = (f"no prefill under transfer id {transfer_id!r} finished on this producer "
+                                        f"within {self._wait_s:g} s")
+                        self._counts.add("refused")
+                    else:
+                        keep.append(t)
+                if keep:
+                    self._waiting[transfer_id] = keep
+                else:
+                    del self._waiting[transfer_id]
+            while self._granted and now - next(iter(self._granted.values())).at > self._leases.max_s:
+                self._granted.popitem(last=False)
+
+    # --- PUSH_QUERY ----------------------------------------------------------------------------
+
+    def query(self, request: wire.PushQuery) -> wire.PushReply:
+        self.reap()
+        with self._lock:
+            entry = self._pushes.get(request.token)
+            if entry is None:
+                return wire.PushReply(UNKNOWN, "no push of this token on this producer rank")
+            if request.abort and entry.state is WAITING:
+                entry.state, entry.detail, entry.resolved_at = ABORTED, "aborted before anything was posted", \
+                    self._clock()
+                self._counts.add("aborted")
+                return self._answer(entry)
+            if request.abort and entry.state is RUNNING and not entry.aborted:
+                # Posted writes cannot be recalled: they resolve within the
+                # timeout; the decode waits for that answer before reusing its blocks.
+                entry.aborted = True
+                self._counts.add("abort_asked")
+            return self._answer(entry)
+
+    # --- bookkeeping (lock held) ---------------------------------------------------------------
+
+    def _answer(self, entry: _Push) -> wire.PushReply:
+        within = {RUNNING: self._write_timeout_s,
+                  WAITING: max(0.0, entry.wait_until - self._clock()) + self._write_timeout_s}.get(entry.state, 0.0)
+        return wire.PushReply(entry.state, entry.detail, within)
+
+    def _remember(self, token: bytes, entry: _Push) -> None:
+        self._pushes[token] = entry
+        now = self._clock()
+        while self._pushes:
+            old = next(iter(self._pushes.values()))
+            forget = len(self._pushes) > MAX_REMEMBERED or (
+                old.resolved_at is not None and now - old.resolved_at > FORGET_AFTER_S)
+            if not forget or old.state in (RUNNING, WAITING):
+                break
+            self._pushes.popitem(last=False)
+            if old.call is not None:
+                self._generations.discard((old.call.ref.generation, old.call.reader))
+
+    def running(self) -> int:
+        with self._lock:
+            return sum(p.state in (RUNNING, WAITING) for p in self._pushes.values())
+
+    def take_counters(self) -> PushCounters:
+        """Push events since the last call."""
+        with self._lock:
+            return self._counts.take()
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counts.add(name)
+
+
+def _claim(transfer_id: str) -> bytes:
+    """The claim every decode rank of one concurrent push makes on the lease:
+    derived from the transfer id both legs carry."""
+    return hashlib.sha256(b"rdma-kv push claim " + transfer_id.encode()).digest()[:16]
+
+
+def _heads(w: wire.HeadsWire | None) -> HeadSlice | None:
+    return None if w is None else HeadSlice(w.first, w.count, w.of)

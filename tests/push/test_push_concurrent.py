@@ -1,0 +1,131 @@
+"""Push mode with concurrent dispatch: the decode registers its blocks under
+the router's ``transfer_id`` before (or after) the prefill ran; the producer
+writes once the prefill under that id finished. The request ids carry the
+prefill's registered address as vllm-router's moriio mode and Ray Serve
+write them (``___prefill_addr_..___decode_addr_.._<32 hex>``). Harness
+engines in this process over the fake transport; every block verified."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from fakes import FakeFabric
+from rdma_testutil import wait_until
+
+from rdma_kv.connector import KVTransferConfig
+from rdma_kv.connector.rdma.params import format_router_address
+from rdma_kv.harness.engine import Engine, ModelShape
+
+pytestmark = pytest.mark.timeout(120)
+
+SHAPE = ModelShape(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, num_blocks=128, dtype="float32")
+
+
+def config(role: str, engine_id: str, mode: str = "push", **extra) -> KVTransferConfig:
+    return KVTransferConfig(kv_connector="RdmaKVConnector", kv_role=role, engine_id=engine_id, kv_port=0,
+                            kv_load_failure_policy="recompute",
+                            kv_connector_extra_config={"mode": mode, "rpc_timeout_s": 1.0, "load_timeout_s": 10.0,
+                                                       **extra})
+
+
+class Pair:
+    def __init__(self, p_extra=None, d_mode="push"):
+        self.fabric = FakeFabric()
+        kw = {"transport_factory": self.fabric.factory}
+        self.P = Engine(config("kv_producer", "prefill-1", **(p_extra or {})), SHAPE, connector_kwargs=kw)
+        self.D = Engine(config("kv_consumer", "decode-1", mode=d_mode), SHAPE, connector_kwargs=kw)
+
+    def close(self):
+        self.P.shutdown()
+        self.D.shutdown()
+
+    def pump(self):
+        self.P.step()
+        self.D.step()
+
+    def ids(self):
+        """The two legs' request ids, as vLLM makes them from the router's X-Request-Id."""
+        port = self.P.worker.worker.side_channel_port
+        p_addr = format_router_address("127.0.0.1", port, "prefill-1", 1)
+        header = f"___prefill_addr_{p_addr}___decode_addr_host:127.0.0.1,handshake:1,engine:decode-1,tp:1_" \
+                 f"{uuid.uuid4().hex}"
+        return f"cmpl-{header}-0-aaaa1111", f"cmpl-{header}-0-bbbb2222", f"tx-{uuid.uuid4().hex}"
+
+    def prefill(self, rid, prompt, tid):
+        self.P.add_request(rid, prompt, {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid,
+                                         "remote_engine_id": None, "remote_block_ids": None,
+                                         "remote_dp_size": 1, "remote_tp_size": 1})
+
+    def decode(self, rid, prompt, tid):
+        self.D.add_request(rid, prompt, {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": tid,
+                                         "remote_engine_id": None, "remote_block_ids": None,
+                                         "remote_dp_size": 1, "remote_tp_size": 1})
+
+    def finished(self, rid):
+        r = self.D.results.get(rid)
+        return r is not None and r.status.value in ("finished", "failed")
+
+
+@pytest.mark.parametrize("order", ["decode_first", "prefill_first", "together"])
+def test_the_decode_registers_under_the_transfer_id_and_the_producer_writes(rng, order):
+    pair = Pair()
+    try:
+        legs = {}
+        for i in range(6):
+            p_rid, d_rid, tid = pair.ids()
+            prompt = rng.integers(1, 999, int(rng.integers(3, 40))).tolist()
+            legs[d_rid] = (p_rid, prompt, tid)
+        for d_rid, (p_rid, prompt, tid) in legs.items():
+            if order == "prefill_first":
+                pair.prefill(p_rid, prompt, tid)
+                wait_until(lambda: p_rid in pair.P.results, step=pair.pump, what="the prefill")
+                pair.decode(d_rid, prompt, tid)
+            elif order == "decode_first":
+                pair.decode(d_rid, prompt, tid)
+                for _ in range(3):  # the decode registers; its prefill has not started
+                    pair.pump()
+                pair.prefill(p_rid, prompt, tid)
+            else:
+                pair.prefill(p_rid, prompt, tid)
+                pair.decode(d_rid, prompt, tid)
+        wait_until(lambda: all(pair.finished(r) for r in legs), step=pair.pump, what="the decodes")
+        for rid in legs:
+            r = pair.D.results[rid]
+            assert r.status.value == "finished" and not r.load_failed, (rid, r.error)
+            assert r.external_tokens and r.bad_blocks == [], rid
+        assert pair.fabric.writes >= len(legs) and pair.fabric.reads == 0
+        wait_until(lambda: not pair.P.held and not pair.D.requests and len(pair.P.worker.worker.leases) == 0,
+                   step=pair.pump, what="the producer freeing every block")
+    finally:
+        pair.close()
+
+
+def test_a_registration_no_prefill_matches_ends_as_a_load_error_within_its_bound(caplog):
+    pair = Pair(p_extra={"load_timeout_s": 1.5})  # the producer keeps a registration 1.5 s
+    try:
+        _, d_rid, tid = pair.ids()
+        prompt = list(range(1, 30))
+        t0 = time.monotonic()
+        pair.decode(d_rid, prompt, tid)  # its prefill never comes (the router's prefill leg failed)
+        wait_until(lambda: pair.finished(d_rid), step=pair.pump, what="the decode", timeout_s=30)
+        r = pair.D.results[d_rid]
+        assert r.load_failed and r.recomputed_from_block == 0 and r.bad_blocks == [], r
+        assert time.monotonic() - t0 < 20
+        assert f"no prefill under transfer id {tid!r} finished" in caplog.text
+        assert pair.fabric.writes == 0
+    finally:
+        pair.close()
+
+
+def test_a_pull_decode_given_a_transfer_id_computes_locally_and_says_why(caplog):
+    pair = Pair(d_mode="pull")
+    try:
+        _, d_rid, tid = pair.ids()
+        pair.decode(d_rid, list(range(1, 30)), tid)
+        wait_until(lambda: pair.finished(d_rid), step=pair.pump, what="the decode")
+        assert pair.D.results[d_rid].external_tokens == 0
+        assert "needs mode 'push' on both engines" in caplog.text
+    finally:
+        pair.close()

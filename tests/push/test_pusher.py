@@ -1,0 +1,140 @@
+"""The producer's writer (``pusher.PushWriter``) on its own: what a PUSH may
+write, the lease pinned under a write, one push per lease and decode rank,
+an abort, and the decode's side of a notification (``consumer/pushes``).
+Fake transport: writes copy between two registered numpy caches."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from fakes import FakeFabric
+from leaseutil import A, Clock, binding, ref, table_with
+
+from rdma_kv.connector.geometry import derive_geometry
+from rdma_kv.connector.rdma import wire
+from rdma_kv.connector.rdma.pusher import PUSH_NOTIFY_PREFIX, PushWriter
+from rdma_kv.connector.rdma.meta import RemoteLease, PeerAddress
+from rdma_kv.connector.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+S = wire.PushState
+SPEC = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
+BLOCKS = 64
+
+
+def cache(fill: float | None):
+    names = ("l0", "l1")
+    shape = (BLOCKS, 2, 4, 16)
+    kv = {n: (np.zeros(shape, np.float32) if fill is None else
+              np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + 1000 * (i + 1) * fill)
+          for i, n in enumerate(names)}
+    config = KVCacheConfig(BLOCKS, tuple(KVCacheTensor(BLOCKS * SPEC.page_size_bytes, (n,)) for n in names),
+                           (KVCacheGroupSpec(names, SPEC),))
+    return kv, derive_geometry(kv, config)
+
+
+class Setup:
+    def __init__(self):
+        self.fabric = FakeFabric()
+        self.src, g_src = cache(1.0)
+        self.dst, self.g_dst = cache(None)
+        self.p = self.fabric.factory("P")
+        self.d = self.fabric.factory("D")
+        for region in g_src.regions:
+            self.p.register((region.base_address, region.nbytes))
+        for region in self.g_dst.regions:
+            self.d.register((region.base_address, region.nbytes))
+        self.clock = Clock()
+        self.leases = table_with(1, 2, clock=self.clock)  # lease g over blocks (10g, 10g + 1)
+        self.writer = PushWriter(self.p, g_src, self.leases, write_timeout_s=5.0, clock=self.clock)
+        hello = wire.PushHello(wire.PROTOCOL_VERSION, "D", wire.RankInfo(0, 1, 2), 1, self.d.metadata(),
+                               wire.GeometryWire.from_geometry(self.g_dst))
+        assert self.writer.hello(hello).state is S.DONE
+
+    def push(self, gen, local, remote=None, token=None, claim=A, lease_ref=None):
+        remote = remote if remote is not None else [gen * 10, gen * 10 + 1]
+        lease = RemoteLease(PeerAddress("P", "127.0.0.1", 1, 1), lease_ref or ref(gen), claim).to_wire()
+        return wire.Push(wire.PROTOCOL_VERSION, lease, token or bytes([gen]) * 16, "D", 0, 1, [local], [remote])
+
+
+def written(s: Setup, dst_blocks, src_blocks) -> bool:
+    return all(np.array_equal(s.dst[n][d], s.src[n][b]) for n in s.dst for d, b in zip(dst_blocks, src_blocks))
+
+
+def test_a_push_writes_the_leases_blocks_into_the_decodes_and_notifies_after_the_data():
+    s = Setup()
+    reply = s.writer.push(s.push(1, [40, 41]))
+    assert reply.state is S.DONE  # the fake completes at once
+    assert written(s, [40, 41], [10, 11])
+    (note,) = s.d.get_notifications()
+    assert note.payload == PUSH_NOTIFY_PREFIX + bytes([1]) * 16
+    untouched = [b for b in range(BLOCKS) if b not in (40, 41)]
+    assert not any(s.dst[n][untouched].any() for n in s.dst)
+    assert s.leases.take_done() == {"r1"}  # the lease ended with its push: the producer frees its blocks
+    assert s.writer.take_counters().done == 1
+
+
+@pytest.mark.parametrize("case", ["forged", "outside", "unknown_lease", "other_claim_after_push"])
+def test_a_push_the_lease_does_not_cover_writes_nothing(case):
+    s = Setup()
+    if case == "forged":  # lease 1's genuine token, presented with lease 2's blocks
+        forged = dataclasses.replace(ref(1), binding=binding([20, 21]))
+        request = s.push(1, [40, 41], remote=[20, 21], lease_ref=forged)
+        reply = s.writer.push(request)
+        assert reply.state is S.REFUSED and "FORGED" in reply.detail
+    elif case == "outside":  # the token covers the blocks, but the ids asked for are not all the lease's
+        reply = s.writer.push(s.push(1, [40, 41], remote=[10, 20]))
+        assert reply.state is S.REFUSED and "not the lease's" in reply.detail
+    elif case == "unknown_lease":
+        reply = s.writer.push(s.push(9, [40, 41]))
+        assert reply.state is S.PENDING  # issued later than anything granted here: not shipped yet
+    else:  # another consumer pushes a lease someone else claimed
+        assert s.writer.push(s.push(1, [40, 41])).state is S.DONE
+        s.dst["l0"][:] = 0
+        s.dst["l1"][:] = 0
+        reply = s.writer.push(s.push(1, [50, 51], token=b"x" * 16, claim=b"Z" * 16))
+        assert reply.state is S.REFUSED
+    assert not any(s.dst[n].any() for n in s.dst), "a refused push wrote"
+    assert s.fabric.writes == (1 if case == "other_claim_after_push" else 0)
+
+
+def test_a_replayed_push_under_the_same_lease_is_refused_and_a_retried_one_answers_its_state():
+    s = Setup()
+    first = s.push(1, [40, 41])
+    assert s.writer.push(first).state is S.DONE
+    assert s.writer.push(first).state is S.DONE  # the same token: the decode asking again
+    replay = s.push(1, [50, 51], token=b"r" * 16)
+    reply = s.writer.push(replay)
+    assert reply.state is S.REFUSED and "already pushed" in reply.detail
+    assert not s.dst["l0"][[50, 51]].any()
+
+
+def test_the_lease_is_pinned_while_its_write_runs_and_an_abort_waits_for_the_write():
+    s = Setup()
+    s.fabric.hold = True
+    token = b"h" * 16
+    assert s.writer.push(s.push(1, [40, 41], token=token)).state is S.RUNNING
+    s.clock.t += 3600  # far past the TTL and lease_max_s
+    assert s.leases.expire() == ["r2"]  # lease 1 is pinned (its blocks are being read); lease 2 is not
+    reply = s.writer.query(wire.PushQuery(wire.PROTOCOL_VERSION, token, abort=True))
+    assert reply.state is S.RUNNING and reply.writes_end_within_s == 5.0
+    assert s.leases.take_done() == {"r2"}
+    s.fabric.release_all()
+    assert s.writer.query(wire.PushQuery(wire.PROTOCOL_VERSION, token)).state is S.ABORTED
+    assert s.leases.take_done() == {"r1"}  # released once its write resolved
+    assert len(s.leases) == 0
+    assert s.writer.query(wire.PushQuery(wire.PROTOCOL_VERSION, b"n" * 16)).state is S.UNKNOWN
+
+
+def test_a_write_that_fails_is_failed_even_when_aborted_and_the_lease_is_released():
+    s = Setup()
+    s.fabric.hold = True
+    token = b"f" * 16
+    assert s.writer.push(s.push(1, [40, 41], token=token)).state is S.RUNNING
+    s.writer.query(wire.PushQuery(wire.PROTOCOL_VERSION, token, abort=True))
+    s.fabric.release_all(error=RuntimeError("injected"))
+    reply = s.writer.query(wire.PushQuery(wire.PROTOCOL_VERSION, token))
+    assert reply.state is S.FAILED and "injected" in reply.detail
+    assert s.d.get_notifications() == []  # no notification for a failed batch
+    assert s.leases.take_done() == {"r1"}

@@ -1,0 +1,105 @@
+"""Push mode in real vLLM behind the project's router: vllm-router 0.1.17
+(its default NIXL protocol: prefill first, its params to the decode, i.e.
+sequential dispatch) over vLLM OpenAI servers whose kv-transfer-config
+says ``"mode": "push"`` on both sides.
+
+``test_push_1p1d_through_vllm_router_equal_plain``:
+
+- sequential requests, 128 in flight at once, and streaming all equal the
+  plain server's completions;
+- every decode request received its KV by push
+  (``rdma_kv_pushed_loads_total{outcome="ok"}``) and none failed: at 128 in
+  flight no lease lapsed (the producer pins a lease while it writes, and
+  the decode renews it while it waits);
+- the producer counts its pushes (``rdma_kv_pushes_total{outcome="done"}``)
+  and the bytes it wrote (``rdma_kv_push_written_bytes_total``); it read
+  nothing back and holds no lease at the end;
+- control: a producer with other weights, pushing into the same decode,
+  changes the completions: the KV really came over the wire.
+
+Run in the vLLM venv (scripts/install-vllm.sh installs vllm-router):
+
+    .venv-vllm/bin/python -m pytest tests/vllm/test_vllm_push.py -q
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM not installed (scripts/install-vllm.sh)")
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from serve_proc import ApiServer, Router, complete, metric, wait_for  # noqa: E402
+from test_vllm_router import (  # noqa: E402
+    MAX_TOKENS,
+    ROUTER_PROMPTS,
+    START_S,
+    check_equal,
+    expected,
+    prefill_params,
+    rdma_config,
+)
+from tiny_model import build_tiny_llama  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.timeout(900)]
+
+
+def push_config(role: str) -> dict[str, Any]:
+    return rdma_config(role, mode="push")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ApiServer]]:
+    model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    other_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-other"), seed=1)
+    log_dir = tmp_path_factory.mktemp("push-logs")
+    made = {"plain": ApiServer("plain", model_dir, log_dir),
+            "prefill": ApiServer("prefill-push", model_dir, log_dir, kv_transfer_config=push_config("kv_producer")),
+            "other": ApiServer("prefill-push-other-weights", other_dir, log_dir,
+                               kv_transfer_config=push_config("kv_producer")),
+            "decode": ApiServer("decode-push", model_dir, log_dir, kv_transfer_config=push_config("kv_consumer"))}
+    try:
+        for s in made.values():
+            s.wait_healthy(START_S)
+        made["log_dir"] = log_dir  # type: ignore[assignment]
+        yield made
+    finally:
+        for name, s in made.items():
+            if name != "log_dir":
+                s.close()
+
+
+def test_push_1p1d_through_vllm_router_equal_plain(servers: dict[str, Any]) -> None:
+    plain, p, other, d = servers["plain"], servers["prefill"], servers["other"], servers["decode"]
+    reference: dict[tuple[str, int], str] = {}
+    many = [ROUTER_PROMPTS[i % len(ROUTER_PROMPTS)] for i in range(128)]
+    with Router("router-push", servers["log_dir"], prefill=[p.url], decode=[d.url]) as router:
+        router.wait_healthy(120)
+        sent = check_equal(router, plain, reference, ROUTER_PROMPTS)
+        sent += check_equal(router, plain, reference, many, in_flight=128)
+        sent += check_equal(router, plain, reference, ROUTER_PROMPTS, stream=True)
+    assert metric(d.url, "rdma_kv_pushed_loads_total", outcome="ok") == sent, d.log()[-3000:]
+    assert metric(d.url, "rdma_kv_loads_total", outcome="ok") == sent
+    assert metric(d.url, "rdma_kv_loads_total", outcome="failed") == 0
+    assert "KV load failed" not in d.log()
+    assert metric(p.url, "rdma_kv_pushes_total", outcome="done") == sent, p.log()[-3000:]
+    assert metric(p.url, "rdma_kv_push_written_bytes_total") > 0
+    wait_for("the producer to release every lease", lambda: metric(p.url, "rdma_kv_leases_held") == 0, 30)
+
+    # Control: the same decode, KV pushed by a producer with other weights.
+    differ = []
+    for prompt in ROUTER_PROMPTS[1:]:  # the 7-token prompt fits in one block: its output may coincide
+        params = prefill_params(other, prompt)
+        out = complete(d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+        assert out["status"] == 200, out
+        differ.append(out["text"] != expected(plain, reference, prompt))
+    assert all(differ), f"a producer with other weights left completions unchanged: {differ}"
+    assert metric(d.url, "rdma_kv_loads_total", outcome="failed") == 0
