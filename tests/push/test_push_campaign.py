@@ -147,9 +147,10 @@ class Campaign:
     def settle(self) -> None:
         self.fabric.hold = False
         deadline = time.monotonic() + 120
-        while self.D.requests or self.P.held or self.fabric.pending:
+        while self.D.requests or self.D.held or self.P.held or self.fabric.pending:
             assert time.monotonic() < deadline, (
-                f"not settled: decode {sorted(self.D.requests)}, producer holds {sorted(self.P.held)}, "
+                f"not settled: decode {sorted(self.D.requests)}, decode holds {sorted(self.D.held)} (aborted, "
+                f"waiting for their pushes to resolve), producer holds {sorted(self.P.held)}, "
                 f"{len(self.fabric.pending)} writes pending")
             self.fabric.release_all()
             self.step()
