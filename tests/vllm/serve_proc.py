@@ -146,8 +146,9 @@ class ApiServer(_Child):
 
     def __init__(self, name: str, model_dir: str, log_dir: Path, *,
                  kv_transfer_config: Mapping[str, Any] | None = None,
-                 env: Mapping[str, str] | None = None, extra_args: Sequence[str] = ()) -> None:
-        self.name, self.port = name, free_port()
+                 env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (),
+                 port: int | None = None) -> None:
+        self.name, self.port = name, port or free_port()
         self.log_path = Path(log_dir) / f"{name}.log"
         child_env = {**os.environ, **vllm_env(multiprocessing=True), "UCX_NET_DEVICES": "lo",
                      "PYTHONUNBUFFERED": "1", **(env or {})}

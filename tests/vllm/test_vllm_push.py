@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from serve_proc import ApiServer, Router, complete, metric, wait_for  # noqa: E402
+from serve_proc import ApiServer, Router, complete, free_port, metric, wait_for  # noqa: E402
 from test_vllm_router import (  # noqa: E402
     MAX_TOKENS,
     ROUTER_PROMPTS,
@@ -57,24 +57,35 @@ def push_config(role: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ApiServer]]:
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A plain server; a push prefill and decode, both also registered with
+    a discovery address where the moriio-mode router of the second test
+    listens (until then nobody does: ZMQ queues, nothing breaks); a push
+    prefill with other weights (registered nowhere)."""
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
     other_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-other"), seed=1)
     log_dir = tmp_path_factory.mktemp("push-logs")
+    discovery = f"127.0.0.1:{free_port()}"
+    p_port, d_port = free_port(), free_port()
+
+    def registered(role: str, port: int) -> dict[str, Any]:
+        return rdma_config(role, mode="push", router_discovery_address=discovery,
+                           router_http_address=f"127.0.0.1:{port}")
+
     made = {"plain": ApiServer("plain", model_dir, log_dir),
-            "prefill": ApiServer("prefill-push", model_dir, log_dir, kv_transfer_config=push_config("kv_producer")),
+            "prefill": ApiServer("prefill-push", model_dir, log_dir, port=p_port,
+                                 kv_transfer_config=registered("kv_producer", p_port)),
             "other": ApiServer("prefill-push-other-weights", other_dir, log_dir,
                                kv_transfer_config=push_config("kv_producer")),
-            "decode": ApiServer("decode-push", model_dir, log_dir, kv_transfer_config=push_config("kv_consumer"))}
+            "decode": ApiServer("decode-push", model_dir, log_dir, port=d_port,
+                                kv_transfer_config=registered("kv_consumer", d_port))}
     try:
         for s in made.values():
             s.wait_healthy(START_S)
-        made["log_dir"] = log_dir  # type: ignore[assignment]
-        yield made
+        yield {**made, "log_dir": log_dir, "discovery": discovery}
     finally:
-        for name, s in made.items():
-            if name != "log_dir":
-                s.close()
+        for s in made.values():
+            s.close()
 
 
 def test_push_1p1d_through_vllm_router_equal_plain(servers: dict[str, Any]) -> None:
@@ -103,3 +114,36 @@ def test_push_1p1d_through_vllm_router_equal_plain(servers: dict[str, Any]) -> N
         differ.append(out["text"] != expected(plain, reference, prompt))
     assert all(differ), f"a producer with other weights left completions unchanged: {differ}"
     assert metric(d.url, "rdma_kv_loads_total", outcome="failed") == 0
+
+
+def test_concurrent_dispatch_through_vllm_router_moriio_write_mode(servers: dict[str, Any]) -> None:
+    """vllm-router 0.1.17 ``--kv-connector moriio`` with both engines
+    registered as WRITE (``router_discovery_address``): the router sends the
+    prefill and the decode legs at once, giving both the same
+    ``transfer_id`` and the prefill's side channel in ``X-Request-Id``. The
+    decode registers its blocks under the transfer id, most of them before
+    their prefill finished; the producer writes each prompt once its prefill
+    did. Every completion equals plain; none was recomputed."""
+    plain, p, d = servers["plain"], servers["prefill"], servers["decode"]
+    reference: dict[tuple[str, int], str] = {}
+    before = {"loads": metric(d.url, "rdma_kv_pushed_loads_total", outcome="ok"),
+              "pushes": metric(p.url, "rdma_kv_pushes_total", outcome="done"),
+              "early": metric(p.url, "rdma_kv_events_total", event="push_registrations_early"),
+              "regs": metric(p.url, "rdma_kv_events_total", event="push_registrations")}
+    many = [ROUTER_PROMPTS[i % len(ROUTER_PROMPTS)] for i in range(32)]
+    with Router("router-moriio", servers["log_dir"], prefill=[], decode=[],
+                extra_args=["--kv-connector", "moriio", "--vllm-discovery-address", servers["discovery"]]) as router:
+        router.wait_healthy(120)
+        sent = check_equal(router, plain, reference, ROUTER_PROMPTS)
+        sent += check_equal(router, plain, reference, many, in_flight=16)
+        sent += check_equal(router, plain, reference, ROUTER_PROMPTS, stream=True)
+    assert metric(d.url, "rdma_kv_pushed_loads_total", outcome="ok") - before["loads"] == sent, d.log()[-3000:]
+    assert metric(d.url, "rdma_kv_loads_total", outcome="failed") == 0
+    assert "KV load failed" not in d.log()
+    assert metric(p.url, "rdma_kv_pushes_total", outcome="done") - before["pushes"] == sent
+    registrations = metric(p.url, "rdma_kv_events_total", event="push_registrations") - before["regs"]
+    early = metric(p.url, "rdma_kv_events_total", event="push_registrations_early") - before["early"]
+    assert registrations == sent, (registrations, sent)
+    # Concurrent, not sequential: decodes registered while their prefill was still running.
+    assert early > 0, f"no decode registered before its prefill finished ({registrations} registrations)"
+    print(f"moriio WRITE: {sent} requests, {int(early)} registered before their prefill finished")

@@ -111,6 +111,8 @@ class RdmaConnector(KVConnectorBase):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
 
     # --- worker side ------------------------------------------------------------------------
 

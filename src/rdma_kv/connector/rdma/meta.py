@@ -141,6 +141,21 @@ class SendSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerPushSpec:
+    """Push mode, concurrent dispatch: a prefill under ``transfer_id`` that
+    computes tokens ``[start, end)`` in this step, with ``block_ids`` (its one
+    KV-cache group's blocks so far): the producer's workers write each
+    layer's complete blocks to the decode registered under the id as the
+    layer is stored (``pusher``)."""
+
+    transfer_id: str
+    request_id: RequestId
+    block_ids: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclasses.dataclass(frozen=True)
 class RdmaConnectorMetadata(KVConnectorMetadata):
     lease_epoch: int = 0
     """The producer scheduler's epoch (0 on a consumer-only engine)."""
@@ -166,6 +181,8 @@ class RdmaConnectorMetadata(KVConnectorMetadata):
     """Generations of leases the producer's scheduler ends now to free
     blocks for waiting requests (memory pressure): the workers end them
     (GONE to every later call) and report them in ``done_sending``."""
+    layer_pushes: tuple[LayerPushSpec, ...] = ()
+    """Push mode: the prefills under a transfer id that compute in this step."""
 
 
 @dataclasses.dataclass(frozen=True)

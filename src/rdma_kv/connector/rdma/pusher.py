@@ -284,6 +284,9 @@ class PushWriter:
             self._remember(token, entry)
             self._waiting[request.transfer_id].append(token)
             granted = self._granted.get(request.transfer_id)
+            self._counts.add("registrations")
+            if granted is None:
+                self._counts.add("registrations_early")
         if granted is not None:
             self._start_registered(entry, granted.send)
         with self._lock:

@@ -55,6 +55,7 @@ from typing import Any
 
 from rdma_kv.connector.config import KVTransferConfig
 from rdma_kv.connector.rdma.meta import (
+    LayerPushSpec,
     LoadSpec,
     PeerAddress,
     RdmaConnectorMetadata,
@@ -70,9 +71,11 @@ from rdma_kv.connector.rdma.params import (
     RemotePrefillParams,
     lease_binding,
     lease_token,
+    format_router_address,
     parse_kv_transfer_params,
     router_address,
 )
+from rdma_kv.connector.rdma.discovery import RouterRegistration
 from rdma_kv.connector.rdma.wire import CLAIM_BYTES
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.specs import KVCacheConfig, KVCacheSpec
@@ -197,6 +200,9 @@ class RdmaScheduler:
         self._new_epoch()
         self._generations = itertools.count(1)
         self._port = settings.side_channel_port
+        self._router: RouterRegistration | None = None  # started once the side-channel port is known
+        self._push_prefills: dict[RequestId, tuple[str, list[int]]] = {}
+        """Producer, push mode: prefills under a transfer id -> (the id, their blocks so far)."""
         self._registration = 1  # the workers' KV-cache registration (set_handshake_metadata)
         # producer
         self._pending_sends: list[SendSpec] = []
@@ -236,15 +242,66 @@ class RdmaScheduler:
 
     def set_handshake_metadata(self, metadata: Mapping[int, Any]) -> None:
         """Learn the side-channel port the workers really bound (kv_port 0)
-        and their KV-cache registration (params carry it)."""
+        and their KV-cache registration (params carry it); then register with
+        the router's discovery, if configured (``discovery``)."""
         rank0 = metadata.get(0)
         if isinstance(rank0, RdmaHandshakeMetadata):
             self._port = rank0.port - rank0.tp_rank
+        if self._settings.router_discovery_address and self._router is None and (self._port or not self._producer):
+            self._router = RouterRegistration(self._settings.router_discovery_address, self._router_payload)
+            logger.info("registering with the router at %s as %s (%s), side channel %s",
+                        self._settings.router_discovery_address, self._router_payload()["type"],
+                        self._router_payload()["transfer_mode"], self._router_payload()["zmq_address"])
         # vLLM calls this again after a wake from sleep: the workers re-registered.
         registrations = [m.registration for m in metadata.values() if isinstance(m, RdmaHandshakeMetadata)]
         if registrations and max(registrations) != self._registration:
             self._registration = max(registrations)
             self._new_epoch()  # every lease of the memory before the sleep ends; its params answer GONE
+
+    def _note_push_prefill(self, request: Request) -> None:
+        """A prefill under a router's transfer id (concurrent dispatch): its
+        steps go to the workers as ``layer_pushes`` (layer-wise writes)."""
+        try:
+            parsed = parse_kv_transfer_params(request.kv_transfer_params)
+        except ConfigError:
+            return  # reported where the params are used
+        if isinstance(parsed, RemoteDecodeRequest) and parsed.transfer_id and len(self._specs) == 1:
+            self._push_prefills[request.request_id] = (parsed.transfer_id, [])
+
+    def _layer_pushes(self, output: SchedulerOutput) -> tuple[LayerPushSpec, ...]:
+        """This step's chunks of the prefills under a transfer id."""
+        if not self._push_prefills:
+            return ()
+        out = []
+        scheduled: list[tuple[RequestId, tuple[BlockIds, ...] | None, int, bool]] = [
+            (n.request_id, n.block_ids, n.num_computed_tokens, True) for n in output.scheduled_new_reqs]
+        scheduled += [(c.request_id, c.new_block_ids, c.num_computed_tokens, c.resumed_from_preemption)
+                      for c in output.scheduled_cached_reqs]
+        for rid, new_blocks, computed, replace in scheduled:
+            tracked = self._push_prefills.get(rid)
+            if tracked is None:
+                continue
+            transfer_id, blocks = tracked
+            if new_blocks:
+                if replace:
+                    blocks.clear()
+                blocks.extend(int(b) for b in new_blocks[0])
+            count = output.num_scheduled_tokens.get(rid, 0)
+            if count > 0:
+                out.append(LayerPushSpec(transfer_id, rid, tuple(blocks), computed, computed + count))
+        return tuple(out)
+
+    def _router_payload(self) -> dict[str, Any]:
+        """This engine as a concurrently dispatching router registers it (``discovery``)."""
+        s = self._settings
+        return {"type": "P" if self._producer else "D", "http_address": s.router_http_address,
+                "zmq_address": format_router_address(s.advertise_host, self._port or 0, self._engine_id, s.tp_size),
+                "transfer_mode": "WRITE" if s.mode == "push" else "READ", "tp_size": s.tp_size, "dp_size": 1}
+
+    def shutdown(self) -> None:
+        if self._router is not None:
+            self._router.close()
+            self._router = None
 
     # --- parsing at the edge -------------------------------------------------------------
 
@@ -325,6 +382,8 @@ class RdmaScheduler:
         rid = request.request_id
         if self._producer:
             self._waiting_for_blocks.add(rid)
+            if self._settings.mode == "push" and rid not in self._push_prefills:
+                self._note_push_prefill(request)
         remote = self._remote.get(rid)
         if remote is None:
             parsed = self._parse(request)
@@ -460,6 +519,7 @@ class RdmaScheduler:
             aborts=tuple(self._pending_aborts),
             connects=tuple(self._pending_connects),
             reclaims=tuple(self._pending_reclaims),
+            layer_pushes=self._layer_pushes(scheduler_output) if self._producer else (),
         )
         self._pending_sends, self._pending_releases, self._pending_aborts = [], [], []
         self._pending_reclaims = []
@@ -507,6 +567,7 @@ class RdmaScheduler:
         rid = request.request_id
         groups = as_group_block_ids(block_ids)
         self._bad.discard(rid)
+        self._push_prefills.pop(rid, None)
         self._waiting_for_blocks.discard(rid)
         remote = self._remote.pop(rid, None)
         if remote is not None:

@@ -110,6 +110,14 @@ class RdmaSettings:
     allow_unauthenticated: bool = False
     """Let a producer whose side channel listens on a non-loopback address
     start without a shared secret. Off: such a producer refuses to start."""
+    router_discovery_address: str | None = None
+    """``host:port`` of a P/D router's service discovery (vllm-router's
+    ``--vllm-discovery-address``): the engine's rank 0 registers there every
+    2 s (``discovery``), as a prefill (kv_producer) or a decode (kv_consumer),
+    with ``transfer_mode`` WRITE in push mode (the router then dispatches both
+    legs at once) and READ in pull mode. Needs ``router_http_address``."""
+    router_http_address: str | None = None
+    """``host:port`` of this engine's OpenAI server, where the router sends requests."""
     mode: str = "pull"
     """``pull``: the decode reads the producer's blocks (one-sided GET),
     then confirms the lease. ``push``: the decode allocates and registers its
@@ -154,6 +162,14 @@ class RdmaSettings:
             values[name] = value
         values["allow_unauthenticated"] = get("allow_unauthenticated", False, type=bool)
         values["mode"] = get("mode", "pull", type=str)
+        for name in ("router_discovery_address", "router_http_address"):
+            values[name] = get(name, None, type=str)
+        if (values["router_discovery_address"] is None) != (values["router_http_address"] is None):
+            raise ConfigError("router_discovery_address and router_http_address go together: the router "
+                              "needs both this engine's registration and where to send it requests")
+        if values["router_discovery_address"] is not None and config.is_kv_producer and config.is_kv_consumer:
+            raise ConfigError("a router registers an engine as a prefill or a decode: kv_role kv_both cannot "
+                              "use router_discovery_address")
         if config.is_kv_producer:
             _require_secret_off_loopback(host, values)
         for name, kind in (("tp_rank", int), ("tp_size", int), ("total_kv_heads", int), ("lease_ttl_s", float),

@@ -99,6 +99,10 @@ class SlotTable:
         counts = np.array([layer.num_blocks for layer, *_ in rows], dtype=np.int64)
         self.row_base = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self.row_group = np.array([layer.group for layer, *_ in rows], dtype=np.int64)
+        names = [layer.name for layer in geometry.layers]
+        self.row_layer = np.array([names.index(layer.name) for layer, *_ in rows], dtype=np.int64)
+        """Per row, its layer's index in ``geometry.layers`` (push mode writes a layer's rows)."""
+        self.layer_index = {name: i for i, name in enumerate(names)}
         self.num_groups = int(self.row_group.max()) + 1
         addrs, lengths = [], []
         for layer, offset, stride, length in rows:

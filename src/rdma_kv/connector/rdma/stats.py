@@ -261,6 +261,10 @@ class PushCounters(Counters):
     refused: int = 0
     """PUSH answered REFUSED: nothing written (a lease refusal, blocks outside the lease, a replay)."""
     abort_asked: int = 0
+    registrations: int = 0
+    """Concurrent dispatch: decode ranks that registered under a transfer id (producer)."""
+    registrations_early: int = 0
+    """... of which before their prefill had finished (the legs ran at the same time)."""
     written_bytes: int = 0
     """Bytes written by pushes that completed (producer)."""
     loads_done: int = 0
