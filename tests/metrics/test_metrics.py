@@ -105,7 +105,8 @@ def test_no_info_logging_on_the_transfer_path():
     once-per-process events (startup). A new logger.info in these modules
     must be one of the allowed ones."""
     allowed = {"rdma-kv worker %s: %d layers in %d region(s), %d blocks, %d bytes per block; ",
-               "rdma-kv worker %s: KV cache unregistered for sleep (registration %d)"}
+               "rdma-kv worker %s: KV cache unregistered for sleep (registration %d)",
+               "registering with the router at %s as %s (%s), side channel %s"}  # once, at startup
     found = []
     for name in ("worker.py", "scheduler.py", "sidechannel.py", "connector.py", "leases.py", "metrics.py"):
         text = (SRC / "connector" / "rdma" / name).read_text()

@@ -2,7 +2,9 @@
 
 A prefill and a decode harness engine in this process, over the fake
 transport with writes held at will (``FakeFabric.hold``): each round picks
-at random among new requests (prefill, then the decode's load, which pushes),
+at random among new requests (prefill, then the decode's load, which
+pushes; or both legs at once under a transfer id, in either order, written
+layer by layer while the prefill runs),
 holding or releasing the producer's writes (releasing some as failures),
 aborting a decode request whose push runs, expiring the producer's leases,
 and stepping. After every action, every block the decode engine has free is
@@ -33,6 +35,7 @@ from fakes import FakeFabric
 
 from rdma_kv.connector import KVTransferConfig
 from rdma_kv.connector.rdma.consumer.records import LoadState
+from rdma_kv.connector.rdma.params import format_router_address
 from rdma_kv.harness.engine import Engine, ModelShape
 
 pytestmark = pytest.mark.timeout(600)
@@ -45,7 +48,7 @@ ROUNDS = int(os.environ.get("RDMA_KV_PUSH_CAMPAIGN_ROUNDS", "1000"))
 def config(role: str, engine_id: str) -> KVTransferConfig:
     return KVTransferConfig(kv_connector="RdmaKVConnector", kv_role=role, engine_id=engine_id, kv_port=0,
                             kv_load_failure_policy="recompute",
-                            kv_connector_extra_config={"mode": "push", "rpc_timeout_s": 1.0,
+                            kv_connector_extra_config={"mode": "push", "push_layerwise": True, "rpc_timeout_s": 1.0,
                                                        "load_timeout_s": 30.0, "lease_ttl_s": 30.0})
 
 
@@ -96,6 +99,9 @@ class Campaign:
         self.check_and_paint("after a decode step")
 
     def new_request(self) -> None:
+        if self.rng.random() < 0.5:
+            self.new_concurrent_request()
+            return
         rid = f"r{self.n}"
         self.n += 1
         prompt = self.rng.integers(1, 999, int(self.rng.integers(1, 40))).tolist()
@@ -105,6 +111,27 @@ class Campaign:
             assert time.monotonic() < deadline, "the prefill did not finish"
             self.step()
         self.D.add_request(rid, prompt, self.P.results[rid].kv_transfer_params)
+
+    def new_concurrent_request(self) -> None:
+        """Both legs at once, as vllm-router's moriio mode dispatches them: the
+        decode registers under the transfer id, the producer writes layer by
+        layer as its prefill runs (or at the seal), whichever order they come in."""
+        n, self.n = self.n, self.n + 1
+        engine = self.P.worker.worker._engine_id
+        address = format_router_address("127.0.0.1", self.P.worker.worker.side_channel_port, engine, 1)
+        header = f"___prefill_addr_{address}___decode_addr_host:127.0.0.1,handshake:1,engine:D,tp:1_{n:032x}"
+        tid = f"tx-{n:032x}"
+        prompt = self.rng.integers(1, 999, int(self.rng.integers(1, 40))).tolist()
+        legs = [lambda: self.P.add_request(f"p-{header}-{n}", prompt, {"do_remote_decode": True, "transfer_id": tid}),
+                lambda: self.D.add_request(f"c{n}-{header}", prompt, {"do_remote_prefill": True, "transfer_id": tid,
+                                                                     "remote_engine_id": None})]
+        if self.rng.random() < 0.5:
+            legs.reverse()
+        for leg in legs:
+            leg()
+            for _ in range(int(self.rng.integers(0, 3))):
+                self.step()
+        self.counts["concurrent"] = self.counts.get("concurrent", 0) + 1
 
     def act(self) -> None:
         roll = self.rng.random()

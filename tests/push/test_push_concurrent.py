@@ -27,7 +27,7 @@ def config(role: str, engine_id: str, mode: str = "push", **extra) -> KVTransfer
     return KVTransferConfig(kv_connector="RdmaKVConnector", kv_role=role, engine_id=engine_id, kv_port=0,
                             kv_load_failure_policy="recompute",
                             kv_connector_extra_config={"mode": mode, "rpc_timeout_s": 1.0, "load_timeout_s": 10.0,
-                                                       **extra})
+                                                       "push_layerwise": True, **extra})
 
 
 class Pair:
@@ -62,6 +62,10 @@ class Pair:
         self.D.add_request(rid, prompt, {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": tid,
                                          "remote_engine_id": None, "remote_block_ids": None,
                                          "remote_dp_size": 1, "remote_tp_size": 1})
+
+    def registered(self):
+        """Registrations the producer holds, not yet resolved."""
+        return self.P.worker.worker.resources().get("pushes_running", 0)
 
     def finished(self, rid):
         r = self.D.results.get(rid)
@@ -127,5 +131,85 @@ def test_a_pull_decode_given_a_transfer_id_computes_locally_and_says_why(caplog)
         wait_until(lambda: pair.finished(d_rid), step=pair.pump, what="the decode")
         assert pair.D.results[d_rid].external_tokens == 0
         assert "needs mode 'push' on both engines" in caplog.text
+    finally:
+        pair.close()
+
+
+def producer_push_totals(pair: Pair) -> dict:
+    return pair.P.worker.get_kv_connector_stats()["totals"]
+
+
+def test_a_registration_before_the_prefill_is_written_layer_by_layer_then_sealed(rng):
+    """The decode registers first: each layer's complete blocks go out as the
+    producer's forward pass stores that layer (save_kv_layer), the rest and
+    the notification at the seal (a flush of every endpoint)."""
+    pair = Pair()
+    try:
+        p_rid, d_rid, tid = pair.ids()
+        prompt = rng.integers(1, 999, 4 * SHAPE.block_size + 3).tolist()  # 4 whole blocks and a partial one
+        pair.decode(d_rid, prompt, tid)
+        wait_until(lambda: pair.registered() == 1, step=pair.pump, what="the decode's registration")
+        pair.prefill(p_rid, prompt, tid)
+        wait_until(lambda: pair.finished(d_rid), step=pair.pump, what="the decode")
+        r = pair.D.results[d_rid]
+        assert r.status.value == "finished" and not r.load_failed and r.bad_blocks == [], (r.error, r.bad_blocks)
+        totals = producer_push_totals(pair)
+        # One batch per layer for the four whole blocks, one for the partial block at the seal.
+        assert totals["push_layer_writes"] == SHAPE.num_layers + 1, totals
+        assert totals["push_done"] == 1 and totals["push_registrations_early"] == 1, totals
+    finally:
+        pair.close()
+
+
+def test_a_failed_layer_write_fails_the_push_even_though_the_seal_flush_succeeds(rng):
+    """No notification for a push one of whose layer batches failed: the
+    decode recomputes, and its blocks never counted as loaded."""
+    pair = Pair()
+    try:
+        p_rid, d_rid, tid = pair.ids()
+        prompt = rng.integers(1, 999, 4 * SHAPE.block_size + 3).tolist()
+        pair.decode(d_rid, prompt, tid)
+        wait_until(lambda: pair.registered() == 1, step=pair.pump, what="the decode's registration")
+        pair.fabric.hold = True
+        pair.prefill(p_rid, prompt, tid)
+        wait_until(lambda: len(pair.fabric.pending) >= SHAPE.num_layers, step=pair.pump, what="layer writes held")
+        pair.fabric.hold = False
+        pair.fabric.release_all(error=RuntimeError("injected layer write failure"))
+        wait_until(lambda: pair.finished(d_rid), step=lambda: (pair.fabric.release_all(), pair.pump()),
+                   what="the decode")
+        r = pair.D.results[d_rid]
+        assert r.load_failed and r.recomputed_from_block == 0 and r.bad_blocks == [], r
+        assert producer_push_totals(pair).get("push_done", 0) == 0
+    finally:
+        pair.close()
+
+
+def test_layers_the_engine_never_hands_to_save_kv_layer_are_written_at_the_seal(rng, monkeypatch):
+    """vLLM skips ``save_kv_layer`` where a layer has no attention metadata.
+    The blocks of a step count as written only if every layer was posted;
+    else the seal writes them. (Counting them written anyway sent vLLM's
+    decodes blocks never written: completions differed, silently.)"""
+    from rdma_kv.connector.rdma import RdmaConnector
+
+    original = RdmaConnector.save_kv_layer
+    skipped = SHAPE.layer_names[-1]
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata=None, **kwargs):
+        if layer_name != skipped:
+            original(self, layer_name, kv_layer, attn_metadata, **kwargs)
+
+    monkeypatch.setattr(RdmaConnector, "save_kv_layer", save_kv_layer)
+    pair = Pair()
+    try:
+        p_rid, d_rid, tid = pair.ids()
+        prompt = rng.integers(1, 999, 4 * SHAPE.block_size + 3).tolist()
+        pair.decode(d_rid, prompt, tid)
+        wait_until(lambda: pair.registered() == 1, step=pair.pump, what="the decode's registration")
+        pair.prefill(p_rid, prompt, tid)
+        wait_until(lambda: pair.finished(d_rid), step=pair.pump, what="the decode")
+        r = pair.D.results[d_rid]
+        assert not r.load_failed and r.bad_blocks == [], (r.error, r.bad_blocks)
+        totals = producer_push_totals(pair)
+        assert totals["push_layer_steps_partial"] == 1 and totals.get("push_layer_steps", 0) == 0, totals
     finally:
         pair.close()

@@ -204,6 +204,26 @@ class FakeTransport:
         self.fabric.writes += 1
         return self._post(local, local_index, remote, remote_index, write=True, notify=notify)
 
+    def flush(self, peer, *, notify=None, timeout_s=None):
+        """Completes at once (the fake's writes copy when they resolve); with
+        ``notify``, after the peer's held writes from this agent resolved."""
+        fabric = self.fabric
+        xfer = FakeTransfer(fabric, peer, np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint64), 0)
+        xfer.reader = self.name
+        if peer in fabric.dead or self.closed:
+            xfer._resolve(PeerError(f"fake: peer {peer!r} failed"))
+            return xfer
+        if notify is not None:
+            target = fabric.agents[peer]
+            xfer.notify = lambda: target.inbox.append(FakeNotification(self.name, bytes(notify)))
+        with fabric.lock:
+            earlier = [x for x in fabric.pending if x.reader == self.name and x.peer == peer]
+            if earlier:  # a flush completes after every earlier operation to the peer
+                fabric.pending.append(xfer)
+                return xfer
+        xfer._resolve()
+        return xfer
+
     def get_notifications(self):
         out, self.inbox[:] = list(self.inbox), []
         return out

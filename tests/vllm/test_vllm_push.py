@@ -146,4 +146,7 @@ def test_concurrent_dispatch_through_vllm_router_moriio_write_mode(servers: dict
     assert registrations == sent, (registrations, sent)
     # Concurrent, not sequential: decodes registered while their prefill was still running.
     assert early > 0, f"no decode registered before its prefill finished ({registrations} registrations)"
-    print(f"moriio WRITE: {sent} requests, {int(early)} registered before their prefill finished")
+    # vLLM 0.32's CPU build did not call save_kv_layer here: the seal writes every layer (0 layer batches).
+    layer_writes = metric(p.url, "rdma_kv_events_total", event="push_layer_writes")
+    print(f"moriio WRITE: {sent} requests, {int(early)} registered before their prefill finished, "
+          f"{int(layer_writes)} layer write batches")

@@ -80,7 +80,7 @@ def _words(text: str) -> list[str]:
     return text.split()
 
 
-def _build_tokenizer(vocab_size: int) -> Any:
+def _build_tokenizer(vocab_size: int, max_len: int = MAX_MODEL_LEN) -> Any:
     """A word-level tokenizer over ``_CORPUS`` plus filler words, exactly
     ``vocab_size`` entries, with BOS prepended by its post-processor."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, decoders
@@ -109,7 +109,7 @@ def _build_tokenizer(vocab_size: int) -> Any:
         bos_token="<s>",
         eos_token="</s>",
         pad_token="<pad>",
-        model_max_length=MAX_MODEL_LEN,
+        model_max_length=max_len,
     )
 
 
@@ -124,6 +124,7 @@ def build_tiny_llama(
     seed: int = 0,
     layer_types: Sequence[str] | None = None,
     sliding_window: int | None = None,
+    max_len: int = MAX_MODEL_LEN,
 ) -> str:
     """Write a random-weight fp32 Llama and its tokenizer into ``path``.
 
@@ -142,6 +143,8 @@ def build_tiny_llama(
         num_layers=num_layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
         vocab=vocab, seed=seed,
     )
+    if max_len != MAX_MODEL_LEN:  # (benchmarks: long prompts) the marker of older dirs stays valid
+        params["max_len"] = max_len
     hybrid: dict[str, Any] = {}
     if layer_types is not None:
         if len(layer_types) != num_layers:
@@ -164,7 +167,7 @@ def build_tiny_llama(
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = _build_tokenizer(vocab)
+    tokenizer = _build_tokenizer(vocab, max_len)
     config = LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -172,7 +175,7 @@ def build_tiny_llama(
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=MAX_MODEL_LEN,
+        max_position_embeddings=max_len,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

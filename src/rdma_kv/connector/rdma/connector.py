@@ -142,10 +142,17 @@ class RdmaConnector(KVConnectorBase):
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any = None,
                       **kwargs: Any) -> None:
-        """Nothing to push: consumers read the producer's blocks in place."""
+        """Pull: nothing (consumers read the producer's blocks in place). Push,
+        concurrent dispatch: the layer's complete blocks go to the decodes
+        registered for this step's prefills (host KV caches; ``pusher``)."""
+        if self._worker is not None:
+            self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        """Nothing to wait for: the blocks stay held under a lease instead."""
+        """Nothing to wait for: the blocks stay held under a lease (layer-wise
+        writes are sealed when the lease is granted, off the engine thread)."""
+        if self._worker is not None:
+            self._worker.end_step()
 
     def get_finished(self, finished_req_ids: set[RequestId] | frozenset[RequestId]
                      ) -> tuple[set[RequestId], set[RequestId]]:

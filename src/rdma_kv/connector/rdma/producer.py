@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.leases import Ending, LeaseCall, LeaseTable
-from rdma_kv.connector.rdma.meta import SendSpec
+from rdma_kv.connector.rdma.meta import LayerPushSpec, SendSpec
 from rdma_kv.connector.rdma.pusher import PushWriter
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sidechannel import ConnectionLimits, SideChannelServer
@@ -172,7 +172,7 @@ class RdmaProducer:
         self.handler = handler
 
     def on_step(self, lease_epoch: int, lease_key: bytes, sends: Iterable[SendSpec],
-                reclaims: Iterable[int] = ()) -> None:
+                reclaims: Iterable[int] = (), layer_pushes: Sequence[LayerPushSpec] = ()) -> None:
         """Apply the producer's part of one step's metadata: the epoch, new
         grants, then the leases the scheduler reclaims. Never raises."""
         if lease_epoch:
@@ -189,11 +189,23 @@ class RdmaProducer:
             pusher = self.handler.pusher if self.handler is not None else None
             if send.transfer_id is not None and pusher is not None:
                 pusher.granted(send)  # a decode registered (or will) under its transfer id
+        if reclaims:
+            self.leases.reclaim(reclaims)
         pusher = self.handler.pusher if self.handler is not None else None
         if pusher is not None:
             pusher.reap()
-        if reclaims:
-            self.leases.reclaim(reclaims)
+            pusher.begin_step(layer_pushes)
+
+    def save_layer(self, layer_name: str) -> None:
+        """The engine stored ``layer_name`` for this step (push mode: write it)."""
+        pusher = self.handler.pusher if self.handler is not None else None
+        if pusher is not None:
+            pusher.write_layer(layer_name)
+
+    def end_step(self) -> None:
+        pusher = self.handler.pusher if self.handler is not None else None
+        if pusher is not None:
+            pusher.end_step()
 
     def suspend(self) -> None:
         """Before the KV cache is unregistered (sleep): every lease ends, GONE
@@ -211,7 +223,9 @@ class RdmaProducer:
         if self._settings.mode != "push":
             return None
         return PushWriter(transport, geometry, self.leases, self._settings.read_timeout_s,
-                          wait_s=self._settings.load_timeout_s, block_size=self._block_size)
+                          wait_s=self._settings.load_timeout_s, block_size=self._block_size,
+                          layerwise=self._settings.push_layerwise
+                          and all(r.memory_type == "host" for r in geometry.regions))
 
     def take_done(self) -> set[RequestId]:
         """Requests whose lease was released or expired: their blocks may be freed."""

@@ -44,14 +44,14 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.leases import LeaseCall, LeaseTable
-from rdma_kv.connector.rdma.meta import SendSpec
+from rdma_kv.connector.rdma.meta import LayerPushSpec, SendSpec
 from rdma_kv.connector.rdma.slots import HeadSlice, SlotTable
 from rdma_kv.connector.rdma.stats import PushCounters, Tally
 from rdma_kv.connector.rdma.transport_api import PreparedList, TransferHandle, Transport
@@ -95,6 +95,17 @@ class _Push:
     """Concurrent dispatch: the registration, until its prefill's lease is granted."""
     token: bytes = b""
     wait_until: float = 0.0
+    # Layer-wise writes (concurrent dispatch, while the prefill computes):
+    written_upto: int = -1
+    """Blocks (prompt block index, exclusive) every layer of which was written; -1: none yet."""
+    producer_blocks: tuple[int, ...] = ()
+    """The prefill's blocks the layer-wise writes read (checked against its lease at the seal)."""
+    outstanding: int = 0
+    """Write batches posted for it and not yet completed."""
+    error: str | None = None
+    sealing: bool = False
+    expired: bool = False
+    finishing: bool = False  # its final flush is posted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +122,7 @@ class PushWriter:
 
     def __init__(self, transport: Transport, geometry: KVCacheGeometry, leases: LeaseTable,
                  write_timeout_s: float, clock: Callable[[], float] = time.monotonic,
-                 wait_s: float = 30.0, block_size: int = 0) -> None:
+                 wait_s: float = 30.0, block_size: int = 0, layerwise: bool = True) -> None:
         self._transport = transport
         self._geometry = geometry
         self._leases = leases
@@ -120,6 +131,11 @@ class PushWriter:
         self._block_size = block_size  # tokens per block (concurrent dispatch maps tokens to blocks)
         """How long a registration waits for its prefill (concurrent dispatch)."""
         self._waiting: dict[str, list[bytes]] = collections.defaultdict(list)  # transfer id -> tokens
+        self.layerwise = layerwise
+        """Write each layer as it is stored (host KV caches: a CUDA cache would
+        need the layer's stream synchronised first; it is written at the seal)."""
+        self._active: list[tuple[_Push, LayerPushSpec, int, int, set[int]]] = []
+        """This step's layer-wise writes: (push, chunk, first block, end block, the layers posted)."""
         self._granted: collections.OrderedDict[str, _Granted] = collections.OrderedDict()
         self._clock = clock
         self._lock = threading.Lock()
@@ -219,6 +235,12 @@ class PushWriter:
                                  "a push writes only the blocks its lease holds")
             if mine.size != local[i].size:
                 raise ValueError(f"group {i}: {mine.size} producer blocks for {local[i].size} decode blocks")
+        own, dst = self._tables(decode, remote_heads, local_heads)
+        return own[0].indices(remote, "producer"), dst[0].indices(local, "decode"), own[1], dst[1]
+
+    def _tables(self, decode: _Decode, remote_heads: wire.HeadsWire | None, local_heads: wire.HeadsWire | None
+                ) -> tuple[tuple[SlotTable, PreparedList], tuple[SlotTable, PreparedList]]:
+        """This rank's and the decode's slot tables, prepared (made once per head slice)."""
         own_heads = _heads(remote_heads)
         dst_heads = _heads(local_heads)
         with self._lock:
@@ -237,7 +259,7 @@ class PushWriter:
             dst = (table, self._transport.prep_remote(decode.name, table.descs))
             with self._lock:
                 decode.tables[dst_heads] = dst
-        return own[0].indices(remote, "producer"), dst[0].indices(local, "decode"), own[1], dst[1]
+        return own, dst
 
     def _resolve(self, entry: _Push, xfer: TransferHandle | None, error: str | None) -> None:
         """The push's writes resolved (``xfer`` done or failed), or were never
@@ -246,10 +268,16 @@ class PushWriter:
         failure = error if error is not None else (None if xfer is None or xfer.error is None
                                                   else f"writes failed: {xfer.error}")
         with self._lock:
+            if entry.state not in (RUNNING, WAITING):
+                return  # resolved already
             if failure is not None:  # even if aborted: the decode must know the batch broke (pushes.py)
                 entry.state, entry.detail = FAILED, failure
             elif entry.aborted:
                 entry.state, entry.detail = ABORTED, "aborted by the decode (its writes had completed)"
+            elif entry.expired:
+                entry.state = REFUSED  # its layer-wise writes are flushed; no prefill finished in time
+                entry.detail = (f"no prefill under transfer id {entry.reg.transfer_id if entry.reg else '?'!r} "
+                                f"finished on this producer within {self._wait_s:g} s")
             else:
                 entry.state = DONE
             entry.resolved_at = self._clock()
@@ -340,22 +368,159 @@ class PushWriter:
                 self._counts.add("refused")
             return
         entry.call = call
+        done = max(entry.written_upto, first)  # blocks the layer-wise writes covered
+        if done > first and tuple(ids[first:done]) != tuple(entry.producer_blocks[first:done]):
+            entry.error = "the prefill's blocks changed under its layer-wise writes (preempted)"
         try:
             assert decode is not None
-            planned = self._plan([list(ids[first:first + len(local)])], [local], reg.remote_heads,
+            planned = self._plan([list(ids[done:first + len(local)])], [local[done - first:]], reg.remote_heads,
                                  reg.local_heads, decode, lease_blocks)
         except ValueError as exc:
-            self._leases.unpin(send.lease.generation)
-            with self._lock:
-                entry.state, entry.detail, entry.resolved_at = REFUSED, str(exc), self._clock()
-                self._counts.add("refused")
+            if done == first:  # nothing was posted: nothing can land
+                self._leases.unpin(send.lease.generation)
+                with self._lock:
+                    entry.state, entry.detail, entry.resolved_at = REFUSED, str(exc), self._clock()
+                    self._counts.add("refused")
+                return
+            entry.error = str(exc)
+            planned = None
+        if done == first and entry.outstanding == 0 and planned is not None:
+            self._write(entry, planned, reg.engine_id)  # every block at once, notified after its flush
             return
-        self._write(entry, planned, reg.engine_id)
+        # Layer-wise writes went out: write the rest, then a flush that notifies (_finish_layerwise).
+        if planned is not None and len(planned[0]) and entry.error is None and decode is not None:
+            self._post_layer(entry, planned, decode)
+        with self._lock:
+            entry.sealing = True
+        self._finish_layerwise(entry)
+
+    # --- layer-wise writes (concurrent dispatch) -----------------------------------------------------
+
+    def begin_step(self, specs: Sequence[LayerPushSpec]) -> None:
+        """This step's prefill chunks under a transfer id: every layer's blocks
+        complete by the chunk's end go to the decodes registered for them, as
+        each layer is stored (:meth:`write_layer`)."""
+        self._active = []
+        if not self.layerwise or not specs or not self._block_size:
+            return
+        bs = self._block_size
+        with self._lock:
+            for spec in specs:
+                for token in self._waiting.get(spec.transfer_id, ()):
+                    entry = self._pushes.get(token)
+                    reg = entry.reg if entry is not None else None
+                    if entry is None or reg is None or entry.state is not WAITING or entry.aborted or \
+                            entry.expired or reg.local_heads is not None or reg.remote_heads is not None:
+                        continue
+                    first, count = reg.first_token // bs, len(reg.local_block_ids[0])
+                    if entry.written_upto < 0:
+                        entry.written_upto = first
+                    elif tuple(spec.block_ids[:entry.written_upto]) != entry.producer_blocks[:entry.written_upto]:
+                        entry.error = "the prefill's blocks changed between its chunks (preempted)"
+                        continue
+                    lo, hi = entry.written_upto, min(spec.end // bs, first + count, len(spec.block_ids))
+                    entry.producer_blocks = spec.block_ids
+                    if hi > lo:
+                        self._active.append((entry, spec, lo, hi, set()))
+
+    def write_layer(self, layer_name: str) -> None:
+        """The engine stored ``layer_name`` for this step: post its rows of
+        the blocks complete so far (no notification: the seal flushes)."""
+        for entry, spec, lo, hi, posted in self._active:
+            reg = entry.reg
+            assert reg is not None
+            with self._lock:
+                decode = self._decodes.get((reg.engine_id, reg.tp_rank))
+                if decode is None or entry.state is not WAITING or entry.aborted or entry.error:
+                    continue
+            try:
+                own, dst = self._tables(decode, None, None)
+                layer = own[0].layer_index[layer_name]
+                rows = np.flatnonzero(own[0].row_layer == layer)
+                first = reg.first_token // self._block_size
+                mine = np.asarray(spec.block_ids[lo:hi], dtype=np.int64)
+                theirs = np.asarray(reg.local_block_ids[0][lo - first:hi - first], dtype=np.int64)
+                src = (own[0].row_base[rows][:, None] + mine[None, :]).ravel()
+                dst_idx = (dst[0].row_base[rows][:, None] + theirs[None, :]).ravel()
+            except (KeyError, ValueError) as exc:
+                with self._lock:
+                    entry.error = f"layer {layer_name!r}: {exc}"
+                continue
+            if self._post_layer(entry, (src, dst_idx, own[1], dst[1]), decode):
+                posted.add(layer)
+
+    def end_step(self) -> None:
+        """The step's forward pass ended. A chunk's blocks count as written only
+        if every layer of them was posted: an engine that did not call
+        ``save_kv_layer`` for some layer (vLLM skips it where a layer has no
+        attention metadata) leaves them to the seal, which writes them then.
+        (Counting them written anyway sent a decode blocks never written:
+        completions differed from a plain engine's, silently.)"""
+        num_layers = len(self._geometry.layers)
+        with self._lock:
+            for entry, _, _, hi, posted in self._active:
+                if entry.error is None and len(posted) == num_layers:
+                    entry.written_upto = max(entry.written_upto, hi)
+                    self._counts.add("layer_steps")
+                elif posted:
+                    self._counts.add("layer_steps_partial")
+        self._active = []
+
+    def _post_layer(self, entry: _Push, planned: tuple[np.ndarray, np.ndarray, PreparedList, PreparedList],
+                    decode: _Decode) -> bool:
+        src, dst, own_prep, dst_prep = planned
+        with self._lock:
+            entry.outstanding += 1
+        try:
+            xfer = self._transport.write_prepared(own_prep, src, dst_prep, dst, timeout_s=self._write_timeout_s)
+        except Exception as exc:
+            with self._lock:
+                entry.outstanding -= 1
+                entry.error = entry.error or f"posting layer writes failed: {exc}"
+            self._finish_layerwise(entry)
+            return False
+        with self._lock:
+            self._counts.add("layer_writes")
+        xfer.add_done_callback(lambda x: self._layer_done(entry, x))
+        return True
+
+    def _layer_done(self, entry: _Push, xfer: TransferHandle) -> None:
+        with self._lock:
+            entry.outstanding -= 1
+            if xfer.error is not None:
+                entry.error = entry.error or f"layer writes failed: {xfer.error}"
+            entry.nbytes += xfer.nbytes if xfer.error is None else 0
+        self._finish_layerwise(entry)
+
+    def _finish_layerwise(self, entry: _Push) -> None:
+        """Once nothing is outstanding: a sealed push flushes every endpoint
+        and notifies (DONE after it); a failed, aborted or expired one flushes
+        without notifying, then answers (nothing of it can land after)."""
+        reg = entry.reg
+        assert reg is not None
+        with self._lock:
+            ended = entry.aborted or entry.expired or entry.error is not None
+            if entry.outstanding or entry.finishing or not (entry.sealing or ended):
+                return
+            if entry.state not in (WAITING, RUNNING):
+                return
+            entry.finishing = True
+            decode = self._decodes.get((reg.engine_id, reg.tp_rank))
+        notify = PUSH_NOTIFY_PREFIX + entry.token if not ended else None
+        try:
+            if decode is None:
+                raise RuntimeError("the decode forgot its KV cache")
+            flush = self._transport.flush(decode.name, notify=notify, timeout_s=self._write_timeout_s)
+        except Exception as exc:
+            self._resolve(entry, None, entry.error or f"flushing the layer writes failed: {exc}")
+            return
+        flush.add_done_callback(lambda x: self._resolve(entry, x, entry.error))
 
     def reap(self) -> None:
         """Registrations whose prefill did not finish within ``wait_s``: REFUSED
         (the decode's load fails and it recomputes); nothing was posted."""
         now = self._clock()
+        expired_written: list[_Push] = []
         with self._lock:
             for transfer_id, tokens in list(self._waiting.items()):
                 keep = []
@@ -363,7 +528,13 @@ class PushWriter:
                     entry = self._pushes.get(t)
                     if entry is None or entry.state is not WAITING:
                         continue
-                    if now >= entry.wait_until:
+                    if now >= entry.wait_until and entry.written_upto >= 0 or entry.outstanding:
+                        if now >= entry.wait_until:
+                            entry.expired = True  # layer-wise writes went out: flushed before it answers
+                            expired_written.append(entry)
+                        else:
+                            keep.append(t)
+                    elif now >= entry.wait_until:
                         entry.state, entry.resolved_at = REFUSED, now
                         entry.detail = (f"no prefill under transfer id {transfer_id!r} finished on this producer "
                                         f"within {self._wait_s:g} s")
@@ -376,6 +547,8 @@ class PushWriter:
                     del self._waiting[transfer_id]
             while self._granted and now - next(iter(self._granted.values())).at > self._leases.max_s:
                 self._granted.popitem(last=False)
+        for entry in expired_written:
+            self._finish_layerwise(entry)
 
     # --- PUSH_QUERY ----------------------------------------------------------------------------
 
@@ -385,17 +558,27 @@ class PushWriter:
             entry = self._pushes.get(request.token)
             if entry is None:
                 return wire.PushReply(UNKNOWN, "no push of this token on this producer rank")
-            if request.abort and entry.state is WAITING:
+            if request.abort and entry.state is WAITING and entry.written_upto < 0 and not entry.outstanding:
                 entry.state, entry.detail, entry.resolved_at = ABORTED, "aborted before anything was posted", \
                     self._clock()
                 self._counts.add("aborted")
                 return self._answer(entry)
+            if request.abort and entry.state is WAITING and not entry.aborted:
+                entry.aborted = True  # layer-wise writes went out: flushed before it answers ABORTED
+                flush_now = entry
+            else:
+                flush_now = None
             if request.abort and entry.state is RUNNING and not entry.aborted:
                 # Posted writes cannot be recalled: they resolve within the
                 # timeout; the decode waits for that answer before reusing its blocks.
                 entry.aborted = True
                 self._counts.add("abort_asked")
-            return self._answer(entry)
+            answer = self._answer(entry)
+        if flush_now is not None:
+            self._finish_layerwise(flush_now)
+            with self._lock:
+                answer = self._answer(flush_now)
+        return answer
 
     # --- bookkeeping (lock held) ---------------------------------------------------------------
 

@@ -118,6 +118,10 @@ class RdmaSettings:
     legs at once) and READ in pull mode. Needs ``router_http_address``."""
     router_http_address: str | None = None
     """``host:port`` of this engine's OpenAI server, where the router sends requests."""
+    push_layerwise: bool = True
+    """Push mode, concurrent dispatch: write each layer's complete blocks as
+    the prefill stores it (``save_kv_layer``; host-memory KV caches) rather
+    than every layer at the seal. ``false``: always at the seal."""
     mode: str = "pull"
     """``pull``: the decode reads the producer's blocks (one-sided GET),
     then confirms the lease. ``push``: the decode allocates and registers its
@@ -162,6 +166,7 @@ class RdmaSettings:
             values[name] = value
         values["allow_unauthenticated"] = get("allow_unauthenticated", False, type=bool)
         values["mode"] = get("mode", "pull", type=str)
+        values["push_layerwise"] = get("push_layerwise", True, type=bool)
         for name in ("router_discovery_address", "router_http_address"):
             values[name] = get(name, None, type=str)
         if (values["router_discovery_address"] is None) != (values["router_http_address"] is None):

@@ -265,6 +265,12 @@ class PushCounters(Counters):
     """Concurrent dispatch: decode ranks that registered under a transfer id (producer)."""
     registrations_early: int = 0
     """... of which before their prefill had finished (the legs ran at the same time)."""
+    layer_writes: int = 0
+    """Write batches of one layer's complete blocks, posted as the layer was stored (producer)."""
+    layer_steps: int = 0
+    """Prefill chunks whose layers were written as they were stored (producer)."""
+    layer_steps_partial: int = 0
+    """... of which some layer was never handed to ``save_kv_layer``: the seal writes those blocks."""
     written_bytes: int = 0
     """Bytes written by pushes that completed (producer)."""
     loads_done: int = 0

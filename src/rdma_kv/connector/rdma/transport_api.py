@@ -102,6 +102,10 @@ class Transport(Protocol):
         mode); with ``notify``, the peer receives it only after every write
         is remotely complete (the transport flushes first)."""
 
+    def flush(self, peer: str, *, notify: bytes | None = None, timeout_s: float | None = None) -> TransferHandle:
+        """Completes once every earlier operation to ``peer`` completed
+        remotely; with ``notify``, the peer receives it only then."""
+
     def get_notifications(self) -> list[Any]:
         """Notifications received since the last call (``.payload``: bytes)."""
 

@@ -231,12 +231,28 @@ class RdmaWorker:
 
     # --- every step: start_load_kv -------------------------------------------------------------
 
+    def save_layer(self, layer_name: str) -> None:
+        """The engine stored ``layer_name`` in this step (push mode writes it). Never raises."""
+        if self._producer is not None and not self._closed:
+            try:
+                self._producer.save_layer(layer_name)
+            except Exception:
+                logger.exception("writing layer %r to the decodes failed", layer_name)
+
+    def end_step(self) -> None:
+        """The step's forward pass ended. Never raises."""
+        if self._producer is not None and not self._closed:
+            try:
+                self._producer.end_step()
+            except Exception:
+                logger.exception("ending the step's layer-wise writes failed")
+
     def on_step(self, meta: RdmaConnectorMetadata) -> None:
         """Apply one step's metadata. Never raises: failures become load errors."""
         if self._closed:
             return
         if self._producer is not None:
-            self._producer.on_step(meta.lease_epoch, meta.lease_key, meta.sends, meta.reclaims)
+            self._producer.on_step(meta.lease_epoch, meta.lease_key, meta.sends, meta.reclaims, meta.layer_pushes)
         elif meta.sends:
             logger.error("%d lease grant(s) sent to the worker of a consumer-only engine; ignored",
                          len(meta.sends))
