@@ -60,8 +60,7 @@ __all__ = ["PUSH_NOTIFY_PREFIX", "PushWriter"]
 
 logger = logging.getLogger(__name__)
 
-PUSH_NOTIFY_PREFIX = b"rdma-kv-push:"
-"""A push's notification: this prefix, then the decode's 16-byte token."""
+PUSH_NOTIFY_PREFIX = wire.PUSH_NOTIFY_PREFIX
 
 FORGET_AFTER_S = 600.0
 """A resolved push is remembered this long (a decode's late query reads its state)."""

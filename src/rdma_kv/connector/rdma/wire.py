@@ -35,6 +35,7 @@ from rdma_kv.errors import MetadataError, PeerError
 
 __all__ = [
     "CLAIM_BYTES",
+    "PUSH_NOTIFY_PREFIX",
     "PUSH_TOKEN_BYTES",
     "HeadsWire",
     "Push",
@@ -391,6 +392,8 @@ class Release(msgspec.Struct, frozen=True, tag="release", forbid_unknown_fields=
 
 
 PUSH_TOKEN_BYTES = 16
+PUSH_NOTIFY_PREFIX = b"rdma-kv-push:"
+"""A push's notification (transport-level, after every write landed): this prefix, then the 16-byte token."""
 PushToken = Annotated[bytes, msgspec.Meta(min_length=PUSH_TOKEN_BYTES, max_length=PUSH_TOKEN_BYTES)]
 BlockIdList = Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_BLOCKS_PER_LAYER)]],
                         msgspec.Meta(max_length=1 << 20)]

@@ -35,8 +35,8 @@ abort (PUSH_QUERY with ``abort``) and waits for one of the above.
 Runs on the engine thread (``start``, ``poll``), the RPC threads (PUSH,
 PUSH_QUERY) and never blocks the engine. Imports numpy, the standard
 library, the connector's ``rdma`` modules ``wire``, ``settings``, ``slots``,
-``topology``, ``meta``, ``pusher`` (the notification prefix only), and the
-consumer's ``clients``, ``peers`` and ``records``.
+``topology``, ``meta``, ``stats``, and the consumer's ``clients``, ``peers``
+and ``records``; never the producer's modules (``pusher``).
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.consumer.clients import ClientPool
 from rdma_kv.connector.rdma.consumer.peers import LocalKV, PeerState
 from rdma_kv.connector.rdma.meta import LoadSpec, RemoteLease
-from rdma_kv.connector.rdma.pusher import PUSH_NOTIFY_PREFIX
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.slots import HeadSlice, SlotTable
 from rdma_kv.connector.rdma.stats import PushCounters, Tally
@@ -308,10 +307,10 @@ class Pushes:
         """Match the producers' notifications; query the pushes due."""
         for note in self._local.transport.get_notifications():
             payload = getattr(note, "payload", b"")
-            if not payload.startswith(PUSH_NOTIFY_PREFIX):
+            if not payload.startswith(wire.PUSH_NOTIFY_PREFIX):
                 continue
             with self._lock:
-                handle = self._running.get(payload[len(PUSH_NOTIFY_PREFIX):])
+                handle = self._running.get(payload[len(wire.PUSH_NOTIFY_PREFIX):])
             if handle is None:
                 self._count("notifications_unmatched")  # a load that gave up on it: its blocks were kept until then
                 continue
