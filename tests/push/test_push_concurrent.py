@@ -63,6 +63,16 @@ class Pair:
                                          "remote_engine_id": None, "remote_block_ids": None,
                                          "remote_dp_size": 1, "remote_tp_size": 1})
 
+    def decode_registered(self, rng):
+        """A decode leg registered with the producer before its prefill leg
+        was sent: (prefill id, decode id, transfer id, prompt of 4 whole
+        blocks and a partial one)."""
+        p_rid, d_rid, tid = self.ids()
+        prompt = rng.integers(1, 999, 4 * SHAPE.block_size + 3).tolist()
+        self.decode(d_rid, prompt, tid)
+        wait_until(lambda: self.registered() == 1, step=self.pump, what="the decode's registration")
+        return p_rid, d_rid, tid, prompt
+
     def registered(self):
         """Registrations the producer holds, not yet resolved."""
         return self.P.worker.worker.resources().get("pushes_running", 0)
@@ -145,10 +155,7 @@ def test_a_registration_before_the_prefill_is_written_layer_by_layer_then_sealed
     the notification at the seal (a flush of every endpoint)."""
     pair = Pair()
     try:
-        p_rid, d_rid, tid = pair.ids()
-        prompt = rng.integers(1, 999, 4 * SHAPE.block_size + 3).tolist()  # 4 whole blocks and a partial one
-        pair.decode(d_rid, prompt, tid)
-        wait_until(lambda: pair.registered() == 1, step=pair.pump, what="the decode's registration")
+        p_rid, d_rid, tid, prompt = pair.decode_registered(rng)
         pair.prefill(p_rid, prompt, tid)
         wait_until(lambda: pair.finished(d_rid), step=pair.pump, what="the decode")
         r = pair.D.results[d_rid]
@@ -166,10 +173,7 @@ def test_a_failed_layer_write_fails_the_push_even_though_the_seal_flush_succeeds
     decode recomputes, and its blocks never counted as loaded."""
     pair = Pair()
     try:
-        p_rid, d_rid, tid = pair.ids()
-        prompt = rng.integers(1, 999, 4 * SHAPE.block_size + 3).tolist()
-        pair.decode(d_rid, prompt, tid)
-        wait_until(lambda: pair.registered() == 1, step=pair.pump, what="the decode's registration")
+        p_rid, d_rid, tid, prompt = pair.decode_registered(rng)
         pair.fabric.hold = True
         pair.prefill(p_rid, prompt, tid)
         wait_until(lambda: len(pair.fabric.pending) >= SHAPE.num_layers, step=pair.pump, what="layer writes held")
@@ -201,10 +205,7 @@ def test_layers_the_engine_never_hands_to_save_kv_layer_are_written_at_the_seal(
     monkeypatch.setattr(RdmaConnector, "save_kv_layer", save_kv_layer)
     pair = Pair()
     try:
-        p_rid, d_rid, tid = pair.ids()
-        prompt = rng.integers(1, 999, 4 * SHAPE.block_size + 3).tolist()
-        pair.decode(d_rid, prompt, tid)
-        wait_until(lambda: pair.registered() == 1, step=pair.pump, what="the decode's registration")
+        p_rid, d_rid, tid, prompt = pair.decode_registered(rng)
         pair.prefill(p_rid, prompt, tid)
         wait_until(lambda: pair.finished(d_rid), step=pair.pump, what="the decode")
         r = pair.D.results[d_rid]

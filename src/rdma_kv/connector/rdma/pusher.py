@@ -127,8 +127,8 @@ class PushWriter:
         self._leases = leases
         self._write_timeout_s = write_timeout_s
         self._wait_s = wait_s
-        self._block_size = block_size  # tokens per block (concurrent dispatch maps tokens to blocks)
         """How long a registration waits for its prefill (concurrent dispatch)."""
+        self._block_size = block_size  # tokens per block (concurrent dispatch maps tokens to blocks)
         self._waiting: dict[str, list[bytes]] = collections.defaultdict(list)  # transfer id -> tokens
         self.layerwise = layerwise
         """Write each layer as it is stored (host KV caches: a CUDA cache would
@@ -156,7 +156,6 @@ class PushWriter:
         name = self._transport.add_peer(request.agent_metadata)  # replaces an older incarnation
         with self._lock:
             self._decodes[key] = _Decode(name, geometry, request.registration)
-        with self._lock:
             self._counts.add("hellos")
         return wire.PushReply(DONE, "introduced")
 
@@ -164,16 +163,12 @@ class PushWriter:
 
     def push(self, request: wire.Push) -> wire.PushReply:
         token = request.token
+        found = self._introduced(request)
+        if isinstance(found, wire.PushReply):
+            return found
+        decode = found
         with self._lock:
-            known = self._pushes.get(token)
-            if known is not None:  # the decode asking again (a retried call)
-                return self._answer(known)
-            decode = self._decodes.get((request.engine_id, request.tp_rank))
             replayed = (request.lease.generation, request.lease.reader) in self._generations
-        if decode is None or decode.registration != request.registration:
-            return wire.PushReply(REFUSED, f"decode {request.engine_id!r} rank {request.tp_rank} registration "
-                                           f"{request.registration} did not introduce its KV cache (PUSH_HELLO) "
-                                           "to this producer rank")
         if replayed:
             self._count("refused")
             return wire.PushReply(REFUSED, f"lease {request.lease.generation} was already pushed to decode rank "
@@ -200,6 +195,21 @@ class PushWriter:
         self._write(entry, planned, request.engine_id)
         with self._lock:
             return self._answer(entry)
+
+    def _introduced(self, request: wire.Push | wire.PushReg) -> _Decode | wire.PushReply:
+        """The decode rank ``request`` comes from, introduced under its
+        registration; else the answer: the push's state when its token is
+        known (the decode asking again), REFUSED when the decode is unknown."""
+        with self._lock:
+            known = self._pushes.get(request.token)
+            if known is not None:
+                return self._answer(known)
+            decode = self._decodes.get((request.engine_id, request.tp_rank))
+        if decode is None or decode.registration != request.registration:
+            return wire.PushReply(REFUSED, f"decode {request.engine_id!r} rank {request.tp_rank} registration "
+                                           f"{request.registration} did not introduce its KV cache (PUSH_HELLO) "
+                                           "to this producer rank")
+        return decode
 
     def _write(self, entry: _Push, planned: tuple[np.ndarray, np.ndarray, PreparedList, PreparedList],
                decode: str) -> None:
@@ -295,15 +305,9 @@ class PushWriter:
         such prefill finishes within ``wait_s``."""
         self.reap()
         token = request.token
-        with self._lock:
-            known = self._pushes.get(token)
-            if known is not None:
-                return self._answer(known)
-            decode = self._decodes.get((request.engine_id, request.tp_rank))
-        if decode is None or decode.registration != request.registration:
-            return wire.PushReply(REFUSED, f"decode {request.engine_id!r} rank {request.tp_rank} registration "
-                                           f"{request.registration} did not introduce its KV cache (PUSH_HELLO) "
-                                           "to this producer rank")
+        found = self._introduced(request)
+        if isinstance(found, wire.PushReply):
+            return found
         if len(request.local_block_ids) != 1:
             return wire.PushReply(REFUSED, "concurrent dispatch serves models with one KV-cache group")
         entry = _Push(None, WAITING, token=token, reg=request, wait_until=self._clock() + self._wait_s)

@@ -249,9 +249,10 @@ class RdmaScheduler:
             self._port = rank0.port - rank0.tp_rank
         if self._settings.router_discovery_address and self._router is None and (self._port or not self._producer):
             self._router = RouterRegistration(self._settings.router_discovery_address, self._router_payload)
+            payload = self._router_payload()
             logger.info("registering with the router at %s as %s (%s), side channel %s",
-                        self._settings.router_discovery_address, self._router_payload()["type"],
-                        self._router_payload()["transfer_mode"], self._router_payload()["zmq_address"])
+                        self._settings.router_discovery_address, payload["type"], payload["transfer_mode"],
+                        payload["zmq_address"])
         # vLLM calls this again after a wake from sleep: the workers re-registered.
         registrations = [m.registration for m in metadata.values() if isinstance(m, RdmaHandshakeMetadata)]
         if registrations and max(registrations) != self._registration:

@@ -148,28 +148,37 @@ class Pushes:
     def start(self, peer: PeerState, plan: RankPlan, read: Read, lease: RemoteLease,
               local_block_ids: GroupBlockIds, remote_block_ids: GroupBlockIds) -> PushHandle:
         """Register this source's blocks with its producer rank (on an RPC thread)."""
-        whole = plan.whole(read)
-        local_heads = None if whole else wire.HeadsWire(read.local_first, read.count, plan.local_heads)
-        remote_heads = None if whole else wire.HeadsWire(read.remote_first, read.count, plan.remote_heads)
-        token = secrets.token_bytes(wire.PUSH_TOKEN_BYTES)
-        request = wire.Push(wire.PROTOCOL_VERSION, lease.to_wire(), token, self._engine_id, self._settings.tp_rank,
-                            self._registration, [list(g) for g in local_block_ids],
-                            [list(g) for g in remote_block_ids], local_heads, remote_heads)
-        return self._begin(token, peer, request, plan, read, local_block_ids)
+        local_heads, remote_heads = _heads(plan, read)
+        request = wire.Push(wire.PROTOCOL_VERSION, lease.to_wire(), secrets.token_bytes(wire.PUSH_TOKEN_BYTES),
+                            self._engine_id, self._settings.tp_rank, self._registration,
+                            [list(g) for g in local_block_ids], [list(g) for g in remote_block_ids],
+                            local_heads, remote_heads)
+        return self._begin(peer, request, local_block_ids)
 
-    def _begin(self, token: bytes, peer: PeerState, request: wire.Push | wire.PushReg, plan: RankPlan,
-               read: Read, local_block_ids: GroupBlockIds) -> PushHandle:
-        whole = plan.whole(read)
-        heads = None if whole else HeadSlice(read.local_first, read.count, plan.local_heads)
-        table = self._local.slots if heads is None else self._sliced(heads)
+    def register(self, peer: PeerState, plan: RankPlan, read: Read, readers: int, spec: LoadSpec) -> PushHandle:
+        """Concurrent dispatch: register this source's blocks with its
+        producer rank under the router's transfer id (on an RPC thread)."""
+        assert spec.transfer_id is not None
+        local_heads, remote_heads = _heads(plan, read)
+        request = wire.PushReg(wire.PROTOCOL_VERSION, spec.transfer_id, secrets.token_bytes(wire.PUSH_TOKEN_BYTES),
+                               self._engine_id, self._settings.tp_rank, self._registration, spec.first_token,
+                               spec.num_tokens, [list(g) for g in spec.local_block_ids], self._settings.tp_rank,
+                               readers, local_heads, remote_heads)
+        return self._begin(peer, request, spec.local_block_ids)
+
+    def _begin(self, peer: PeerState, request: wire.Push | wire.PushReg,
+               local_block_ids: GroupBlockIds) -> PushHandle:
+        """Track ``request``'s push and send it (an RPC thread)."""
+        h = request.local_heads
+        table = self._local.slots if h is None else self._sliced(HeadSlice(h.first, h.count, h.of))
         counts = np.array([len(g) for g in local_block_ids], dtype=np.int64)
         nbytes = int((counts * table.group_nbytes[:len(counts)]).sum())  # a group's id covers its layers only
         ndescs = int(counts[table.row_group].sum()) if len(counts) == table.num_groups else 0
         now = self._clock()
-        handle = PushHandle(token, peer, request, nbytes, ndescs, time.perf_counter(),
+        handle = PushHandle(request.token, peer, request, nbytes, ndescs, time.perf_counter(),
                             hard_deadline=now + self._settings.lease_max_s + self._settings.read_timeout_s)
         with self._lock:
-            self._running[token] = handle
+            self._running[request.token] = handle
             handle.busy = True
         if not self._pool.submit(self._send, handle):
             self._resolve(handle, PushFailed("the worker is closing"))
@@ -181,20 +190,6 @@ class Pushes:
         if table is None:
             table = self._tables[heads] = SlotTable(self._local.geometry, heads)
         return table
-
-    def register(self, peer: PeerState, plan: RankPlan, read: Read, readers: int, spec: LoadSpec) -> PushHandle:
-        """Concurrent dispatch: register this source's blocks with its
-        producer rank under the router's transfer id (on an RPC thread)."""
-        assert spec.transfer_id is not None
-        whole = plan.whole(read)
-        local_heads = None if whole else wire.HeadsWire(read.local_first, read.count, plan.local_heads)
-        remote_heads = None if whole else wire.HeadsWire(read.remote_first, read.count, plan.remote_heads)
-        token = secrets.token_bytes(wire.PUSH_TOKEN_BYTES)
-        request = wire.PushReg(wire.PROTOCOL_VERSION, spec.transfer_id, token, self._engine_id,
-                               self._settings.tp_rank, self._registration, spec.first_token, spec.num_tokens,
-                               [list(g) for g in spec.local_block_ids], self._settings.tp_rank, readers,
-                               local_heads, remote_heads)
-        return self._begin(token, peer, request, plan, read, spec.local_block_ids)
 
     # --- RPC threads -------------------------------------------------------------------------------
 
@@ -371,3 +366,10 @@ def _refused_connection(exc: BaseException) -> bool:
         seen = seen.__cause__ or seen.__context__
     return isinstance(exc, PeerError) and "refused" in str(exc).lower() and "connect" in str(exc).lower()
 
+
+def _heads(plan: RankPlan, read: Read) -> tuple[wire.HeadsWire | None, wire.HeadsWire | None]:
+    """The (decode, producer) head slices of ``read``; None for whole blocks."""
+    if plan.whole(read):
+        return None, None
+    return (wire.HeadsWire(read.local_first, read.count, plan.local_heads),
+            wire.HeadsWire(read.remote_first, read.count, plan.remote_heads))
