@@ -212,3 +212,33 @@ def test_records_are_capped_but_the_totals_count_every_load():
     merged = merge([one, None, one])
     assert len(merged.requests) == MAX_RECORDS and merged.totals.nbytes == 2 * (MAX_RECORDS + 5)
     assert merge([None]) is None
+
+
+def test_push_records_round_trip_and_reach_prometheus():
+    """A producer's per-push records (mode push) cross vLLM's stats boundary
+    and say, per push, how much of it overlapped the prefill: the
+    ``rdma_kv_push_overlap_ratio`` histogram and the overlapped bytes."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from rdma_kv.connector.rdma.stats import PushCounters, PushRecord, Totals, WorkerStats, merge
+
+    pushes = (PushRecord(request_id="p-1", outcome="done", nbytes=1000, overlapped_nbytes=800, total_s=0.5),
+              PushRecord(request_id="p-2", outcome="done", nbytes=1000, overlapped_nbytes=0, total_s=0.2),
+              PushRecord(request_id="p-3", outcome="refused"))
+    stats = WorkerStats(totals=Totals(push=PushCounters(done=2, refused=1, written_bytes=2000,
+                                                        overlapped_bytes=800)), pushes=pushes)
+    parsed = WorkerStats.from_dict(stats.to_dict())
+    assert parsed == stats and pushes[0].overlap == 0.8 and pushes[2].overlap is None
+    assert merge([parsed, WorkerStats(pushes=pushes[:1])]).pushes == (*pushes, pushes[0])
+    with pytest.raises(ValueError, match="unknown push record key"):
+        WorkerStats.from_dict({"pushes": [{"request_id": "x", "outcome": "done", "overlap": 1.0}]})
+
+    registry = prometheus_client.CollectorRegistry()
+    pm = metrics.PrometheusMetrics(registry=registry)
+    pm.observe(stats.to_dict())
+    samples = registry.get_sample_value
+    assert samples("rdma_kv_push_overlapped_bytes_total") == 800
+    assert samples("rdma_kv_push_written_bytes_total") == 2000
+    assert samples("rdma_kv_push_overlap_ratio_count") == 2  # done pushes only
+    assert samples("rdma_kv_push_overlap_ratio_bucket", {"le": "0.0"}) == 1
+    assert samples("rdma_kv_push_overlap_ratio_bucket", {"le": "0.75"}) == 1
+    assert samples("rdma_kv_push_overlap_ratio_bucket", {"le": "0.9"}) == 2

@@ -21,6 +21,8 @@ from rdma_kv.harness.engine import Engine, ModelShape
 pytestmark = pytest.mark.timeout(120)
 
 SHAPE = ModelShape(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, num_blocks=128, dtype="float32")
+BLOCK_NBYTES = SHAPE.num_layers * 2 * SHAPE.num_kv_heads * SHAPE.head_size * SHAPE.block_size * 4
+"""One block, every layer's K and V (float32)."""
 
 
 def config(role: str, engine_id: str, mode: str = "push", **extra) -> KVTransferConfig:
@@ -31,10 +33,11 @@ def config(role: str, engine_id: str, mode: str = "push", **extra) -> KVTransfer
 
 
 class Pair:
-    def __init__(self, p_extra=None, d_mode="push"):
+    def __init__(self, p_extra=None, d_mode="push", start_load="after_forward"):
         self.fabric = FakeFabric()
         kw = {"transport_factory": self.fabric.factory}
-        self.P = Engine(config("kv_producer", "prefill-1", **(p_extra or {})), SHAPE, connector_kwargs=kw)
+        self.P = Engine(config("kv_producer", "prefill-1", **(p_extra or {})), SHAPE, connector_kwargs=kw,
+                        start_load=start_load)
         self.D = Engine(config("kv_consumer", "decode-1", mode=d_mode), SHAPE, connector_kwargs=kw)
 
     def close(self):
@@ -149,21 +152,30 @@ def producer_push_totals(pair: Pair) -> dict:
     return pair.P.worker.get_kv_connector_stats()["totals"]
 
 
-def test_a_registration_before_the_prefill_is_written_layer_by_layer_then_sealed(rng):
+@pytest.mark.parametrize("start_load", ["after_forward", "before_forward"])
+def test_a_registration_before_the_prefill_is_written_layer_by_layer_then_sealed(rng, start_load):
     """The decode registers first: each layer's complete blocks go out as the
     producer's forward pass stores that layer (save_kv_layer), the rest and
-    the notification at the seal (a flush of every endpoint)."""
-    pair = Pair()
+    the notification at the seal (a flush of every endpoint). In either
+    order of ``start_load_kv``: vLLM 0.32 calls it after the forward pass
+    (its loads are asynchronous), so the step's layer-wise writes are set up
+    when the metadata is bound. (Set up in ``start_load_kv``, no layer went
+    out during vLLM's forward passes: every byte was written after them.)"""
+    pair = Pair(start_load=start_load)
     try:
         p_rid, d_rid, tid, prompt = pair.decode_registered(rng)
         pair.prefill(p_rid, prompt, tid)
         wait_until(lambda: pair.finished(d_rid), step=pair.pump, what="the decode")
         r = pair.D.results[d_rid]
         assert r.status.value == "finished" and not r.load_failed and r.bad_blocks == [], (r.error, r.bad_blocks)
-        totals = producer_push_totals(pair)
+        stats = pair.P.worker.get_kv_connector_stats()
+        totals = stats["totals"]
         # One batch per layer for the four whole blocks, one for the partial block at the seal.
         assert totals["push_layer_writes"] == SHAPE.num_layers + 1, totals
         assert totals["push_done"] == 1 and totals["push_registrations_early"] == 1, totals
+        assert totals["push_layer_steps"] == 1 and "push_layer_steps_caught_up" not in totals, totals
+        (record,) = stats["pushes"]
+        assert record["overlapped_nbytes"] == 4 * BLOCK_NBYTES and record["nbytes"] == 5 * BLOCK_NBYTES, record
     finally:
         pair.close()
 
@@ -188,11 +200,11 @@ def test_a_failed_layer_write_fails_the_push_even_though_the_seal_flush_succeeds
         pair.close()
 
 
-def test_layers_the_engine_never_hands_to_save_kv_layer_are_written_at_the_seal(rng, monkeypatch):
+def test_layers_the_engine_never_hands_to_save_kv_layer_are_written_after_the_pass(rng, monkeypatch):
     """vLLM skips ``save_kv_layer`` where a layer has no attention metadata.
-    The blocks of a step count as written only if every layer was posted;
-    else the seal writes them. (Counting them written anyway sent vLLM's
-    decodes blocks never written: completions differed, silently.)"""
+    The blocks of a step count as written only once every layer was posted:
+    ``wait_for_save`` posts the missing ones. (Counting them written anyway
+    sent vLLM's decodes blocks never written: completions differed, silently.)"""
     from rdma_kv.connector.rdma import RdmaConnector
 
     original = RdmaConnector.save_kv_layer
@@ -210,7 +222,72 @@ def test_layers_the_engine_never_hands_to_save_kv_layer_are_written_at_the_seal(
         wait_until(lambda: pair.finished(d_rid), step=pair.pump, what="the decode")
         r = pair.D.results[d_rid]
         assert not r.load_failed and r.bad_blocks == [], (r.error, r.bad_blocks)
-        totals = producer_push_totals(pair)
-        assert totals["push_layer_steps_partial"] == 1 and totals.get("push_layer_steps", 0) == 0, totals
+        stats = pair.P.worker.get_kv_connector_stats()
+        totals = stats["totals"]
+        # The skipped layer went out after the forward pass (wait_for_save), not at the seal.
+        assert totals["push_layer_steps_caught_up"] == 1 and totals.get("push_layer_steps", 0) == 0, totals
+        (record,) = stats["pushes"]
+        assert record["outcome"] == "done" and 0 < record["overlapped_nbytes"] < record["nbytes"], record
+    finally:
+        pair.close()
+
+
+
+@pytest.mark.parametrize("when", ["first_layer", "last_layer", "after_forward"])
+def test_a_decode_that_registers_during_the_prefills_forward_pass_joins_it(rng, monkeypatch, when):
+    """With concurrent dispatch the decode's registration usually arrives
+    while the prefill's (single-step) forward pass runs. It joins at the
+    next layer stored, and gets the layers stored before it came in the same
+    batch; one that comes after the last layer gets every layer when the
+    forward pass ends (wait_for_save); the partial last block goes at the
+    seal. The decode's blocks are all verified; the producer's per-request
+    record says how much overlapped the forward pass."""
+    from rdma_kv.connector.rdma import RdmaConnector
+
+    pair = Pair()
+    p_rid, d_rid, tid = pair.ids()
+    prompt = rng.integers(1, 999, 4 * SHAPE.block_size + 3).tolist()  # 4 whole blocks and a partial one
+    hook_layer = {"first_layer": SHAPE.layer_names[0], "last_layer": SHAPE.layer_names[-1]}.get(when)
+    state = {"registered": False}
+
+    def register_now():
+        pair.decode(d_rid, prompt, tid)
+        wait_until(lambda: pair.registered() == 1, step=pair.D.step, what="the decode's registration")
+        state["registered"] = True
+
+    original_save, original_wait = RdmaConnector.save_kv_layer, RdmaConnector.wait_for_save
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata=None, **kwargs):
+        if self is pair.P.worker and layer_name == hook_layer and not state["registered"]:
+            register_now()
+        original_save(self, layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self):
+        if self is pair.P.worker and when == "after_forward" and not state["registered"]:
+            register_now()
+        original_wait(self)
+
+    monkeypatch.setattr(RdmaConnector, "save_kv_layer", save_kv_layer)
+    monkeypatch.setattr(RdmaConnector, "wait_for_save", wait_for_save)
+    try:
+        pair.prefill(p_rid, prompt, tid)
+        wait_until(lambda: pair.finished(d_rid), step=pair.pump, what="the decode")
+        assert state["registered"]
+        r = pair.D.results[d_rid]
+        assert r.status.value == "finished" and not r.load_failed and r.bad_blocks == [], (r.error, r.bad_blocks)
+        stats = pair.P.worker.get_kv_connector_stats()
+        totals = stats["totals"]
+        (record,) = stats["pushes"]
+        assert record["outcome"] == "done" and record["nbytes"] == 5 * BLOCK_NBYTES, record
+        if when == "after_forward":
+            # Every layer of the four whole blocks in one batch after the forward pass, the partial block at the seal.
+            assert totals["push_layer_steps_caught_up"] == 1 and totals["push_layer_writes"] == 2, totals
+            assert record["overlapped_nbytes"] == 0, record
+        else:
+            # Joined during the pass: the layers stored before it came went with the current one.
+            expected_batches = {"first_layer": SHAPE.num_layers, "last_layer": 1}[when] + 1
+            assert totals["push_layer_steps"] == 1 and totals["push_layer_writes"] == expected_batches, totals
+            assert record["overlapped_nbytes"] == 4 * BLOCK_NBYTES, record
+            assert totals["push_overlapped_bytes"] == 4 * BLOCK_NBYTES, totals
     finally:
         pair.close()

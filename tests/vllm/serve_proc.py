@@ -276,7 +276,7 @@ def worker_healthy(router_url: str, worker_url: str) -> bool | None:
 
 
 def complete(base_url: str, prompt: str, *, max_tokens: int = 8, stream: bool = False,
-             timeout_s: float = 120.0, **body: Any) -> dict[str, Any]:
+             timeout_s: float = 120.0, headers: dict[str, str] | None = None, **body: Any) -> dict[str, Any]:
     """One greedy ``/v1/completions`` request. Returns ``{"status", "text",
     "finish_reason", "kv_transfer_params", "error"}``; a streamed answer is
     joined from its SSE chunks. Connection errors and non-200 answers come
@@ -285,7 +285,7 @@ def complete(base_url: str, prompt: str, *, max_tokens: int = 8, stream: bool = 
     payload = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens,
                "temperature": 0.0, "ignore_eos": True, "stream": stream, **body}
     request = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(payload).encode(),
-                                     headers={"content-type": "application/json"})
+                                     headers={"content-type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as r:
             raw = r.read().decode()

@@ -125,7 +125,13 @@ def test_stats_aggregate_and_reduce() -> None:
     reduced = a.aggregate(b).reduce()
     assert reduced["loads"] == 2 and reduced["loads_failed"] == 1
     assert reduced["bytes"] == 100 and reduced["descriptors"] == 4 and reduced["handshakes"] == 1
-    assert reduced["median_transfer_ms"] == 2.0
+    assert reduced["median_transfer_ms"] == 2.0 and "pushes" not in reduced
+    # A push producer's stats: records only (no load), yet not empty; the overlap is over completed pushes.
+    push = RdmaKVConnectorStats(data={"totals": {}, "pushes": [
+        {"request_id": "p", "outcome": "done", "nbytes": 400, "overlapped_nbytes": 300},
+        {"request_id": "q", "outcome": "failed", "nbytes": 0}]})
+    assert not push.is_empty()
+    assert push.reduce()["pushes"] == 2 and push.reduce()["push_overlap"] == 0.75
 
 
 def test_import_rdma_kv_does_not_import_vllm_nor_start_anything() -> None:

@@ -156,8 +156,10 @@ class KVConnectorBase(abc.ABC):
     - ``bind_connector_metadata(metadata)`` before and
       ``clear_connector_metadata()`` after each forward step;
       ``_get_connector_metadata()`` inside the connector while bound.
-    - ``start_load_kv(forward_context, **kwargs)``: before the forward pass;
-      starts the step's loads.
+    - ``start_load_kv(forward_context, **kwargs)``: starts the step's loads;
+      before the forward pass, or (vLLM 0.32, when every load of the step is
+      asynchronous) after it was launched: work that must precede the
+      layers belongs in ``bind_connector_metadata``.
     - ``wait_for_layer_load(layer_name)``: in each attention layer before it
       reads the KV cache.
     - ``save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)``: in
@@ -176,7 +178,7 @@ class KVConnectorBase(abc.ABC):
     **Step order** (one engine step): scheduler ``get_num_new_matched_tokens``
     / ``update_state_after_alloc`` for admitted requests, then
     ``build_connector_meta``; worker ``bind_connector_metadata`` ->
-    ``start_load_kv`` -> per layer ``wait_for_layer_load`` / ``save_kv_layer``
+    ``start_load_kv`` (or after the layers) -> per layer ``wait_for_layer_load`` / ``save_kv_layer``
     -> ``wait_for_save`` -> ``get_finished`` -> ``get_block_ids_with_load_errors``
     -> ``clear_connector_metadata``; scheduler ``update_connector_output``,
     then ``request_finished`` for requests that finished.

@@ -21,10 +21,14 @@ every block it loaded from the prompt alone.
    connector offered nothing). ``(n, True)``: park the request until the
    worker reports it in ``finished_recving``.
 3. Every step: ``build_connector_meta`` -> worker ``bind_connector_metadata``
-   -> ``start_load_kv`` -> per layer ``wait_for_layer_load`` / forward /
-   ``save_kv_layer`` -> ``wait_for_save`` -> ``get_finished(finished_ids)``
+   -> per layer ``wait_for_layer_load`` / forward / ``save_kv_layer`` ->
+   ``start_load_kv`` -> ``wait_for_save`` -> ``get_finished(finished_ids)``
    -> ``get_block_ids_with_load_errors`` -> ``clear_connector_metadata`` ->
-   scheduler ``update_connector_output``.
+   scheduler ``update_connector_output``. That is vLLM 0.32's order when
+   every load of the step is asynchronous (``_get_kv_connector_output``:
+   async loads are started *after* the forward is launched); with
+   ``start_load="before_forward"``, the order of a step with synchronous
+   loads (and of older vLLMs): ``start_load_kv`` before the layers.
 4. A parked request reported in ``finished_recving``: if any of its blocks
    is in the load errors, ``kv_load_failure_policy`` decides: ``recompute``
    from the first bad block, or ``fail`` the request.
@@ -248,8 +252,12 @@ class Engine:
         fill: bool = True,
         max_running: int = 64,
         tp_size: int = 1,
+        start_load: str = "after_forward",
     ) -> None:
+        if start_load not in ("after_forward", "before_forward"):
+            raise ValueError(f"start_load must be 'after_forward' or 'before_forward', not {start_load!r}")
         self.config, self.shape, self.tp_size = config, shape, tp_size
+        self.start_load_first = start_load == "before_forward"
         self.policy = config.kv_load_failure_policy
         self.prefix_caching, self.verify, self.max_running = prefix_caching, verify, max_running
         self.fill = fill  # False: skip the fake forward's KV writes (benchmarks)
@@ -444,12 +452,15 @@ class Engine:
         for part in self.ranks:
             worker = part.worker
             worker.bind_connector_metadata(meta)
-            worker.start_load_kv(None)
+            if self.start_load_first:
+                worker.start_load_kv(None)
             for name in part.kv_caches:
                 worker.wait_for_layer_load(name)
             self._forward(compute, part)
             for name in part.kv_caches:
                 worker.save_kv_layer(name, part.kv_caches[name], None)
+            if not self.start_load_first:
+                worker.start_load_kv(None)
             worker.wait_for_save()
             rank_sending, rank_recving = worker.get_finished(finished_ids)
             self._reported["sending"].update(rank_sending or ())

@@ -50,7 +50,7 @@ class RdmaKVConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         typed = self._parsed()
-        return not typed.requests and not any(typed.totals.to_dict().values())
+        return not typed.requests and not typed.pushes and not any(typed.totals.to_dict().values())
 
     def aggregate(self, other: KVConnectorStats) -> RdmaKVConnectorStats:
         """Fold ``other`` (another worker, or a later interval) in with the
@@ -83,6 +83,12 @@ class RdmaKVConnectorStats(KVConnectorStats):
             measured = [v for v in values if v is not None]
             if measured:
                 out[f"median_{name}_ms"] = round(1e3 * statistics.median(measured), 3)
+        done = [p for p in typed.pushes if p.outcome == "done"]
+        if typed.pushes:  # a push producer: how much of what it wrote overlapped its prefills
+            out["pushes"] = len(typed.pushes)
+            written = sum(p.nbytes for p in done)
+            if written:
+                out["push_overlap"] = round(sum(p.overlapped_nbytes for p in done) / written, 3)
         return out
 
 

@@ -128,6 +128,15 @@ class RdmaConnector(KVConnectorBase):
     def restore_kv_caches(self) -> None:
         self.worker.restore_kv_caches()
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bind the step's metadata; push mode: this step's prefill chunks
+        whose layers go to registered decodes as they are stored. Here, not
+        in ``start_load_kv``: vLLM 0.32 starts asynchronous loads after the
+        forward pass, once every ``save_kv_layer`` of the step has run."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, RdmaConnectorMetadata):
+            self._worker.begin_layers(connector_metadata.layer_pushes)
+
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
         """Apply the step's metadata and post reads; returns at once (handshakes
         and lease RPCs run on the connector's threads)."""

@@ -83,6 +83,8 @@ HISTOGRAMS: dict[str, tuple[str, Sequence[float]]] = {
     "request_ops": ("operations posted per request, after merging contiguous runs", COUNT_BUCKETS),
 }
 OUTCOMES = ("ok", "failed")
+OVERLAP_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+"""Share of a push's bytes written while its prefill's forward pass ran."""
 
 
 @dataclass
@@ -326,6 +328,12 @@ class PrometheusMetrics:
                            "(done, failed, aborted, refused)", ["outcome"])
         self.push_written_bytes = make(counter_cls, "push_written_bytes", "rdma-kv: bytes a producer wrote into "
                                        "decodes' KV caches by pushes that completed (mode push)")
+        self.push_overlapped_bytes = make(counter_cls, "push_overlapped_bytes", "rdma-kv: of "
+                                          "rdma_kv_push_written_bytes_total, bytes written while the prefill's "
+                                          "forward pass ran (layer-wise writes, concurrent dispatch)")
+        self.push_overlap = make(histogram_cls, "push_overlap_ratio", "rdma-kv: per completed push, the share of "
+                                 "its bytes written while the prefill's forward pass ran (0: all after it)",
+                                 buckets=list(OVERLAP_BUCKETS))
         self.pushed_loads = make(counter_cls, "pushed_loads", "rdma-kv: load sources a decode received by push "
                                  "(mode push), by outcome; rdma_kv_loads_total counts loads of either mode",
                                  ["outcome"])
@@ -367,6 +375,11 @@ class PrometheusMetrics:
                     self._child(self.pushes, outcome).inc(n)
             if push.written_bytes > 0:
                 self._child(self.push_written_bytes).inc(push.written_bytes)
+            if push.overlapped_bytes > 0:
+                self._child(self.push_overlapped_bytes).inc(push.overlapped_bytes)
+            for push_record in typed.pushes:
+                if push_record.outcome == "done" and push_record.overlap is not None:
+                    self._child(self.push_overlap).observe(push_record.overlap)
             for outcome, n in (("ok", push.loads_done), ("failed", push.loads_failed)):
                 if n > 0:
                     self._child(self.pushed_loads, outcome).inc(n)

@@ -39,7 +39,7 @@ from rdma_kv.connector.rdma.meta import LayerPushSpec, SendSpec
 from rdma_kv.connector.rdma.pusher import PushWriter
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sidechannel import ConnectionLimits, SideChannelServer
-from rdma_kv.connector.rdma.stats import LeaseCounters, PushCounters
+from rdma_kv.connector.rdma.stats import LeaseCounters, PushCounters, PushRecord
 from rdma_kv.connector.rdma.transport_api import Transport
 from rdma_kv.connector.types import EngineId, RequestId
 
@@ -172,7 +172,7 @@ class RdmaProducer:
         self.handler = handler
 
     def on_step(self, lease_epoch: int, lease_key: bytes, sends: Iterable[SendSpec],
-                reclaims: Iterable[int] = (), layer_pushes: Sequence[LayerPushSpec] = ()) -> None:
+                reclaims: Iterable[int] = ()) -> None:
         """Apply the producer's part of one step's metadata: the epoch, new
         grants, then the leases the scheduler reclaims. Never raises."""
         if lease_epoch:
@@ -194,6 +194,11 @@ class RdmaProducer:
         pusher = self.handler.pusher if self.handler is not None else None
         if pusher is not None:
             pusher.reap()
+
+    def begin_layers(self, layer_pushes: Sequence[LayerPushSpec]) -> None:
+        """Before the step's forward pass (push mode: its layer-wise writes)."""
+        pusher = self.handler.pusher if self.handler is not None else None
+        if pusher is not None:
             pusher.begin_step(layer_pushes)
 
     def save_layer(self, layer_name: str) -> None:
@@ -245,6 +250,11 @@ class RdmaProducer:
         """Push events since the last call (zero in pull mode)."""
         pusher = self.handler.pusher if self.handler is not None else None
         return pusher.take_counters() if pusher is not None else PushCounters()
+
+    def take_push_records(self) -> tuple[PushRecord, ...]:
+        """Pushes resolved since the last call (none in pull mode)."""
+        pusher = self.handler.pusher if self.handler is not None else None
+        return pusher.take_records() if pusher is not None else ()
 
     def close(self) -> None:
         if self.server is not None:

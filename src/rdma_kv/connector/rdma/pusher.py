@@ -53,7 +53,7 @@ from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.leases import LeaseCall, LeaseTable
 from rdma_kv.connector.rdma.meta import LayerPushSpec, SendSpec
 from rdma_kv.connector.rdma.slots import HeadSlice, SlotTable
-from rdma_kv.connector.rdma.stats import PushCounters, Tally
+from rdma_kv.connector.rdma.stats import MAX_RECORDS, PushCounters, PushRecord, Tally
 from rdma_kv.connector.rdma.transport_api import PreparedList, TransferHandle, Transport
 
 __all__ = ["PUSH_NOTIFY_PREFIX", "PushWriter"]
@@ -89,11 +89,14 @@ class _Push:
     detail: str = ""
     aborted: bool = False
     nbytes: int = 0
+    overlapped_nbytes: int = 0
+    """Of ``nbytes``, written by layer writes posted while the prefill's forward pass ran."""
     resolved_at: float | None = None
     reg: wire.PushReg | None = None
     """Concurrent dispatch: the registration, until its prefill's lease is granted."""
     token: bytes = b""
     wait_until: float = 0.0
+    started_at: float = 0.0
     # Layer-wise writes (concurrent dispatch, while the prefill computes):
     written_upto: int = -1
     """Blocks (prompt block index, exclusive) every layer of which was written; -1: none yet."""
@@ -135,6 +138,10 @@ class PushWriter:
         need the layer's stream synchronised first; it is written at the seal)."""
         self._active: list[tuple[_Push, LayerPushSpec, int, int, set[int]]] = []
         """This step's layer-wise writes: (push, chunk, first block, end block, the layers posted)."""
+        self._step: tuple[LayerPushSpec, ...] = ()
+        self._stored: list[str] = []  # layers stored so far this step
+        self._reg_seq = 0  # registrations so far (PUSH_REG, side channel thread)
+        self._joined_seq = 0  # ... when the engine thread last took them
         self._granted: collections.OrderedDict[str, _Granted] = collections.OrderedDict()
         self._clock = clock
         self._lock = threading.Lock()
@@ -143,6 +150,7 @@ class PushWriter:
         self._generations: set[tuple[int, int]] = set()  # (lease, reader) pushed: a second PUSH is refused
         self._own: dict[HeadSlice | None, tuple[SlotTable, PreparedList]] = {}
         self._counts = Tally(PushCounters)  # counted under self._lock
+        self._records: collections.deque[PushRecord] = collections.deque(maxlen=MAX_RECORDS)  # under the lock
 
     # --- PUSH_HELLO ------------------------------------------------------------------------
 
@@ -181,7 +189,7 @@ class PushWriter:
         if status is not wire.LeaseStatus.HELD:
             self._count("refused")
             return wire.PushReply(REFUSED, f"lease {status.name}")
-        entry = _Push(call, token=token)
+        entry = _Push(call, token=token, started_at=self._clock())
         try:
             planned = self._plan(request.remote_block_ids, request.local_block_ids, request.remote_heads,
                                  request.local_heads, decode, lease_blocks)
@@ -293,6 +301,8 @@ class PushWriter:
             self._counts.add(entry.state.value)
             if entry.state is DONE:
                 self._counts.add("written_bytes", entry.nbytes)
+                self._counts.add("overlapped_bytes", entry.overlapped_nbytes)
+            self._record(entry)
         if entry.call is not None:
             self._leases.unpin(entry.call.ref.generation)
             self._leases.release([entry.call])
@@ -310,10 +320,12 @@ class PushWriter:
             return found
         if len(request.local_block_ids) != 1:
             return wire.PushReply(REFUSED, "concurrent dispatch serves models with one KV-cache group")
-        entry = _Push(None, WAITING, token=token, reg=request, wait_until=self._clock() + self._wait_s)
+        now = self._clock()
+        entry = _Push(None, WAITING, token=token, reg=request, wait_until=now + self._wait_s, started_at=now)
         with self._lock:
             self._remember(token, entry)
             self._waiting[request.transfer_id].append(token)
+            self._reg_seq += 1
             granted = self._granted.get(request.transfer_id)
             self._counts.add("registrations")
             if granted is None:
@@ -369,6 +381,7 @@ class PushWriter:
             with self._lock:
                 entry.state, entry.detail, entry.resolved_at = REFUSED, problem, self._clock()
                 self._counts.add("refused")
+                self._record(entry)
             return
         entry.call = call
         done = max(entry.written_upto, first)  # blocks the layer-wise writes covered
@@ -384,6 +397,7 @@ class PushWriter:
                 with self._lock:
                     entry.state, entry.detail, entry.resolved_at = REFUSED, str(exc), self._clock()
                     self._counts.add("refused")
+                    self._record(entry)
                 return
             entry.error = str(exc)
             planned = None
@@ -402,18 +416,29 @@ class PushWriter:
     def begin_step(self, specs: Sequence[LayerPushSpec]) -> None:
         """This step's prefill chunks under a transfer id: every layer's blocks
         complete by the chunk's end go to the decodes registered for them, as
-        each layer is stored (:meth:`write_layer`)."""
+        each layer is stored (:meth:`write_layer`). A decode that registers
+        while the step runs joins at the next layer stored."""
         self._active = []
-        if not self.layerwise or not specs or not self._block_size:
-            return
+        self._stored = []
+        self._step = tuple(specs) if self.layerwise and self._block_size else ()
+        if self._step:
+            self._join()
+
+    def _join(self) -> int:
+        """Take this step's registrations not yet taken (engine thread); how
+        many entries were active before (the new ones follow them)."""
         bs = self._block_size
+        before = len(self._active)
+        taken = {id(a[0]) for a in self._active}
         with self._lock:
-            for spec in specs:
+            self._joined_seq = self._reg_seq
+            for spec in self._step:
                 for token in self._waiting.get(spec.transfer_id, ()):
                     entry = self._pushes.get(token)
                     reg = entry.reg if entry is not None else None
-                    if entry is None or reg is None or entry.state is not WAITING or entry.aborted or \
-                            entry.expired or reg.local_heads is not None or reg.remote_heads is not None:
+                    if entry is None or reg is None or id(entry) in taken or entry.state is not WAITING or \
+                            entry.aborted or entry.expired or reg.local_heads is not None or \
+                            reg.remote_heads is not None:
                         continue
                     first, count = reg.first_token // bs, len(reg.local_block_ids[0])
                     if entry.written_upto < 0:
@@ -425,52 +450,76 @@ class PushWriter:
                     entry.producer_blocks = spec.block_ids
                     if hi > lo:
                         self._active.append((entry, spec, lo, hi, set()))
+        return before
 
     def write_layer(self, layer_name: str) -> None:
         """The engine stored ``layer_name`` for this step: post its rows of
         the blocks complete so far (no notification: the seal flushes)."""
-        for entry, spec, lo, hi, posted in self._active:
-            reg = entry.reg
-            assert reg is not None
-            with self._lock:
-                decode = self._decodes.get((reg.engine_id, reg.tp_rank))
-                if decode is None or entry.state is not WAITING or entry.aborted or entry.error:
-                    continue
-            try:
-                own, dst = self._tables(decode, None, None)
-                layer = own[0].layer_index[layer_name]
-                rows = np.flatnonzero(own[0].row_layer == layer)
-                first = reg.first_token // self._block_size
-                mine = np.asarray(spec.block_ids[lo:hi], dtype=np.int64)
-                theirs = np.asarray(reg.local_block_ids[0][lo - first:hi - first], dtype=np.int64)
-                src = (own[0].row_base[rows][:, None] + mine[None, :]).ravel()
-                dst_idx = (dst[0].row_base[rows][:, None] + theirs[None, :]).ravel()
-            except (KeyError, ValueError) as exc:
-                with self._lock:
-                    entry.error = f"layer {layer_name!r}: {exc}"
-                continue
-            if self._post_layer(entry, (src, dst_idx, own[1], dst[1]), decode):
-                posted.add(layer)
+        if not self._step:
+            return
+        self._stored.append(layer_name)
+        joined = len(self._active)
+        if self._reg_seq != self._joined_seq:  # a decode registered during the step (read without the lock:
+            joined = self._join()              # one missed here is taken at the next layer, or at the end)
+        for i, (entry, spec, lo, hi, posted) in enumerate(self._active):
+            # One that joined now also gets the layers stored before it came.
+            names = [layer_name] if i < joined else self._stored
+            self._post_rows(entry, spec, lo, hi, posted, names, overlapped=True)
 
     def end_step(self) -> None:
-        """The step's forward pass ended. A chunk's blocks count as written only
-        if every layer of them was posted: an engine that did not call
-        ``save_kv_layer`` for some layer (vLLM skips it where a layer has no
-        attention metadata) leaves them to the seal, which writes them then.
+        """The step's forward pass ended: every layer of it is in the (host)
+        KV cache. Entries that joined late, or whose layers the engine did
+        not all hand to ``save_kv_layer`` (vLLM skips it where a layer has
+        no attention metadata), get their missing layers now; a chunk's
+        blocks count as written only once every layer of them was posted.
         (Counting them written anyway sent a decode blocks never written:
         completions differed from a plain engine's, silently.)"""
+        if self._step and self._reg_seq != self._joined_seq:
+            self._join()
         num_layers = len(self._geometry.layers)
-        with self._lock:
-            for entry, _, _, hi, posted in self._active:
+        names = [layer.name for layer in self._geometry.layers]
+        for entry, spec, lo, hi, posted in self._active:
+            missing = [n for i, n in enumerate(names) if i not in posted]
+            caught_up = bool(missing) and entry.error is None and \
+                self._post_rows(entry, spec, lo, hi, posted, missing, overlapped=False)
+            with self._lock:
                 if entry.error is None and len(posted) == num_layers:
                     entry.written_upto = max(entry.written_upto, hi)
-                    self._counts.add("layer_steps")
-                elif posted:
-                    self._counts.add("layer_steps_partial")
+                    self._counts.add("layer_steps_caught_up" if caught_up else "layer_steps")
         self._active = []
+        self._stored = []
+        self._step = ()
+
+    def _post_rows(self, entry: _Push, spec: LayerPushSpec, lo: int, hi: int, posted: set[int],
+                   layer_names: Sequence[str], overlapped: bool) -> bool:
+        """Post ``layer_names``' rows of the chunk's blocks ``[lo, hi)`` to
+        ``entry``'s decode (one batch); the layers go into ``posted``."""
+        reg = entry.reg
+        assert reg is not None
+        with self._lock:
+            decode = self._decodes.get((reg.engine_id, reg.tp_rank))
+            if decode is None or entry.state is not WAITING or entry.aborted or entry.error:
+                return False
+        try:
+            own, dst = self._tables(decode, None, None)
+            layers = [own[0].layer_index[name] for name in layer_names]
+            rows = np.flatnonzero(np.isin(own[0].row_layer, layers))
+            first = reg.first_token // self._block_size
+            mine = np.asarray(spec.block_ids[lo:hi], dtype=np.int64)
+            theirs = np.asarray(reg.local_block_ids[0][lo - first:hi - first], dtype=np.int64)
+            src = (own[0].row_base[rows][:, None] + mine[None, :]).ravel()
+            dst_idx = (dst[0].row_base[rows][:, None] + theirs[None, :]).ravel()
+        except (KeyError, ValueError) as exc:
+            with self._lock:
+                entry.error = f"layer(s) {list(layer_names)!r}: {exc}"
+            return False
+        if not self._post_layer(entry, (src, dst_idx, own[1], dst[1]), decode, overlapped):
+            return False
+        posted.update(layers)
+        return True
 
     def _post_layer(self, entry: _Push, planned: tuple[np.ndarray, np.ndarray, PreparedList, PreparedList],
-                    decode: _Decode) -> bool:
+                    decode: _Decode, overlapped: bool = False) -> bool:
         src, dst, own_prep, dst_prep = planned
         with self._lock:
             entry.outstanding += 1
@@ -484,15 +533,17 @@ class PushWriter:
             return False
         with self._lock:
             self._counts.add("layer_writes")
-        xfer.add_done_callback(lambda x: self._layer_done(entry, x))
+        xfer.add_done_callback(lambda x: self._layer_done(entry, x, overlapped))
         return True
 
-    def _layer_done(self, entry: _Push, xfer: TransferHandle) -> None:
+    def _layer_done(self, entry: _Push, xfer: TransferHandle, overlapped: bool) -> None:
         with self._lock:
             entry.outstanding -= 1
             if xfer.error is not None:
                 entry.error = entry.error or f"layer writes failed: {xfer.error}"
             entry.nbytes += xfer.nbytes if xfer.error is None else 0
+            if overlapped and xfer.error is None:
+                entry.overlapped_nbytes += xfer.nbytes
         self._finish_layerwise(entry)
 
     def _finish_layerwise(self, entry: _Push) -> None:
@@ -542,6 +593,7 @@ class PushWriter:
                         entry.detail = (f"no prefill under transfer id {transfer_id!r} finished on this producer "
                                         f"within {self._wait_s:g} s")
                         self._counts.add("refused")
+                        self._record(entry)
                     else:
                         keep.append(t)
                 if keep:
@@ -565,6 +617,7 @@ class PushWriter:
                 entry.state, entry.detail, entry.resolved_at = ABORTED, "aborted before anything was posted", \
                     self._clock()
                 self._counts.add("aborted")
+                self._record(entry)
                 return self._answer(entry)
             if request.abort and entry.state is WAITING and not entry.aborted:
                 entry.aborted = True  # layer-wise writes went out: flushed before it answers ABORTED
@@ -603,6 +656,17 @@ class PushWriter:
             if old.call is not None:
                 self._generations.discard((old.call.ref.generation, old.call.reader))
 
+    def _record(self, entry: _Push) -> None:
+        """``entry`` resolved: its per-request record."""
+        if entry.call is not None:
+            rid = str(entry.call.ref.request_id)
+        else:
+            rid = f"transfer:{entry.reg.transfer_id}" if entry.reg is not None else "?"
+        end = entry.resolved_at if entry.resolved_at is not None else self._clock()
+        self._records.append(PushRecord(request_id=rid, outcome=entry.state.value, nbytes=entry.nbytes,
+                                        overlapped_nbytes=entry.overlapped_nbytes,
+                                        total_s=max(0.0, end - entry.started_at)))
+
     def running(self) -> int:
         with self._lock:
             return sum(p.state in (RUNNING, WAITING) for p in self._pushes.values())
@@ -611,6 +675,13 @@ class PushWriter:
         """Push events since the last call."""
         with self._lock:
             return self._counts.take()
+
+    def take_records(self) -> tuple[PushRecord, ...]:
+        """Pushes resolved since the last call."""
+        with self._lock:
+            out = tuple(self._records)
+            self._records.clear()
+            return out
 
     def _count(self, name: str) -> None:
         with self._lock:

@@ -15,6 +15,9 @@ Owns the typed records and the one way to combine them:
   field per event: :class:`ConsumerCounters` (handshakes, lease RPCs,
   failed and aborted loads) and :class:`LeaseCounters` (the producer's
   lease table). An owner counts into a :class:`Tally` of its kind.
+- :class:`PushRecord`: one push a producer resolved (mode push): bytes
+  written, how many of them while the prefill's forward pass still ran
+  (layer-wise writes), outcome.
 - :class:`Totals`: record sums, and each owner's counters as a field.
 - :class:`WorkerStats`: one worker's summary since the last collection:
   the records, the totals, leases held and the resources the worker holds.
@@ -41,7 +44,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
 __all__ = ["MAX_RECORDS", "ConsumerCounters", "Counters", "LeaseCounters", "LoadMeasures", "LoadRecord",
-           "LoadStats", "PushCounters", "Tally", "Totals", "WorkerStats", "merge"]
+           "LoadStats", "PushCounters", "PushRecord", "Tally", "Totals", "WorkerStats", "merge"]
 
 MAX_RECORDS = 10_000
 """Per-request records kept until collected, and across merges; beyond it
@@ -131,6 +134,42 @@ class LoadRecord(LoadMeasures):
 
 
 _RECORD_KEYS = frozenset(f.name for f in dataclasses.fields(LoadRecord))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PushRecord:
+    """One push a producer rank resolved (``pusher``): the request whose
+    lease it wrote from, the outcome (``done``, ``failed``, ``aborted``,
+    ``refused``), the bytes written, and of them the bytes written by layer
+    writes posted while the prefill's forward pass ran: what overlapped
+    the prefill (concurrent dispatch, layer-wise; 0 otherwise)."""
+
+    request_id: str
+    outcome: str
+    nbytes: int = 0
+    overlapped_nbytes: int = 0
+    total_s: float = 0.0
+    """From the decode's PUSH or registration to the push resolving."""
+
+    @property
+    def overlap(self) -> float | None:
+        """The share of the bytes written that overlapped the prefill; None when nothing was written."""
+        return self.overlapped_nbytes / self.nbytes if self.nbytes else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PushRecord:
+        unknown = set(data) - _PUSH_KEYS
+        if unknown:
+            raise ValueError(f"unknown push record key(s) {sorted(unknown)}; valid: {sorted(_PUSH_KEYS)}")
+        return cls(request_id=str(data.get("request_id", "")), outcome=str(data.get("outcome", "")),
+                   nbytes=int(data.get("nbytes", 0)), overlapped_nbytes=int(data.get("overlapped_nbytes", 0)),
+                   total_s=float(data.get("total_s", 0.0)))
+
+
+_PUSH_KEYS = frozenset(f.name for f in dataclasses.fields(PushRecord))
 
 C = TypeVar("C", bound="Counters")
 
@@ -269,12 +308,17 @@ class PushCounters(Counters):
     """Write batches of one layer's complete blocks, posted as the layer was stored (producer)."""
     layer_steps: int = 0
     """Prefill chunks whose layers were written as they were stored (producer)."""
-    layer_steps_partial: int = 0
-    """... of which some layer was never handed to ``save_kv_layer``: the seal writes those blocks."""
+    layer_steps_caught_up: int = 0
+    """Prefill chunks some layers of which were written only after the forward pass: the decode
+    registered during it, or the engine did not hand every layer to ``save_kv_layer``."""
     written_bytes: int = 0
     """Bytes written by pushes that completed (producer)."""
+    overlapped_bytes: int = 0
+    """... of which written by layer writes posted while the prefill's forward pass ran (producer)."""
     loads_done: int = 0
     """Sources whose push completed (decode)."""
+    loads_waiting: int = 0
+    """Sources the producer first answered WAITING: registered before their prefill finished (decode)."""
     loads_failed: int = 0
     producer_gone: int = 0
     """Pushes resolved because the producer's side channel refused connections (decode)."""
@@ -345,14 +389,18 @@ class WorkerStats:
     totals: Totals = Totals()
     leases_held: int = 0
     resources: Mapping[str, int] | None = None
+    pushes: tuple[PushRecord, ...] = ()
+    """Pushes this producer rank resolved (mode push)."""
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"requests": [...], "totals": {...}, "leases_held": n[, "resources": {...}]}``:
+        """``{"requests": [...], "totals": {...}, "leases_held": n[, "resources": {...}][, "pushes": [...]]}``:
         what ``get_kv_connector_stats()`` returns and vLLM carries."""
         out: dict[str, Any] = {"requests": [r.to_dict() for r in self.requests],
                                "totals": self.totals.to_dict(), "leases_held": self.leases_held}
         if self.resources is not None:
             out["resources"] = dict(self.resources)
+        if self.pushes:
+            out["pushes"] = [p.to_dict() for p in self.pushes]
         return out
 
     @classmethod
@@ -360,7 +408,8 @@ class WorkerStats:
         resources = data.get("resources")
         return cls(tuple(LoadRecord.from_dict(r) for r in data.get("requests", ())),
                    Totals.from_dict(data.get("totals") or {}), int(data.get("leases_held", 0)),
-                   None if resources is None else {k: int(v) for k, v in resources.items()})
+                   None if resources is None else {k: int(v) for k, v in resources.items()},
+                   tuple(PushRecord.from_dict(p) for p in data.get("pushes", ())))
 
 
 def merge(parts: Iterable[WorkerStats | None]) -> WorkerStats | None:
@@ -380,8 +429,9 @@ def merge(parts: Iterable[WorkerStats | None]) -> WorkerStats | None:
         if p.resources is not None:
             resources = resources or collections.Counter()
             resources.update(p.resources)
+    pushes = [r for p in present for r in p.pushes]
     return WorkerStats(tuple(records[-MAX_RECORDS:]), totals, sum(p.leases_held for p in present),
-                       None if resources is None else dict(resources))
+                       None if resources is None else dict(resources), tuple(pushes[-MAX_RECORDS:]))
 
 
 class LoadStats:

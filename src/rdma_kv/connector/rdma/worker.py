@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rdma_kv.connector.config import KVTransferConfig
@@ -56,13 +56,13 @@ from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.compat import compat_info, rank_info
 from rdma_kv.connector.rdma.consumer import ClientPool, LoadBook, LocalKV, RdmaConsumer
 from rdma_kv.connector.rdma.leases import LeaseTable
-from rdma_kv.connector.rdma.meta import RdmaConnectorMetadata, RdmaHandshakeMetadata
+from rdma_kv.connector.rdma.meta import LayerPushSpec, RdmaConnectorMetadata, RdmaHandshakeMetadata
 from rdma_kv.connector.rdma.producer import ProducerHandler, RdmaProducer
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sidechannel import SideChannelServer
 from rdma_kv.connector.rdma.sideclient import SideChannelClient
 from rdma_kv.connector.rdma.slots import SlotTable
-from rdma_kv.connector.rdma.stats import WorkerStats
+from rdma_kv.connector.rdma.stats import PushRecord, WorkerStats
 from rdma_kv.connector.rdma.transport_api import Transport
 from rdma_kv.connector.specs import KVCacheConfig
 from rdma_kv.connector.types import BlockId, EngineId, RequestId
@@ -231,6 +231,15 @@ class RdmaWorker:
 
     # --- every step: start_load_kv -------------------------------------------------------------
 
+    def begin_layers(self, layer_pushes: Sequence[LayerPushSpec]) -> None:
+        """Before the step's forward pass: its prefill chunks whose layers go
+        out as they are stored (push mode). Never raises."""
+        if self._producer is not None and not self._closed:
+            try:
+                self._producer.begin_layers(layer_pushes)
+            except Exception:
+                logger.exception("starting the step's layer-wise writes failed")
+
     def save_layer(self, layer_name: str) -> None:
         """The engine stored ``layer_name`` in this step (push mode writes it). Never raises."""
         if self._producer is not None and not self._closed:
@@ -252,7 +261,7 @@ class RdmaWorker:
         if self._closed:
             return
         if self._producer is not None:
-            self._producer.on_step(meta.lease_epoch, meta.lease_key, meta.sends, meta.reclaims, meta.layer_pushes)
+            self._producer.on_step(meta.lease_epoch, meta.lease_key, meta.sends, meta.reclaims)
         elif meta.sends:
             logger.error("%d lease grant(s) sent to the worker of a consumer-only engine; ignored",
                          len(meta.sends))
@@ -285,14 +294,16 @@ class RdmaWorker:
         """Both parts' records and counters since the last call (None if
         nothing happened), with the leases and resources held now."""
         records, totals = self._book.take_stats()
+        pushes: tuple[PushRecord, ...] = ()
         if self._producer is not None:
+            pushes = self._producer.take_push_records()
             totals = dataclasses.replace(totals, leases=self._producer.take_counters(),  # granted, released...
                                          push=totals.push + self._producer.take_push_counters())
         if self._consumer is not None and self._consumer.pushes is not None:
             totals = dataclasses.replace(totals, push=totals.push + self._consumer.pushes.take_counters())
-        if not records and not totals.events():
+        if not records and not pushes and not totals.events():
             return None
-        return WorkerStats(records, totals, len(self.leases), self.resources())
+        return WorkerStats(records, totals, len(self.leases), self.resources(), pushes)
 
     def resources(self) -> dict[str, int]:
         """What this worker holds now (leak checks): loads in flight, peers

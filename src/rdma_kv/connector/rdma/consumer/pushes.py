@@ -275,6 +275,8 @@ class Pushes:
             self._resolve(handle, None)
         elif state in (S.RUNNING, S.WAITING):  # WAITING: registered, its prefill not finished yet
             with self._lock:
+                if not handle.answered and state is S.WAITING:
+                    self._counts.add("loads_waiting")
                 handle.answered = True
                 handle.next_query_at = now + (QUERY_EVERY_S if handle.aborting else QUERY_AFTER_S)
                 handle.hard_deadline = min(handle.hard_deadline, now + reply.writes_end_within_s + 1.0)
