@@ -57,6 +57,7 @@ class EngineProcess:
         os.close(write_fd)
         self._results = os.fdopen(read_fd)
         self._starting: dict[str, Any] | None = None
+        self._stepping: dict[str, Any] | None = None
 
     def _call(self, command: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         self._send(command)
@@ -124,6 +125,20 @@ class EngineProcess:
         ``settle_s``, first step the engine until no request is left (finished
         ones whose blocks a connector still holds included), at most that long."""
         return int(self._call({"op": "free_blocks", "settle_s": settle_s})["free"])
+
+    def begin_free_blocks(self, settle_s: float) -> None:
+        """``free_blocks(settle_s)`` without waiting: the engine steps, as an
+        online engine's loop would, while the test drives another engine
+        (offline, vLLM steps only inside ``generate()``); a push-mode producer
+        ships a finished prefill's lease to its workers, and frees the blocks
+        once released, only in a step. ``wait_free_blocks`` returns the count."""
+        self._stepping = {"op": "free_blocks", "settle_s": settle_s}
+        self._send(self._stepping)
+
+    def wait_free_blocks(self) -> int:
+        command, self._stepping = self._stepping, None
+        assert command is not None, "wait_free_blocks() without begin_free_blocks()"
+        return int(self._receive(command, command["settle_s"] + self.timeout_s)["free"])
 
     def kv_cache_groups(self) -> list[str]:
         """The spec class of each KV-cache group the engine's scheduler

@@ -22,6 +22,23 @@ together, each a separate process):
 - control: a producer with other weights changes every decode output of a
   prompt longer than one block, so the KV really came over the wire.
 
+``test_hybrid_push_matches_plain_with_hma_on``: the same model in push mode
+(``"mode": "push"`` on both engines, sequential dispatch: the decode's worker
+sends PUSH with its blocks of each KV-cache group, and the producer writes
+every group's blocks at once, its whole-request write: layer-wise writes
+apply to single-group models only):
+
+- both engines keep the hybrid KV-cache manager on, several groups;
+- the decode output equals the plain output (the producer's own, for
+  requests without params); the producer engine keeps stepping meanwhile,
+  as an online engine's loop does (offline, vLLM steps only inside
+  ``generate()``, and a push needs the prefill's lease shipped to the
+  producer's worker by its next step), and has every block back after;
+- every load came by push (``push_loads_done``), none failed, and the
+  blocks outside the window were not written (``nbytes_skipped`` > 0);
+- control: params of other prompts of the same lengths change every
+  decode output.
+
 Run in the vLLM venv (scripts/install-vllm.sh); skipped elsewhere.
 """
 
@@ -62,6 +79,9 @@ PROMPTS = (
     " ".join((_COUNT * 10)[:94]),
     " ".join((_COUNT * 10)[:99]),
 )
+# The same token counts, words none of PROMPTS has (tiny_model's corpus).
+_COLORS = "red green blue yellow black white orange purple".split()
+CONTROL_PROMPTS = tuple(" ".join((_COLORS * 16)[:len(p.split(" "))]) for p in PROMPTS)
 MAX_TOKENS = 8
 TURNED_OFF = "Turning off hybrid kv cache manager"
 
@@ -140,3 +160,64 @@ def test_hybrid_pd_matches_plain_with_hma_on(tmp_path_factory: pytest.TempPathFa
     finally:
         for engine in (plain_engine, producer, consumer, other):
             engine.close()
+
+
+def test_hybrid_push_matches_plain_with_hma_on(tmp_path_factory: pytest.TempPathFactory,
+                                               log_dir: Path) -> None:
+    from tiny_model import build_tiny_llama
+
+    model_dir = build_tiny_llama(tmp_path_factory.mktemp("hybrid-llama-push"), **HYBRID)
+    producer = EngineProcess("hybrid-push-prefill", model_dir, log_dir, timeout_s=300)
+    consumer = EngineProcess("hybrid-push-decode", model_dir, log_dir, timeout_s=300)
+    try:
+        producer.begin_start(rdma_config("kv_producer", mode="push"), model=HYBRID)
+        consumer.begin_start(rdma_config("kv_consumer", mode="push"), model=HYBRID)
+        for engine in (producer, consumer):
+            engine.wait_started()
+            check_hybrid(engine)
+
+        # Requests without kv_transfer_params are plain ones (prefix caching is off).
+        plain = tokens(producer.generate(PROMPTS, max_tokens=MAX_TOKENS))
+        idle = producer.free_blocks(settle_s=10.0)
+        params = prefill(producer)
+        assert sorted(len(g) for g in params[-1]["remote_block_ids"]) == [2, 2, 4], params[-1]
+        decoded, free = _push_decode(producer, consumer, params)
+        assert free == idle, "the producer kept blocks after its pushes"
+        stats = consumer.kv_stats()
+        assert stats is not None, "the decode's connector reported nothing"
+        totals = stats["totals"]
+        assert totals["loads_ok"] == len(PROMPTS), totals
+        assert totals.get("push_loads_done", 0) == len(PROMPTS), f"not every load came by push: {totals}"
+        assert totals.get("push_loads_failed", 0) == 0, totals
+        assert totals["nbytes_skipped"] > 0, f"blocks outside the window were pushed: {totals}"
+        assert decoded == plain
+        assert "KV load failed" not in consumer.log()
+
+        control, _ = _push_decode(producer, consumer, _control_params(producer))
+        differ = [c != p for c, p in zip(control, plain)]
+        assert all(differ), f"KV pushed from other prompts left outputs unchanged: {differ}"
+        assert "KV load failed" not in consumer.log()
+    finally:
+        for engine in (producer, consumer):
+            engine.close()
+
+
+def _push_decode(producer: EngineProcess, consumer: EngineProcess, params: list[dict[str, Any]]
+                 ) -> tuple[list[list[int]], int]:
+    """Decode with ``params`` while the producer steps (offline, vLLM steps
+    only inside ``generate()``; a push needs the prefill's lease shipped to
+    the producer's worker, which its next step does) until it holds no
+    request: the decode's tokens and the producer's free blocks after."""
+    producer.begin_free_blocks(settle_s=120.0)
+    try:
+        out = tokens(consumer.generate(PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params))
+    finally:
+        free = producer.wait_free_blocks()
+    return out, free
+
+
+def _control_params(engine: EngineProcess) -> list[dict[str, Any]]:
+    outputs = engine.generate(CONTROL_PROMPTS, max_tokens=1,
+                              kv_transfer_params=[{"do_remote_decode": True}] * len(PROMPTS))["outputs"]
+    assert [len(o["prompt_token_ids"]) for o in outputs] == [7, 32, 37, 63, 64, 95, 100]
+    return [o["kv_transfer_params"] for o in outputs]

@@ -17,6 +17,19 @@ says ``"mode": "push"`` on both sides.
 - control: a producer with other weights, pushing into the same decode,
   changes the completions: the KV really came over the wire.
 
+``test_concurrent_dispatch_through_vllm_router_moriio_write_mode``: both
+legs at once (vllm-router's moriio mode): every completion equals plain.
+
+The failure paths use concurrent dispatch's registration (what the moriio
+router sends, written here by hand: ``transfer_id`` and the prefill's side
+channel in ``X-Request-Id``, no prefill leg yet), because it holds a
+decode's push registered on the producer, nothing written, for as long as
+the test needs (up to the producer's ``load_timeout_s``): a state a test can
+observe, then break, deterministically.
+
+- ``test_push_producer_killed_after_the_decode_registered_recomputes``;
+- ``test_push_decode_aborted_while_registered_producer_writes_nothing``.
+
 Run in the vLLM venv (scripts/install-vllm.sh installs vllm-router):
 
     .venv-vllm/bin/python -m pytest tests/vllm/test_vllm_push.py -q
@@ -24,7 +37,11 @@ Run in the vLLM venv (scripts/install-vllm.sh installs vllm-router):
 
 from __future__ import annotations
 
+import http.client
+import json
 import sys
+import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,7 +54,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from serve_proc import ApiServer, Router, complete, free_port, metric, wait_for  # noqa: E402
+from serve_proc import SERVED_MODEL, ApiServer, Router, complete, free_port, metric, wait_for  # noqa: E402
 from test_vllm_router import (  # noqa: E402
     MAX_TOKENS,
     ROUTER_PROMPTS,
@@ -56,12 +73,112 @@ def push_config(role: str) -> dict[str, Any]:
     return rdma_config(role, mode="push")
 
 
+def counts(p: ApiServer | None, d: ApiServer, since: dict[str, float] | None = None) -> dict[str, float]:
+    """The decode's counters and the producer's (``p`` None: the decode's
+    only), minus ``since``'s: so that each test checks what it did,
+    whatever ran before it."""
+    now = {"pushed_ok": metric(d.url, "rdma_kv_pushed_loads_total", outcome="ok"),
+           "pushed_failed": metric(d.url, "rdma_kv_pushed_loads_total", outcome="failed"),
+           "loads_ok": metric(d.url, "rdma_kv_loads_total", outcome="ok"),
+           "loads_failed": metric(d.url, "rdma_kv_loads_total", outcome="failed"),
+           "load_failed_lines": float(d.log().count("KV load failed")),
+           "producer_gone": metric(d.url, "rdma_kv_events_total", event="push_producer_gone"),
+           "loads_aborted": metric(d.url, "rdma_kv_events_total", event="loads_aborted")}
+    if p is not None:
+        now.update(done=metric(p.url, "rdma_kv_pushes_total", outcome="done"),
+                   aborted=metric(p.url, "rdma_kv_pushes_total", outcome="aborted"),
+                   failed=metric(p.url, "rdma_kv_pushes_total", outcome="failed"),
+                   refused=metric(p.url, "rdma_kv_pushes_total", outcome="refused"),
+                   written=metric(p.url, "rdma_kv_push_written_bytes_total"),
+                   registrations=metric(p.url, "rdma_kv_events_total", event="push_registrations"))
+    return now if since is None else {k: v - since.get(k, 0.0) for k, v in now.items()}
+
+
+def router_request_id(params: dict[str, Any]) -> str:
+    """What vllm-router's moriio mode puts in ``X-Request-Id``: the prefill's
+    registered address (``params.format_router_address``: its rank 0 side
+    channel, engine id, TP size), here taken from a prefill's params."""
+    prefill = (f"host:{params['remote_host']},handshake:{params['remote_port']},"
+               f"engine:{params['remote_engine_id']},tp:{params['tp_size']}")
+    return f"___prefill_addr_{prefill}___decode_addr_host:127.0.0.1,handshake:1,engine:test,tp:1_{uuid.uuid4().hex}"
+
+
+def concurrent_params(transfer_id: str, *, decode: bool) -> dict[str, Any]:
+    """A leg's kv_transfer_params under concurrent dispatch (as the router sends them)."""
+    return {"do_remote_prefill": decode, "do_remote_decode": not decode, "transfer_id": transfer_id,
+            "remote_engine_id": None, "remote_block_ids": None, "remote_dp_size": 1, "remote_tp_size": 1}
+
+
+class Leg:
+    """One ``/v1/completions`` request sent on its own connection, its answer
+    read on a thread (``result``), or the connection closed by the client
+    before the answer (``hang_up``: vLLM aborts the request)."""
+
+    def __init__(self, server: ApiServer, prompt: str, request_id: str, params: dict[str, Any], *,
+                 max_tokens: int = MAX_TOKENS, stream: bool = False) -> None:
+        self.stream = stream
+        self.conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
+        body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "stream": stream, "kv_transfer_params": params}
+        self.conn.request("POST", "/v1/completions", body=json.dumps(body),
+                          headers={"content-type": "application/json", "X-Request-Id": request_id})
+        self.answer: dict[str, Any] | None = None
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        if not stream:
+            self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            r = self.conn.getresponse()
+            raw = r.read().decode()
+            self.answer = {"status": r.status, "text": json.loads(raw)["choices"][0]["text"]
+                           if r.status == 200 else None, "raw": raw[:2000]}
+        except Exception as exc:  # reported by result()
+            self.answer = {"status": 0, "text": None, "raw": f"{type(exc).__name__}: {exc}"}
+
+    def result(self, timeout_s: float) -> dict[str, Any]:
+        self._thread.join(timeout_s)
+        assert self.answer is not None, f"no answer within {timeout_s:.0f} s"
+        return self.answer
+
+    def hang_up(self) -> None:
+        self.conn.close()
+
+
+def step_reports(server: ApiServer) -> None:
+    """One plain 1-token request: the engine steps, and its connector's
+    counters and gauges reach ``/metrics`` (an idle engine reports nothing)."""
+    out = complete(server.url, "hello world", max_tokens=1)
+    assert out["status"] == 200, out
+
+
+def wait_registered(producer: ApiServer, registrations: float, timeout_s: float = 120.0) -> None:
+    """Until ``producer`` holds one more decode registration than
+    ``registrations``, not resolved (WAITING for a prefill under its transfer id)."""
+    def holds() -> bool:
+        step_reports(producer)
+        return (metric(producer.url, "rdma_kv_events_total", event="push_registrations") > registrations
+                and metric(producer.url, "rdma_kv_resource", resource="pushes_running") >= 1)
+
+    wait_for(f"{producer.name}: the decode's registration", holds, timeout_s, poll_s=0.2)
+
+
+def decode_idle(d: ApiServer) -> bool:
+    """The decode holds no request, no KV block, no load and no push."""
+    step_reports(d)
+    return (metric(d.url, "vllm:num_requests_running") == 0 and metric(d.url, "vllm:num_requests_waiting") == 0
+            and metric(d.url, "vllm:kv_cache_usage_perc") == 0
+            and metric(d.url, "rdma_kv_resource", resource="inflight_loads") == 0
+            and metric(d.url, "rdma_kv_resource", resource="pushes_running") == 0)
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A plain server; a push prefill and decode, both also registered with
     a discovery address where the moriio-mode router of the second test
     listens (until then nobody does: ZMQ queues, nothing breaks); a push
-    prefill with other weights (registered nowhere)."""
+    prefill with other weights (registered nowhere); a push prefill that
+    the producer-killed test SIGKILLs (``doomed``)."""
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
     other_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-other"), seed=1)
     log_dir = tmp_path_factory.mktemp("push-logs")
@@ -78,7 +195,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             "other": ApiServer("prefill-push-other-weights", other_dir, log_dir,
                                kv_transfer_config=push_config("kv_producer")),
             "decode": ApiServer("decode-push", model_dir, log_dir, port=d_port,
-                                kv_transfer_config=registered("kv_consumer", d_port))}
+                                kv_transfer_config=registered("kv_consumer", d_port)),
+            "doomed": ApiServer("prefill-push-doomed", model_dir, log_dir,
+                                kv_transfer_config=push_config("kv_producer"))}
     try:
         for s in made.values():
             s.wait_healthy(START_S)
@@ -91,18 +210,20 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
 def test_push_1p1d_through_vllm_router_equal_plain(servers: dict[str, Any]) -> None:
     plain, p, other, d = servers["plain"], servers["prefill"], servers["other"], servers["decode"]
     reference: dict[tuple[str, int], str] = {}
+    before = counts(p, d)
     many = [ROUTER_PROMPTS[i % len(ROUTER_PROMPTS)] for i in range(128)]
     with Router("router-push", servers["log_dir"], prefill=[p.url], decode=[d.url]) as router:
         router.wait_healthy(120)
         sent = check_equal(router, plain, reference, ROUTER_PROMPTS)
         sent += check_equal(router, plain, reference, many, in_flight=128)
         sent += check_equal(router, plain, reference, ROUTER_PROMPTS, stream=True)
-    assert metric(d.url, "rdma_kv_pushed_loads_total", outcome="ok") == sent, d.log()[-3000:]
-    assert metric(d.url, "rdma_kv_loads_total", outcome="ok") == sent
-    assert metric(d.url, "rdma_kv_loads_total", outcome="failed") == 0
-    assert "KV load failed" not in d.log()
-    assert metric(p.url, "rdma_kv_pushes_total", outcome="done") == sent, p.log()[-3000:]
-    assert metric(p.url, "rdma_kv_push_written_bytes_total") > 0
+    grew = counts(p, d, before)
+    assert grew["pushed_ok"] == sent, d.log()[-3000:]
+    assert grew["loads_ok"] == sent
+    assert grew["loads_failed"] == 0
+    assert grew["load_failed_lines"] == 0, d.log()[-3000:]
+    assert grew["done"] == sent, p.log()[-3000:]
+    assert grew["written"] > 0
     wait_for("the producer to release every lease", lambda: metric(p.url, "rdma_kv_leases_held") == 0, 30)
 
     # Control: the same decode, KV pushed by a producer with other weights.
@@ -113,7 +234,7 @@ def test_push_1p1d_through_vllm_router_equal_plain(servers: dict[str, Any]) -> N
         assert out["status"] == 200, out
         differ.append(out["text"] != expected(plain, reference, prompt))
     assert all(differ), f"a producer with other weights left completions unchanged: {differ}"
-    assert metric(d.url, "rdma_kv_loads_total", outcome="failed") == 0
+    assert counts(p, d, before)["loads_failed"] == 0
 
 
 def test_concurrent_dispatch_through_vllm_router_moriio_write_mode(servers: dict[str, Any]) -> None:
@@ -129,7 +250,8 @@ def test_concurrent_dispatch_through_vllm_router_moriio_write_mode(servers: dict
     before = {"loads": metric(d.url, "rdma_kv_pushed_loads_total", outcome="ok"),
               "pushes": metric(p.url, "rdma_kv_pushes_total", outcome="done"),
               "early": metric(p.url, "rdma_kv_events_total", event="push_registrations_early"),
-              "regs": metric(p.url, "rdma_kv_events_total", event="push_registrations")}
+              "regs": metric(p.url, "rdma_kv_events_total", event="push_registrations"),
+              **counts(p, d)}
     many = [ROUTER_PROMPTS[i % len(ROUTER_PROMPTS)] for i in range(32)]
     with Router("router-moriio", servers["log_dir"], prefill=[], decode=[],
                 extra_args=["--kv-connector", "moriio", "--vllm-discovery-address", servers["discovery"]]) as router:
@@ -138,8 +260,9 @@ def test_concurrent_dispatch_through_vllm_router_moriio_write_mode(servers: dict
         sent += check_equal(router, plain, reference, many, in_flight=16)
         sent += check_equal(router, plain, reference, ROUTER_PROMPTS, stream=True)
     assert metric(d.url, "rdma_kv_pushed_loads_total", outcome="ok") - before["loads"] == sent, d.log()[-3000:]
-    assert metric(d.url, "rdma_kv_loads_total", outcome="failed") == 0
-    assert "KV load failed" not in d.log()
+    grew = counts(p, d, before)
+    assert grew["loads_failed"] == 0
+    assert grew["load_failed_lines"] == 0, d.log()[-3000:]
     assert metric(p.url, "rdma_kv_pushes_total", outcome="done") - before["pushes"] == sent
     registrations = metric(p.url, "rdma_kv_events_total", event="push_registrations") - before["regs"]
     early = metric(p.url, "rdma_kv_events_total", event="push_registrations_early") - before["early"]
@@ -201,3 +324,104 @@ def test_layers_go_out_during_the_prefills_forward_pass_in_vllm(servers: dict[st
     assert 0 < overlapped <= written, (overlapped, written, p.log()[-3000:])
     print(f"decode registered first: {overlapped / written:.0%} of {int(written)} bytes written during the "
           "prefill's forward pass")
+
+
+def test_push_producer_killed_after_the_decode_registered_recomputes(servers: dict[str, Any]) -> None:
+    """A producer SIGKILLed *after the decode registered its blocks with it
+    and before it wrote any* (the registration WAITING for its prefill under
+    the transfer id, observed on the producer's own gauge). Truly mid-write
+    is not deterministic here: a tiny model's push is written within a
+    millisecond of its prefill's end. Before, one good sequential push from
+    it brought the connections up (handshake, PUSH_HELLO, endpoints), so the
+    death is met by a live connection, not a refused handshake.
+
+    The decode's next PUSH_QUERY meets a refused connection: the push
+    resolves (nothing of a dead process writes), the load fails, the decode
+    recomputes (``kv_load_failure_policy: recompute``): the completion
+    equals plain, well within the time the registration would have waited.
+    Afterwards the decode holds no block, load or push, and serves pushes
+    from the live producer."""
+    plain, p, d, doomed = servers["plain"], servers["prefill"], servers["decode"], servers["doomed"]
+    reference: dict[tuple[str, int], str] = {}
+    prompt = ROUTER_PROMPTS[2]  # 71 tokens: three blocks
+    params = prefill_params(doomed, prompt)
+    out = complete(d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+    assert out["status"] == 200 and out["text"] == expected(plain, reference, prompt), out
+    before = counts(None, d)
+
+    leg = Leg(d, prompt, router_request_id(params), concurrent_params(f"tx-{uuid.uuid4().hex}", decode=True))
+    wait_registered(doomed, metric(doomed.url, "rdma_kv_events_total", event="push_registrations"))
+    doomed.kill()
+    answer = leg.result(120)
+    assert answer["status"] == 200 and answer["text"] == expected(plain, reference, prompt), answer
+
+    grew = counts(None, d, before)
+    assert grew["pushed_failed"] == 1 and grew["loads_failed"] == 1 and grew["pushed_ok"] == 0, grew
+    # Resolved by the refused connection (producer_gone), not by waiting out a bound.
+    assert grew["producer_gone"] == 1 and grew["load_failed_lines"] >= 1, (grew, d.log()[-3000:])
+    # Every block back, nothing left in flight; and the decode still takes pushes.
+    wait_for("the decode to hold nothing", lambda: decode_idle(d), 60, poll_s=0.5)
+    params = prefill_params(p, prompt)
+    out = complete(d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+    assert out["status"] == 200 and out["text"] == expected(plain, reference, prompt), out
+
+
+def test_push_decode_aborted_while_registered_producer_writes_nothing(servers: dict[str, Any]) -> None:
+    """A decode request whose client hangs up while its push is registered
+    with the producer and not written (WAITING for its prefill under the
+    transfer id): vLLM aborts the request, the decode asks the producer to
+    abort (PUSH_QUERY ``abort``), and the producer resolves it ABORTED
+    (``rdma_kv_pushes_total{outcome="aborted"}``) having written nothing.
+    (Aborting while a write batch is on the wire is not deterministic here:
+    it lasts under a millisecond; the harness test
+    ``test_a_decode_abort_mid_push_keeps_its_blocks_until_no_write_can_land``
+    covers it.)
+
+    Then the same transfer's prefill leg runs and a retried decode leg
+    registers: the producer writes the retry only (one push done, the
+    aborted allocation never written), releases the lease (leases held
+    back to 0), and the retry's completion equals plain. Both servers end
+    holding nothing."""
+    plain, p, d = servers["plain"], servers["prefill"], servers["decode"]
+    reference: dict[tuple[str, int], str] = {}
+    prompt = ROUTER_PROMPTS[2]
+    params = prefill_params(p, prompt)  # the producer's address, and a good push first
+    out = complete(d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+    assert out["status"] == 200 and out["text"] == expected(plain, reference, prompt), out
+    before = counts(p, d)
+    transfer_id, request_id = f"tx-{uuid.uuid4().hex}", router_request_id(params)
+
+    leg = Leg(d, prompt, request_id, concurrent_params(transfer_id, decode=True), stream=True)
+    wait_registered(p, before["registrations"])
+    leg.hang_up()
+
+    def producer_aborted() -> bool:
+        step_reports(p)
+        return counts(p, d, before)["aborted"] >= 1
+
+    wait_for("the producer to resolve the push ABORTED", producer_aborted, 60, poll_s=0.5)
+    grew = counts(p, d, before)
+    assert grew["aborted"] == 1 and grew["done"] == 0 and grew["written"] == 0, grew
+    assert grew["failed"] == 0 and grew["refused"] == 0, grew
+    assert metric(p.url, "rdma_kv_resource", resource="pushes_running") == 0
+    # The decode's push resolved without data (the producer's ABORTED); no load record: the request is gone.
+    assert grew["pushed_failed"] == 1 and grew["pushed_ok"] == 0, grew
+    assert grew["loads_ok"] == 0 and grew["loads_failed"] == 0, grew
+    wait_for("the decode to hold nothing", lambda: decode_idle(d), 60, poll_s=0.5)
+
+    # The transfer's prefill leg, then a retried decode leg under the same id.
+    out = complete(p.url, prompt, max_tokens=1, kv_transfer_params=concurrent_params(transfer_id, decode=False))
+    assert out["status"] == 200, out
+    retry = Leg(d, prompt, request_id, concurrent_params(transfer_id, decode=True))
+    answer = retry.result(120)
+    assert answer["status"] == 200 and answer["text"] == expected(plain, reference, prompt), answer
+    grew = counts(p, d, before)
+    assert grew["done"] == 1 and grew["aborted"] == 1 and grew["pushed_ok"] == 1, grew
+    # The retry loaded (no load record failed). The aborted leg is logged as
+    # "KV load failed: ... push aborted" (loads.py: an aborted push resolves
+    # with an error): not counted here.
+    assert grew["loads_failed"] == 0 and grew["loads_ok"] == 1, grew
+    wait_for("the producer to release every lease",
+             lambda: (step_reports(p), metric(p.url, "rdma_kv_leases_held") == 0)[1], 60, poll_s=0.5)
+    assert metric(p.url, "rdma_kv_resource", resource="pushes_running") == 0
+    wait_for("the decode to hold nothing", lambda: decode_idle(d), 60, poll_s=0.5)

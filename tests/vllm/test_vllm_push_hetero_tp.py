@@ -1,0 +1,146 @@
+"""Push mode with heterogeneous tensor parallel inside real vLLM: the
+producer writes, into each decode rank, the KV heads that rank owns.
+
+Two push-mode engines (``"mode": "push"``, each its own process,
+``engine_proc``; TP ranks are vLLM's ``mp`` workers, one OpenMP thread each),
+started together and shared by the tests of this module:
+
+- ``tp1``: TP=1, ``kv_both`` (producer for the TP=2 engine and consumer of
+  it; its requests without params are the plain reference);
+- ``tp2``: TP=2, ``kv_both`` (4 KV heads: 2 per rank).
+
+Sequential dispatch: the prefill's params go to the decode request, whose
+worker sends PUSH to each producer rank it needs heads from. While the
+decode generates, the producer engine keeps stepping (``begin_free_blocks``),
+as an online engine's loop does: offline, vLLM steps only inside
+``generate()``, and a push needs the prefill's lease to have reached the
+producer's workers, which happens in its next step (pull does not: its
+reads need nothing of the producer, and a CONFIRM of an unshipped lease is
+answered from an early claim).
+
+- P2 -> D1: the TP=1 decode receives each prompt from both producer
+  ranks (two pushes per request, each writing a 2-head slice of the
+  decode's 4-head blocks); completions equal plain; its connector stats
+  count the pushed loads and no failure.
+- P1 -> D2: the TP=1 producer writes each prompt into both decode ranks
+  (one push per decode rank, each the 2 heads that rank owns); completions
+  equal plain; the producer's stats count those pushes done, bytes written.
+- Both directions: every producer block comes back once the decode is
+  done (the pushes released the leases).
+- Control, both directions: the same decode given the params of other
+  prompts of the same lengths changes every output (the KV really came
+  over the wire, into the heads the decode computes with).
+
+The pull versions of these are ``test_vllm_hetero_tp.py`` (its engines run
+in pull mode: a module of their own, so the two sets never run at once on
+the 2-core host).
+
+    .venv-vllm/bin/python -m pytest tests/vllm/test_vllm_push_hetero_tp.py -q
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM not installed (scripts/install-vllm.sh)")
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from engine_proc import EngineProcess  # noqa: E402
+from netutil import free_base_port  # noqa: E402
+from test_vllm_hetero_tp import MODEL, TP2, config, engine  # noqa: E402
+from test_vllm_rdma_pd import CONTROL_PROMPTS, MAX_TOKENS, PD_PROMPTS, prefill, tokens  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.timeout(900)]
+
+
+def push_stats(e: EngineProcess) -> dict[str, int]:
+    """The TP=1 engine's connector totals since it started (both roles)."""
+    stats = e.kv_stats()
+    return dict(stats["totals"]) if stats is not None else {}
+
+
+def grew(before: dict[str, int], after: dict[str, int], key: str) -> int:
+    return int(after.get(key, 0)) - int(before.get(key, 0))
+
+
+def push_pd(producer: EngineProcess, decode: EngineProcess, prompts: tuple[str, ...] = PD_PROMPTS
+            ) -> tuple[list[list[int]], int]:
+    """Prefill ``prompts`` on ``producer``, then decode ``PD_PROMPTS`` with
+    those params on ``decode`` while the producer steps until it holds no
+    request (every lease released). Returns the decode's tokens and the
+    producer's free blocks after."""
+    params = prefill(producer, prompts)
+    producer.begin_free_blocks(settle_s=120.0)
+    try:
+        out = tokens(decode.generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params))
+    finally:
+        free = producer.wait_free_blocks()
+    return out, free
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    from tiny_model import build_tiny_llama
+
+    # Built here, once: the two engines start together and must not write one model dir at once.
+    model_dir = build_tiny_llama(tmp_path_factory.mktemp("llama-push-tp"), **MODEL)
+    logs = tmp_path_factory.mktemp("push-tp-logs")
+    started = {"tp1": engine("push-tp1", model_dir, logs), "tp2": engine("push-tp2", model_dir, logs)}
+    try:
+        started["tp1"].begin_start(config("kv_both", mode="push", kv_load_failure_policy="recompute"),
+                                   model=MODEL)
+        started["tp2"].begin_start(config("kv_both", free_base_port(2), mode="push",
+                                          kv_load_failure_policy="recompute"), model=MODEL, **TP2)
+        for e in started.values():
+            e.wait_started()
+        # Requests without kv_transfer_params are plain ones (prefix caching is off).
+        reference = tokens(started["tp1"].generate(PD_PROMPTS, max_tokens=MAX_TOKENS))
+        yield {"plain": reference, **started}
+    finally:
+        for e in started.values():
+            e.close()
+
+
+def test_push_prefill_tp2_decode_tp1(engines: dict[str, Any]) -> None:
+    tp1, tp2, n = engines["tp1"], engines["tp2"], len(PD_PROMPTS)
+    idle = tp2.free_blocks(settle_s=10.0)
+    before = push_stats(tp1)
+    decoded, free = push_pd(tp2, tp1)
+    assert decoded == engines["plain"]
+    assert free == idle, "the producer kept blocks after its pushes"
+    after = push_stats(tp1)
+    # Every load came by push, one push from each of the two producer ranks (its 2 heads).
+    assert grew(before, after, "loads_ok") == n, after
+    assert grew(before, after, "push_loads_done") == 2 * n, after
+    assert grew(before, after, "push_loads_failed") == 0, after
+    # Control: the same decode given the TP=2 producer's params of other prompts of the same lengths.
+    control, _ = push_pd(tp2, tp1, CONTROL_PROMPTS)
+    assert all(c != p for c, p in zip(control, engines["plain"])), "the TP=1 decode did not use the KV pushed"
+    assert push_stats(tp1).get("push_loads_failed", 0) == 0
+    assert "KV load failed" not in tp1.log()
+
+
+def test_push_prefill_tp1_decode_tp2(engines: dict[str, Any]) -> None:
+    tp1, tp2, n = engines["tp1"], engines["tp2"], len(PD_PROMPTS)
+    idle = tp1.free_blocks(settle_s=10.0)
+    before = push_stats(tp1)
+    decoded, free = push_pd(tp1, tp2)
+    assert decoded == engines["plain"]
+    assert free == idle, "the producer kept blocks after its pushes"
+    after = push_stats(tp1)
+    # The producer wrote each prompt twice: into each decode rank, the 2 heads it owns.
+    assert grew(before, after, "push_done") == 2 * n, after
+    assert grew(before, after, "push_failed") + grew(before, after, "push_refused") == 0, after
+    assert grew(before, after, "push_written_bytes") > 0, after
+    control, _ = push_pd(tp1, tp2, CONTROL_PROMPTS)
+    assert all(c != p for c, p in zip(control, engines["plain"])), "the TP=2 decode did not use the KV pushed"
+    assert grew(before, push_stats(tp1), "push_done") == 4 * n
+    assert "KV load failed" not in tp2.log()
