@@ -180,9 +180,12 @@ def test_a_registration_before_the_prefill_is_written_layer_by_layer_then_sealed
         pair.close()
 
 
-def test_a_failed_layer_write_fails_the_push_even_though_the_seal_flush_succeeds(rng):
+def test_a_failed_layer_write_fails_the_push_even_though_the_seal_flush_succeeds(rng, monkeypatch):
     """No notification for a push one of whose layer batches failed: the
     decode recomputes, and its blocks never counted as loaded."""
+    from rdma_kv.connector.rdma.consumer import peers
+
+    monkeypatch.setattr(peers, "PEER_RETRY_S", 0.0)  # the decode retries the producer at once
     pair = Pair()
     try:
         p_rid, d_rid, tid, prompt = pair.decode_registered(rng)
@@ -195,7 +198,18 @@ def test_a_failed_layer_write_fails_the_push_even_though_the_seal_flush_succeeds
                    what="the decode")
         r = pair.D.results[d_rid]
         assert r.load_failed and r.recomputed_from_block == 0 and r.bad_blocks == [], r
-        assert producer_push_totals(pair).get("push_done", 0) == 0
+        totals = producer_push_totals(pair)
+        assert totals.get("push_done", 0) == 0 and totals["push_failed"] == 1, totals
+        # The failed write may have closed the transport's endpoint to the decode: the producer
+        # forgot the decode, and its next push introduces it again (a fresh add_peer) and lands.
+        # (Kept, every later push to the decode failed against the dead endpoint.)
+        p_rid, d_rid, tid, prompt = pair.decode_registered(rng)
+        pair.prefill(p_rid, prompt, tid)
+        wait_until(lambda: pair.finished(d_rid), step=pair.pump, what="the next decode")
+        r = pair.D.results[d_rid]
+        assert not r.load_failed and r.bad_blocks == [], (r.error, r.bad_blocks)
+        totals = producer_push_totals(pair)
+        assert totals["push_hellos"] == 1 and totals["push_done"] == 1, totals
     finally:
         pair.close()
 

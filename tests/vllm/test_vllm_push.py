@@ -79,6 +79,7 @@ def counts(p: ApiServer | None, d: ApiServer, since: dict[str, float] | None = N
     whatever ran before it."""
     now = {"pushed_ok": metric(d.url, "rdma_kv_pushed_loads_total", outcome="ok"),
            "pushed_failed": metric(d.url, "rdma_kv_pushed_loads_total", outcome="failed"),
+           "pushed_aborted": metric(d.url, "rdma_kv_pushed_loads_total", outcome="aborted"),
            "loads_ok": metric(d.url, "rdma_kv_loads_total", outcome="ok"),
            "loads_failed": metric(d.url, "rdma_kv_loads_total", outcome="failed"),
            "load_failed_lines": float(d.log().count("KV load failed")),
@@ -404,9 +405,11 @@ def test_push_decode_aborted_while_registered_producer_writes_nothing(servers: d
     assert grew["aborted"] == 1 and grew["done"] == 0 and grew["written"] == 0, grew
     assert grew["failed"] == 0 and grew["refused"] == 0, grew
     assert metric(p.url, "rdma_kv_resource", resource="pushes_running") == 0
-    # The decode's push resolved without data (the producer's ABORTED); no load record: the request is gone.
-    assert grew["pushed_failed"] == 1 and grew["pushed_ok"] == 0, grew
-    assert grew["loads_ok"] == 0 and grew["loads_failed"] == 0, grew
+    # The decode's push resolved without data (the producer's ABORTED): an abort, not a failure
+    # (no load record, no "KV load failed"); the request is gone.
+    assert grew["pushed_aborted"] == 1 and grew["pushed_failed"] == 0 and grew["pushed_ok"] == 0, grew
+    assert grew["loads_ok"] == 0 and grew["loads_failed"] == 0 and grew["loads_aborted"] == 1, grew
+    assert grew["load_failed_lines"] == 0, d.log()[-3000:]
     wait_for("the decode to hold nothing", lambda: decode_idle(d), 60, poll_s=0.5)
 
     # The transfer's prefill leg, then a retried decode leg under the same id.
@@ -417,10 +420,8 @@ def test_push_decode_aborted_while_registered_producer_writes_nothing(servers: d
     assert answer["status"] == 200 and answer["text"] == expected(plain, reference, prompt), answer
     grew = counts(p, d, before)
     assert grew["done"] == 1 and grew["aborted"] == 1 and grew["pushed_ok"] == 1, grew
-    # The retry loaded (no load record failed). The aborted leg is logged as
-    # "KV load failed: ... push aborted" (loads.py: an aborted push resolves
-    # with an error): not counted here.
-    assert grew["loads_failed"] == 0 and grew["loads_ok"] == 1, grew
+    # The retry loaded; nothing failed, nothing was logged as a failed load.
+    assert grew["loads_failed"] == 0 and grew["loads_ok"] == 1 and grew["load_failed_lines"] == 0, grew
     wait_for("the producer to release every lease",
              lambda: (step_reports(p), metric(p.url, "rdma_kv_leases_held") == 0)[1], 60, poll_s=0.5)
     assert metric(p.url, "rdma_kv_resource", resource="pushes_running") == 0

@@ -335,7 +335,8 @@ class PrometheusMetrics:
                                  "its bytes written while the prefill's forward pass ran (0: all after it)",
                                  buckets=list(OVERLAP_BUCKETS))
         self.pushed_loads = make(counter_cls, "pushed_loads", "rdma-kv: load sources a decode received by push "
-                                 "(mode push), by outcome; rdma_kv_loads_total counts loads of either mode",
+                                 "(mode push), by outcome (ok, failed, aborted: the request was dropped); "
+                                 "rdma_kv_loads_total counts loads of either mode",
                                  ["outcome"])
         self.leases_held = make(gauge_cls, "leases_held", "rdma-kv: leases the producer holds now")
         self.resources = make(gauge_cls, "resource", "rdma-kv: what the worker holds now", ["resource"])
@@ -380,7 +381,8 @@ class PrometheusMetrics:
             for push_record in typed.pushes:
                 if push_record.outcome == "done" and push_record.overlap is not None:
                     self._child(self.push_overlap).observe(push_record.overlap)
-            for outcome, n in (("ok", push.loads_done), ("failed", push.loads_failed)):
+            for outcome, n in (("ok", push.loads_done), ("failed", push.loads_failed),
+                               ("aborted", push.loads_aborted)):
                 if n > 0:
                     self._child(self.pushed_loads, outcome).inc(n)
             for name, value in gauges(typed).items():

@@ -78,6 +78,7 @@ class _Decode:
     name: str  # the transport peer
     geometry: KVCacheGeometry
     registration: int
+    key: tuple[str, int]  # (engine id, TP rank)
     tables: dict[HeadSlice | None, tuple[SlotTable, PreparedList]] = dataclasses.field(default_factory=dict)
 
 
@@ -97,6 +98,8 @@ class _Push:
     token: bytes = b""
     wait_until: float = 0.0
     started_at: float = 0.0
+    decode: _Decode | None = None
+    """The decode rank written to (as introduced): forgotten if the push fails."""
     # Layer-wise writes (concurrent dispatch, while the prefill computes):
     written_upto: int = -1
     """Blocks (prompt block index, exclusive) every layer of which was written; -1: none yet."""
@@ -163,7 +166,7 @@ class PushWriter:
             return wire.PushReply(DONE, "known")
         name = self._transport.add_peer(request.agent_metadata)  # replaces an older incarnation
         with self._lock:
-            self._decodes[key] = _Decode(name, geometry, request.registration)
+            self._decodes[key] = _Decode(name, geometry, request.registration, key)
             self._counts.add("hellos")
         return wire.PushReply(DONE, "introduced")
 
@@ -189,7 +192,7 @@ class PushWriter:
         if status is not wire.LeaseStatus.HELD:
             self._count("refused")
             return wire.PushReply(REFUSED, f"lease {status.name}")
-        entry = _Push(call, token=token, started_at=self._clock())
+        entry = _Push(call, token=token, started_at=self._clock(), decode=decode)
         try:
             planned = self._plan(request.remote_block_ids, request.local_block_ids, request.remote_heads,
                                  request.local_heads, decode, lease_blocks)
@@ -299,6 +302,13 @@ class PushWriter:
                 entry.state = DONE
             entry.resolved_at = self._clock()
             self._counts.add(entry.state.value)
+            if entry.state is FAILED and entry.decode is not None:
+                # A failed write may have failed the transport's endpoint to the decode (a deadline
+                # closes it): forget the decode, so that its next PUSH is answered "introduce your KV
+                # cache" and its PUSH_HELLO imports its metadata afresh (else every later push to it
+                # fails against the dead endpoint). A newer introduction is kept.
+                if self._decodes.get(entry.decode.key) is entry.decode:
+                    del self._decodes[entry.decode.key]
             if entry.state is DONE:
                 self._counts.add("written_bytes", entry.nbytes)
                 self._counts.add("overlapped_bytes", entry.overlapped_nbytes)
@@ -358,6 +368,7 @@ class PushWriter:
                 return  # aborted or expired meanwhile
             decode = self._decodes.get((reg.engine_id, reg.tp_rank))
             entry.state = RUNNING  # taken: no second start
+            entry.decode = entry.decode or decode
         problem = None
         bs = self._block_size
         first = reg.first_token // bs if bs else 0
@@ -523,6 +534,7 @@ class PushWriter:
         src, dst, own_prep, dst_prep = planned
         with self._lock:
             entry.outstanding += 1
+            entry.decode = entry.decode or decode
         try:
             xfer = self._transport.write_prepared(own_prep, src, dst_prep, dst, timeout_s=self._write_timeout_s)
         except Exception as exc:

@@ -317,6 +317,8 @@ class PushCounters(Counters):
     """... of which written by layer writes posted while the prefill's forward pass ran (producer)."""
     loads_done: int = 0
     """Sources whose push completed (decode)."""
+    loads_aborted: int = 0
+    """Sources whose push this decode stopped (its request was aborted) (decode)."""
     loads_waiting: int = 0
     """Sources the producer first answered WAITING: registered before their prefill finished (decode)."""
     loads_failed: int = 0

@@ -237,6 +237,12 @@ class RdmaConsumer:
                 nbytes_skipped=skipped).at_least(transfer_s=handle.elapsed_s)
             src.resolved = True
             if handle.error is not None:
+                if load.aborted and not load.stage.terminal:
+                    # The engine dropped the request and asked the push to stop; it ended (nothing of
+                    # it can land): an abort, not a load failure (no "KV load failed" warning).
+                    if load.read_resolved:
+                        self._finish_aborted(load)
+                    return
                 self._fail(load, f"push from {load.spec.peer.engine_id!r} rank {src.read.rank}: {handle.error}")
                 return
             src.released = True  # the producer released its lease when the push resolved

@@ -342,7 +342,7 @@ class Pushes:
             handle._done, handle.error, handle._finished_at = True, error, time.perf_counter()
             self._running.pop(handle.token, None)
             callbacks, handle._callbacks = handle._callbacks, []
-            self._counts.add("loads_done" if error is None else "loads_failed")
+            self._counts.add("loads_done" if error is None else "loads_aborted" if handle.aborting else "loads_failed")
         for fn in callbacks:
             try:
                 fn(handle)
