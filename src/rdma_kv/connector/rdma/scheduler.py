@@ -37,15 +37,17 @@ group from the first block not computed locally.
 Nothing here raises into the engine for bad peer input: bad params make the
 request computed locally (logged, naming the field).
 
+The consumer's per-request record is ``remotes``'; the producer's
+concurrent-dispatch prefills (push mode) are ``pushsched``'s.
+
 Imports the standard library and the connector's ``config``, ``specs``,
-``types``, ``rdma.params``, ``rdma.settings``, ``rdma.wire`` and
-``rdma.meta``; never the transport.
+``types``, ``rdma.discovery``, ``rdma.lograte``, ``rdma.meta``,
+``rdma.params``, ``rdma.pushsched``, ``rdma.remotes`` and
+``rdma.settings``; never the transport.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import itertools
 import logging
 import secrets
@@ -55,7 +57,6 @@ from typing import Any
 
 from rdma_kv.connector.config import KVTransferConfig
 from rdma_kv.connector.rdma.meta import (
-    LayerPushSpec,
     LoadSpec,
     PeerAddress,
     RdmaConnectorMetadata,
@@ -71,12 +72,12 @@ from rdma_kv.connector.rdma.params import (
     RemotePrefillParams,
     lease_binding,
     lease_token,
-    format_router_address,
     parse_kv_transfer_params,
     router_address,
 )
 from rdma_kv.connector.rdma.discovery import RouterRegistration
-from rdma_kv.connector.rdma.wire import CLAIM_BYTES
+from rdma_kv.connector.rdma.pushsched import PushPrefills, router_payload
+from rdma_kv.connector.rdma.remotes import Concurrent, Remote, RemoteStage
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.specs import KVCacheConfig, KVCacheSpec
 from rdma_kv.connector.types import (
@@ -95,54 +96,6 @@ from rdma_kv.errors import ConfigError
 __all__ = ["RdmaScheduler", "RemoteStage", "blocks_to_read"]
 
 logger = logging.getLogger(__name__)
-
-
-class RemoteStage(enum.Enum):
-    """Where a consumer request with remote-prefill params is:
-    WAITING -> PENDING -> SHIPPED -> LOADED, or RELEASED from WAITING or PENDING."""
-
-    WAITING = "waiting"  # waits for admission (its lease renewed by the workers)
-    PENDING = "pending"  # blocks allocated, its load queued for the next step's metadata
-    SHIPPED = "shipped"  # its load handed to the workers
-    LOADED = "loaded"  # the workers reported it in done_recving
-    RELEASED = "released"  # nothing to load (full hit, bad params, abort): its lease released
-
-
-@dataclasses.dataclass
-class _Concurrent:
-    """Push mode, concurrent dispatch: a decode whose prefill runs at the
-    same time (no lease: the producer pushes under ``transfer_id``)."""
-
-    transfer_id: str
-    peer: PeerAddress
-
-
-@dataclasses.dataclass
-class _Remote:
-    """A consumer request with remote-prefill params, until it finishes."""
-
-    params: RemotePrefillParams | _Concurrent
-    num_computed: int = 0
-    count: int = 0
-    stage: RemoteStage = RemoteStage.WAITING
-    claim: bytes = dataclasses.field(default_factory=lambda: secrets.token_bytes(CLAIM_BYTES), repr=False)
-    """This request's claim on the producer's lease: the same in every lease
-    call made for it, so the producer can tell this request from another
-    load of the same params (``leases``)."""
-    renewed_at: float | None = None
-    """When its lease was last renewed while waiting (None: not yet; the first
-    renewal, which also claims the lease, goes out with the next step)."""
-
-    @property
-    def concurrent(self) -> _Concurrent | None:
-        return self.params if isinstance(self.params, _Concurrent) else None
-
-    @property
-    def lease(self) -> RemoteLease | None:
-        """The lease to renew or release; None for a concurrent push (none exists)."""
-        if isinstance(self.params, _Concurrent):
-            return None
-        return RemoteLease(PeerAddress.of(self.params), self.params.lease, self.claim)
 
 
 def blocks_to_read(spec: KVCacheSpec, num_prompt_tokens: int, num_computed: int,
@@ -201,8 +154,8 @@ class RdmaScheduler:
         self._generations = itertools.count(1)
         self._port = settings.side_channel_port
         self._router: RouterRegistration | None = None  # started once the side-channel port is known
-        self._push_prefills: dict[RequestId, tuple[str, list[int]]] = {}
-        """Producer, push mode: prefills under a transfer id -> (the id, their blocks so far)."""
+        self._push_prefills = PushPrefills(len(self._specs))
+        """Producer, push mode: the prefills under a router's transfer id (concurrent dispatch)."""
         self._registration = 1  # the workers' KV-cache registration (set_handshake_metadata)
         # producer
         self._pending_sends: list[SendSpec] = []
@@ -218,7 +171,7 @@ class RdmaScheduler:
         self.reclaimed = 0
         """Leases ended under memory pressure (for stats and tests)."""
         # consumer
-        self._remote: dict[RequestId, _Remote] = {}
+        self._remote: dict[RequestId, Remote] = {}
         self._bad: set[RequestId] = set()
         self._pending_loads: list[LoadSpec] = []
         self._pending_releases: list[RemoteLease] = []
@@ -259,45 +212,8 @@ class RdmaScheduler:
             self._registration = max(registrations)
             self._new_epoch()  # every lease of the memory before the sleep ends; its params answer GONE
 
-    def _note_push_prefill(self, request: Request) -> None:
-        """A prefill under a router's transfer id (concurrent dispatch): its
-        steps go to the workers as ``layer_pushes`` (layer-wise writes)."""
-        try:
-            parsed = parse_kv_transfer_params(request.kv_transfer_params)
-        except ConfigError:
-            return  # reported where the params are used
-        if isinstance(parsed, RemoteDecodeRequest) and parsed.transfer_id and len(self._specs) == 1:
-            self._push_prefills[request.request_id] = (parsed.transfer_id, [])
-
-    def _layer_pushes(self, output: SchedulerOutput) -> tuple[LayerPushSpec, ...]:
-        """This step's chunks of the prefills under a transfer id."""
-        if not self._push_prefills:
-            return ()
-        out = []
-        scheduled: list[tuple[RequestId, tuple[BlockIds, ...] | None, int, bool]] = [
-            (n.request_id, n.block_ids, n.num_computed_tokens, True) for n in output.scheduled_new_reqs]
-        scheduled += [(c.request_id, c.new_block_ids, c.num_computed_tokens, c.resumed_from_preemption)
-                      for c in output.scheduled_cached_reqs]
-        for rid, new_blocks, computed, replace in scheduled:
-            tracked = self._push_prefills.get(rid)
-            if tracked is None:
-                continue
-            transfer_id, blocks = tracked
-            if new_blocks:
-                if replace:
-                    blocks.clear()
-                blocks.extend(int(b) for b in new_blocks[0])
-            count = output.num_scheduled_tokens.get(rid, 0)
-            if count > 0:
-                out.append(LayerPushSpec(transfer_id, rid, tuple(blocks), computed, computed + count))
-        return tuple(out)
-
     def _router_payload(self) -> dict[str, Any]:
-        """This engine as a concurrently dispatching router registers it (``discovery``)."""
-        s = self._settings
-        return {"type": "P" if self._producer else "D", "http_address": s.router_http_address,
-                "zmq_address": format_router_address(s.advertise_host, self._port or 0, self._engine_id, s.tp_size),
-                "transfer_mode": "WRITE" if s.mode == "push" else "READ", "tp_size": s.tp_size, "dp_size": 1}
+        return router_payload(self._settings, self._producer, self._port or 0, self._engine_id)
 
     def shutdown(self) -> None:
         if self._router is not None:
@@ -306,7 +222,7 @@ class RdmaScheduler:
 
     # --- parsing at the edge -------------------------------------------------------------
 
-    def _parse(self, request: Request) -> RemoteDecodeRequest | RemotePrefillParams | _Concurrent | None:
+    def _parse(self, request: Request) -> RemoteDecodeRequest | RemotePrefillParams | Concurrent | None:
         if request.request_id in self._bad:
             return None
         try:
@@ -324,11 +240,11 @@ class RdmaScheduler:
                 self._bad.add(request.request_id)
                 logger.warning("request %r: cannot load remote KV, computing locally: %s",
                                request.request_id, problem)
-                self._release(_Remote(parsed))
+                self._release(Remote(parsed))
                 return None
         return parsed
 
-    def _concurrent(self, request: Request, parsed: ConcurrentPrefill) -> _Concurrent | None:
+    def _concurrent(self, request: Request, parsed: ConcurrentPrefill) -> Concurrent | None:
         """A decode dispatched with its prefill: the producer is the one the
         router named in the request id. ConfigError (computed locally) when
         this engine cannot take it."""
@@ -349,7 +265,7 @@ class RdmaScheduler:
                               f"request id {request.request_id[:200]!r} names no prefill address "
                               "('___prefill_addr_...___decode_addr_', set by vllm-router's moriio mode)")
         host, port, engine, tp = address
-        return _Concurrent(parsed.transfer_id, PeerAddress(EngineId(engine), host, port, tp))
+        return Concurrent(parsed.transfer_id, PeerAddress(EngineId(engine), host, port, tp))
 
     def _check_remote(self, request: Request, params: RemotePrefillParams) -> str | None:
         if not self._consumer:
@@ -384,14 +300,14 @@ class RdmaScheduler:
         if self._producer:
             self._waiting_for_blocks.add(rid)
             if self._settings.mode == "push" and rid not in self._push_prefills:
-                self._note_push_prefill(request)
+                self._push_prefills.note(request)
         remote = self._remote.get(rid)
         if remote is None:
             parsed = self._parse(request)
-            if not isinstance(parsed, (RemotePrefillParams, _Concurrent)):
+            if not isinstance(parsed, (RemotePrefillParams, Concurrent)):
                 return 0, False
-            remote = self._remote[rid] = _Remote(parsed)
-            self._pending_connects[parsed.peer if isinstance(parsed, _Concurrent) else PeerAddress.of(parsed)] = None
+            remote = self._remote[rid] = Remote(parsed)
+            self._pending_connects[parsed.peer if isinstance(parsed, Concurrent) else PeerAddress.of(parsed)] = None
         if remote.stage is not RemoteStage.WAITING:
             return 0, False  # loaded (or released) already: e.g. after a preemption
         count = request.num_prompt_tokens - num_computed_tokens
@@ -410,7 +326,7 @@ class RdmaScheduler:
         if num_external_tokens == 0:
             self._release(remote)  # full hit, or the engine chose to compute locally
             return
-        if isinstance(remote.params, _Concurrent):
+        if isinstance(remote.params, Concurrent):
             self._concurrent_load(request, remote, remote.params, blocks, num_external_tokens)
             return
         params = remote.params
@@ -453,7 +369,7 @@ class RdmaScheduler:
             params.remote_registration,
         ))
 
-    def _concurrent_load(self, request: Request, remote: _Remote, concurrent: _Concurrent,
+    def _concurrent_load(self, request: Request, remote: Remote, concurrent: Concurrent,
                          blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """The load of a concurrent push: this engine's blocks from the first
         token not computed locally, registered with the producer under the
@@ -486,7 +402,7 @@ class RdmaScheduler:
         first = max(num_computed // spec.block_size, spec.num_skipped_blocks(request.num_prompt_tokens))
         return tuple(blocks.group(group)[first:-(-request.num_prompt_tokens // spec.block_size)])
 
-    def _release(self, remote: _Remote) -> None:
+    def _release(self, remote: Remote) -> None:
         if remote.stage in (RemoteStage.WAITING, RemoteStage.PENDING):
             remote.stage = RemoteStage.RELEASED
             lease = remote.lease
@@ -520,7 +436,7 @@ class RdmaScheduler:
             aborts=tuple(self._pending_aborts),
             connects=tuple(self._pending_connects),
             reclaims=tuple(self._pending_reclaims),
-            layer_pushes=self._layer_pushes(scheduler_output) if self._producer else (),
+            layer_pushes=self._push_prefills.step(scheduler_output) if self._producer else (),
         )
         self._pending_sends, self._pending_releases, self._pending_aborts = [], [], []
         self._pending_reclaims = []
@@ -568,7 +484,7 @@ class RdmaScheduler:
         rid = request.request_id
         groups = as_group_block_ids(block_ids)
         self._bad.discard(rid)
-        self._push_prefills.pop(rid, None)
+        self._push_prefills.forget(rid)
         self._waiting_for_blocks.discard(rid)
         remote = self._remote.pop(rid, None)
         if remote is not None:
@@ -589,7 +505,7 @@ class RdmaScheduler:
         if isinstance(parsed, RemotePrefillParams):
             # Aborted (or rejected) before the engine ever asked us about it:
             # still tell the producer, or its blocks wait for the lease to expire.
-            self._release(_Remote(parsed))
+            self._release(Remote(parsed))
             return False, None
         if isinstance(parsed, ConcurrentPrefill):
             return False, None  # never registered: the producer's lease ends at its TTL
