@@ -103,6 +103,45 @@ def test_server_that_never_answers_times_out():
         client.close()
 
 
+class _Descheduled:
+    """``wire``'s clock for a reader that stops running right after its first
+    ``recv`` (a process left unscheduled on a loaded host): from the second
+    reading on, every reading is ``late_s`` later."""
+
+    def __init__(self, late_s: float) -> None:
+        self.late_s, self.calls = late_s, 0
+
+    def monotonic(self) -> float:
+        self.calls += 1
+        return time.monotonic() + (self.late_s if self.calls > 1 else 0.0)
+
+
+def test_reply_received_in_time_survives_a_reader_descheduled_past_its_deadline(monkeypatch):
+    """The whole reply was in the socket before the deadline; its reader ran
+    again only after it. Seen in real vLLM under load (a decode rank
+    unscheduled for ~30 s): 'timed out with 0 of 118 bytes received', the
+    answered PUSH then retried on a new connection. What arrived counts; only
+    a reply still missing past the deadline is a timeout."""
+    a, b = socket.socketpair()
+    with a, b:
+        body = wire.encode(wire.PushReply(wire.PushState.RUNNING, ""))
+        b.sendall(struct.pack(">I", len(body)) + body)
+        monkeypatch.setattr(wire, "time", _Descheduled(late_s=60.0))
+        assert wire.recv_frame(a, wire.MAX_REPLY_BYTES, 10.0, "reply") == body
+        # A frame that has not fully arrived by then is still a timeout, at once.
+        b.sendall(struct.pack(">I", 100) + b"x" * 10)
+        monkeypatch.setattr(wire, "time", _Descheduled(late_s=60.0))
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="10 of 100"):
+            wire.recv_frame(a, wire.MAX_REPLY_BYTES, 10.0, "reply")
+        assert time.monotonic() - t0 < 1.0
+        b.sendall(struct.pack(">I", 100) + b"x" * 10)
+        b.close()
+        monkeypatch.setattr(wire, "time", _Descheduled(late_s=60.0))
+        with pytest.raises(PeerError):  # closed mid-frame: not a timeout
+            wire.recv_frame(a, wire.MAX_REPLY_BYTES, 1.0, "reply")
+
+
 def test_oversized_reply_is_refused():
     with socket.socket() as lst:
         lst.bind(("127.0.0.1", 0))

@@ -606,13 +606,22 @@ def decode_reply(body: bytes) -> Reply:
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> bytes:
+    """``n`` bytes by ``deadline``. Bytes that arrived by then count even when
+    this thread runs again only after it (a loaded host can leave a process
+    unscheduled for many seconds): past the deadline, what the socket
+    already holds is taken without waiting, and only a frame still
+    incomplete is a timeout -- a reply received in time is never dropped for
+    a late reader (its call would be retried on a new connection)."""
     buf = bytearray()
     while len(buf) < n:
         left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"{what}: timed out with {len(buf)} of {n} bytes received")
-        sock.settimeout(left)
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        sock.settimeout(max(left, 0.0))  # 0: non-blocking, what is buffered only
+        try:
+            chunk = sock.recv(min(n - len(buf), 1 << 20))
+        except (BlockingIOError, InterruptedError, TimeoutError):
+            if left > 0 and time.monotonic() < deadline:
+                continue
+            raise TimeoutError(f"{what}: timed out with {len(buf)} of {n} bytes received") from None
         if not chunk:
             raise PeerError(f"{what}: connection closed after {len(buf)} of {n} bytes")
         buf += chunk
