@@ -81,7 +81,8 @@ class RdmaConsumer:
         self.leases = LeaseCalls(settings, self.peers.plan, pool, book, self._fail)
         self._confirms = Confirmations(self._lock, pool, self.peers, self.leases, self._fail, self._confirmed)
         self._asleep: str | None = None  # why loads fail at once (suspend)
-        self.pushes = (Pushes(local, engine_id, registration, settings, pool, self.peers.failed, clock)
+        self.pushes = (Pushes(local, engine_id, registration, settings, pool, self.peers.failed,
+                              self.peers.local_table, clock)
                        if settings.mode == "push" else None)
         """Push mode: the producer writes each source (``pushes``); None in pull mode."""
 

@@ -313,6 +313,17 @@ class PeerDirectory:
 
     # --- slot tables ---------------------------------------------------------------------------
 
+    def local_table(self, heads: HeadSlice | None) -> Table:
+        """This rank's slot table cut to ``heads`` (None: whole blocks),
+        prepared; made once per slice, shared by reads and pushes. Called
+        without the consumer's lock."""
+        with self._tables_lock:
+            mine = self._local_tables.get(heads)
+            if mine is None:
+                slots = SlotTable(self._local.geometry, heads)
+                mine = self._local_tables[heads] = (slots, self._local.transport.prep_local(slots.descs))
+            return mine
+
     def tables(self, plan: RankPlan, read: Read, peer: Connection) -> tuple[Table, Table]:
         """(local, remote) prepared slot tables for ``read`` through ``peer``;
         raises ``ValueError`` (once, when the remote table is first made) if
@@ -322,11 +333,8 @@ class PeerDirectory:
         local = None if whole else HeadSlice(read.local_first, read.count, plan.local_heads)
         remote = None if whole else HeadSlice(read.remote_first, read.count, plan.remote_heads)
         transport = self._local.transport
+        mine = self.local_table(local)
         with self._tables_lock:
-            mine = self._local_tables.get(local)
-            if mine is None:
-                slots = SlotTable(self._local.geometry, local)
-                mine = self._local_tables[local] = (slots, transport.prep_local(slots.descs))
             theirs = peer.tables.get(remote)
             if theirs is None:
                 slots = SlotTable(peer.geometry, remote)

@@ -125,6 +125,7 @@ class Pushes:
 
     def __init__(self, local: LocalKV, engine_id: str, registration: int, settings: RdmaSettings,
                  pool: ClientPool, peer_failed: Callable[[PeerState, str], None],
+                 local_table: Callable[[HeadSlice | None], tuple[SlotTable, Any]],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._local = local
         self._engine_id = engine_id
@@ -137,7 +138,8 @@ class Pushes:
         self._running: dict[bytes, PushHandle] = {}
         self._hellos: set[tuple[str, int, int]] = set()  # (host, port, producer registration) introduced to
         self._counts = Tally(PushCounters)  # counted under self._lock
-        self._tables: dict[HeadSlice, SlotTable] = {}  # engine thread only
+        self._local_table = local_table
+        """This rank's slot table per head slice (``PeerDirectory.local_table``: one cache for reads and pushes)."""
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -170,7 +172,7 @@ class Pushes:
                local_block_ids: GroupBlockIds) -> PushHandle:
         """Track ``request``'s push and send it (an RPC thread)."""
         h = request.local_heads
-        table = self._local.slots if h is None else self._sliced(HeadSlice(h.first, h.count, h.of))
+        table, _ = self._local_table(None if h is None else HeadSlice(h.first, h.count, h.of))
         counts = np.array([len(g) for g in local_block_ids], dtype=np.int64)
         nbytes = int((counts * table.group_nbytes[:len(counts)]).sum())  # a group's id covers its layers only
         ndescs = int(counts[table.row_group].sum()) if len(counts) == table.num_groups else 0
@@ -183,13 +185,6 @@ class Pushes:
         if not self._pool.submit(self._send, handle):
             self._resolve(handle, PushFailed("the worker is closing"))
         return handle
-
-    def _sliced(self, heads: HeadSlice) -> SlotTable:
-        """This rank's slot table cut to ``heads`` (the push's sizes; made once per slice)."""
-        table = self._tables.get(heads)
-        if table is None:
-            table = self._tables[heads] = SlotTable(self._local.geometry, heads)
-        return table
 
     # --- RPC threads -------------------------------------------------------------------------------
 
