@@ -320,9 +320,19 @@ def test_layers_go_out_during_the_prefills_forward_pass_in_vllm(servers: dict[st
     decode_leg.join(180)
     assert prefill["status"] == 200, prefill
     assert out.get("status") == 200 and out["text"] == want, (out, want)
-    written = metric(p.url, "rdma_kv_push_written_bytes_total") - before["push_written_bytes_total"]
-    overlapped = metric(p.url, "rdma_kv_push_overlapped_bytes_total") - before["push_overlapped_bytes_total"]
-    assert 0 < overlapped <= written, (overlapped, written, p.log()[-3000:])
+    grew: dict[str, float] = {}
+
+    def counted() -> bool:
+        # The producer's counters reach /metrics with its steps' stats, a step or more after the push
+        # resolved, and are read one at a time: wait until both moved.
+        step_reports(p)
+        for name in before:
+            grew[name] = metric(p.url, f"rdma_kv_{name}") - before[name]
+        return grew["push_written_bytes_total"] > 0 and grew["push_overlapped_bytes_total"] > 0
+
+    wait_for("the producer's count of bytes written during the prefill's forward pass", counted, 60, poll_s=0.5)
+    written, overlapped = grew["push_written_bytes_total"], grew["push_overlapped_bytes_total"]
+    assert overlapped <= written, (overlapped, written, p.log()[-3000:])
     print(f"decode registered first: {overlapped / written:.0%} of {int(written)} bytes written during the "
           "prefill's forward pass")
 
