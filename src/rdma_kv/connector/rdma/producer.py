@@ -162,7 +162,7 @@ class RdmaProducer:
         handler = ProducerHandler(self._engine_id, rank, s.lease_ttl_s, self.leases, compat,
                                   transport.metadata, geometry)
         self._block_size = compat.block_size
-        handler.pusher = self._pusher(transport, geometry)
+        handler.pusher = self._new_pusher(transport, geometry)
         port = s.side_channel_port
         limits = (ConnectionLimits(max_connections=s.side_channel_max_connections)
                   if s.side_channel_max_connections else ConnectionLimits())
@@ -186,29 +186,34 @@ class RdmaProducer:
             except Exception:
                 logger.exception("request %r: could not record its lease", send.request_id)
                 continue
-            pusher = self.handler.pusher if self.handler is not None else None
+            pusher = self.pusher
             if send.transfer_id is not None and pusher is not None:
                 pusher.granted(send)  # a decode registered (or will) under its transfer id
         if reclaims:
             self.leases.reclaim(reclaims)
-        pusher = self.handler.pusher if self.handler is not None else None
+        pusher = self.pusher
         if pusher is not None:
             pusher.reap()
 
+    @property
+    def pusher(self) -> PushWriter | None:
+        """Push mode's writer (None in pull mode, before the KV cache is registered, and while asleep)."""
+        return self.handler.pusher if self.handler is not None else None
+
     def begin_layers(self, layer_pushes: Sequence[LayerPushSpec]) -> None:
         """Before the step's forward pass (push mode: its layer-wise writes)."""
-        pusher = self.handler.pusher if self.handler is not None else None
+        pusher = self.pusher
         if pusher is not None:
             pusher.begin_step(layer_pushes)
 
     def save_layer(self, layer_name: str) -> None:
         """The engine stored ``layer_name`` for this step (push mode: write it)."""
-        pusher = self.handler.pusher if self.handler is not None else None
+        pusher = self.pusher
         if pusher is not None:
             pusher.write_layer(layer_name)
 
     def end_step(self) -> None:
-        pusher = self.handler.pusher if self.handler is not None else None
+        pusher = self.pusher
         if pusher is not None:
             pusher.end_step()
 
@@ -222,9 +227,9 @@ class RdmaProducer:
 
     def resume(self, transport: Transport, geometry: KVCacheGeometry, registration: int) -> None:
         if self.handler is not None:
-            self.handler.resume(transport.metadata, geometry, registration, self._pusher(transport, geometry))
+            self.handler.resume(transport.metadata, geometry, registration, self._new_pusher(transport, geometry))
 
-    def _pusher(self, transport: Transport, geometry: KVCacheGeometry) -> PushWriter | None:
+    def _new_pusher(self, transport: Transport, geometry: KVCacheGeometry) -> PushWriter | None:
         if self._settings.mode != "push":
             return None
         return PushWriter(transport, geometry, self.leases, self._settings.read_timeout_s,
@@ -241,19 +246,19 @@ class RdmaProducer:
         return self.leases.take_counters()
 
     def resources(self) -> dict[str, int]:
-        pusher = self.handler.pusher if self.handler is not None else None
+        pusher = self.pusher
         return {"leases": len(self.leases), "held_blocks": len(self.leases.held_block_ids()),
                 "lease_age_max_ms": int(1000 * self.leases.oldest_age_s()),
                 **({"pushes_running": pusher.running()} if pusher is not None else {})}
 
     def take_push_counters(self) -> PushCounters:
         """Push events since the last call (zero in pull mode)."""
-        pusher = self.handler.pusher if self.handler is not None else None
+        pusher = self.pusher
         return pusher.take_counters() if pusher is not None else PushCounters()
 
     def take_push_records(self) -> tuple[PushRecord, ...]:
         """Pushes resolved since the last call (none in pull mode)."""
-        pusher = self.handler.pusher if self.handler is not None else None
+        pusher = self.pusher
         return pusher.take_records() if pusher is not None else ()
 
     def close(self) -> None:
