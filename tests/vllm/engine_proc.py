@@ -31,11 +31,12 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 HERE = Path(__file__).resolve().parent
+T = TypeVar("T")
 
 
 class EngineProcess:
@@ -139,6 +140,17 @@ class EngineProcess:
         command, self._stepping = self._stepping, None
         assert command is not None, "wait_free_blocks() without begin_free_blocks()"
         return int(self._receive(command, command["settle_s"] + self.timeout_s)["free"])
+
+    def step_during(self, work: Callable[[], T], settle_s: float = 120.0) -> tuple[T, int]:
+        """Run ``work()`` (driving another engine) while this engine steps
+        (``begin_free_blocks``), then let it step until it holds no request:
+        ``work``'s result and this engine's free blocks after."""
+        self.begin_free_blocks(settle_s)
+        try:
+            out = work()
+        finally:
+            free = self.wait_free_blocks()
+        return out, free
 
     def kv_cache_groups(self) -> list[str]:
         """The spec class of each KV-cache group the engine's scheduler

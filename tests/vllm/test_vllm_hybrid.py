@@ -208,12 +208,8 @@ def _push_decode(producer: EngineProcess, consumer: EngineProcess, params: list[
     only inside ``generate()``; a push needs the prefill's lease shipped to
     the producer's worker, which its next step does) until it holds no
     request: the decode's tokens and the producer's free blocks after."""
-    producer.begin_free_blocks(settle_s=120.0)
-    try:
-        out = tokens(consumer.generate(PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params))
-    finally:
-        free = producer.wait_free_blocks()
-    return out, free
+    return producer.step_during(
+        lambda: tokens(consumer.generate(PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)))
 
 
 def _control_params(engine: EngineProcess) -> list[dict[str, Any]]:

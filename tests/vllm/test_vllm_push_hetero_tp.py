@@ -78,12 +78,8 @@ def push_pd(producer: EngineProcess, decode: EngineProcess, prompts: tuple[str, 
     request (every lease released). Returns the decode's tokens and the
     producer's free blocks after."""
     params = prefill(producer, prompts)
-    producer.begin_free_blocks(settle_s=120.0)
-    try:
-        out = tokens(decode.generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params))
-    finally:
-        free = producer.wait_free_blocks()
-    return out, free
+    return producer.step_during(
+        lambda: tokens(decode.generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)))
 
 
 STARVATION_BOUNDS = {"load_timeout_s": 120.0, "lease_ttl_s": 120.0, "read_timeout_s": 60.0}
