@@ -63,7 +63,7 @@ import subprocess
 import time
 from typing import Any, cast
 
-from rdma_kv.connector.rdma import auth, wire
+from rdma_kv.connector.rdma import auth, wire, wiregeom
 from rdma_kv.connector.rdma.sidechannel import ConnectionLimits, SideChannelServer
 
 try:
@@ -79,7 +79,7 @@ COMPAT = wire.CompatInfo(1, 16, 8, 128, "float16", "x", ["blocks_first:1"])
 
 class CannedHandler:
     def on_handshake(self, request: wire.Handshake) -> wire.HandshakeReply:
-        geometry = wire.GeometryWire([wire.RegionWire(4096, 4096)], [])
+        geometry = wire.GeometryWire([wiregeom.RegionWire(4096, 4096)], [])
         return wire.HandshakeReply(wire.PROTOCOL_VERSION, "P", wire.RankInfo(0, 1, 8), COMPAT, COMPAT.compat_hash(),
                                    b"agent-metadata", geometry)
 

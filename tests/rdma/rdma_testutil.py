@@ -1,6 +1,6 @@
 """Helpers for the RDMA connector tests: a bounded wait, and side-channel
 frames built and taken apart by hand (4-byte big-endian length, then the
-body), independently of ``wire.send_frame`` / ``recv_frame``."""
+body), independently of ``framing.send_frame`` / ``recv_frame``."""
 
 from __future__ import annotations
 

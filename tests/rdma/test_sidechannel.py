@@ -9,7 +9,7 @@ import time
 import msgspec
 import pytest
 
-from rdma_kv.connector.rdma import wire
+from rdma_kv.connector.rdma import framing, wire
 from rdma_kv.connector.rdma.sidechannel import SideChannelServer
 from rdma_kv.connector.rdma.sideclient import SideChannelClient
 from rdma_kv.errors import HandshakeError, MetadataError, PeerError
@@ -60,14 +60,14 @@ def test_round_trip_and_refusal(server):
 def raw_exchange(port, payload):
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(payload)
-        body = wire.recv_frame(sock, wire.MAX_REPLY_BYTES, 5, "test")
+        body = framing.recv_frame(sock, wire.MAX_REPLY_BYTES, 5, "test")
         return None if body is None else wire.reply_decoder.decode(body)
 
 
 @pytest.mark.parametrize("payload", [
     struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1",  # not msgpack
     struct.pack(">I", 3) + msgspec.msgpack.encode({"type": "renew"})[:3],
-    wire.struct.pack(">I", 12) + msgspec.msgpack.encode({"type": "nope", "x": 1}).ljust(12, b"\0"),
+    struct.pack(">I", 12) + msgspec.msgpack.encode({"type": "nope", "x": 1}).ljust(12, b"\0"),
     struct.pack(">I", wire.MAX_REQUEST_BYTES + 1),  # refused before reading the body
 ])
 def test_malformed_frames_get_an_error_and_the_server_keeps_serving(server, payload):
@@ -126,20 +126,20 @@ def test_reply_received_in_time_survives_a_reader_descheduled_past_its_deadline(
     with a, b:
         body = wire.encode(wire.PushReply(wire.PushState.RUNNING, ""))
         b.sendall(struct.pack(">I", len(body)) + body)
-        monkeypatch.setattr(wire, "time", _Descheduled(late_s=60.0))
-        assert wire.recv_frame(a, wire.MAX_REPLY_BYTES, 10.0, "reply") == body
+        monkeypatch.setattr(framing, "time", _Descheduled(late_s=60.0))
+        assert framing.recv_frame(a, wire.MAX_REPLY_BYTES, 10.0, "reply") == body
         # A frame that has not fully arrived by then is still a timeout, at once.
         b.sendall(struct.pack(">I", 100) + b"x" * 10)
-        monkeypatch.setattr(wire, "time", _Descheduled(late_s=60.0))
+        monkeypatch.setattr(framing, "time", _Descheduled(late_s=60.0))
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="10 of 100"):
-            wire.recv_frame(a, wire.MAX_REPLY_BYTES, 10.0, "reply")
+            framing.recv_frame(a, wire.MAX_REPLY_BYTES, 10.0, "reply")
         assert time.monotonic() - t0 < 1.0
         b.sendall(struct.pack(">I", 100) + b"x" * 10)
         b.close()
-        monkeypatch.setattr(wire, "time", _Descheduled(late_s=60.0))
+        monkeypatch.setattr(framing, "time", _Descheduled(late_s=60.0))
         with pytest.raises(PeerError):  # closed mid-frame: not a timeout
-            wire.recv_frame(a, wire.MAX_REPLY_BYTES, 1.0, "reply")
+            framing.recv_frame(a, wire.MAX_REPLY_BYTES, 1.0, "reply")
 
 
 def test_oversized_reply_is_refused():
@@ -151,7 +151,7 @@ def test_oversized_reply_is_refused():
 
         def evil():
             conn, _ = lst.accept()
-            wire.recv_frame(conn, 1 << 20, 2, "evil")
+            framing.recv_frame(conn, 1 << 20, 2, "evil")
             conn.sendall(struct.pack(">I", wire.MAX_REPLY_BYTES + 1))
             time.sleep(0.5)
             conn.close()

@@ -17,7 +17,7 @@ from fakes import FakeFabric
 from rdma_testutil import decode_replies, frame, wait_until
 
 from rdma_kv.connector import KVTransferConfig
-from rdma_kv.connector.rdma import auth, wire
+from rdma_kv.connector.rdma import auth, framing, wire, wiregeom
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sidechannel import SideChannelServer
 from rdma_kv.connector.rdma.sideclient import SideChannelClient
@@ -40,7 +40,7 @@ class Handler:
 
     def on_handshake(self, request):
         self.calls += 1
-        geometry = wire.GeometryWire([wire.RegionWire(4096, 4096)], [])
+        geometry = wire.GeometryWire([wiregeom.RegionWire(4096, 4096)], [])
         return wire.HandshakeReply(wire.PROTOCOL_VERSION, "P", wire.RankInfo(0, 1, 8), COMPAT, COMPAT.compat_hash(), MARKER,
                                    geometry)
 
@@ -207,12 +207,12 @@ def impostor_server(proof_for):
     def serve():
         conn, _ = lst.accept()
         with conn:
-            hello = wire.decode_request(wire.recv_frame(conn, 1 << 20, 5, "impostor"))
+            hello = wire.decode_request(framing.recv_frame(conn, 1 << 20, 5, "impostor"))
             nonce = auth.new_nonce()
-            wire.send_frame(conn, wire.encode(wire.Challenge(wire.PROTOCOL_VERSION, nonce, True)), 5)
-            wire.recv_frame(conn, 1 << 20, 5, "impostor")
-            wire.send_frame(conn, wire.encode(wire.AuthOk(proof_for(hello, nonce))), 5)
-            wire.recv_frame(conn, 1 << 20, 2, "impostor")  # whatever comes next (nothing should)
+            framing.send_frame(conn, wire.encode(wire.Challenge(wire.PROTOCOL_VERSION, nonce, True)), 5)
+            framing.recv_frame(conn, 1 << 20, 5, "impostor")
+            framing.send_frame(conn, wire.encode(wire.AuthOk(proof_for(hello, nonce))), 5)
+            framing.recv_frame(conn, 1 << 20, 2, "impostor")  # whatever comes next (nothing should)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()

@@ -12,7 +12,7 @@ from fakes import FakeFabric
 from rdma_testutil import wait_until
 
 from rdma_kv.connector import KVTransferConfig
-from rdma_kv.connector.rdma import wire
+from rdma_kv.connector.rdma import wire, wiregeom
 from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress, RdmaConnectorMetadata
 from rdma_kv.connector.rdma.params import LeaseRef, parse_kv_transfer_params
 from rdma_kv.connector.rdma.settings import RdmaSettings
@@ -175,12 +175,12 @@ def test_step_metadata_with_bad_block_ids_posts_nothing(pair, local, remote):
 
 
 @pytest.mark.parametrize("layer, match", [
-    (wire.LayerWire("l", 0, 17, "blocks_first", [wire.SegmentWire(0, 256, 256)]), "beyond its region"),
-    (wire.LayerWire("l", 1, 1, "blocks_first", [wire.SegmentWire(0, 256, 256)]), "names region 1"),
-    (wire.LayerWire("l", 0, wire.MAX_BLOCKS_PER_LAYER, "blocks_first", [wire.SegmentWire(0, 0, 1)] * 8),
+    (wiregeom.LayerWire("l", 0, 17, "blocks_first", [wiregeom.SegmentWire(0, 256, 256)]), "beyond its region"),
+    (wiregeom.LayerWire("l", 1, 1, "blocks_first", [wiregeom.SegmentWire(0, 256, 256)]), "names region 1"),
+    (wiregeom.LayerWire("l", 0, wire.MAX_BLOCKS_PER_LAYER, "blocks_first", [wiregeom.SegmentWire(0, 0, 1)] * 8),
      "over the limit"),
 ])
 def test_peer_geometry_outside_its_regions_is_rejected(layer, match):
-    geometry = wire.GeometryWire([wire.RegionWire(1 << 20, 4096)], [layer])
+    geometry = wire.GeometryWire([wiregeom.RegionWire(1 << 20, 4096)], [layer])
     with pytest.raises(MetadataError, match=match):
         geometry.to_geometry()

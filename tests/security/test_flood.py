@@ -14,7 +14,7 @@ import time
 import pytest
 from rdma_testutil import frame, wait_until
 
-from rdma_kv.connector.rdma import auth, wire
+from rdma_kv.connector.rdma import auth, framing, wire, wiregeom
 from rdma_kv.connector.rdma.admission import Admission, ConnectionLimits
 from rdma_kv.connector.rdma.lograte import EventSummary
 from rdma_kv.connector.rdma.sidechannel import SideChannelServer
@@ -33,7 +33,7 @@ class Handler:
     """HANDSHAKE answered; a lease whose request id starts with "gone" is GONE, others HELD."""
 
     def on_handshake(self, request):
-        geometry = wire.GeometryWire([wire.RegionWire(4096, 4096)], [])
+        geometry = wire.GeometryWire([wiregeom.RegionWire(4096, 4096)], [])
         return wire.HandshakeReply(wire.PROTOCOL_VERSION, "P", wire.RankInfo(0, 1, 8), COMPAT, COMPAT.compat_hash(), b"md", geometry)
 
     def on_renew(self, request):
@@ -68,7 +68,7 @@ def connect(srv, source="127.0.0.2"):
 
 def exchange(sock, message):
     sock.sendall(frame(message))
-    body = wire.recv_frame(sock, wire.MAX_REPLY_BYTES, 10, "test")
+    body = framing.recv_frame(sock, wire.MAX_REPLY_BYTES, 10, "test")
     assert body is not None, f"the server closed the connection instead of answering {message!r:.80}"
     return wire.decode_reply(body)
 

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from rdma_testutil import decode_replies, frame, wait_until
 
 from rdma_kv.connector import KVTransferConfig, Request
-from rdma_kv.connector.rdma import auth, wire
+from rdma_kv.connector.rdma import auth, framing, wire, wiregeom
 from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress, RdmaConnectorMetadata
 from rdma_kv.connector.rdma.params import PARAM_KEYS, LeaseRef, RemotePrefillParams, parse_kv_transfer_params
 from rdma_kv.connector.rdma.slots import SlotTable
@@ -73,9 +73,9 @@ def campaign(strategies, default_n):
 
 COMPAT = wire.CompatInfo(2, 4, 2, 8, "float16", "full_attention/4", ["blocks_first:128"] * 2)
 GEOMETRY = wire.GeometryWire(
-    [wire.RegionWire(1 << 20, 65536)],
-    [wire.LayerWire("l0", 0, 128, "blocks_first", [wire.SegmentWire(0, 256, 128)]),
-     wire.LayerWire("l1", 0, 128, "blocks_first", [wire.SegmentWire(32768, 256, 128)])])
+    [wiregeom.RegionWire(1 << 20, 65536)],
+    [wiregeom.LayerWire("l0", 0, 128, "blocks_first", [wiregeom.SegmentWire(0, 256, 128)]),
+     wiregeom.LayerWire("l1", 0, 128, "blocks_first", [wiregeom.SegmentWire(32768, 256, 128)])])
 LEASES = [wire.LeaseWire(7, 3, "req-1", b"t" * 16, b"b" * 16, b"c" * 16), wire.LeaseWire(2**52, 1, "r", b"\0" * 16, b"\1" * 16, b"\xff" * 16)]
 VALID_REQUESTS = [
     wire.Hello(wire.PROTOCOL_VERSION, "consumer", b"\x01" * 32),
@@ -200,12 +200,12 @@ test_side_channel_reply, test_side_channel_reply_slow = side_channel_reply
 def geometries(draw):
     """Well-formed wire geometry with hostile numbers (strides, offsets, counts)."""
     big = st.one_of(st.integers(0, 4096), st.sampled_from([2**24, 2**32, 2**40, 2**63, 2**64 - 1]))
-    regions = [wire.RegionWire(draw(big), draw(big.filter(bool) | st.just(1))) for _ in range(draw(st.integers(1, 3)))]
+    regions = [wiregeom.RegionWire(draw(big), draw(big.filter(bool) | st.just(1))) for _ in range(draw(st.integers(1, 3)))]
     layers = []
     for i in range(draw(st.integers(0, 4))):
-        segs = [wire.SegmentWire(draw(big), draw(big), draw(big.filter(bool) | st.just(1)))
+        segs = [wiregeom.SegmentWire(draw(big), draw(big), draw(big.filter(bool) | st.just(1)))
                 for _ in range(draw(st.integers(1, 2)))]
-        layers.append(wire.LayerWire(f"l{i}", draw(st.integers(0, 3)),
+        layers.append(wiregeom.LayerWire(f"l{i}", draw(st.integers(0, 3)),
                                      draw(st.integers(1, wire.MAX_BLOCKS_PER_LAYER)), "blocks_first", segs))
     return wire.GeometryWire(regions, layers)
 
@@ -414,7 +414,7 @@ def reply_frame(data):
         b.sendall(data)
         b.shutdown(socket.SHUT_WR)
         try:
-            body = wire.recv_frame(a, wire.MAX_REPLY_BYTES, 2.0, "fuzz")
+            body = framing.recv_frame(a, wire.MAX_REPLY_BYTES, 2.0, "fuzz")
             if body is not None:
                 wire.decode_reply(body)
         except Exception as exc:

@@ -23,8 +23,9 @@ Modules, by role (each docstring says what it owns and may import):
   ``settings`` (extra config), ``meta`` (step and handshake metadata),
   ``slots`` (block ids to slot indices), ``compat`` (what two engines must
   agree on), ``topology`` (the rank plan), ``wire`` (side-channel messages),
-  ``sideclient`` (the side channel's client), ``auth`` (the shared secret),
-  ``lograte`` (rate-limited warnings), ``transport_api`` (the transport
+  ``wiregeom`` (their compatibility record and geometry), ``framing``
+  (length-prefixed frames), ``sideclient`` (the side channel's client),
+  ``auth`` (the shared secret), ``lograte`` (rate-limited warnings), ``transport_api`` (the transport
   Protocol), ``stats`` (per-load records, each part's counters and their
   summary) and ``metrics`` (histograms and Prometheus series from those
   records).

@@ -23,7 +23,7 @@ import time
 
 import msgspec
 
-from rdma_kv.connector.rdma import auth, wire
+from rdma_kv.connector.rdma import auth, framing, wire
 from rdma_kv.errors import AuthenticationError, HandshakeError, MetadataError, PeerError
 
 __all__ = ["SideChannelClient"]
@@ -81,8 +81,8 @@ class SideChannelClient:
         return sock
 
     def _exchange(self, sock: socket.socket, message: msgspec.Struct, timeout_s: float) -> wire.Reply:
-        wire.send_frame(sock, wire.encode(message), timeout_s)
-        body = wire.recv_frame(sock, wire.MAX_REPLY_BYTES, timeout_s, f"reply from {self.address}")
+        framing.send_frame(sock, wire.encode(message), timeout_s)
+        body = framing.recv_frame(sock, wire.MAX_REPLY_BYTES, timeout_s, f"reply from {self.address}")
         if body is None:
             raise PeerError(f"{self.address} closed the side channel")
         return wire.decode_reply(body)
@@ -126,7 +126,7 @@ class SideChannelClient:
     @staticmethod
     def _send_quietly(sock: socket.socket, message: msgspec.Struct, timeout_s: float) -> None:
         try:
-            wire.send_frame(sock, wire.encode(message), timeout_s)
+            framing.send_frame(sock, wire.encode(message), timeout_s)
         except OSError:
             pass
 
@@ -147,8 +147,8 @@ class SideChannelClient:
                 try:
                     if self._sock is None:
                         self._sock = self._connect(timeout)
-                    wire.send_frame(self._sock, payload, timeout)
-                    body = wire.recv_frame(self._sock, wire.MAX_REPLY_BYTES, timeout,
+                    framing.send_frame(self._sock, payload, timeout)
+                    body = framing.recv_frame(self._sock, wire.MAX_REPLY_BYTES, timeout,
                                            f"reply from {self.address}")
                     if body is None:
                         raise PeerError(f"{self.address} closed the side channel")

@@ -1,37 +1,41 @@
-"""The side channel's wire format: framed, versioned, schema-checked msgspec.
+"""The side channel's messages: versioned, schema-checked msgspec.
 
-Owns every message the side channel carries, the compatibility record two
-engines must agree on (:class:`CompatInfo`, with its hash and a mismatch
-report naming both sides' values), the wire form of block geometry, and the
-framing: a 4-byte big-endian length, then one msgpack message (a tagged
-msgspec union). Frames are size-limited before a byte of the body is read;
-bodies are decoded against the schema only (never pickle), so a malformed
-peer gets an error, not code execution.
+Owns every message the side channel carries (a tagged msgspec union each
+way) and their codec; the handshake's compatibility record and geometry are
+``wiregeom``'s (re-exported here, as the messages carry them), and the
+framing (a 4-byte big-endian length, size-limited before a byte of the
+body is read) is ``framing``'s. Bodies are decoded against the schema
+only (never pickle), so a malformed peer gets an error, not code
+execution.
 
 Version 2 opens every connection with HELLO -> CHALLENGE and, when the
 producer has a shared secret, AUTH -> AUTH_OK (``auth.py``) before any other
 request is served.
 
-Imports the standard library, msgspec, ``rdma_kv.errors`` and the
-connector's ``geometry`` and ``params``; never the transport.
+Imports the standard library, msgspec, ``rdma_kv.errors``, the
+connector's ``params`` and ``wiregeom``; never the transport.
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
 import re
-import socket
-import struct
-import time
 from typing import Annotated, TypeVar, Union
 
 import msgspec
 
-from rdma_kv.connector.geometry import KVCacheGeometry, LayerGeometry, Layout, Region, Segment
 from rdma_kv.connector.rdma.params import LEASE_BINDING_BYTES, LEASE_TOKEN_BYTES, LeaseRef
 from rdma_kv.connector.types import RequestId
-from rdma_kv.errors import MetadataError, PeerError
+from rdma_kv.connector.rdma.wiregeom import (
+    MAX_BLOCKS_PER_LAYER,
+    MAX_LAYERS,
+    MAX_SLOTS,
+    U64,
+    CompatInfo,
+    GeometryWire,
+    Str,
+)
+from rdma_kv.errors import MetadataError
 
 __all__ = [
     "CLAIM_BYTES",
@@ -64,11 +68,11 @@ __all__ = [
     "Refused",
     "Release",
     "Renew",
+    "MAX_BLOCKS_PER_LAYER",
+    "MAX_SLOTS",
     "decode_reply",
     "decode_request",
-    "recv_frame",
     "check_reader",
-    "send_frame",
 ]
 
 PROTOCOL_VERSION = 6
@@ -121,16 +125,6 @@ MAX_READER = (1 << 16) - 1
 MAX_READERS = 1024
 """The most consumer ranks that may read one producer rank under one lease
 (the table remembers, per lease, which of them released)."""
-MAX_LAYERS = 4096
-MAX_BLOCKS_PER_LAYER = 1 << 24
-MAX_SLOTS = 1 << 26
-"""Descriptors a peer's geometry may make us prepare (20 bytes each on the
-consumer: 1.3 GB at this cap). Without it a producer could announce 2**40
-blocks of stride 0 inside a one-byte region and exhaust the consumer's memory."""
-
-_HEADER = struct.Struct(">I")
-U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 anyway
-Str = Annotated[str, msgspec.Meta(max_length=1024)]
 
 
 class LeaseStatus(enum.IntEnum):
@@ -156,136 +150,6 @@ class LeaseStatus(enum.IntEnum):
     other blocks (or another request id, token count, engine or TP size)
     than the lease covers: the kv_transfer_params were altered. Nothing was recorded; the
     producer logs the attempt with the peer's address."""
-
-
-class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What two engines must agree on to copy KV heads block for block,
-    whatever their tensor-parallel sizes: the model's shape, not a rank's
-    (a rank's share, its heads and TP size, travels in :class:`RankInfo`)."""
-
-    num_layers: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)]
-    block_size: Annotated[int, msgspec.Meta(ge=1)]
-    total_kv_heads: Annotated[int, msgspec.Meta(ge=0)]
-    """The model's KV heads (1 for MLA), before tensor parallelism shards them."""
-    head_size: Annotated[int, msgspec.Meta(ge=0)]
-    dtype: Str
-    spec: Str
-    """The KV-cache spec's kind and block size, and its page size per KV head."""
-    layouts: Annotated[list[Str], msgspec.Meta(max_length=MAX_LAYERS)]
-    """Per layer: layout, segment bytes per KV head, bytes of one head's
-    slice, and memory order with the heads dim written ``H``, e.g.
-    ``blocks_first:4096:2048:(B,H,16,64) order 0,1,2,3``."""
-    kv_layout: Str = ""
-    """``NHD``, ``HND`` or ``MLA`` (geometry.LayerGeometry.kv_layout)."""
-    attention_backend: Str = ""
-    """The engine's attention backend (vLLM's name, e.g. ``FLASH_ATTN``); empty outside vLLM."""
-    layer_groups: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_LAYERS)] = []
-    """Per layer, its KV-cache group; empty for a single group (hybrid
-    models: block ids travel per group, so both sides must group alike)."""
-    transfer_mode: Str = "pull"
-    """``pull`` (the decode reads) or ``push`` (the producer writes): both
-    engines must run the same mode."""
-
-    def compat_hash(self) -> str:
-        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:32]
-
-    def mismatches(self, other: CompatInfo, mine: str = "local", theirs: str = "remote") -> list[str]:
-        """One line per differing field, naming both sides' values."""
-        out = []
-        for name in self.__struct_fields__:
-            a, b = getattr(self, name), getattr(other, name)
-            if a != b:
-                if name == "layouts":
-                    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                    a = f"{len(a)} layers, layer {first}: {a[first] if first < len(a) else '-'}"
-                    b = f"{len(b)} layers, layer {first}: {b[first] if first < len(b) else '-'}"
-                out.append(f"{name}: {mine} {a!r} vs {theirs} {b!r}")
-                if name == "block_size":
-                    out[-1] += (" (blocks are not remapped between block sizes: the KV is not "
-                                "transferred and the request is computed locally, or fails under "
-                                "kv_load_failure_policy=fail; start both engines with the same "
-                                "--block-size)")
-        return out
-
-
-class SegmentWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
-    offset: U64
-    block_stride_bytes: U64
-    block_nbytes: Annotated[int, msgspec.Meta(ge=1)]
-
-
-class LayerWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
-    name: Str
-    region_index: Annotated[int, msgspec.Meta(ge=0)]
-    num_blocks: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCKS_PER_LAYER)]
-    layout: Layout
-    segments: Annotated[list[SegmentWire], msgspec.Meta(min_length=1, max_length=8)]
-    head_nbytes: U64 = 0
-    """``LayerGeometry.head_nbytes``: lets a reader slice heads out of a block."""
-    group: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)] = 0
-    """The layer's KV-cache group (last, with a default: a single-group peer's layers need not send it)."""
-
-
-class RegionWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
-    base_address: U64
-    nbytes: Annotated[int, msgspec.Meta(ge=1)]
-
-
-class GeometryWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    regions: Annotated[list[RegionWire], msgspec.Meta(min_length=1, max_length=MAX_LAYERS)]
-    layers: Annotated[list[LayerWire], msgspec.Meta(max_length=MAX_LAYERS)]
-
-    @classmethod
-    def from_geometry(cls, geometry: KVCacheGeometry) -> GeometryWire:
-        return cls(
-            [RegionWire(r.base_address, r.nbytes) for r in geometry.regions],
-            [
-                LayerWire(
-                    layer.name, layer.region_index, layer.num_blocks, layer.layout,
-                    [SegmentWire(s.offset, s.block_stride_bytes, s.block_nbytes)
-                     for s in layer.segments],
-                    layer.head_nbytes,
-                    layer.group,
-                )
-                for layer in geometry.layers
-            ],
-        )
-
-    def to_geometry(self) -> KVCacheGeometry:
-        """Checked: every block of every segment lies inside its region, so a
-        peer cannot make us read outside what it registered."""
-        regions = tuple(Region(r.base_address, r.nbytes, "remote", ()) for r in self.regions)
-        slots = sum(layer.num_blocks * len(layer.segments) for layer in self.layers)
-        if slots > MAX_SLOTS:
-            raise MetadataError(
-                f"peer geometry lists {slots} block descriptors, over the limit of {MAX_SLOTS}"
-            )
-        layers = []
-        for layer in self.layers:
-            if layer.region_index >= len(regions):
-                raise MetadataError(
-                    f"peer geometry: layer {layer.name!r} names region {layer.region_index}, "
-                    f"but only {len(regions)} regions were sent"
-                )
-            region = regions[layer.region_index]
-            size = region.nbytes
-            if region.base_address + size >= 2**64:
-                raise MetadataError(f"peer geometry: region {layer.region_index} ends past the "
-                                    "64-bit address space")
-            for seg in layer.segments:
-                end = seg.offset + (layer.num_blocks - 1) * seg.block_stride_bytes + seg.block_nbytes
-                if end > size:
-                    raise MetadataError(
-                        f"peer geometry: layer {layer.name!r} block {layer.num_blocks - 1} ends at "
-                        f"byte {end}, beyond its region of {size} bytes"
-                    )
-            layers.append(LayerGeometry(
-                layer.name, layer.region_index, layer.num_blocks, layer.layout,
-                tuple(Segment(s.offset, s.block_stride_bytes, s.block_nbytes) for s in layer.segments),
-                head_nbytes=layer.head_nbytes,
-                group=layer.group,
-            ))
-        return KVCacheGeometry(regions, tuple(layers))
 
 
 Token = Annotated[bytes, msgspec.Meta(min_length=LEASE_TOKEN_BYTES, max_length=LEASE_TOKEN_BYTES)]
@@ -600,50 +464,3 @@ def decode_request(body: bytes) -> Request:
 def decode_reply(body: bytes) -> Reply:
     """A side-channel reply, schema-checked; ``MetadataError`` says what is wrong."""
     return _decode(reply_decoder, body, "side-channel reply")
-
-
-# --- framing ---------------------------------------------------------------------------
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> bytes:
-    """``n`` bytes by ``deadline``. Bytes that arrived by then count even when
-    this thread runs again only after it (a loaded host can leave a process
-    unscheduled for many seconds): past the deadline, what the socket
-    already holds is taken without waiting, and only a frame still
-    incomplete is a timeout -- a reply received in time is never dropped for
-    a late reader (its call would be retried on a new connection)."""
-    buf = bytearray()
-    while len(buf) < n:
-        left = deadline - time.monotonic()
-        sock.settimeout(max(left, 0.0))  # 0: non-blocking, what is buffered only
-        try:
-            chunk = sock.recv(min(n - len(buf), 1 << 20))
-        except (BlockingIOError, InterruptedError, TimeoutError):
-            if left > 0 and time.monotonic() < deadline:
-                continue
-            raise TimeoutError(f"{what}: timed out with {len(buf)} of {n} bytes received") from None
-        if not chunk:
-            raise PeerError(f"{what}: connection closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
-
-
-def send_frame(sock: socket.socket, payload: bytes, timeout_s: float) -> None:
-    sock.settimeout(timeout_s)
-    sock.sendall(_HEADER.pack(len(payload)) + payload)
-
-
-def recv_frame(sock: socket.socket, max_bytes: int, timeout_s: float, what: str) -> bytes | None:
-    """One frame's body; ``None`` on a clean close before a frame starts.
-    A length above ``max_bytes`` is refused before reading the body."""
-    deadline = time.monotonic() + timeout_s
-    sock.settimeout(timeout_s)
-    first = sock.recv(_HEADER.size)
-    if not first:
-        return None
-    header = first + (_recv_exact(sock, _HEADER.size - len(first), deadline, what)
-                      if len(first) < _HEADER.size else b"")
-    (length,) = _HEADER.unpack(header)
-    if length > max_bytes:
-        raise MetadataError(f"{what}: frame of {length} bytes exceeds the {max_bytes}-byte limit")
-    return _recv_exact(sock, length, deadline, what)

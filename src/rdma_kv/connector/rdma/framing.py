@@ -1,0 +1,62 @@
+"""The side channel's framing: a 4-byte big-endian length, then the body.
+
+A frame's length is checked against the caller's limit before a byte of
+the body is read, and every read has a deadline. Imports the standard
+library and ``rdma_kv.errors`` only: what the body means is ``wire``'s.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+from rdma_kv.errors import MetadataError, PeerError
+
+__all__ = ["recv_frame", "send_frame"]
+
+_HEADER = struct.Struct(">I")
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> bytes:
+    """``n`` bytes by ``deadline``. Bytes that arrived by then count even when
+    this thread runs again only after it (a loaded host can leave a process
+    unscheduled for many seconds): past the deadline, what the socket
+    already holds is taken without waiting, and only a frame still
+    incomplete is a timeout -- a reply received in time is never dropped for
+    a late reader (its call would be retried on a new connection)."""
+    buf = bytearray()
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        sock.settimeout(max(left, 0.0))  # 0: non-blocking, what is buffered only
+        try:
+            chunk = sock.recv(min(n - len(buf), 1 << 20))
+        except (BlockingIOError, InterruptedError, TimeoutError):
+            if left > 0 and time.monotonic() < deadline:
+                continue
+            raise TimeoutError(f"{what}: timed out with {len(buf)} of {n} bytes received") from None
+        if not chunk:
+            raise PeerError(f"{what}: connection closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+def send_frame(sock: socket.socket, payload: bytes, timeout_s: float) -> None:
+    sock.settimeout(timeout_s)
+    sock.sendall(_HEADER.pack(len(payload)) + payload)
+
+
+def recv_frame(sock: socket.socket, max_bytes: int, timeout_s: float, what: str) -> bytes | None:
+    """One frame's body; ``None`` on a clean close before a frame starts.
+    A length above ``max_bytes`` is refused before reading the body."""
+    deadline = time.monotonic() + timeout_s
+    sock.settimeout(timeout_s)
+    first = sock.recv(_HEADER.size)
+    if not first:
+        return None
+    header = first + (_recv_exact(sock, _HEADER.size - len(first), deadline, what)
+                      if len(first) < _HEADER.size else b"")
+    (length,) = _HEADER.unpack(header)
+    if length > max_bytes:
+        raise MetadataError(f"{what}: frame of {length} bytes exceeds the {max_bytes}-byte limit")
+    return _recv_exact(sock, length, deadline, what)
