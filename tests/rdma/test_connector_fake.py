@@ -290,3 +290,21 @@ def test_scheduler_releases_on_full_hit_and_on_abort_before_admission():
     assert s.request_finished(waiting, []) == (False, None)
     assert len(s.build_connector_meta(SchedulerOutput()).releases) == 1
     assert s.scheduler.num_tracked() == 0
+
+
+def test_gauges_are_reported_when_they_move_without_an_event(pair, monkeypatch):
+    """``stats()`` is None only when nothing happened *and* what the worker
+    holds is what it last reported: a push or load held across quiet steps
+    (nothing counted until it resolves) must still reach the gauges."""
+    worker = pair.D.worker.worker
+    for _ in range(3):  # the first call reports the gauges as they are
+        worker.stats()
+    assert worker.stats() is None, "nothing moved, yet stats came out"
+    held = worker.resources()
+    monkeypatch.setattr(worker, "resources", lambda: {**held, "pushes_running": 1})
+    stats = worker.stats()
+    assert stats is not None and stats.resources["pushes_running"] == 1 and not stats.totals.events()
+    assert worker.stats() is None, "the same gauges were reported twice"
+    monkeypatch.setattr(worker, "resources", lambda: {**held, "pushes_running": 0})
+    stats = worker.stats()
+    assert stats is not None and stats.resources["pushes_running"] == 0

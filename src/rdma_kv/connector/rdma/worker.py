@@ -109,6 +109,9 @@ class RdmaWorker:
         self._kv_caches: Mapping[str, Any] | None = None
         self._registration = 1
         self._asleep = False
+        self._reported: tuple[int, dict[str, int]] | None = None
+        """The leases held and resources in the last stats returned: gauges are
+        sent again whenever they change, not only with an event."""
 
     def _new_consumer(self, local: LocalKV) -> RdmaConsumer:
         return RdmaConsumer(local, self._engine_id, self._settings, self._pool, self._book, self._clock,
@@ -291,8 +294,11 @@ class RdmaWorker:
     # --- stats and shutdown -----------------------------------------------------------------------------------
 
     def stats(self) -> WorkerStats | None:
-        """Both parts' records and counters since the last call (None if
-        nothing happened), with the leases and resources held now."""
+        """Both parts' records and counters since the last call, with the
+        leases and resources held now; None if nothing happened and what is
+        held is what the last stats said (an engine that steps with its
+        transfers under way reports its gauges as they move, e.g. a push
+        held by the decode until no write of it can land)."""
         records, totals = self._book.take_stats()
         pushes: tuple[PushRecord, ...] = ()
         if self._producer is not None:
@@ -301,9 +307,11 @@ class RdmaWorker:
                                          push=totals.push + self._producer.take_push_counters())
         if self._consumer is not None and self._consumer.pushes is not None:
             totals = dataclasses.replace(totals, push=totals.push + self._consumer.pushes.take_counters())
-        if not records and not pushes and not totals.events():
+        held = (len(self.leases), self.resources())
+        if not records and not pushes and not totals.events() and held == self._reported:
             return None
-        return WorkerStats(records, totals, len(self.leases), self.resources(), pushes)
+        self._reported = held
+        return WorkerStats(records, totals, held[0], held[1], pushes)
 
     def resources(self) -> dict[str, int]:
         """What this worker holds now (leak checks): loads in flight, peers
