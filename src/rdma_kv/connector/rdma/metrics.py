@@ -327,7 +327,8 @@ class PrometheusMetrics:
         self.pushes = make(counter_cls, "pushes", "rdma-kv: pushes a producer resolved (mode push), by outcome "
                            "(done, failed, aborted, refused)", ["outcome"])
         self.push_written_bytes = make(counter_cls, "push_written_bytes", "rdma-kv: bytes a producer wrote into "
-                                       "decodes' KV caches by pushes that completed (mode push)")
+                                       "decodes' KV caches by write batches that completed, also of pushes the decode "
+                                       "then aborted (mode push)")
         self.push_overlapped_bytes = make(counter_cls, "push_overlapped_bytes", "rdma-kv: of "
                                           "rdma_kv_push_written_bytes_total, bytes written while the prefill's "
                                           "forward pass ran (layer-wise writes, concurrent dispatch)")

@@ -261,7 +261,7 @@ class PushWriter(ConcurrentDispatch):
                 # fails against the dead endpoint). A newer introduction is kept.
                 if self._decodes.get(entry.decode.key) is entry.decode:
                     del self._decodes[entry.decode.key]
-            if entry.state is DONE:
+            if failure is None and xfer is not None:  # remotely complete, whatever the decode then wanted
                 self._counts.add("written_bytes", entry.nbytes)
                 self._counts.add("overlapped_bytes", entry.overlapped_nbytes)
             self._record(entry)

@@ -337,7 +337,9 @@ class Pushes:
             handle._done, handle.error, handle._finished_at = True, error, time.perf_counter()
             self._running.pop(handle.token, None)
             callbacks, handle._callbacks = handle._callbacks, []
-            self._counts.add("loads_done" if error is None else "loads_aborted" if handle.aborting else "loads_failed")
+            # The load's outcome: once the decode aborted it, however the push
+            # resolved (its notification may overtake the producer's ABORTED).
+            self._counts.add("loads_aborted" if handle.aborting else "loads_done" if error is None else "loads_failed")
         for fn in callbacks:
             try:
                 fn(handle)
