@@ -4,6 +4,8 @@ refusals, and no namespace left behind when building a link fails."""
 from __future__ import annotations
 
 import os
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -77,3 +79,68 @@ def test_link_counts_bytes_and_goes_down_and_up():
         link.unthrottle(0)
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20).stdout
     assert link.ns[0] not in names and link.ns[1] not in names
+
+
+def test_host_end_reaches_the_namespace_and_leaves_nothing_behind():
+    """``host_end=True``: the pair's second end is here, so this process
+    talks to a server inside the first namespace at its address; closing
+    takes the end out here away at once."""
+    why = netns.unavailable()
+    if why:
+        pytest.skip(why)
+    serve = ("import socket, sys; s = socket.socket(); s.bind(('0.0.0.0', 0)); s.listen(); "
+             "print(s.getsockname()[1], flush=True); c, _ = s.accept(); c.sendall(b'inside'); c.close()")
+    with netns.VethLink(f"rh{os.getpid() % 10**6}", "10.213.9", host_end=True) as link:
+        assert link.ns[1] is None
+        here = subprocess.run(["ip", "-br", "addr", "show", link.dev[1]], capture_output=True, text=True,
+                              timeout=20).stdout
+        assert link.addr[1] in here, here
+        server = subprocess.Popen(["ip", "netns", "exec", link.ns[0], sys.executable, "-c", serve],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            port = int(server.stdout.readline())
+            with socket.create_connection((link.addr[0], port), timeout=10) as conn:
+                conn.settimeout(10)
+                assert conn.recv(16) == b"inside"
+        finally:
+            server.kill()
+            server.wait(10)
+    left = subprocess.run(["ip", "-br", "link", "show"], capture_output=True, text=True, timeout=20).stdout
+    assert link.dev[1] not in left, left
+
+
+def test_a_throttle_lets_exempt_ports_pass_on_their_own_class():
+    """``throttle(..., exempt_ports=...)``: TCP segments from those ports
+    leave by the unlimited class, everything else by the limited one (read
+    off the classes' byte counters, not timed)."""
+    why = netns.unavailable()
+    if why:
+        pytest.skip(why)
+    serve = ("import socket, threading\n"
+             "def one(s):\n"
+             "    c, _ = s.accept(); c.sendall(b'x' * 50000); c.close()\n"
+             "socks = [socket.socket() for _ in range(2)]\n"
+             "for s in socks: s.bind(('0.0.0.0', 0)); s.listen()\n"
+             "print(*[s.getsockname()[1] for s in socks], flush=True)\n"
+             "for t in [threading.Thread(target=one, args=(s,)) for s in socks]: t.start(); t.join()\n")
+    with netns.VethLink(f"rc{os.getpid() % 10**6}", "10.213.9", host_end=True) as link:
+        server = subprocess.Popen(["ip", "netns", "exec", link.ns[0], sys.executable, "-c", serve],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            exempt, limited = map(int, server.stdout.readline().split())
+            link.throttle(0, 2, exempt_ports=(exempt,))
+            for port in (exempt, limited):
+                with socket.create_connection((link.addr[0], port), timeout=10) as conn:
+                    conn.settimeout(20)
+                    got = 0
+                    while chunk := conn.recv(65536):
+                        got += len(chunk)
+                    assert got == 50000
+            out = subprocess.run(["tc", "-n", link.ns[0], "-s", "class", "show", "dev", link.dev[0]],
+                                 capture_output=True, text=True, timeout=20, check=True).stdout
+            # tc here has no JSON for classes: "class htb 1:10 root ...\n Sent 50330 bytes ..."
+            sent = {m[1]: int(m[2]) for m in re.finditer(r"class htb (\S+) .*\n Sent (\d+) bytes", out)}
+            assert sent["1:10"] >= 50000 and 50000 <= sent["1:20"] < 2 * 50000, sent
+        finally:
+            server.kill()
+            server.wait(10)

@@ -142,13 +142,16 @@ class _Child:
 
 
 class ApiServer(_Child):
-    """vLLM's OpenAI server for the tiny model on 127.0.0.1."""
+    """vLLM's OpenAI server for the tiny model on 127.0.0.1, or, with
+    ``netns``, inside that network namespace (``ip netns exec``) on
+    ``host``, an address of the namespace this process reaches (a
+    ``VethLink(host_end=True)``'s first end)."""
 
     def __init__(self, name: str, model_dir: str, log_dir: Path, *,
                  kv_transfer_config: Mapping[str, Any] | None = None,
                  env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (),
-                 port: int | None = None) -> None:
-        self.name, self.port = name, port or free_port()
+                 port: int | None = None, netns: str | None = None, host: str = "127.0.0.1") -> None:
+        self.name, self.port, self.host = name, port or free_port(), host
         self.log_path = Path(log_dir) / f"{name}.log"
         child_env = {**os.environ, **vllm_env(multiprocessing=True), "UCX_NET_DEVICES": "lo",
                      "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -156,7 +159,7 @@ class ApiServer(_Child):
             child_env.pop(key, None)
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", model_dir, "--served-model-name", SERVED_MODEL,
-                "--host", "127.0.0.1", "--port", str(self.port),
+                "--host", host, "--port", str(self.port),
                 "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
                 "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16",
                 "--max-num-batched-tokens", str(4 * MAX_MODEL_LEN),
@@ -165,11 +168,13 @@ class ApiServer(_Child):
                 "--disable-uvicorn-access-log", *extra_args]
         if kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
+        if netns is not None:
+            argv = ["ip", "netns", "exec", netns, *argv]  # execs argv: the pid (and group) stay the server's
         self._spawn(argv, child_env)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
 
 class Router(_Child):

@@ -118,7 +118,7 @@ class Leg:
     def __init__(self, server: ApiServer, prompt: str, request_id: str, params: dict[str, Any], *,
                  max_tokens: int = MAX_TOKENS, stream: bool = False) -> None:
         self.stream = stream
-        self.conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
+        self.conn = http.client.HTTPConnection(server.host, server.port, timeout=300)
         body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                 "ignore_eos": True, "stream": stream, "kv_transfer_params": params}
         self.conn.request("POST", "/v1/completions", body=json.dumps(body),

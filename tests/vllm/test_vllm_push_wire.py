@@ -1,0 +1,210 @@
+"""Push in real vLLM with the writes *on the wire* when the fault hits.
+
+On loopback a tiny model's push is written within a millisecond, so the
+other push tests break it before anything is posted. Here the producer is a
+host of its own: a vLLM server inside a network namespace, joined to this
+one by a veth pair (10.213.11.1 there, 10.213.11.2 here: addresses of the
+test's own, nowhere else), UCX over TCP on the pair only (``ucx_options``
+``TLS=tcp``, ``NET_DEVICES`` the pair's end), the decode a vLLM server out
+here. The producer's end is throttled (htb, ``RATE_MBIT``) while a push is
+under way, all but its side channel and HTTP API (a deployment's control
+path, which must not queue behind the data), so a 192 KiB push takes seconds to cross, and the pair's byte
+counters show that it is crossing when the test breaks it.
+
+- ``test_decode_aborted_mid_write_keeps_its_blocks_until_the_writes_end``:
+  the decode's client hangs up while the writes cross. vLLM aborts the
+  request; the decode asks the producer to abort, and holds the push (and
+  with it the request's blocks) for as long as bytes of it still cross; the
+  producer resolves it ABORTED once its posted writes completed, having
+  written no more. Then both hold nothing, and the next push equals plain.
+- ``test_producer_killed_mid_write_recomputes``: the producer is SIGKILLed
+  while the writes cross. The decode's next query meets a refused
+  connection: a load error at once (not a lease or write deadline), the
+  decode drops its endpoints to the dead producer before the blocks go back
+  (with TCP it is the decode's own worker that would apply bytes still in
+  its socket), recomputes, and the completion equals plain.
+
+Needs root and iproute2 (skips otherwise), as ``tests/faults/test_netns.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM not installed (scripts/install-vllm.sh)")
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from serve_proc import ApiServer, complete, metric, wait_for  # noqa: E402
+from test_vllm_push import Leg, counts, step_reports  # noqa: E402
+from test_vllm_router import MAX_TOKENS, START_S, rdma_config  # noqa: E402
+from tiny_model import build_tiny_llama  # noqa: E402
+
+from rdma_kv.harness import netns  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.timeout(900)]
+
+SUBNET = "10.213.11"
+RATE_MBIT = 0.4
+"""The producer's end while a push crosses: 50 KB/s, so the long prompt's
+192 KiB take about four seconds (under ``read_timeout_s``)."""
+LONG = " ".join(["whether tis nobler in the mind to suffer the slings and arrows"] * 16)[:-7]
+"""191 words: 192 tokens with BOS, six blocks of 32 (2 layers x 16 KiB each)."""
+SHORT = " ".join(["to be or not to be that is the question"] * 7)
+PUSH_BYTES = 6 * 2 * (16 << 10)
+"""LONG's push: six blocks, two layers of 16 KiB each."""
+ON_THE_WIRE = 64 << 10
+"""Bytes past the throttle's burst (32 KiB) that show writes are crossing."""
+FAIL_BOUND_S = 60.0
+"""The killed producer's load must fail and recompute well within the push's
+deadlines (``read_timeout_s`` 30 here) plus the decode's own compute."""
+
+
+def wire_config(role: str, link: netns.VethLink, side: int) -> dict[str, Any]:
+    return rdma_config(role, mode="push", side_channel_host=link.addr[side], allow_unauthenticated=True,
+                       ucx_options={"TLS": "tcp", "NET_DEVICES": link.dev[side]},
+                       read_timeout_s=30.0, rpc_timeout_s=10.0)
+
+
+@pytest.fixture(scope="module")
+def wire(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The pair, the producer in its namespace, the decode out here; one
+    good push of a short prompt first, unthrottled, so the connections
+    (side channel, PUSH_HELLO, UCX endpoints over the pair) are up."""
+    why = netns.unavailable()
+    if why:
+        pytest.skip(f"push on the wire needs network namespaces: {why}")
+    model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    log_dir = tmp_path_factory.mktemp("push-wire-logs")
+    with netns.VethLink(f"rw{os.getpid() % 10**6}", SUBNET, host_end=True) as link:
+        p = ApiServer("prefill-push-wire", model_dir, log_dir, netns=link.ns[0], host=link.addr[0],
+                      kv_transfer_config=wire_config("kv_producer", link, 0))
+        d = ApiServer("decode-push-wire", model_dir, log_dir, kv_transfer_config=wire_config("kv_consumer", link, 1))
+        try:
+            for s in (p, d):
+                s.wait_healthy(START_S)
+            reference = {prompt: plain_text(d, prompt) for prompt in (SHORT, LONG)}
+            assert push(p, d, SHORT)["text"] == reference[SHORT]
+            yield {"link": link, "p": p, "d": d, "reference": reference}
+        finally:
+            for s in (p, d):
+                s.close()
+
+
+def plain_text(d: ApiServer, prompt: str) -> str:
+    """The decode computing ``prompt`` itself (no params: no transfer)."""
+    out = complete(d.url, prompt, max_tokens=MAX_TOKENS)
+    assert out["status"] == 200, out
+    return str(out["text"])
+
+
+def push(p: ApiServer, d: ApiServer, prompt: str) -> dict[str, Any]:
+    """A sequential push: the prefill leg, then the decode leg with its params."""
+    out = complete(p.url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    assert out["status"] == 200 and out["kv_transfer_params"], out
+    out = complete(d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=out["kv_transfer_params"])
+    assert out["status"] == 200, out
+    return out
+
+
+def start_crossing(link: netns.VethLink, p: ApiServer, d: ApiServer, *, stream: bool) -> tuple[Leg, int]:
+    """Throttle the producer's end, run LONG's prefill leg, send its decode
+    leg, and return once the push's writes are crossing the pair: the leg,
+    and the producer end's byte count when the throttle went on."""
+    out = complete(p.url, LONG, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    assert out["status"] == 200 and out["kv_transfer_params"], out
+    # The side channel and the HTTP API cross unthrottled: as a deployment's
+    # control path, they must not queue behind the data (an abort waits for
+    # the PUSH's answer).
+    link.throttle(0, RATE_MBIT, exempt_ports=(int(out["kv_transfer_params"]["remote_port"]), p.port))
+    sent0 = link.tx_bytes(0)
+    leg = Leg(d, LONG, f"wire-{uuid.uuid4().hex}", out["kv_transfer_params"], stream=stream)
+    wait_for("the push's writes to cross the pair", lambda: link.tx_bytes(0) - sent0 > ON_THE_WIRE, 60,
+             poll_s=0.05)
+    return leg, sent0
+
+
+def settled(p: ApiServer | None, d: ApiServer) -> bool:
+    """Nothing held: the decode's requests, blocks, loads and pushes, and the
+    producer's pushes and leases (``p`` None: a dead producer)."""
+    step_reports(d)
+    idle = (metric(d.url, "vllm:num_requests_running") == 0 and metric(d.url, "vllm:kv_cache_usage_perc") == 0
+            and metric(d.url, "rdma_kv_resource", resource="inflight_loads") == 0
+            and metric(d.url, "rdma_kv_resource", resource="pushes_running") == 0)
+    if p is not None and idle:
+        step_reports(p)
+        idle = (metric(p.url, "rdma_kv_resource", resource="pushes_running") == 0
+                and metric(p.url, "rdma_kv_leases_held") == 0)
+    return idle
+
+
+def test_decode_aborted_mid_write_keeps_its_blocks_until_the_writes_end(wire: dict[str, Any]) -> None:
+    link, p, d, reference = wire["link"], wire["p"], wire["d"], wire["reference"]
+    before = counts(p, d)
+    try:
+        leg, sent0 = start_crossing(link, p, d, stream=True)
+        leg.hang_up()
+        hung_up = link.tx_bytes(0)
+        # The decode holds the push (and the request's blocks) while its bytes still cross ...
+        held_while_crossing, deadline = False, time.monotonic() + 120
+        while True:
+            step_reports(d)  # the gauge as of this step
+            running = metric(d.url, "rdma_kv_resource", resource="pushes_running")
+            crossed = link.tx_bytes(0)
+            if running == 0:
+                break
+            held_while_crossing |= crossed - hung_up > 4096  # more than side-channel chatter
+            assert time.monotonic() < deadline, "the decode held the aborted push for 120 s"
+            time.sleep(0.25)
+        # ... and once it let the push go, nothing more of it crosses.
+        time.sleep(2.0)
+        after = link.tx_bytes(0) - crossed
+        assert after < 16 << 10, f"{after} bytes crossed after the decode let the aborted push go"
+        assert crossed - sent0 < 4 << 20, "more crossed than the push could hold"
+    finally:
+        link.unthrottle(0)
+
+    def producer_aborted() -> bool:
+        step_reports(p)
+        return counts(p, d, before)["aborted"] >= 1
+
+    wait_for("the producer to resolve the push ABORTED", producer_aborted, 60, poll_s=0.5)
+    grew = counts(p, d, before)
+    assert held_while_crossing >= 1, "the hang-up came after the writes had crossed: nothing was tested"
+    assert grew["aborted"] == 1 and grew["done"] == 0 and grew["failed"] == 0, grew
+    assert grew["written"] == PUSH_BYTES, grew  # posted before the abort: they crossed, and count
+    assert grew["pushed_aborted"] == 1 and grew["pushed_failed"] == 0 and grew["pushed_ok"] == 0, grew
+    wait_for("both engines to hold nothing", lambda: settled(p, d), 60, poll_s=0.5)
+    assert push(p, d, LONG)["text"] == reference[LONG]
+    wait_for("both engines to hold nothing after the next push", lambda: settled(p, d), 60, poll_s=0.5)
+
+
+def test_producer_killed_mid_write_recomputes(wire: dict[str, Any]) -> None:
+    """Last in the module: it kills the producer."""
+    link, p, d, reference = wire["link"], wire["p"], wire["d"], wire["reference"]
+    before = counts(None, d)
+    try:
+        leg, _ = start_crossing(link, p, d, stream=False)
+        killed_at = time.monotonic()
+        p.kill()
+        answer = leg.result(FAIL_BOUND_S + 60)
+    finally:
+        link.unthrottle(0)
+    took = time.monotonic() - killed_at
+    assert answer["status"] == 200 and answer["text"] == reference[LONG], answer
+    grew = counts(None, d, before)
+    assert grew["pushed_failed"] == 1 and grew["loads_failed"] == 1 and grew["pushed_ok"] == 0, grew
+    assert grew["producer_gone"] == 1, (grew, d.log()[-3000:])
+    assert took < FAIL_BOUND_S, f"the load failed {took:.1f} s after the kill"
+    wait_for("the decode to hold nothing", lambda: settled(None, d), 60, poll_s=0.5)
+    assert plain_text(d, SHORT) == reference[SHORT]
