@@ -38,6 +38,10 @@ class FakeTransfer:
         self._lock = threading.Lock()
 
     @property
+    def started(self):
+        return self._started
+
+    @property
     def elapsed_s(self):
         return (self._finished or time.perf_counter()) - self._started
 

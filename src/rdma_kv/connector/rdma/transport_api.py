@@ -44,7 +44,12 @@ class TransferHandle(Protocol):
     def post_s(self) -> float: ...
 
     @property
-    def elapsed_s(self) -> float: ...
+    def started(self) -> float:
+        """``time.perf_counter()`` at the post call."""
+
+    @property
+    def elapsed_s(self) -> float:
+        """From ``started`` to completion (to now while running)."""
 
     def done(self) -> bool: ...
 

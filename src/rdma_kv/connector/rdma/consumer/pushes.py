@@ -107,6 +107,10 @@ class PushHandle:
     _callbacks: list[Callable[[Any], None]] = dataclasses.field(default_factory=list)
 
     @property
+    def started(self) -> float:
+        return self.sent_at
+
+    @property
     def elapsed_s(self) -> float:
         return (self._finished_at or time.perf_counter()) - self.sent_at
 
