@@ -127,6 +127,7 @@ class FakeTransport:
         self.peers = {}
         self.closed = False
         self.inbox = []  # notifications received (push mode)
+        self.settles = 0  # settle() calls
 
     def register(self, obj, *, memory_type=None):
         base, nbytes = obj
@@ -231,6 +232,10 @@ class FakeTransport:
     def get_notifications(self):
         out, self.inbox[:] = list(self.inbox), []
         return out
+
+    def settle(self):
+        """Transfers resolve on the fabric's own schedule: only counted here."""
+        self.settles += 1
 
     def close(self):
         self.closed = True

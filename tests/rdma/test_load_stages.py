@@ -12,7 +12,7 @@ import time
 import pytest
 from fakes import FakeFabric
 from netutil import free_base_port
-from rdma_testutil import prefill_then_decode
+from rdma_testutil import prefill_then_decode, wait_until
 
 from rdma_kv.connector import KVTransferConfig
 from rdma_kv.connector.rdma.stats import LoadRecord, WorkerStats
@@ -93,6 +93,41 @@ def test_start_runs_from_the_bound_metadata_through_the_forward_pass(rng):
         check_stages(records, 2)
         for rec in records:
             assert rec.start_s >= SlowForward.FORWARD_S, rec
+    finally:
+        P.shutdown()
+        D.shutdown()
+
+
+def test_get_finished_settles_completed_reads_on_the_engine_thread(rng):
+    """While a load is in flight, every ``get_finished`` asks the transport to
+    settle what completed (on the engine's thread, not only the transport's
+    service thread); with nothing in flight it does not."""
+    fabric = FakeFabric()
+    kw = {"transport_factory": fabric.factory}
+    P = Engine(config("kv_producer", "P"), SHAPE, connector_kwargs=kw)
+    D = Engine(config("kv_consumer", "D"), SHAPE, connector_kwargs=kw)
+    try:
+        reader = fabric.agents[D.worker.worker.agent_name]
+        prefill_then_decode(P, D, prompts(rng, 1))
+        idle = reader.settles
+        D.step()
+        assert reader.settles == idle, "settled with no load in flight"
+        fabric.hold = True  # reads stay in flight until released
+        more = {f"h{rid}": p for rid, p in prompts(rng, 1).items()}
+        for rid, prompt in more.items():
+            P.add_request(rid, prompt, {"do_remote_decode": True})
+        P.run(until=lambda: all(P.results.get(r) and P.results[r].status.value == "finished" for r in more))
+        for rid, prompt in more.items():
+            D.add_request(rid, prompt, P.results[rid].kv_transfer_params)
+        wait_until(lambda: bool(fabric.pending), step=lambda: (P.step(), D.step()), what="the read posted")
+        before = reader.settles
+        for _ in range(3):
+            D.step()
+        assert reader.settles >= before + 3
+        fabric.hold = False
+        fabric.release_all()
+        wait_until(lambda: all(D.results[r].status.value == "finished" for r in more),
+                   step=lambda: (P.step(), D.step()), what="the held load")
     finally:
         P.shutdown()
         D.shutdown()

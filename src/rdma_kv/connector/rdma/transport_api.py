@@ -114,6 +114,10 @@ class Transport(Protocol):
     def get_notifications(self) -> list[Any]:
         """Notifications received since the last call (``.payload``: bytes)."""
 
+    def settle(self) -> None:
+        """Settle, on the caller's thread, the transfers that have completed
+        (their done callbacks run here); cheap when none did, nothing once closed."""
+
     def close(self) -> None: ...
 
 

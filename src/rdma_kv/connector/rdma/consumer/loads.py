@@ -357,6 +357,14 @@ class RdmaConsumer:
         and sends the renewals due."""
         if self.pushes is not None:
             self.pushes.poll()
+        elif self._book.loads:
+            # Reads that completed since the last step are settled here, on
+            # the engine's thread: their CONFIRM goes out now, and the load
+            # can be reported in this call, rather than after the transport's
+            # service thread wakes and wins the interpreter lock from an
+            # engine stepping back to back (docs/benchmarks.md, "Connector
+            # overhead per stage"). Not under the lock: callbacks take it.
+            self._local.transport.settle()
         now = self._clock()
         with self._lock:
             for load in list(self._book.loads.values()):
