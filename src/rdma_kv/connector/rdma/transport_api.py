@@ -53,6 +53,10 @@ class TransferHandle(Protocol):
 
     def done(self) -> bool: ...
 
+    def wait(self, timeout_s: float | None = None) -> Any:
+        """Block until completion (done callbacks may run on this thread); raise
+        the failure, or ``TimeoutError`` once ``timeout_s`` passed (it goes on)."""
+
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         """Call ``fn(handle)`` once on completion or failure (from any thread), or now."""
 

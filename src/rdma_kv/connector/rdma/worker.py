@@ -110,6 +110,7 @@ class RdmaWorker:
         self._registration = 1
         self._asleep = False
         self._bound_at: float | None = None
+        self._idle_step = False  # the step being run computes nothing (``RdmaConnectorMetadata.idle``)
         """``perf_counter()`` when the step's metadata was bound (``bind``): where its loads' stages start."""
 
     def _new_consumer(self, local: LocalKV) -> RdmaConsumer:
@@ -263,6 +264,7 @@ class RdmaWorker:
     def on_step(self, meta: RdmaConnectorMetadata) -> None:
         """Apply one step's metadata. Never raises: failures become load errors."""
         seen, self._bound_at = self._bound_at, None
+        self._idle_step = meta.idle
         if self._closed:
             return
         if self._producer is not None:
@@ -284,9 +286,12 @@ class RdmaWorker:
     # --- get_finished ---------------------------------------------------------------------------------------
 
     def get_finished(self) -> tuple[set[RequestId], set[RequestId]]:
+        idle, self._idle_step = self._idle_step, False
         sending = self._producer.take_done() if self._producer is not None else set()
         if self._consumer is None:
             return sending, set()
+        if idle and self._settings.idle_wait_s > 0:
+            self._consumer.wait_idle(self._settings.idle_wait_s)
         aborted, recving = self._consumer.get_finished()
         return sending | aborted, recving
 

@@ -380,6 +380,35 @@ class RdmaConsumer:
         self._failure_warnings.flush(now)
         return finished
 
+    def wait_idle(self, timeout_s: float) -> None:
+        """An idle step (nothing computes in it): wait, at most ``timeout_s``,
+        until a load in flight is finished -- first on its reads, on this
+        thread (``wait``: it copies for a lane whose pump has no CPU yet,
+        and settles the read here, which queues its CONFIRM), then on its
+        CONFIRM -- so that the ``get_finished`` that follows reports it.
+        Returns at once when nothing is reading or confirming (handshakes
+        are not waited for). Pull mode only. Never raises."""
+        if self.pushes is not None:
+            return
+        end = time.perf_counter() + timeout_s
+        while True:
+            with self._lock:
+                if self._book.num_unreported:
+                    return
+                active = [ld for ld in self._book.loads.values() if ld.stage in (READING, CONFIRMING)]
+                reading = [src.transfer for ld in active for src in ld.sources
+                           if src.stage is SourceStage.READING and src.transfer is not None]
+            left = end - time.perf_counter()
+            if not active or left <= 0:
+                return
+            if reading:
+                try:
+                    reading[0].wait(left)
+                except Exception:  # failed (its callback fails the load) or not done in time
+                    pass
+            elif not self._book.wait_finished(left):
+                return
+
     def _addresses_in_use(self) -> set[tuple[str, int]]:
         with self._lock:
             return self.peers.addresses() | {ld.spec.peer.rank_address(src.read.rank)

@@ -139,10 +139,17 @@ class LoadBook:
         self._load_errors: set[BlockId] = set()
         self._stats = LoadStats()
         self.counters = Tally(ConsumerCounters)
+        self._has_finished = threading.Event()  # set while a finished load waits for ``report``
 
     def finish(self, load: LoadState) -> None:
         """``load`` is DONE or FAILED: the next :meth:`report` names it."""
         self._finished.append(load)
+        self._has_finished.set()
+
+    def wait_finished(self, timeout_s: float) -> bool:
+        """Block (without the lock) until a load is finished and not yet
+        reported, at most ``timeout_s``; whether one is."""
+        return self._has_finished.wait(timeout_s)
 
     def hand_back(self, rid: RequestId) -> None:
         """An aborted request's blocks go back to the scheduler at the next
@@ -151,6 +158,8 @@ class LoadBook:
         load = self.loads.pop(rid, None)
         if load is not None:
             self._finished = [ld for ld in self._finished if ld is not load]
+            if not self._finished:
+                self._has_finished.clear()
         self._handed_back.add(rid)
 
     def report(self) -> tuple[set[RequestId], set[RequestId]]:
@@ -171,6 +180,7 @@ class LoadBook:
             self._stats.record(rid, measures, ok=load.stage is LoadStage.DONE, total_s=now - load.seen,
                                error=load.error)
         self._finished = []
+        self._has_finished.clear()
         sending, self._handed_back = self._handed_back, set()
         return sending, recving
 
