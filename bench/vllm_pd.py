@@ -28,7 +28,10 @@ run. Reported, per connector (medians over the warm repetitions):
   per-load records (``tests/vllm/connector_trace.py``): queued ->
   admitted (``get_num_new_matched_tokens``), admitted -> the load's
   records (handshake, plan, post, transfer, confirm, and what is left of
-  the load's total: waiting to be posted or polled), reported
+  the load's total: waiting to be posted or polled; and the load's three
+  stages end to end: start, from the step's metadata bound to its first
+  read posted, the forward pass between them included, transfer, and
+  finish, from the last read to ``get_finished`` reporting it), reported
   (``finished_recving``) -> first token, first -> last token. Medians over
   the batch's requests.
 
@@ -123,7 +126,7 @@ def run_connector(name: str, model_dir: str, log_dir: Path, reps: int, max_token
 
 
 PHASES = ("queued_to_admitted", "handshake", "plan", "post", "transfer", "confirm", "load_other",
-          "load_total", "reported_to_first_token", "first_to_last_token", "steps_while_loading")
+          "start", "finish", "load_total", "reported_to_first_token", "first_to_last_token", "steps_while_loading")
 
 
 def breakdown(dec: dict[str, Any]) -> dict[str, float | None]:
@@ -148,6 +151,9 @@ def breakdown(dec: dict[str, Any]) -> dict[str, float | None]:
             if value is not None:
                 per[name].append(value)
                 parts += value
+        for name in ("start", "finish"):  # stages that contain the parts above: not summed
+            if rec.get(f"{name}_s") is not None:
+                per[name].append(rec[f"{name}_s"])
         if rec.get("total_s") is not None:
             per["load_total"].append(rec["total_s"])
             per["load_other"].append(rec["total_s"] - parts)

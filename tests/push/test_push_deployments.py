@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from fakes import FakeFabric
 from netutil import free_base_port
-from rdma_testutil import wait_until
+from rdma_testutil import prefill_then_decode, wait_until
 
 from rdma_kv.connector import KVTransferConfig
 from rdma_kv.harness.engine import Engine, ModelShape
@@ -42,16 +42,7 @@ def test_heterogeneous_tp_every_head_is_written_bit_exact(rng, p_tp, d_tp, heads
             D.step()
 
         prompts = {f"r{i}": rng.integers(1, 999, int(rng.integers(5, 30))).tolist() for i in range(6)}
-        for rid, prompt in prompts.items():
-            P.add_request(rid, prompt, {"do_remote_decode": True})
-        wait_until(lambda: all(P.results.get(r) and P.results[r].status.value == "finished" for r in prompts),
-                   step=pump, what="prefills")
-        for rid, prompt in prompts.items():
-            D.add_request(rid, prompt, P.results[rid].kv_transfer_params)
-        wait_until(lambda: all(D.results.get(r) and D.results[r].status.value in ("finished", "failed")
-                               for r in prompts), step=pump, what="decodes")
-        for rid in prompts:
-            r = D.results[rid]
+        for rid, r in prefill_then_decode(P, D, prompts).items():
             assert r.status.value == "finished" and not r.load_failed, (rid, r.error)
             assert r.external_tokens and r.bad_blocks == [], rid
         assert fabric.writes > 0 and fabric.reads == 0, "push mode read, or wrote nothing"

@@ -36,6 +36,11 @@ class FakeTransfer:
         self._finished = None
         self._callbacks = []
         self._lock = threading.Lock()
+        self._resolved = threading.Event()
+
+    @property
+    def started(self):
+        return self._started
 
     @property
     def elapsed_s(self):
@@ -43,6 +48,13 @@ class FakeTransfer:
 
     def done(self):
         return self._finished is not None
+
+    def wait(self, timeout_s=None):
+        if not self._resolved.wait(timeout_s):
+            raise TimeoutError(f"fake transfer not resolved after {timeout_s} s")
+        if self.error is not None:
+            raise self.error
+        return self
 
     def add_done_callback(self, fn):
         with self._lock:
@@ -62,6 +74,7 @@ class FakeTransfer:
             self.error = error
             self._finished = time.perf_counter()
             callbacks, self._callbacks = self._callbacks, []
+            self._resolved.set()
         if error is None and getattr(self, "notify", None) is not None:
             self.notify()  # a write's notification: after its data landed, as UCX's flush then send
         for fn in callbacks:
@@ -123,6 +136,7 @@ class FakeTransport:
         self.peers = {}
         self.closed = False
         self.inbox = []  # notifications received (push mode)
+        self.settles = 0  # settle() calls
 
     def register(self, obj, *, memory_type=None):
         base, nbytes = obj
@@ -227,6 +241,10 @@ class FakeTransport:
     def get_notifications(self):
         out, self.inbox[:] = list(self.inbox), []
         return out
+
+    def settle(self):
+        """Transfers resolve on the fabric's own schedule: only counted here."""
+        self.settles += 1
 
     def close(self):
         self.closed = True

@@ -1,4 +1,5 @@
-"""Helpers for the RDMA connector tests: a bounded wait, and side-channel
+"""Helpers for the RDMA connector tests: a bounded wait, prefills then their
+loads through two harness engines, and side-channel
 frames built and taken apart by hand (4-byte big-endian length, then the
 body), independently of ``framing.send_frame`` / ``recv_frame``."""
 
@@ -19,6 +20,25 @@ def wait_until(predicate, timeout_s=10.0, step=None, what="condition"):
         if step is not None:
             step()
         time.sleep(0.001)
+
+
+def prefill_then_decode(P, D, prompts, timeout_s=10.0):
+    """Prefill ``prompts`` ({request id: token ids}) on engine ``P``, then
+    hand each one's params to engine ``D``; step both until every decode
+    finished or failed. Returns ``D``'s results of these requests."""
+    def pump():
+        P.step()
+        D.step()
+
+    for rid, prompt in prompts.items():
+        P.add_request(rid, prompt, {"do_remote_decode": True})
+    wait_until(lambda: all(P.results.get(r) and P.results[r].status.value == "finished" for r in prompts),
+               timeout_s, step=pump, what="prefills")
+    for rid, prompt in prompts.items():
+        D.add_request(rid, prompt, P.results[rid].kv_transfer_params)
+    wait_until(lambda: all(D.results.get(r) and D.results[r].status.value in ("finished", "failed")
+                           for r in prompts), timeout_s, step=pump, what="decodes")
+    return {rid: D.results[rid] for rid in prompts}
 
 
 def frame(message):

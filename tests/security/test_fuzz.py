@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from rdma_testutil import decode_replies, frame, wait_until
 
-from rdma_kv.connector import KVTransferConfig, Request
+from rdma_kv.connector import KVTransferConfig, Request, SchedulerOutput
 from rdma_kv.connector.rdma import auth, framing, wire, wiregeom
 from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress, RdmaConnectorMetadata
 from rdma_kv.connector.rdma.params import PARAM_KEYS, LeaseRef, RemotePrefillParams, parse_kv_transfer_params
@@ -348,7 +348,7 @@ def scheduler_admission(params, num_tokens, computed):
     count, load = scheduler.get_num_new_matched_tokens(request, computed - computed % SHAPE.block_size)
     assert count is None or count >= 0
     scheduler.request_finished(request, [])
-    scheduler.build_connector_meta(None)
+    scheduler.build_connector_meta(SchedulerOutput())
 
 
 test_scheduler_admission, test_scheduler_admission_slow = scheduler_admission

@@ -274,6 +274,30 @@ def test_done_callbacks_run_once(pair: Pair):
     assert calls == [xfer, xfer]
 
 
+@pytest.mark.parametrize("progress", ["thread", "poll"])
+def test_settle_settles_on_the_callers_thread_and_runs_each_callback_once(make_agent, progress):
+    """``settle()`` settles what completed and runs its callbacks on the
+    caller's thread (polling mode: nothing else does, so deterministically;
+    thread mode: whichever of the caller and the service thread settles
+    first, once). Closed: a no-op, not an error."""
+    pair = connect(make_agent, progress=progress)
+    calls: list = []
+    xfer = pair.b.read("a", pair.desc_b([0], 65536), pair.desc_a([0], 65536))
+    xfer.add_done_callback(lambda x: calls.append(threading.current_thread()))
+    end = time.monotonic() + WAIT_S
+    while not calls and time.monotonic() < end:
+        if progress == "poll":
+            pair.a.progress()
+        pair.b.settle()
+    assert len(calls) == 1 and xfer.state is XferState.DONE
+    if progress == "poll":
+        assert calls == [threading.current_thread()]
+    pair.b.settle()  # nothing left: a look at the ring, no second callback
+    assert len(calls) == 1
+    pair.b.close()
+    pair.b.settle()
+
+
 # -- notifications -------------------------------------------------------------------------
 
 

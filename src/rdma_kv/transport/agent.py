@@ -410,6 +410,15 @@ class Agent:
         core.require_open()
         return core.driver.progress()
 
+    def settle(self) -> None:
+        """Settle now, on this thread, the transfers that have completed, and
+        run their callbacks here (``progress="thread"``: without waiting for
+        the service thread's wake-up; polling: one :meth:`progress` round).
+        Cheap when nothing completed; nothing once closed."""
+        core = self._core
+        if not core.inflight.closed:
+            core.driver.settle()
+
     def get_notifications(self) -> list[Notification]:
         """Notifications received since the last call, in arrival order."""
         core = self._core

@@ -129,6 +129,19 @@ class ProgressDriver:
         if self._thread is None:
             self.progress()
 
+    def settle(self) -> None:
+        """Settle on the caller's thread what is finished, and run its
+        callbacks here. Pumped mode: the batches the pumps have published
+        and the service thread has not settled yet -- it is woken through
+        the eventfd and then needs the interpreter lock, which a caller that
+        steps an engine back to back holds most of the time; an unlocked
+        look at the completion ring first, so that nothing finished costs
+        no lock. Polling mode: one progress round."""
+        if self._thread is None:
+            self.progress()
+        elif self._ctx.done_head != self._ctx.done_tail:
+            self.progress_settle()
+
     def progress_once(self, block_s: float) -> None:
         """Polling mode: progress; if idle, sleep on the event fd briefly --
         but with lanes keep polling for ``spin_s`` after the last event while

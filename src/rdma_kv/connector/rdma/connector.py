@@ -135,7 +135,7 @@ class RdmaConnector(KVConnectorBase):
         forward pass, once every ``save_kv_layer`` of the step has run."""
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, RdmaConnectorMetadata):
-            self._worker.begin_layers(connector_metadata.layer_pushes)
+            self._worker.bind(connector_metadata.layer_pushes)
 
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
         """Apply the step's metadata and post reads; returns at once (handshakes

@@ -183,6 +183,9 @@ class RdmaConnectorMetadata(KVConnectorMetadata):
     (GONE to every later call) and report them in ``done_sending``."""
     layer_pushes: tuple[LayerPushSpec, ...] = ()
     """Push mode: the prefills under a transfer id that compute in this step."""
+    idle: bool = False
+    """No request computes in this step (the scheduler scheduled no token):
+    the worker may wait for its loads in ``get_finished`` (``idle_wait_s``)."""
 
 
 @dataclasses.dataclass(frozen=True)

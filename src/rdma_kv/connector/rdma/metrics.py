@@ -76,7 +76,8 @@ COUNT_BUCKETS = tuple(float(4**i) for i in range(11))  # 1 .. ~1M
 HISTOGRAMS: dict[str, tuple[str, Sequence[float]]] = {
     "transfer_seconds": ("reads of one request, post to completion (s)", SECONDS_BUCKETS),
     "post_seconds": ("posting one request's reads (one C call) (s)", SECONDS_BUCKETS),
-    "load_seconds": ("whole load: handshake, reads, confirmation (s)", SECONDS_BUCKETS),
+    "load_seconds": ("whole load, the step's metadata bound to get_finished reporting it: handshake, "
+                     "reads, confirmation (s)", SECONDS_BUCKETS),
     "transfer_gbps": ("throughput of one request's reads (GB/s, 1e9 B/s)", GBPS_BUCKETS),
     "request_bytes": ("bytes read per request (B)", BYTES_BUCKETS),
     "request_descriptors": ("descriptors per request, before merging", COUNT_BUCKETS),

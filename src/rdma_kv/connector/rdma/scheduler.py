@@ -437,6 +437,7 @@ class RdmaScheduler:
             connects=tuple(self._pending_connects),
             reclaims=tuple(self._pending_reclaims),
             layer_pushes=self._push_prefills.step(scheduler_output) if self._producer else (),
+            idle=not any(scheduler_output.num_scheduled_tokens.values()),
         )
         self._pending_sends, self._pending_releases, self._pending_aborts = [], [], []
         self._pending_reclaims = []

@@ -76,6 +76,13 @@ class RdmaSettings:
     rpc_retries: int = 2
     rpc_threads: int = 4
     """Threads for handshakes and lease RPCs (never the engine thread)."""
+    idle_wait_s: float = 0.002
+    """In a step where no request computes (the engine only waits for
+    loads), ``get_finished`` waits at most this long for a load in flight to
+    finish -- on its reads, helping the transport's copy, then on its
+    CONFIRM -- so that this step reports it, rather than returning to an
+    engine that would step again at once and take the CPU and the
+    interpreter lock the copy and the CONFIRM need. 0: never wait."""
     side_channel_max_connections: int = 0
     """Connections a producer rank's side channel keeps open (one per consumer
     rank that reads it, pooled). 0: sized from the process's file-descriptor
@@ -181,6 +188,7 @@ class RdmaSettings:
                            ("renew_interval_s", float), ("lease_max_s", float), ("lease_max_share", float), ("read_timeout_s", float),
                            ("load_timeout_s", float), ("connect_timeout_s", float),
                            ("rpc_timeout_s", float), ("rpc_retries", int), ("rpc_threads", int),
+                           ("idle_wait_s", float),
                            ("side_channel_max_connections", int),
                            ("lanes", int)):
             if name in extra:
@@ -212,6 +220,8 @@ class RdmaSettings:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.renew_interval_s < 0:
             raise ConfigError(f"renew_interval_s must be >= 0, got {self.renew_interval_s}")
+        if not 0 <= self.idle_wait_s <= 1:
+            raise ConfigError(f"idle_wait_s must be in [0, 1] seconds (0: never wait), got {self.idle_wait_s}")
         if self.side_channel_max_connections and self.side_channel_max_connections < 64:
             raise ConfigError(f"side_channel_max_connections must be 0 (sized from the file-descriptor "
                               f"limit) or at least 64 (the budget of connections not yet authenticated), "

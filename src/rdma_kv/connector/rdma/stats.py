@@ -10,7 +10,11 @@ Owns the typed records and the one way to combine them:
   posted, contiguous block runs, handshake / plan / post / transfer /
   confirm / total seconds, outcome. A field is None when the load never
   reached the stage that measures it (a load that failed in its handshake
-  has no ``nbytes``).
+  has no ``nbytes``). Three of them cut a load's whole life end to end:
+  ``start_s`` (the step's metadata bound -> the first read posted),
+  ``transfer_s`` (posted -> completed) and ``finish_s`` (the last read
+  completed -> ``get_finished`` reported it, the CONFIRM round trip
+  included); their sum is at most ``total_s``.
 - :class:`Counters`: one owner's event counters, a frozen record with one
   field per event: :class:`ConsumerCounters` (handshakes, lease RPCs,
   failed and aborted loads) and :class:`LeaseCounters` (the producer's
@@ -62,6 +66,8 @@ class LoadMeasures:
     num_blocks: int | None = None
     block_runs: int | None = None
     plan_s: float | None = None
+    """The connector's planning of a read: slot tables and index math, up to
+    the transport's post call (summed over the load's sources)."""
     post_s: float | None = None
     nbytes: int | None = None
     num_descs: int | None = None
@@ -71,6 +77,14 @@ class LoadMeasures:
     nbytes_skipped: int | None = None
     """Bytes of the prompt's KV not read because a sliding window excludes
     them (hybrid models); 0 when every layer attends to the whole prompt."""
+    start_s: float | None = None
+    """From the worker binding the step's metadata that carries the load to
+    its first ``read_prepared`` call (the engine's forward pass when it runs
+    between the two, the handshake if one was needed, ``plan_s``)."""
+    finish_s: float | None = None
+    """From the load's last read completing to ``get_finished`` reporting it:
+    the completion callback's wake-up, ``confirm_s``, and the wait for the
+    engine's next ``get_finished``."""
 
     def add(self, **values: float) -> LoadMeasures:
         """These measures with the named ones summed into (counts and costs
@@ -107,6 +121,8 @@ class LoadRecord(LoadMeasures):
     request_id: str
     ok: bool
     total_s: float
+    """From the worker binding the step's metadata that carries the load to
+    ``get_finished`` reporting it."""
     error: str | None = None
 
     @classmethod

@@ -44,9 +44,18 @@ class TransferHandle(Protocol):
     def post_s(self) -> float: ...
 
     @property
-    def elapsed_s(self) -> float: ...
+    def started(self) -> float:
+        """``time.perf_counter()`` at the post call."""
+
+    @property
+    def elapsed_s(self) -> float:
+        """From ``started`` to completion (to now while running)."""
 
     def done(self) -> bool: ...
+
+    def wait(self, timeout_s: float | None = None) -> Any:
+        """Block until completion (done callbacks may run on this thread); raise
+        the failure, or ``TimeoutError`` once ``timeout_s`` passed (it goes on)."""
 
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         """Call ``fn(handle)`` once on completion or failure (from any thread), or now."""
@@ -108,6 +117,10 @@ class Transport(Protocol):
 
     def get_notifications(self) -> list[Any]:
         """Notifications received since the last call (``.payload``: bytes)."""
+
+    def settle(self) -> None:
+        """Settle, on the caller's thread, the transfers that have completed
+        (their done callbacks run here); cheap when none did, nothing once closed."""
 
     def close(self) -> None: ...
 

@@ -100,7 +100,7 @@ class RdmaWorker:
         self._consumes = config.is_kv_consumer
         self._consumer: RdmaConsumer | None = None
         """Built at registration (a ``kv_producer`` worker: when first asked to release a lease)."""
-        self._book = LoadBook(clock)
+        self._book = LoadBook()
         self._pool = ClientPool(self._make_client, clock=clock, threads=settings.rpc_threads,
                                 thread_name=f"rdma-kv-rpc-{settings.tp_rank}")
         # What ``leases`` shows on a consumer-only worker: nothing grants into it.
@@ -112,6 +112,9 @@ class RdmaWorker:
         self._reported: tuple[int, dict[str, int]] | None = None
         """The leases held and resources in the last stats returned: gauges are
         sent again whenever they change, not only with an event."""
+        self._bound_at: float | None = None
+        """``perf_counter()`` when the step's metadata was bound (``bind``): where its loads' stages start."""
+        self._idle_step = False  # the step being run computes nothing (``RdmaConnectorMetadata.idle``)
 
     def _new_consumer(self, local: LocalKV) -> RdmaConsumer:
         return RdmaConsumer(local, self._engine_id, self._settings, self._pool, self._book, self._clock,
@@ -234,9 +237,11 @@ class RdmaWorker:
 
     # --- every step: start_load_kv -------------------------------------------------------------
 
-    def begin_layers(self, layer_pushes: Sequence[LayerPushSpec]) -> None:
-        """Before the step's forward pass: its prefill chunks whose layers go
-        out as they are stored (push mode). Never raises."""
+    def bind(self, layer_pushes: Sequence[LayerPushSpec]) -> None:
+        """The step's metadata was bound, before its forward pass: note when
+        (its loads' ``start_s`` runs from here); push mode: start its prefill
+        chunks whose layers go out as they are stored. Never raises."""
+        self._bound_at = time.perf_counter()
         if self._producer is not None and not self._closed:
             try:
                 self._producer.begin_layers(layer_pushes)
@@ -261,6 +266,8 @@ class RdmaWorker:
 
     def on_step(self, meta: RdmaConnectorMetadata) -> None:
         """Apply one step's metadata. Never raises: failures become load errors."""
+        seen, self._bound_at = self._bound_at, None
+        self._idle_step = meta.idle
         if self._closed:
             return
         if self._producer is not None:
@@ -273,7 +280,7 @@ class RdmaWorker:
         if self._consumer is not None:
             for address in meta.connects:  # before the loads: one of them may read from it
                 self._consumer.preconnect(address)
-            self._consumer.on_step(meta.loads, meta.releases, meta.renewals, meta.aborts)
+            self._consumer.on_step(meta.loads, meta.releases, meta.renewals, meta.aborts, seen)
         elif meta.loads or meta.renewals or meta.aborts or meta.releases:
             logger.error("loads, renewals, releases or aborts sent to the worker of %s; ignored",
                          "a producer-only engine" if not self._consumes else
@@ -282,9 +289,12 @@ class RdmaWorker:
     # --- get_finished ---------------------------------------------------------------------------------------
 
     def get_finished(self) -> tuple[set[RequestId], set[RequestId]]:
+        idle, self._idle_step = self._idle_step, False
         sending = self._producer.take_done() if self._producer is not None else set()
         if self._consumer is None:
             return sending, set()
+        if idle and self._settings.idle_wait_s > 0:
+            self._consumer.wait_idle(self._settings.idle_wait_s)
         aborted, recving = self._consumer.get_finished()
         return sending | aborted, recving
 

@@ -89,15 +89,18 @@ class RdmaConsumer:
     # --- every step ------------------------------------------------------------------------------
 
     def on_step(self, loads: Iterable[LoadSpec], releases: Iterable[RemoteLease],
-                renewals: Iterable[RemoteLease], aborts: Iterable[RequestId]) -> None:
-        """Apply the consumer's part of one step's metadata. Never raises."""
+                renewals: Iterable[RemoteLease], aborts: Iterable[RequestId], seen: float | None = None) -> None:
+        """Apply the consumer's part of one step's metadata, bound at ``seen``
+        (``perf_counter()``; None: now). Never raises."""
+        if seen is None:
+            seen = time.perf_counter()
         self.leases.release(t for lease in releases for t in self.leases.targets(lease))
         self.leases.renew(t for lease in renewals for t in self.leases.targets(lease))
         for rid in aborts:
             self._abort(rid)
         for spec in loads:
             try:
-                self._start(spec)
+                self._start(spec, seen)
             except Exception as exc:  # a bug here must not escape into the engine loop
                 logger.exception("request %r: starting its load failed", spec.request_id)
                 with self._lock:
@@ -110,9 +113,9 @@ class RdmaConsumer:
         if self._asleep is None:
             self.peers.preconnect(address)
 
-    def _start(self, spec: LoadSpec) -> None:
+    def _start(self, spec: LoadSpec, seen: float) -> None:
         now = self._clock()
-        load = LoadState(spec, now + self._settings.load_timeout_s, now)
+        load = LoadState(spec, now + self._settings.load_timeout_s, now, seen=seen)
         ready: list[tuple[Source, PeerState, Connection]] = []
         with self._lock:
             if spec.request_id in self._book.loads:
@@ -197,9 +200,9 @@ class RdmaConsumer:
         src.transfer = xfer
         runs, skipped = pairs.runs(local), local.skipped_nbytes(spec.num_skipped_blocks)
         with self._lock:
+            load.posting(xfer.started)
             load.measures = load.measures.with_(num_blocks=pairs.num_blocks).add(
-                block_runs=runs, nbytes_skipped=skipped,
-                plan_s=time.perf_counter() - t0 - xfer.post_s, post_s=xfer.post_s)
+                block_runs=runs, nbytes_skipped=skipped, plan_s=max(0.0, xfer.started - t0), post_s=xfer.post_s)
         xfer.add_done_callback(functools.partial(self._on_read_done, load, src, peer))
 
     def _push(self, load: LoadState, src: Source, peer: PeerState) -> None:
@@ -221,6 +224,8 @@ class RdmaConsumer:
                                  f"failed: {exc}")
             return
         src.transfer = handle
+        with self._lock:
+            load.posting(handle.started)
         handle.add_done_callback(functools.partial(self._on_push_done, load, src))
 
     def _on_push_done(self, load: LoadState, src: Source, handle: PushHandle) -> None:
@@ -236,6 +241,7 @@ class RdmaConsumer:
             load.measures = load.measures.with_(num_blocks=num_blocks).add(
                 nbytes=handle.nbytes if ok else 0, num_descs=handle.num_descs,
                 nbytes_skipped=skipped).at_least(transfer_s=handle.elapsed_s)
+            load.read_done(handle.started + handle.elapsed_s)
             src.resolved = True
             if handle.error is not None:
                 if load.aborted and not load.stage.terminal:
@@ -271,6 +277,7 @@ class RdmaConsumer:
         with self._lock:
             load.measures = load.measures.add(nbytes=xfer.nbytes, num_descs=xfer.num_descs,
                                               ops_posted=xfer.ops_posted).at_least(transfer_s=xfer.elapsed_s)
+            load.read_done(xfer.started + xfer.elapsed_s)
             src.resolved = True
             if failed:
                 self._fail(load, f"reads from {load.spec.peer.engine_id!r} rank {src.read.rank} "
@@ -350,6 +357,14 @@ class RdmaConsumer:
         and sends the renewals due."""
         if self.pushes is not None:
             self.pushes.poll()
+        elif self._book.loads:
+            # Reads that completed since the last step are settled here, on
+            # the engine's thread: their CONFIRM goes out now, and the load
+            # can be reported in this call, rather than after the transport's
+            # service thread wakes and wins the interpreter lock from an
+            # engine stepping back to back (docs/benchmarks.md, "Connector
+            # overhead per stage"). Not under the lock: callbacks take it.
+            self._local.transport.settle()
         now = self._clock()
         with self._lock:
             for load in list(self._book.loads.values()):
@@ -364,6 +379,35 @@ class RdmaConsumer:
         self._pool.prune(self._addresses_in_use, now)
         self._failure_warnings.flush(now)
         return finished
+
+    def wait_idle(self, timeout_s: float) -> None:
+        """An idle step (nothing computes in it): wait, at most ``timeout_s``,
+        until a load in flight is finished -- first on its reads, on this
+        thread (``wait``: it copies for a lane whose pump has no CPU yet,
+        and settles the read here, which queues its CONFIRM), then on its
+        CONFIRM -- so that the ``get_finished`` that follows reports it.
+        Returns at once when nothing is reading or confirming (handshakes
+        are not waited for). Pull mode only. Never raises."""
+        if self.pushes is not None:
+            return
+        end = time.perf_counter() + timeout_s
+        while True:
+            with self._lock:
+                if self._book.num_unreported:
+                    return
+                active = [ld for ld in self._book.loads.values() if ld.stage in (READING, CONFIRMING)]
+                reading = [src.transfer for ld in active for src in ld.sources
+                           if src.stage is SourceStage.READING and src.transfer is not None]
+            left = end - time.perf_counter()
+            if not active or left <= 0:
+                return
+            if reading:
+                try:
+                    reading[0].wait(left)
+                except Exception:  # failed (its callback fails the load) or not done in time
+                    pass
+            elif not self._book.wait_finished(left):
+                return
 
     def _addresses_in_use(self) -> set[tuple[str, int]]:
         with self._lock:

@@ -105,6 +105,11 @@ class PushHandle:
     _done: bool = False
     _finished_at: float | None = None
     _callbacks: list[Callable[[Any], None]] = dataclasses.field(default_factory=list)
+    _resolved: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    @property
+    def started(self) -> float:
+        return self.sent_at
 
     @property
     def elapsed_s(self) -> float:
@@ -112,6 +117,13 @@ class PushHandle:
 
     def done(self) -> bool:
         return self._done
+
+    def wait(self, timeout_s: float | None = None) -> PushHandle:
+        if not self._resolved.wait(timeout_s):
+            raise TimeoutError(f"push {self.token.hex()} not resolved after {timeout_s} s")
+        if self.error is not None:
+            raise self.error
+        return self
 
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         if self._done:
@@ -335,6 +347,7 @@ class Pushes:
             if handle._done:
                 return
             handle._done, handle.error, handle._finished_at = True, error, time.perf_counter()
+            handle._resolved.set()
             self._running.pop(handle.token, None)
             callbacks, handle._callbacks = handle._callbacks, []
             # The load's outcome: once the decode aborted it, however the push

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
-from collections.abc import Callable
+import time
 
 from rdma_kv.connector.rdma.meta import LoadSpec
 from rdma_kv.connector.rdma.stats import ConsumerCounters, LoadMeasures, LoadRecord, LoadStats, Tally, Totals
@@ -87,7 +87,24 @@ class LoadState:
     renewed_at: float | None = None
     confirm_started: float | None = None
     """``perf_counter()`` when the load entered CONFIRMING (its ``confirm_s`` runs from here)."""
+    seen: float = dataclasses.field(default_factory=time.perf_counter)
+    """``perf_counter()`` when the worker bound the step's metadata that carries
+    the load: its stages (``start_s``, ``finish_s``, ``total_s``) run from here."""
+    reads_done_at: float | None = None
+    """``perf_counter()`` when its last read completed (``finish_s`` runs from here)."""
     measures: LoadMeasures = dataclasses.field(default_factory=LoadMeasures)
+
+    def posting(self, started: float) -> None:
+        """A source's reads were posted, the call starting at ``started``
+        (``TransferHandle.started``): the first post ends ``start_s``. Lock held."""
+        start_s = max(0.0, started - self.seen)
+        if self.measures.start_s is None or start_s < self.measures.start_s:
+            self.measures = self.measures.with_(start_s=start_s)
+
+    def read_done(self, done_at: float) -> None:
+        """A source's reads completed at ``done_at`` (``perf_counter()``). Lock held."""
+        if self.reads_done_at is None or done_at > self.reads_done_at:
+            self.reads_done_at = done_at
 
     @property
     def read_resolved(self) -> bool:
@@ -113,9 +130,8 @@ class LoadBook:
     :meth:`finish`, :meth:`hand_back` and :meth:`report` expect :attr:`lock`
     held by the caller; the others take it."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self) -> None:
         self.lock = threading.RLock()
-        self._clock = clock
         self.loads: dict[RequestId, LoadState] = {}
         """Every load not yet reported: running, or finished and waiting for ``report``."""
         self._finished: list[LoadState] = []  # DONE or FAILED, in ``loads`` until reported
@@ -123,10 +139,17 @@ class LoadBook:
         self._load_errors: set[BlockId] = set()
         self._stats = LoadStats()
         self.counters = Tally(ConsumerCounters)
+        self._has_finished = threading.Event()  # set while a finished load waits for ``report``
 
     def finish(self, load: LoadState) -> None:
         """``load`` is DONE or FAILED: the next :meth:`report` names it."""
         self._finished.append(load)
+        self._has_finished.set()
+
+    def wait_finished(self, timeout_s: float) -> bool:
+        """Block (without the lock) until a load is finished and not yet
+        reported, at most ``timeout_s``; whether one is."""
+        return self._has_finished.wait(timeout_s)
 
     def hand_back(self, rid: RequestId) -> None:
         """An aborted request's blocks go back to the scheduler at the next
@@ -135,6 +158,8 @@ class LoadBook:
         load = self.loads.pop(rid, None)
         if load is not None:
             self._finished = [ld for ld in self._finished if ld is not load]
+            if not self._finished:
+                self._has_finished.clear()
         self._handed_back.add(rid)
 
     def report(self) -> tuple[set[RequestId], set[RequestId]]:
@@ -142,16 +167,20 @@ class LoadBook:
         the last call; the failed loads' blocks go to the load errors and every
         finished load to the stats."""
         recving: set[RequestId] = set()
-        now = self._clock()
+        now = time.perf_counter()  # the stages' clock (``LoadState.seen``)
         for load in self._finished:
             rid = load.spec.request_id
             recving.add(rid)
             self.loads.pop(rid, None)
             if load.stage is LoadStage.FAILED:
                 self._load_errors.update(load.spec.all_local_block_ids)
-            self._stats.record(rid, load.measures, ok=load.stage is LoadStage.DONE, total_s=now - load.created,
+            measures = load.measures
+            if load.reads_done_at is not None:
+                measures = measures.with_(finish_s=max(0.0, now - load.reads_done_at))
+            self._stats.record(rid, measures, ok=load.stage is LoadStage.DONE, total_s=now - load.seen,
                                error=load.error)
         self._finished = []
+        self._has_finished.clear()
         sending, self._handed_back = self._handed_back, set()
         return sending, recving
 
