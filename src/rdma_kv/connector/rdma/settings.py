@@ -75,7 +75,9 @@ class RdmaSettings:
     rpc_timeout_s: float = 2.0
     rpc_retries: int = 2
     rpc_threads: int = 4
-    """Threads for handshakes and lease RPCs (never the engine thread)."""
+    """Threads for handshakes and lease RPCs (never the engine thread), and as
+    many again for renewals alone (``consumer.clients``): a RENEW never
+    queues behind a slow call."""
     side_channel_max_connections: int = 0
     """Connections a producer rank's side channel keeps open (one per consumer
     rank that reads it, pooled). 0: sized from the process's file-descriptor
