@@ -344,7 +344,7 @@ def test_a_consumer_that_handshook_is_served_past_the_opening_deadline_on_the_sa
     """Without a secret, a consumer connects ahead of its first load (the
     scheduler's ``connects``): its HANDSHAKE ends the opening, so the
     connection is neither closed at the opening deadline nor logged."""
-    caplog.set_level(logging.INFO, logger=SERVER_LOGGER)
+    caplog.set_level(logging.DEBUG, logger=SERVER_LOGGER)
     with server(opening_deadline_s=0.3, handshake_idle_s=LONG) as srv:
         client = SideChannelClient("127.0.0.1", srv.port, retries=2)
         try:
@@ -365,7 +365,7 @@ def test_a_consumer_that_handshook_is_served_past_the_opening_deadline_on_the_sa
             assert stats.closed_at_deadline == 1 and stats.closed_idle == 0 and stats.trusted == 1
         finally:
             client.close()
-    assert not [r for r in caplog.records if r.levelno >= logging.INFO and "127.0.0.1" in r.getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.DEBUG and "127.0.0.1" in r.getMessage()
                 and "handshook" in r.getMessage()]
 
 
@@ -377,8 +377,8 @@ class RefusingHandshakes(Handler):
 @pytest.mark.parametrize("answered", [True, False], ids=["answered", "refused"])
 def test_a_connection_that_handshook_is_closed_once_idle_and_one_refused_at_the_opening_deadline(answered, caplog):
     """An answered HANDSHAKE ends the opening; the idle bound then closes the
-    connection (counted, logged at INFO). A refused one does not end it."""
-    caplog.set_level(logging.INFO, logger=SERVER_LOGGER)
+    connection (counted, logged at DEBUG). A refused one does not end it."""
+    caplog.set_level(logging.DEBUG, logger=SERVER_LOGGER)
     short, counter = 0.3, "closed_idle" if answered else "closed_at_deadline"
     bounds = dict(opening_deadline_s=LONG, handshake_idle_s=short) if answered else \
         dict(opening_deadline_s=short, handshake_idle_s=LONG)
@@ -397,7 +397,7 @@ def test_a_connection_that_handshook_is_closed_once_idle_and_one_refused_at_the_
             sock.close()
     closures = [r for r in caplog.records if r.name == SERVER_LOGGER and "handshook" in r.getMessage()]
     if answered:
-        assert len(closures) == 1 and closures[0].levelno == logging.INFO, closures
+        assert len(closures) == 1 and closures[0].levelno == logging.DEBUG, closures
         assert "handshake_idle_s" in closures[0].getMessage()
     else:
         assert not closures

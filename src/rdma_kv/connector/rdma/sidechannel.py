@@ -27,7 +27,7 @@ never from PENDING. Every wait is bounded, per connection:
   accept or after it lost its trust, whatever it sends, unless a HANDSHAKE
   of it was answered: that ends the opening (a consumer connects ahead of
   its first load, which may wait for admission), and the connection is then
-  closed once idle ``handshake_idle_s`` (logged at INFO: it reconnects at its
+  closed once idle ``handshake_idle_s`` (logged at DEBUG: it reconnects at its
   next call). It stays untrusted, within the untrusted budgets;
 - a frame once started must arrive whole within ``io_timeout_s``, and a
   reply must drain within it (slowloris, before or after AUTH);
@@ -518,7 +518,7 @@ class SideChannelServer:
             elif conn.handshaken:
                 # A consumer that handshook ahead of a load that never came
                 # (or whose lease ended): routine, it reconnects when it must.
-                logger.info("side channel %s: closed %s: handshook, then idle %.0f s without a request and "
+                logger.debug("side channel %s: closed %s: handshook, then idle %.0f s without a request and "
                             "holding no lease (handshake_idle_s); a consumer reconnects at its next call",
                             self._name, conn.addr, self.limits.handshake_idle_s)
                 self._count_close(conn, "closed_idle", None)
