@@ -14,9 +14,9 @@ timeouts.
 One call at a time per connection (request, then its reply). A call that
 must not wait behind another (``urgent``: a RENEW, whose lease lapses if it
 comes late) takes a second connection, opened on first need, when the
-first is busy: a call stuck on a stalled connection can hold the first for
-``rpc_timeout_s`` x (``retries`` + 1) and more, longer than a lease's
-margin (``RdmaSettings.renew_interval_for``).
+first stays busy ``URGENT_WAIT_S``: a call stuck on a stalled connection can
+hold the first for ``rpc_timeout_s`` x (``retries`` + 1) and more, longer
+than a lease's margin (``RdmaSettings.renew_interval_for``).
 
 Imports the standard library, msgspec, ``rdma_kv.errors`` and the
 connector's ``rdma.auth`` and ``rdma.wire``.
@@ -33,7 +33,14 @@ import msgspec
 from rdma_kv.connector.rdma import auth, framing, wire
 from rdma_kv.errors import AuthenticationError, HandshakeError, MetadataError, PeerError
 
-__all__ = ["SideChannelClient"]
+__all__ = ["URGENT_WAIT_S", "SideChannelClient"]
+
+URGENT_WAIT_S = 0.5
+"""How long an urgent call waits for a busy first connection before it takes
+the second. A call in flight ends in milliseconds unless it is stuck, so a
+RENEW that meets a handshake or a CONFIRM (the scheduler's first renewal and
+its pre-connect go out in the same step) does not cost the producer a second
+connection."""
 
 
 class _Connection:
@@ -158,9 +165,10 @@ class SideChannelClient:
         retried ``retries`` times; then :class:`PeerError`. An ``ErrorReply``
         raises :class:`MetadataError`; ``Refused`` is returned (the caller
         names what was refused). ``urgent``: do not wait behind a call in
-        flight; take the second connection (module docstring)."""
+        flight for more than ``URGENT_WAIT_S``; take the second connection
+        (module docstring)."""
         conn = self._first
-        if not conn.lock.acquire(blocking=not urgent):
+        if not conn.lock.acquire(timeout=URGENT_WAIT_S if urgent else -1):
             conn = self._spare
             conn.lock.acquire()
         try:
