@@ -290,6 +290,17 @@ def test_expiry_with_one_reader_released():
     assert table.confirm(rcall(1, 0), release=True) == [GONE]
 
 
+def test_an_expiry_says_whether_a_consumer_had_claimed_the_lease():
+    """Lease 1 is claimed, then its renewals stop; lease 2 is never claimed
+    (its decode came too late): both expire, one counted unclaimed."""
+    clock = Clock()
+    table = table_with(1, 2, ttl_s=2.0, clock=clock)
+    assert table.renew(call(1)) == [HELD]
+    clock.t += 2.5
+    assert sorted(table.expire()) == ["r1", "r2"]
+    assert (table.stats.expired, table.stats.expired_unclaimed) == (2, 1)
+
+
 def test_early_claims_with_two_readers():
     table = table_with(1)
     # Lease 2: one rank confirms before the grant; the grant keeps the lease for the other.

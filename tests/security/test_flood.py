@@ -289,8 +289,7 @@ def test_trust_from_a_live_lease_ends_with_the_lease():
 # --- the opening deadline ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("opening", ["nothing", "half a header", "hello", "hello+handshake",
-                                     "hello+renew of a gone lease"])
+@pytest.mark.parametrize("opening", ["nothing", "half a header", "hello", "hello+renew of a gone lease"])
 def test_an_untrusted_connection_is_closed_at_the_opening_deadline(opening):
     with server(opening_deadline_s=0.5) as srv:
         sock = connect(srv, "127.0.0.1")
@@ -299,8 +298,6 @@ def test_an_untrusted_connection_is_closed_at_the_opening_deadline(opening):
                 sock.sendall(frame(renew())[:2])
             elif opening != "nothing":
                 hello(sock)
-            if opening == "hello+handshake":
-                assert isinstance(exchange(sock, handshake()), wire.HandshakeReply)  # served, not trusted
             if opening == "hello+renew of a gone lease":
                 assert exchange(sock, renew("gone-1")).statuses == [wire.LeaseStatus.GONE]
             assert closed_by_server(sock), f"an untrusted connection ({opening}) outlived the deadline"
@@ -332,12 +329,78 @@ def test_a_client_reconnects_after_its_untrusted_connection_was_closed():
     with server(opening_deadline_s=0.3) as srv:
         client = SideChannelClient("127.0.0.1", srv.port, retries=2)
         try:
-            assert isinstance(client.handshake(handshake()), wire.HandshakeReply)
+            assert client.lease_call(renew("gone-1")).statuses == [wire.LeaseStatus.GONE]  # proves nothing
             wait_until(lambda: srv.stats.closed_at_deadline == 1, what="the deadline closing it")
             assert client.lease_call(renew()).statuses == [wire.LeaseStatus.HELD]  # on a new connection
             assert srv.stats.connections == 2
         finally:
             client.close()
+
+
+# --- a HANDSHAKE ends the opening; an idle bound follows -------------------------------------
+
+
+def test_a_consumer_that_handshook_is_served_past_the_opening_deadline_on_the_same_connection(caplog):
+    """Without a secret, a consumer connects ahead of its first load (the
+    scheduler's ``connects``): its HANDSHAKE ends the opening, so the
+    connection is neither closed at the opening deadline nor logged."""
+    caplog.set_level(logging.DEBUG, logger=SERVER_LOGGER)
+    with server(opening_deadline_s=0.3, handshake_idle_s=LONG) as srv:
+        client = SideChannelClient("127.0.0.1", srv.port, retries=2)
+        try:
+            assert isinstance(client.handshake(handshake()), wire.HandshakeReply)
+            assert srv.counts() == (1, 1)  # still untrusted: within the untrusted budgets
+            # A HELLO-only connection opened after it has a later opening
+            # deadline: once the server closed that one, the consumer's
+            # deadline has passed too (no sleep to guess).
+            control = connect(srv, "127.0.0.1")
+            with control:
+                hello(control)
+                assert closed_by_server(control), "a HELLO-only connection outlived its opening deadline"
+            wait_until(lambda: srv.stats.closed_at_deadline >= 1, what="the control's closure counted")
+            assert srv.stats.closed_at_deadline == 1, "the consumer's connection was closed at the opening deadline"
+            assert client.lease_call(renew()).statuses == [wire.LeaseStatus.HELD]
+            stats = srv.stats
+            assert stats.connections == 2, "the consumer had to reconnect: its connection was closed"
+            assert stats.closed_at_deadline == 1 and stats.closed_idle == 0 and stats.trusted == 1
+        finally:
+            client.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.DEBUG and "127.0.0.1" in r.getMessage()
+                and "handshook" in r.getMessage()]
+
+
+class RefusingHandshakes(Handler):
+    def on_handshake(self, request):
+        return wire.Refused("compat mismatch")
+
+
+@pytest.mark.parametrize("answered", [True, False], ids=["answered", "refused"])
+def test_a_connection_that_handshook_is_closed_once_idle_and_one_refused_at_the_opening_deadline(answered, caplog):
+    """An answered HANDSHAKE ends the opening; the idle bound then closes the
+    connection (counted, logged at DEBUG). A refused one does not end it."""
+    caplog.set_level(logging.DEBUG, logger=SERVER_LOGGER)
+    short, counter = 0.3, "closed_idle" if answered else "closed_at_deadline"
+    bounds = dict(opening_deadline_s=LONG, handshake_idle_s=short) if answered else \
+        dict(opening_deadline_s=short, handshake_idle_s=LONG)
+    with SideChannelServer(Handler() if answered else RefusingHandshakes(), "127.0.0.1", 0,
+                           limits=limits(**bounds)) as srv:
+        sock = connect(srv, "127.0.0.1")
+        try:
+            hello(sock)
+            reply = exchange(sock, handshake())
+            assert isinstance(reply, wire.HandshakeReply if answered else wire.Refused), reply
+            assert closed_by_server(sock), f"a connection whose HANDSHAKE was {reply!r:.40}, then idled, stayed open"
+            wait_until(lambda: getattr(srv.stats, counter) == 1, what=f"the closure counted as {counter}")
+            assert srv.stats.closed_idle + srv.stats.closed_at_deadline == 1 and srv.stats.trusted == 0
+            assert srv.counts() == (0, 0)
+        finally:
+            sock.close()
+    closures = [r for r in caplog.records if r.name == SERVER_LOGGER and "handshook" in r.getMessage()]
+    if answered:
+        assert len(closures) == 1 and closures[0].levelno == logging.DEBUG, closures
+        assert "handshake_idle_s" in closures[0].getMessage()
+    else:
+        assert not closures
 
 
 # --- logging and messages ------------------------------------------------------------------
@@ -434,6 +497,7 @@ def test_a_wrong_auth_is_refused_naming_what_was_wrong(answer, says):
     ({"max_untrusted": 20}, "exceeds max_connections"),
     ({"max_untrusted_per_source": 9}, "exceeds max_per_source"),
     ({"opening_deadline_s": 0}, "opening_deadline_s must be > 0"),
+    ({"handshake_idle_s": 0}, "handshake_idle_s must be > 0"),
 ])
 def test_inconsistent_limits_are_refused(kw, says):
     with pytest.raises(ConfigError, match=says):

@@ -184,8 +184,10 @@ def attempts(port, probe, secret):
         client = SideChannelClient("127.0.0.1", port, connect_timeout_s=5.0, rpc_timeout_s=5.0, retries=0,
                                    secret=auth.Secret(SECRET, "t") if secret else None)
         try:
-            reply = client.lease_call(lease_call(probe, claim))
-            served += reply.statuses[0] is wire.LeaseStatus.HELD
+            status = client.lease_call(lease_call(probe, claim)).statuses[0]
+            served += status is wire.LeaseStatus.HELD
+            if status is not wire.LeaseStatus.HELD:
+                why.append(f"answered {status.name}")  # a failure says what came back, not only how many
         except Exception as exc:
             why.append(f"{type(exc).__name__}: {exc}"[:120])
         finally:

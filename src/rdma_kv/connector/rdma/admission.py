@@ -75,7 +75,15 @@ class ConnectionLimits:
     """Untrusted connections from one peer IP address."""
     opening_deadline_s: float = 3.0
     """An untrusted connection is closed this long after its accept (or after
-    it lost its trust): one deadline for the whole opening, not one per message."""
+    it lost its trust): one deadline for the whole opening, not one per message.
+    A HANDSHAKE answered ends the opening (next)."""
+    handshake_idle_s: float = 30.0
+    """An untrusted connection whose HANDSHAKE was answered (without a secret:
+    a consumer that connected ahead of its first load) has done its opening:
+    from then on it is closed only once this long passes without a request
+    (counted ``closed_idle``), not at the opening deadline. It stays
+    untrusted: the untrusted budgets still bound it and newcomers still
+    evict it first; only a lease it proves makes it trusted."""
     evict_idle_s: float = 5.0
     """A trusted connection idle at least this long may be evicted for a
     newcomer when its source's budget or the server is full."""
@@ -94,8 +102,9 @@ class ConnectionLimits:
         if self.max_untrusted_per_source > self.max_per_source:
             raise ConfigError(f"side channel max_untrusted_per_source ({self.max_untrusted_per_source}) "
                               f"exceeds max_per_source ({self.max_per_source})")
-        if not self.opening_deadline_s > 0:
-            raise ConfigError(f"side channel opening_deadline_s must be > 0, got {self.opening_deadline_s}")
+        for name in ("opening_deadline_s", "handshake_idle_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"side channel {name} must be > 0, got {getattr(self, name)}")
         for name in ("evict_idle_s", "evict_stalled_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"side channel {name} must be >= 0, got {getattr(self, name)}")

@@ -494,7 +494,10 @@ class LeaseTable:
                     heapq.heappush(self._heap, (now + PIN_RECHECK_S, generation))
                     continue
                 # Its last renewal was cut short by the lifetime bound: that, not the TTL, ended it.
-                self._end(generation, Ending.LIFETIME if lease.expires_at >= lease.ends_at else Ending.EXPIRED)
+                how = Ending.LIFETIME if lease.expires_at >= lease.ends_at else Ending.EXPIRED
+                if how is Ending.EXPIRED and lease.claim is None:
+                    self._counts.add("expired_unclaimed")  # no consumer came in time (not: its renewals stopped)
+                self._end(generation, how)
                 expired.append(lease.ref.request_id)
         return expired
 

@@ -75,7 +75,9 @@ class RdmaSettings:
     rpc_timeout_s: float = 2.0
     rpc_retries: int = 2
     rpc_threads: int = 4
-    """Threads for handshakes and lease RPCs (never the engine thread)."""
+    """Threads for handshakes and lease RPCs (never the engine thread), and as
+    many again for renewals alone (``consumer.clients``): a RENEW never
+    queues behind a slow call."""
     idle_wait_s: float = 0.002
     """In a step where no request computes (the engine only waits for
     loads), ``get_finished`` waits at most this long for a load in flight to

@@ -24,7 +24,11 @@ HELD, checked against the lease table again every ``TRUST_CHECK_S``),
 never from PENDING. Every wait is bounded, per connection:
 
 - untrusted: closed at its opening deadline, a few seconds after its
-  accept or after it lost its trust, whatever it sends;
+  accept or after it lost its trust, whatever it sends, unless a HANDSHAKE
+  of it was answered: that ends the opening (a consumer connects ahead of
+  its first load, which may wait for admission), and the connection is then
+  closed once idle ``handshake_idle_s`` (logged at DEBUG: it reconnects at its
+  next call). It stays untrusted, within the untrusted budgets;
 - a frame once started must arrive whole within ``io_timeout_s``, and a
   reply must drain within it (slowloris, before or after AUTH);
 - trusted: closed after ``idle_timeout_s`` without a request, and evicted
@@ -376,6 +380,8 @@ class SideChannelServer:
             self._admission.touch(conn)
         if isinstance(reply, wire.LeaseReply) and isinstance(request, (wire.Renew, wire.Confirm, wire.Release)):
             self._on_lease_reply(conn, request, reply)
+        elif isinstance(reply, wire.HandshakeReply):
+            conn.handshaken = True  # the opening is done: idle-bounded from now on (_reschedule)
         self._send(conn, reply)
 
     def _on_lease_reply(self, conn: Accepted, request: wire.Renew | wire.Confirm | wire.Release,
@@ -438,7 +444,8 @@ class SideChannelServer:
 
     def _check_lease_trust(self, now: float) -> None:
         """A connection trusted by a lease is untrusted again once no lease it
-        proved lives; it then has a new opening deadline to prove another."""
+        proved lives; it then has a new opening deadline to prove another (one
+        that handshook: its idle bound, ``handshake_idle_s``)."""
         for conn in self._lease_trust.lapsed():
             self._admission.untrust(conn)
             self._counts.add("untrusted_again")
@@ -483,7 +490,12 @@ class SideChannelServer:
     # --- deadlines -----------------------------------------------------------------------------------
 
     def _reschedule(self, conn: Accepted) -> None:
-        due = conn.opening_deadline if not conn.trusted else conn.last_active + self._idle_timeout_s
+        if conn.trusted:
+            due = conn.last_active + self._idle_timeout_s
+        elif conn.handshaken:
+            due = conn.last_active + self.limits.handshake_idle_s
+        else:
+            due = conn.opening_deadline
         if conn.frame_started is not None:
             due = min(due, conn.frame_started + self._io_timeout_s)
         if conn.write_started is not None:
@@ -501,10 +513,17 @@ class SideChannelServer:
                 self._count_close(conn, "closed_slow", "a reply was not read within io_timeout_s")
             elif conn.frame_started is not None and now >= conn.frame_started + self._io_timeout_s:
                 self._count_close(conn, "closed_slow", "a request frame did not arrive whole within io_timeout_s")
-            elif not conn.trusted:
-                self._count_close(conn, "closed_at_deadline", None)
-            else:
+            elif conn.trusted:
                 self._count_close(conn, "closed_idle", None)
+            elif conn.handshaken:
+                # A consumer that handshook ahead of a load that never came
+                # (or whose lease ended): routine, it reconnects when it must.
+                logger.debug("side channel %s: closed %s: handshook, then idle %.0f s without a request and "
+                            "holding no lease (handshake_idle_s); a consumer reconnects at its next call",
+                            self._name, conn.addr, self.limits.handshake_idle_s)
+                self._count_close(conn, "closed_idle", None)
+            else:
+                self._count_close(conn, "closed_at_deadline", None)
         if len(self._deadlines) > 4 * len(self._conns) + 64:  # entries of moved deadlines
             self._deadlines = [(c.due, next(self._seq), c) for c in self._conns.values()]
             heapq.heapify(self._deadlines)
@@ -512,7 +531,7 @@ class SideChannelServer:
     def _count_close(self, conn: Accepted, what: str, why: str | None) -> None:
         self._counts.add(what)
         if what == "closed_at_deadline":
-            if conn.requests == 0:  # a consumer that handshook and holds no lease yet reconnects when it must
+            if conn.requests == 0:  # opened and asked nothing: what an idle flood looks like
                 how = "authenticated" if self._secret is not None else "holding a lease"
                 self._events.event("opening_deadline", conn.source, "side channel %s: closed %s: not %s "
                                    "%.1f s after connecting (opening_deadline_s)", self._name, conn.addr,

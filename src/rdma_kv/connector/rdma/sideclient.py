@@ -11,6 +11,13 @@ retrying is safe. After a failed call the client fails fast for
 ``down_s``: a dead peer must not tie up every RPC thread in connect
 timeouts.
 
+One call at a time per connection (request, then its reply). A call that
+must not wait behind another (``urgent``: a RENEW, whose lease lapses if it
+comes late) takes a second connection, opened on first need, when the
+first stays busy ``URGENT_WAIT_S``: a call stuck on a stalled connection can
+hold the first for ``rpc_timeout_s`` x (``retries`` + 1) and more, longer
+than a lease's margin (``RdmaSettings.renew_interval_for``).
+
 Imports the standard library, msgspec, ``rdma_kv.errors`` and the
 connector's ``rdma.auth`` and ``rdma.wire``.
 """
@@ -26,7 +33,31 @@ import msgspec
 from rdma_kv.connector.rdma import auth, framing, wire
 from rdma_kv.errors import AuthenticationError, HandshakeError, MetadataError, PeerError
 
-__all__ = ["SideChannelClient"]
+__all__ = ["URGENT_WAIT_S", "SideChannelClient"]
+
+URGENT_WAIT_S = 0.5
+"""How long an urgent call waits for a busy first connection before it takes
+the second. A call in flight ends in milliseconds unless it is stuck, so a
+RENEW that meets a handshake or a CONFIRM (the scheduler's first renewal and
+its pre-connect go out in the same step) does not cost the producer a second
+connection."""
+
+
+class _Connection:
+    """One connection of a client, and the lock that keeps it to one call at a time."""
+
+    __slots__ = ("lock", "sock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sock: socket.socket | None = None
+
+    def drop(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            finally:
+                self.sock = None
 
 
 class SideChannelClient:
@@ -55,8 +86,7 @@ class SideChannelClient:
         self._rpc_timeout_s = rpc_timeout_s
         self._retries = retries
         self._backoff_s = backoff_s
-        self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
+        self._first, self._spare = _Connection(), _Connection()  # the spare: urgent calls while the first is busy
         self._closed = False
         # After a failed call, fail fast for a moment: a dead peer must not
         # tie up every RPC thread in connect timeouts.
@@ -130,50 +160,60 @@ class SideChannelClient:
         except OSError:
             pass
 
-    def call(self, request: wire.Request, timeout_s: float | None = None) -> wire.Reply:
+    def call(self, request: wire.Request, timeout_s: float | None = None, *, urgent: bool = False) -> wire.Reply:
         """Send ``request``, return the decoded reply. Transport failures are
         retried ``retries`` times; then :class:`PeerError`. An ``ErrorReply``
         raises :class:`MetadataError`; ``Refused`` is returned (the caller
-        names what was refused)."""
-        timeout = self._rpc_timeout_s if timeout_s is None else timeout_s
+        names what was refused). ``urgent``: do not wait behind a call in
+        flight for more than ``URGENT_WAIT_S``; take the second connection
+        (module docstring)."""
+        conn = self._first
+        if not conn.lock.acquire(timeout=URGENT_WAIT_S if urgent else -1):
+            conn = self._spare
+            conn.lock.acquire()
+        try:
+            return self._call(conn, request, self._rpc_timeout_s if timeout_s is None else timeout_s)
+        finally:
+            conn.lock.release()
+
+    def _call(self, conn: _Connection, request: wire.Request, timeout: float) -> wire.Reply:
+        """``call`` on ``conn``, its lock held."""
         payload = wire.encode(request)
         last: Exception | None = None
-        with self._lock:
-            for attempt in range(self._retries + 1):
-                if self._closed:
-                    raise PeerError(f"side channel client for {self.address} is closed")
-                if time.monotonic() < self._down_until:
-                    raise self._down_error(f"side channel {self.address} is down: {self._down_reason}")
-                try:
-                    if self._sock is None:
-                        self._sock = self._connect(timeout)
-                    framing.send_frame(self._sock, payload, timeout)
-                    body = framing.recv_frame(self._sock, wire.MAX_REPLY_BYTES, timeout,
-                                           f"reply from {self.address}")
-                    if body is None:
-                        raise PeerError(f"{self.address} closed the side channel")
-                    reply = wire.decode_reply(body)
-                except HandshakeError as exc:  # refused at the opening: retrying cannot help
-                    self._drop()
-                    self._down_until = time.monotonic() + self.down_s
-                    self._down_reason, self._down_error = str(exc), type(exc)
-                    raise
-                except (OSError, TimeoutError, PeerError) as exc:
-                    last = exc
-                    self._drop()
-                    if attempt < self._retries:
-                        time.sleep(self._backoff_s * (2**attempt))
-                    continue
-                except MetadataError as exc:
-                    self._drop()
-                    raise MetadataError(f"malformed reply from {self.address}: {exc}") from None
-                if isinstance(reply, wire.ErrorReply):
-                    self._drop()
-                    raise MetadataError(f"{self.address} rejected {type(request).__name__}: {reply.message}")
-                return reply
-            self._down_until = time.monotonic() + self.down_s
-            self._down_reason = f"unreachable after {self._retries + 1} attempts: {last}"
-            self._down_error = PeerError
+        for attempt in range(self._retries + 1):
+            if self._closed:
+                raise PeerError(f"side channel client for {self.address} is closed")
+            if time.monotonic() < self._down_until:
+                raise self._down_error(f"side channel {self.address} is down: {self._down_reason}")
+            try:
+                if conn.sock is None:
+                    conn.sock = self._connect(timeout)
+                framing.send_frame(conn.sock, payload, timeout)
+                body = framing.recv_frame(conn.sock, wire.MAX_REPLY_BYTES, timeout, f"reply from {self.address}")
+                if body is None:
+                    raise PeerError(f"{self.address} closed the side channel")
+                reply = wire.decode_reply(body)
+            except HandshakeError as exc:  # refused at the opening: retrying cannot help
+                conn.drop()
+                self._down_until = time.monotonic() + self.down_s
+                self._down_reason, self._down_error = str(exc), type(exc)
+                raise
+            except (OSError, TimeoutError, PeerError) as exc:
+                last = exc
+                conn.drop()
+                if attempt < self._retries:
+                    time.sleep(self._backoff_s * (2**attempt))
+                continue
+            except MetadataError as exc:
+                conn.drop()
+                raise MetadataError(f"malformed reply from {self.address}: {exc}") from None
+            if isinstance(reply, wire.ErrorReply):
+                conn.drop()
+                raise MetadataError(f"{self.address} rejected {type(request).__name__}: {reply.message}")
+            return reply
+        self._down_until = time.monotonic() + self.down_s
+        self._down_reason = f"unreachable after {self._retries + 1} attempts: {last}"
+        self._down_error = PeerError
         raise PeerError(f"side channel {self.address} {self._down_reason}")
 
     def handshake(self, request: wire.Handshake) -> wire.HandshakeReply:
@@ -184,8 +224,8 @@ class SideChannelClient:
             raise HandshakeError(f"{self.address} answered a handshake with {type(reply).__name__}")
         return reply
 
-    def lease_call(self, request: wire.Renew | wire.Confirm | wire.Release) -> wire.LeaseReply:
-        reply = self.call(request)
+    def lease_call(self, request: wire.Renew | wire.Confirm | wire.Release, *, urgent: bool = False) -> wire.LeaseReply:
+        reply = self.call(request, urgent=urgent)
         if isinstance(reply, wire.Refused):
             raise HandshakeError(f"producer at {self.address} refused {type(request).__name__}: {reply.reason}")
         if not isinstance(reply, wire.LeaseReply) or len(reply.statuses) != len(request.leases):
@@ -195,14 +235,8 @@ class SideChannelClient:
             )
         return reply
 
-    def _drop(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            finally:
-                self._sock = None
-
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._drop()
+        self._closed = True  # a call in flight on either connection stops at its next attempt
+        for conn in (self._first, self._spare):
+            with conn.lock:
+                conn.drop()

@@ -77,8 +77,8 @@ class Accepted:
     """One accepted connection: its socket, buffers, phase, trust and deadlines."""
 
     __slots__ = ("sock", "fd", "addr", "source", "phase", "trusted", "inbuf",
-                 "outbuf", "closing", "accepted_at", "last_active", "opening_deadline", "frame_started",
-                 "write_started", "due", "requests", "nonce", "hello", "closed", "mask")
+                 "outbuf", "closing", "accepted_at", "last_active", "opening_deadline", "handshaken",
+                 "frame_started", "write_started", "due", "requests", "nonce", "hello", "closed", "mask")
 
     def __init__(self, sock: socket.socket, addr: tuple[Any, ...], now: float, opening_s: float) -> None:
         self.sock, self.fd, self.addr, self.source = sock, sock.fileno(), addr, str(addr[0])
@@ -89,6 +89,7 @@ class Accepted:
         self.closing = False  # close once the output drained
         self.accepted_at = self.last_active = now
         self.opening_deadline = now + opening_s
+        self.handshaken = False  # a HANDSHAKE was answered: the opening is done, idle-bounded from then on
         self.frame_started: float | None = None
         self.write_started: float | None = None
         self.due = 0.0

@@ -294,6 +294,10 @@ class LeaseCounters(Counters):
     """A call under the owner's claim with another reader count."""
     released: int = 0
     expired: int = 0
+    expired_unclaimed: int = 0
+    """Of ``expired``: leases no consumer had claimed (no RENEW, CONFIRM or
+    RELEASE named them): the decode did not reach them within the TTL, as
+    opposed to a claimed lease whose renewals stopped arriving."""
     lifetime: int = 0
     reclaimed: int = 0
     epoch: int = 0

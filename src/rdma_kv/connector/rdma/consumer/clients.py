@@ -7,9 +7,12 @@ used for ``idle_s`` and that no peer or load refers to is closed and
 forgotten; the next load that needs the address makes a new one.
 
 Handshakes, confirmations and lease calls run on the pool's threads
-(:meth:`ClientPool.submit`), never on the engine thread. The worker owns
-the pool: it outlives a consumer put to sleep, so the calls that consumer
-queued (releases of the loads the sleep failed) still go out.
+(:meth:`ClientPool.submit`), never on the engine thread. Renewals have
+threads of their own (:meth:`ClientPool.submit_renewal`): a RENEW queued
+behind handshakes, confirmations or pushes stuck on a slow producer would
+come late, and its lease lapse. The worker owns the pool: it outlives a
+consumer put to sleep, so the calls that consumer queued (releases of the
+loads the sleep failed) still go out.
 
 Imports the standard library and the connector's ``sideclient``.
 """
@@ -38,11 +41,20 @@ class ClientPool:
         self._clients: dict[Address, tuple[SideChannelClient, float]] = {}
         self._closed = False
         self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=thread_name)
+        self._renewals = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"{thread_name}-renew")
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> bool:
         """Run ``fn(*args)`` on an RPC thread; False (nothing runs) once closed."""
+        return self._submit(self._executor, fn, args)
+
+    def submit_renewal(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """Like :meth:`submit`, on the threads only renewals use."""
+        return self._submit(self._renewals, fn, args)
+
+    @staticmethod
+    def _submit(executor: concurrent.futures.ThreadPoolExecutor, fn: Callable[..., Any], args: Any) -> bool:
         try:
-            self._executor.submit(fn, *args)
+            executor.submit(fn, *args)
         except RuntimeError:  # shut down: the worker is closing
             return False
         return True
@@ -76,6 +88,7 @@ class ClientPool:
     def close(self) -> None:
         """Stop the RPC threads (calls not started are dropped) and close every client."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._renewals.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             self._closed = True
             clients = [c for c, _ in self._clients.values()]

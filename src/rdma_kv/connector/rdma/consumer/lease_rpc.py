@@ -8,7 +8,10 @@ ranks keeps the blocks until each released), which renewals are due
 (``RdmaSettings.renewal_due``, the scheduler's rule too), batching (per
 producer rank, at most ``wire.MAX_LEASES_PER_MESSAGE`` leases a message),
 the call on the RPC threads, and the wording of a producer's refusal
-(:func:`refusal_reason`). A failed call is logged at DEBUG and dropped: the
+(:func:`refusal_reason`). A RENEW never waits behind another call: it runs
+on the pool's renewal threads, and is ``urgent`` on the client (a second
+connection when the first is busy); a slow call holding the producer's
+connection would otherwise delay it past its lease's TTL. A failed call is logged at DEBUG and dropped: the
 producer's lease then expires on its own, which is the design, not an
 error. A refused RENEW fails a load not yet reading at once (one whose
 reads are in flight learns the same from its CONFIRM, once no read can land).
@@ -113,10 +116,11 @@ class LeaseCalls:
         by_peer: dict[tuple[PeerAddress, int], list[RemoteLease]] = collections.defaultdict(list)
         for rank, lease in targets:
             by_peer[lease.peer, rank].append(lease)
+        submit = self._pool.submit_renewal if kind is wire.Renew else self._pool.submit
         for (address, rank), leases in by_peer.items():
             for start in range(0, len(leases), wire.MAX_LEASES_PER_MESSAGE):
                 chunk = leases[start:start + wire.MAX_LEASES_PER_MESSAGE]
-                if not self._pool.submit(self._call, kind, address, rank, chunk):
+                if not submit(self._call, kind, address, rank, chunk):
                     return  # the pool is closed: the worker is shutting down
 
     def _call(self, kind: LeaseKind, address: PeerAddress, rank: int, leases: list[RemoteLease]) -> None:
@@ -144,7 +148,8 @@ def call_lease_rpc(client: SideChannelClient, kind: LeaseKind, address: PeerAddr
     UNKNOWN, FORGED) with its answers, or None if the call failed (logged at DEBUG:
     the leases expire on their own)."""
     try:
-        reply = client.lease_call(kind(wire.PROTOCOL_VERSION, [r.to_wire() for r in leases]))
+        reply = client.lease_call(kind(wire.PROTOCOL_VERSION, [r.to_wire() for r in leases]),
+                                  urgent=kind is wire.Renew)
     except Exception as exc:
         logger.debug("%s of %d lease(s) with %r failed (the leases expire on their own): %s",
                      kind.__name__, len(leases), address.engine_id, exc)
