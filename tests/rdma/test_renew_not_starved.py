@@ -130,7 +130,7 @@ def rig():
     pool = ClientPool(lambda host, port: SideChannelClient(host, port, rpc_timeout_s=STALL_S, retries=0),
                       threads=1)  # one RPC thread: the stalled call can hold it
     settings = RdmaSettings(side_channel_host="127.0.0.1", advertise_host="127.0.0.1", side_channel_port=0)
-    calls = LeaseCalls(settings, lambda address: None, pool, LoadBook(clock), lambda load, why: None)
+    calls = LeaseCalls(settings, lambda address: None, pool, LoadBook(), lambda load, why: None)
     yield clock, table, handler, proxy, pool, calls
     proxy.close()
     pool.close()
