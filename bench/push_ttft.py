@@ -22,8 +22,11 @@ with a discovery address as WRITE). Routers, all vllm-router 0.1.17:
   1.5.1, ``kv_buffer_device: "cpu"``, ``kv_role: "kv_both"``) behind the
   same sequential router: the decode sends ``PUSH_REG`` with its block ids,
   the prefill's writer thread writes once its request finished (no
-  layer-wise overlap). The anchor the issue names; ``--no-nixl`` leaves it
-  out.
+  layer-wise overlap). The anchor the issue names; only with
+  ``--nixl-push``: on this 2-core host (2026-11-26, the 8-layer model) its
+  decode worker took 1.5 cores with the load average at 108, the first
+  128-token request timed out and the prefill released its blocks "retrieved
+  by 0 remote workers" (docs/benchmarks.md).
 
 The model is the tests' Llama made larger (8 layers, hidden 512, fp32, 32
 KiB of KV per token) so that a 2k-token prefill takes well over 100 ms on
@@ -84,9 +87,9 @@ def main() -> int:
     ap.add_argument("--lengths", default="128,512,2048,4096")
     ap.add_argument("--json", default="")
     ap.add_argument("--log-dir", default="")
-    ap.add_argument("--no-nixl", action="store_true", help="leave vLLM's NixlPushConnector out")
+    ap.add_argument("--nixl-push", action="store_true", help="add vLLM's NixlPushConnector (two more servers)")
     args = ap.parse_args()
-    modes = tuple(m for m in MODES if not (args.no_nixl and m == "nixl-push"))
+    modes = tuple(m for m in MODES if args.nixl_push or m != "nixl-push")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     lengths = [int(x) for x in args.lengths.split(",")]
     max_len = max(lengths) + 64
