@@ -46,6 +46,8 @@ FAIL_BOUND_S = LOAD_TIMEOUT_S + 2.0
 """A partitioned load must be a load error within this long of the cut:
 the load deadline plus one engine step and the result's trip to the test."""
 LEASE_TTL_S = 3.0
+FLAP_READ_TIMEOUT_S = 10.0
+"""The read deadline when the link only flaps (0.5 s): 20x the flap."""
 RECOVERY_BOUND_S = 10.0
 """Loads must verify again within this long of the link's return."""
 
@@ -59,8 +61,8 @@ def link():
         yield veth
 
 
-def engine(link, side, name, role, **extra):
-    cfg = config(role, name, read_timeout_s=READ_TIMEOUT_S, load_timeout_s=LOAD_TIMEOUT_S,
+def engine(link, side, name, role, read_timeout_s=READ_TIMEOUT_S, load_timeout_s=LOAD_TIMEOUT_S, **extra):
+    cfg = config(role, name, read_timeout_s=read_timeout_s, load_timeout_s=load_timeout_s,
                  lease_ttl_s=LEASE_TTL_S, **extra)
     cfg["kv_ip"] = link.addr[side]
     # A producer off loopback needs a secret or this flag; the namespaces are this test's own.
@@ -91,10 +93,12 @@ def keep_max(outcomes, key, seconds):
 
 
 @contextlib.contextmanager
-def connected_pair(link, rng):
+def connected_pair(link, rng, **deadlines):
     """A producer and a consumer, one per namespace, with the handshake done
-    and the UCX endpoint up (a first load verified)."""
-    with engine(link, PRODUCER, "P", "kv_producer") as p, engine(link, CONSUMER, "D", "kv_consumer") as d:
+    and the UCX endpoint up (a first load verified). ``deadlines``: the
+    consumer's ``read_timeout_s`` / ``load_timeout_s`` if not the module's."""
+    with engine(link, PRODUCER, "P", "kv_producer") as p, \
+            engine(link, CONSUMER, "D", "kv_consumer", **deadlines) as d:
         print(f"producer pid {p.pid}, consumer pid {d.pid}")
         for rid, r in load(p, d, prompts(rng, "warm", 2)).items():
             assert check_loaded(rid, r) == "verified"
@@ -156,7 +160,13 @@ def partition_during_reads(rng, link, side, trials, flap_s=None):
     (shorter than the read deadline) and expect the loads to verify."""
     outcomes = {"trials": 0, "load_error": 0, "verified": 0, "max_detect_s": 0.0, "max_recovery_s": 0.0,
                 "cut_at_fraction": []}
-    with connected_pair(link, rng) as (p, d):
+    # A flap must cost nothing when it is well inside the read deadline. Once
+    # the link returns, TCP resends what the drop lost, from an exponential
+    # retransmission backoff and a collapsed window, through the throttle: 3 s
+    # was once not enough for a 0.5 s flap on top of a 1 s load (CI).
+    deadlines = {} if flap_s is None else {"read_timeout_s": FLAP_READ_TIMEOUT_S,
+                                           "load_timeout_s": FLAP_READ_TIMEOUT_S + 2}
+    with connected_pair(link, rng, **deadlines) as (p, d):
         for trial in range(trials):
             batch = prompts(rng, f"r{trial}-", 3)
             total = len(batch) * (TOKENS // SHAPE.block_size) * SHAPE.block_nbytes
@@ -173,7 +183,8 @@ def partition_during_reads(rng, link, side, trials, flap_s=None):
                 if flap_s is not None:
                     time.sleep(flap_s)
                     link.set_link(side, True)
-                results = d.wait_results(batch, timeout_s=FAIL_BOUND_S + 5)
+                results = d.wait_results(batch, timeout_s=FAIL_BOUND_S + 5 if flap_s is None
+                                         else FLAP_READ_TIMEOUT_S + 7)
                 detect = time.monotonic() - t0
             finally:
                 link.set_link(side, True)
