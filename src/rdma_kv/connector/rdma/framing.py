@@ -13,9 +13,11 @@ import time
 
 from rdma_kv.errors import MetadataError, PeerError
 
-__all__ = ["recv_frame", "send_frame"]
+__all__ = ["HEADER", "recv_frame", "send_frame"]
 
-_HEADER = struct.Struct(">I")
+HEADER = struct.Struct(">I")
+"""A frame's length, before its body: the blocking calls here and the side
+channel's event loop (which frames its own non-blocking buffers) share it."""
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> bytes:
@@ -43,7 +45,7 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> byte
 
 def send_frame(sock: socket.socket, payload: bytes, timeout_s: float) -> None:
     sock.settimeout(timeout_s)
-    sock.sendall(_HEADER.pack(len(payload)) + payload)
+    sock.sendall(HEADER.pack(len(payload)) + payload)
 
 
 def recv_frame(sock: socket.socket, max_bytes: int, timeout_s: float, what: str) -> bytes | None:
@@ -51,12 +53,12 @@ def recv_frame(sock: socket.socket, max_bytes: int, timeout_s: float, what: str)
     A length above ``max_bytes`` is refused before reading the body."""
     deadline = time.monotonic() + timeout_s
     sock.settimeout(timeout_s)
-    first = sock.recv(_HEADER.size)
+    first = sock.recv(HEADER.size)
     if not first:
         return None
-    header = first + (_recv_exact(sock, _HEADER.size - len(first), deadline, what)
-                      if len(first) < _HEADER.size else b"")
-    (length,) = _HEADER.unpack(header)
+    header = first + (_recv_exact(sock, HEADER.size - len(first), deadline, what)
+                      if len(first) < HEADER.size else b"")
+    (length,) = HEADER.unpack(header)
     if length > max_bytes:
         raise MetadataError(f"{what}: frame of {length} bytes exceeds the {max_bytes}-byte limit")
     return _recv_exact(sock, length, deadline, what)

@@ -40,9 +40,10 @@ altered lease params (FORGED) are logged a few lines per window plus one
 summary line (``lograte.EventSummary``), never one line per connection.
 
 Imports the standard library, msgspec, ``rdma_kv.errors``, ``rdma.admission``,
-``rdma.auth``, ``rdma.lograte``, ``rdma.sideconn`` (a connection's record,
-the server's counters), ``rdma.sidetrust`` (trust earned by a lease),
-``rdma.stats`` and ``rdma.wire``.
+``rdma.auth``, ``rdma.framing`` (the length header), ``rdma.lograte``,
+``rdma.sideconn`` (a connection's record, the server's counters),
+``rdma.sidetrust`` (trust earned by a lease), ``rdma.stats`` and
+``rdma.wire``.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ import itertools
 import logging
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections.abc import Iterable
@@ -61,7 +61,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from rdma_kv.connector.rdma import auth, wire
+from rdma_kv.connector.rdma import auth, framing, wire
 from rdma_kv.connector.rdma.admission import Admission, ConnectionLimits
 from rdma_kv.connector.rdma.lograte import EventSummary
 from rdma_kv.connector.rdma.sideconn import EVICTED, REFUSED, Accepted, Phase, SideChannelCounters, abort, bind_advice
@@ -80,7 +80,6 @@ ACCEPTS_PER_TURN = 64
 """Connections accepted per loop turn before the loop serves the open ones
 again: a connect flood cannot starve consumers already connected."""
 RECV_BYTES = 65536
-_HEADER = struct.Struct(">I")
 
 
 class Handler(Protocol):
@@ -308,17 +307,17 @@ class SideChannelServer:
 
     def _take_frame(self, conn: Accepted) -> bytes | None:
         buf = conn.inbuf
-        if len(buf) < _HEADER.size:
+        if len(buf) < framing.HEADER.size:
             return None
-        (length,) = _HEADER.unpack_from(buf)
+        (length,) = framing.HEADER.unpack_from(buf)
         if length > wire.MAX_REQUEST_BYTES:
             self._bad(conn, f"side channel request from {conn.addr}: frame of {length} bytes exceeds the "
                             f"{wire.MAX_REQUEST_BYTES}-byte limit")
             return None
-        if len(buf) < _HEADER.size + length:
+        if len(buf) < framing.HEADER.size + length:
             return None
-        body = bytes(buf[_HEADER.size:_HEADER.size + length])
-        del buf[:_HEADER.size + length]
+        body = bytes(buf[framing.HEADER.size:framing.HEADER.size + length])
+        del buf[:framing.HEADER.size + length]
         return body
 
     def _on_frame(self, conn: Accepted, body: bytes, now: float) -> None:
@@ -456,7 +455,7 @@ class SideChannelServer:
 
     def _send(self, conn: Accepted, message: msgspec.Struct, then_close: bool = False) -> None:
         payload = wire.encode(message)
-        conn.outbuf += _HEADER.pack(len(payload))
+        conn.outbuf += framing.HEADER.pack(len(payload))
         conn.outbuf += payload
         conn.closing = conn.closing or then_close
         self._flush(conn)
