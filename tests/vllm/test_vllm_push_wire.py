@@ -46,7 +46,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from serve_proc import ApiServer, complete, metric, wait_for  # noqa: E402
-from test_vllm_push import Leg, counts, step_reports  # noqa: E402
+from test_vllm_push import Leg, counts, decode_idle, step_reports  # noqa: E402
 from test_vllm_router import MAX_TOKENS, START_S, rdma_config  # noqa: E402
 from tiny_model import build_tiny_llama  # noqa: E402
 
@@ -135,12 +135,10 @@ def start_crossing(link: netns.VethLink, p: ApiServer, d: ApiServer, *, stream: 
 
 
 def settled(p: ApiServer | None, d: ApiServer) -> bool:
-    """Nothing held: the decode's requests, blocks, loads and pushes, and the
-    producer's pushes and leases (``p`` None: a dead producer)."""
-    step_reports(d)
-    idle = (metric(d.url, "vllm:num_requests_running") == 0 and metric(d.url, "vllm:kv_cache_usage_perc") == 0
-            and metric(d.url, "rdma_kv_resource", resource="inflight_loads") == 0
-            and metric(d.url, "rdma_kv_resource", resource="pushes_running") == 0)
+    """Nothing held: the decode's requests, blocks, loads and pushes
+    (``decode_idle``), and the producer's pushes and leases (``p`` None: a
+    dead producer)."""
+    idle = decode_idle(d)
     if p is not None and idle:
         step_reports(p)
         idle = (metric(p.url, "rdma_kv_resource", resource="pushes_running") == 0
