@@ -152,7 +152,10 @@ def test_abort_before_load_releases_and_abort_during_load_delays_the_free(pair, 
 
 
 def test_lease_expiry_during_reads_is_a_load_error(fabric):
-    pair = Pair(fabric, p_extra={"lease_ttl_s": 60.0})
+    # The CONFIRM path (read pins off): an expiry while reads are in flight
+    # fails the load. (A pin holds the lease against expiry: the pinned
+    # cases are tests/rdma/test_read_pins.py.)
+    pair = Pair(fabric, p_extra={"lease_ttl_s": 60.0}, d_extra={"read_pin": False})
     try:
         prompt = list(range(1, 41))
         params = pair.prefill({"x": prompt})

@@ -1,7 +1,7 @@
 """A property-based model of the whole life of the producer's leases
 (hypothesis' rule-based state machine): no interleaving of grants,
-claims, reads, confirms, retries, renewals, releases, expiry and restarts
-may confirm a read of reused blocks."""
+claims, reads, read pins, confirms, retries, renewals, releases, expiry and
+restarts may confirm a read of reused blocks, or vouch for one by a pin."""
 
 from __future__ import annotations
 
@@ -32,7 +32,10 @@ class LeaseModel(RuleBasedStateMachine):
 
     Safety, per reader: a CONFIRM answers HELD to a rank's read only if none
     of the lease's blocks was ever freed before the first CONFIRM that rank
-    sent after its read (its read's end). Release: an ended lease's blocks
+    sent after its read (its read's end). A read pin (protocol 7) answered
+    HELD with ``pinned_s`` vouches for a read that ended before the pin's
+    sending plus ``pinned_s`` (the consumer's rule, without its margin):
+    none of its blocks was freed before that read ended. Release: an ended lease's blocks
     are handed back before its expiry only once every counted rank of its
     owner has released it, so no rank still reading loses them. Ownership: at
     most one claim ever gets HELD for a lease. A forged call, a genuine token
@@ -58,7 +61,8 @@ class LeaseModel(RuleBasedStateMachine):
         self.expiry = {}  # ref -> when the table may expire it at the earliest
         self.ends = {}  # ref -> its lifetime bound (grant + MAX)
         self.reclaimed = set()  # refs the scheduler ended early
-        self.requests = []  # dicts: ref, claim, readers, ranks: {rank: read_at, ended_at, released}
+        self.table.pin_s = 4.0  # shorter than the TTL, so both bounds a pin are exercised
+        self.requests = []  # dicts: ref, claim, readers, ranks: {rank: read_at, ended_at, released, pin_until}
         self.owner = {}  # ref -> the request whose claim owns the lease
         self.held_by = {}  # ref -> claims that got HELD
 
@@ -122,7 +126,7 @@ class LeaseModel(RuleBasedStateMachine):
         # Ranks ``first..first+readers-1`` read (e.g. decode ranks 2 and 3 of TP=4
         # reading producer rank 1 of TP=2), and a stray rank the owner did not count.
         claim = len(self.requests).to_bytes(16, "big")
-        ranks = {r: {"read_at": None, "ended_at": None, "released": False}
+        ranks = {r: {"read_at": None, "ended_at": None, "released": False, "pin_until": None}
                  for r in [*range(first, first + readers), self.STRAY]}
         self.requests.append({"ref": lease, "claim": claim, "readers": readers, "ranks": ranks})
 
@@ -161,6 +165,53 @@ class LeaseModel(RuleBasedStateMachine):
         if status is HELD:
             self.expiry[req["ref"]] = min(self.clock.t + self.TTL, self.ends[req["ref"]])
 
+    def _pin(self, req, rank):
+        """A read pin, sent as the rank posts its read (the worker's order)."""
+        sent = self.clock.t
+        (status,), pinned_s = self.table.pin(self._call(req, rank))
+        self._check(req, status)
+        assert pinned_s == 0 or status is HELD
+        if status is HELD:
+            self.expiry[req["ref"]] = min(self.clock.t + self.TTL, self.ends[req["ref"]])
+            assert pinned_s <= self.table.pin_s
+            if pinned_s > 0:
+                req["ranks"][rank]["pin_until"] = sent + pinned_s
+
+    def _may_own_live_leases(self):
+        """Requests whose lease is live here and owned by them or by no one."""
+        self.table.expire()
+        live = {lease.ref.generation for lease in self.table.leases()}
+        return [req for req in self.requests if req["ref"].epoch == self.epoch and req["ref"].generation in live
+                and self.owner.get(req["ref"], req) is req]
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def owner_reads_pinned(self, data):
+        """A rank of a request that owns (or may claim) a live lease posts its
+        read, pinned: most of ``read``'s picks are refused or too late."""
+        choices = [(req, rank) for req in self._may_own_live_leases() for rank, s in req["ranks"].items()
+                   if s["read_at"] is None and rank != self.STRAY]
+        if choices:
+            req, rank = data.draw(st.sampled_from(choices))
+            req["ranks"][rank]["read_at"] = self._versions(req["ref"])
+            self._pin(req, rank)
+
+    @precondition(lambda self: any(s["pin_until"] is not None for r in self.requests for s in r["ranks"].values()))
+    @rule(data=st.data())
+    def trust_on_pin(self, data):
+        """A pinned rank's read ends now; within its pin, the consumer trusts
+        it without a CONFIRM. (Not a rank the owner did not count, nor one
+        that released before its read ended: those are consumer bugs the
+        producer cannot see, as for a CONFIRM.)"""
+        choices = [(req, rank) for req in self.requests for rank, s in req["ranks"].items()
+                   if s["pin_until"] is not None]
+        req, rank = data.draw(st.sampled_from(choices))
+        s = req["ranks"][rank]
+        if self.clock.t < s["pin_until"] and rank != self.STRAY and not s["released"]:
+            never_freed = (0,) * len(s["read_at"])
+            assert s["read_at"] == self._versions(req["ref"]) == never_freed, (
+                f"a pin of {req['ref']} vouched for rank {rank}'s read of blocks freed before it ended")
+
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
     def release(self, data):
@@ -171,12 +222,14 @@ class LeaseModel(RuleBasedStateMachine):
             req["ranks"][rank]["released"] = True
 
     @precondition(lambda self: self.requests)
-    @rule(data=st.data())
-    def read(self, data):
+    @rule(data=st.data(), pin=st.sampled_from([True, True, False]))
+    def read(self, data, pin):
         req, rank = self._pick(data)
         s = req["ranks"][rank]
         if s["read_at"] is None:  # one read per rank of a consumer request, as the worker does
             s["read_at"] = self._versions(req["ref"])
+            if pin:
+                self._pin(req, rank)
 
     @precondition(lambda self: any(s["read_at"] is not None for r in self.requests for s in r["ranks"].values()))
     @rule(data=st.data(), release=st.booleans())
@@ -267,6 +320,14 @@ class LeaseModel(RuleBasedStateMachine):
                     self.version[b] += 1
         self.epoch += 1
         self.key = self.table._key
+        # A new epoch reaches a worker only with a new scheduler process (the
+        # engine restarted: its KV memory and endpoints are gone, so reads in
+        # flight fail and no pin is trusted) or after a wake from sleep (the
+        # producer waited for every pin before it slept). Either way no pin
+        # of the old epoch vouches for anything.
+        for req in self.requests:
+            for s in req["ranks"].values():
+                s["pin_until"] = None
         self.issued = [lease for lease in self.issued if lease.epoch == self.epoch]
         self.shipped = 0
 

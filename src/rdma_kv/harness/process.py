@@ -15,8 +15,11 @@ completions until ``open_gate()`` (so a test can act "while the reads are in
 flight" deterministically); ``idle_until_request`` does not step the
 engine before its first request, as vLLM does not (its workers know no
 lease epoch until then); the ``expire_leases`` command ends every lease
-now (after one step, which ships the grants of the prefills that just
-finished) and ``scribble_free`` overwrites every free block (memory reuse).
+as its expiry would (after one step, which ships the grants of the
+prefills that just finished; and once no read pin holds a lease, at most
+the producer's ``read_timeout_s``: a pin holds its lease against expiry,
+so a real expiry comes after it too) and ``scribble_free`` overwrites
+every free block (memory reuse).
 
 Imports the standard library, torch (in the child) and ``rdma_kv.harness.engine``.
 """
@@ -186,6 +189,9 @@ def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dic
                 elif op == "expire_leases":
                     engine.step()  # ships the grants of prefills that finished in the last step
                     leases = engine.worker.worker.leases
+                    pins_end = time.monotonic() + leases.pin_s
+                    while leases.pinned_for() > 0 and time.monotonic() < pins_end:
+                        time.sleep(0.01)
                     conn.send(("reply", len(leases.expire(now=float("inf")))))
                 elif op == "leases":
                     conn.send(("reply", [

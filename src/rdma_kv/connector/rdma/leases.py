@@ -62,6 +62,19 @@ altered to name other blocks fail too: FORGED when the token is the one this
 table granted (the params were edited), UNKNOWN otherwise. A call before
 this worker knows its epoch answers PENDING.
 
+Read pins (PIN at post, protocol 7). A RENEW with ``pin`` is a renewal
+that also *pins* each lease it answers HELD: until it is released or its
+``pinned_until`` (at most ``pin_s`` after the answer, never past its expiry
+and so never past the lifetime bound), neither reclaim nor sleep ends it
+(``reclaim`` marks it, and it ends as RECLAIMED when its pin does,
+whatever its renewals, and is not pinned again; ``RdmaProducer.suspend`` waits for it,
+``pinned_for``), and expiry cannot (its expiry is at least as late). HELD
+to a pin thus says the blocks were held from the grant until the answer
+*and* will be until ``pinned_until``: a consumer that sent the pin before
+posting its reads, and saw them land within the time granted from sending
+it, read blocks no one reused and needs no CONFIRM. (A push's pin,
+``pin_for_push``, is another thing: held until the push resolves.)
+
 Bounded lifetime. Renewals push a lease's expiry back, but never past
 ``max_s`` after its grant: then it ends (LIFETIME) whatever its owner asks,
 so a consumer that renews forever (a decode whose request waits long for
@@ -183,6 +196,9 @@ class Lease:
     """``granted_at + max_s``: no renewal reaches past it."""
     claim: _Claim | None = None
     renewals: int = 0
+    pinned_until: float = 0.0
+    """A read pin's end (``LeaseTable.pin``): until then nothing but its
+    release ends the lease."""
 
     @property
     def owner(self) -> bytes | None:
@@ -214,11 +230,18 @@ class LeaseTable:
     """Leases of one producer worker, each held at most ``max_s`` after its
     grant. ``clock`` is injectable for tests."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, max_s: float = 300.0) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, max_s: float = 300.0,
+                 pin_s: float = 10.0) -> None:
         if not max_s > 0:
             raise ValueError(f"a lease's max lifetime must be > 0 s, got {max_s}")
+        if not pin_s >= 0:
+            raise ValueError(f"a read pin's longest hold must be >= 0 s, got {pin_s}")
         self._clock = clock
         self.max_s = max_s
+        self.pin_s = pin_s
+        self._pins_open = True  # closed while the producer goes to sleep (close_pins)
+        """The longest a read pin holds a lease (the producer's
+        ``read_timeout_s``). 0: pins grant nothing (consumers CONFIRM)."""
         self._lock = threading.Lock()
         self._epoch: int | None = None
         self._key = b""
@@ -230,6 +253,7 @@ class LeaseTable:
         self._ended_readers = 0  # sum of len(tombstone.confirmed)
         self._early: dict[int, _Claim] = {}
         self._pinned: set[int] = set()  # generations a push is writing from (push mode)
+        self._reclaim_at_pin_end: set[int] = set()  # reclaimed while a read pin held them
         self._counts = Tally(LeaseCounters)
 
     # --- grants (from the producer scheduler, through step metadata) -------------
@@ -327,6 +351,44 @@ class LeaseTable:
         shipped: the TTL starts at the grant), GONE, CLAIMED or UNKNOWN."""
         self.expire()
         return self._each(calls, self._renew_one)
+
+    def pin(self, calls: Iterable[LeaseCall]) -> tuple[list[LeaseStatus], float]:
+        """A RENEW with ``pin``: the answers of :meth:`renew`, each HELD lease
+        also pinned until ``min(now + pin_s, its expiry)`` (module docstring);
+        and the shortest pin granted, in seconds from now (0 when no lease
+        was HELD, or ``pin_s`` is 0)."""
+        self.expire()
+        granted: list[float] = []
+
+        def pin_one(call: LeaseCall) -> LeaseStatus:
+            status = self._renew_one(call)
+            if status is HELD and self._pins_open and call.ref.generation not in self._reclaim_at_pin_end:
+                lease = self._leases[call.ref.generation]
+                now = self._clock()
+                until = min(now + self.pin_s, lease.expires_at)  # the TTL, and the lifetime bound
+                lease.pinned_until = max(lease.pinned_until, until)
+                granted.append(max(0.0, until - now))
+                self._counts.add("pinned")
+            return status
+
+        statuses = self._each(calls, pin_one)
+        return statuses, min(granted, default=0.0)
+
+    def close_pins(self) -> None:
+        """Grant no read pin from now on (pins answer ``pinned_s`` 0: their
+        consumers CONFIRM); the producer is about to unregister its KV cache."""
+        with self._lock:
+            self._pins_open = False
+
+    def open_pins(self) -> None:
+        with self._lock:
+            self._pins_open = True
+
+    def pinned_for(self) -> float:
+        """Seconds until the last read pin of a live lease ends (0: none is pinned)."""
+        with self._lock:
+            now = self._clock()
+            return max([lease.pinned_until - now for lease in self._leases.values()] + [0.0])
 
     def confirm(self, calls: Iterable[LeaseCall], release: bool) -> list[LeaseStatus]:
         """HELD iff the lease's blocks were held from its grant until now and
@@ -456,6 +518,7 @@ class LeaseTable:
 
     def _end(self, generation: int, how: Ending) -> None:
         lease = self._leases.pop(generation)
+        self._reclaim_at_pin_end.discard(generation)
         self._done.add(lease.ref.request_id)
         self._bury(generation, how, lease.claim)
         if len(self._heap) > 2 * len(self._leases) + HEAP_SLACK:
@@ -487,6 +550,10 @@ class LeaseTable:
                 lease = self._leases.get(generation)
                 if lease is None:
                     continue  # ended earlier
+                if generation in self._reclaim_at_pin_end and lease.pinned_until <= now:
+                    self._end(generation, Ending.RECLAIMED)  # reclaimed while its read pin held it
+                    expired.append(lease.ref.request_id)
+                    continue
                 if lease.expires_at > now:  # renewed since this entry was pushed
                     heapq.heappush(self._heap, (lease.expires_at, generation))
                     continue
@@ -521,15 +588,23 @@ class LeaseTable:
     def reclaim(self, generations: Iterable[int]) -> list[RequestId]:
         """End the live leases among ``generations`` now (the producer's
         scheduler frees their blocks for new prefills); returns their
-        request ids. Generations not live (ended, or not granted here) are
-        passed over."""
+        request ids. Generations not live (ended, or not granted here) or
+        written from by a push are passed over; one a consumer reads under a
+        read pin ends when its pin does (``expire``)."""
         ended = []
         with self._lock:
             for generation in generations:
                 lease = self._leases.get(generation)
-                if lease is not None and generation not in self._pinned:  # a pinned one ends when its push does
-                    self._end(generation, Ending.RECLAIMED)
-                    ended.append(lease.ref.request_id)
+                if lease is None or generation in self._pinned:  # a push's pin ends when its push does
+                    continue
+                if lease.pinned_until > self._clock():  # a consumer reads it under a pin: end it after
+                    if generation not in self._reclaim_at_pin_end:
+                        self._reclaim_at_pin_end.add(generation)
+                        self._counts.add("reclaim_after_pin")
+                        heapq.heappush(self._heap, (lease.pinned_until, generation))
+                    continue
+                self._end(generation, Ending.RECLAIMED)
+                ended.append(lease.ref.request_id)
         return ended
 
     def take_done(self) -> set[RequestId]:

@@ -96,6 +96,9 @@ class ProducerHandler:
             agent_metadata(), wire.GeometryWire.from_geometry(self._geometry), self.registration)
 
     def on_renew(self, request: wire.Renew) -> wire.LeaseReply:
+        if request.pin:
+            statuses, pinned_s = self._leases.pin(_calls(request))
+            return wire.LeaseReply(statuses, self._lease_ttl_s, pinned_s)
         return wire.LeaseReply(self._leases.renew(_calls(request)), self._lease_ttl_s)
 
     def on_confirm(self, request: wire.Confirm) -> wire.LeaseReply:
@@ -149,7 +152,7 @@ class RdmaProducer:
         self._engine_id = engine_id
         self._settings = settings
         self._secret = secret
-        self.leases = LeaseTable(clock, max_s=settings.lease_max_s)
+        self.leases = LeaseTable(clock, max_s=settings.lease_max_s, pin_s=settings.read_timeout_s)
         self.handler: ProducerHandler | None = None
         self._block_size = 0
         self.server: SideChannelServer | None = None
@@ -220,12 +223,20 @@ class RdmaProducer:
     def suspend(self) -> None:
         """Before the KV cache is unregistered (sleep): every lease ends, GONE
         to every later call (its consumer's load fails), and handshakes are
-        refused until :meth:`resume`."""
+        refused until :meth:`resume`. A consumer reading under a read pin
+        trusts its reads without a CONFIRM, so no new pin is granted from now
+        on, and this first waits until every pin was released or ended (at
+        most ``read_timeout_s``, the longest a pin lasts)."""
         if self.handler is not None:
             self.handler.suspend()
+        self.leases.close_pins()
+        deadline = time.monotonic() + self.leases.pin_s
+        while (left := self.leases.pinned_for()) > 0 and time.monotonic() < deadline:
+            time.sleep(min(left, 0.005))
         self.leases.end_all(Ending.SLEEP)
 
     def resume(self, transport: Transport, geometry: KVCacheGeometry, registration: int) -> None:
+        self.leases.open_pins()
         if self.handler is not None:
             self.handler.resume(transport.metadata, geometry, registration, self._new_pusher(transport, geometry))
 

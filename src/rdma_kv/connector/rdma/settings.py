@@ -127,6 +127,13 @@ class RdmaSettings:
     legs at once) and READ in pull mode. Needs ``router_http_address``."""
     router_http_address: str | None = None
     """``host:port`` of this engine's OpenAI server, where the router sends requests."""
+    read_pin: bool = True
+    """Pull mode: pin each source's lease as its reads are posted (a RENEW
+    with ``pin``, answered during the reads) and trust reads that land
+    within the pin without a CONFIRM round trip after them; the lease is
+    then released by a RELEASE nobody waits for. ``false``: CONFIRM after
+    every read (one round trip more per load). Reads that land after their
+    pin ended, or whose pin was not granted, are CONFIRMed either way."""
     push_layerwise: bool = True
     """Push mode, concurrent dispatch: write each layer's complete blocks as
     the prefill stores it (``save_kv_layer``; host-memory KV caches) rather
@@ -176,6 +183,7 @@ class RdmaSettings:
         values["allow_unauthenticated"] = get("allow_unauthenticated", False, type=bool)
         values["mode"] = get("mode", "pull", type=str)
         values["push_layerwise"] = get("push_layerwise", True, type=bool)
+        values["read_pin"] = get("read_pin", True, type=bool)
         for name in ("router_discovery_address", "router_http_address"):
             values[name] = get(name, None, type=str)
         if (values["router_discovery_address"] is None) != (values["router_http_address"] is None):

@@ -270,6 +270,13 @@ class ConsumerCounters(Counters):
     renew_rpcs: int = 0
     """RENEW calls answered (whatever the answer)."""
     release_rpcs: int = 0
+    pin_rpcs: int = 0
+    """PIN calls (a RENEW with ``pin``, sent as a source's reads are posted) answered."""
+    pin_trusted: int = 0
+    """Sources whose reads landed within their pin: trusted without a CONFIRM."""
+    pin_fallbacks: int = 0
+    """Sources CONFIRMed although pinned: the pin was not granted (PENDING,
+    the call failed) or the reads landed after it ended."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -283,6 +290,11 @@ class LeaseCounters(Counters):
     released_early: int = 0
     """Released by every reader before its grant reached the table."""
     renewed: int = 0
+    pinned: int = 0
+    """Leases a consumer's PIN (a RENEW with ``pin``) pinned for its reads."""
+    reclaim_after_pin: int = 0
+    """Leases the scheduler reclaimed while a read pin held them: each ends
+    (``reclaimed``) when its pin does, unless released first."""
     confirmed: int = 0
     refused_confirm: int = 0
     reader_released: int = 0

@@ -75,7 +75,7 @@ __all__ = [
     "check_reader",
 ]
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """The side channel's version: both ends must speak the same one. A peer of
 another version is refused with a message naming both versions (a version-1
 producer answers HELLO with ``error``, which the client reports as a version
@@ -115,6 +115,13 @@ refuses as unknown: ``forbid_unknown_fields``):
    PUSH (a lease, the decode's allocation ``token`` and both sides' block
    ids: the producer writes those blocks) and PUSH_QUERY (state, or abort)
    answered ``push{state, detail, writes_end_within_s}``.
+7. (2026-11-26) PIN at post: RENEW names ``pin``; a HELD answer to a pin
+   also holds the lease against expiry, reclaim and sleep for the reply's
+   ``pinned_s`` (the shortest granted among the HELD ones) from the
+   producer's answer. A consumer that pins when it posts its reads, and
+   whose reads land within ``pinned_s`` of sending the pin, trusts them
+   without a CONFIRM and releases the lease with a RELEASE it does not
+   wait for; otherwise it CONFIRMs as before.
 """
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 16 << 20  # agent metadata (worker address + rkeys) plus geometry
@@ -237,8 +244,14 @@ class Handshake(msgspec.Struct, frozen=True, tag="handshake", forbid_unknown_fie
 
 
 class Renew(msgspec.Struct, frozen=True, tag="renew", forbid_unknown_fields=True):
+    """Push these leases' expiry back. With ``pin`` (sent as a consumer
+    posts its reads), a HELD lease is also *pinned*: held, whatever else
+    happens to the producer (reclaim, its lifetime bound, sleep), until it
+    is released or the reply's ``pinned_s`` from the answer have passed."""
+
     version: int
     leases: Leases
+    pin: bool = False
 
 
 class Confirm(msgspec.Struct, frozen=True, tag="confirm", forbid_unknown_fields=True):
@@ -371,6 +384,9 @@ class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_ok", forbid_unk
 class LeaseReply(msgspec.Struct, frozen=True, tag="lease", forbid_unknown_fields=True):
     statuses: Annotated[list[LeaseStatus], msgspec.Meta(max_length=MAX_LEASES_PER_MESSAGE)]
     ttl_s: float
+    pinned_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """To a RENEW with ``pin``: every HELD lease of the call is pinned for at
+    least this long from the answer (0: none is)."""
 
 
 class Refused(msgspec.Struct, frozen=True, tag="refused", forbid_unknown_fields=True):

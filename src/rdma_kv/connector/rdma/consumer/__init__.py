@@ -11,6 +11,9 @@ may import):
   failure, retry, the registration check) and every slot table.
 - ``confirms``: validate-after-read, CONFIRM calls queued, batched per
   peer and retried.
+- ``pins``: PIN at post: a source's lease pinned as its reads are posted
+  (reads that land within the pin need no CONFIRM), and the RELEASEs
+  that follow, batched per peer.
 - ``lease_rpc``: RENEW and RELEASE calls, whom they go to, which are due.
 - ``records``: a load and its sources, and the :class:`LoadBook` of loads
   the worker reports (it outlives a consumer put to sleep).

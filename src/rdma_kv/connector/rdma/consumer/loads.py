@@ -5,13 +5,17 @@ Owns :class:`RdmaConsumer`. A load goes HANDSHAKE -> READING -> CONFIRMING
 per producer rank it reads (the rank plan, ``peers``). One source's reads
 are one ``read_prepared`` call (vectorised index math plus one C loop), on
 the engine thread when the peer is ready, else on the RPC thread that ended
-the handshake. Completion arrives on the transport's progress thread; the
-source is then confirmed (``confirms``); the load is DONE once all are.
+the handshake. Its lease is pinned as they are posted (``pins``, unless
+``read_pin`` is off). Completion arrives on the transport's progress
+thread; the source is then trusted on its pin if its reads landed within
+it, else confirmed (``confirms``); the load is DONE once all are.
 
 Guarantees, and where they are kept:
 
-- ``done_recving`` without load errors only after the producer confirmed
-  the lease was held during the whole read (``confirms``).
+- ``done_recving`` without load errors only after the producer vouched
+  that the lease was held during the whole read: a pin granted before the
+  reads landed and lasting past that (``pins``), or a CONFIRM after them
+  (``confirms``).
 - A failed, unconfirmed, refused or unreachable load is reported in
   ``done_recving`` *and* its blocks in ``take_load_errors``, in the same
   step (``records.LoadBook``); the deadlines (read: the transport's
@@ -29,8 +33,8 @@ Load-failure warnings are rate-limited per producer (``lograte``).
 
 Imports the standard library, ``rdma_kv.errors``, the connector's
 ``types`` and its ``rdma`` modules ``meta``, ``settings``, ``slots``,
-``lograte``, ``transport_api`` and the consumer's ``clients``, ``confirms``,
-``lease_rpc``, ``peers``, ``pushes`` and ``records``. Never the producer's modules.
+``lograte``, ``transport_api``, ``wire`` and the consumer's ``clients``,
+``confirms``, ``lease_rpc``, ``peers``, ``pins``, ``pushes`` and ``records``. Never the producer's modules.
 """
 
 from __future__ import annotations
@@ -40,12 +44,15 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
+from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.consumer.clients import ClientPool
 from rdma_kv.connector.rdma.consumer.confirms import Confirmations
-from rdma_kv.connector.rdma.consumer.lease_rpc import LeaseCalls
+from rdma_kv.connector.rdma.consumer.lease_rpc import REFUSALS, LeaseCalls, refusal_reason
 from rdma_kv.connector.rdma.consumer.peers import Connection, LocalKV, PeerDirectory, PeerState
+from rdma_kv.connector.rdma.consumer.pins import PIN_MARGIN_S, Pins
 from rdma_kv.connector.rdma.consumer.pushes import PushHandle, Pushes
-from rdma_kv.connector.rdma.consumer.records import LoadBook, LoadStage, LoadState, Source, SourceStage
+from rdma_kv.connector.rdma.consumer.records import (LoadBook, LoadStage, LoadState, PinStage, Source,
+                                                     SourceStage)
 from rdma_kv.connector.rdma.lograte import RateLimitedWarnings
 from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress, RemoteLease
 from rdma_kv.connector.rdma.settings import RdmaSettings
@@ -80,6 +87,7 @@ class RdmaConsumer:
                                    self._handshake_done)
         self.leases = LeaseCalls(settings, self.peers.plan, pool, book, self._fail)
         self._confirms = Confirmations(self._lock, pool, self.peers, self.leases, self._fail, self._confirmed)
+        self._pins = Pins(book, pool, self.leases, self._on_pin, self.peers.failed)
         self._asleep: str | None = None  # why loads fail at once (suspend)
         self.pushes = (Pushes(local, engine_id, registration, settings, pool, self.peers.failed,
                               self.peers.local_table, clock)
@@ -177,6 +185,9 @@ class RdmaConsumer:
             src.stage, src.resolved = SourceStage.READING, False
             if load.stage is HANDSHAKE:
                 load.stage = READING
+            pin = self.pushes is None and self._settings.read_pin
+            if pin:
+                self._pins.pin(peer, load, src)
         if self.pushes is not None:
             self._push(load, src, peer)
             return
@@ -194,6 +205,8 @@ class RdmaConsumer:
             with self._lock:
                 src.resolved = True
                 self._fail(load, f"posting reads from {spec.peer.engine_id!r} rank {read.rank} failed: {exc}")
+            if pin:
+                self._pins.flush(peer)  # its answer finds the load failed (the pin then ends with the RELEASE)
             if not isinstance(exc, (ValueError, ConfigError)):
                 self.peers.failed(peer, str(exc))
             return
@@ -204,6 +217,8 @@ class RdmaConsumer:
             load.measures = load.measures.with_(num_blocks=pairs.num_blocks).add(
                 block_runs=runs, nbytes_skipped=skipped, plan_s=max(0.0, xfer.started - t0), post_s=xfer.post_s)
         xfer.add_done_callback(functools.partial(self._on_read_done, load, src, peer))
+        if pin:
+            self._pins.flush(peer)  # after the post: the pin's round trip runs beside the reads
 
     def _push(self, load: LoadState, src: Source, peer: PeerState) -> None:
         """Push mode: register this source's blocks with its producer rank,
@@ -262,7 +277,7 @@ class RdmaConsumer:
                 if load.read_resolved:
                     self._finish_aborted(load)
             elif load.all_confirmed:
-                self._confirmed(load, self._clock())
+                self._confirmed(load, time.perf_counter())  # confirm_started's clock
 
     def _stop_pushes(self, load: LoadState) -> None:
         """Ask the producers to stop the load's pushes still running (lock held)."""
@@ -274,6 +289,7 @@ class RdmaConsumer:
     def _on_read_done(self, load: LoadState, src: Source, peer: PeerState, xfer: TransferHandle) -> None:
         """Transport progress thread: one source's reads completed or failed."""
         failed = xfer.error is not None
+        landed = time.perf_counter()
         with self._lock:
             load.measures = load.measures.add(nbytes=xfer.nbytes, num_descs=xfer.num_descs,
                                               ops_posted=xfer.ops_posted).at_least(transfer_s=xfer.elapsed_s)
@@ -283,19 +299,56 @@ class RdmaConsumer:
                 self._fail(load, f"reads from {load.spec.peer.engine_id!r} rank {src.read.rank} "
                                  f"failed: {xfer.error}")
             elif not load.stage.terminal:
-                src.stage = SourceStage.CONFIRMING
+                src.stage, src.landed_at = SourceStage.CONFIRMING, landed
                 if load.error is not None:
                     self._fail(load, load.error)  # failed while reads were in flight
                 elif load.aborted:
                     if load.read_resolved:
                         self._finish_aborted(load)
                 else:
-                    self._confirms.queue(peer, load, src)
                     if load.all_confirming:
                         load.stage = CONFIRMING
-                        load.confirm_started = time.perf_counter()
+                        load.confirm_started = landed
+                    self._trust_or_confirm(load, src, peer)
         if failed:
             self.peers.failed(peer, str(xfer.error))
+
+    def _trust_or_confirm(self, load: LoadState, src: Source, peer: PeerState) -> None:
+        """``src``'s reads landed, and its load is live: trust them on its
+        pin, or CONFIRM them (lock held)."""
+        if src.pin is PinStage.SENT:
+            return  # its pin's answer decides (_on_pin)
+        if src.pin is PinStage.HELD and src.landed_at <= src.pin_until:
+            # Held from the grant until the pin's answer, and pinned from
+            # there past the moment the reads landed: nobody reused the blocks.
+            src.stage = SourceStage.CONFIRMED
+            self._book.counters.add("pin_trusted")
+            self._pins.release(peer, load, src)
+            if load.all_confirmed:
+                self._confirmed(load, time.perf_counter())
+            return
+        if src.pin is not PinStage.NONE:
+            self._book.counters.add("pin_fallbacks")
+        self._confirms.queue(peer, load, src)
+
+    def _on_pin(self, load: LoadState, src: Source, peer: PeerState, status: wire.LeaseStatus | None,
+                pinned_s: float) -> None:
+        """A renewal thread: ``src``'s pin was answered (``status``; None: the
+        call failed) with ``pinned_s`` granted. Lock held."""
+        if load.stage.terminal or src.stage not in (SourceStage.READING, SourceStage.CONFIRMING):
+            return
+        if status is wire.LeaseStatus.HELD and pinned_s > PIN_MARGIN_S:
+            src.pin, src.pin_until = PinStage.HELD, src.pin_sent + pinned_s - PIN_MARGIN_S
+        elif status in REFUSALS:
+            assert status is not None
+            src.pin, src.released = PinStage.DECLINED, True  # the producer holds nothing for this reader
+            reason = refusal_reason(status, load.spec.peer.engine_id, load.spec.lease.generation)
+            self._fail(load, f"{reason}; the data read cannot be trusted, discarded")  # once no read can land
+            return
+        else:
+            src.pin = PinStage.DECLINED  # PENDING, no time granted, or the call failed: CONFIRM
+        if src.stage is SourceStage.CONFIRMING and load.error is None and not load.aborted:
+            self._trust_or_confirm(load, src, peer)
 
     def _confirmed(self, load: LoadState, now: float) -> None:
         """Every source of ``load`` was confirmed HELD (lock held)."""
@@ -418,7 +471,7 @@ class RdmaConsumer:
         with self._lock:
             out = {"inflight_loads": len(self._book.loads), "peers": len(self.peers),
                    "clients": len(self._pool), "unreported": self._book.num_unreported,
-                   "confirm_queue": len(self._confirms)}
+                   "confirm_queue": len(self._confirms) + len(self._pins)}
         if self.pushes is not None:
             out["pushes_running"] = self.pushes.running()
         return out
@@ -440,3 +493,4 @@ class RdmaConsumer:
         with self._lock:
             self.peers.clear()
             self._confirms.clear()
+            self._pins.clear()

@@ -32,7 +32,7 @@ from rdma_kv.connector.rdma.topology import Read
 from rdma_kv.connector.rdma.transport_api import TransferHandle
 from rdma_kv.connector.types import BlockId, RequestId
 
-__all__ = ["LoadBook", "LoadStage", "LoadState", "Source", "SourceStage"]
+__all__ = ["LoadBook", "LoadStage", "LoadState", "PinStage", "Source", "SourceStage"]
 
 
 class LoadStage(enum.Enum):
@@ -55,8 +55,18 @@ class SourceStage(enum.Enum):
 
     WAITING = "waiting"  # its peer's handshake is in flight
     READING = "reading"  # reads posted, the transfer not yet resolved
-    CONFIRMING = "confirming"  # reads landed; CONFIRM(release) queued or sent
-    CONFIRMED = "confirmed"  # the producer answered HELD (and released the lease for this reader)
+    CONFIRMING = "confirming"  # reads landed; waiting for its pin's answer, or CONFIRM(release) queued or sent
+    CONFIRMED = "confirmed"  # trusted: landed within its pin, or the producer's CONFIRM answered HELD
+
+
+class PinStage(enum.Enum):
+    """Where a source's read pin is (pull mode, ``pins``): a lease pinned
+    when its reads were posted vouches for reads that land within the pin."""
+
+    NONE = "none"  # not pinned: push mode, pins off, or its reads not posted
+    SENT = "sent"  # queued or sent; no answer yet
+    HELD = "held"  # granted until ``Source.pin_until``
+    DECLINED = "declined"  # not granted (PENDING, no time granted, the call failed): CONFIRM instead
 
 
 @dataclasses.dataclass(eq=False)
@@ -73,6 +83,14 @@ class Source:
     released: bool = False
     """This reader's share of the lease needs no RELEASE any more (sent, confirmed
     with release, or refused by the producer)."""
+    pin: PinStage = PinStage.NONE
+    pin_sent: float = 0.0
+    """``perf_counter()`` when its pin was queued (the pin runs from later)."""
+    pin_until: float = 0.0
+    landed_at: float = 0.0
+    """``perf_counter()`` when its reads were seen to land (0: not yet)."""
+    """``perf_counter()`` by which its reads must have landed to be trusted
+    on the pin (``pin_sent`` plus the time granted, less a margin)."""
 
 
 @dataclasses.dataclass(eq=False)
