@@ -16,9 +16,12 @@ goes to a log file):
 
 Parent: :class:`EngineProcess` (``start``, ``generate``, ``kill``,
 ``close``, ``log``); every wait is bounded (``timeout_s``), and a child
-that dies or times out raises with the tail of its log.
+that dies or times out raises with the tail of its log. The child has its
+own temporary directory (``tiny_model.PrivateTmp``: vLLM's IPC sockets),
+removed by ``kill()`` and ``close()``.
 
-Imports only the standard library at module level: vLLM runs in children.
+Imports only the standard library and ``tiny_model`` (free to import) at
+module level: vLLM runs in children.
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from tiny_model import PrivateTmp  # noqa: E402
+
 T = TypeVar("T")
 
 
@@ -47,15 +55,22 @@ class EngineProcess:
                  timeout_s: float = 120.0) -> None:
         self.name, self.timeout_s = name, timeout_s
         self.log_path = Path(log_dir) / f"{name}.log"
+        self.tmp = PrivateTmp(name)
         read_fd, write_fd = os.pipe()
-        child_env = {**os.environ, **(env or {}), "UCX_NET_DEVICES": "lo"}
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, __file__, "--result-fd", str(write_fd), "--model-dir", model_dir,
-                 *(["--multiprocessing"] if multiprocessing else [])],
-                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
-                env=child_env, pass_fds=(write_fd,), start_new_session=True)
-        os.close(write_fd)
+        child_env = {**os.environ, **(env or {}), "UCX_NET_DEVICES": "lo", **self.tmp.env}
+        try:
+            with open(self.log_path, "w") as log:
+                self.proc = subprocess.Popen(
+                    [sys.executable, __file__, "--result-fd", str(write_fd), "--model-dir", model_dir,
+                     *(["--multiprocessing"] if multiprocessing else [])],
+                    stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
+                    env=child_env, pass_fds=(write_fd,), start_new_session=True)
+        except BaseException:
+            os.close(read_fd)
+            self.tmp.remove()
+            raise
+        finally:
+            os.close(write_fd)
         self._results = os.fdopen(read_fd)
         self._starting: dict[str, Any] | None = None
         self._stepping: dict[str, Any] | None = None
@@ -172,6 +187,7 @@ class EngineProcess:
             except ProcessLookupError:
                 pass
         self.proc.wait(timeout=30)
+        self.tmp.remove()  # the sockets a killed vLLM leaves
 
     def close(self, timeout_s: float = 60.0) -> None:
         if self.proc.poll() is None:
@@ -181,6 +197,7 @@ class EngineProcess:
             except Exception:
                 self.kill()
         self._results.close()
+        self.tmp.remove()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

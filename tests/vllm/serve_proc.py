@@ -16,7 +16,9 @@ the online P/D tests and ``bench/router_pd.py``.
 Every wait is bounded and polls (``/health`` every 0.25 s); a child that
 exits or does not become ready raises with the tail of its log. Each child
 runs in its own session, so ``kill()`` takes its whole process group
-(vLLM's EngineCore included).
+(vLLM's EngineCore included), and with its own temporary directory
+(``tiny_model.PrivateTmp``: vLLM's IPC sockets), removed by ``kill()`` and
+``close()``.
 
 Imports only the standard library: vLLM runs in the children.
 """
@@ -41,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from tiny_model import BLOCK_SIZE, KV_CACHE_MEMORY_BYTES, MAX_MODEL_LEN, UNSET_ENV, vllm_env  # noqa: E402
+from tiny_model import BLOCK_SIZE, KV_CACHE_MEMORY_BYTES, MAX_MODEL_LEN, UNSET_ENV, PrivateTmp, vllm_env  # noqa: E402
 
 ROUTER_VERSION = "0.1.17"
 """The vllm-router release the docs and tests name (scripts/install-vllm.sh pins it)."""
@@ -70,17 +72,24 @@ def have_router() -> bool:
 
 
 class _Child:
-    """A child process in its own session whose output goes to a log file."""
+    """A child process in its own session, with its own temporary directory,
+    whose output goes to a log file."""
 
     name: str
     log_path: Path
     proc: subprocess.Popen[bytes]
+    tmp: PrivateTmp
 
     def _spawn(self, argv: Sequence[str], env: Mapping[str, str]) -> None:
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, env=dict(env),
-                                         start_new_session=True)
+        self.tmp = PrivateTmp(self.name)
+        try:
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log,
+                                             stderr=subprocess.STDOUT, env={**env, **self.tmp.env},
+                                             start_new_session=True)
+        except BaseException:
+            self.tmp.remove()
+            raise
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -96,6 +105,7 @@ class _Child:
         """SIGKILL the whole process group, now (a crash, as far as peers see)."""
         self._signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
+        self.tmp.remove()  # the sockets a killed vLLM leaves
 
     def _signal(self, sig: int) -> None:
         if self.proc.poll() is None:
@@ -114,6 +124,7 @@ class _Child:
                 pass
         self._signal(signal.SIGKILL)  # the EngineCore too, should it outlive its parent
         self.proc.wait(timeout=30)
+        self.tmp.remove()
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -4,8 +4,9 @@ Nothing is downloaded: the weights are random (seeded), the tokenizer is a
 word-level ``tokenizers`` model built from a fixed vocabulary, and both are
 written with ``save_pretrained`` so that ``vllm.LLM(model=path)`` loads them
 with ``HF_HUB_OFFLINE=1``. Also the knobs that make vLLM's CPU build run in
-seconds on 2 cores (``vllm_env``, ``llm_kwargs``) and greedy-generation
-helpers (``make_llm``, ``greedy``, ``generate_greedy``).
+seconds on 2 cores (``vllm_env``, ``llm_kwargs``), a vLLM child's own
+temporary directory (``PrivateTmp``) and greedy-generation helpers
+(``make_llm``, ``greedy``, ``generate_greedy``).
 
 Imports torch, transformers and tokenizers only inside ``build_tiny_llama``
 and vLLM only inside the generation helpers, so importing this module is
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ __all__ = [
     "KV_CACHE_MEMORY_BYTES",
     "MAX_MODEL_LEN",
     "PROMPTS",
+    "PrivateTmp",
     "UNSET_ENV",
     "apply_vllm_env",
     "build_tiny_llama",
@@ -227,6 +231,30 @@ def apply_vllm_env(environ: Any = os.environ, *, multiprocessing: bool = False) 
     environ.update(vllm_env(multiprocessing=multiprocessing))
     for key in UNSET_ENV:
         environ.pop(key, None)
+
+
+class PrivateTmp:
+    """A directory of one vLLM child's own for its temporary files.
+
+    vLLM binds its ZMQ IPC sockets at ``ipc://$VLLM_RPC_BASE_PATH/<uuid4>``
+    (``vllm.utils.network_utils.get_open_zmq_ipc_path``; the variable
+    defaults to ``tempfile.gettempdir()``, that is ``$TMPDIR`` or /tmp) and
+    unlinks them only on a clean exit: an engine killed by a test leaves
+    them behind, thousands over a run. ``env`` points both variables here;
+    the owner calls ``remove()`` once the child is gone, SIGKILLed or not.
+    Made directly under the system's temporary directory with a short
+    name, never in a pytest ``tmp_path``: a socket's path must fit
+    ``sun_path`` (107 bytes) with the 36-character uuid."""
+
+    def __init__(self, name: str) -> None:
+        self.path = tempfile.mkdtemp(prefix=f"vllm-tmp-{name[:16]}-")
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"TMPDIR": self.path, "VLLM_RPC_BASE_PATH": self.path}
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
 def llm_kwargs(model_path: str, **overrides: Any) -> dict[str, Any]:

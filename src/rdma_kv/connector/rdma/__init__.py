@@ -16,8 +16,10 @@ Modules, by role (each docstring says what it owns and may import):
 - producer: ``producer`` (the side-channel handler, starting and stopping
   the server, the lease table's owner), ``leases`` (the lease table and its
   expiry: where a lease expires), ``sidechannel`` (the server),
-  ``sideconn`` (an accepted connection's record, the server's counters) and
-  ``admission`` (its connection limits). The consumer's modules and these
+  ``sidehandler`` (the Protocols it dispatches to, and what a lease answer
+  means to it), ``sideconn`` (an accepted connection's record, the server's
+  counters), ``sidetrust`` (trust earned by a lease) and ``admission`` (its
+  connection limits). The consumer's modules and these
   never import each other (``tests/test_layering.py``).
 - shared records and plumbing: ``params`` (typed kv_transfer_params),
   ``settings`` (extra config), ``meta`` (step and handshake metadata),

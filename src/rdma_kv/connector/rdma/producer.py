@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 
 class ProducerHandler:
-    """Implements :class:`~rdma_kv.connector.rdma.sidechannel.Handler`."""
+    """Implements :class:`~rdma_kv.connector.rdma.sidehandler.PushHandler`."""
 
     def __init__(self, engine_id: EngineId, rank: wire.RankInfo, lease_ttl_s: float, leases: LeaseTable,
                  compat: wire.CompatInfo, agent_metadata: Callable[[], bytes],

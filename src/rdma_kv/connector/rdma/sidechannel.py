@@ -42,7 +42,9 @@ summary line (``lograte.EventSummary``), never one line per connection.
 Imports the standard library, msgspec, ``rdma_kv.errors``, ``rdma.admission``,
 ``rdma.auth``, ``rdma.framing`` (the length header), ``rdma.lograte``,
 ``rdma.sideconn`` (a connection's record, the server's counters),
-``rdma.sidetrust`` (trust earned by a lease), ``rdma.stats`` and
+``rdma.sidehandler`` (the :class:`Handler` Protocols, re-exported here, and
+what a lease answer means: FORGED/UNKNOWN accounting, trust earned by a held
+lease), ``rdma.sidetrust`` (trust earned by a lease), ``rdma.stats`` and
 ``rdma.wire``.
 """
 
@@ -56,8 +58,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
@@ -65,11 +66,12 @@ from rdma_kv.connector.rdma import auth, framing, wire
 from rdma_kv.connector.rdma.admission import Admission, ConnectionLimits
 from rdma_kv.connector.rdma.lograte import EventSummary
 from rdma_kv.connector.rdma.sideconn import EVICTED, REFUSED, Accepted, Phase, SideChannelCounters, abort, bind_advice
+from rdma_kv.connector.rdma.sidehandler import Handler, LeaseReplies, PushHandler
 from rdma_kv.connector.rdma.sidetrust import LeaseTrust
 from rdma_kv.connector.rdma.stats import Tally
 from rdma_kv.errors import ConfigError, MetadataError
 
-__all__ = ["ConnectionLimits", "Handler", "SideChannelCounters", "SideChannelServer", "bind_advice"]
+__all__ = ["ConnectionLimits", "Handler", "PushHandler", "SideChannelCounters", "SideChannelServer", "bind_advice"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,34 +82,6 @@ ACCEPTS_PER_TURN = 64
 """Connections accepted per loop turn before the loop serves the open ones
 again: a connect flood cannot starve consumers already connected."""
 RECV_BYTES = 65536
-
-
-class Handler(Protocol):
-    """What the server dispatches to (the worker implements it)."""
-
-    def on_handshake(self, request: wire.Handshake) -> wire.HandshakeReply | wire.Refused: ...
-
-    def on_renew(self, request: wire.Renew) -> wire.LeaseReply: ...
-
-    def on_confirm(self, request: wire.Confirm) -> wire.LeaseReply: ...
-
-    def on_release(self, request: wire.Release) -> wire.LeaseReply: ...
-
-    def holds(self, leases: Iterable[tuple[int, int]]) -> bool:
-        """Whether any of these (epoch, generation) leases is live."""
-        ...
-
-
-class PushHandler(Handler, Protocol):
-    """A handler that also takes push mode's requests (``producer.ProducerHandler``)."""
-
-    def on_push_hello(self, request: wire.PushHello) -> wire.PushReply: ...
-
-    def on_push(self, request: wire.Push) -> wire.PushReply: ...
-
-    def on_push_reg(self, request: wire.PushReg) -> wire.PushReply: ...
-
-    def on_push_query(self, request: wire.PushQuery) -> wire.PushReply: ...
 
 
 class SideChannelServer:
@@ -176,6 +150,8 @@ class SideChannelServer:
         self._next_trust_check = 0.0
         self._closed = threading.Event()
         self._counts = Tally(SideChannelCounters)  # counted on the loop thread only
+        self._lease_replies = LeaseReplies(name, self._counts, self._events,
+                                           self._lease_trust if secret is None else None)
         self._thread = threading.Thread(target=self._loop, name=f"{name}-loop", daemon=True)
         self._thread.start()
 
@@ -378,35 +354,11 @@ class SideChannelServer:
         if conn.trusted:
             self._admission.touch(conn)
         if isinstance(reply, wire.LeaseReply) and isinstance(request, (wire.Renew, wire.Confirm, wire.Release)):
-            self._on_lease_reply(conn, request, reply)
+            if self._lease_replies.earns_trust(conn, request, reply):
+                self._trust(conn)
         elif isinstance(reply, wire.HandshakeReply):
             conn.handshaken = True  # the opening is done: idle-bounded from now on (_reschedule)
         self._send(conn, reply)
-
-    def _on_lease_reply(self, conn: Accepted, request: wire.Renew | wire.Confirm | wire.Release,
-                        reply: wire.LeaseReply) -> None:
-        forged = sum(status is wire.LeaseStatus.FORGED for status in reply.statuses)
-        unknown = sum(status is wire.LeaseStatus.UNKNOWN for status in reply.statuses)
-        if forged:
-            self._counts.add("forged", forged)
-            self._events.event("forged", conn.source, "side channel %s: %s presented %d lease(s) with "
-                               "kv_transfer_params altered to name blocks the lease does not cover "
-                               "(answered FORGED; nothing was read under them that will be used)",
-                               self._name, conn.addr, forged)
-        if unknown:
-            self._counts.add("unknown", unknown)
-            self._events.event("unknown", conn.source, "side channel %s: %s presented %d lease(s) whose "
-                               "token does not verify: kv_transfer_params altered (other blocks, or a "
-                               "lease not yet shipped to this worker), or another producer's (answered "
-                               "UNKNOWN; nothing recorded)", self._name, conn.addr, unknown)
-        if self._secret is not None:
-            return
-        # Without a secret, trust is earned by proof only: a lease this
-        # producer granted and still holds (never PENDING), and only while it lives.
-        held = {(lease.epoch, lease.generation) for lease, status in zip(request.leases, reply.statuses)
-                if status is wire.LeaseStatus.HELD}
-        if held and self._lease_trust.prove(conn, held) and not conn.trusted:
-            self._trust(conn)
 
     def _dispatch(self, request: wire.Request) -> wire.Reply:
         if request.version != wire.PROTOCOL_VERSION:
