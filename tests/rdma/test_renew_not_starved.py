@@ -181,3 +181,27 @@ def test_a_renew_reaches_the_producer_while_another_call_to_it_is_stalled(rig, o
     renew = wire.Renew(wire.PROTOCOL_VERSION, [lease.to_wire()])
     assert client.lease_call(renew, urgent=True).statuses == [HELD]
     assert proxy.accepted == 2  # an urgent call takes the first connection when it is free
+
+
+@pytest.mark.parametrize("ttl_s, rpc_timeout_s, warned", [(30.0, 2.0, False), (2.0, 1.0, True), (6.0, 0.3, False)])
+def test_a_ttl_too_short_for_a_stalled_renew_is_named_once(caplog, ttl_s, rpc_timeout_s, warned):
+    """The RENEW's worst case against the margin the producer's TTL leaves
+    past the renewal: a warning naming both and what to change, once per
+    producer engine (the consumer learns the TTL from the params)."""
+    from rdma_kv.connector.rdma.consumer.records import LoadState
+    from rdma_kv.connector.rdma.meta import LoadSpec
+
+    settings = RdmaSettings(side_channel_host="127.0.0.1", advertise_host="127.0.0.1", side_channel_port=0,
+                            rpc_timeout_s=rpc_timeout_s, connect_timeout_s=rpc_timeout_s)
+    calls = LeaseCalls(settings, plan=None, pool=None, book=LoadBook(), fail=None)
+    peer = PeerAddress(EngineId("P"), "127.0.0.1", 1, 1)
+    spec = LoadSpec("r1", ((1,),), ((1,),), peer, ref(1), ttl_s, b"c" * 16)
+    worst = SideChannelClient.urgent_worst_case_s(rpc_timeout_s, rpc_timeout_s, settings.rpc_retries)
+    assert (worst > ttl_s - settings.renew_interval_for(ttl_s)) is warned  # the rule, restated
+    with caplog.at_level("WARNING", logger="rdma_kv.connector.rdma.consumer"):
+        for _ in range(3):
+            calls.check_ttl(LoadState(spec, 0.0, 0.0))
+    lines = [r.getMessage() for r in caplog.records if "RENEW to a stalled producer" in r.getMessage()]
+    assert len(lines) == int(warned)
+    if warned:
+        assert "'P'" in lines[0] and "lease_ttl_s" in lines[0] and "rpc_timeout_s=1" in lines[0]

@@ -160,6 +160,17 @@ class SideChannelClient:
         except OSError:
             pass
 
+    @staticmethod
+    def urgent_worst_case_s(connect_timeout_s: float, rpc_timeout_s: float, retries: int,
+                            backoff_s: float = 0.05) -> float:
+        """The longest an ``urgent`` call (a RENEW) can take against a
+        producer that stalls rather than refuses: the wait for a busy
+        connection, then every attempt's connect and reply deadlines, and the
+        backoffs between them."""
+        attempts = retries + 1
+        return (URGENT_WAIT_S + attempts * (connect_timeout_s + rpc_timeout_s)
+                + backoff_s * ((1 << retries) - 1))
+
     def call(self, request: wire.Request, timeout_s: float | None = None, *, urgent: bool = False) -> wire.Reply:
         """Send ``request``, return the decoded reply. Transport failures are
         retried ``retries`` times; then :class:`PeerError`. An ``ErrorReply``

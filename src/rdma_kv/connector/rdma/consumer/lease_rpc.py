@@ -63,6 +63,30 @@ class LeaseCalls:
         self._pool = pool
         self._book = book
         self._fail = fail
+        self._ttl_warned: set[str] = set()  # producer engines whose TTL was found too short for a RENEW
+
+    def check_ttl(self, load: LoadState) -> None:
+        """Warn, once per producer engine, when a RENEW that meets a stalled
+        producer could still be retrying when the lease expires: its worst
+        case (``SideChannelClient.urgent_worst_case_s`` of this consumer's
+        ``connect_timeout_s``, ``rpc_timeout_s`` and ``rpc_retries``) is more
+        than the lease's margin past the renewal (the TTL the producer set,
+        in the params, less ``renew_interval_for`` it). Lock held."""
+        ttl, engine = load.spec.lease_ttl_s, load.spec.peer.engine_id
+        if load.spec.concurrent or engine in self._ttl_warned or ttl <= 0:
+            return
+        s = self._settings
+        worst = SideChannelClient.urgent_worst_case_s(s.connect_timeout_s, s.rpc_timeout_s, s.rpc_retries)
+        margin = ttl - s.renew_interval_for(ttl)
+        if worst > margin:
+            self._ttl_warned.add(engine)
+            logger.warning(
+                "producer %r grants leases of %.3g s, renewed every %.3g s: a RENEW to a stalled producer "
+                "may take %.3g s (connect_timeout_s=%g + rpc_timeout_s=%g per attempt, rpc_retries=%d), "
+                "more than the %.3g s left before expiry, so a lease can lapse under a load that is still "
+                "renewing it. Raise the producer's lease_ttl_s, or lower this consumer's rpc_timeout_s, "
+                "connect_timeout_s or rpc_retries", engine, ttl, s.renew_interval_for(ttl), worst,
+                s.connect_timeout_s, s.rpc_timeout_s, s.rpc_retries, margin)
 
     def targets(self, lease: RemoteLease) -> list[Targeted]:
         """Where this rank sends a RENEW or RELEASE made for a whole request."""

@@ -130,6 +130,7 @@ class RdmaConsumer:
                 logger.warning("request %r: a load is already running; ignoring the second", spec.request_id)
                 return
             self._book.loads[spec.request_id] = load
+            self.leases.check_ttl(load)
             if spec.error is not None or self._asleep is not None:
                 self._fail(load, f"the scheduler could not plan the load: {spec.error}" if spec.error
                            else str(self._asleep))
