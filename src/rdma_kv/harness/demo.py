@@ -18,6 +18,7 @@ children).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Iterable
@@ -45,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--seed", type=int, default=None, help="request stream seed (printed)")
     p.add_argument("--ucx-tls", default=None, help="UCX_TLS for both engines, e.g. tcp or sm,self")
+    p.add_argument("--extra-config", type=_json_object, default={}, metavar="JSON",
+                   help='more kv_connector_extra_config for both engines, e.g. \'{"read_pin": false}\'')
     p.add_argument("--verbose", "-v", action="store_true", help="one line per request")
     # Handled by rdma_kv.cli.demo before this parser runs; listed so that
     # `rdma-kv demo --help` shows the other mode.
@@ -104,10 +107,21 @@ class _Bar:
             sys.stderr.write("\n")
 
 
-def _config(role: str, engine_id: str, ucx_tls: str | None) -> dict[str, Any]:
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object of kv_connector_extra_config keys, got {text!r}")
+    return value
+
+
+def _config(role: str, engine_id: str, ucx_tls: str | None, more: dict[str, Any] | None = None) -> dict[str, Any]:
     extra: dict[str, Any] = {"side_channel_host": "127.0.0.1", "read_timeout_s": 10.0}
     if ucx_tls:
         extra["ucx_options"] = {"TLS": ucx_tls}
+    extra.update(more or {})
     return {"kv_connector": "RdmaKVConnector", "kv_role": role, "engine_id": engine_id,
             "kv_port": 0, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
@@ -138,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
           f"({shape.block_nbytes / 1024:.0f} KiB per block)")
     t_start = time.perf_counter()
     try:
-        with EngineProcess("prefill", _config("kv_producer", "prefill-0", args.ucx_tls), shape) as prefill, \
-                EngineProcess("decode", _config("kv_consumer", "decode-0", args.ucx_tls), shape) as decode:
+        with EngineProcess("prefill", _config("kv_producer", "prefill-0", args.ucx_tls, args.extra_config),
+                           shape) as prefill, \
+                EngineProcess("decode", _config("kv_consumer", "decode-0", args.ucx_tls, args.extra_config),
+                              shape) as decode:
             print(f"prefill pid {prefill.pid} (side channel 127.0.0.1:{prefill.info['port']}), "
                   f"decode pid {decode.pid}; started in {time.perf_counter() - t_start:.1f} s")
             rows = _run(prefill, decode, prompts, args)
