@@ -1,7 +1,7 @@
 """One producer rank against thousands of simulated consumer ranks.
 
     .venv/bin/python bench/cluster_sim.py [--ranks 100,1024,4096] [--duration 30] \\
-        [--confirm-rate 500] [--renew-s 10] [--procs 4] [--secret on] [--out FILE.json]
+        [--confirm-rate 500] [--renew-s 10] [--procs 4] [--validate confirm|pin] [--out FILE.json]
 
 What runs, all on loopback:
 
@@ -19,7 +19,10 @@ What runs, all on loopback:
   real leases: the bench prefills one-block prompts on the producer at
   ``--confirm-rate`` per second and hands each prefill's params to a
   simulated rank, which confirms and releases it (HELD expected) as a
-  decode rank would after its reads. The simulated ranks do not read (no
+  decode rank would after its reads; with ``--validate pin``, it pins the
+  lease (a RENEW with ``pin``, as a decode rank does when it posts its
+  reads) and then releases it: two messages per load, as with read pins
+  (the "confirm" figures are then the pin's). The simulated ranks do not read (no
   UCX endpoint each); they are the control plane of a cluster.
 
 Recorded per N: handshake latency p50/p99 (connect to HANDSHAKE reply),
@@ -99,7 +102,7 @@ def connect(port: int, index: int, secret: auth.Secret) -> SideChannelClient:
 
 
 def ranks_proc(conn: Any, port: int, first: int, count: int, secret_value: bytes, renew_s: float,
-               threads: int) -> None:
+               threads: int, validate: str = "confirm") -> None:
     """Child: ``count`` simulated consumer ranks; handshake all, then renew and
     confirm until told to stop; report latencies."""
     raise_nofile()
@@ -107,7 +110,7 @@ def ranks_proc(conn: Any, port: int, first: int, count: int, secret_value: bytes
     compat, rank = compat_and_rank()
     pool = concurrent.futures.ThreadPoolExecutor(threads)
     clients: list[Any] = [None] * count
-    out: dict[str, list[float]] = {"handshake": [], "renew": [], "confirm": []}
+    out: dict[str, list[float]] = {"handshake": [], "renew": [], "confirm": [], "release": []}
     errors: dict[str, int] = {}
     answers: dict[str, int] = {}
     lock = threading.Lock()
@@ -151,6 +154,10 @@ def ranks_proc(conn: Any, port: int, first: int, count: int, secret_value: bytes
             raise ValueError(f"not a prefill's kv_transfer_params: {params}")
         return wire.LeaseWire.of(parsed.lease, claims[i])
 
+    def pin_then_release(i: int, lw: wire.LeaseWire) -> None:
+        call("confirm", i, wire.Renew(wire.PROTOCOL_VERSION, [lw], pin=True))
+        call("release", i, wire.Release(wire.PROTOCOL_VERSION, [lw]))
+
     alive = [i for i in range(count) if clients[i] is not None]
     renew_at = [(time.monotonic() + renew_s * (k / max(1, len(alive))), i) for k, i in enumerate(alive)]
     heapq.heapify(renew_at)
@@ -166,7 +173,11 @@ def ranks_proc(conn: Any, port: int, first: int, count: int, secret_value: bytes
             i = alive[turn % len(alive)]
             turn += 1
             last[i] = params
-            pool.submit(call, "confirm", i, wire.Confirm(wire.PROTOCOL_VERSION, [lease(i, params)], release=True))
+            if validate == "pin":
+                pool.submit(pin_then_release, i, lease(i, params))
+            else:
+                pool.submit(call, "confirm", i, wire.Confirm(wire.PROTOCOL_VERSION, [lease(i, params)],
+                                                             release=True))
         now = time.monotonic()
         while renew_at and renew_at[0][0] <= now:
             _, i = heapq.heappop(renew_at)
@@ -252,7 +263,7 @@ def run(n: int, args: argparse.Namespace, secret_file: str, secret_value: bytes)
                 break
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=ranks_proc, args=(child, port, k * per, count, secret_value, args.renew_s,
-                                                        args.threads), daemon=True)
+                                                        args.threads, args.validate), daemon=True)
             proc.start()
             procs.append(proc)
             pipes.append(parent)
@@ -302,7 +313,7 @@ def run(n: int, args: argparse.Namespace, secret_file: str, secret_value: bytes)
         reports = [pipe.recv()[1] for pipe in pipes if pipe.poll(300)]
         for proc in procs:
             proc.join(60)
-    lat: dict[str, list[float]] = {"handshake": [], "renew": [], "confirm": []}
+    lat: dict[str, list[float]] = {"handshake": [], "renew": [], "confirm": [], "release": []}
     errors: dict[str, int] = {}
     answers: dict[str, int] = {}
     for rep in reports:
@@ -317,7 +328,8 @@ def run(n: int, args: argparse.Namespace, secret_file: str, secret_value: bytes)
         "handshake_p50_ms": pct(lat["handshake"], 0.5), "handshake_p99_ms": pct(lat["handshake"], 0.99),
         "renew_p50_ms": pct(lat["renew"], 0.5), "renew_p99_ms": pct(lat["renew"], 0.99),
         "confirm_p50_ms": pct(lat["confirm"], 0.5), "confirm_p99_ms": pct(lat["confirm"], 0.99),
-        "confirms": len(lat["confirm"]), "renews": len(lat["renew"]),
+        "validate": args.validate, "release_p50_ms": pct(lat["release"], 0.5),
+        "confirms": len(lat["confirm"]), "renews": len(lat["renew"]), "releases": len(lat["release"]),
         "confirm_rate_per_s": round(len(lat["confirm"]) / (t2 - t1), 1), "prefills_fed": fed, "prefills_done": done,
         "answers": answers, "errors": errors,
         "producer_rss_before_mib": round(rss0 / 2**20, 1), "producer_rss_after_mib": round(rss2 / 2**20, 1),
@@ -345,6 +357,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=16, help="RPC threads per process")
     ap.add_argument("--idle-loads", type=int, default=20, help="real loads before the ranks connect")
     ap.add_argument("--load-gap", type=float, default=0.25, help="seconds between real loads")
+    ap.add_argument("--validate", choices=("confirm", "pin"), default="confirm",
+                    help="what a simulated rank does with a lease: CONFIRM+RELEASE (one message), or PIN then "
+                         "RELEASE (two, as a decode rank with read pins)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", help="write the results here (JSON)")
     args = ap.parse_args()
