@@ -15,7 +15,7 @@ Modules, by role (each docstring says what it owns and may import):
   RPC threads). Its loggers are all under ``rdma_kv.connector.rdma.consumer``.
 - producer: ``producer`` (the side-channel handler, starting and stopping
   the server, the lease table's owner), ``leases`` (the lease table and its
-  expiry: where a lease expires), ``sidechannel`` (the server),
+  expiry: where a lease expires; its records are ``leaserecords``), ``sidechannel`` (the server),
   ``sidehandler`` (the Protocols it dispatches to, and what a lease answer
   means to it), ``sideconn`` (an accepted connection's record, the server's
   counters), ``sidetrust`` (trust earned by a lease) and ``admission`` (its

@@ -90,28 +90,31 @@ more than twice as many entries as live leases (plus a small slack), so
 its size stays O(live leases), whatever the release rate.
 
 Thread-safe (the side-channel threads and the engine thread share it).
+Its records (a call, a lease, a claim, an ending, a tombstone) are
+``leaserecords``, re-exported here where the producer's modules use them.
+
 Imports the standard library and the connector's ``params``, ``types``,
-``rdma.stats`` (its counters) and ``rdma.wire`` (for ``LeaseStatus`` and the
-reader bounds).
+``rdma.leaserecords``, ``rdma.stats`` (its counters) and ``rdma.wire`` (for
+``LeaseStatus``).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import heapq
 import hmac
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from rdma_kv.connector.rdma.leaserecords import Claim, Ending, Lease, LeaseCall, Tombstone
 from rdma_kv.connector.rdma.params import LeaseRef, lease_token
 from rdma_kv.connector.rdma.stats import LeaseCounters, Tally
-from rdma_kv.connector.rdma.wire import LeaseStatus, check_reader
+from rdma_kv.connector.rdma.wire import LeaseStatus
 from rdma_kv.connector.types import BlockId, GroupBlockIds, RequestId, as_group_block_ids
 
-__all__ = ["Lease", "LeaseCall", "LeaseTable"]
+__all__ = ["Ending", "Lease", "LeaseCall", "LeaseTable"]
 
 MAX_TOMBSTONES = 1 << 16
 """Ended leases remembered (a few hundred bytes each). A forgotten one is GONE
@@ -126,97 +129,6 @@ one is answered PENDING without being recorded (the caller asks again)."""
 HELD, PENDING, GONE, CLAIMED, UNKNOWN, FORGED = (
     LeaseStatus.HELD, LeaseStatus.PENDING, LeaseStatus.GONE, LeaseStatus.CLAIMED, LeaseStatus.UNKNOWN,
     LeaseStatus.FORGED)
-
-
-@dataclasses.dataclass(frozen=True)
-class LeaseCall:
-    """One lease named in a RENEW, CONFIRM or RELEASE, with the caller's
-    claim, the consumer rank making the call (``reader``) and how many
-    consumer ranks read this producer rank under the lease (``readers``)."""
-
-    ref: LeaseRef
-    claim: bytes = dataclasses.field(repr=False)
-    reader: int = 0
-    readers: int = 1
-
-    def __post_init__(self) -> None:
-        check_reader(self.reader, self.readers)
-
-
-class Ending(enum.Enum):
-    RELEASED = "released"
-    EXPIRED = "expired"
-    EPOCH = "epoch"
-    LIFETIME = "lifetime"
-    """Reached ``max_s`` after its grant, renewed or not."""
-    SLEEP = "sleep"
-    """The producer's KV cache was unregistered (vLLM sleep mode)."""
-    RECLAIMED = "reclaimed"
-    """Ended by the producer's scheduler to free blocks for new prefills."""
-
-
-@dataclasses.dataclass
-class _Claim:
-    """A lease's owner: the first valid call's claim and reader count, and
-    which of its readers released the lease. Also the whole record of a
-    claim on a lease issued but not yet shipped here."""
-
-    owner: bytes = dataclasses.field(repr=False)
-    readers: int = 1
-    released: set[int] = dataclasses.field(default_factory=set)
-    """Readers that released (RELEASE, or CONFIRM with ``release``)."""
-    confirmed: set[int] = dataclasses.field(default_factory=set)
-    """Of those, the readers whose CONFIRM with ``release`` answered HELD."""
-
-    def admits(self, call: LeaseCall) -> bool:
-        return call.claim == self.owner and call.readers == self.readers
-
-    def release(self, reader: int, confirmed: bool) -> None:
-        self.released.add(reader)
-        if confirmed:
-            self.confirmed.add(reader)
-
-    @property
-    def all_released(self) -> bool:
-        return len(self.released) >= self.readers
-
-    def copy(self) -> _Claim:
-        return dataclasses.replace(self, released=set(self.released), confirmed=set(self.confirmed))
-
-
-@dataclasses.dataclass
-class Lease:
-    ref: LeaseRef
-    block_ids: GroupBlockIds
-    """Per KV-cache group (one group: ``((ids...),)``)."""
-    ttl_s: float
-    expires_at: float
-    granted_at: float
-    ends_at: float
-    """``granted_at + max_s``: no renewal reaches past it."""
-    claim: _Claim | None = None
-    renewals: int = 0
-    pinned_until: float = 0.0
-    """A read pin's end (``LeaseTable.pin``): until then nothing but its
-    release ends the lease."""
-
-    @property
-    def owner(self) -> bytes | None:
-        return None if self.claim is None else self.claim.owner
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tombstone:
-    how: Ending
-    owner: bytes | None = dataclasses.field(default=None, repr=False)
-    readers: int = 1
-    confirmed: frozenset[int] = frozenset()
-    """The owner's readers whose CONFIRM released the lease while it lived:
-    their retries read HELD."""
-
-    def recognises(self, call: LeaseCall) -> bool:
-        return (self.owner is not None and call.claim == self.owner and call.readers == self.readers
-                and call.reader in self.confirmed)
 
 
 PIN_RECHECK_S = 0.1
@@ -249,9 +161,9 @@ class LeaseTable:
         self._leases: dict[int, Lease] = {}  # generation -> lease
         self._heap: list[tuple[float, int]] = []
         self._done: set[RequestId] = set()
-        self._ended = collections.OrderedDict[int, _Tombstone]()
+        self._ended = collections.OrderedDict[int, Tombstone]()
         self._ended_readers = 0  # sum of len(tombstone.confirmed)
-        self._early: dict[int, _Claim] = {}
+        self._early: dict[int, Claim] = {}
         self._pinned: set[int] = set()  # generations a push is writing from (push mode)
         self._reclaim_at_pin_end: set[int] = set()  # reclaimed while a read pin held them
         self._counts = Tally(LeaseCounters)
@@ -320,24 +232,24 @@ class LeaseTable:
             return UNKNOWN
         return None
 
-    def _early_claim(self, call: LeaseCall) -> _Claim | LeaseStatus:
+    def _early_claim(self, call: LeaseCall) -> Claim | LeaseStatus:
         """The claim on an issued, unshipped lease, made for ``call`` if there
         is none; CLAIMED if ``call`` is not its owner (lock held)."""
         early = self._early.get(call.ref.generation)
         if early is None:
             if len(self._early) >= MAX_EARLY:
                 return PENDING
-            early = self._early[call.ref.generation] = _Claim(call.claim, call.readers)
+            early = self._early[call.ref.generation] = Claim(call.claim, call.readers)
         return early if self._admits(early, call) else CLAIMED
 
-    def _owner(self, lease: Lease, call: LeaseCall) -> _Claim | None:
+    def _owner(self, lease: Lease, call: LeaseCall) -> Claim | None:
         """The lease's owner, ``call``'s claim if it had none; None when
         ``call`` is not the owner's (lock held)."""
         if lease.claim is None:
-            lease.claim = _Claim(call.claim, call.readers)
+            lease.claim = Claim(call.claim, call.readers)
         return lease.claim if self._admits(lease.claim, call) else None
 
-    def _admits(self, claim: _Claim, call: LeaseCall) -> bool:
+    def _admits(self, claim: Claim, call: LeaseCall) -> bool:
         if claim.admits(call):
             return True
         # Another consumer's claim, or the owner's with another reader count
@@ -508,7 +420,7 @@ class LeaseTable:
         early.release(call.reader, confirmed=False)
         return PENDING
 
-    def _release_reader(self, lease: Lease, owner: _Claim, reader: int, confirmed: bool) -> None:
+    def _release_reader(self, lease: Lease, owner: Claim, reader: int, confirmed: bool) -> None:
         """Reader ``reader`` of a live lease is done with it; the last ends it."""
         if reader not in owner.released:
             self._counts.add("reader_released")
@@ -526,11 +438,11 @@ class LeaseTable:
             self._heap = [(lease.expires_at, gen) for gen, lease in self._leases.items()]
             heapq.heapify(self._heap)
 
-    def _bury(self, generation: int, how: Ending, claim: _Claim | None) -> None:
+    def _bury(self, generation: int, how: Ending, claim: Claim | None) -> None:
         if claim is None:
-            tomb = _Tombstone(how)
+            tomb = Tombstone(how)
         else:
-            tomb = _Tombstone(how, claim.owner, claim.readers, frozenset(claim.confirmed))
+            tomb = Tombstone(how, claim.owner, claim.readers, frozenset(claim.confirmed))
         self._ended[generation] = tomb
         self._ended_readers += len(tomb.confirmed)
         while len(self._ended) > MAX_TOMBSTONES or self._ended_readers > MAX_TOMBSTONE_READERS:

@@ -21,7 +21,7 @@ may import):
 
 Every logger here is under ``rdma_kv.connector.rdma.consumer``: operators
 filter the consumer's lines on that name. Nothing here imports the
-producer's modules (``producer``, ``leases``, ``sidechannel``,
+producer's modules (``producer``, ``leases``, ``leaserecords``, ``sidechannel``,
 ``sideconn``, ``admission``), nor they these (``tests/test_layering.py``).
 
 Imports only its own modules (re-exporting what the worker builds).
