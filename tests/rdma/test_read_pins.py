@@ -247,3 +247,41 @@ def test_reads_landing_after_their_pin_are_confirmed(fabric, expire):
         pair.settle()
     finally:
         pair.close()
+
+
+def test_a_failing_answer_does_not_stop_the_peers_later_pins(caplog):
+    """A bug in handling one answer (here: the callback raises) is logged,
+    and the peer's next pins still go out: its task must not die holding
+    the peer's "scheduled" mark."""
+    from types import SimpleNamespace
+
+    from rdma_kv.connector.rdma import wire
+    from rdma_kv.connector.rdma.consumer.pins import Pins
+    from rdma_kv.connector.rdma.consumer.records import LoadBook, PinStage
+
+    lease_wire = wire.LeaseWire.of(ref(1), A)
+    client = SimpleNamespace(lease_call=lambda request, urgent=False: wire.LeaseReply(
+        [HELD] * len(request.leases), 30.0, 5.0))
+    pool = SimpleNamespace(submit_renewal=lambda fn, *a: threading.Thread(target=fn, args=a).start() or True,
+                           get=lambda host, port: client)
+    leases = SimpleNamespace(of=lambda load, src: (0, SimpleNamespace(to_wire=lambda: lease_wire)))
+    answered = []
+
+    def on_answer(load, src, peer, status, pinned_s):
+        src.pin = PinStage.HELD
+        if load == "first":
+            raise RuntimeError("a bug in the answer's handling")
+        answered.append((load, status, pinned_s))
+
+    book = LoadBook()
+    pins = Pins(book, pool, leases, on_answer, failed=lambda peer, reason: None)
+    peer = SimpleNamespace(key="P0", rank=0, address=SimpleNamespace(engine_id="P", rank_address=lambda r: ("h", 1)))
+    for load in ("first", "second"):
+        src = SimpleNamespace(pin=PinStage.NONE, pin_sent=0.0)
+        with book.lock:
+            pins.pin(peer, load, src)
+        pins.flush(peer)
+        if load == "first":
+            wait_until(lambda: "a bug" in caplog.text, what="the first answer's failure logged")
+    wait_until(lambda: answered, what="the second pin answered")
+    assert answered == [("second", HELD, 5.0)]
