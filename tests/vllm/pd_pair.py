@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -150,7 +151,18 @@ def main() -> int:
     # Loopback only: the side channel binds 127.0.0.1 and UCX (NIXL's
     # backend) is kept off other interfaces.
     base.update({"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "UCX_NET_DEVICES": "lo"})
+    # vLLM's ZMQ IPC sockets (ipc://$VLLM_RPC_BASE_PATH/<uuid>) in a directory of
+    # the pair's own, removed at the end: a killed engine never unlinks them.
+    private = tempfile.mkdtemp(prefix="vllm-tmp-pd-pair-")
+    base.update({"TMPDIR": private, "VLLM_RPC_BASE_PATH": private})
+    try:
+        return _run_pair(args, argv, base, log_dir)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
 
+
+def _run_pair(args: argparse.Namespace, argv: list[str], base: dict[str, str], log_dir: Path) -> int:
+    """The plain run, then the pair; 0 when every decode output matches."""
     t0 = time.monotonic()
     plain = _spawn("plain", argv, base, log_dir)
     ref = _read_result(plain, "plain", args.timeout_s)["outputs"]

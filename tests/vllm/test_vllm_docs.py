@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM not installed (scripts/install-vllm.sh)")
 
 import rdma_kv  # noqa: E402
-from tiny_model import build_tiny_llama, vllm_env  # noqa: E402
+from tiny_model import PrivateTmp, build_tiny_llama, vllm_env  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs"))
 from snippets import snippet  # noqa: E402
@@ -49,6 +49,8 @@ def test_offline_example_runs_as_written(tmp_path: Path) -> None:
     # the rdma-kv under test, in every vLLM process
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(rdma_kv.__file__).parents[1]),
                                                       env.get("PYTHONPATH")]))
+    private = PrivateTmp("docs-offline")  # vLLM's IPC sockets, gone even if the engines are killed
+    env.update(private.env)
     proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", run.code], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -58,6 +60,8 @@ def test_offline_example_runs_as_written(tmp_path: Path) -> None:
         os.killpg(proc.pid, signal.SIGKILL)  # decode.py, prefill.py and their engine cores
         out, _ = proc.communicate()
         pytest.fail(f"{run.where} did not finish within {TIMEOUT_S} s:\n{out[-6000:]}")
+    finally:
+        private.remove()
     assert proc.returncode == 0, f"{run.where} failed ({proc.returncode}):\n{out[-6000:]}"
     finished = re.findall(r"^(\w+): '.*'$", out, re.M)
     assert finished == ["length", "length"], out[-6000:]
