@@ -8,7 +8,6 @@ import logging
 
 import pytest
 from rdma_testutil import wait_until
-from fakes import FakeFabric
 
 from rdma_kv.connector import KVCacheBlocks, KVConnectorRole, KVTransferConfig, Request, SchedulerOutput
 from rdma_kv.connector.rdma import RdmaConnector, RdmaConnectorMetadata, Transport
@@ -67,11 +66,6 @@ class Pair:
     def close(self):
         self.P.shutdown()
         self.D.shutdown()
-
-
-@pytest.fixture
-def fabric():
-    return FakeFabric()
 
 
 @pytest.fixture

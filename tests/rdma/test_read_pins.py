@@ -154,13 +154,6 @@ def test_sleep_waits_at_most_for_the_pin_of_a_consumer_that_died():
 # --- the consumer (fake transport, real side channel) ----------------------------------------
 
 
-@pytest.fixture
-def fabric():
-    from fakes import FakeFabric
-
-    return FakeFabric()
-
-
 def totals(engine):
     return engine.worker.worker.stats().totals
 

@@ -151,9 +151,9 @@ class LeaseTable:
         self._clock = clock
         self.max_s = max_s
         self.pin_s = pin_s
-        self._pins_open = True  # closed while the producer goes to sleep (close_pins)
         """The longest a read pin holds a lease (the producer's
         ``read_timeout_s``). 0: pins grant nothing (consumers CONFIRM)."""
+        self._pins_open = True  # closed while the producer goes to sleep (close_pins)
         self._lock = threading.Lock()
         self._epoch: int | None = None
         self._key = b""

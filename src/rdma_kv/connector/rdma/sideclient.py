@@ -41,6 +41,8 @@ the second. A call in flight ends in milliseconds unless it is stuck, so a
 RENEW that meets a handshake or a CONFIRM (the scheduler's first renewal and
 its pre-connect go out in the same step) does not cost the producer a second
 connection."""
+BACKOFF_S = 0.05
+"""The first pause between a call's attempts; it doubles with each retry."""
 
 
 class _Connection:
@@ -73,7 +75,7 @@ class SideChannelClient:
         connect_timeout_s: float = 2.0,
         rpc_timeout_s: float = 2.0,
         retries: int = 2,
-        backoff_s: float = 0.05,
+        backoff_s: float = BACKOFF_S,
         secret: auth.Secret | None = None,
         role: str = "consumer",
         source_address: str | None = None,
@@ -162,7 +164,7 @@ class SideChannelClient:
 
     @staticmethod
     def urgent_worst_case_s(connect_timeout_s: float, rpc_timeout_s: float, retries: int,
-                            backoff_s: float = 0.05) -> float:
+                            backoff_s: float = BACKOFF_S) -> float:
         """The longest an ``urgent`` call (a RENEW) can take against a
         producer that stalls rather than refuses: the wait for a busy
         connection, then every attempt's connect and reply deadlines, and the

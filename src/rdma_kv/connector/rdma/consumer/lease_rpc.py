@@ -16,9 +16,9 @@ producer's lease then expires on its own, which is the design, not an
 error. A refused RENEW fails a load not yet reading at once (one whose
 reads are in flight learns the same from its CONFIRM, once no read can land).
 
-Imports the standard library and the connector's ``rdma`` modules
-``meta``, ``settings``, ``sideclient``, ``topology`` and ``wire``, and the
-consumer's ``clients`` and ``records``.
+Imports the standard library, ``rdma_kv.errors``, the connector's ``rdma``
+modules ``meta``, ``settings``, ``sideclient``, ``topology`` and ``wire``, and
+the consumer's ``clients`` and ``records``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from rdma_kv.connector.rdma.meta import PeerAddress, RemoteLease
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sideclient import SideChannelClient
 from rdma_kv.connector.rdma.topology import RankPlan
-from rdma_kv.errors import ConfigError
+from rdma_kv.errors import ConfigError, PeerError
 
 __all__ = ["REFUSALS", "LeaseCalls", "LeaseKind", "Refused", "Targeted", "call_lease_rpc", "refusal_reason"]
 
@@ -167,16 +167,19 @@ class LeaseCalls:
 
 
 def call_lease_rpc(client: SideChannelClient, kind: LeaseKind, address: PeerAddress,
-                   leases: list[RemoteLease]) -> Refused | None:
+                   leases: list[RemoteLease], gone: Callable[[str], None] | None = None) -> Refused | None:
     """One RENEW or RELEASE; the leases the producer refused (GONE, CLAIMED,
     UNKNOWN, FORGED) with its answers, or None if the call failed (logged at DEBUG:
-    the leases expire on their own)."""
+    the leases expire on their own). ``gone``: called with the reason when the
+    producer was found gone (``PeerError``)."""
     try:
         reply = client.lease_call(kind(wire.PROTOCOL_VERSION, [r.to_wire() for r in leases]),
                                   urgent=kind is wire.Renew)
     except Exception as exc:
         logger.debug("%s of %d lease(s) with %r failed (the leases expire on their own): %s",
                      kind.__name__, len(leases), address.engine_id, exc)
+        if gone is not None and isinstance(exc, PeerError):
+            gone(str(exc))
         return None
     return [(r, s) for r, s in zip(leases, reply.statuses) if s in REFUSALS]
 

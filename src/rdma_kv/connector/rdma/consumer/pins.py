@@ -47,7 +47,7 @@ from collections.abc import Callable
 
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.consumer.clients import ClientPool
-from rdma_kv.connector.rdma.consumer.lease_rpc import LeaseCalls
+from rdma_kv.connector.rdma.consumer.lease_rpc import LeaseCalls, call_lease_rpc
 from rdma_kv.connector.rdma.consumer.peers import PeerKey, PeerState
 from rdma_kv.connector.rdma.consumer.records import LoadBook, LoadState, PinStage, Source
 from rdma_kv.connector.rdma.meta import RemoteLease
@@ -141,20 +141,12 @@ class Pins:
                                  peer.rank)
 
     def _send_releases(self, peer: PeerState, leases: list[RemoteLease]) -> None:
-        request = wire.Release(wire.PROTOCOL_VERSION, [lease.to_wire() for lease in leases])
-        try:
-            self._pool.get(*peer.address.rank_address(peer.rank)).lease_call(request)
-        except Exception as exc:  # the leases expire on their own
-            self._call_failed("RELEASE", len(leases), peer, exc)
-            return
-        with self._lock:
-            self._book.counters.add("release_rpcs")
-
-    def _call_failed(self, kind: str, n: int, peer: PeerState, exc: Exception) -> None:
-        logger.debug("%s of %d lease(s) with %r rank %d failed: %s", kind, n, peer.address.engine_id, peer.rank,
-                     exc)
-        if isinstance(exc, PeerError):
-            self._failed(peer, str(exc))  # the producer is gone: drop its endpoint and keys now
+        client = self._pool.get(*peer.address.rank_address(peer.rank))
+        # A producer found gone is failed: drop its endpoint and keys now.
+        if call_lease_rpc(client, wire.Release, peer.address, leases,
+                          gone=lambda reason: self._failed(peer, reason)) is not None:
+            with self._lock:
+                self._book.counters.add("release_rpcs")
 
     def _send_pins(self, peer: PeerState, batch: list[tuple[LoadState, Source]]) -> None:
         request = wire.Renew(wire.PROTOCOL_VERSION, [self._leases.of(ld, src)[1].to_wire() for ld, src in batch],
@@ -164,7 +156,10 @@ class Pins:
             reply = self._pool.get(*peer.address.rank_address(peer.rank)).lease_call(request, urgent=True)
             statuses, pinned_s = list(reply.statuses), reply.pinned_s
         except Exception as exc:  # their reads are CONFIRMed instead
-            self._call_failed("PIN", len(batch), peer, exc)
+            logger.debug("PIN of %d lease(s) with %r rank %d failed: %s", len(batch), peer.address.engine_id,
+                         peer.rank, exc)
+            if isinstance(exc, PeerError):
+                self._failed(peer, str(exc))  # the producer is gone: drop its endpoint and keys now
             statuses, pinned_s = [None] * len(batch), 0.0
         with self._lock:
             if statuses[0] is not None:
