@@ -188,7 +188,8 @@ PRODUCER = ("rdma_kv.connector.rdma.producer", "rdma_kv.connector.rdma.leases",
             "rdma_kv.connector.rdma.sidechannel", "rdma_kv.connector.rdma.sidehandler",
             "rdma_kv.connector.rdma.sideconn",
             "rdma_kv.connector.rdma.sidetrust", "rdma_kv.connector.rdma.admission",
-            "rdma_kv.connector.rdma.pusher", "rdma_kv.connector.rdma.pushreg", "rdma_kv.connector.rdma.pushstate")
+            "rdma_kv.connector.rdma.pusher", "rdma_kv.connector.rdma.pushreg", "rdma_kv.connector.rdma.pushstate",
+            "rdma_kv.connector.rdma.fences")
 
 
 @pytest.mark.parametrize("role, other", [(CONSUMER, PRODUCER), (PRODUCER, CONSUMER)], ids=["consumer", "producer"])

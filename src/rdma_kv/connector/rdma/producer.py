@@ -21,7 +21,7 @@ does its own locking. Authentication happens before any of this, in
 ``sidechannel``.
 
 Imports the standard library, the connector's ``geometry`` and ``types``,
-and its ``rdma`` modules ``auth``, ``wire``, ``leases``, ``meta``, ``pusher``,
+and its ``rdma`` modules ``auth``, ``fences``, ``wire``, ``leases``, ``meta``, ``pusher``,
 ``settings``, ``sidechannel``, ``stats`` and ``transport_api``. Never the consumer's modules
 (``rdma.consumer``) or ``worker``.
 """
@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from rdma_kv.connector.geometry import KVCacheGeometry
-from rdma_kv.connector.rdma import auth, wire
+from rdma_kv.connector.rdma import auth, fences, wire
 from rdma_kv.connector.rdma.leases import Ending, LeaseCall, LeaseTable
 from rdma_kv.connector.rdma.meta import LayerPushSpec, SendSpec
 from rdma_kv.connector.rdma.pusher import PushWriter
@@ -243,10 +243,17 @@ class RdmaProducer:
     def _new_pusher(self, transport: Transport, geometry: KVCacheGeometry) -> PushWriter | None:
         if self._settings.mode != "push":
             return None
+        layerwise, stream_fences = self._settings.push_layerwise, None
+        if layerwise:
+            try:
+                stream_fences = fences.stream_fences(geometry)
+            except ValueError as exc:
+                logger.warning("push: layer-wise writes off, every block is written when its lease is granted: %s",
+                               exc)
+                layerwise = False
         return PushWriter(transport, geometry, self.leases, self._settings.read_timeout_s,
                           wait_s=self._settings.load_timeout_s, block_size=self._block_size,
-                          layerwise=self._settings.push_layerwise
-                          and all(r.memory_type == "host" for r in geometry.regions))
+                          layerwise=layerwise, fences=stream_fences)
 
     def take_done(self) -> set[RequestId]:
         """Requests whose lease was released or expired: their blocks may be freed."""

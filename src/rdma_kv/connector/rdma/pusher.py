@@ -37,7 +37,7 @@ the records both halves keep are ``pushstate``'s.
 Runs on the side channel's loop thread (posting does not block) and the
 transport's progress thread (completions). Imports numpy, the standard
 library, the connector's ``geometry``, and its ``rdma`` modules
-``leases``, ``pushreg``, ``pushstate``, ``slots``, ``stats``,
+``fences``, ``leases``, ``pushreg``, ``pushstate``, ``slots``, ``stats``,
 ``transport_api`` and ``wire``. Never the consumer's modules.
 """
 
@@ -53,6 +53,7 @@ import numpy as np
 
 from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma import wire
+from rdma_kv.connector.rdma.fences import FenceFactory
 from rdma_kv.connector.rdma.leases import LeaseCall, LeaseTable
 from rdma_kv.connector.rdma.pushreg import ConcurrentDispatch, Planned
 from rdma_kv.connector.rdma.pushstate import (
@@ -86,7 +87,8 @@ class PushWriter(ConcurrentDispatch):
 
     def __init__(self, transport: Transport, geometry: KVCacheGeometry, leases: LeaseTable,
                  write_timeout_s: float, clock: Callable[[], float] = time.monotonic,
-                 wait_s: float = 30.0, block_size: int = 0, layerwise: bool = True) -> None:
+                 wait_s: float = 30.0, block_size: int = 0, layerwise: bool = True,
+                 fences: FenceFactory | None = None) -> None:
         self._transport = transport
         self._geometry = geometry
         self._leases = leases
@@ -95,8 +97,9 @@ class PushWriter(ConcurrentDispatch):
         """How long a registration waits for its prefill (concurrent dispatch)."""
         self._block_size = block_size  # tokens per block (concurrent dispatch maps tokens to blocks)
         self.layerwise = layerwise
-        """Write each layer as it is stored (host KV caches: a CUDA cache would
-        need the layer's stream synchronised first; it is written at the seal)."""
+        """Write each layer as it is stored."""
+        self._fences = fences
+        """A CUDA KV cache's: a layer is written once its fence passed (``fences``)."""
         self._clock = clock
         self._lock = threading.Lock()
         self._decodes: dict[tuple[str, int], Decode] = {}

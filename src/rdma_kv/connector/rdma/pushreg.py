@@ -16,7 +16,9 @@ serves a router sending both legs at once (vllm-router's moriio mode):
   with the layers stored before it), ``end_step`` (``wait_for_save``: the
   layers a registration missed). Only blocks complete at the chunk's end
   are written, and a chunk counts as written once every layer of it was
-  posted.
+  posted. On a CUDA KV cache a layer is posted only once its fence passed
+  (``fences``): at a later layer if the GPU got that far, else at
+  ``end_step``, which waits for the forward pass first.
 - The seal (the lease granted): pin it, check the layer-wise writes read
   the blocks it holds, write the rest, wait for every batch, then one
   flush of every endpoint that notifies the decode (``_finish_layerwise``).
@@ -26,7 +28,7 @@ primitives of every push (``_tables``, ``_plan``, ``_write``,
 ``_resolve``, ``_answer``, ``_remember``, ``_record``, ``_introduced``)
 are :class:`pusher.PushWriter`'s; this class declares what it uses.
 Imports numpy, the standard library and the connector's ``geometry`` and
-``rdma`` modules ``leases``, ``meta``, ``pushstate``, ``slots``, ``stats``,
+``rdma`` modules ``fences``, ``leases``, ``meta``, ``pushstate``, ``slots``, ``stats``,
 ``transport_api`` and ``wire``.
 """
 
@@ -40,6 +42,7 @@ import numpy as np
 
 from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma import wire
+from rdma_kv.connector.rdma.fences import Fence, FenceFactory
 from rdma_kv.connector.rdma.leases import LeaseCall, LeaseTable
 from rdma_kv.connector.rdma.meta import LayerPushSpec, SendSpec
 from rdma_kv.connector.rdma.pushstate import (
@@ -80,6 +83,7 @@ class ConcurrentDispatch:
     _pushes: collections.OrderedDict[bytes, PushEntry]
     _counts: Tally[PushCounters]
     layerwise: bool
+    _fences: FenceFactory | None
 
     def _init_concurrent(self) -> None:
         self._waiting: dict[str, list[bytes]] = collections.defaultdict(list)  # transfer id -> tokens
@@ -88,6 +92,8 @@ class ConcurrentDispatch:
         """This step's layer-wise writes: (push, chunk, first block, end block, the layers posted)."""
         self._step: tuple[LayerPushSpec, ...] = ()
         self._stored: list[str] = []  # layers stored so far this step
+        self._fenced: collections.deque[tuple[str, Fence]] = collections.deque()
+        """Layers handed over this step whose fence has not passed yet (CUDA), in stream order."""
         self._reg_seq = 0  # registrations so far (PUSH_REG, side channel thread)
         self._joined_seq = 0  # ... when the engine thread last took them
 
@@ -233,6 +239,7 @@ class ConcurrentDispatch:
         while the step runs joins at the next layer stored."""
         self._active = []
         self._stored = []
+        self._fenced.clear()
         self._step = tuple(specs) if self.layerwise and self._block_size else ()
         if self._step:
             self._join()
@@ -266,10 +273,20 @@ class ConcurrentDispatch:
         return before
 
     def write_layer(self, layer_name: str) -> None:
-        """The engine stored ``layer_name`` for this step: post its rows of
-        the blocks complete so far (no notification: the seal flushes)."""
+        """The engine handed over ``layer_name`` for this step: post its rows
+        of the blocks complete so far (no notification: the seal flushes).
+        On CUDA, once its fence passed: here the layers whose fences have."""
         if not self._step:
             return
+        if self._fences is None:
+            self._layer_stored(layer_name, overlapped=True)
+            return
+        self._fenced.append((layer_name, self._fences()))
+        while self._fenced and self._fenced[0][1].query():  # stream order: the first not passed stops it
+            self._layer_stored(self._fenced.popleft()[0], overlapped=True)
+
+    def _layer_stored(self, layer_name: str, overlapped: bool) -> None:
+        """``layer_name``'s KV is in memory: post it to this step's entries."""
         self._stored.append(layer_name)
         joined = len(self._active)
         if self._reg_seq != self._joined_seq:  # a decode registered during the step (read without the lock:
@@ -277,7 +294,7 @@ class ConcurrentDispatch:
         for i, (entry, spec, lo, hi, posted) in enumerate(self._active):
             # One that joined now also gets the layers stored before it came.
             names = [layer_name] if i < joined else self._stored
-            self._post_rows(entry, spec, lo, hi, posted, names, overlapped=True)
+            self._post_rows(entry, spec, lo, hi, posted, names, overlapped=overlapped)
 
     def end_step(self) -> None:
         """The step's forward pass ended: every layer of it is in the (host)
@@ -286,7 +303,11 @@ class ConcurrentDispatch:
         no attention metadata), get their missing layers now; a chunk's
         blocks count as written only once every layer of them was posted.
         (Counting them written anyway sent a decode blocks never written:
-        completions differed from a plain engine's, silently.)"""
+        completions differed from a plain engine's, silently.) On CUDA it
+        first waits for the forward pass (one fence behind it), then posts
+        the layers whose fences had not passed."""
+        if self._step and self._fences is not None:
+            self._fence_step(self._fences)
         if self._step and self._reg_seq != self._joined_seq:
             self._join()
         num_layers = len(self._geometry.layers)
@@ -302,6 +323,26 @@ class ConcurrentDispatch:
         self._active = []
         self._stored = []
         self._step = ()
+
+    def _fence_step(self, fences: FenceFactory) -> None:
+        """Wait for the step's forward pass, then post the layers still
+        behind their fences (no longer overlapping it). If the stream cannot
+        be waited for, this step's entries fail (their decodes recompute),
+        nothing more of the step is posted, and the error is raised."""
+        try:
+            fences().synchronize()
+        except Exception as exc:
+            failed = [a[0] for a in self._active]
+            with self._lock:
+                for entry in failed:
+                    entry.error = entry.error or f"waiting for the forward pass's stream failed: {exc}"
+            self._active, self._stored, self._step = [], [], ()
+            self._fenced.clear()
+            for entry in failed:
+                self._finish_layerwise(entry)
+            raise
+        while self._fenced:
+            self._layer_stored(self._fenced.popleft()[0], overlapped=False)
 
     def _post_rows(self, entry: PushEntry, spec: LayerPushSpec, lo: int, hi: int, posted: set[int],
                    layer_names: Sequence[str], overlapped: bool) -> bool:
