@@ -81,7 +81,7 @@ def soak(rng, total):
         print(f"soak: {done} requests; baseline {baseline}; end {end}")
         for side in ("P", "D"):
             for key in ("inflight_loads", "leases", "held_blocks", "transfers_inflight", "confirm_queue",
-                        "unreported"):
+                        "pin_queue", "unreported"):
                 assert end[side].get(key, 0) == 0, (side, key, end[side])
             for key in ("regions", "transport_peers", "peers", "clients"):
                 assert end[side].get(key, 0) <= baseline[side].get(key, 0), (side, key, baseline, end)

@@ -472,7 +472,7 @@ class RdmaConsumer:
         with self._lock:
             out = {"inflight_loads": len(self._book.loads), "peers": len(self.peers),
                    "clients": len(self._pool), "unreported": self._book.num_unreported,
-                   "confirm_queue": len(self._confirms) + len(self._pins)}
+                   "confirm_queue": len(self._confirms), "pin_queue": len(self._pins)}
         if self.pushes is not None:
             out["pushes_running"] = self.pushes.running()
         return out

@@ -83,6 +83,7 @@ class Pins:
         self._scheduled: set[PeerKey] = set()
 
     def __len__(self) -> int:
+        """Pins and post-pin RELEASEs queued, not yet sent (``resources()["pin_queue"]``)."""
         return sum(len(q) for q in self._pins.values()) + sum(len(q) for q in self._releases.values())
 
     def pin(self, peer: PeerState, load: LoadState, src: Source) -> None:
