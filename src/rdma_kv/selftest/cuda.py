@@ -17,6 +17,10 @@ For GPU ``i`` (its reads pair it with GPU ``i+1``, itself when there is one):
   current context is GPU ``i``'s, recorded it, and its pumps progressed
   those device reads to completion (a pump without a context fails them:
   ai-dynamo/nixl#2102);
+- ``cuda:i.push-fence``: push mode's layer fence (``connector.rdma.fences``)
+  on the real stream: recorded behind a kernel still running, it has not
+  passed; once waited for, it has, and the kernel's writes are in memory
+  (a layer-wise write posted at that point sends the stored layer);
 
 then ``layout`` (``layout.py``) on GPU 0.
 
@@ -32,6 +36,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from rdma_kv.connector.geometry import KVCacheGeometry, Region
+from rdma_kv.connector.rdma.fences import stream_fences
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, normalize_dtype
 from rdma_kv.selftest.groups import settings_from
@@ -40,7 +46,7 @@ from rdma_kv.selftest.pair import ReadSpec, Reads, device_scope, kv_workload, ru
 from rdma_kv.selftest.report import Check, Status
 from rdma_kv.selftest.supervise import Deadline, Sink, UcxLog
 
-__all__ = ["cuda_group", "kv_cache_shape", "kv_caches", "pump_check", "register_check"]
+__all__ = ["cuda_group", "fence_check", "kv_cache_shape", "kv_caches", "pump_check", "register_check"]
 
 MiB = 1 << 20
 
@@ -133,6 +139,31 @@ def pump_check(name: str, reads: Reads) -> Check:
                         context=context, workers=workers, **lanes)
 
 
+def fence_check(name: str, torch: Any, device: str) -> Check:
+    """Push mode's layer fence on ``device``'s current stream (see the module)."""
+    try:
+        with device_scope(device):
+            layer = torch.zeros(MiB // 2, dtype=torch.float16, device=device)
+            region = Region(layer.data_ptr(), 2 * layer.numel(), device, ("layer",))
+            record = stream_fences(KVCacheGeometry((region,), ()))
+            if record is None:
+                return Check.failed(name, f"stream_fences gave no fence for a KV cache on {device}: layer-wise "
+                                    "pushes would post before the GPU stored the layer")
+            torch.cuda._sleep(50_000_000)  # tens of ms of GPU time queued ahead of the store
+            layer.fill_(3.0)               # the attention kernel storing the layer
+            fence = record()
+            early = fence.query()
+            fence.synchronize()
+            late, stored = fence.query(), bool((layer == 3.0).all().item())
+    except Exception as exc:  # a CUDA error is this check's FAIL, not the group's end
+        return Check.failed(name, f"the layer fence on {device} raised {type(exc).__name__}: {exc}")
+    if early or not late or not stored:
+        return Check.failed(name, f"the layer fence on {device}'s stream: passed before the kernel ran={early}, "
+                            f"passed after waiting={late}, the kernel's writes in memory={stored}")
+    return Check.passed(name, f"a layer fence recorded behind a running kernel on {device} had not passed; "
+                        "after waiting it had, with the kernel's writes in memory")
+
+
 def cuda_group(params: dict[str, Any], sink: Sink) -> None:
     """Every CUDA check of every visible GPU (a check process's body)."""
     try:
@@ -169,5 +200,7 @@ def cuda_group(params: dict[str, Any], sink: Sink) -> None:
                           lanes=settings.lanes, log=log)
         sink.begin(f"{device}.pump-context")
         sink.add(pump_check(f"{device}.pump-context", reads))
+        sink.begin(f"{device}.push-fence")
+        sink.add(fence_check(f"{device}.push-fence", torch, device))
     sink.begin("layout")
     sink.add(layout_check(torch, "cuda:0"))
