@@ -125,6 +125,29 @@ def test_a_layer_is_written_only_once_its_fence_passed(rng, monkeypatch, keeps_u
         pair.close()
 
 
+def test_a_prefill_no_decode_has_registered_for_waits_for_no_stream(rng, monkeypatch):
+    """A prefill under a transfer id with no decode registered yet (the
+    decode leg comes later): its step has no layer-wise writes, so
+    ``wait_for_save`` does not wait for the stream (the engine keeps its
+    CPU/GPU overlap); the decode that registers afterwards is written at
+    the seal, every block right."""
+    stream = FakeStream(keeps_up=False)
+    pair = on_fake_gpu(monkeypatch, stream)
+    try:
+        p_rid, d_rid, tid = pair.ids()
+        prompt = rng.integers(1, 999, 4 * SHAPE.block_size + 3).tolist()
+        pair.prefill(p_rid, prompt, tid)
+        wait_until(lambda: p_rid in pair.P.results, step=pair.pump, what="the prefill")
+        assert stream.synchronized == 0
+        pair.decode(d_rid, prompt, tid)
+        wait_until(lambda: pair.finished(d_rid), step=pair.pump, what="the decode")
+        r = pair.D.results[d_rid]
+        assert not r.load_failed and r.bad_blocks == [], (r.error, r.bad_blocks)
+        assert stream.synchronized == 0
+    finally:
+        pair.close()
+
+
 def test_without_fences_the_same_pass_sends_blocks_the_gpu_has_not_stored(rng, monkeypatch):
     """The control: the same fake GPU with the writes not fenced (a host
     KV cache's rule applied to a CUDA one) sends the canary, and nothing

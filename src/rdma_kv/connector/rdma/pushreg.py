@@ -303,13 +303,14 @@ class ConcurrentDispatch:
         no attention metadata), get their missing layers now; a chunk's
         blocks count as written only once every layer of them was posted.
         (Counting them written anyway sent a decode blocks never written:
-        completions differed from a plain engine's, silently.) On CUDA it
-        first waits for the forward pass (one fence behind it), then posts
-        the layers whose fences had not passed."""
-        if self._step and self._fences is not None:
-            self._fence_step(self._fences)
+        completions differed from a plain engine's, silently.) On CUDA, with
+        writes to make, it first waits for the forward pass (one fence
+        behind it), then posts the layers whose fences had not passed; a
+        step with none waits for nothing."""
         if self._step and self._reg_seq != self._joined_seq:
             self._join()
+        if self._active and self._fences is not None:
+            self._fence_step(self._fences)
         num_layers = len(self._geometry.layers)
         names = [layer.name for layer in self._geometry.layers]
         for entry, spec, lo, hi, posted in self._active:
