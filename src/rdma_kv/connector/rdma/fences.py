@@ -57,9 +57,9 @@ def stream_fences(geometry: KVCacheGeometry) -> FenceFactory | None:
     KV cache spread over several devices (layer-wise writes are then off:
     every block is written at the seal, after the step's output was
     synchronised)."""
-    devices = {region.device for region in geometry.regions}
     if all(region.memory_type == "host" for region in geometry.regions):
         return None
+    devices = {region.device for region in geometry.regions}
     if len(devices) != 1:
         raise ValueError(f"the KV cache spans devices {sorted(devices)}; layer-wise writes need one device's stream")
     (device,) = devices

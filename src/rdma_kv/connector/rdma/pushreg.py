@@ -237,12 +237,15 @@ class ConcurrentDispatch:
         complete by the chunk's end go to the decodes registered for them, as
         each layer is stored (:meth:`write_layer`). A decode that registers
         while the step runs joins at the next layer stored."""
-        self._active = []
-        self._stored = []
-        self._fenced.clear()
+        self._clear_step()
         self._step = tuple(specs) if self.layerwise and self._block_size else ()
         if self._step:
             self._join()
+
+    def _clear_step(self) -> None:
+        """No step under way: its entries, stored and fenced layers dropped."""
+        self._active, self._stored, self._step = [], [], ()
+        self._fenced.clear()
 
     def _join(self) -> int:
         """Take this step's registrations not yet taken (engine thread); how
@@ -321,9 +324,7 @@ class ConcurrentDispatch:
                 if entry.error is None and len(posted) == num_layers:
                     entry.written_upto = max(entry.written_upto, hi)
                     self._counts.add("layer_steps_caught_up" if caught_up else "layer_steps")
-        self._active = []
-        self._stored = []
-        self._step = ()
+        self._clear_step()
 
     def _fence_step(self, fences: FenceFactory) -> None:
         """Wait for the step's forward pass, then post the layers still
@@ -337,8 +338,7 @@ class ConcurrentDispatch:
             with self._lock:
                 for entry in failed:
                     entry.error = entry.error or f"waiting for the forward pass's stream failed: {exc}"
-            self._active, self._stored, self._step = [], [], ()
-            self._fenced.clear()
+            self._clear_step()
             for entry in failed:
                 self._finish_layerwise(entry)
             raise
