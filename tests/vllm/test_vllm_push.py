@@ -164,6 +164,18 @@ def wait_registered(producer: ApiServer, registrations: float, timeout_s: float 
     wait_for(f"{producer.name}: the decode's registration", holds, timeout_s, poll_s=0.2)
 
 
+def wait_producer_counted(p: ApiServer, d: ApiServer, before: dict[str, float], key: str, n: float) -> None:
+    """Until the producer's ``key`` grew by at least ``n`` since ``before``.
+    A producer resolves a push on its own threads, possibly after its last
+    engine step; its counters reach ``/metrics`` only when the engine steps
+    again (``step_reports``). The caller then asserts the exact count."""
+    def counted() -> bool:
+        step_reports(p)
+        return counts(p, d, before)[key] >= n
+
+    wait_for(f"the producer's {key} count to grow by {n:g}", counted, 60, poll_s=0.5)
+
+
 def decode_idle(d: ApiServer) -> bool:
     """The decode holds no request, no KV block, no load and no push."""
     step_reports(d)
@@ -218,6 +230,7 @@ def test_push_1p1d_through_vllm_router_equal_plain(servers: dict[str, Any]) -> N
         sent = check_equal(router, plain, reference, ROUTER_PROMPTS)
         sent += check_equal(router, plain, reference, many, in_flight=128)
         sent += check_equal(router, plain, reference, ROUTER_PROMPTS, stream=True)
+    wait_producer_counted(p, d, before, "done", sent)
     grew = counts(p, d, before)
     assert grew["pushed_ok"] == sent, d.log()[-3000:]
     assert grew["loads_ok"] == sent
@@ -261,6 +274,7 @@ def test_concurrent_dispatch_through_vllm_router_moriio_write_mode(servers: dict
         sent += check_equal(router, plain, reference, many, in_flight=16)
         sent += check_equal(router, plain, reference, ROUTER_PROMPTS, stream=True)
     assert metric(d.url, "rdma_kv_pushed_loads_total", outcome="ok") - before["loads"] == sent, d.log()[-3000:]
+    wait_producer_counted(p, d, before, "done", sent)
     grew = counts(p, d, before)
     assert grew["loads_failed"] == 0
     assert grew["load_failed_lines"] == 0, d.log()[-3000:]
@@ -428,6 +442,7 @@ def test_push_decode_aborted_while_registered_producer_writes_nothing(servers: d
     retry = Leg(d, prompt, request_id, concurrent_params(transfer_id, decode=True))
     answer = retry.result(120)
     assert answer["status"] == 200 and answer["text"] == expected(plain, reference, prompt), answer
+    wait_producer_counted(p, d, before, "done", 1)
     grew = counts(p, d, before)
     assert grew["done"] == 1 and grew["aborted"] == 1 and grew["pushed_ok"] == 1, grew
     # The retry loaded; nothing failed, nothing was logged as a failed load.
