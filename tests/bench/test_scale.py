@@ -117,3 +117,27 @@ def test_a_two_point_run_with_tiny_sizes_writes_table_csv_json_and_plot(tmp_path
         assert files["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:  # no matplotlib: the CSV was written and the run said so
         assert "wrote the table as CSV" in out.err
+
+
+def test_an_unknown_reader_progress_is_refused_before_anything_starts():
+    with pytest.raises(ConfigError, match="reader progress 'spin'"):
+        scale.run_axis("concurrency", ["rdma-kv"], request=scale.parse_request("2x4KiB"), reps=1,
+                       reader_progress="spin")
+
+
+@pytest.mark.ucx
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_the_reader_runs_as_shipped_with_progress_thread(tmp_path, capsys):
+    """``--progress thread`` reaches the scale bench's rdma-kv reader (the
+    connector's mode: a pump thread and a service thread, ``wait()``
+    blocking in C): every request of every point read and verified."""
+    out_json = tmp_path / "scale.json"
+    rc = main(["bench", "--scale", "concurrency", "--concurrency", "1,8", "--scale-request", "4x4KiB", "--reps", "2",
+               "--scale-backends", "rdma-kv", "--progress", "thread", "--json", str(out_json)])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["reader_progress"] == "thread"
+    assert [(p["concurrency"], p["status"], len(p["gbps"])) for p in data["scale"]] == [(1, "ok", 2), (8, "ok", 2)]
+    assert "rdma-kv reader: progress=thread" in out.out

@@ -17,7 +17,9 @@ pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 LOAD_ERROR_BOUND_S = 5.0
 """The issue's bound: a request whose producer died is a load error within
 this many seconds of the kill (generous next to read_timeout_s=2)."""
-LEASE_TTL_S = 2.0
+LEASE_TTL_S = 4.0
+"""Long enough that a lease granted at a prefill outlives its claim by a
+decode on a loaded host (2 s could lapse before a slow decode claimed it)."""
 
 
 def random_prompts(rng, prefix, n, lo=20, hi=400):

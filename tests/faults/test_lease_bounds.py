@@ -26,9 +26,11 @@ pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess, pytest.mark.timeout(180
 
 
 def test_a_lease_renewed_past_its_lifetime_ends_and_the_load_recomputes(rng):
-    # TTL 1 s, renewed every third of it while the reads are held: without
-    # the bound the lease lives as long as the gate stays closed.
-    p_cfg = config("kv_producer", "PLB", lease_ttl_s=1.0, lease_max_s=3.0)
+    # TTL 4 s, renewed every third of it while the reads are held: without
+    # the bound the lease lives as long as the gate stays closed. (A TTL of
+    # 1 s ended the lease as expired, not at its lifetime, whenever a loaded
+    # host delayed one renewal by 0.7 s.)
+    p_cfg = config("kv_producer", "PLB", lease_ttl_s=4.0, lease_max_s=10.0)
     d_cfg = config("kv_consumer", "DLB", load_timeout_s=120.0, read_timeout_s=120.0)
     with EngineProcess("prefill-lb", p_cfg, SHAPE) as p, \
             EngineProcess("decode-lb", d_cfg, SHAPE, faults={"gate_reads": True}) as d:
@@ -39,7 +41,7 @@ def test_a_lease_renewed_past_its_lifetime_ends_and_the_load_recomputes(rng):
             d.add("long", prompt, params["long"])
             d.wait_status(lambda s: "long" in s["loading_ids"], timeout_s=20)
             # The producer hands the blocks back on its own, while the decode still renews.
-            p.wait_status(lambda s: s["held"] == 0 and s["leases"] == 0, timeout_s=30)
+            p.wait_status(lambda s: s["held"] == 0 and s["leases"] == 0, timeout_s=60)
             events = p.call("lease_events")
             assert events.get("lifetime") == 1 and events.get("renewed", 0) >= 2, events
         finally:
@@ -55,7 +57,8 @@ SMALL = dataclasses.replace(SHAPE, num_blocks=64)  # the same model, a small cac
 def test_leases_holding_the_cache_are_reclaimed_for_a_waiting_prefill(rng):
     # Six 10-block prompts fill 60 of the producer's 64 blocks under leases
     # whose reads are held; a new 20-block prefill needs 20.
-    p_cfg = config("kv_producer", "PMP", lease_ttl_s=2.0)
+    # TTL 10 s: every lease must live, renewed, until the pressure reclaims it.
+    p_cfg = config("kv_producer", "PMP", lease_ttl_s=10.0)
     d_cfg = config("kv_consumer", "DMP", load_timeout_s=120.0, read_timeout_s=120.0)
     with EngineProcess("prefill-mp", p_cfg, SMALL) as p, \
             EngineProcess("decode-mp", d_cfg, SHAPE, faults={"gate_reads": True}) as d:

@@ -32,11 +32,20 @@ pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 HELD, CLAIMED, UNKNOWN = wire.LeaseStatus.HELD, wire.LeaseStatus.CLAIMED, wire.LeaseStatus.UNKNOWN
 
 
+GATED = {"load_timeout_s": 15.0, "read_timeout_s": 15.0}
+"""The decodes' bounds: a scenario holds a load's reads (the gate) while it
+waits for the claim and makes its own calls, which on a loaded host can
+take more than the 4 s default of these tests; every outcome here comes
+from the producer's answers, none from a timeout."""
+
+
 @pytest.fixture(scope="module")
 def engines():
     with EngineProcess("prefill-lr", config("kv_producer", "PLR"), SHAPE) as p, \
-            EngineProcess("decode-lr1", config("kv_consumer", "DLR1"), SHAPE, faults={"gate_reads": True}) as d1, \
-            EngineProcess("decode-lr2", config("kv_consumer", "DLR2"), SHAPE, faults={"gate_reads": True}) as d2:
+            EngineProcess("decode-lr1", config("kv_consumer", "DLR1", **GATED), SHAPE,
+                          faults={"gate_reads": True}) as d1, \
+            EngineProcess("decode-lr2", config("kv_consumer", "DLR2", **GATED), SHAPE,
+                          faults={"gate_reads": True}) as d2:
         peer = SideChannelClient("127.0.0.1", p.info["port"], rpc_timeout_s=5.0)
         try:
             yield Race(p, d1, d2, peer)

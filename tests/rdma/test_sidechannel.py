@@ -134,7 +134,7 @@ def test_reply_received_in_time_survives_a_reader_descheduled_past_its_deadline(
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="10 of 100"):
             framing.recv_frame(a, wire.MAX_REPLY_BYTES, 10.0, "reply")
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 5.0  # "at once": well under the 10 s deadline it must not wait out
         b.sendall(struct.pack(">I", 100) + b"x" * 10)
         b.close()
         monkeypatch.setattr(framing, "time", _Descheduled(late_s=60.0))

@@ -166,9 +166,15 @@ def test_wrong_or_missing_secret_is_refused(server, handler, caplog, client_secr
             client.handshake(handshake())
     finally:
         client.close()
-    wait_until(lambda: server.stats.auth_failures == 1, timeout_s=5, what="the server's refusal")
+    def auth_warnings() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.levelno == logging.WARNING and "authentication failed" in r.message]
+
+    # The server counts the failure, then logs it (on its own thread): wait for both.
+    wait_until(lambda: server.stats.auth_failures == 1 and bool(auth_warnings()), timeout_s=10,
+               what="the server's refusal")
+    assert server.stats.auth_failures == 1
     assert handler.calls == 0, "an unauthenticated peer reached the handler"
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "authentication failed" in r.message]
+    warnings = auth_warnings()
     assert warnings and server_says in warnings[0].message
     assert "127.0.0.1" in warnings[0].message  # the peer address
     assert_no_secret_in(caplog.text)

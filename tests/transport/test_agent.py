@@ -458,7 +458,9 @@ def test_deadline_fails_a_stalled_transfer_and_re_import_recovers(make_agent):
     assert reader.inflight == 0 and reader.stats.failed == 2
 
     reader.add_peer(target.metadata())  # "once it is back"
-    xfer = reader.read("target", local, remote)
+    # Its own deadline: the agent's 0.5 s must cover a new TCP wire-up to a target
+    # progressed only by the loop below, which a loaded host may not give it.
+    xfer = reader.read("target", local, remote, timeout_s=WAIT_S)
     wait_until(xfer.done, WAIT_S, "read after re-import", drive=[target])
     xfer.wait(0)
     np.testing.assert_array_equal(dst, src)

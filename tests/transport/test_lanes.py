@@ -371,7 +371,7 @@ def test_a_striped_transfer_to_a_stopped_peer_fails_on_every_worker(make_agent):
     try:
         n = REMOTE_NBYTES // block
         idx = np.arange(n)
-        reader.read_prepared(lp, idx, rp, idx).wait(WAIT_S)  # wired up
+        reader.read_prepared(lp, idx, rp, idx, timeout_s=WAIT_S).wait(WAIT_S)  # wired up (not under 1.5 s)
         child.stop()
         resolved: list[int] = []
         xfers = [reader.read_prepared(lp, idx, rp, idx[::-1]) for _ in range(3)]

@@ -296,7 +296,8 @@ def check_still_usable(make_agent, reader: Agent, transport: str) -> None:
     dst = np.zeros(1 << 16, dtype=np.uint8)
     region = reader.register(dst)
     reader.add_peer(other.metadata())
-    reader.read("bystander", DescList([dst.ctypes.data], 1 << 16), DescList([src.ctypes.data], 1 << 16)).wait(WAIT_S)
+    reader.read("bystander", DescList([dst.ctypes.data], 1 << 16), DescList([src.ctypes.data], 1 << 16),
+                timeout_s=WAIT_S).wait(WAIT_S)  # a new wire-up: not under the reader's short deadline
     np.testing.assert_array_equal(dst, src)
     reader.deregister(region)
 
@@ -310,7 +311,7 @@ def test_peer_killed_mid_transfer_fails_its_transfers_without_hanging(make_agent
         order = np.random.default_rng(3).permutation(n)
         L = DescList.from_regions(local.ctypes.data, np.arange(n) * block, block)
         R = DescList.from_regions(child.addrs[0], order * block, block)
-        reader.read(child.name, L, R).wait(WAIT_S)  # wired up and working
+        reader.read(child.name, L, R, timeout_s=WAIT_S).wait(WAIT_S)  # wired up and working (not under 3 s)
 
         xfers = [reader.read(child.name, L, R) for _ in range(16)]
         in_flight = [x for x in xfers if x.state is XferState.IN_PROGRESS]
@@ -354,7 +355,7 @@ def test_stopped_peer_hits_the_deadline_over_tcp(make_agent, transport):
         n = nbytes // block
         L = DescList.from_regions(local.ctypes.data, np.arange(n) * block, block)
         R = DescList.from_regions(child.addrs[0], np.arange(n)[::-1] * block, block)
-        reader.read(child.name, L, R).wait(WAIT_S)
+        reader.read(child.name, L, R, timeout_s=WAIT_S).wait(WAIT_S)  # wired up (not under 2 s)
 
         child.stop()
         t_stop = time.monotonic()

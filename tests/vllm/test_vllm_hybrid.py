@@ -178,7 +178,7 @@ def test_hybrid_push_matches_plain_with_hma_on(tmp_path_factory: pytest.TempPath
 
         # Requests without kv_transfer_params are plain ones (prefix caching is off).
         plain = tokens(producer.generate(PROMPTS, max_tokens=MAX_TOKENS))
-        idle = producer.free_blocks(settle_s=10.0)
+        idle = producer.free_blocks(settle_s=60.0)
         params = prefill(producer)
         assert sorted(len(g) for g in params[-1]["remote_block_ids"]) == [2, 2, 4], params[-1]
         decoded, free = _push_decode(producer, consumer, params)

@@ -238,7 +238,8 @@ def test_push_1p1d_through_vllm_router_equal_plain(servers: dict[str, Any]) -> N
     assert grew["load_failed_lines"] == 0, d.log()[-3000:]
     assert grew["done"] == sent, p.log()[-3000:]
     assert grew["written"] > 0
-    wait_for("the producer to release every lease", lambda: metric(p.url, "rdma_kv_leases_held") == 0, 30)
+    wait_for("the producer to release every lease",
+             lambda: (step_reports(p), metric(p.url, "rdma_kv_leases_held") == 0)[1], 60, poll_s=0.5)
 
     # Control: the same decode, KV pushed by a producer with other weights.
     differ = []
@@ -425,6 +426,10 @@ def test_push_decode_aborted_while_registered_producer_writes_nothing(servers: d
         return counts(p, d, before)["aborted"] >= 1
 
     wait_for("the producer to resolve the push ABORTED", producer_aborted, 60, poll_s=0.5)
+    # The decode counts the abort on its RPC thread once the producer's answer arrives, and
+    # reports it at a later step: wait until it holds nothing (decode_idle steps it; the
+    # counts are published with the gauges that reach 0), then read its counts.
+    wait_for("the decode to hold nothing", lambda: decode_idle(d), 60, poll_s=0.5)
     grew = counts(p, d, before)
     assert grew["aborted"] == 1 and grew["done"] == 0 and grew["written"] == 0, grew
     assert grew["failed"] == 0 and grew["refused"] == 0, grew
@@ -434,7 +439,6 @@ def test_push_decode_aborted_while_registered_producer_writes_nothing(servers: d
     assert grew["pushed_aborted"] == 1 and grew["pushed_failed"] == 0 and grew["pushed_ok"] == 0, grew
     assert grew["loads_ok"] == 0 and grew["loads_failed"] == 0 and grew["loads_aborted"] == 1, grew
     assert grew["load_failed_lines"] == 0, d.log()[-3000:]
-    wait_for("the decode to hold nothing", lambda: decode_idle(d), 60, poll_s=0.5)
 
     # The transfer's prefill leg, then a retried decode leg under the same id.
     out = complete(p.url, prompt, max_tokens=1, kv_transfer_params=concurrent_params(transfer_id, decode=False))

@@ -127,7 +127,7 @@ def test_push_prefill_tp2_decode_tp1(engines: dict[str, Any]) -> None:
     the decode's own process read), so they wait for the core the spin
     holds. Not resolved: see docs/rdma-connector.md, "Push mode"."""
     tp1, tp2, n = engines["tp1"], engines["tp2"], len(PD_PROMPTS)
-    idle = tp2.free_blocks(settle_s=10.0)
+    idle = tp2.free_blocks(settle_s=60.0)
     before = push_stats(tp1)
     decoded, free = push_pd(tp2, tp1)
     assert decoded == engines["plain"]
@@ -154,7 +154,7 @@ def test_push_prefill_tp1_decode_tp2(engines: dict[str, Any]) -> None:
     completion (the notification, or PUSH_QUERY's answer) is handled by
     threads of that process."""
     tp1, tp2, n = engines["tp1"], engines["tp2"], len(PD_PROMPTS)
-    idle = tp1.free_blocks(settle_s=10.0)
+    idle = tp1.free_blocks(settle_s=60.0)
     before = push_stats(tp1)
     decoded, free = push_pd(tp1, tp2)
     assert decoded == engines["plain"]

@@ -207,7 +207,7 @@ def test_abort_during_load_frees_both_sides_and_serves_on(plain: list[list[int]]
             print(f"abort during load in vLLM: {report}")
             assert report["loading_at_abort"] == len(PD_PROMPTS), report
             assert report["held_at_abort"] > 0 and report["free_after"] == report["free_before"], report
-            assert producer.free_blocks(settle_s=10.0) == idle, "aborted loads left blocks held on the producer"
+            assert producer.free_blocks(settle_s=60.0) == idle, "aborted loads left blocks held on the producer"
             assert tokens(consumer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS,
                                             kv_transfer_params=prefill(producer))) == plain
             assert "Traceback" not in consumer.log() and "Traceback" not in producer.log()
