@@ -166,11 +166,14 @@ def run_axis(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
     timeout_s: float = 180.0,
+    reader_progress: str = "poll",
 ) -> list[ScalePoint]:
     """Every point of ``axis`` for every backend (one set of processes per
     backend). ``concurrency`` axis: one producer, each concurrency;
     ``producers`` axis: each producer count with ``per_producer`` requests
-    from each."""
+    from each. ``reader_progress``: the rdma-kv reader's
+    ``AgentConfig.progress`` ("poll", like NIXL's reader; "thread", as the
+    connector runs it)."""
     if axis not in AXES:
         raise ConfigError(f"--scale {axis!r}: unknown; valid: {', '.join(AXES)}")
     unknown = [b for b in backends if b not in BACKENDS]
@@ -178,6 +181,8 @@ def run_axis(
         raise ConfigError(f"--scale-backends {unknown}: unknown; valid: {', '.join(BACKENDS)}")
     if reps < 1:
         raise ConfigError(f"reps must be >= 1, got {reps}")
+    if reader_progress not in ("poll", "thread"):
+        raise ConfigError(f"reader progress {reader_progress!r}: valid: poll, thread")
     points = _points(axis, producers, concurrency, per_producer)
     out = []
     for backend in backends:
@@ -192,7 +197,7 @@ def run_axis(
             groups = [results] if axis == "concurrency" else [[r] for r in results]
             for group in groups:
                 try:
-                    _run_backend(backend, group, request, reps, seed, progress, timeout_s)
+                    _run_backend(backend, group, request, reps, seed, progress, timeout_s, reader_progress)
                 except Exception as exc:  # reported per point, the other points and backends still run
                     for r in group:
                         if not r.gbps:
@@ -210,13 +215,13 @@ def _unavailable(backend: str) -> str | None:
 
 
 def _run_backend(backend: str, results: list[ScalePoint], request: RequestShape, reps: int, seed: int,
-                 progress: Callable[[str], None] | None, timeout_s: float) -> None:
+                 progress: Callable[[str], None] | None, timeout_s: float, reader_progress: str = "poll") -> None:
     ctx = mp.get_context("spawn")
     module, prefix = _PEER_MODULES[backend].split(":")
     num_targets = max(r.producers for r in results)
     max_concurrency = max(r.concurrency for r in results)
     start = {"type": "start", "seed": seed, "block_nbytes": request.block_nbytes, "pool_blocks": POOL_BLOCKS,
-             "local_blocks": max_concurrency * request.blocks}
+             "local_blocks": max_concurrency * request.blocks, "reader_progress": reader_progress}
     children: list[runner.Child] = []
     try:
         targets = []

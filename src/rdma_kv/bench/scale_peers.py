@@ -81,7 +81,7 @@ def rdmakv_reader(chan: Channel, start: dict[str, Any]) -> None:
     from rdma_kv.transport import Agent, AgentConfig
 
     size = start["block_nbytes"]
-    agent = Agent("scale-reader", AgentConfig(progress="poll"))
+    agent = Agent("scale-reader", AgentConfig(progress=start.get("reader_progress", "poll")))
     local = page_aligned_buffer(start["local_blocks"] * size)
     agent.register(local)
     local_prep = agent.prep_local(_descs(local.ctypes.data, start["local_blocks"], size))

@@ -49,7 +49,8 @@ def add_parser(sub: Any) -> None:
                    help="backends of a workload take turns this many times, --reps each, pooled per row "
                         "(default 1)")
     p.add_argument("--progress", choices=("poll", "thread"), default="poll",
-                   help="rdma-kv reader progress mode (default poll, like NIXL's reader)")
+                   help="rdma-kv reader progress mode (default poll, like NIXL's reader; thread: as shipped and "
+                        "as the connector runs it); applies to --scale too")
     p.add_argument("--lanes", type=int, default=None,
                    help="rdma-kv reader's workers per transfer (AgentConfig.lanes; default: AgentConfig's own, "
                         "from this host's CPUs); with N > 1 the run adds rdma-kv-l1 (one worker), cma-tN (the "
@@ -263,9 +264,10 @@ def run_scale(args: argparse.Namespace) -> int:
     for axis in params["axes"]:
         points += scale.run_axis(axis, params["backends"], request=params["request"], reps=params["reps"],
                                  concurrency=params["concurrency"], producers=params["producers"],
-                                 per_producer=params["per_producer"],
+                                 per_producer=params["per_producer"], reader_progress=args.progress,
                                  progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(scale.scale_table(points))
+    print(f"rdma-kv reader: progress={args.progress}")
     csv_path = args.csv
     if args.plot:
         try:
@@ -285,7 +287,7 @@ def run_scale(args: argparse.Namespace) -> int:
         Path(csv_path).write_text(scale.scale_csv(points))
     if args.json:
         Path(args.json).write_text(scale.to_json(points, **run_meta(started, params["reps"]),
-                                                 request=str(params["request"])))
+                                                 request=str(params["request"]), reader_progress=args.progress))
     return 0 if all(p.status != "failed" for p in points) else 1
 
 
