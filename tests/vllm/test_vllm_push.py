@@ -421,11 +421,7 @@ def test_push_decode_aborted_while_registered_producer_writes_nothing(servers: d
     wait_registered(p, before["registrations"])
     leg.hang_up()
 
-    def producer_aborted() -> bool:
-        step_reports(p)
-        return counts(p, d, before)["aborted"] >= 1
-
-    wait_for("the producer to resolve the push ABORTED", producer_aborted, 60, poll_s=0.5)
+    wait_producer_counted(p, d, before, "aborted", 1)  # the producer resolved the push ABORTED
     # The decode counts the abort on its RPC thread once the producer's answer arrives, and
     # reports it at a later step: wait until it holds nothing (decode_idle steps it; the
     # counts are published with the gauges that reach 0), then read its counts.

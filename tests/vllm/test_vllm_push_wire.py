@@ -46,7 +46,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from serve_proc import ApiServer, complete, metric, wait_for  # noqa: E402
-from test_vllm_push import Leg, counts, decode_idle, step_reports  # noqa: E402
+from test_vllm_push import Leg, counts, decode_idle, step_reports, wait_producer_counted  # noqa: E402
 from test_vllm_router import MAX_TOKENS, START_S, rdma_config  # noqa: E402
 from tiny_model import build_tiny_llama  # noqa: E402
 
@@ -172,11 +172,7 @@ def test_decode_aborted_mid_write_keeps_its_blocks_until_the_writes_end(wire: di
     finally:
         link.unthrottle(0)
 
-    def producer_aborted() -> bool:
-        step_reports(p)
-        return counts(p, d, before)["aborted"] >= 1
-
-    wait_for("the producer to resolve the push ABORTED", producer_aborted, 60, poll_s=0.5)
+    wait_producer_counted(p, d, before, "aborted", 1)  # the producer resolved the push ABORTED
     grew = counts(p, d, before)
     assert held_while_crossing >= 1, "the hang-up came after the writes had crossed: nothing was tested"
     assert grew["aborted"] == 1 and grew["done"] == 0 and grew["failed"] == 0, grew

@@ -181,8 +181,10 @@ def run_axis(
         raise ConfigError(f"--scale-backends {unknown}: unknown; valid: {', '.join(BACKENDS)}")
     if reps < 1:
         raise ConfigError(f"reps must be >= 1, got {reps}")
-    if reader_progress not in ("poll", "thread"):
-        raise ConfigError(f"reader progress {reader_progress!r}: valid: poll, thread")
+    from rdma_kv.transport.config import PROGRESS_MODES  # AgentConfig's own list
+
+    if reader_progress not in PROGRESS_MODES:
+        raise ConfigError(f"reader progress {reader_progress!r}: valid: {', '.join(PROGRESS_MODES)}")
     points = _points(axis, producers, concurrency, per_producer)
     out = []
     for backend in backends:
@@ -215,7 +217,7 @@ def _unavailable(backend: str) -> str | None:
 
 
 def _run_backend(backend: str, results: list[ScalePoint], request: RequestShape, reps: int, seed: int,
-                 progress: Callable[[str], None] | None, timeout_s: float, reader_progress: str = "poll") -> None:
+                 progress: Callable[[str], None] | None, timeout_s: float, reader_progress: str) -> None:
     ctx = mp.get_context("spawn")
     module, prefix = _PEER_MODULES[backend].split(":")
     num_targets = max(r.producers for r in results)
