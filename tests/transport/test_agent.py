@@ -298,6 +298,39 @@ def test_settle_settles_on_the_callers_thread_and_runs_each_callback_once(make_a
     pair.b.settle()
 
 
+def test_service_thread_leaves_completions_to_a_busy_caller(make_agent):
+    """progress="thread": a caller busy in Python (an engine's step holds
+    the interpreter lock, giving it up every switch interval) settles its
+    transfers itself when it next looks (``settle()``), because the service
+    thread leaves each completion to callers for ``settle_delay_s`` instead
+    of taking the lock from it; nobody looking, the service thread settles
+    it after that delay. (With no delay the service thread takes nearly
+    every one within a switch interval. A periodic round of the service
+    thread could take one in a window of microseconds a second, hence
+    "most", not "all".)"""
+    pair = connect(make_agent, progress="thread", settle_delay_s=0.5)
+    caller = threading.current_thread()
+    ran_on: list = []
+    for i in range(20):
+        xfer = pair.b.read("a", pair.desc_b([i * 4096], 4096), pair.desc_a([i * 4096], 4096))
+        xfer.add_done_callback(lambda x: ran_on.append(threading.current_thread()))
+        busy_until = time.monotonic() + 0.02
+        while time.monotonic() < busy_until:  # holds the GIL but for the switch interval (5 ms)
+            pass
+        pair.b.settle()
+        xfer.wait(WAIT_S)
+    assert len(ran_on) == 20
+    assert sum(t is caller for t in ran_on) >= 15, [t.name for t in ran_on]
+
+    done = threading.Event()
+    service: list = []
+    xfer = pair.b.read("a", pair.desc_b([0], 65536), pair.desc_a([0], 65536))
+    xfer.add_done_callback(lambda x: (service.append(threading.current_thread()), done.set()))
+    assert done.wait(WAIT_S) and xfer.state is XferState.DONE
+    assert service[0].name == "rdma-kv-progress-b"
+    np.testing.assert_array_equal(pair.buf_b[:65536], pair.buf_a[:65536])
+
+
 # -- notifications -------------------------------------------------------------------------
 
 
@@ -798,6 +831,9 @@ def test_thread_mode_is_pumped_in_c_and_burns_no_core_while_idle(make_agent):
     ("spin_s", -0.001, "spin_s must be >= 0 seconds"),
     ("spin_s", float("nan"), "spin_s must be >= 0 seconds, got nan"),
     ("close_drain_s", -1, "close_drain_s must be >= 0"),
+    ("settle_delay_s", -0.001, "settle_delay_s must be between 0 and 1 second, got -0.001"),
+    ("settle_delay_s", float("nan"), "settle_delay_s must be between 0 and 1 second, got nan"),
+    ("settle_delay_s", 1.5, "settle_delay_s must be between 0 and 1 second, got 1.5"),
     ("transfer_timeout_s", 0, "transfer_timeout_s must be > 0"),
     ("max_inflight", 0, "max_inflight must be >= 1"),
     ("notif_slots", 0, "notif_slots must be >= 1"),

@@ -420,10 +420,11 @@ class Agent:
             core.driver.settle()
 
     def get_notifications(self) -> list[Notification]:
-        """Notifications received since the last call, in arrival order."""
+        """Notifications received since the last call, in arrival order
+        (received ones not yet settled are settled on this thread first)."""
         core = self._core
         core.require_open()
-        core.driver.poll()
+        core.driver.settle()
         with core.lock:
             return core.notifications.take()
 

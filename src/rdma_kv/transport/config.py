@@ -44,6 +44,13 @@ class AgentConfig:
     notif_slots: int = 4096
     notif_max_bytes: int = 1024
     spin_s: float = 0.0002
+    # progress="thread": a completion is left this long to a caller that
+    # settles anyway (one woken in wait(), a connector's step, settle())
+    # before the service thread takes the interpreter lock for it; so
+    # completion callbacks nobody drives run at most this much later, and
+    # the service thread competes with a busy caller at most once per
+    # interval instead of once per completion (docs/benchmarks.md).
+    settle_delay_s: float = 0.0002
     # Workers that carry one large transfer in parallel (lanes.py); each extra
     # lane is a worker, an endpoint per peer and a C progress thread (pump).
     # Default: default_lanes(), from the CPUs the creating process may use.
@@ -76,6 +83,8 @@ class AgentConfig:
             raise ConfigError(f"lane_min_bytes must be >= 1, got {self.lane_min_bytes}")
         if not self.spin_s >= 0:  # also rejects NaN
             raise ConfigError(f"spin_s must be >= 0 seconds, got {self.spin_s}")
+        if not 0 <= self.settle_delay_s <= 1.0:  # also rejects NaN
+            raise ConfigError(f"settle_delay_s must be between 0 and 1 second, got {self.settle_delay_s}")
         if self.close_drain_s < 0:
             raise ConfigError(f"close_drain_s must be >= 0, got {self.close_drain_s}")
         if not self.transfer_timeout_s > 0:

@@ -2,12 +2,15 @@
 
 ``progress="thread"``: a *pump* (a C thread of the shim, pump.py)
 progresses the agent's own worker without the interpreter lock, and a
-Python *service thread* sleeps on an eventfd (``Wake``) until a pump
+Python *service thread* sleeps in C on an eventfd (``Wake``) until a pump
 reports something to settle (a slot published, a notification, an
-endpoint error) or the next deadline is due, and settles it (the agent's
-``service``: the in-flight table, the notifications, failed endpoints,
-deadlines). A caller blocked in ``Transfer.wait`` does not wait for that
-thread: ``block`` sleeps in C on the transfer's own slot (``rk_await``),
+endpoint error) that no caller has settled within ``settle_delay_s``, or
+the next deadline is due, and settles it (the agent's ``service``: the
+in-flight table, the notifications, failed endpoints, deadlines). Callers
+settle whenever they are there anyway (``wait()``, ``settle()``,
+``get_notifications()``), so that a busy caller and the service thread do
+not trade the interpreter lock once per completion. A caller blocked in
+``Transfer.wait`` does not wait for that thread: ``block`` sleeps in C on the transfer's own slot (``rk_await``),
 which the completing thread wakes, and first, for ``spin_s``, moves the
 work of any pump that is not running (asleep, or not given a CPU yet).
 
@@ -131,15 +134,17 @@ class ProgressDriver:
 
     def settle(self) -> None:
         """Settle on the caller's thread what is finished, and run its
-        callbacks here. Pumped mode: the batches the pumps have published
-        and the service thread has not settled yet -- it is woken through
-        the eventfd and then needs the interpreter lock, which a caller that
-        steps an engine back to back holds most of the time; an unlocked
-        look at the completion ring first, so that nothing finished costs
-        no lock. Polling mode: one progress round."""
+        callbacks here. Pumped mode: the batches and notifications the
+        pumps have published and the service thread has not settled yet
+        (it leaves them to a caller for ``settle_delay_s``, and then needs
+        the interpreter lock, which a caller that steps an engine back to
+        back holds most of the time); an unlocked look at the rings first,
+        so that nothing finished costs no lock. Polling mode: one progress
+        round."""
+        ctx = self._ctx
         if self._thread is None:
             self.progress()
-        elif self._ctx.done_head != self._ctx.done_tail:
+        elif ctx.done_head != ctx.done_tail or ctx.notif_head != ctx.notif_tail:
             self.progress_settle()
 
     def progress_once(self, block_s: float) -> None:
@@ -215,18 +220,19 @@ class ProgressDriver:
 
     def _service_loop(self) -> None:
         """progress="thread": the pump (a C thread, csrc/pump.c) progresses
-        the worker without the interpreter lock; this thread sleeps on the
-        agent's eventfd until a pump reports something to settle (a slot
-        published, a notification, an endpoint error) or the next deadline
-        is due, and settles it: the GIL is taken per event, not per
-        progress round."""
-        inflight = self._inflight
-        poller = select.poll()
-        poller.register(self._wake.fd, select.POLLIN)
+        the worker without the interpreter lock; this thread sleeps in C
+        (``rk_service_wait``, no interpreter lock either) until a pump has
+        published something to settle (a slot, a notification, an endpoint
+        error) that no caller settled within ``settle_delay_s``, or the next
+        deadline is due, and settles it: the GIL is taken only for work a
+        caller left, at most once per ``settle_delay_s``."""
+        inflight, ctx, lib = self._inflight, self._ctx, self._lib
+        delay_ns = int(self.config.settle_delay_s * 1e9)
         while True:
             with self.lock:
                 if inflight.closed:
                     return
+                errors = ctx.ep_errors  # before service: an error after it wakes the next wait
                 try:
                     self._service()
                 except Exception:
@@ -236,12 +242,8 @@ class ProgressDriver:
                 callbacks = inflight.take_callbacks()
                 due = inflight.next_deadline()
             inflight.run_callbacks(callbacks)
-            left = 1.0 if due is None else due - time.monotonic()
-            if poller.poll(max(1, min(1000, int(left * 1000) + 1))):
-                try:
-                    os.eventfd_read(self._wake.fd)
-                except BlockingIOError:  # another read took it
-                    pass
+            left = 1.0 if due is None else min(1.0, due - time.monotonic())
+            lib.rk_service_wait(ctx, self._wake.fd, errors, delay_ns, max(1, int(left * 1e9)))
 
     # ------------------------------------------------------------------ closing
 
@@ -258,6 +260,8 @@ class ProgressDriver:
         the own pump: from here on, the closing caller progresses. Call with
         no lock held, after ``wake_all``."""
         self._lib.rk_wake_waiters(self._ctx)  # they leave C within one help round
+        if self._wake.fd >= 0:  # and the service thread's wait, which looks at closing when woken
+            os.eventfd_write(self._wake.fd, 1)
         end = time.monotonic() + 5.0
         while self._blocked and time.monotonic() < end:
             time.sleep(0.0001)

@@ -222,6 +222,14 @@ uint64_t rk_drain(rk_ctx_t *ctx, uint64_t *out, uint64_t max)
         b->abandoned = 0;
         ctx->free_slots[ctx->nfree++] = slot;
     }
+    if (n > 0) {
+        /* Against rk_service_nap: bump the word, then look for a napper;
+         * it marks itself napping, then sleeps only on the word it read. */
+        __atomic_fetch_add(&ctx->settled, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&ctx->napping, __ATOMIC_SEQ_CST)) {
+            rk_futex_wake(&ctx->settled);
+        }
+    }
     return n;
 }
 

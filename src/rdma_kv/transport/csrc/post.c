@@ -384,6 +384,7 @@ int64_t rk_submit(const rk_route_t *r, int op, uint64_t n, const void *l, const 
     out[6] = rk_now_ns();
     out[2] = rk_post(b, r, &q, op, n, top, nparts, nbytes, out + 9);
     out[7] = rk_now_ns();
+    __atomic_store_n(&ctx->last_call_ns, out[7], __ATOMIC_RELAXED);
     ctx->transfers++;
     ctx->ops_posted += out[2];
     ctx->descs += n;

@@ -12,7 +12,9 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdlib.h>
+#include <linux/futex.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 #include <ucp/api/ucp.h>
 #include "shim.h"
@@ -256,16 +258,87 @@ int rk_pump_tid(const rk_pump_t *pump)
     return (int)__atomic_load_n(&pump->tid, __ATOMIC_ACQUIRE);
 }
 
+/* Something a caller has not settled: completions or notifications
+ * published before the marks (done_head, notif_head) taken earlier, or
+ * an endpoint error not yet seen. */
+static int rk_unsettled(rk_ctx_t *ctx, uint64_t done_mark, uint64_t notif_mark, uint64_t errors_seen)
+{
+    return __atomic_load_n(&ctx->done_tail, __ATOMIC_ACQUIRE) < done_mark ||
+           __atomic_load_n(&ctx->notif_tail, __ATOMIC_ACQUIRE) < notif_mark ||
+           __atomic_load_n(&ctx->ep_errors, __ATOMIC_ACQUIRE) != errors_seen;
+}
+
+/* A caller that settles anyway is about: one blocked in rk_await, or
+ * one that left it or posted within delay_ns (woken, it settles next; a
+ * poster settles in its next wait, settle() or step). */
+static int rk_caller_about(rk_ctx_t *ctx, uint64_t now, uint64_t delay_ns)
+{
+    return __atomic_load_n(&ctx->awaiting, __ATOMIC_ACQUIRE) > 0 ||
+           now - __atomic_load_n(&ctx->last_call_ns, __ATOMIC_RELAXED) < delay_ns;
+}
+
+/* Sleep at most delay_ns, or until a caller settles (rk_drain bumps
+ * ctx->settled and wakes a napper). */
+static void rk_service_nap(rk_ctx_t *ctx, uint64_t done_mark, uint64_t notif_mark, uint64_t errors_seen,
+                           uint64_t delay_ns)
+{
+    struct timespec ts = {.tv_sec = (time_t)(delay_ns / 1000000000u), .tv_nsec = (long)(delay_ns % 1000000000u)};
+    uint32_t word = __atomic_load_n(&ctx->settled, __ATOMIC_SEQ_CST);
+
+    __atomic_store_n(&ctx->napping, 1, __ATOMIC_SEQ_CST);
+    if (rk_unsettled(ctx, done_mark, notif_mark, errors_seen)) {
+        syscall(SYS_futex, &ctx->settled, FUTEX_WAIT_PRIVATE, word, &ts, NULL, 0);
+    }
+    __atomic_store_n(&ctx->napping, 0, __ATOMIC_SEQ_CST);
+}
+
+int rk_service_wait(rk_ctx_t *ctx, int wake_fd, uint64_t errors_seen, uint64_t delay_ns, uint64_t timeout_ns)
+{
+    struct pollfd pfd = {.fd = wake_fd, .events = POLLIN};
+    uint64_t start = rk_now_ns(), now = start, done_mark, notif_mark, value;
+
+    for (;;) {
+        done_mark = __atomic_load_n(&ctx->done_head, __ATOMIC_ACQUIRE);
+        notif_mark = __atomic_load_n(&ctx->notif_head, __ATOMIC_ACQUIRE);
+        if (rk_unsettled(ctx, done_mark, notif_mark, errors_seen)) {
+            if (__atomic_load_n(&ctx->ep_errors, __ATOMIC_ACQUIRE) != errors_seen ||
+                !rk_caller_about(ctx, now, delay_ns)) {
+                return 1;
+            }
+            /* Leave it to the caller for delay_ns, then look again at what
+             * was there: the interpreter lock is taken only for what nobody
+             * took, at most once per delay_ns while a caller is about. */
+            rk_service_nap(ctx, done_mark, notif_mark, errors_seen, delay_ns);
+            if (rk_unsettled(ctx, done_mark, notif_mark, errors_seen)) {
+                return 1;
+            }
+            now = rk_now_ns();
+            continue;                   /* more may have come meanwhile */
+        }
+        if (__atomic_load_n(&ctx->closing, __ATOMIC_ACQUIRE) || now - start >= timeout_ns) {
+            return 0;
+        }
+        if (poll(&pfd, 1, (int)((timeout_ns - (now - start) + 999999u) / 1000000u)) > 0) {
+            /* Non-blocking eventfd: EAGAIN if another read took it. */
+            (void)!read(wake_fd, &value, sizeof(value));
+        }
+        now = rk_now_ns();
+    }
+}
+
 int rk_await(rk_ctx_t *ctx, uint32_t slot, uint64_t id, rk_pump_t *const *help, uint32_t nhelp,
              uint64_t spin_ns, uint64_t timeout_ns)
 {
     rk_batch_t *b = &ctx->slots[slot];
     uint32_t expect = (uint32_t)(id << 1), i;
     uint64_t start = rk_now_ns(), now = start, last = start, events, nap;
+    int done = 1;
 
+    __atomic_fetch_add(&ctx->awaiting, 1, __ATOMIC_ACQ_REL);
     while (__atomic_load_n(&b->state, __ATOMIC_ACQUIRE) == expect) {
         if (now - start >= timeout_ns || __atomic_load_n(&ctx->closing, __ATOMIC_ACQUIRE)) {
-            return 0;
+            done = 0;
+            break;
         }
         /* Do the work of any pump that is not running (asleep, or runnable
          * but not given a CPU: on a busy host each of a pump's wake-ups can
@@ -286,5 +359,7 @@ int rk_await(rk_ctx_t *ctx, uint32_t slot, uint64_t id, rk_pump_t *const *help, 
         }
         now = rk_now_ns();
     }
-    return 1;
+    __atomic_store_n(&ctx->last_call_ns, rk_now_ns(), __ATOMIC_RELAXED);
+    __atomic_fetch_sub(&ctx->awaiting, 1, __ATOMIC_ACQ_REL);
+    return done;
 }

@@ -85,6 +85,17 @@ typedef struct rk_ctx {
     uint64_t notif_dropped_full;
     uint64_t notif_dropped_rndv;
     uint64_t ep_errors;         /* endpoint error callbacks so far (atomic) */
+    /* A caller is about (rk_service_wait stands back for it): when one
+     * last finished a post (rk_submit) or left rk_await, and how many are
+     * inside rk_await. Atomic. */
+    uint64_t last_call_ns;
+    uint32_t awaiting;
+    /* Bumped by every rk_drain that took something: the word a service
+     * thread standing back naps on (napping), so that a caller's settle
+     * ends its nap at once instead of a timer in the middle of the next
+     * transfer. */
+    uint32_t settled;
+    uint32_t napping;
 } rk_ctx_t;
 
 /* Make the slab of nslots records and its free stack (both caller-owned,
@@ -268,6 +279,17 @@ int rk_pump_tid(const rk_pump_t *pump);
  * agent's lock. */
 int rk_await(rk_ctx_t *ctx, uint32_t slot, uint64_t id, rk_pump_t *const *help, uint32_t nhelp,
              uint64_t spin_ns, uint64_t timeout_ns);
+
+/* The service thread's sleep (progress="thread"), without the interpreter
+ * lock: on wake_fd (the agent's eventfd, which its pumps write) until
+ * something is unsettled -- completions or notifications on the rings, or
+ * ep_errors != errors_seen -- and no caller is about to settle it: 1; or
+ * until timeout_ns pass or the agent is closing: 0. A caller is about
+ * while one is in rk_await, or posted or left rk_await within delay_ns;
+ * then what is unsettled is left to it for at most delay_ns. An endpoint error returns
+ * at once. */
+int rk_service_wait(rk_ctx_t *ctx, int wake_fd, uint64_t errors_seen, uint64_t delay_ns,
+                    uint64_t timeout_ns);
 
 /* The agent is closing: every rk_await returns (now, or at its next
  * look) and helps no pump from here on. */
