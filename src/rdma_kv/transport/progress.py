@@ -10,9 +10,10 @@ in-flight table, the notifications, failed endpoints, deadlines). Callers
 settle whenever they are there anyway (``wait()``, ``settle()``,
 ``get_notifications()``), so that a busy caller and the service thread do
 not trade the interpreter lock once per completion. A caller blocked in
-``Transfer.wait`` does not wait for that thread: ``block`` sleeps in C on the transfer's own slot (``rk_await``),
-which the completing thread wakes, and first, for ``spin_s``, moves the
-work of any pump that is not running (asleep, or not given a CPU yet).
+``Transfer.wait`` does not wait for that thread: ``block`` sleeps in C on
+the transfer's own slot (``rk_await``), which the completing thread
+wakes, and first, for ``spin_s``, moves the work of any pump that is not
+running (asleep, or not given a CPU yet).
 
 ``progress="poll"``: the caller drives: ``progress()``, and ``wait()`` /
 ``done()`` do so too; a pump that completes a lane's part signals the own

@@ -133,17 +133,22 @@ static void rk_futex_wake(uint32_t *word)
     syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
 }
 
-void rk_slot_sleep(rk_batch_t *b, uint32_t expect, uint64_t timeout_ns)
+void rk_futex_wait(uint32_t *word, uint32_t expect, uint64_t timeout_ns)
 {
     struct timespec ts;
 
     ts.tv_sec = (time_t)(timeout_ns / 1000000000u);
     ts.tv_nsec = (long)(timeout_ns % 1000000000u);
+    /* EAGAIN (changed meanwhile), EINTR, ETIMEDOUT: the caller looks again. */
+    syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, expect, &ts, NULL, 0);
+}
+
+void rk_slot_sleep(rk_batch_t *b, uint32_t expect, uint64_t timeout_ns)
+{
     __atomic_fetch_add(&b->waiters, 1, __ATOMIC_SEQ_CST);
     if (!__atomic_load_n(&b->ctx->closing, __ATOMIC_SEQ_CST) &&
         __atomic_load_n(&b->state, __ATOMIC_SEQ_CST) == expect) {
-        /* EAGAIN (changed meanwhile), EINTR, ETIMEDOUT: the caller looks again. */
-        syscall(SYS_futex, &b->state, FUTEX_WAIT_PRIVATE, expect, &ts, NULL, 0);
+        rk_futex_wait(&b->state, expect, timeout_ns);
     }
     __atomic_fetch_sub(&b->waiters, 1, __ATOMIC_SEQ_CST);
 }

@@ -12,9 +12,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdlib.h>
-#include <linux/futex.h>
 #include <sys/syscall.h>
-#include <time.h>
 #include <unistd.h>
 #include <ucp/api/ucp.h>
 #include "shim.h"
@@ -258,14 +256,12 @@ int rk_pump_tid(const rk_pump_t *pump)
     return (int)__atomic_load_n(&pump->tid, __ATOMIC_ACQUIRE);
 }
 
-/* Something a caller has not settled: completions or notifications
- * published before the marks (done_head, notif_head) taken earlier, or
- * an endpoint error not yet seen. */
-static int rk_unsettled(rk_ctx_t *ctx, uint64_t done_mark, uint64_t notif_mark, uint64_t errors_seen)
+/* Completions or notifications published before the marks (done_head,
+ * notif_head) taken earlier that no one has settled yet. */
+static int rk_unsettled(rk_ctx_t *ctx, uint64_t done_mark, uint64_t notif_mark)
 {
     return __atomic_load_n(&ctx->done_tail, __ATOMIC_ACQUIRE) < done_mark ||
-           __atomic_load_n(&ctx->notif_tail, __ATOMIC_ACQUIRE) < notif_mark ||
-           __atomic_load_n(&ctx->ep_errors, __ATOMIC_ACQUIRE) != errors_seen;
+           __atomic_load_n(&ctx->notif_tail, __ATOMIC_ACQUIRE) < notif_mark;
 }
 
 /* A caller that settles anyway is about: one blocked in rk_await, or
@@ -277,17 +273,16 @@ static int rk_caller_about(rk_ctx_t *ctx, uint64_t now, uint64_t delay_ns)
            now - __atomic_load_n(&ctx->last_call_ns, __ATOMIC_RELAXED) < delay_ns;
 }
 
-/* Sleep at most delay_ns, or until a caller settles (rk_drain bumps
- * ctx->settled and wakes a napper). */
-static void rk_service_nap(rk_ctx_t *ctx, uint64_t done_mark, uint64_t notif_mark, uint64_t errors_seen,
-                           uint64_t delay_ns)
+/* Sleep at most delay_ns, or until a caller settles: rk_drain bumps
+ * ctx->settled, then wakes a napper; this marks itself napping, then
+ * sleeps only on the word it read before. */
+static void rk_service_nap(rk_ctx_t *ctx, uint64_t done_mark, uint64_t notif_mark, uint64_t delay_ns)
 {
-    struct timespec ts = {.tv_sec = (time_t)(delay_ns / 1000000000u), .tv_nsec = (long)(delay_ns % 1000000000u)};
     uint32_t word = __atomic_load_n(&ctx->settled, __ATOMIC_SEQ_CST);
 
     __atomic_store_n(&ctx->napping, 1, __ATOMIC_SEQ_CST);
-    if (rk_unsettled(ctx, done_mark, notif_mark, errors_seen)) {
-        syscall(SYS_futex, &ctx->settled, FUTEX_WAIT_PRIVATE, word, &ts, NULL, 0);
+    if (rk_unsettled(ctx, done_mark, notif_mark)) {
+        rk_futex_wait(&ctx->settled, word, delay_ns);
     }
     __atomic_store_n(&ctx->napping, 0, __ATOMIC_SEQ_CST);
 }
@@ -298,18 +293,20 @@ int rk_service_wait(rk_ctx_t *ctx, int wake_fd, uint64_t errors_seen, uint64_t d
     uint64_t start = rk_now_ns(), now = start, done_mark, notif_mark, value;
 
     for (;;) {
+        if (__atomic_load_n(&ctx->ep_errors, __ATOMIC_ACQUIRE) != errors_seen) {
+            return 1;                   /* never left to a caller */
+        }
         done_mark = __atomic_load_n(&ctx->done_head, __ATOMIC_ACQUIRE);
         notif_mark = __atomic_load_n(&ctx->notif_head, __ATOMIC_ACQUIRE);
-        if (rk_unsettled(ctx, done_mark, notif_mark, errors_seen)) {
-            if (__atomic_load_n(&ctx->ep_errors, __ATOMIC_ACQUIRE) != errors_seen ||
-                !rk_caller_about(ctx, now, delay_ns)) {
+        if (rk_unsettled(ctx, done_mark, notif_mark)) {
+            if (!rk_caller_about(ctx, now, delay_ns)) {
                 return 1;
             }
             /* Leave it to the caller for delay_ns, then look again at what
              * was there: the interpreter lock is taken only for what nobody
              * took, at most once per delay_ns while a caller is about. */
-            rk_service_nap(ctx, done_mark, notif_mark, errors_seen, delay_ns);
-            if (rk_unsettled(ctx, done_mark, notif_mark, errors_seen)) {
+            rk_service_nap(ctx, done_mark, notif_mark, delay_ns);
+            if (rk_unsettled(ctx, done_mark, notif_mark)) {
                 return 1;
             }
             now = rk_now_ns();

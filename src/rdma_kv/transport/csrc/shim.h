@@ -286,8 +286,8 @@ int rk_await(rk_ctx_t *ctx, uint32_t slot, uint64_t id, rk_pump_t *const *help, 
  * ep_errors != errors_seen -- and no caller is about to settle it: 1; or
  * until timeout_ns pass or the agent is closing: 0. A caller is about
  * while one is in rk_await, or posted or left rk_await within delay_ns;
- * then what is unsettled is left to it for at most delay_ns. An endpoint error returns
- * at once. */
+ * then what is unsettled is left to it for at most delay_ns. An endpoint
+ * error returns at once. */
 int rk_service_wait(rk_ctx_t *ctx, int wake_fd, uint64_t errors_seen, uint64_t delay_ns,
                     uint64_t timeout_ns);
 
