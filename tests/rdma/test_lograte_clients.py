@@ -91,3 +91,25 @@ def test_clients_are_reused_and_closed_only_when_idle_and_unreferenced(clock):
     assert b.closed and len(pool) == 0
     with pytest.raises(RuntimeError, match="closed"):
         pool.get("10.0.0.3", 1)
+
+
+def test_a_job_that_raises_on_an_rpc_thread_is_logged(caplog):
+    """A job's exception would stay in a future nobody reads: its loads would
+    wait for their deadline with nothing said. The pool logs it, and the
+    thread goes on to the next job."""
+    pool = ClientPool(lambda host, port: None)  # type: ignore[arg-type,return-value]
+    ran = []
+
+    def confirm_batch() -> None:
+        raise KeyError("lost track of a load")
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="rdma_kv.connector.rdma.consumer.clients"):
+            assert pool.submit(confirm_batch)
+            assert pool.submit(ran.append, "next")
+            pool._executor.shutdown(wait=True)
+    finally:
+        pool.close()
+    assert ran == ["next"]
+    [record] = [r for r in caplog.records if "RPC thread" in r.getMessage()]
+    assert "confirm_batch" in record.getMessage() and record.exc_info[1].args == ("lost track of a load",)

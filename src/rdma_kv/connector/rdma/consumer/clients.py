@@ -20,6 +20,7 @@ Imports the standard library and the connector's ``sideclient``.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -28,6 +29,8 @@ from typing import Any
 from rdma_kv.connector.rdma.sideclient import SideChannelClient
 
 __all__ = ["ClientPool"]
+
+logger = logging.getLogger(__name__)
 
 Address = tuple[str, int]
 
@@ -54,7 +57,7 @@ class ClientPool:
     @staticmethod
     def _submit(executor: concurrent.futures.ThreadPoolExecutor, fn: Callable[..., Any], args: Any) -> bool:
         try:
-            executor.submit(fn, *args)
+            executor.submit(_logged, fn, *args)
         except RuntimeError:  # shut down: the worker is closing
             return False
         return True
@@ -99,3 +102,14 @@ class ClientPool:
     def __len__(self) -> int:
         with self._lock:
             return len(self._clients)
+
+
+def _logged(fn: Callable[..., Any], *args: Any) -> None:
+    """Run ``fn``: a job that raises is a bug, and its loads would otherwise
+    sit until their deadline with nothing said (an executor keeps what a
+    job raises in a future nobody reads)."""
+    try:
+        fn(*args)
+    except Exception:
+        logger.exception("rdma-kv RPC thread: %s failed (a bug: please report it); the loads it "
+                         "served fail at their deadline", getattr(fn, "__qualname__", fn))

@@ -87,10 +87,10 @@ class Source:
     pin_sent: float = 0.0
     """``perf_counter()`` when its pin was queued (the pin runs from later)."""
     pin_until: float = 0.0
-    landed_at: float = 0.0
-    """``perf_counter()`` when its reads were seen to land (0: not yet)."""
     """``perf_counter()`` by which its reads must have landed to be trusted
     on the pin (``pin_sent`` plus the time granted, less a margin)."""
+    landed_at: float = 0.0
+    """``perf_counter()`` when its reads were seen to land (0: not yet)."""
 
 
 @dataclasses.dataclass(eq=False)
