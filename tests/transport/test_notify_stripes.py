@@ -205,3 +205,37 @@ def test_a_lone_whole_transfer_stays_on_the_own_worker_unless_spread_alone(make_
     else:
         assert alone == [0, 0, 0], alone
         assert [x.worker for x in together] == [0, 1, 2, 0], [x.worker for x in together]
+
+
+def test_no_notification_goes_out_on_an_endpoint_being_closed(make_agent):
+    """A notified transfer whose last part completes after its peer's
+    endpoint was quiesced for a close (a lane's pump can complete its part
+    after the agent force-closed the endpoint on a deadline) sends nothing
+    on it: the transfer fails (cancelled) and the peer gets no
+    notification. It used to be sent on the closed endpoint, a use after
+    free that crashed a push producer under load (docs/reliability.md)."""
+    from rdma_kv.transport._lib import load
+
+    a, b, buf_a, buf_b = _agents(make_agent, "tcp", "poll", 1)  # both driven here
+    slots = np.arange(SLOTS) * BLOCK
+    lp = b.prep_local(DescList.from_regions(buf_b.ctypes.data, slots, BLOCK))
+    rp = b.prep_remote("a", DescList.from_regions(buf_a.ctypes.data, slots, BLOCK))
+    idx = np.arange(SLOTS)
+
+    def drive(xfer, until_s: float = WAIT_S) -> list:
+        got: list = []
+        end = time.monotonic() + until_s
+        while time.monotonic() < end and not (xfer.done() and got):
+            b.progress()
+            a.progress()
+            got += a.get_notifications()
+        return got
+
+    first = b.write_prepared(lp, idx, rp, idx, notify=b"first")
+    assert [(n.peer, n.payload) for n in drive(first)] == [("b", b"first")] and first.state is XferState.DONE
+
+    second = b.write_prepared(lp, idx, rp, idx[::-1], notify=b"second")
+    assert second.state is XferState.IN_PROGRESS  # nothing progressed b since the post
+    load()[1].rk_ep_quiesce(b._core.peers["a"].ep_state)
+    assert drive(second, until_s=2.0) == [], "a notification went out on an endpoint being closed"
+    assert second.state is XferState.FAILED and "canceled" in str(second.error), second.error

@@ -106,6 +106,10 @@ class Peer:
         if force:
             param.op_attr_mask = lib.UCP_OP_ATTR_FIELD_FLAGS
             param.flags = lib.UCP_EP_CLOSE_FLAG_FORCE
+        # No notification goes out on it from here (a lane's pump may
+        # complete a transfer's last part after the close, and its
+        # notification would be sent on a freed endpoint), nor is one being sent.
+        lib.rk_ep_quiesce(self.ep_state)
         req = lib.ucp_ep_close_nbx(self.ep, param)
         lib.rk_wait_request(self._worker.handle, req, CLOSE_ROUNDS)
         self.ep = None

@@ -169,12 +169,41 @@ static void rk_publish(rk_batch_t *b)
     }
 }
 
+/* Announce a send on the peer's endpoint, then look whether it is closing:
+ * either rk_ep_quiesce sees the announcement and waits for the send, or
+ * this sees the close coming and does not send (both sequentially
+ * consistent). */
+static int rk_ep_enter(rk_ep_state_t *st)
+{
+    __atomic_fetch_add(&st->sending, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&st->closing, __ATOMIC_SEQ_CST)) {
+        __atomic_fetch_sub(&st->sending, 1, __ATOMIC_RELEASE);
+        return 0;
+    }
+    return 1;
+}
+
+void rk_ep_quiesce(rk_ep_state_t *st)
+{
+    __atomic_store_n(&st->closing, 1, __ATOMIC_SEQ_CST);
+    while (__atomic_load_n(&st->sending, __ATOMIC_SEQ_CST) > 0) {
+        rk_cpu_relax();
+    }
+}
+
 static void rk_batch_complete(rk_batch_t *b)
 {
     ucp_request_param_t p;
     rk_ctx_t *ctx = b->ctx;
     ucs_status_ptr_t r;
 
+    /* An abandoned batch's peer may be gone: its endpoint closed, its
+     * state freed. A failed peer's endpoint is closed, or about to be
+     * (its lanes' parts can complete after that, on their pumps). */
+    if (b->status == UCS_OK && b->has_notif && !b->notif_sent &&
+        (__atomic_load_n(&b->abandoned, __ATOMIC_ACQUIRE) || !rk_ep_enter(b->peer))) {
+        b->status = UCS_ERR_CANCELED;
+    }
     if (b->status == UCS_OK && b->has_notif && !b->notif_sent) {
         /* Every operation completed locally on every worker (for PUT also
          * remotely, via a flush of each endpoint used), so the peer may now
@@ -193,6 +222,7 @@ static void rk_batch_complete(rk_batch_t *b)
         p.flags = UCP_AM_SEND_FLAG_EAGER;
         r = ucp_am_send_nbx(b->notif_ep, ctx->am_id, ctx->name, ctx->name_len,
                             b->notif_data, b->notif_len, &p);
+        __atomic_fetch_sub(&b->peer->sending, 1, __ATOMIC_RELEASE); /* rk_ep_enter's */
         rk_account(b, r);
         if (__atomic_sub_fetch(&b->pending, 1, __ATOMIC_ACQ_REL) > 0) {
             return;
@@ -265,7 +295,7 @@ void rk_abandon(rk_ctx_t *ctx, uint32_t slot)
 {
     rk_batch_t *b = &ctx->slots[slot];
 
-    b->abandoned = 1;
+    __atomic_store_n(&b->abandoned, 1, __ATOMIC_RELEASE);
     b->deadline_ns = 0;
     b->peer->inflight--;
     ctx->live--;

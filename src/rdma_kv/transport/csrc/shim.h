@@ -23,6 +23,8 @@ typedef struct rk_ep_state {
     int32_t failed;
     struct rk_ctx *ctx;      /* its agent's: the callback counts ep_errors */
     uint64_t inflight;       /* transfers in flight with the peer (own worker's state only; under the agent's lock) */
+    int32_t closing;         /* set by rk_ep_quiesce: no notification goes out on the endpoint */
+    int32_t sending;         /* notifications being handed to the endpoint now (atomic) */
 } rk_ep_state_t;
 
 /* One transfer in flight: a slot of the agent's slab. */
@@ -133,6 +135,13 @@ enum {
 };
 
 void rk_ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t status);
+
+/* Before the agent closes its endpoint to a peer: from now on a completing
+ * transfer sends no notification on it, and one being handed to it on
+ * another thread (a lane's pump completes the last part) has returned.
+ * A transfer whose notification is dropped so completes with
+ * UCS_ERR_CANCELED. Returns within one ucp_am_send_nbx call. */
+void rk_ep_quiesce(rk_ep_state_t *state);
 
 /* A C thread progressing one worker; see rk_pump_start below. */
 typedef struct rk_pump rk_pump_t;
