@@ -452,3 +452,14 @@ def test_a_polling_caller_moves_the_part_of_a_lane_whose_pump_does_not_run(make_
         for pump in pumps:
             lib.rk_pump_hold(pump, -1)
     collect_notifications(pair.a, [b"r%d" % k for k in range(4)], b"r4", WAIT_S)
+
+
+def test_the_shim_counts_queued_bytes_for_every_worker_a_config_allows():
+    """``rk_ctx_t.queued`` holds one count per worker (own + lanes): a
+    config allowing more lanes than it holds would write past it."""
+    from rdma_kv.transport._lib import load
+    from rdma_kv.transport.lanes import MAX_LANES
+
+    ffi, _ = load()
+    queued = dict(ffi.typeof("rk_ctx_t").fields)["queued"]
+    assert queued.type.length == MAX_LANES + 1

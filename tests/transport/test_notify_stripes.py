@@ -31,11 +31,14 @@ import pytest
 from rdma_kv.transport import DescList, XferState
 from transport_helpers import LOOPBACK, TCP
 
-# Over TCP with UCX's own put disabled, puts are emulated with active
-# messages (software RMA): a put completes locally once sent, and only an
-# endpoint flush waits for the target to have applied it -- so a missing
-# flush shows. ("tcp" keeps UCX's tcp put, which waits for the target's ack.)
+# Over TCP with UCX's own put disabled (rdma-kv's default), puts are
+# emulated with active messages (software RMA): a put completes locally
+# once sent, and only an endpoint flush waits for the target to have
+# applied it -- so a missing flush shows. ("tcp" asks for UCX's tcp put,
+# which waits for the target's ack; nothing here fails a peer, the case
+# that put crashes in: docs/reliability.md.)
 TCP_SW_RMA = {**TCP, "TCP_PUT_ENABLE": "n"}
+TCP_NATIVE_PUT = {**TCP, "TCP_PUT_ENABLE": "y"}
 
 pytestmark = [pytest.mark.ucx]
 
@@ -48,7 +51,7 @@ WAIT_S = 30.0
 
 
 def _agents(make_agent, transport, progress, lanes, **config):
-    options = {"tcp": TCP, "tcp-sw-rma": TCP_SW_RMA, "shm": LOOPBACK}[transport]
+    options = {"tcp": TCP_NATIVE_PUT, "tcp-sw-rma": TCP_SW_RMA, "shm": LOOPBACK}[transport]
     a = make_agent("a", ucx_options=options, progress="poll", lanes=1)  # the receiver, driven here
     b = make_agent("b", ucx_options=options, progress=progress, lanes=lanes, lane_min_bytes=LANE_MIN, **config)
     buf_a = np.zeros(NBYTES, dtype=np.uint8)
@@ -176,35 +179,82 @@ def test_a_notification_never_precedes_its_data(make_agent, transport, progress,
 
 
 @pytest.mark.parametrize("spread_alone", [False, True])
-def test_a_lone_whole_transfer_stays_on_the_own_worker_unless_spread_alone(make_agent, spread_alone):
-    """A transfer too small to stripe, posted while nothing else is in
-    flight, goes to the own worker (its caller drives it; a lane's pump
-    would have to wake up); posted beside others, the next ones go to the
-    lanes in turn. With ``spread_alone`` every one goes in turn."""
+def test_a_whole_transfer_goes_to_the_worker_with_the_fewest_bytes_queued(make_agent, spread_alone):
+    """A transfer too small to stripe goes whole to the worker with the
+    fewest bytes posted and not yet complete (``rk_ctx_t.queued``; the
+    backlogs are set here, as a caller posting while nobody drives its own
+    worker leaves one there). On a tie the own worker, which its caller
+    drives (a lone transfer wakes no pump); with ``spread_alone`` the tie
+    goes to each worker in turn. Its bytes leave the count once it
+    completed: the backlogs are the same again afterwards."""
     a, b, buf_a, buf_b = _agents(make_agent, "shm", "poll", 3, spread_alone=spread_alone)
+    ctx = b._core.inflight.ctx
     buf_a[:] = np.arange(NBYTES, dtype=np.uint64).astype(np.uint8)
     slots = np.arange(SLOTS, dtype=np.uint64) * BLOCK
     local = b.prep_local(DescList(buf_b.ctypes.data + slots, BLOCK))
     remote = b.prep_remote("a", DescList(buf_a.ctypes.data + slots, BLOCK))
     one = np.arange(4, dtype=np.int64)  # 16 KiB: far below two LANE_MIN parts
+    posted = []
 
-    def post(i):
-        return b.read_prepared(local, one + 4 * i, remote, one + 4 * i)
+    def worker_for(backlog: list[int]) -> int:
+        for w, queued in enumerate(backlog):
+            ctx.queued[w] = queued
+        i = len(posted)
+        xfer = b.read_prepared(local, one + 4 * i, remote, one + 4 * i)
+        posted.append(xfer)
+        xfer.wait(WAIT_S)
+        assert [ctx.queued[w] for w in range(3)] == backlog, "a transfer's bytes stayed queued"
+        return xfer.worker
 
-    alone = []
-    for i in range(3):  # each finished (drained) before the next is posted
-        xfer = post(i)
-        xfer.wait(WAIT_S)
-        alone.append(xfer.worker)
-    together = [post(3 + i) for i in range(4)]  # posted back to back: the first is still in flight
-    for xfer in together:
-        xfer.wait(WAIT_S)
-    assert (buf_b[:7 * 4 * BLOCK] == buf_a[:7 * 4 * BLOCK]).all()
-    if spread_alone:
-        assert alone == [0, 1, 2], alone
-    else:
-        assert alone == [0, 0, 0], alone
-        assert [x.worker for x in together] == [0, 1, 2, 0], [x.worker for x in together]
+    mib = 1 << 20
+    alone = [worker_for([0, 0, 0]) for _ in range(3)]
+    assert alone == ([0, 1, 2] if spread_alone else [0, 0, 0]), alone
+    assert worker_for([5 * mib, mib, 3 * mib]) == 1
+    assert worker_for([mib, mib, 0]) == 2
+    assert worker_for([0, mib, 2 * mib]) == 0
+    if not spread_alone:
+        assert worker_for([mib, 2 * mib, mib]) == 0  # a tie with the own worker: the own
+    n = 4 * len(posted)
+    assert (buf_b[:n * BLOCK] == buf_a[:n * BLOCK]).all()
+
+
+@pytest.mark.parametrize("progress", ["poll", "thread"])
+def test_no_bytes_stay_queued_once_every_transfer_settled(make_agent, rng, progress):
+    """The queue counts drift back to zero whatever the transfers did:
+    striped and whole, reads and notified writes, posted back to back, and
+    some abandoned on a deadline that passed before they completed (their
+    bytes leave the count when UCX hands them back, not when the agent
+    gives up on them). A drift would steer every later request off a
+    worker for good. (Every endpoint is used once first: a peer failed
+    while its endpoints still wire up meets a UCX crash, docs/reliability.md.)"""
+    a, b, buf_a, buf_b = _agents(make_agent, "tcp-sw-rma", progress, 3)
+    ctx, inflight = b._core.inflight.ctx, b._core.inflight
+    slots = np.arange(SLOTS, dtype=np.uint64) * BLOCK
+    local = b.prep_local(DescList(buf_b.ctypes.data + slots, BLOCK))
+    remote = b.prep_remote("a", DescList(buf_a.ctypes.data + slots, BLOCK))
+    every = np.arange(SLOTS)
+    for warm in (b.write_prepared(local, every, remote, every, notify=b"warm"),
+                 b.read_prepared(local, every, remote, every)):
+        assert warm.worker_ops is not None and len(warm.worker_ops) == 3  # striped: every worker's endpoint
+        _finish(a, b, warm)
+    xfers = []
+    for i in range(24):
+        n = int(rng.integers(1, SLOTS)) if i % 3 == 0 else int(rng.integers(1, 2 * LANE_MIN // BLOCK))
+        li, ri = rng.permutation(SLOTS)[:n], rng.permutation(SLOTS)[:n]
+        timeout = 1e-6 if i % 5 == 4 else None  # passed before it can complete
+        if i % 2:
+            xfers.append(b.write_prepared(local, li, remote, ri, notify=f"w{i}".encode(), timeout_s=timeout))
+        else:
+            xfers.append(b.read_prepared(local, li, remote, ri, timeout_s=timeout))
+    end = time.monotonic() + WAIT_S
+    while not all(x.done() for x in xfers) or ctx.nfree != ctx.nslots:
+        a.progress()  # a answers TCP gets and applies puts
+        b.progress()
+        assert time.monotonic() < end, f"{ctx.nslots - ctx.nfree} slots never came back"
+    failed = [x for x in xfers if x.state is not XferState.DONE]
+    assert failed, "no transfer was abandoned: the deadlines did not pass first"
+    assert inflight.live == 0
+    assert [ctx.queued[w] for w in range(3)] == [0, 0, 0]
 
 
 def test_no_notification_goes_out_on_an_endpoint_being_closed(make_agent):

@@ -159,8 +159,11 @@ void rk_slot_sleep(rk_batch_t *b, uint32_t expect, uint64_t timeout_ns)
 static void rk_publish(rk_batch_t *b)
 {
     rk_ctx_t *ctx = b->ctx;
-    uint32_t waiters;
+    uint32_t waiters, k;
 
+    for (k = 0; k < b->nparts; ++k) {  /* its bytes no longer queued */
+        __atomic_fetch_sub(&ctx->queued[b->top - k], b->share, __ATOMIC_RELAXED);
+    }
     __atomic_store_n(&b->state, (uint32_t)(b->id << 1) | 1u, __ATOMIC_SEQ_CST);
     waiters = __atomic_load_n(&b->waiters, __ATOMIC_SEQ_CST);
     rk_ring_push(ctx, (uint32_t)(b - ctx->slots));

@@ -267,6 +267,29 @@ static int rk_stream(rk_poster_t *ps, rk_req_t *q, uint64_t n, uint32_t top, uin
     return 1;
 }
 
+/* The worker for a request that is not striped: the one with the fewest
+ * bytes queued. A worker nobody drives while its caller posts (the own
+ * worker of a polling agent) keeps its queue, a lane's pump drains its
+ * own, so requests go where they will be copied soonest. A tie goes to
+ * the own worker (RK_SPREAD_BUSY: a request alone stays with the worker
+ * its caller drives, no pump wakes for it), or to the next in turn from
+ * the cursor (RK_SPREAD_ALWAYS). */
+static uint32_t rk_least_queued(rk_ctx_t *ctx, const rk_route_t *r)
+{
+    uint32_t start = r->spread == RK_SPREAD_ALWAYS ? ctx->cursor++ : 0, best = 0, i, w;
+    uint64_t least = UINT64_MAX, q;
+
+    for (i = 0; i < r->nworkers; ++i) {
+        w = (start + i) % r->nworkers;
+        q = __atomic_load_n(&ctx->queued[w], __ATOMIC_RELAXED);
+        if (q < least) {
+            least = q;
+            best = w;
+        }
+    }
+    return best;
+}
+
 /* An endpoint flush counted as one operation of the batch: it completes
  * once every operation posted on the endpoint so far completed remotely. */
 static void rk_flush_ep(rk_poster_t *ps, ucp_ep_h ep)
@@ -357,12 +380,7 @@ int64_t rk_submit(const rk_route_t *r, int op, uint64_t n, const void *l, const 
     nparts = op == RK_OP_FLUSH ? r->nworkers : rk_parts(nbytes, r->nworkers, r->lane_min_bytes);
     top = nparts - 1;
     if (nparts == 1 && r->spread != RK_SPREAD_OFF && r->nworkers > 1) {
-        if (ctx->live == 0 && r->spread == RK_SPREAD_BUSY) {
-            top = 0;                /* alone: the own worker, which its caller drives */
-            ctx->cursor = 1;
-        } else {
-            top = ctx->cursor++ % r->nworkers;
-        }
+        top = rk_least_queued(ctx, r);
     }
     b->id = ++ctx->next_id;
     b->notif_ep = r->eps[0];
@@ -374,6 +392,12 @@ int64_t rk_submit(const rk_route_t *r, int op, uint64_t n, const void *l, const 
     b->notif_sent = 0;
     b->notif_data = notif;
     b->notif_len = notif_len;
+    b->top = top;
+    b->nparts = nparts;
+    b->share = nbytes / nparts;
+    for (w = 0; w < nparts; ++w) {
+        __atomic_fetch_add(&ctx->queued[top - w], b->share, __ATOMIC_RELAXED);
+    }
     deadline = t0 + (timeout_ns != 0 ? timeout_ns : ctx->timeout_ns);
     b->deadline_ns = deadline;
     if (ctx->live == 0 || deadline < ctx->next_deadline_ns) {

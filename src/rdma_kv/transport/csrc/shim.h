@@ -44,6 +44,9 @@ typedef struct rk_batch {
     int32_t notif_sent;
     const void *notif_data;  /* the caller keeps it alive until the slot is drained */
     uint64_t notif_len;
+    uint32_t top;            /* its workers: top, top - 1, ..., top - nparts + 1 */
+    uint32_t nparts;
+    uint64_t share;          /* the bytes it queued on each of them (rk_ctx_t.queued) */
 } rk_batch_t;
 
 typedef struct rk_ctx {
@@ -56,7 +59,10 @@ typedef struct rk_ctx {
     uint64_t live;              /* transfers in flight, neither drained nor abandoned */
     uint64_t next_deadline_ns;  /* no live transfer's deadline is earlier */
     uint64_t timeout_ns;        /* a transfer's deadline when the caller gives none */
-    uint32_t cursor;            /* the worker the next spread request goes to */
+    uint32_t cursor;            /* where RK_SPREAD_ALWAYS starts looking (it turns) */
+    /* Bytes posted on each worker (own, lanes 1..16) and not yet complete:
+     * added by the poster, taken off as a batch is published. Atomic. */
+    uint64_t queued[17];
     int32_t closing;            /* set by rk_wake_waiters: rk_await returns at once */
     /* Notifications: an active message am_id, the agent's name as header. */
     uint32_t am_id;
@@ -114,8 +120,8 @@ enum {
 /* rk_route_t.spread: where a transfer too small to stripe goes. */
 enum {
     RK_SPREAD_OFF = 0,      /* the own worker */
-    RK_SPREAD_BUSY = 1,     /* the next worker in turn; the own one while nothing else is in flight */
-    RK_SPREAD_ALWAYS = 2    /* the next worker in turn */
+    RK_SPREAD_BUSY = 1,     /* the worker with the fewest bytes queued; the own one on a tie */
+    RK_SPREAD_ALWAYS = 2    /* the same; ties broken in turn, so lone transfers rotate */
 };
 
 /* rk_submit's flags. */
@@ -200,10 +206,11 @@ typedef struct rk_route {
  * llen, rlen their lengths, located in the route's regions.
  *
  * Workers: below two parts of lane_min_bytes the whole request goes to
- * one worker (the next in turn with spread, else the own); otherwise its
- * byte stream is cut into parts of about equal bytes at 4 KiB boundaries
- * (a descriptor may be cut), the lanes' parts posted first, each lane's
- * pump held off its worker and kicked before, released after. A WRITE
+ * one worker (with spread the one with the fewest bytes queued, else the
+ * own); otherwise its byte stream is cut into parts of about equal bytes
+ * at 4 KiB boundaries (a descriptor may be cut), the lanes' parts posted
+ * first, each lane's pump held off its worker and kicked before, released
+ * after. A WRITE
  * with RK_NOTIFY, and RK_OP_FLUSH (n = 0, every worker), add an endpoint
  * flush per endpoint used, counted as operations. Completion of the last
  * operation (on any thread) sends the notification on the own worker's
