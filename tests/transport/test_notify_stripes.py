@@ -178,44 +178,71 @@ def test_a_notification_never_precedes_its_data(make_agent, transport, progress,
     assert b.stats.failed == 0
 
 
-@pytest.mark.parametrize("spread_alone", [False, True])
-def test_a_whole_transfer_goes_to_the_worker_with_the_fewest_bytes_queued(make_agent, spread_alone):
-    """A transfer too small to stripe goes whole to the worker with the
-    fewest bytes posted and not yet complete (``rk_ctx_t.queued``; the
-    backlogs are set here, as a caller posting while nobody drives its own
-    worker leaves one there). On a tie the own worker, which its caller
-    drives (a lone transfer wakes no pump); with ``spread_alone`` the tie
-    goes to each worker in turn. Its bytes leave the count once it
-    completed: the backlogs are the same again afterwards."""
-    a, b, buf_a, buf_b = _agents(make_agent, "shm", "poll", 3, spread_alone=spread_alone)
-    ctx = b._core.inflight.ctx
+def _small_reads(b, buf_a, buf_b):
+    """Post the i-th 16 KiB read (far below two LANE_MIN parts)."""
     buf_a[:] = np.arange(NBYTES, dtype=np.uint64).astype(np.uint8)
     slots = np.arange(SLOTS, dtype=np.uint64) * BLOCK
     local = b.prep_local(DescList(buf_b.ctypes.data + slots, BLOCK))
     remote = b.prep_remote("a", DescList(buf_a.ctypes.data + slots, BLOCK))
-    one = np.arange(4, dtype=np.int64)  # 16 KiB: far below two LANE_MIN parts
+    one = np.arange(4, dtype=np.int64)
+    return lambda i: b.read_prepared(local, one + 4 * i, remote, one + 4 * i)
+
+
+def test_a_polling_agent_sends_a_whole_transfer_to_the_worker_with_the_fewest_bytes_queued(make_agent):
+    """Polling: a transfer too small to stripe goes whole to the worker with
+    the fewest bytes posted and not yet complete (``rk_ctx_t.queued``; the
+    backlogs are set here, as a caller posting while nobody drives its own
+    worker leaves one there), the own worker on a tie (a lone transfer wakes
+    no pump). Its bytes leave the count once it completed: the backlogs are
+    the same again afterwards."""
+    a, b, buf_a, buf_b = _agents(make_agent, "shm", "poll", 3)
+    ctx = b._core.inflight.ctx
+    post = _small_reads(b, buf_a, buf_b)
     posted = []
 
     def worker_for(backlog: list[int]) -> int:
         for w, queued in enumerate(backlog):
             ctx.queued[w] = queued
-        i = len(posted)
-        xfer = b.read_prepared(local, one + 4 * i, remote, one + 4 * i)
+        xfer = post(len(posted))
         posted.append(xfer)
         xfer.wait(WAIT_S)
         assert [ctx.queued[w] for w in range(3)] == backlog, "a transfer's bytes stayed queued"
         return xfer.worker
 
     mib = 1 << 20
-    alone = [worker_for([0, 0, 0]) for _ in range(3)]
-    assert alone == ([0, 1, 2] if spread_alone else [0, 0, 0]), alone
+    assert [worker_for([0, 0, 0]) for _ in range(3)] == [0, 0, 0]  # alone: the own worker
     assert worker_for([5 * mib, mib, 3 * mib]) == 1
     assert worker_for([mib, mib, 0]) == 2
     assert worker_for([0, mib, 2 * mib]) == 0
-    if not spread_alone:
-        assert worker_for([mib, 2 * mib, mib]) == 0  # a tie with the own worker: the own
+    assert worker_for([mib, 2 * mib, mib]) == 0  # a tie with the own worker: the own
     n = 4 * len(posted)
     assert (buf_b[:n * BLOCK] == buf_a[:n * BLOCK]).all()
+
+
+@pytest.mark.parametrize("spread_alone", [False, True])
+def test_a_pumped_agent_spreads_whole_transfers_in_turn(make_agent, spread_alone):
+    """progress="thread": a transfer too small to stripe, posted while
+    nothing else is in flight, goes to the own worker (a lane's pump would
+    have to wake up); posted beside others, the next ones go to the lanes in
+    turn (every worker has a pump: they drain alike). With ``spread_alone``
+    every one goes in turn."""
+    a, b, buf_a, buf_b = _agents(make_agent, "shm", "thread", 3, spread_alone=spread_alone)
+    post = _small_reads(b, buf_a, buf_b)
+    alone = []
+    for i in range(3):  # each finished (drained) before the next is posted
+        xfer = post(i)
+        xfer.wait(WAIT_S)
+        alone.append(xfer.worker)
+    with b._core.lock:  # posted back to back, and nobody drains (settles) meanwhile: the first stays in flight
+        together = [post(3 + i) for i in range(4)]
+    for xfer in together:
+        xfer.wait(WAIT_S)
+    assert (buf_b[:7 * 4 * BLOCK] == buf_a[:7 * 4 * BLOCK]).all()
+    if spread_alone:
+        assert alone == [0, 1, 2], alone
+    else:
+        assert alone == [0, 0, 0], alone
+        assert [x.worker for x in together] == [0, 1, 2, 0], [x.worker for x in together]
 
 
 @pytest.mark.parametrize("progress", ["poll", "thread"])

@@ -60,16 +60,15 @@ class AgentConfig:
     # about 1 MiB or more earns back in parallel bytes (docs/design.md,
     # "Lanes", has the measurements behind the default).
     lane_min_bytes: int = 1 << 20
-    # A transfer too small to stripe goes whole to the worker with the fewest
-    # bytes posted and not yet complete (the own one on a tie), so that
-    # concurrent requests copy on every worker at once; False keeps every
-    # such transfer on the agent's own worker.
+    # A transfer too small to stripe goes whole to one worker -- polling: the
+    # one with the fewest bytes posted and not yet complete; with pumps: the
+    # next in turn -- so that concurrent requests copy on every worker at
+    # once; False keeps every such transfer on the agent's own worker.
     spread: bool = True
-    # With spread, a transfer posted while nothing else is queued stays on
+    # With spread, a transfer posted while nothing else is in flight stays on
     # the own worker, which its caller drives (a lane's pump would have to
     # wake up for it: a lone 512 KiB request's p99 0.55-0.59 -> 0.20 ms,
-    # docs/benchmarks.md); True breaks such ties in turn, so that lone
-    # transfers go to every worker in turn.
+    # docs/benchmarks.md); True sends every one to the next worker in turn.
     spread_alone: bool = False
     # close() first lets what is in flight finish for this long: force-closing
     # an endpoint with CMA gets still queued can trip a UCX assertion

@@ -17,8 +17,8 @@ so one 256 MiB descriptor is cut too) and posts each part on
 its worker's endpoint -- the lanes' parts first (each lane's pump kicked
 awake before, held off its worker while its part is posted, released
 right after), the agent's own part last. A smaller transfer goes *whole*
-to one worker, the one with the fewest bytes queued (the route's
-``spread``): concurrent requests then copy on every worker at once. Either way it is *one*
+to one worker (the route's ``spread``: by bytes queued when polling, in
+turn with pumps): concurrent requests then copy on every worker at once. Either way it is *one*
 batch and one ``Transfer``: its operation count is atomic, the pumps count
 down the lanes' operations on their threads, and whichever thread finishes
 the last one publishes the batch on the agent's completion ring and (a

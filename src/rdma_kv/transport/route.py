@@ -79,8 +79,11 @@ class RouteBuilder:
         self._worker = worker
         self._pump = pump
         self._lane_min_bytes = lane_min_bytes
+        # Polling (no own pump): by bytes queued, the caller's own worker copying
+        # nothing while it posts; pumped: in turn, every worker draining alike
+        # (docs/design.md, "Spreading", has both measured).
         self._spread = (lib.RK_SPREAD_OFF if not spread else lib.RK_SPREAD_ALWAYS if spread_alone
-                        else lib.RK_SPREAD_BUSY)
+                        else lib.RK_SPREAD_LEAST if pump is None else lib.RK_SPREAD_BUSY)
 
     def prepared(self, local: PreparedList, remote: PreparedList, peer: Peer) -> Route:
         """The route of (``local``, ``remote``) to ``peer``, current as of now.

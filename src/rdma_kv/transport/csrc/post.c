@@ -267,20 +267,16 @@ static int rk_stream(rk_poster_t *ps, rk_req_t *q, uint64_t n, uint32_t top, uin
     return 1;
 }
 
-/* The worker for a request that is not striped: the one with the fewest
- * bytes queued. A worker nobody drives while its caller posts (the own
- * worker of a polling agent) keeps its queue, a lane's pump drains its
- * own, so requests go where they will be copied soonest. A tie goes to
- * the own worker (RK_SPREAD_BUSY: a request alone stays with the worker
- * its caller drives, no pump wakes for it), or to the next in turn from
- * the cursor (RK_SPREAD_ALWAYS). */
+/* RK_SPREAD_LEAST: the worker with the fewest bytes queued, the own one
+ * on a tie. A polling agent's own worker copies nothing while its caller
+ * posts, a lane's pump drains its queue from the first post, so requests
+ * go where they will be copied soonest. */
 static uint32_t rk_least_queued(rk_ctx_t *ctx, const rk_route_t *r)
 {
-    uint32_t start = r->spread == RK_SPREAD_ALWAYS ? ctx->cursor++ : 0, best = 0, i, w;
-    uint64_t least = UINT64_MAX, q;
+    uint64_t least = __atomic_load_n(&ctx->queued[0], __ATOMIC_RELAXED), q;
+    uint32_t best = 0, w;
 
-    for (i = 0; i < r->nworkers; ++i) {
-        w = (start + i) % r->nworkers;
+    for (w = 1; w < r->nworkers; ++w) {
         q = __atomic_load_n(&ctx->queued[w], __ATOMIC_RELAXED);
         if (q < least) {
             least = q;
@@ -380,7 +376,14 @@ int64_t rk_submit(const rk_route_t *r, int op, uint64_t n, const void *l, const 
     nparts = op == RK_OP_FLUSH ? r->nworkers : rk_parts(nbytes, r->nworkers, r->lane_min_bytes);
     top = nparts - 1;
     if (nparts == 1 && r->spread != RK_SPREAD_OFF && r->nworkers > 1) {
-        top = rk_least_queued(ctx, r);
+        if (r->spread == RK_SPREAD_LEAST) {
+            top = rk_least_queued(ctx, r);
+        } else if (ctx->live == 0 && r->spread == RK_SPREAD_BUSY) {
+            top = 0;                /* alone: the own worker, which its caller drives */
+            ctx->cursor = 1;
+        } else {
+            top = ctx->cursor++ % r->nworkers;
+        }
     }
     b->id = ++ctx->next_id;
     b->notif_ep = r->eps[0];

@@ -59,7 +59,7 @@ typedef struct rk_ctx {
     uint64_t live;              /* transfers in flight, neither drained nor abandoned */
     uint64_t next_deadline_ns;  /* no live transfer's deadline is earlier */
     uint64_t timeout_ns;        /* a transfer's deadline when the caller gives none */
-    uint32_t cursor;            /* where RK_SPREAD_ALWAYS starts looking (it turns) */
+    uint32_t cursor;            /* the worker the next spread request goes to, in turn */
     /* Bytes posted on each worker (own, lanes 1..16) and not yet complete:
      * added by the poster, taken off as a batch is published. Atomic. */
     uint64_t queued[17];
@@ -120,8 +120,9 @@ enum {
 /* rk_route_t.spread: where a transfer too small to stripe goes. */
 enum {
     RK_SPREAD_OFF = 0,      /* the own worker */
-    RK_SPREAD_BUSY = 1,     /* the worker with the fewest bytes queued; the own one on a tie */
-    RK_SPREAD_ALWAYS = 2    /* the same; ties broken in turn, so lone transfers rotate */
+    RK_SPREAD_BUSY = 1,     /* the next worker in turn; the own one while nothing else is in flight */
+    RK_SPREAD_ALWAYS = 2,   /* the next worker in turn */
+    RK_SPREAD_LEAST = 3     /* the worker with the fewest bytes queued; the own one on a tie */
 };
 
 /* rk_submit's flags. */
@@ -206,11 +207,10 @@ typedef struct rk_route {
  * llen, rlen their lengths, located in the route's regions.
  *
  * Workers: below two parts of lane_min_bytes the whole request goes to
- * one worker (with spread the one with the fewest bytes queued, else the
- * own); otherwise its byte stream is cut into parts of about equal bytes
- * at 4 KiB boundaries (a descriptor may be cut), the lanes' parts posted
- * first, each lane's pump held off its worker and kicked before, released
- * after. A WRITE
+ * one worker (by the route's spread rule, RK_SPREAD_*); otherwise its
+ * byte stream is cut into parts of about equal bytes at 4 KiB boundaries
+ * (a descriptor may be cut), the lanes' parts posted first, each lane's
+ * pump held off its worker and kicked before, released after. A WRITE
  * with RK_NOTIFY, and RK_OP_FLUSH (n = 0, every worker), add an endpoint
  * flush per endpoint used, counted as operations. Completion of the last
  * operation (on any thread) sends the notification on the own worker's
