@@ -72,11 +72,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.timeout(90
 STARVATION_BOUNDS = {"load_timeout_s": 120.0, "lease_ttl_s": 120.0, "read_timeout_s": 60.0}
 """Five vLLM servers share this 2-core host, each spinning between steps;
 with one busy loop beside them (2026-11-27), a producer's 32 KiB layer
-write missed its deadline (``read_timeout_s``, 10 s by default) in 3 runs
-of 3 of this module, on the tree before that day's changes too: its
-process got no CPU for that long (docs/reliability.md, "Processes without
-a CPU"). The loads failed loudly and recomputed, and the exact counts these
-tests assert did not add up. These tests check that pushed KV is used and
+write missed its deadline (``read_timeout_s``, 10 s by default) in 2 runs
+of 2 of this module (the tree before that day's changes failed the module
+under the same load too, on a producer count that did not grow in time;
+docs/reliability.md, "Processes without a CPU"). The loads failed loudly
+and recomputed, and the exact counts these tests assert did not add up.
+One such write also expired at 60 s on a quiet machine, not diagnosed
+(docs/reliability.md). These tests check that pushed KV is used and
 equals plain, not how fast: the bounds leave room for a starved process,
 and every wait still ends within them (test_vllm_push_hetero_tp.py does
 the same). A killed producer is still met by its refused connection, not
