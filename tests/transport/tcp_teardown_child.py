@@ -27,8 +27,8 @@ import time
 
 import numpy as np
 
-from rdma_kv.transport import Agent, AgentConfig, DescList
-from transport_helpers import TCP
+from rdma_kv.transport import Agent, AgentConfig, DescList, XferState
+from transport_helpers import TCP, post_burst
 
 NBYTES = 8 << 20
 BLOCK = 4096
@@ -52,16 +52,7 @@ def one_round(rng: np.random.Generator, progress: str, lanes: int, notify: bool)
     slots = np.arange(SLOTS, dtype=np.uint64) * BLOCK
     local = b.prep_local(DescList(buf_b.ctypes.data + slots, BLOCK))
     remote = b.prep_remote("a", DescList(buf_a.ctypes.data + slots, BLOCK))
-    xfers = []
-    for i in range(24):
-        n = int(rng.integers(1, SLOTS)) if i % 3 == 0 else int(rng.integers(1, 2 * LANE_MIN // BLOCK))
-        li, ri = rng.permutation(SLOTS)[:n], rng.permutation(SLOTS)[:n]
-        timeout = 1e-6 if i % 5 == 4 else None
-        if i % 2:
-            tag = f"w{i}".encode() if notify else None
-            xfers.append(b.write_prepared(local, li, remote, ri, notify=tag, timeout_s=timeout))
-        else:
-            xfers.append(b.read_prepared(local, li, remote, ri, timeout_s=timeout))
+    xfers = post_burst(b, local, remote, rng, SLOTS, 2 * LANE_MIN // BLOCK, notify=notify)
     ctx = b._core.inflight.ctx
     end = time.monotonic() + 30.0
     while not all(x.done() for x in xfers) or ctx.nfree != ctx.nslots:
@@ -69,7 +60,7 @@ def one_round(rng: np.random.Generator, progress: str, lanes: int, notify: bool)
         b.settle()
         if time.monotonic() > end:
             raise SystemExit(f"{ctx.nslots - ctx.nfree} transfers never came back")
-    failed = sum(x.state.name != "DONE" for x in xfers)
+    failed = sum(x.state is not XferState.DONE for x in xfers)
     a.close()
     time.sleep(0.01)  # b's pumps see a's goodbye
     b.close()

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from rdma_kv.transport import DescList, XferState
-from transport_helpers import LOOPBACK, TCP
+from transport_helpers import LOOPBACK, TCP, post_burst
 
 # Over TCP with UCX's own put disabled (rdma-kv's default), puts are
 # emulated with active messages (software RMA): a put completes locally
@@ -264,15 +264,7 @@ def test_no_bytes_stay_queued_once_every_transfer_settled(make_agent, rng, progr
                  b.read_prepared(local, every, remote, every)):
         assert warm.worker_ops is not None and len(warm.worker_ops) == 3  # striped: every worker's endpoint
         _finish(a, b, warm)
-    xfers = []
-    for i in range(24):
-        n = int(rng.integers(1, SLOTS)) if i % 3 == 0 else int(rng.integers(1, 2 * LANE_MIN // BLOCK))
-        li, ri = rng.permutation(SLOTS)[:n], rng.permutation(SLOTS)[:n]
-        timeout = 1e-6 if i % 5 == 4 else None  # passed before it can complete
-        if i % 2:
-            xfers.append(b.write_prepared(local, li, remote, ri, notify=f"w{i}".encode(), timeout_s=timeout))
-        else:
-            xfers.append(b.read_prepared(local, li, remote, ri, timeout_s=timeout))
+    xfers = post_burst(b, local, remote, rng, SLOTS, 2 * LANE_MIN // BLOCK)
     end = time.monotonic() + WAIT_S
     while not all(x.done() for x in xfers) or ctx.nfree != ctx.nslots:
         a.progress()  # a answers TCP gets and applies puts

@@ -89,6 +89,27 @@ def random_blocks(rng: np.random.Generator, local_nbytes: int, remote_nbytes: in
     return block, side(local_nbytes), side(remote_nbytes)
 
 
+def post_burst(b, local, remote, rng: np.random.Generator, nslots: int, small: int,
+               notify: bool = True, count: int = 24) -> list:
+    """Post ``count`` transfers back to back from agent ``b`` between the
+    prepared lists ``local`` and ``remote`` (``nslots`` slots each): every
+    third spans up to all slots (striped), the rest fewer than ``small``
+    (whole); reads and writes in turn (writes notified if ``notify``); every
+    fifth with a deadline that passes before it can complete, so the first
+    expiry fails the peer with the others in flight."""
+    xfers = []
+    for i in range(count):
+        n = int(rng.integers(1, nslots)) if i % 3 == 0 else int(rng.integers(1, small))
+        li, ri = rng.permutation(nslots)[:n], rng.permutation(nslots)[:n]
+        timeout = 1e-6 if i % 5 == 4 else None
+        if i % 2:
+            tag = f"w{i}".encode() if notify else None
+            xfers.append(b.write_prepared(local, li, remote, ri, notify=tag, timeout_s=timeout))
+        else:
+            xfers.append(b.read_prepared(local, li, remote, ri, timeout_s=timeout))
+    return xfers
+
+
 def apply_blocks(dst: np.ndarray, src: np.ndarray, dst_off: np.ndarray, src_off: np.ndarray, block: int) -> None:
     """The model: what moving ``block`` bytes from each src offset to each dst
     offset does to ``dst``."""

@@ -200,14 +200,13 @@ static void rk_batch_complete(rk_batch_t *b)
     rk_ctx_t *ctx = b->ctx;
     ucs_status_ptr_t r;
 
-    /* An abandoned batch's peer may be gone: its endpoint closed, its
-     * state freed. A failed peer's endpoint is closed, or about to be
-     * (its lanes' parts can complete after that, on their pumps). */
     if (b->status == UCS_OK && b->has_notif && !b->notif_sent &&
         (__atomic_load_n(&b->abandoned, __ATOMIC_ACQUIRE) || !rk_ep_enter(b->peer))) {
+        /* An abandoned batch's peer may be gone: its endpoint closed, its
+         * state freed. A failed peer's endpoint is closed, or about to be
+         * (its lanes' parts can complete after that, on their pumps). */
         b->status = UCS_ERR_CANCELED;
-    }
-    if (b->status == UCS_OK && b->has_notif && !b->notif_sent) {
+    } else if (b->status == UCS_OK && b->has_notif && !b->notif_sent) {
         /* Every operation completed locally on every worker (for PUT also
          * remotely, via a flush of each endpoint used), so the peer may now
          * act on the notification. This may run on a lane's pump: notif_ep
