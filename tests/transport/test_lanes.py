@@ -463,3 +463,32 @@ def test_the_shim_counts_queued_bytes_for_every_worker_a_config_allows():
     ffi, _ = load()
     queued = dict(ffi.typeof("rk_ctx_t").fields)["queued"]
     assert queued.type.length == MAX_LANES + 1
+
+
+def test_a_transfer_past_its_deadline_logs_what_it_was_waiting_for(make_agent, caplog):
+    """The line an operator gets when a transfer expires names the worker
+    its part is stuck on and what that worker's pump was doing: here lane
+    1's pump is held off its worker for the whole transfer (standing for
+    one never scheduled), so the striped read's part there never moves
+    (TCP: UCX copies only when progressed)."""
+    pair = connect(make_agent, lanes=2, lane_min_bytes=BLOCK, progress="thread", ucx_options=TCP)
+    local, remote = prepared(pair)
+    lib = load()[1]
+    pump = pair.b._core.lanes._lanes[0].pump.handle
+    lib.rk_pump_hold(pump, 1)
+    try:
+        with caplog.at_level("WARNING", logger="rdma_kv.transport.agent"):
+            xfer = pair.b.read_prepared(local, np.arange(SLOTS), remote, np.arange(SLOTS), timeout_s=0.2)
+            wait_until(xfer.done, WAIT_S, "the held read to expire", drive=[pair.a])
+    finally:
+        lib.rk_pump_hold(pump, -1)
+    assert xfer.state is XferState.FAILED and isinstance(xfer.error, TransferTimeoutError)
+    lines = [r.getMessage() for r in caplog.records if "passed its deadline" in r.getMessage()]
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert f"read transfer {xfer.id} with peer 'a' passed its deadline" in line
+    outstanding = int(line.split(" of ")[0].rsplit(": ", 1)[1])
+    assert 1 <= outstanding <= xfer.ops_posted, line
+    assert "lane 1: pump held by 1 poster(s)" in line, line
+    assert f"thread {pair.b._core.lanes._lanes[0].pump.tid} state " in line, line
+    assert "own worker: pump " in line, line

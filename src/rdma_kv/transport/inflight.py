@@ -18,7 +18,7 @@ zombie, with the notification bytes UCX may still read) until UCX does.
 Callbacks of settled transfers are queued here and run outside the lock.
 
 Every method runs under the agent's lock. May import: rdma_kv.errors and
-the transport's lower modules (_lib, config, peer, route, transfer).
+the transport's lower modules (_lib, config, peer, route, stall, transfer).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rdma_kv.errors import ConfigError, TransferError, TransferTimeoutError
+from rdma_kv.transport import stall
 from rdma_kv.transport._lib import load, status_name
 from rdma_kv.transport.config import AgentConfig
 from rdma_kv.transport.peer import Peer
@@ -201,6 +202,9 @@ class InFlight:
                 continue
             xfer._expired = True
             peer = xfer._peer
+            log.warning("%s transfer %d with peer %r passed its deadline: %s", xfer.op.value, xfer.id, xfer.peer,
+                        stall.describe(self.ctx.slots[slot], peer.paths.pumps if peer.paths else None,
+                                       time.monotonic_ns()))
             if peer.ep is not None:
                 # Cancels every operation to the peer; completions are drained
                 # inside and this transfer settles with a timeout error.

@@ -37,6 +37,8 @@ struct rk_pump {
     int hold;       /* > 0: a poster is posting on the worker, or a poller
                      * progresses it (rk_pump_help); keep off it */
     int busy;       /* 1 while the pump's thread is in ucp_worker_progress */
+    int asleep;     /* 1 while it sleeps on its worker's event fd */
+    uint64_t ran_ns; /* when it last progressed its worker (rk_now_ns) */
     uint64_t kicks; /* bumped by rk_pump_kick: stay awake for spin_ns */
     rk_cu_set_ctx_t set_ctx; /* NULL: no CUDA context to make current */
     void *cu_ctx;
@@ -158,6 +160,7 @@ static void *rk_pump_main(void *arg)
             last_event = rk_now_ns();
         }
         __atomic_store_n(&pump->busy, 0, __ATOMIC_RELEASE);
+        __atomic_store_n(&pump->ran_ns, rk_now_ns(), __ATOMIC_RELAXED);
         stamp = rk_ctx_stamp(pump->watch);
         if (stamp != seen) {            /* something to settle */
             seen = stamp;
@@ -177,9 +180,11 @@ static void *rk_pump_main(void *arg)
             continue;
         }
         /* 100 ms: the longest a stop request waits if nobody signals. */
+        __atomic_store_n(&pump->asleep, 1, __ATOMIC_RELAXED);
         if (poll(&pfd, 1, 100) < 0 && errno != EINTR) {
             poll(NULL, 0, 1);
         }
+        __atomic_store_n(&pump->asleep, 0, __ATOMIC_RELAXED);
     }
     return NULL;
 }
@@ -254,6 +259,14 @@ void rk_pump_stop(rk_pump_t *pump)
 int rk_pump_tid(const rk_pump_t *pump)
 {
     return (int)__atomic_load_n(&pump->tid, __ATOMIC_ACQUIRE);
+}
+
+void rk_pump_state(rk_pump_t *pump, uint64_t *out)
+{
+    out[0] = (uint64_t)__atomic_load_n(&pump->hold, __ATOMIC_ACQUIRE);
+    out[1] = (uint64_t)__atomic_load_n(&pump->busy, __ATOMIC_ACQUIRE);
+    out[2] = (uint64_t)__atomic_load_n(&pump->asleep, __ATOMIC_RELAXED);
+    out[3] = __atomic_load_n(&pump->ran_ns, __ATOMIC_RELAXED);
 }
 
 /* Completions or notifications published before the marks (done_head,

@@ -287,6 +287,12 @@ uint64_t rk_pump_help(rk_pump_t *pump, uint64_t max_rounds);
  * rk_pump_start returns. */
 int rk_pump_tid(const rk_pump_t *pump);
 
+/* What the pump is doing, for a transfer that outlived its deadline:
+ * out[0] its hold count, out[1] 1 while in ucp_worker_progress, out[2] 1
+ * while asleep on its worker's fd, out[3] when it last progressed its worker
+ * (rk_now_ns; 0 before). */
+void rk_pump_state(rk_pump_t *pump, uint64_t *out);
+
 /* Block until the transfer `id` in `slot` completed or was abandoned (1),
  * or timeout_ns passed (0). Meanwhile it progresses each of the nhelp
  * pumps' workers that its pump is not progressing (rk_pump_help); once

@@ -1,0 +1,57 @@
+"""What a transfer that outlived its deadline was waiting for.
+
+Read from the shim before the agent fails the peer (which cancels the
+transfer's operations): how many of its operations UCX had not completed,
+whether its notification had gone out, and for each worker it was posted
+on, what that worker's pump was doing (held by a poster, in progress,
+asleep on its worker's fd, or spinning), how long ago it last progressed
+the worker, and its thread as the kernel saw it (state, CPU time, time
+spent runnable but waiting for a CPU). One line for the operator's log: it tells a peer
+that stopped answering from a worker nobody progressed and from a process
+that got no CPU.
+
+May import: rdma_kv.transport._lib.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rdma_kv.transport._lib import load
+
+
+def describe(batch: Any, pumps: Any, now_ns: int) -> str:
+    """``batch`` is the transfer's ``rk_batch_t``, ``pumps`` the route's
+    ``rk_pump_t *[]`` by worker (None or NULL entries: no pump)."""
+    ffi, lib = load()
+    parts = [f"{int(batch.pending)} of {int(batch.posted)} operations outstanding"]
+    if batch.has_notif:
+        parts.append("notification sent" if batch.notif_sent else "notification not sent")
+    out = ffi.new("uint64_t[4]")
+    for k in range(int(batch.nparts)):
+        w = int(batch.top) - k
+        who = "own worker" if w == 0 else f"lane {w}"
+        pump = pumps[w] if pumps is not None else ffi.NULL
+        if pump == ffi.NULL:
+            parts.append(f"{who}: no pump (progressed by its caller)")
+            continue
+        lib.rk_pump_state(pump, out)
+        hold, busy, asleep, ran = (int(v) for v in out)
+        doing = (f"held by {hold} poster(s)" if hold else "in progress" if busy
+                 else "asleep on its fd" if asleep else "spinning")
+        since = f"last progressed its worker {(now_ns - ran) / 1e9:.3f} s ago" if ran else "never progressed its worker"
+        parts.append(f"{who}: pump {doing}, {since}, {thread(int(lib.rk_pump_tid(pump)))}")
+    return "; ".join(parts)
+
+
+def thread(tid: int) -> str:
+    """The kernel's view of thread ``tid`` of this process."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            stat = f.read()
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            run_ns, wait_ns, _ = (int(v) for v in f.read().split())
+    except (OSError, ValueError):
+        return f"thread {tid} not readable"
+    state = stat[stat.rindex(")") + 2:].split()[0]
+    return f"thread {tid} state {state}, ran {run_ns / 1e9:.2f} s, waited {wait_ns / 1e9:.2f} s for a CPU"
