@@ -157,6 +157,9 @@ def test_one_batch_across_both_remote_regions(link: Link, rng):
 
     link.local[: n * block] = rng.integers(0, 256, n * block, dtype=np.uint8)
     link.agent.write(link.peer, link.local_descs(loff, block), remote).wait(WAIT_S)
+    # A write completes locally; the flush, once the child sees every byte (over
+    # TCP its worker applies them: read at once, they were stale under load).
+    link.agent.flush(link.peer).wait(WAIT_S)
     after = [link.remote_bytes(r) for r in range(2)]
     for lo, ro, r in zip(loff, roff, region_of):
         np.testing.assert_array_equal(after[r][ro:ro + block], link.local[lo:lo + block])

@@ -365,7 +365,12 @@ class Agent:
 
     def write(self, peer: str, local: DescList, remote: DescList, *, notify: bytes | None = None,
               timeout_s: float | None = None) -> Transfer:
-        """Write local descriptors to ``peer``'s remote ones (RMA put)."""
+        """Write local descriptors to ``peer``'s remote ones (RMA put). Its
+        completion means the local bytes were taken (the buffers may be
+        reused), not that ``peer`` sees them: with ``notify``, ``peer`` hears
+        of the write only once every byte is visible to it; otherwise
+        ``flush(peer)`` completes once every earlier write is (UCX's own
+        put semantics: over TCP the peer's worker applies the bytes)."""
         return self._posting.transfer(_WRITE, OP_PUT, peer, local, remote, notify, timeout_s)
 
     def read_prepared(self, local: PreparedList, local_index: Any, remote: PreparedList,
@@ -377,6 +382,7 @@ class Agent:
     def write_prepared(self, local: PreparedList, local_index: Any, remote: PreparedList,
                        remote_index: Any, *, notify: bytes | None = None,
                        timeout_s: float | None = None) -> Transfer:
+        """Write ``local[local_index]`` into ``remote[remote_index]``; completion as ``write``'s."""
         return self._prepared.transfer(_WRITE, OP_PUT, local, local_index, remote, remote_index, notify,
                                        timeout_s)
 

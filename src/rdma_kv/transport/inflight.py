@@ -202,9 +202,13 @@ class InFlight:
                 continue
             xfer._expired = True
             peer = xfer._peer
+            try:
+                waiting = stall.describe(self.ctx.slots[slot], peer.paths.pumps if peer.paths else None,
+                                         time.monotonic_ns())
+            except Exception as exc:  # a diagnostic never stands in the way of failing the peer
+                waiting = f"(not readable: {exc!r})"
             log.warning("%s transfer %d with peer %r passed its deadline: %s", xfer.op.value, xfer.id, xfer.peer,
-                        stall.describe(self.ctx.slots[slot], peer.paths.pumps if peer.paths else None,
-                                       time.monotonic_ns()))
+                        waiting)
             if peer.ep is not None:
                 # Cancels every operation to the peer; completions are drained
                 # inside and this transfer settles with a timeout error.
