@@ -138,3 +138,25 @@ def test_a_write_that_fails_is_failed_even_when_aborted_and_the_lease_is_release
     assert reply.state is S.FAILED and "injected" in reply.detail
     assert s.d.get_notifications() == []  # no notification for a failed batch
     assert s.leases.take_done() == {"r1"}
+
+
+def test_a_push_that_arrives_after_the_decode_aborted_it_unknown_writes_nothing():
+    """The decode's PUSH got no answer in time (a producer without CPU), so
+    it gave up: it asked to abort, and this rank, which had not taken the
+    PUSH, answered UNKNOWN. The PUSH then arrives (an attempt the client
+    had given up on): it is answered ABORTED and writes nothing, although
+    the lease covers the blocks -- the decode may have handed them back."""
+    s = Setup()
+    token = b"u" * 16
+    reply = s.writer.query(wire.PushQuery(wire.PROTOCOL_VERSION, token, abort=True))
+    assert reply.state is S.UNKNOWN and "refused" in reply.detail
+    late = s.writer.push(s.push(1, [40, 41], token=token))
+    assert late.state is S.ABORTED, late
+    assert not any(s.dst[n].any() for n in s.dst), "a PUSH the decode had given up on wrote"
+    assert s.fabric.writes == 0
+    assert s.writer.take_counters().aborted_unknown == 1
+    # A plain query (no abort) of an unknown token leaves no such record: the decode PUSHes again.
+    other = b"v" * 16
+    assert s.writer.query(wire.PushQuery(wire.PROTOCOL_VERSION, other)).state is S.UNKNOWN
+    assert s.writer.push(s.push(2, [50, 51], token=other)).state is S.DONE
+    assert written(s, [50, 51], [20, 21])

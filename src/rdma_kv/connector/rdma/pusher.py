@@ -272,24 +272,23 @@ class PushWriter(ConcurrentDispatch):
             self._leases.unpin(entry.call.ref.generation)
             self._leases.release([entry.call])
 
-
-
-
-
-
-
-
-
-
-
-
-
     # --- PUSH_QUERY ----------------------------------------------------------------------------
 
     def query(self, request: wire.PushQuery) -> wire.PushReply:
         self.reap()
         with self._lock:
             entry = self._pushes.get(request.token)
+            if entry is None and request.abort:
+                # The decode gives up on an allocation this rank never took. Its PUSH may
+                # still be on its way (sent before this query, answered too late for the
+                # decode): remembered as ABORTED, it is answered that, and writes nothing.
+                now = self._clock()
+                entry = PushEntry(None, state=ABORTED, detail="aborted by the decode before its PUSH arrived",
+                                  resolved_at=now, token=request.token, started_at=now)
+                self._remember(request.token, entry)
+                self._counts.add("aborted_unknown")
+                return wire.PushReply(UNKNOWN, "no push of this token on this producer rank; a PUSH of it arriving "
+                                               "later is refused")
             if entry is None:
                 return wire.PushReply(UNKNOWN, "no push of this token on this producer rank")
             if request.abort and entry.state is WAITING and entry.written_upto < 0 and not entry.outstanding:

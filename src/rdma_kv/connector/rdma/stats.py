@@ -332,6 +332,8 @@ class PushCounters(Counters):
     refused: int = 0
     """PUSH answered REFUSED: nothing written (a lease refusal, blocks outside the lease, a replay)."""
     abort_asked: int = 0
+    aborted_unknown: int = 0
+    """Aborts of a push this producer rank had no record of: remembered ABORTED, a late PUSH of it is refused (producer)."""
     registrations: int = 0
     """Concurrent dispatch: decode ranks that registered under a transfer id (producer)."""
     registrations_early: int = 0
@@ -354,6 +356,8 @@ class PushCounters(Counters):
     loads_waiting: int = 0
     """Sources the producer first answered WAITING: registered before their prefill finished (decode)."""
     loads_failed: int = 0
+    resent: int = 0
+    """PUSHes sent again: the first got no answer and the producer had no record of it (decode)."""
     producer_gone: int = 0
     """Pushes resolved because the producer's side channel refused connections (decode)."""
     unreachable: int = 0

@@ -18,8 +18,14 @@ or hand them back to its engine) only then:
   past the load's deadline (nothing was posted), FAILED or ABORTED (every
   write it posted resolved; it posts none again; after FAILED the decode
   also drops its endpoints to the producer, for transports whose writes
-  its own worker applies), or UNKNOWN to a query after it had answered the
-  PUSH (it never had it);
+  its own worker applies), UNKNOWN to a query after it had answered the
+  PUSH (forgotten long after it resolved), or UNKNOWN to an abort of a PUSH
+  it never answered: the producer remembers that abort, so an attempt of
+  the PUSH still on its way (one the client gave up on, answered too late)
+  is refused when it arrives;
+- not yet: a PUSH that got no answer is queried; UNKNOWN (not taken yet,
+  a producer slow to answer) sends it again, under the same token, so an
+  earlier attempt arriving too is answered, not taken twice;
 - failure, the producer is gone: its side channel refuses connections
   (no process listens: none writes; its endpoints went with it) -- the
   transport peer is dropped first;
@@ -100,7 +106,8 @@ class PushHandle:
     aborting: bool = False
     next_query_at: float = 0.0
     busy: bool = False  # an RPC for it is on an RPC thread
-    resend: bool = False  # answered PENDING: the next due time sends the PUSH again
+    resend: bool = False  # answered PENDING (or unknown to a query): the next due time sends the PUSH again
+    send_error: str = ""  # why the last call before an answer failed
     error: BaseException | None = None
     _done: bool = False
     _finished_at: float | None = None
@@ -254,6 +261,8 @@ class Pushes:
                 return
         S = wire.PushState
         if exc is not None:
+            if not handle.answered:
+                handle.send_error = f"{type(exc).__name__}: {exc}"
             if _refused_connection(exc):
                 # No process listens on the producer's side channel: nothing of it writes.
                 self._peer_failed(handle.peer, str(exc))
@@ -288,14 +297,22 @@ class Pushes:
                 handle.next_query_at = now + (QUERY_EVERY_S if handle.aborting else QUERY_AFTER_S)
                 handle.hard_deadline = min(handle.hard_deadline, now + reply.writes_end_within_s + 1.0)
         elif state is S.PENDING and not handle.answered:
-            if handle.aborting:
-                self._resolve(handle, PushFailed("aborted before the producer took the push"))
-            else:  # the grant is one producer step away: PUSH again shortly (poll)
-                with self._lock:
-                    handle.resend, handle.next_query_at = True, now + PENDING_RETRY_S
+            # The grant is one producer step away: PUSH again shortly (poll); aborting, the
+            # abort goes instead (an earlier attempt of this PUSH may still be on its way).
+            with self._lock:
+                handle.resend, handle.next_query_at = True, now + (0.0 if handle.aborting else PENDING_RETRY_S)
+        elif state is S.UNKNOWN and not handle.answered and handle.aborting:
+            # An abort of a PUSH the producer never took: it remembered the abort, so an
+            # attempt of the PUSH still on its way writes nothing.
+            why = f"; the PUSH got no answer: {handle.send_error}" if handle.send_error else ""
+            self._resolve(handle, PushFailed(f"aborted before the producer took the push ({reply.detail}){why}"))
         elif state is S.UNKNOWN and not handle.answered:
-            # A query after a PUSH whose answer was lost: the producer never took it.
-            self._resolve(handle, PushFailed(f"the producer has no push of this allocation: {reply.detail}"))
+            # A query after a PUSH that got no answer (a producer slow to answer: its side
+            # channel without a CPU for longer than the RPC's attempts): it has not taken it
+            # yet. PUSH again; the token makes a second arrival of the first one harmless.
+            with self._lock:
+                self._counts.add("resent")
+                handle.resend, handle.next_query_at = True, now + QUERY_EVERY_S
         else:  # REFUSED, FAILED, ABORTED, UNKNOWN after an answer (forgotten long after it resolved)
             if state is S.FAILED and handle.answered:
                 # The producer's transport cancelled a posted batch. Where the
@@ -328,9 +345,10 @@ class Pushes:
                     due.append(handle)
         for handle in due:
             resend, handle.resend = handle.resend, False
-            if resend and handle.aborting:  # its last answer was PENDING: never taken, never sent again
-                self._resolve(handle, PushFailed("aborted before the producer took the push"))
-            elif not self._pool.submit(self._send if resend else self._query, handle):
+            # Aborting, a PUSH due again is not sent: the abort asks the producer instead.
+            # It answers UNKNOWN and refuses any earlier attempt of that PUSH still on its
+            # way (an attempt the client gave up on may yet arrive), or stops what it took.
+            if not self._pool.submit(self._send if resend and not handle.aborting else self._query, handle):
                 self._resolve(handle, PushFailed("the worker is closing"))
 
     def abort(self, handle: PushHandle) -> None:

@@ -1,0 +1,124 @@
+"""The decode's side of a push (``consumer/pushes.Pushes``) when the
+producer is slow to answer: its side channel without a CPU for longer than
+the RPC's attempts, so that the PUSH gets no answer. Scripted side-channel
+answers, a fake clock; the RPC threads run inline.
+
+What must hold: a PUSH the producer has not taken yet is sent again (not
+failed: the producer merely had no CPU), and the decode gives a push up
+only on an answer that makes a late attempt of its PUSH harmless -- the
+producer's UNKNOWN to an *abort* (which it remembers; test_pusher.py), never
+on its own say-so."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+from leaseutil import Clock, ref
+
+from rdma_kv.connector.rdma import wire
+from rdma_kv.connector.rdma.consumer.pushes import Pushes
+from rdma_kv.connector.rdma.meta import PeerAddress, RemoteLease
+
+S = wire.PushState
+TOKEN = b"t" * 16
+
+
+class Client:
+    """A side channel that answers from a script: a reply, or an exception to raise."""
+
+    host, port = "127.0.0.1", 1
+
+    def __init__(self, *script):
+        self.script = list(script)
+        self.sent = []
+
+    def call(self, request, timeout_s=None):
+        self.sent.append(request)
+        out = self.script.pop(0)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+
+class Pool:
+    def __init__(self, client):
+        self.client = client
+
+    def get(self, host, port):
+        return self.client
+
+    def submit(self, fn, handle):
+        fn(handle)  # the RPC thread, inline
+        return True
+
+
+def setup(client):
+    clock = Clock()
+    settings = SimpleNamespace(rpc_timeout_s=2.0, lease_max_s=120.0, read_timeout_s=10.0, tp_rank=0)
+    table = SimpleNamespace(group_nbytes=np.array([4096]), row_group=np.array([0]), num_groups=1)
+    local = SimpleNamespace(transport=SimpleNamespace(get_notifications=lambda: []))
+    failed = []
+    pushes = Pushes(local, "D", 1, settings, Pool(client), lambda peer, why: failed.append(why),
+                    lambda heads: (table, None), clock=clock)
+    pushes._hellos.add((Client.host, Client.port, 0))  # introduced already
+    peer = SimpleNamespace(address=SimpleNamespace(rank_address=lambda rank: (Client.host, Client.port)),
+                           rank=0, connection=None)
+    lease = RemoteLease(PeerAddress("P", "127.0.0.1", 1, 1), ref(1), b"A" * 16).to_wire()
+    request = wire.Push(wire.PROTOCOL_VERSION, lease, TOKEN, "D", 0, 1, [[40, 41]], [[10, 11]])
+    return pushes, clock, request, peer, failed
+
+
+def step(pushes, clock, s=1.0):
+    clock.t += s
+    pushes.poll()
+
+
+def kinds(client):
+    return [("abort" if getattr(r, "abort", False) else type(r).__name__) for r in client.sent]
+
+
+def test_a_push_that_got_no_answer_and_is_not_taken_yet_is_sent_again_and_completes():
+    client = Client(TimeoutError("no answer"), wire.PushReply(S.UNKNOWN, "no push of this token"),
+                    wire.PushReply(S.RUNNING, "", 10.0), wire.PushReply(S.DONE))
+    pushes, clock, request, peer, failed = setup(client)
+    handle = pushes._begin(peer, request, [[40, 41]])
+    step(pushes, clock)  # the query: UNKNOWN, the producer has not taken it yet
+    assert not handle.done(), handle.error
+    step(pushes, clock)  # the PUSH again, under the same token: RUNNING
+    step(pushes, clock, 2.0)  # no notification within a second: the query reads DONE
+    assert handle.done() and handle.error is None, handle.error
+    assert kinds(client) == ["Push", "PushQuery", "Push", "PushQuery"]
+    assert client.sent[2].token == TOKEN
+    assert pushes.take_counters().resent == 1 and not failed
+
+
+def test_an_aborted_push_that_got_no_answer_asks_the_producer_before_giving_up():
+    """The load gives up while its PUSH has no answer: the abort goes to the
+    producer (which then refuses a late attempt), and only its UNKNOWN
+    resolves the push; no PUSH is sent after the abort."""
+    client = Client(TimeoutError("no answer"), wire.PushReply(S.UNKNOWN, "no push of this token"))
+    pushes, clock, request, peer, failed = setup(client)
+    handle = pushes._begin(peer, request, [[40, 41]])
+    pushes.abort(handle)
+    assert not handle.done()
+    step(pushes, clock)
+    assert handle.done() and "aborted before the producer took the push" in str(handle.error)
+    assert "no answer" in str(handle.error)  # why the PUSH got none
+    assert kinds(client) == ["Push", "abort"]
+
+
+def test_a_push_answered_pending_then_aborted_asks_the_producer_before_giving_up():
+    """PENDING: the producer did not take this attempt, but an earlier one
+    the client gave up on may still arrive. Aborting, the decode asks (abort)
+    instead of sending the PUSH again, and resolves on the answer."""
+    client = Client(wire.PushReply(S.PENDING, "the grant has not reached this worker"),
+                    wire.PushReply(S.UNKNOWN, "no push of this token"))
+    pushes, clock, request, peer, failed = setup(client)
+    handle = pushes._begin(peer, request, [[40, 41]])
+    assert not handle.done()
+    pushes.abort(handle)
+    assert not handle.done(), "resolved without asking the producer"
+    step(pushes, clock, 0.01)
+    assert handle.done() and "aborted before the producer took the push" in str(handle.error)
+    assert kinds(client) == ["Push", "abort"]
