@@ -465,23 +465,51 @@ def test_the_shim_counts_queued_bytes_for_every_worker_a_config_allows():
     assert queued.type.length == MAX_LANES + 1
 
 
-def test_a_transfer_past_its_deadline_logs_what_it_was_waiting_for(make_agent, caplog):
-    """The line an operator gets when a transfer expires names the worker
-    its part is stuck on and what that worker's pump was doing: here lane
-    1's pump is held off its worker for the whole transfer (standing for
-    one never scheduled), so the striped read's part there never moves
-    (TCP: UCX copies only when progressed)."""
-    pair = connect(make_agent, lanes=2, lane_min_bytes=BLOCK, progress="thread", ucx_options=TCP)
+def test_the_service_thread_moves_the_part_of_a_lane_whose_pump_does_not_run(make_agent, rng):
+    """progress="thread" with nobody blocked in wait() (the connector waits
+    through completion callbacks): a lane whose pump is not given a CPU --
+    held off its worker for the whole test, standing for one that is
+    runnable but never scheduled, or bound to a CPU the scheduler keeps busy
+    (seen under load: a push's writes held 60 s) -- has its worker
+    progressed by the service thread once the pump has not run for
+    ``HELP_STALE_NS``. Without that, the striped reads here pass their deadline."""
+    pair = connect(make_agent, lanes=2, lane_min_bytes=BLOCK, progress="thread")
     local, remote = prepared(pair)
     lib = load()[1]
     pump = pair.b._core.lanes._lanes[0].pump.handle
     lib.rk_pump_hold(pump, 1)
     try:
-        with caplog.at_level("WARNING", logger="rdma_kv.transport.agent"):
-            xfer = pair.b.read_prepared(local, np.arange(SLOTS), remote, np.arange(SLOTS), timeout_s=0.2)
-            wait_until(xfer.done, WAIT_S, "the held read to expire", drive=[pair.a])
+        for k in range(3):
+            idx = rng.permutation(SLOTS)[: SLOTS // 2]
+            pair.buf_b[:] = 0
+            done = threading.Event()
+            xfer = pair.b.read_prepared(local, idx, remote, idx, timeout_s=WAIT_S)
+            xfer.add_done_callback(lambda x: done.set())
+            assert done.wait(WAIT_S), f"striped read {k} with lane 1's pump held never completed"
+            assert xfer.state is XferState.DONE, xfer.error
+            assert len(xfer.worker_ops) == 2 and min(xfer.worker_ops) > 0
+            got = pair.buf_b.reshape(SLOTS, BLOCK)
+            np.testing.assert_array_equal(got[idx], pair.buf_a.reshape(SLOTS, BLOCK)[idx])
     finally:
         lib.rk_pump_hold(pump, -1)
+
+
+def test_a_transfer_past_its_deadline_logs_what_it_was_waiting_for(make_agent, caplog):
+    """The line an operator gets when a transfer expires names the workers
+    its parts are on and what each pump was doing. Here the peer never
+    answers: ``a`` polls and is never progressed, so the striped TCP read's
+    operations cannot complete (UCX's TCP get needs the target's worker)."""
+    a = make_agent("a", progress="poll", ucx_options=TCP)
+    b = make_agent("b", progress="thread", lanes=2, lane_min_bytes=BLOCK, ucx_options=TCP)
+    buf_a, buf_b = np.ones(PAIR_NBYTES, np.uint8), np.zeros(PAIR_NBYTES, np.uint8)
+    a.register(buf_a)
+    b.register(buf_b)
+    a.add_peer(b.metadata())
+    b.add_peer(a.metadata())
+    with caplog.at_level("WARNING", logger="rdma_kv.transport.agent"):
+        xfer = b.read("a", DescList(np.array([buf_b.ctypes.data], np.uint64), PAIR_NBYTES),
+                      DescList(np.array([buf_a.ctypes.data], np.uint64), PAIR_NBYTES), timeout_s=0.3)
+        wait_until(xfer.done, WAIT_S, "the unanswered read to expire")
     assert xfer.state is XferState.FAILED and isinstance(xfer.error, TransferTimeoutError)
     lines = [r.getMessage() for r in caplog.records if "passed its deadline" in r.getMessage()]
     assert len(lines) == 1, lines
@@ -489,6 +517,24 @@ def test_a_transfer_past_its_deadline_logs_what_it_was_waiting_for(make_agent, c
     assert f"read transfer {xfer.id} with peer 'a' passed its deadline" in line
     outstanding = int(line.split(" of ")[0].rsplit(": ", 1)[1])
     assert 1 <= outstanding <= xfer.ops_posted, line
-    assert "lane 1: pump held by 1 poster(s)" in line, line
-    assert f"thread {pair.b._core.lanes._lanes[0].pump.tid} state " in line, line
-    assert "own worker: pump " in line, line
+    tids = [lane.pump.tid for lane in b._core.lanes._lanes] + [b._core.driver.pump.tid]
+    for who, tid in zip(("lane 1", "own worker"), tids):
+        assert f"{who}: pump " in line and f"thread {tid} state " in line, line
+    assert " on CPUs " in line and "waited " in line, line
+
+
+def test_a_stall_line_says_a_held_pump_is_held(make_agent):
+    """``stall.describe`` on a part whose pump a poster holds."""
+    from rdma_kv.transport import stall
+
+    b = make_agent("b", progress="thread", lanes=2)
+    ffi, lib = load()
+    batch = ffi.new("rk_batch_t *", {"pending": 2, "posted": 1, "top": 1, "nparts": 2})
+    pumps = ffi.new("rk_pump_t *[]", [b._core.driver.pump.handle, b._core.lanes._lanes[0].pump.handle])
+    lib.rk_pump_hold(pumps[1], 1)
+    try:
+        line = stall.describe(batch[0], pumps, time.monotonic_ns())
+    finally:
+        lib.rk_pump_hold(pumps[1], -1)
+    assert line.startswith("2 of 1 operations outstanding; lane 1: pump held by 1 poster(s)"), line
+    assert "; own worker: pump " in line and "held" not in line.split("own worker")[1], line

@@ -6,7 +6,11 @@ Python *service thread* sleeps in C on an eventfd (``Wake``) until a pump
 reports something to settle (a slot published, a notification, an
 endpoint error) that no caller has settled within ``settle_delay_s``, or
 the next deadline is due, and settles it (the agent's ``service``: the
-in-flight table, the notifications, failed endpoints, deadlines). Callers
+in-flight table, the notifications, failed endpoints, deadlines). While
+transfers are in flight it also progresses, itself, the worker of any
+lane whose pump has not progressed it for ``HELP_STALE_NS`` (a pump given
+no CPU: found under load, a lane pump bound by steering to a CPU the
+scheduler kept busy held a push's writes for 60 s). Callers
 settle whenever they are there anyway (``wait()``, ``settle()``,
 ``get_notifications()``), so that a busy caller and the service thread do
 not trade the interpreter lock once per completion. A caller blocked in
@@ -49,6 +53,11 @@ from rdma_kv.transport.transfer import Transfer, XferState
 from rdma_kv.transport.ucx import Worker
 
 log = logging.getLogger("rdma_kv.transport.agent")
+
+HELP_STALE_NS = 20_000_000
+"""The service thread progresses a lane's worker whose pump has not done so
+for this long while transfers are in flight (a healthy pump loops within
+microseconds when busy and every 100 ms when asleep)."""
 
 Service = Callable[[], int]  # the agent's settling round (caller holds the lock): completions drained
 
@@ -104,6 +113,9 @@ class ProgressDriver:
         pumps = ((self.pump.handle,) if self.pump is not None else ()) + helpers
         self._await_help = ffi.new("rk_pump_t *[]", list(pumps) or [ffi.NULL])
         self._await_nhelp = len(pumps)
+        # What the service thread helps when a pump has not run for HELP_STALE_NS: the lanes'
+        # (the own pump's worker is the one this thread's callers progress anyway).
+        self._service_help: tuple[Any, int] = (ffi.new("rk_pump_t *[]", list(helpers) or [ffi.NULL]), len(helpers))
         if wake.fd >= 0:
             self._thread = threading.Thread(target=self._service_loop, name=f"rdma-kv-progress-{name}",
                                             daemon=True)
@@ -244,7 +256,9 @@ class ProgressDriver:
                 due = inflight.next_deadline()
             inflight.run_callbacks(callbacks)
             left = 1.0 if due is None else min(1.0, due - time.monotonic())
-            lib.rk_service_wait(ctx, self._wake.fd, errors, delay_ns, max(1, int(left * 1e9)))
+            help_c, nhelp = self._service_help
+            lib.rk_service_wait(ctx, self._wake.fd, errors, delay_ns, max(1, int(left * 1e9)), help_c, nhelp,
+                                HELP_STALE_NS)
 
     # ------------------------------------------------------------------ closing
 
@@ -275,6 +289,7 @@ class ProgressDriver:
     def stop_helping(self) -> None:
         """The lanes' pumps stop next: help them no more. Caller holds the lock."""
         self.helpers = ()
+        self._service_help = (self._service_help[0], 0)
 
     def drain_for_close(self) -> Callbacks:
         """Let what is in flight finish (at most ``close_drain_s``; lanes'

@@ -5,10 +5,10 @@ transfer's operations): how many of its operations UCX had not completed,
 whether its notification had gone out, and for each worker it was posted
 on, what that worker's pump was doing (held by a poster, in progress,
 asleep on its worker's fd, or spinning), how long ago it last progressed
-the worker, and its thread as the kernel saw it (state, CPU time, time
-spent runnable but waiting for a CPU). One line for the operator's log: it tells a peer
-that stopped answering from a worker nobody progressed and from a process
-that got no CPU.
+the worker, and its thread as the kernel saw it (state, the CPUs it may
+run on, CPU time, time spent runnable but waiting for a CPU). One line
+for the operator's log: it tells a peer that stopped answering from a
+worker nobody progressed and from a process that got no CPU.
 
 May import: rdma_kv.transport._lib.
 """
@@ -51,7 +51,10 @@ def thread(tid: int) -> str:
             stat = f.read()
         with open(f"/proc/self/task/{tid}/schedstat") as f:
             run_ns, wait_ns, _ = (int(v) for v in f.read().split())
+        with open(f"/proc/self/task/{tid}/status") as f:
+            cpus = next((line.split(":", 1)[1].strip() for line in f if line.startswith("Cpus_allowed_list:")), "?")
     except (OSError, ValueError):
         return f"thread {tid} not readable"
     state = stat[stat.rindex(")") + 2:].split()[0]
-    return f"thread {tid} state {state}, ran {run_ns / 1e9:.2f} s, waited {wait_ns / 1e9:.2f} s for a CPU"
+    return (f"thread {tid} state {state} on CPUs {cpus}, ran {run_ns / 1e9:.2f} s, "
+            f"waited {wait_ns / 1e9:.2f} s for a CPU")

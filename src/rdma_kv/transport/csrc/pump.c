@@ -300,10 +300,28 @@ static void rk_service_nap(rk_ctx_t *ctx, uint64_t done_mark, uint64_t notif_mar
     __atomic_store_n(&ctx->napping, 0, __ATOMIC_SEQ_CST);
 }
 
-int rk_service_wait(rk_ctx_t *ctx, int wake_fd, uint64_t errors_seen, uint64_t delay_ns, uint64_t timeout_ns)
+/* Progress, on the calling thread, each pump's worker whose pump has not
+ * progressed it for stale_ns (runnable but given no CPU, or pinned to one
+ * the scheduler keeps busy): nothing in flight waits on a pump that does
+ * not run. Returns the events handled. */
+static uint64_t rk_help_stale(rk_pump_t *const *help, uint32_t nhelp, uint64_t now, uint64_t stale_ns)
+{
+    uint64_t events = 0;
+    uint32_t i;
+
+    for (i = 0; i < nhelp; ++i) {
+        if (now - __atomic_load_n(&help[i]->ran_ns, __ATOMIC_RELAXED) > stale_ns) {
+            events += rk_pump_help(help[i], 64);
+        }
+    }
+    return events;
+}
+
+int rk_service_wait(rk_ctx_t *ctx, int wake_fd, uint64_t errors_seen, uint64_t delay_ns, uint64_t timeout_ns,
+                    rk_pump_t *const *help, uint32_t nhelp, uint64_t stale_ns)
 {
     struct pollfd pfd = {.fd = wake_fd, .events = POLLIN};
-    uint64_t start = rk_now_ns(), now = start, done_mark, notif_mark, value;
+    uint64_t start = rk_now_ns(), now = start, done_mark, notif_mark, value, wait_ns;
 
     for (;;) {
         if (__atomic_load_n(&ctx->ep_errors, __ATOMIC_ACQUIRE) != errors_seen) {
@@ -328,11 +346,20 @@ int rk_service_wait(rk_ctx_t *ctx, int wake_fd, uint64_t errors_seen, uint64_t d
         if (__atomic_load_n(&ctx->closing, __ATOMIC_ACQUIRE) || now - start >= timeout_ns) {
             return 0;
         }
-        if (poll(&pfd, 1, (int)((timeout_ns - (now - start) + 999999u) / 1000000u)) > 0) {
+        wait_ns = timeout_ns - (now - start);
+        if (nhelp > 0 && __atomic_load_n(&ctx->live, __ATOMIC_RELAXED) > 0 && wait_ns > stale_ns) {
+            wait_ns = stale_ns;         /* transfers in flight: look at the pumps this often */
+        }
+        if (poll(&pfd, 1, (int)((wait_ns + 999999u) / 1000000u)) > 0) {
             /* Non-blocking eventfd: EAGAIN if another read took it. */
             (void)!read(wake_fd, &value, sizeof(value));
         }
         now = rk_now_ns();
+        if (nhelp > 0 && __atomic_load_n(&ctx->live, __ATOMIC_RELAXED) > 0 &&
+            !__atomic_load_n(&ctx->closing, __ATOMIC_ACQUIRE)) { /* closing: the lanes' pumps go next */
+            rk_help_stale(help, nhelp, now, stale_ns);
+            now = rk_now_ns();
+        }
     }
 }
 
