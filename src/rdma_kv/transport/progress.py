@@ -8,7 +8,8 @@ endpoint error) that no caller has settled within ``settle_delay_s``, or
 the next deadline is due, and settles it (the agent's ``service``: the
 in-flight table, the notifications, failed endpoints, deadlines). While
 transfers are in flight it also progresses, itself, the worker of any
-lane whose pump has not progressed it for ``HELP_STALE_NS`` (a pump given
+pump (the own one, the lanes') that has not progressed it for
+``HELP_STALE_NS`` (a pump given
 no CPU: found under load, a lane pump bound by steering to a CPU the
 scheduler kept busy held a push's writes for 60 s). Callers
 settle whenever they are there anyway (``wait()``, ``settle()``,
@@ -113,9 +114,9 @@ class ProgressDriver:
         pumps = ((self.pump.handle,) if self.pump is not None else ()) + helpers
         self._await_help = ffi.new("rk_pump_t *[]", list(pumps) or [ffi.NULL])
         self._await_nhelp = len(pumps)
-        # What the service thread helps when a pump has not run for HELP_STALE_NS: the lanes'
-        # (the own pump's worker is the one this thread's callers progress anyway).
-        self._service_help: tuple[Any, int] = (ffi.new("rk_pump_t *[]", list(helpers) or [ffi.NULL]), len(helpers))
+        # What the service thread helps when a pump has not run for HELP_STALE_NS: the same pumps
+        # (it stops helping once closing is set, before stop() joins it and frees the own pump).
+        self._service_help: tuple[Any, int] = (self._await_help, self._await_nhelp)
         if wake.fd >= 0:
             self._thread = threading.Thread(target=self._service_loop, name=f"rdma-kv-progress-{name}",
                                             daemon=True)

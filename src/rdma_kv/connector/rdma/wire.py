@@ -75,7 +75,7 @@ __all__ = [
     "check_reader",
 ]
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """The side channel's version: both ends must speak the same one. A peer of
 another version is refused with a message naming both versions (a version-1
 producer answers HELLO with ``error``, which the client reports as a version
@@ -122,6 +122,12 @@ refuses as unknown: ``forbid_unknown_fields``):
    whose reads land within ``pinned_s`` of sending the pin, trusts them
    without a CONFIRM and releases the lease with a RELEASE it does not
    wait for; otherwise it CONFIRMs as before.
+8. (2026-11-27) No new field; what a PUSH_QUERY answer means changed, and
+   the decode's safety rests on it: an ``abort`` for a token the producer
+   never took is remembered (ABORTED), so a PUSH of that token arriving
+   later writes nothing, and the decode gives up a PUSH that got no answer
+   only on that; a plain query's UNKNOWN means "not taken yet" (the decode
+   sends the PUSH again). A version-7 producer would write such a late PUSH.
 """
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 16 << 20  # agent metadata (worker address + rkeys) plus geometry

@@ -313,7 +313,7 @@ int rk_await(rk_ctx_t *ctx, uint32_t slot, uint64_t id, rk_pump_t *const *help, 
  * the nhelp pumps every stale_ns and progresses the worker of each that
  * has not progressed it for stale_ns (rk_pump_help): a pump given no CPU
  * (runnable but not scheduled, or bound to a CPU the scheduler keeps
- * busy) holds up nothing longer than that. */
+ * busy) holds up nothing longer than that. Not once closing is set. */
 int rk_service_wait(rk_ctx_t *ctx, int wake_fd, uint64_t errors_seen, uint64_t delay_ns,
                     uint64_t timeout_ns, rk_pump_t *const *help, uint32_t nhelp, uint64_t stale_ns);
 
