@@ -57,7 +57,8 @@ def setup(client):
     clock = Clock()
     settings = SimpleNamespace(rpc_timeout_s=2.0, lease_max_s=120.0, read_timeout_s=10.0, tp_rank=0)
     table = SimpleNamespace(group_nbytes=np.array([4096]), row_group=np.array([0]), num_groups=1)
-    local = SimpleNamespace(transport=SimpleNamespace(get_notifications=lambda: []))
+    local = SimpleNamespace(transport=SimpleNamespace(get_notifications=lambda: [],
+                                                      progress_report=lambda: "own worker: pump asleep"))
     failed = []
     pushes = Pushes(local, "D", 1, settings, Pool(client), lambda peer, why: failed.append(why),
                     lambda heads: (table, None), clock=clock)
@@ -122,3 +123,19 @@ def test_a_push_answered_pending_then_aborted_asks_the_producer_before_giving_up
     step(pushes, clock, 0.01)
     assert handle.done() and "aborted before the producer took the push" in str(handle.error)
     assert kinds(client) == ["Push", "abort"]
+
+
+def test_a_push_whose_producer_stops_answering_after_running_fails_at_its_bound_saying_how_this_side_ran():
+    """RUNNING, then no answer at all: the push fails once the writes' own
+    timeout (plus a second) has passed, not before, and the error carries
+    this decode's progress threads (did this side run while it waited?)."""
+    client = Client(wire.PushReply(S.RUNNING, "", 10.0), *[TimeoutError("no answer")] * 40)
+    pushes, clock, request, peer, failed = setup(client)
+    handle = pushes._begin(peer, request, [[40, 41]])
+    for _ in range(10):
+        step(pushes, clock)  # 10 s: still within the writes' timeout
+    assert not handle.done(), handle.error
+    step(pushes, clock, 1.5)
+    assert handle.done() and "unreachable since the push" in str(handle.error), handle.error
+    assert "this decode's progress threads: own worker: pump asleep" in str(handle.error)
+    assert pushes.take_counters().unreachable == 1

@@ -63,8 +63,8 @@ def start_held_push(p, d, rid, prompt):
     params = prefill(p, {rid: prompt})
     p.close_gate()
     d.add(rid, prompt, params[rid])
-    p.wait_status(lambda s: s["resources"].get("pushes_running") == 1, timeout_s=10)
-    d.wait_status(lambda s: rid in s["reading_ids"], timeout_s=10)
+    p.wait_status(lambda s: s["resources"].get("pushes_running") == 1, timeout_s=60)
+    d.wait_status(lambda s: rid in s["reading_ids"], timeout_s=60)
 
 
 def test_a_decode_abort_mid_push_keeps_its_blocks_until_no_write_can_land():
@@ -77,7 +77,7 @@ def test_a_decode_abort_mid_push_keeps_its_blocks_until_no_write_can_land():
         assert "ab" in status["held_ids"], "an aborted request's blocks were handed back while a push could land"
         assert p.call("status")["resources"]["pushes_running"] == 1
         p.open_gate()  # the writes go out and resolve: the producer answers ABORTED
-        assert d.wait_results(["ab"], timeout_s=15)["ab"]["status"] == "aborted"
+        assert d.wait_results(["ab"], timeout_s=60)["ab"]["status"] == "aborted"
         settle(p, d)
 
 
@@ -95,7 +95,7 @@ def test_a_producer_killed_mid_push_is_a_load_error_at_once_and_the_decode_recom
         err = capfd.readouterr().err
         assert "KV load failed: push from 'P' rank 0: producer rank 0 is gone" in err, err
         d.wait_status(lambda s: s["held"] == 0 and s["inflight_loads"] == 0
-                      and s["free_blocks"] == SHAPE.num_blocks, timeout_s=15)
+                      and s["free_blocks"] == SHAPE.num_blocks, timeout_s=60)
 
 
 def test_forged_block_ids_write_nothing_and_the_victims_load_is_exact(capfd):
@@ -114,7 +114,7 @@ def test_forged_block_ids_write_nothing_and_the_victims_load_is_exact(capfd):
         assert not v["load_failed"] and v["bad_blocks"] == [], v
         # (The attacker's own lease is held until its TTL, as in pull: docs/security.md.)
         d.wait_status(lambda s: s["held"] == 0 and s["inflight_loads"] == 0
-                      and s["free_blocks"] == SHAPE.num_blocks, timeout_s=15)
+                      and s["free_blocks"] == SHAPE.num_blocks, timeout_s=60)
     err = capfd.readouterr().err
     # Refused by whichever lease call came first: the renewal at load start, or the PUSH itself; FORGED
     # once the producer's worker holds the lease, and before its grant reached the worker (the grant

@@ -246,5 +246,8 @@ class FakeTransport:
         """Transfers resolve on the fabric's own schedule: only counted here."""
         self.settles += 1
 
+    def progress_report(self):
+        return "fake transport: no progress threads"
+
     def close(self):
         self.closed = True

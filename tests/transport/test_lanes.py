@@ -541,3 +541,16 @@ def test_a_stall_line_says_a_held_pump_is_held(make_agent):
         lib.rk_pump_hold(pumps[1], -1)
     assert line.startswith("2 of 1 operations outstanding; lane 1: pump held by 1 poster(s)"), line
     assert "; own worker: pump " in line and "held" not in line.split("own worker")[1], line
+
+
+def test_an_agent_reports_what_its_progress_threads_do(make_agent):
+    """``Agent.progress_report``: one entry per worker, naming its pump's
+    thread; a polling agent's own worker has none."""
+    b = make_agent("b", progress="thread", lanes=3)
+    report = b.progress_report()
+    parts = report.split("; ")
+    assert [p.split(":")[0] for p in parts] == ["own worker", "lane 1", "lane 2"], report
+    tids = [b._core.driver.pump.tid] + [lane.pump.tid for lane in b._core.lanes]
+    assert all(f"thread {tid} state " in part for tid, part in zip(tids, parts)), report
+    polled = make_agent("p", progress="poll", lanes=1)
+    assert polled.progress_report() == "own worker: no pump (progressed by its caller)"

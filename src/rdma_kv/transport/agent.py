@@ -61,6 +61,7 @@ May import: numpy, rdma_kv.errors, the other rdma_kv.transport modules.
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -68,6 +69,7 @@ from typing import Any
 
 from rdma_kv.errors import ClosedError, ConfigError, PeerError
 from rdma_kv.transport import metadata as wire
+from rdma_kv.transport import stall
 from rdma_kv.transport._lib import status_name
 from rdma_kv.transport.config import AgentConfig
 from rdma_kv.transport.cuda import creator_context
@@ -424,6 +426,20 @@ class Agent:
         core = self._core
         if not core.inflight.closed:
             core.driver.settle()
+
+    def progress_report(self) -> str:
+        """What each of this agent's progress threads (pumps) is doing, for
+        a log line: per worker, held, in progress, asleep or spinning, when
+        it last progressed its worker, and its thread as the kernel sees it
+        (``stall.pump``). A polling agent has none."""
+        core = self._core
+        with core.lock:
+            if core.inflight.closed:
+                return "closed"
+            pumps = [core.driver.pump] + [lane.pump for lane in core.lanes]
+            now = time.monotonic_ns()
+            return "; ".join(stall.pump(stall.worker_name(w), p.handle if p is not None else None, now)
+                             for w, p in enumerate(pumps))
 
     def get_notifications(self) -> list[Notification]:
         """Notifications received since the last call, in arrival order

@@ -23,25 +23,33 @@ from rdma_kv.transport._lib import load
 def describe(batch: Any, pumps: Any, now_ns: int) -> str:
     """``batch`` is the transfer's ``rk_batch_t``, ``pumps`` the route's
     ``rk_pump_t *[]`` by worker (None or NULL entries: no pump)."""
-    ffi, lib = load()
+    ffi, _ = load()
     parts = [f"{int(batch.pending)} of {int(batch.posted)} operations outstanding"]
     if batch.has_notif:
         parts.append("notification sent" if batch.notif_sent else "notification not sent")
-    out = ffi.new("uint64_t[4]")
     for k in range(int(batch.nparts)):
         w = int(batch.top) - k
-        who = "own worker" if w == 0 else f"lane {w}"
-        pump = pumps[w] if pumps is not None else ffi.NULL
-        if pump == ffi.NULL:
-            parts.append(f"{who}: no pump (progressed by its caller)")
-            continue
-        lib.rk_pump_state(pump, out)
-        hold, busy, asleep, ran = (int(v) for v in out)
-        doing = (f"held by {hold} poster(s)" if hold else "in progress" if busy
-                 else "asleep on its fd" if asleep else "spinning")
-        since = f"last progressed its worker {(now_ns - ran) / 1e9:.3f} s ago" if ran else "never progressed its worker"
-        parts.append(f"{who}: pump {doing}, {since}, {thread(int(lib.rk_pump_tid(pump)))}")
+        parts.append(pump(worker_name(w), pumps[w] if pumps is not None else ffi.NULL, now_ns))
     return "; ".join(parts)
+
+
+def worker_name(w: int) -> str:
+    return "own worker" if w == 0 else f"lane {w}"
+
+
+def pump(who: str, handle: Any, now_ns: int) -> str:
+    """What the pump ``handle`` (``rk_pump_t *``; None or NULL: none) of
+    the worker ``who`` is doing."""
+    ffi, lib = load()
+    if handle is None or handle == ffi.NULL:
+        return f"{who}: no pump (progressed by its caller)"
+    out = ffi.new("uint64_t[4]")
+    lib.rk_pump_state(handle, out)
+    hold, busy, asleep, ran = (int(v) for v in out)
+    doing = (f"held by {hold} poster(s)" if hold else "in progress" if busy
+             else "asleep on its fd" if asleep else "spinning")
+    since = f"last progressed its worker {(now_ns - ran) / 1e9:.3f} s ago" if ran else "never progressed its worker"
+    return f"{who}: pump {doing}, {since}, {thread(int(lib.rk_pump_tid(handle)))}"
 
 
 def thread(tid: int) -> str:

@@ -122,6 +122,10 @@ class Transport(Protocol):
         """Settle, on the caller's thread, the transfers that have completed
         (their done callbacks run here); cheap when none did, nothing once closed."""
 
+    def progress_report(self) -> str:
+        """What the transport's progress threads are doing, for a log line
+        (a load that waited out its bound says whether this side ran)."""
+
     def close(self) -> None: ...
 
 

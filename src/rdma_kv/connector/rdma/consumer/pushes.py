@@ -272,8 +272,10 @@ class Pushes:
                 return
             if now >= handle.hard_deadline:
                 self._count("unreachable")
-                self._resolve(handle, PushFailed(f"producer rank {handle.peer.rank} unreachable since the push "
-                                                 f"({exc}); past lease_max_s + read_timeout_s no write can land"))
+                self._resolve(handle, PushFailed(
+                    f"producer rank {handle.peer.rank} unreachable since the push ({exc}); past the push's "
+                    "bound (lease_max_s + read_timeout_s, or the writes' timeout after a RUNNING answer) no "
+                    f"write can land; this decode's progress threads: {self._progress_report()}"))
                 return
             with self._lock:
                 handle.next_query_at = now + QUERY_EVERY_S
@@ -380,6 +382,12 @@ class Pushes:
     def running(self) -> int:
         with self._lock:
             return len(self._running)
+
+    def _progress_report(self) -> str:
+        try:
+            return self._local.transport.progress_report()
+        except Exception as exc:  # a diagnostic never stands in the way of a failure
+            return f"(not readable: {exc!r})"
 
     def take_counters(self) -> PushCounters:
         with self._lock:
