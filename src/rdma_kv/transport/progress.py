@@ -9,9 +9,8 @@ the next deadline is due, and settles it (the agent's ``service``: the
 in-flight table, the notifications, failed endpoints, deadlines). While
 transfers are in flight it also progresses, itself, the worker of any
 pump (the own one, the lanes') that has not progressed it for
-``HELP_STALE_NS`` (a pump given
-no CPU: found under load, a lane pump bound by steering to a CPU the
-scheduler kept busy held a push's writes for 60 s). Callers
+``HELP_STALE_NS`` (a pump given no CPU: found under load, a lane pump,
+runnable and not scheduled, held a push's writes for 60 s). Callers
 settle whenever they are there anyway (``wait()``, ``settle()``,
 ``get_notifications()``), so that a busy caller and the service thread do
 not trade the interpreter lock once per completion. A caller blocked in
