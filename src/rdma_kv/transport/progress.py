@@ -55,8 +55,8 @@ from rdma_kv.transport.ucx import Worker
 log = logging.getLogger("rdma_kv.transport.agent")
 
 HELP_STALE_NS = 20_000_000
-"""The service thread progresses a lane's worker whose pump has not done so
-for this long while transfers are in flight (a healthy pump loops within
+"""The service thread progresses the worker of a pump (the own one, a lane's)
+that has not done so for this long while transfers are in flight (a healthy pump loops within
 microseconds when busy and every 100 ms when asleep)."""
 
 Service = Callable[[], int]  # the agent's settling round (caller holds the lock): completions drained
@@ -113,9 +113,6 @@ class ProgressDriver:
         pumps = ((self.pump.handle,) if self.pump is not None else ()) + helpers
         self._await_help = ffi.new("rk_pump_t *[]", list(pumps) or [ffi.NULL])
         self._await_nhelp = len(pumps)
-        # What the service thread helps when a pump has not run for HELP_STALE_NS: the same pumps
-        # (it stops helping once closing is set, before stop() joins it and frees the own pump).
-        self._service_help: tuple[Any, int] = (self._await_help, self._await_nhelp)
         if wake.fd >= 0:
             self._thread = threading.Thread(target=self._service_loop, name=f"rdma-kv-progress-{name}",
                                             daemon=True)
@@ -256,9 +253,10 @@ class ProgressDriver:
                 due = inflight.next_deadline()
             inflight.run_callbacks(callbacks)
             left = 1.0 if due is None else min(1.0, due - time.monotonic())
-            help_c, nhelp = self._service_help
-            lib.rk_service_wait(ctx, self._wake.fd, errors, delay_ns, max(1, int(left * 1e9)), help_c, nhelp,
-                                HELP_STALE_NS)
+            # The pumps a blocked caller helps are the ones this thread helps when stale (none
+            # once closing: wake_all empties the list, and the shim checks closing too).
+            lib.rk_service_wait(ctx, self._wake.fd, errors, delay_ns, max(1, int(left * 1e9)), self._await_help,
+                                self._await_nhelp, HELP_STALE_NS)
 
     # ------------------------------------------------------------------ closing
 
@@ -289,7 +287,6 @@ class ProgressDriver:
     def stop_helping(self) -> None:
         """The lanes' pumps stop next: help them no more. Caller holds the lock."""
         self.helpers = ()
-        self._service_help = (self._service_help[0], 0)
 
     def drain_for_close(self) -> Callbacks:
         """Let what is in flight finish (at most ``close_drain_s``; lanes'

@@ -23,13 +23,12 @@ from rdma_kv.transport._lib import load
 def describe(batch: Any, pumps: Any, now_ns: int) -> str:
     """``batch`` is the transfer's ``rk_batch_t``, ``pumps`` the route's
     ``rk_pump_t *[]`` by worker (None or NULL entries: no pump)."""
-    ffi, _ = load()
     parts = [f"{int(batch.pending)} of {int(batch.posted)} operations outstanding"]
     if batch.has_notif:
         parts.append("notification sent" if batch.notif_sent else "notification not sent")
     for k in range(int(batch.nparts)):
         w = int(batch.top) - k
-        parts.append(pump(worker_name(w), pumps[w] if pumps is not None else ffi.NULL, now_ns))
+        parts.append(pump(worker_name(w), pumps[w] if pumps is not None else None, now_ns))
     return "; ".join(parts)
 
 

@@ -112,7 +112,8 @@ static void *rk_pump_main(void *arg)
 {
     rk_pump_t *pump = (rk_pump_t *)arg;
     struct pollfd pfd;
-    uint64_t last_event = 0, kicks = 0, spins = 0, k, stamp;
+    uint64_t last_event = 0, kicks = 0, spins = 0, k, stamp, now;
+    unsigned events;
     uint64_t seen = rk_ctx_stamp(pump->watch);
     ucs_status_t status;
 
@@ -156,11 +157,13 @@ static void *rk_pump_main(void *arg)
             __atomic_store_n(&pump->busy, 0, __ATOMIC_RELEASE);
             continue;
         }
-        if (ucp_worker_progress(pump->worker) != 0) {
-            last_event = rk_now_ns();
-        }
+        events = ucp_worker_progress(pump->worker);
         __atomic_store_n(&pump->busy, 0, __ATOMIC_RELEASE);
-        __atomic_store_n(&pump->ran_ns, rk_now_ns(), __ATOMIC_RELAXED);
+        now = rk_now_ns();
+        if (events != 0) {
+            last_event = now;
+        }
+        __atomic_store_n(&pump->ran_ns, now, __ATOMIC_RELAXED);
         stamp = rk_ctx_stamp(pump->watch);
         if (stamp != seen) {            /* something to settle */
             seen = stamp;
@@ -303,18 +306,16 @@ static void rk_service_nap(rk_ctx_t *ctx, uint64_t done_mark, uint64_t notif_mar
 /* Progress, on the calling thread, each pump's worker whose pump has not
  * progressed it for stale_ns (runnable but given no CPU, or pinned to one
  * the scheduler keeps busy): nothing in flight waits on a pump that does
- * not run. Returns the events handled. */
-static uint64_t rk_help_stale(rk_pump_t *const *help, uint32_t nhelp, uint64_t now, uint64_t stale_ns)
+ * not run. */
+static void rk_help_stale(rk_pump_t *const *help, uint32_t nhelp, uint64_t now, uint64_t stale_ns)
 {
-    uint64_t events = 0;
     uint32_t i;
 
     for (i = 0; i < nhelp; ++i) {
         if (now - __atomic_load_n(&help[i]->ran_ns, __ATOMIC_RELAXED) > stale_ns) {
-            events += rk_pump_help(help[i], 64);
+            (void)rk_pump_help(help[i], 64);
         }
     }
-    return events;
 }
 
 int rk_service_wait(rk_ctx_t *ctx, int wake_fd, uint64_t errors_seen, uint64_t delay_ns, uint64_t timeout_ns,
