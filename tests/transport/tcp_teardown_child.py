@@ -3,20 +3,25 @@ fails on a deadline with writes in flight over TCP, then closes gracefully.
 
 Each round: agents ``a`` (polling, the target) and ``b`` (``progress`` as
 given, lanes as given), peers of each other over TCP on ``lo`` with
-rdma-kv's default UCX options; ``b`` posts 24 transfers back to back
-(reads and writes, not notified: no endpoint flush of rdma-kv's is in
-flight, see docs/reliability.md for the crash those still meet), every
-fifth with a deadline that has passed before it can complete, so the first expiry fails the peer and force-closes
-its endpoints with writes in flight; once every slot came back, ``a``
-closes (gracefully: its endpoints flush and say goodbye to ``b``'s
-half-closed ones, which ``b``'s pump sees), then ``b``. A crash kills this
-process; the test reads its exit status. Prints "ok" after the last round.
+rdma-kv's default UCX options. ``b`` first reads every slot once, so that
+each of its workers' endpoints to ``a`` is wired up. Then ``b`` posts 24
+transfers back to back (reads and writes, not notified: no endpoint flush
+of rdma-kv's is in flight), every fifth with a deadline that has passed
+before it can complete. ``a`` does not progress until one of them has
+failed (no read completes meanwhile), so the first expiry is certain to
+fail the peer and force-close its endpoints with writes in flight. Once
+every slot came back, ``a`` closes (gracefully: its endpoints flush and say
+goodbye to ``b``'s half-closed ones, which ``b``'s pump sees), then ``b``.
+A crash kills this process; the test reads its exit status. Prints "ok"
+after the last round.
 
-``python tcp_teardown_child.py ROUNDS SEED thread 3 notify`` notifies the
-writes, and so posts an endpoint flush behind each: that is the crash
-UCX 1.22 still has (a flush rescheduled while the endpoint's wireup is
-under way outlives the endpoint's forced close; docs/reliability.md). It
-crashes within a few rounds; not part of the suite.
+Flags after LANES: ``notify`` notifies the writes (an endpoint flush behind
+each); ``cold`` skips the warm-up read, so that the peer fails while its
+endpoints are still wiring up. ``python tcp_teardown_child.py 30 SEED
+thread 3 notify cold`` shows the crashes UCX 1.22 still has there (a flush
+rescheduled during wireup outlives the endpoint's forced close; a TCP
+endpoint destroyed with requests pending after its reconnects were
+refused: docs/reliability.md). Not part of the suite.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import time
 import numpy as np
 
 from rdma_kv.transport import Agent, AgentConfig, DescList, XferState
-from transport_helpers import TCP, post_burst
+from transport_helpers import TCP, post_burst, settle_until_one_failed
 
 NBYTES = 8 << 20
 BLOCK = 4096
@@ -38,7 +43,7 @@ LANE_MIN = 256 << 10
 OVERRIDE = {"TCP_PUT_ENABLE": os.environ["RDMA_KV_TEST_TCP_PUT"]} if "RDMA_KV_TEST_TCP_PUT" in os.environ else {}
 
 
-def one_round(rng: np.random.Generator, progress: str, lanes: int, notify: bool) -> int:
+def one_round(rng: np.random.Generator, progress: str, lanes: int, notify: bool, warm: bool) -> int:
     """One round; returns how many of its transfers failed."""
     options = {**TCP, **OVERRIDE}
     a = Agent("a", AgentConfig(ucx_options=options, progress="poll", lanes=1))
@@ -52,9 +57,23 @@ def one_round(rng: np.random.Generator, progress: str, lanes: int, notify: bool)
     slots = np.arange(SLOTS, dtype=np.uint64) * BLOCK
     local = b.prep_local(DescList(buf_b.ctypes.data + slots, BLOCK))
     remote = b.prep_remote("a", DescList(buf_a.ctypes.data + slots, BLOCK))
+    end = time.monotonic() + 30.0
+    if warm:  # every worker's endpoint wired up: one read over all slots (striped over the lanes)
+        every = np.arange(SLOTS)
+        first = b.read_prepared(local, every, remote, every)
+        while not first.done():
+            a.progress()
+            b.settle()
+            if time.monotonic() > end:
+                raise SystemExit("the warm-up read did not complete within 30 s")
+        if first.state is not XferState.DONE:
+            raise SystemExit(f"the warm-up read failed: {first.state}")
     xfers = post_burst(b, local, remote, rng, SLOTS, 2 * LANE_MIN // BLOCK, notify=notify)
     ctx = b._core.inflight.ctx
-    end = time.monotonic() + 30.0
+    try:
+        settle_until_one_failed(b, xfers, max(0.0, end - time.monotonic()))  # before a answers anything
+    except AssertionError as e:
+        raise SystemExit(str(e)) from None
     while not all(x.done() for x in xfers) or ctx.nfree != ctx.nslots:
         a.progress()  # a answers TCP gets and applies puts
         b.settle()
@@ -69,9 +88,11 @@ def one_round(rng: np.random.Generator, progress: str, lanes: int, notify: bool)
 
 def main() -> None:
     rounds, seed, progress, lanes = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-    notify = sys.argv[5:] == ["notify"]
+    flags = set(sys.argv[5:])
+    if flags - {"notify", "cold"}:
+        raise SystemExit(f"unknown flags {sorted(flags - {'notify', 'cold'})}: expected notify, cold")
     rng = np.random.default_rng(seed)
-    failed = [one_round(rng, progress, lanes, notify) for _ in range(rounds)]
+    failed = [one_round(rng, progress, lanes, "notify" in flags, "cold" not in flags) for _ in range(rounds)]
     if not all(failed):
         raise SystemExit(f"a round had no failed transfer (failed per round: {failed}): the deadlines did not fail the peer")
     print("ok", flush=True)

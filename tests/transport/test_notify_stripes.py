@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from rdma_kv.transport import DescList, XferState
-from transport_helpers import LOOPBACK, TCP, post_burst
+from transport_helpers import LOOPBACK, TCP, post_burst, settle_until_one_failed
 
 # Over TCP with UCX's own put disabled (rdma-kv's default), puts are
 # emulated with active messages (software RMA): a put completes locally
@@ -270,6 +270,7 @@ def test_no_bytes_stay_queued_once_every_transfer_settled(make_agent, rng, progr
         assert warm.worker_ops is not None and len(warm.worker_ops) == 3  # striped: every worker's endpoint
         _finish(a, b, warm)
     xfers = post_burst(b, local, remote, rng, SLOTS, 2 * LANE_MIN // BLOCK)
+    settle_until_one_failed(b, xfers, WAIT_S)  # before a answers: a loaded machine could finish them all first
     end = time.monotonic() + WAIT_S
     while not all(x.done() for x in xfers) or ctx.nfree != ctx.nslots:
         a.progress()  # a answers TCP gets and applies puts

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rdma_kv.errors import PeerError
+from rdma_kv.transport import XferState
+
 LOOPBACK = {"NET_DEVICES": "lo"}  # UCX would otherwise also use eth0's address for TCP
 TCP = {"TLS": "tcp", "NET_DEVICES": "lo"}
 PROGRESS_THREAD_PREFIX = "rdma-kv-progress-"
@@ -96,18 +99,35 @@ def post_burst(b, local, remote, rng: np.random.Generator, nslots: int, small: i
     third spans up to all slots (striped), the rest fewer than ``small``
     (whole); reads and writes in turn (writes notified if ``notify``); every
     fifth with a deadline that passes before it can complete, so the first
-    expiry fails the peer with the others in flight."""
+    expiry fails the peer with the others in flight. An agent whose own
+    threads settle may fail the peer before the burst is posted: the posts
+    stop there (the agent refuses a failed peer) and the list is shorter."""
     xfers = []
     for i in range(count):
         n = int(rng.integers(1, nslots)) if i % 3 == 0 else int(rng.integers(1, small))
         li, ri = rng.permutation(nslots)[:n], rng.permutation(nslots)[:n]
         timeout = 1e-6 if i % 5 == 4 else None
-        if i % 2:
-            tag = f"w{i}".encode() if notify else None
-            xfers.append(b.write_prepared(local, li, remote, ri, notify=tag, timeout_s=timeout))
-        else:
-            xfers.append(b.read_prepared(local, li, remote, ri, timeout_s=timeout))
+        try:
+            if i % 2:
+                tag = f"w{i}".encode() if notify else None
+                xfers.append(b.write_prepared(local, li, remote, ri, notify=tag, timeout_s=timeout))
+            else:
+                xfers.append(b.read_prepared(local, li, remote, ri, timeout_s=timeout))
+        except PeerError:
+            assert i > 4, f"the peer failed before any deadline could pass (transfer {i} of the burst)"
+            break
     return xfers
+
+
+def settle_until_one_failed(b, xfers: list, timeout_s: float) -> None:
+    """Settle ``b`` until one of ``xfers`` failed (the burst's first expiry),
+    without progressing its peer: until the peer answers, no read completes,
+    so however slow the machine, a deadline passes first."""
+    end = time.monotonic() + timeout_s
+    while not any(x.done() and x.state is not XferState.DONE for x in xfers):
+        assert time.monotonic() < end, f"no transfer failed on its deadline within {timeout_s} s"
+        b.settle()
+        time.sleep(0.0001)
 
 
 def apply_blocks(dst: np.ndarray, src: np.ndarray, dst_off: np.ndarray, src_off: np.ndarray, block: int) -> None:
