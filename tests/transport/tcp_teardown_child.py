@@ -32,8 +32,8 @@ import time
 
 import numpy as np
 
-from rdma_kv.transport import Agent, AgentConfig, DescList, XferState
-from transport_helpers import TCP, post_burst, settle_until_one_failed
+from rdma_kv.transport import Agent, AgentConfig, XferState
+from transport_helpers import TCP, link, post_burst, prepare_slots, settle_until_one_failed
 
 NBYTES = 8 << 20
 BLOCK = 4096
@@ -48,15 +48,7 @@ def one_round(rng: np.random.Generator, progress: str, lanes: int, notify: bool,
     options = {**TCP, **OVERRIDE}
     a = Agent("a", AgentConfig(ucx_options=options, progress="poll", lanes=1))
     b = Agent("b", AgentConfig(ucx_options=options, progress=progress, lanes=lanes, lane_min_bytes=LANE_MIN))
-    buf_a = np.zeros(NBYTES, np.uint8)
-    buf_b = np.zeros(NBYTES, np.uint8)
-    a.register(buf_a)
-    b.register(buf_b)
-    a.add_peer(b.metadata())
-    b.add_peer(a.metadata())
-    slots = np.arange(SLOTS, dtype=np.uint64) * BLOCK
-    local = b.prep_local(DescList(buf_b.ctypes.data + slots, BLOCK))
-    remote = b.prep_remote("a", DescList(buf_a.ctypes.data + slots, BLOCK))
+    local, remote = prepare_slots(link(a, b, NBYTES), BLOCK)
     end = time.monotonic() + 30.0
     if warm:  # every worker's endpoint wired up: one read over all slots (striped over the lanes)
         every = np.arange(SLOTS)

@@ -20,7 +20,7 @@ from rdma_kv.errors import ConfigError, DescriptorError, PeerError, TransferErro
 from rdma_kv.transport import AgentConfig, DescList, XferState
 from rdma_kv.transport._lib import load
 from transport_child import Child
-from transport_helpers import (LOOPBACK, PAIR_NBYTES, TCP, collect_notifications, connect, pattern,
+from transport_helpers import (LOOPBACK, PAIR_NBYTES, TCP, collect_notifications, connect, link, pattern,
                                prepare_slots, progress_threads, wait_until)
 
 pytestmark = [pytest.mark.ucx]
@@ -493,6 +493,35 @@ def test_the_service_thread_moves_the_work_of_a_pump_that_does_not_run(make_agen
             assert held == "own" or (len(xfer.worker_ops) == 2 and min(xfer.worker_ops) > 0)
             got = pair.buf_b.reshape(SLOTS, BLOCK)
             np.testing.assert_array_equal(got[idx], pair.buf_a.reshape(SLOTS, BLOCK)[idx])
+    finally:
+        lib.rk_pump_hold(pump, -1)
+
+
+def test_the_service_thread_answers_peers_for_a_target_whose_pump_does_not_run(make_agent, rng):
+    """A target with nothing of its own in flight (a push's decode, a pull's
+    producer) whose own pump is not given a CPU: over TCP its worker must
+    answer the peer's reads (UCX's TCP get is carried out by the target; a
+    peer's endpoints, its lanes' too, all reach the target's own worker),
+    and the service thread does so, looking every ``HELP_IDLE_NS`` at
+    workers with events waiting, once the pump has not run for
+    ``HELP_STALE_NS``. Without that, these reads pass their deadline."""
+    pair = link(make_agent("a", progress="thread", ucx_options=TCP),
+                make_agent("b", progress="poll", lanes=2, lane_min_bytes=BLOCK, ucx_options=TCP))
+    a, b, buf_a, buf_b = pair.a, pair.b, pair.buf_a, pair.buf_b
+    local, remote = prepared(pair)
+    lib = load()[1]
+    pump = a._core.driver.pump.handle
+    lib.rk_pump_hold(pump, 1)
+    try:
+        for k in range(3):
+            idx = rng.permutation(SLOTS)[: SLOTS // 2]
+            buf_b[:] = 0
+            xfer = b.read_prepared(local, idx, remote, idx, timeout_s=WAIT_S)
+            wait_until(xfer.done, 2 * WAIT_S, f"read {k}", drive=[b])
+            assert xfer.state is XferState.DONE, f"read {k} with the target's pump held: {xfer.error}"
+            assert len(xfer.worker_ops) == 2 and min(xfer.worker_ops) > 0  # striped over b's lanes
+            np.testing.assert_array_equal(buf_b.reshape(SLOTS, BLOCK)[idx], buf_a.reshape(SLOTS, BLOCK)[idx])
+        assert a._core.inflight.live == 0  # the target had nothing of its own in flight
     finally:
         lib.rk_pump_hold(pump, -1)
 

@@ -193,12 +193,16 @@ PAIR_NBYTES = 1 << 20
 
 
 def connect(make_agent: Callable[..., object], **config) -> Pair:
-    """Agents "a" and "b" from ``make_agent(name, **config)``, each a peer of
-    the other; a's buffer holds seeded random bytes, b's zeros."""
-    a = make_agent("a", **config)
-    b = make_agent("b", **config)
-    buf_a = np.random.default_rng(0xA).integers(0, 256, PAIR_NBYTES, dtype=np.uint8)
-    buf_b = np.zeros(PAIR_NBYTES, dtype=np.uint8)
+    """Agents "a" and "b" from ``make_agent(name, **config)``, linked."""
+    return link(make_agent("a", **config), make_agent("b", **config))
+
+
+def link(a, b, nbytes: int = PAIR_NBYTES) -> Pair:
+    """Make agents ``a`` and ``b`` peers of each other, each with one
+    registered buffer of ``nbytes``: a's holds seeded random bytes, b's
+    zeros."""
+    buf_a = np.random.default_rng(0xA).integers(0, 256, nbytes, dtype=np.uint8)
+    buf_b = np.zeros(nbytes, dtype=np.uint8)
     a.register(buf_a)
     b.register(buf_b)
     assert a.add_peer(b.metadata()) == "b"
@@ -209,5 +213,5 @@ def connect(make_agent: Callable[..., object], **config) -> Pair:
 def prepare_slots(pair: Pair, block: int = 4096):
     """b reads a: prepared lists of every ``block``-byte slot of the pair's
     buffers, on both sides (local, remote)."""
-    slots = np.arange(PAIR_NBYTES // block) * block
+    slots = np.arange(pair.buf_a.nbytes // block) * block
     return pair.b.prep_local(pair.desc_b(slots, block)), pair.b.prep_remote("a", pair.desc_a(slots, block))

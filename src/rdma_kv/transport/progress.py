@@ -6,11 +6,13 @@ Python *service thread* sleeps in C on an eventfd (``Wake``) until a pump
 reports something to settle (a slot published, a notification, an
 endpoint error) that no caller has settled within ``settle_delay_s``, or
 the next deadline is due, and settles it (the agent's ``service``: the
-in-flight table, the notifications, failed endpoints, deadlines). While
-transfers are in flight it also progresses, itself, the worker of any
-pump (the own one, the lanes') that has not progressed it for
-``HELP_STALE_NS`` (a pump given no CPU: found under load, a lane pump,
-runnable and not scheduled, held a push's writes for 60 s). Callers
+in-flight table, the notifications, failed endpoints, deadlines). It also
+progresses, itself, the worker of any pump (the own one, the lanes') that
+has not progressed it for ``HELP_STALE_NS`` (a pump given no CPU: found
+under load, a lane pump, runnable and not scheduled, held a push's writes
+for 60 s): looking every ``HELP_STALE_NS`` while transfers are in flight,
+and every ``HELP_IDLE_NS`` otherwise, then only at workers with events
+waiting (a target's, whose peers' operations it answers). Callers
 settle whenever they are there anyway (``wait()``, ``settle()``,
 ``get_notifications()``), so that a busy caller and the service thread do
 not trade the interpreter lock once per completion. A caller blocked in
@@ -58,6 +60,13 @@ HELP_STALE_NS = 20_000_000
 """The service thread progresses the worker of a pump (the own one, a lane's)
 that has not done so for this long while transfers are in flight (a healthy pump loops within
 microseconds when busy and every 100 ms when asleep)."""
+
+HELP_IDLE_NS = 100_000_000
+"""How often the service thread looks at the pumps while none of the agent's own transfers is in
+flight: it progresses the worker of one that has events waiting and has not progressed it for
+``HELP_STALE_NS`` (over TCP a target's worker answers its peers' reads, writes and flushes; a
+push's decode and a pull's producer are such targets). Ten looks a second, each a ``poll`` per
+pump without the interpreter lock."""
 
 Service = Callable[[], int]  # the agent's settling round (caller holds the lock): completions drained
 
@@ -256,7 +265,7 @@ class ProgressDriver:
             # The pumps a blocked caller helps are the ones this thread helps when stale (none
             # once closing: wake_all empties the list, and the shim checks closing too).
             lib.rk_service_wait(ctx, self._wake.fd, errors, delay_ns, max(1, int(left * 1e9)), self._await_help,
-                                self._await_nhelp, HELP_STALE_NS)
+                                self._await_nhelp, HELP_STALE_NS, HELP_IDLE_NS)
 
     # ------------------------------------------------------------------ closing
 

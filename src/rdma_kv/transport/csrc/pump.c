@@ -303,26 +303,37 @@ static void rk_service_nap(rk_ctx_t *ctx, uint64_t done_mark, uint64_t notif_mar
     __atomic_store_n(&ctx->napping, 0, __ATOMIC_SEQ_CST);
 }
 
+/* Whether the worker's event fd has events its pump has not taken. */
+static int rk_pump_ready(const rk_pump_t *pump)
+{
+    struct pollfd pfd = {.fd = pump->efd, .events = POLLIN};
+
+    return poll(&pfd, 1, 0) > 0;
+}
+
 /* Progress, on the calling thread, each pump's worker whose pump has not
  * progressed it for stale_ns (runnable but given no CPU, or pinned to one
- * the scheduler keeps busy): nothing in flight waits on a pump that does
- * not run. */
-static void rk_help_stale(rk_pump_t *const *help, uint32_t nhelp, uint64_t now, uint64_t stale_ns)
+ * the scheduler keeps busy): nothing waits on a pump that does not run.
+ * With nothing of the agent's own in flight (idle), only a worker with
+ * events waiting: a passive target's (a peer's reads or writes, its
+ * flushes) or a notification's. */
+static void rk_help_stale(rk_pump_t *const *help, uint32_t nhelp, uint64_t now, uint64_t stale_ns, int idle)
 {
     uint32_t i;
 
     for (i = 0; i < nhelp; ++i) {
-        if (now - __atomic_load_n(&help[i]->ran_ns, __ATOMIC_RELAXED) > stale_ns) {
+        if (now - __atomic_load_n(&help[i]->ran_ns, __ATOMIC_RELAXED) > stale_ns &&
+            (!idle || rk_pump_ready(help[i]))) {
             (void)rk_pump_help(help[i], 64);
         }
     }
 }
 
 int rk_service_wait(rk_ctx_t *ctx, int wake_fd, uint64_t errors_seen, uint64_t delay_ns, uint64_t timeout_ns,
-                    rk_pump_t *const *help, uint32_t nhelp, uint64_t stale_ns)
+                    rk_pump_t *const *help, uint32_t nhelp, uint64_t stale_ns, uint64_t idle_ns)
 {
     struct pollfd pfd = {.fd = wake_fd, .events = POLLIN};
-    uint64_t start = rk_now_ns(), now = start, done_mark, notif_mark, value, wait_ns;
+    uint64_t start = rk_now_ns(), now = start, done_mark, notif_mark, value, wait_ns, look_ns;
 
     for (;;) {
         if (__atomic_load_n(&ctx->ep_errors, __ATOMIC_ACQUIRE) != errors_seen) {
@@ -348,17 +359,19 @@ int rk_service_wait(rk_ctx_t *ctx, int wake_fd, uint64_t errors_seen, uint64_t d
             return 0;
         }
         wait_ns = timeout_ns - (now - start);
-        if (nhelp > 0 && __atomic_load_n(&ctx->live, __ATOMIC_RELAXED) > 0 && wait_ns > stale_ns) {
-            wait_ns = stale_ns;         /* transfers in flight: look at the pumps this often */
+        /* Look at the pumps every stale_ns while transfers are in flight,
+         * every idle_ns otherwise. */
+        look_ns = __atomic_load_n(&ctx->live, __ATOMIC_RELAXED) > 0 ? stale_ns : idle_ns;
+        if (nhelp > 0 && wait_ns > look_ns) {
+            wait_ns = look_ns;
         }
         if (poll(&pfd, 1, (int)((wait_ns + 999999u) / 1000000u)) > 0) {
             /* Non-blocking eventfd: EAGAIN if another read took it. */
             (void)!read(wake_fd, &value, sizeof(value));
         }
         now = rk_now_ns();
-        if (nhelp > 0 && __atomic_load_n(&ctx->live, __ATOMIC_RELAXED) > 0 &&
-            !__atomic_load_n(&ctx->closing, __ATOMIC_ACQUIRE)) { /* closing: the lanes' pumps go next */
-            rk_help_stale(help, nhelp, now, stale_ns);
+        if (nhelp > 0 && !__atomic_load_n(&ctx->closing, __ATOMIC_ACQUIRE)) { /* closing: the lanes' pumps go next */
+            rk_help_stale(help, nhelp, now, stale_ns, __atomic_load_n(&ctx->live, __ATOMIC_RELAXED) == 0);
             now = rk_now_ns();
         }
     }

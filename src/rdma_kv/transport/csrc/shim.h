@@ -309,13 +309,17 @@ int rk_await(rk_ctx_t *ctx, uint32_t slot, uint64_t id, rk_pump_t *const *help, 
  * until timeout_ns pass or the agent is closing: 0. A caller is about
  * while one is in rk_await, or posted or left rk_await within delay_ns;
  * then what is unsettled is left to it for at most delay_ns. An endpoint
- * error returns at once. While transfers are in flight it also looks at
- * the nhelp pumps every stale_ns and progresses the worker of each that
- * has not progressed it for stale_ns (rk_pump_help): a pump given no CPU
- * (runnable but not scheduled, or bound to a CPU the scheduler keeps
- * busy) holds up nothing longer than that. Not once closing is set. */
+ * error returns at once. It also looks at the nhelp pumps, every stale_ns
+ * while transfers are in flight and every idle_ns otherwise, and
+ * progresses the worker of each that has not progressed it for stale_ns
+ * (rk_pump_help; when idle, only one with events waiting on its fd): a
+ * pump given no CPU (runnable but not scheduled, or bound to a CPU the
+ * scheduler keeps busy) holds up nothing, neither this agent's transfers
+ * nor a peer's reads, writes and flushes that this agent's worker must
+ * answer, much longer than that. Not once closing is set. */
 int rk_service_wait(rk_ctx_t *ctx, int wake_fd, uint64_t errors_seen, uint64_t delay_ns,
-                    uint64_t timeout_ns, rk_pump_t *const *help, uint32_t nhelp, uint64_t stale_ns);
+                    uint64_t timeout_ns, rk_pump_t *const *help, uint32_t nhelp, uint64_t stale_ns,
+                    uint64_t idle_ns);
 
 /* The agent is closing: every rk_await returns (now, or at its next
  * look) and helps no pump from here on. */
