@@ -9,11 +9,13 @@ from __future__ import annotations
 import ctypes
 import json
 import sys
+import threading
 
 import numpy as np
 
 from rdma_kv.errors import TransferError
 from rdma_kv.transport import Agent, AgentConfig, DescList
+from rdma_kv.transport._lib import load
 
 CTX = 0x5EED0000
 NBYTES = 8 << 20
@@ -56,7 +58,24 @@ def main() -> None:
         xfer.wait(timeout_s=30.0)
         assert np.array_equal(src, dst)
         pumps = 1 + len(a._core.lanes) + 1
-    print(json.dumps({"ctx": CTX, "pumps": pumps, "threads": records(cuda)}))
+        # Every one of a's pumps held off its worker, nobody in wait(): a's
+        # service thread, a Python thread, progresses the workers itself.
+        lib = load()[1]
+        held = [a._core.driver.pump.handle] + [lane.pump.handle for lane in a._core.lanes._lanes]
+        for pump in held:
+            lib.rk_pump_hold(pump, 1)
+        try:
+            dst[:] = 0
+            done = threading.Event()
+            xfer = a.read("b", DescList.from_regions(dst.ctypes.data, offsets, 1 << 20),
+                          DescList.from_regions(src.ctypes.data, offsets, 1 << 20), timeout_s=30.0)
+            xfer.add_done_callback(lambda _: done.set())
+            assert done.wait(60.0), "the read with every pump held did not complete"
+            assert np.array_equal(src, dst)
+        finally:
+            for pump in held:
+                lib.rk_pump_hold(pump, -1)
+    print(json.dumps({"ctx": CTX, "pumps": pumps, "main": threading.get_native_id(), "threads": records(cuda)}))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def run_child(stub: pathlib.Path, *args: str, **env_extra: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_every_pump_makes_the_creators_context_current_before_it_progresses(stub_libcuda):
+def test_every_progress_thread_makes_the_creators_context_current_before_it_progresses(stub_libcuda):
     report = run_child(stub_libcuda)
     threads = report["threads"]
     pumps = [t for t in threads if t["name"] == "rdma-kv-pump"]
@@ -52,6 +52,9 @@ def test_every_pump_makes_the_creators_context_current_before_it_progresses(stub
     assert len(pumps) == report["pumps"] == 4, threads
     for t in pumps:
         assert t["progress"] > 0 and t["sets"] == 1 and t["ctx_set"] == report["ctx"], t
+    # The service thread too, which progressed a's workers while every pump was held.
+    service = [t for t in progressed if t["name"] != "rdma-kv-pump" and t["tid"] != report["main"]]
+    assert service and all(t["sets"] == 1 and t["ctx_set"] == report["ctx"] for t in service), threads
     bare = [t for t in progressed if t["progress_bare"]]
     assert not bare, f"threads progressed a worker with no current CUDA context: {bare}"
 

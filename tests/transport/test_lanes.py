@@ -526,6 +526,34 @@ def test_the_service_thread_answers_peers_for_a_target_whose_pump_does_not_run(m
         lib.rk_pump_hold(pump, -1)
 
 
+def test_no_help_round_starts_once_the_agent_is_closing(make_agent):
+    """A close stops the pumps and destroys the workers once no thread is
+    inside a help round (``rk_pump_help``, counted in ``helping``); once
+    closing is set none starts one. Here the target's pump is held with a
+    peer's TCP read waiting on its worker: after what ``close()`` does first
+    (``rk_wake_waiters``), helping progresses nothing and the read stays
+    unanswered until the pump itself runs."""
+    pair = link(make_agent("a", progress="thread", ucx_options=TCP), make_agent("b", progress="poll", ucx_options=TCP))
+    local, remote = prepared(pair)
+    lib = load()[1]
+    pump, ctx = pair.a._core.driver.pump.handle, pair.a._core.inflight.ctx
+    idx = np.arange(SLOTS)
+    lib.rk_pump_hold(pump, 1)
+    try:
+        xfer = pair.b.read_prepared(local, idx, remote, idx, timeout_s=WAIT_S)
+        lib.rk_wake_waiters(ctx)
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            assert lib.rk_pump_help(pump, 64) == 0
+            pair.b.progress()
+        assert not xfer.done(), "a help round progressed the worker of an agent that is closing"
+        assert ctx.helping == 0
+    finally:
+        lib.rk_pump_hold(pump, -1)
+    wait_until(xfer.done, WAIT_S, "the read, once the target's pump runs", drive=[pair.b])
+    assert xfer.state is XferState.DONE, xfer.error
+
+
 def test_a_transfer_past_its_deadline_logs_what_it_was_waiting_for(make_agent, caplog):
     """The line an operator gets when a transfer expires names the workers
     its parts are on and what each pump was doing. Here the peer never

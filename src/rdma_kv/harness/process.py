@@ -266,10 +266,13 @@ def _result_dict(result: Any) -> dict[str, Any]:
 
 
 class EngineProcess:
-    """A harness engine in a spawned child. Use as a context manager."""
+    """A harness engine in a spawned child. Use as a context manager.
+    ``start_timeout_s`` bounds the child's start (a fresh interpreter that
+    imports torch and builds the engine: about 2 s here when quiet; a CI
+    run beside vLLM servers once waited more than 60 s for one)."""
 
     def __init__(self, name: str, config: dict[str, Any], shape: ModelShape,
-                 faults: dict[str, Any] | None = None, start_timeout_s: float = 60.0,
+                 faults: dict[str, Any] | None = None, start_timeout_s: float = 180.0,
                  netns: str | None = None) -> None:
         self.name = name
         ctx = mp.get_context("spawn")

@@ -7,7 +7,8 @@ without one the driver call fails or crashes (NIXL's progress thread hit
 this: ai-dynamo/nixl#2102). The agent records the context current on the
 thread that creates it, and every C pump makes it current before its first
 progress (``csrc/pump.c``), through ``cuCtxSetCurrent``'s address: the shim
-has no link-time CUDA dependency.
+has no link-time CUDA dependency. So does the service thread, which
+helps pumps that get no CPU (``make_current``).
 
 "CUDA in use" means libcuda is already loaded in this process (torch loads
 it when it initialises CUDA): it is looked up with ``RTLD_NOLOAD``, never
@@ -58,3 +59,10 @@ def creator_context() -> CudaContext | None:
         # of this thread's is device memory UCX would touch.
         return None
     return CudaContext(int(ctx.value), int(ctypes.cast(set_current, ctypes.c_void_p).value or 0))
+
+
+def make_current(ctx: CudaContext) -> int:
+    """Make ``ctx`` current on the calling thread (a Python thread that
+    progresses a worker: the service thread); returns the ``CUresult``."""
+    set_current = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(ctx.set_current)
+    return int(set_current(ctx.handle))

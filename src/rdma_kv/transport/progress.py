@@ -48,7 +48,7 @@ from typing import Any
 
 from rdma_kv.transport._lib import load
 from rdma_kv.transport.config import AgentConfig
-from rdma_kv.transport.cuda import CudaContext
+from rdma_kv.transport.cuda import CUDA_SUCCESS, CudaContext, make_current
 from rdma_kv.transport.inflight import Callbacks, InFlight
 from rdma_kv.transport.pump import Pump
 from rdma_kv.transport.transfer import Transfer, XferState
@@ -67,6 +67,10 @@ flight: it progresses the worker of one that has events waiting and has not prog
 ``HELP_STALE_NS`` (over TCP a target's worker answers its peers' reads, writes and flushes; a
 push's decode and a pull's producer are such targets). Ten looks a second, each a ``poll`` per
 pump without the interpreter lock."""
+
+CLOSE_HELP_WAIT_S = 30.0
+"""How long a close waits for threads inside a help round (each is at most 64 progress rounds; a
+thread given no CPU can take seconds on a loaded host)."""
 
 Service = Callable[[], int]  # the agent's settling round (caller holds the lock): completions drained
 
@@ -110,6 +114,7 @@ class ProgressDriver:
         self._last_event = 0.0
         self._spin_ns = int(config.spin_s * 1e9)
         self.helpers = helpers
+        self._cuda = cuda
         self._blocked = 0  # callers inside rk_await (they may be helping the pumps)
         self.pump: Pump | None = None
         self._thread: threading.Thread | None = None
@@ -247,6 +252,12 @@ class ProgressDriver:
         caller left, at most once per ``settle_delay_s``."""
         inflight, ctx, lib = self._inflight, self._ctx, self._lib
         delay_ns = int(self.config.settle_delay_s * 1e9)
+        helps = True  # the pumps' work this thread does needs their CUDA context, as theirs does
+        if self._cuda is not None and (status := make_current(self._cuda)) != CUDA_SUCCESS:
+            helps = False
+            log.warning("agent %r: the progress thread could not make CUDA context %#x current (CUresult %d); "
+                        "it leaves a pump that gets no CPU to a blocked caller", self.name, self._cuda.handle,
+                        status)
         while True:
             with self.lock:
                 if inflight.closed:
@@ -265,7 +276,7 @@ class ProgressDriver:
             # The pumps a blocked caller helps are the ones this thread helps when stale (none
             # once closing: wake_all empties the list, and the shim checks closing too).
             lib.rk_service_wait(ctx, self._wake.fd, errors, delay_ns, max(1, int(left * 1e9)), self._await_help,
-                                self._await_nhelp, HELP_STALE_NS, HELP_IDLE_NS)
+                                self._await_nhelp if helps else 0, HELP_STALE_NS, HELP_IDLE_NS)
 
     # ------------------------------------------------------------------ closing
 
@@ -289,6 +300,14 @@ class ProgressDriver:
             time.sleep(0.0001)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
+        # No pump stops and no worker goes while a thread is inside a help round (closing is
+        # set, so none starts one): one preempted there would use them after they were freed.
+        end = time.monotonic() + CLOSE_HELP_WAIT_S
+        while self._ctx.helping and time.monotonic() < end:
+            time.sleep(0.0001)
+        if self._ctx.helping:
+            log.error("agent %r closing: %d thread(s) still inside a help round after %.0f s; closing anyway",
+                      self.name, self._ctx.helping, CLOSE_HELP_WAIT_S)
         if self.pump is not None:
             self.pump.stop()
             self.pump = None
