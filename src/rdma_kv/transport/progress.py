@@ -303,14 +303,24 @@ class ProgressDriver:
         # No pump stops and no worker goes while a thread is inside a help round (closing is
         # set, so none starts one): one preempted there would use them after they were freed.
         end = time.monotonic() + CLOSE_HELP_WAIT_S
-        while self._ctx.helping and time.monotonic() < end:
+        while (inside := self._helpers_inside()) and time.monotonic() < end:
             time.sleep(0.0001)
-        if self._ctx.helping:
+        if inside:
             log.error("agent %r closing: %d thread(s) still inside a help round after %.0f s; closing anyway",
-                      self.name, self._ctx.helping, CLOSE_HELP_WAIT_S)
+                      self.name, inside, CLOSE_HELP_WAIT_S)
         if self.pump is not None:
             self.pump.stop()
             self.pump = None
+
+    def _helpers_inside(self) -> int:
+        """Threads holding one of the pumps (posts are over once closing: helpers)."""
+        state = self._ffi.new("uint64_t[4]")
+        pumps = ((self.pump.handle,) if self.pump is not None else ()) + tuple(self.helpers)
+        inside = 0
+        for pump in pumps:
+            self._lib.rk_pump_state(pump, state)
+            inside += int(state[0])
+        return inside
 
     def stop_helping(self) -> None:
         """The lanes' pumps stop next: help them no more. Caller holds the lock."""

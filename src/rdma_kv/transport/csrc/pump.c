@@ -77,20 +77,16 @@ void rk_pump_hold(rk_pump_t *pump, int delta)
 
 uint64_t rk_pump_help(rk_pump_t *pump, uint64_t max_rounds)
 {
-    rk_ctx_t *ctx = pump->watch;
     uint64_t events = 0;
 
-    /* Against the close: this counts itself helping, then looks at
-     * closing; the close sets closing, then waits for no one helping. */
-    __atomic_fetch_add(&ctx->helping, 1, __ATOMIC_SEQ_CST);
-    if (!__atomic_load_n(&ctx->closing, __ATOMIC_SEQ_CST)) {
-        __atomic_fetch_add(&pump->hold, 1, __ATOMIC_SEQ_CST);
-        if (!__atomic_load_n(&pump->busy, __ATOMIC_SEQ_CST)) {
-            events = rk_progress(pump->worker, max_rounds);
-        }
-        __atomic_fetch_sub(&pump->hold, 1, __ATOMIC_RELEASE);
+    /* Against the close: this holds the pump, then looks at closing; the
+     * close sets closing, then waits for the pump's hold to drop to 0. */
+    __atomic_fetch_add(&pump->hold, 1, __ATOMIC_SEQ_CST);
+    if (!__atomic_load_n(&pump->watch->closing, __ATOMIC_SEQ_CST) &&
+        !__atomic_load_n(&pump->busy, __ATOMIC_SEQ_CST)) {
+        events = rk_progress(pump->worker, max_rounds);
     }
-    __atomic_fetch_sub(&ctx->helping, 1, __ATOMIC_RELEASE);
+    __atomic_fetch_sub(&pump->hold, 1, __ATOMIC_RELEASE);
     return events;
 }
 

@@ -104,10 +104,6 @@ typedef struct rk_ctx {
      * transfer. */
     uint32_t settled;
     uint32_t napping;
-    /* Threads inside rk_pump_help on one of this agent's pumps (atomic):
-     * the agent's close sets closing, then waits for none before it stops
-     * a pump or destroys a worker. */
-    uint32_t helping;
 } rk_ctx_t;
 
 /* Make the slab of nslots records and its free stack (both caller-owned,
@@ -284,8 +280,9 @@ void rk_pump_hold(rk_pump_t *pump, int delta);
 /* Progress the pump's worker on the calling thread (at most max_rounds
  * rounds, as rk_progress) if the pump is not progressing it right now and
  * its agent is not closing; returns the events handled, 0 if the pump was
- * or the agent is closing. While the caller helps, the pump keeps off the
- * worker, and the agent's ctx counts it (helping). */
+ * or the agent is closing. While the caller helps, it holds the pump (the
+ * pump keeps off the worker): the agent's close sets closing, then waits
+ * for every pump's hold to be 0 before it stops one or destroys a worker. */
 uint64_t rk_pump_help(rk_pump_t *pump, uint64_t max_rounds);
 
 /* The pump thread's kernel thread id (/proc/self/task/<tid>); set before
