@@ -61,7 +61,7 @@ def main() -> None:
         # Every one of a's pumps held off its worker, nobody in wait(): a's
         # service thread, a Python thread, progresses the workers itself.
         lib = load()[1]
-        held = [a._core.driver.pump.handle] + [lane.pump.handle for lane in a._core.lanes._lanes]
+        held = [a._core.driver.pump.handle] + [lane.pump.handle for lane in a._core.lanes]
         for pump in held:
             lib.rk_pump_hold(pump, 1)
         try:

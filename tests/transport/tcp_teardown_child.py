@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 from rdma_kv.transport import Agent, AgentConfig, XferState
-from transport_helpers import TCP, link, post_burst, prepare_slots, settle_until_one_failed
+from transport_helpers import TCP, link, post_burst, prepare_slots, settle_until_one_failed, wait_until
 
 NBYTES = 8 << 20
 BLOCK = 4096
@@ -53,19 +53,12 @@ def one_round(rng: np.random.Generator, progress: str, lanes: int, notify: bool,
     if warm:  # every worker's endpoint wired up: one read over all slots (striped over the lanes)
         every = np.arange(SLOTS)
         first = b.read_prepared(local, every, remote, every)
-        while not first.done():
-            a.progress()
-            b.settle()
-            if time.monotonic() > end:
-                raise SystemExit("the warm-up read did not complete within 30 s")
+        wait_until(first.done, 30.0, "the warm-up read", drive=[a, b])
         if first.state is not XferState.DONE:
             raise SystemExit(f"the warm-up read failed: {first.state}")
     xfers = post_burst(b, local, remote, rng, SLOTS, 2 * LANE_MIN // BLOCK, notify=notify)
     ctx = b._core.inflight.ctx
-    try:
-        settle_until_one_failed(b, xfers, max(0.0, end - time.monotonic()))  # before a answers anything
-    except AssertionError as e:
-        raise SystemExit(str(e)) from None
+    settle_until_one_failed(b, xfers, max(0.0, end - time.monotonic()))  # before a answers anything
     while not all(x.done() for x in xfers) or ctx.nfree != ctx.nslots:
         a.progress()  # a answers TCP gets and applies puts
         b.settle()

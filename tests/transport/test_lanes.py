@@ -535,7 +535,7 @@ def test_no_help_round_starts_once_the_agent_is_closing(make_agent):
     unanswered until the pump itself runs."""
     pair = link(make_agent("a", progress="thread", ucx_options=TCP), make_agent("b", progress="poll", ucx_options=TCP))
     local, remote = prepared(pair)
-    lib = load()[1]
+    ffi, lib = load()
     pump, ctx = pair.a._core.driver.pump.handle, pair.a._core.inflight.ctx
     idx = np.arange(SLOTS)
     lib.rk_pump_hold(pump, 1)
@@ -547,7 +547,7 @@ def test_no_help_round_starts_once_the_agent_is_closing(make_agent):
             assert lib.rk_pump_help(pump, 64) == 0
             pair.b.progress()
         assert not xfer.done(), "a help round progressed the worker of an agent that is closing"
-        state = load()[0].new("uint64_t[4]")
+        state = ffi.new("uint64_t[4]")
         lib.rk_pump_state(pump, state)
         assert state[0] == 1  # the test's own hold: no help round left one behind
     finally:

@@ -124,9 +124,9 @@ class ProgressDriver:
             self.pump = Pump(worker, self._ctx, wake_worker=None, wake_fd=wake.fd, spin_s=config.spin_s,
                              cuda=cuda, name=name, steer=False)
         # What a blocked caller helps (rk_await): every pump, own first.
-        pumps = ((self.pump.handle,) if self.pump is not None else ()) + helpers
-        self._await_help = ffi.new("rk_pump_t *[]", list(pumps) or [ffi.NULL])
-        self._await_nhelp = len(pumps)
+        self._pumps = ((self.pump.handle,) if self.pump is not None else ()) + helpers
+        self._await_help = ffi.new("rk_pump_t *[]", list(self._pumps) or [ffi.NULL])
+        self._await_nhelp = len(self._pumps)
         if wake.fd >= 0:
             self._thread = threading.Thread(target=self._service_loop, name=f"rdma-kv-progress-{name}",
                                             daemon=True)
@@ -315,9 +315,8 @@ class ProgressDriver:
     def _helpers_inside(self) -> int:
         """Threads holding one of the pumps (posts are over once closing: helpers)."""
         state = self._ffi.new("uint64_t[4]")
-        pumps = ((self.pump.handle,) if self.pump is not None else ()) + tuple(self.helpers)
         inside = 0
-        for pump in pumps:
+        for pump in self._pumps:
             self._lib.rk_pump_state(pump, state)
             inside += int(state[0])
         return inside

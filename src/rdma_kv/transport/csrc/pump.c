@@ -75,18 +75,23 @@ void rk_pump_hold(rk_pump_t *pump, int delta)
     __atomic_fetch_add(&pump->hold, delta, __ATOMIC_ACQ_REL);
 }
 
+/* Hold the pump (it keeps off its worker) before touching anything else of
+ * it, and say whether the caller may progress its worker: not once the
+ * agent is closing (the close sets closing, then waits for every pump's
+ * hold to drop to 0), nor while the pump itself is in progress. Release
+ * with rk_pump_hold(pump, -1) either way. */
+static int rk_pump_claim(rk_pump_t *pump)
+{
+    __atomic_fetch_add(&pump->hold, 1, __ATOMIC_SEQ_CST);
+    return !__atomic_load_n(&pump->watch->closing, __ATOMIC_SEQ_CST) &&
+           !__atomic_load_n(&pump->busy, __ATOMIC_SEQ_CST);
+}
+
 uint64_t rk_pump_help(rk_pump_t *pump, uint64_t max_rounds)
 {
-    uint64_t events = 0;
+    uint64_t events = rk_pump_claim(pump) ? rk_progress(pump->worker, max_rounds) : 0;
 
-    /* Against the close: this holds the pump, then looks at closing; the
-     * close sets closing, then waits for the pump's hold to drop to 0. */
-    __atomic_fetch_add(&pump->hold, 1, __ATOMIC_SEQ_CST);
-    if (!__atomic_load_n(&pump->watch->closing, __ATOMIC_SEQ_CST) &&
-        !__atomic_load_n(&pump->busy, __ATOMIC_SEQ_CST)) {
-        events = rk_progress(pump->worker, max_rounds);
-    }
-    __atomic_fetch_sub(&pump->hold, 1, __ATOMIC_RELEASE);
+    rk_pump_hold(pump, -1);
     return events;
 }
 
@@ -325,10 +330,11 @@ static void rk_help_stale(rk_pump_t *const *help, uint32_t nhelp, uint64_t now, 
     uint32_t i;
 
     for (i = 0; i < nhelp; ++i) {
-        if (now - __atomic_load_n(&help[i]->ran_ns, __ATOMIC_RELAXED) > stale_ns &&
+        if (rk_pump_claim(help[i]) && now - __atomic_load_n(&help[i]->ran_ns, __ATOMIC_RELAXED) > stale_ns &&
             (!idle || rk_pump_ready(help[i]))) {
-            (void)rk_pump_help(help[i], 64);
+            (void)rk_progress(help[i]->worker, 64);
         }
+        rk_pump_hold(help[i], -1);
     }
 }
 
