@@ -2,7 +2,11 @@
 a context current on the main thread (as torch does when it initialises
 CUDA), runs two agents with pumps (one with lanes) through a striped read,
 and prints the stub's per-thread records as JSON on its last line. With
-``fail`` (and STUB_CU_SET_FAIL set), reports the agent's refusal to start."""
+``fail`` (and STUB_CU_SET_FAIL set), reports the agent's refusal to start.
+With ``callers``, threads of the caller's own, one with no context and one
+with another context current, wait on a pumped agent whose pumps are held
+(so they help), drive a polling agent, and close both agents; it reports
+each caller's thread and its context before and after."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import ctypes
 import json
 import sys
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -18,6 +23,7 @@ from rdma_kv.transport import Agent, AgentConfig, DescList
 from rdma_kv.transport._lib import load
 
 CTX = 0x5EED0000
+OTHER = 0x0DDC0000  # a caller thread's own context (another device's, say)
 NBYTES = 8 << 20
 
 
@@ -25,10 +31,11 @@ def records(cuda: ctypes.CDLL) -> list[dict]:
     out = []
     for i in range(cuda.stub_threads()):
         tid, name, ctx = ctypes.c_long(), ctypes.create_string_buffer(16), ctypes.c_uint64()
-        counts = (ctypes.c_uint64 * 3)()
+        counts = (ctypes.c_uint64 * 5)()
         assert cuda.stub_thread(i, ctypes.byref(tid), name, ctypes.byref(ctx), counts) == 0
         out.append({"tid": tid.value, "name": name.value.decode(), "ctx_set": ctx.value,
-                    "sets": counts[0], "progress": counts[1], "progress_bare": counts[2]})
+                    "sets": counts[0], "progress": counts[1], "progress_bare": counts[2],
+                    "progress_other": counts[3], "pushes": counts[4]})
     return out
 
 
@@ -78,5 +85,93 @@ def main() -> None:
     print(json.dumps({"ctx": CTX, "pumps": pumps, "main": threading.get_native_id(), "threads": records(cuda)}))
 
 
+def current(cuda: ctypes.CDLL) -> int:
+    ctx = ctypes.c_void_p()
+    assert cuda.cuCtxGetCurrent(ctypes.byref(ctx)) == 0
+    return int(ctx.value or 0)
+
+
+def on_thread(cuda: ctypes.CDLL, role: str, ctx: int, fn: Callable[[], object]) -> dict:
+    """Run ``fn`` on a new thread with ``ctx`` current (0: none); its tid and
+    its current context before and after."""
+    out: dict = {"role": role}
+
+    def run() -> None:
+        try:
+            if ctx:
+                assert cuda.cuCtxSetCurrent(ctx) == 0
+            out["tid"], out["before"] = threading.get_native_id(), current(cuda)
+            fn()
+            out["after"] = current(cuda)
+        except BaseException as exc:  # reported, not lost with the thread
+            out["error"] = repr(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(120.0)
+    assert not thread.is_alive(), f"{role}: did not return within 120 s"
+    assert "error" not in out, f"{role}: {out['error']}"
+    return out
+
+
+def progressed(cuda: ctypes.CDLL, tid: int) -> int:
+    return sum(t["progress"] for t in records(cuda) if t["tid"] == tid)
+
+
+def callers(cuda: ctypes.CDLL) -> None:
+    options = {"NET_DEVICES": "lo"}
+    lib = load()[1]
+    src = np.random.default_rng(7).integers(0, 256, NBYTES, dtype=np.uint8)
+    dst = np.zeros(NBYTES, dtype=np.uint8)
+    offsets = np.arange(0, NBYTES, 1 << 20)
+    threads = []
+    a = Agent("a", AgentConfig(ucx_options=options, lanes=3, lane_min_bytes=1 << 20))
+    p = Agent("p", AgentConfig(ucx_options=options, progress="poll", lanes=2, lane_min_bytes=1 << 20))
+    b = Agent("b", AgentConfig(ucx_options=options, lanes=1))
+    try:
+        b.register(src)
+        for reader in (a, p):
+            reader.register(dst)
+            reader.add_peer(b.metadata())
+            b.add_peer(reader.metadata())
+
+        def read(reader: Agent) -> None:
+            dst[:] = 0
+            reader.read("b", DescList.from_regions(dst.ctypes.data, offsets, 1 << 20),
+                        DescList.from_regions(src.ctypes.data, offsets, 1 << 20), timeout_s=60.0).wait(60.0)
+            assert np.array_equal(src, dst)
+
+        read(a)
+        # a's pumps held: a caller blocked in wait() progresses their workers
+        # itself (the service thread too, once they are 20 ms stale: a caller
+        # that comes later than that may find its read done, so try again).
+        held = [a._core.driver.pump.handle] + [lane.pump.handle for lane in a._core.lanes]
+        for pump in held:
+            lib.rk_pump_hold(pump, 1)
+        try:
+            for role, ctx in (("waits, no context", 0), ("waits, another context", OTHER)):
+                for _ in range(20):
+                    out = on_thread(cuda, role, ctx, lambda: read(a))
+                    if progressed(cuda, out["tid"]):
+                        break
+                threads.append(out)
+        finally:
+            for pump in held:
+                lib.rk_pump_hold(pump, -1)
+        threads.append(on_thread(cuda, "polls, no context", 0, lambda: read(p)))
+        threads.append(on_thread(cuda, "closes, no context", 0, a.close))
+        threads.append(on_thread(cuda, "closes, another context", OTHER, p.close))
+    finally:
+        for agent in (a, p, b):
+            agent.close()
+    print(json.dumps({"ctx": CTX, "callers": threads, "threads": records(cuda)}))
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["callers"]:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        cuda.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+        assert cuda.cuCtxSetCurrent(CTX) == 0
+        callers(cuda)
+    else:
+        main()

@@ -59,6 +59,20 @@ def test_every_progress_thread_makes_the_creators_context_current_before_it_prog
     assert not bare, f"threads progressed a worker with no current CUDA context: {bare}"
 
 
+def test_a_callers_thread_progresses_with_the_creators_context_and_gets_its_own_back(stub_libcuda):
+    report = run_child(stub_libcuda, "callers")
+    for caller in report["callers"]:
+        mine = [t for t in report["threads"] if t["tid"] == caller["tid"]]
+        # It progressed a worker (helped a held pump, drove its polling
+        # agent, closed endpoints), each time with the creator's context
+        # pushed over its own, and its own is current again after.
+        assert mine and mine[0]["progress"] > 0 and mine[0]["pushes"] > 0, (caller, mine)
+        assert caller["after"] == caller["before"], caller
+    for t in report["threads"]:
+        assert t["progress_bare"] == 0 and t["progress_other"] == 0, \
+            f"a thread progressed a worker without the creator's CUDA context current: {t}"
+
+
 def test_a_pump_that_cannot_set_the_context_fails_the_agent_with_the_curesult(stub_libcuda):
     report = run_child(stub_libcuda, "fail", STUB_CU_SET_FAIL="1")
     assert "cannot make the creator's CUDA context 0x5eed0000 current" in report["error"]

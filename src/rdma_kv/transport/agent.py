@@ -74,7 +74,7 @@ from rdma_kv.transport._lib import status_name
 from rdma_kv.transport.config import AgentConfig
 from rdma_kv.transport.cuda import creator_context
 from rdma_kv.transport.descriptors import DescList, PreparedList, new_generation
-from rdma_kv.transport.inflight import OP_GET, OP_PUT, AgentStats, InFlight
+from rdma_kv.transport.inflight import OP_GET, OP_PUT, AgentStats, Callbacks, InFlight
 from rdma_kv.transport.lanes import Lanes
 from rdma_kv.transport.memory import MemoryRegion
 from rdma_kv.transport.notifications import Notification, Notifications
@@ -221,10 +221,15 @@ class AgentCore:
         """Let what is in flight finish (at most ``close_drain_s``), fail the
         rest, then tear down: lanes, remote keys and endpoints, memory,
         worker, context. Idempotent."""
+        with self.driver.bound():  # the teardown progresses the workers on this thread
+            callbacks = self._teardown()
+        self.inflight.run_callbacks(callbacks)
+
+    def _teardown(self) -> Callbacks:
         inflight, driver = self.inflight, self.driver
         with self.lock:
             if inflight.closed:
-                return
+                return []
             inflight.closed = True
             self.epoch.move()  # every route is stale: requests go to the checked path, which says closed
             driver.wake_all()
@@ -244,7 +249,7 @@ class AgentCore:
             self.memory.close()
             self.worker.close()
             self.context.close()
-        inflight.run_callbacks(callbacks)
+        return callbacks
 
 
 def _collect(core: AgentCore) -> None:
@@ -331,7 +336,7 @@ class Agent:
 
     def remove_peer(self, name: str) -> None:
         core = self._core
-        with core.lock:
+        with core.driver.bound(), core.lock:  # closing its endpoints progresses the workers
             core.require_open()
             peer = core.peers.pop(name)
             if peer.inflight:

@@ -44,11 +44,12 @@ import select
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from rdma_kv.transport._lib import load
 from rdma_kv.transport.config import AgentConfig
-from rdma_kv.transport.cuda import CUDA_SUCCESS, CudaContext, make_current
+from rdma_kv.transport.cuda import CUDA_SUCCESS, Binder, CudaContext, make_current
 from rdma_kv.transport.inflight import Callbacks, InFlight
 from rdma_kv.transport.pump import Pump
 from rdma_kv.transport.transfer import Transfer, XferState
@@ -71,6 +72,8 @@ pump without the interpreter lock."""
 CLOSE_HELP_WAIT_S = 30.0
 """How long a close waits for threads inside a help round (each is at most 64 progress rounds; a
 thread given no CPU can take seconds on a loaded host)."""
+
+_UNBOUND: AbstractContextManager[None] = nullcontext()
 
 Service = Callable[[], int]  # the agent's settling round (caller holds the lock): completions drained
 
@@ -96,7 +99,8 @@ class ProgressDriver:
     """Drives the worker of the agent ``name`` and settles through
     ``service`` (``fail_all(why)`` if that ever raises). ``helpers`` are the
     lanes' pumps (``rk_pump_t *``) a caller may help; ``cuda`` the context
-    the own pump makes current."""
+    the own pump makes current, and a caller's thread gets for each call
+    that progresses a worker (``bound``)."""
 
     def __init__(self, name: str, config: AgentConfig, worker: Worker, lock: threading.RLock,
                  inflight: InFlight, wake: Wake, helpers: tuple[Any, ...], cuda: CudaContext | None,
@@ -115,6 +119,7 @@ class ProgressDriver:
         self._spin_ns = int(config.spin_s * 1e9)
         self.helpers = helpers
         self._cuda = cuda
+        self._binder = Binder(cuda, f"agent {name!r}") if cuda is not None else None
         self._blocked = 0  # callers inside rk_await (they may be helping the pumps)
         self.pump: Pump | None = None
         self._thread: threading.Thread | None = None
@@ -132,6 +137,13 @@ class ProgressDriver:
                                             daemon=True)
             self._thread.start()
 
+    def bound(self) -> AbstractContextManager[None]:
+        """Around a caller's call that may progress a worker (itself, or a
+        pump's it helps, or closing endpoints): the creator's CUDA context
+        current on the calling thread for the call, the thread's own (or
+        none) after it. Nothing without CUDA."""
+        return _UNBOUND if self._binder is None else self._binder.bound()
+
     # ------------------------------------------------------------------ modes
 
     @property
@@ -143,7 +155,7 @@ class ProgressDriver:
         Internal callers (Transfer.wait/done) may race with close(): then
         their transfer has been failed by close() and they just return."""
         inflight = self._inflight
-        with self.lock:
+        with self.bound(), self.lock:
             if inflight.closed:
                 return 0
             events = self.progress_locked()
@@ -203,8 +215,9 @@ class ProgressDriver:
             time.sleep(min(block_s, 0.001))
             return
         try:
-            self._lib.rk_await(self._ctx, xfer._slot, xfer.id, self._await_help, nhelp, self._spin_ns,
-                               max(1, int(block_s * 1e9)))
+            with self.bound():
+                self._lib.rk_await(self._ctx, xfer._slot, xfer.id, self._await_help, nhelp, self._spin_ns,
+                                   max(1, int(block_s * 1e9)))
         finally:
             with self.lock:
                 self._blocked -= 1
@@ -214,7 +227,7 @@ class ProgressDriver:
     def progress_settle(self) -> None:
         """Settle what the pumps finished (pumped mode), then run callbacks."""
         inflight = self._inflight
-        with self.lock:
+        with self.bound(), self.lock:  # (failing a peer closes its endpoints: progress)
             if inflight.closed:
                 return
             self._service()

@@ -1,8 +1,10 @@
 /* A stand-in for libcuda.so.1 (soname libcuda.so.1) for tests without a
  * GPU, preloaded into a child process. It keeps a current "context" per
- * thread (cuCtxGetCurrent / cuCtxSetCurrent) and interposes
- * ucp_worker_progress to record, per thread, whether a context was current
- * when the thread progressed a worker. The test reads the records with
+ * thread (cuCtxGetCurrent / cuCtxSetCurrent, and a stack under it:
+ * cuCtxPushCurrent_v2 / cuCtxPopCurrent_v2) and interposes
+ * ucp_worker_progress to record, per thread, which context was current
+ * when the thread progressed a worker: none, the first one ever set (the
+ * test's "creator" context), or another. The test reads the records with
  * stub_threads() / stub_thread(). */
 
 #define _GNU_SOURCE
@@ -23,9 +25,16 @@ typedef struct {
     uint64_t sets;           /* cuCtxSetCurrent calls */
     uint64_t progress;       /* ucp_worker_progress calls */
     uint64_t progress_bare;  /* ... of them with no current context */
+    uint64_t progress_other; /* ... with a context other than the first one set */
+    uint64_t pushes;         /* cuCtxPushCurrent_v2 calls */
 } stub_thread_t;
 
+#define STUB_STACK 8
+
 static __thread void *stub_current;
+static __thread void *stub_below[STUB_STACK]; /* the contexts pushed over */
+static __thread int stub_depth;
+static void *stub_first;                      /* the first context set */
 static stub_thread_t stub_records[STUB_MAX_THREADS];
 static int stub_count;
 static pthread_mutex_t stub_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -67,15 +76,39 @@ int cuCtxSetCurrent(void *ctx)
 {
     static int calls;
     stub_thread_t *rec = stub_self();
+    void *none = NULL;
 
     if (__atomic_fetch_add(&calls, 1, __ATOMIC_RELAXED) > 0 && getenv("STUB_CU_SET_FAIL") != NULL) {
         return 201;
     }
     stub_current = ctx;
+    __atomic_compare_exchange_n(&stub_first, &none, ctx, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
     if (rec != NULL) {
         __atomic_store_n(&rec->ctx_set, (uintptr_t)ctx, __ATOMIC_RELAXED);
         __atomic_fetch_add(&rec->sets, 1, __ATOMIC_RELAXED);
     }
+    return 0;
+}
+
+int cuCtxPushCurrent_v2(void *ctx)
+{
+    stub_thread_t *rec = stub_self();
+
+    if (stub_depth == STUB_STACK) {
+        return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
+    }
+    stub_below[stub_depth++] = stub_current;
+    stub_current = ctx;
+    if (rec != NULL) {
+        __atomic_fetch_add(&rec->pushes, 1, __ATOMIC_RELAXED);
+    }
+    return 0;
+}
+
+int cuCtxPopCurrent_v2(void **ctx)
+{
+    *ctx = stub_current;
+    stub_current = stub_depth > 0 ? stub_below[--stub_depth] : NULL;
     return 0;
 }
 
@@ -94,6 +127,8 @@ unsigned ucp_worker_progress(void *worker)
         __atomic_fetch_add(&rec->progress, 1, __ATOMIC_RELAXED);
         if (stub_current == NULL) {
             __atomic_fetch_add(&rec->progress_bare, 1, __ATOMIC_RELAXED);
+        } else if (stub_current != __atomic_load_n(&stub_first, __ATOMIC_SEQ_CST)) {
+            __atomic_fetch_add(&rec->progress_other, 1, __ATOMIC_RELAXED);
         }
     }
     return real(worker);
@@ -122,5 +157,7 @@ int stub_thread(int i, long *tid, char *name, uintptr_t *ctx_set, uint64_t *coun
     counts[0] = rec.sets;
     counts[1] = rec.progress;
     counts[2] = rec.progress_bare;
+    counts[3] = rec.progress_other;
+    counts[4] = rec.pushes;
     return 0;
 }
