@@ -6,14 +6,19 @@ and prints the stub's per-thread records as JSON on its last line. With
 With ``callers``, threads of the caller's own, one with no context and one
 with another context current, wait on a pumped agent whose pumps are held
 (so they help), drive a polling agent, and close both agents; it reports
-each caller's thread and its context before and after."""
+each caller's thread and its context before and after. With ``stuck``,
+every pump blocks inside ucp_worker_progress (the stub stalls it) and the
+agent is closed: it reports how long the close took and what it logged."""
 
 from __future__ import annotations
 
 import ctypes
 import json
+import logging
+import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -167,8 +172,41 @@ def callers(cuda: ctypes.CDLL) -> None:
     print(json.dumps({"ctx": CTX, "callers": threads, "threads": records(cuda)}))
 
 
+def stuck(cuda: ctypes.CDLL) -> None:
+    from rdma_kv.transport import pump
+
+    pump.PUMP_STOP_S = 1.0
+    errors: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.ERROR:
+                errors.append(record.getMessage())
+
+    logging.getLogger("rdma_kv").addHandler(Keep())
+    a = Agent("a", AgentConfig(ucx_options={"NET_DEVICES": "lo"}, lanes=2))
+    workers = [a._core.worker] + [lane.worker for lane in a._core.lanes]
+    cuda.stub_stall(1)
+    end = time.monotonic() + 60.0
+    while cuda.stub_stalled() < len(workers) and time.monotonic() < end:
+        for worker in workers:  # wake each pump into its next progress call
+            worker.signal()
+        time.sleep(0.01)
+    stalled = cuda.stub_stalled()
+    start = time.monotonic()
+    a.close()
+    print(json.dumps({"pumps": len(workers), "stalled": stalled, "close_s": time.monotonic() - start,
+                      "errors": errors}), flush=True)
+    os._exit(0)  # the stuck threads would progress destroyed workers once released
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] == ["callers"]:
+    if sys.argv[1:] == ["stuck"]:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        cuda.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+        assert cuda.cuCtxSetCurrent(CTX) == 0
+        stuck(cuda)
+    elif sys.argv[1:] == ["callers"]:
         cuda = ctypes.CDLL("libcuda.so.1")
         cuda.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
         assert cuda.cuCtxSetCurrent(CTX) == 0

@@ -79,3 +79,13 @@ def test_a_pump_that_cannot_set_the_context_fails_the_agent_with_the_curesult(st
     assert "CUresult 201" in report["error"]
     pump = [t for t in report["threads"] if t["name"] == "rdma-kv-pump"]
     assert pump and all(t["progress"] == 0 for t in pump), pump  # it never progressed
+
+
+def test_a_pump_stuck_in_progress_is_reported_and_the_close_goes_on(stub_libcuda):
+    report = run_child(stub_libcuda, "stuck")
+    assert report["stalled"] == report["pumps"] == 2, report
+    # Each pump's join gave up after its bound (1 s here) with an error naming
+    # it; before, the close joined the stuck threads for ever.
+    assert report["close_s"] < 30.0, report
+    stuck = [e for e in report["errors"] if "did not stop within 1 s" in e]
+    assert len(stuck) == 2 and any("'a.lane1'" in e for e in stuck), report["errors"]

@@ -58,7 +58,7 @@ def make_ffi() -> FFI:
         # -isystem: warnings are errors for our code, not for UCX's headers.
         extra_compile_args=["-isystem", include_dir, "-O2", "-pthread", "-Wall", "-Wextra",
                             "-Werror", "-Wno-unused-parameter"],
-        extra_link_args=["-pthread"],  # the pumps' threads (pump.c)
+        extra_link_args=["-pthread"],
     )
     return ffi
 

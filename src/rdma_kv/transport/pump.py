@@ -1,25 +1,49 @@
-"""A pump: the shim's C thread that progresses one UCX worker.
+"""A pump: a thread that progresses one UCX worker in the shim's loop.
 
-A pump progresses its worker without the interpreter lock (csrc/pump.c):
-the agent's own worker with ``progress="thread"``, and every lane's. It
+A pump progresses its worker without the interpreter lock: its thread is a
+Python thread that makes the creator's CUDA context current (cuda.py) and
+then runs the shim's loop (``rk_pump_run``, csrc/pump.c), which cffi calls
+without the interpreter lock; the agent's own worker with
+``progress="thread"``, and every lane's. It
 watches the agent's completion context (``rk_ctx_t``) and, when progress
 changed it (a batch published, a notification received, an endpoint
 error), wakes whoever settles it: the agent's service thread through an
 eventfd, or a polling caller through the agent's own worker. The worker it
 progresses must be ``UCS_THREAD_MODE_MULTI``: Python posts on it meanwhile.
 
+Its thread is joined with a bound (``PUMP_STOP_S``): a loop that does not
+return (stuck in ``ucp_worker_progress``) is reported and its pump left
+allocated, and the close goes on rather than hang here (destroying the
+worker may still wait for a lock the stuck thread holds: UCX's).
+
 May import: rdma_kv.errors, rdma_kv.transport._lib, .cuda, .ucx.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
+import threading
 from typing import Any
 
 from rdma_kv.errors import TransferError
 from rdma_kv.transport._lib import load
-from rdma_kv.transport.cuda import CudaContext
+from rdma_kv.transport.cuda import CUDA_SUCCESS, CudaContext, make_current
 from rdma_kv.transport.ucx import Worker
+
+log = logging.getLogger("rdma_kv.transport.agent")
+
+THREAD_NAME = b"rdma-kv-pump"  # what top -H and /proc/PID/task/TID/comm show
+PR_SET_NAME = 15  # <linux/prctl.h>
+
+PUMP_START_S = 60.0
+"""How long a new pump's thread may take to start and make the CUDA context current (a thread
+waits seconds for a CPU on a loaded host)."""
+
+PUMP_STOP_S = 30.0
+"""How long a stop waits for the pump's loop to return (one progress call and its wake-up; a
+thread given no CPU can take seconds on a loaded host)."""
 
 
 class Pump:
@@ -35,31 +59,73 @@ class Pump:
         thread may use, minus the poster's (csrc/pump.c says why)."""
         ffi, lib = load()
         self._lib = lib
-        set_ctx = ffi.cast("rk_cu_set_ctx_t", cuda.set_current) if cuda else ffi.NULL
-        cu_status = ffi.new("int *")
+        self.name = name
         cpus = steer_mask() if steer else None
         self._cpus = ffi.new("uint64_t[]", cpus) if cpus else ffi.NULL
-        handle = lib.rk_pump_start(worker.handle, worker.efd, watch,
-                                   wake_worker.handle if wake_worker is not None else ffi.NULL, wake_fd,
-                                   int(spin_s * 1e9), self._cpus, len(cpus or ()), set_ctx,
-                                   ffi.cast("void *", cuda.handle) if cuda else ffi.NULL, cu_status)
+        handle = lib.rk_pump_new(worker.handle, worker.efd, watch,
+                                 wake_worker.handle if wake_worker is not None else ffi.NULL, wake_fd,
+                                 int(spin_s * 1e9), self._cpus, len(cpus or ()))
         if handle == ffi.NULL:
-            if cuda is not None and cu_status[0]:
-                raise TransferError(f"the progress thread of {name!r} cannot make the creator's CUDA context "
-                                    f"{cuda.handle:#x} current: cuCtxSetCurrent returned CUresult {cu_status[0]}")
-            raise TransferError(f"cannot start the progress thread of {name!r} (pthread_create failed)")
+            raise TransferError(f"cannot allocate the progress thread of {name!r} (out of memory)")
         self.handle: Any = handle  # rk_pump_t *; None once stopped
+        self._cuda = cuda
+        self._cu_status = CUDA_SUCCESS
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"rdma-kv-pump-{name}", daemon=True)
+        try:
+            self._thread.start()
+        except RuntimeError as exc:  # can't start new thread
+            lib.rk_pump_free(handle)
+            raise TransferError(f"cannot start the progress thread of {name!r}: {exc}") from exc
+        if not self._ready.wait(PUMP_START_S):
+            self.stop()
+            raise TransferError(f"the progress thread of {name!r} did not start within {PUMP_START_S:.0f} s")
+        if self._cu_status != CUDA_SUCCESS:
+            self._thread.join()  # it returned without running the loop
+            lib.rk_pump_free(handle)
+            self.handle = None
+            assert cuda is not None
+            raise TransferError(f"the progress thread of {name!r} cannot make the creator's CUDA context "
+                                f"{cuda.handle:#x} current: cuCtxSetCurrent returned CUresult {self._cu_status}")
+
+    def _run(self) -> None:
+        """The pump's thread: the creator's CUDA context first (UCX's CUDA
+        transports call the driver from progress), then the shim's loop."""
+        name_this_thread(THREAD_NAME)
+        if self._cuda is not None:
+            self._cu_status = make_current(self._cuda)
+        self._ready.set()
+        if self._cu_status == CUDA_SUCCESS:
+            self._lib.rk_pump_run(self.handle)
 
     @property
     def tid(self) -> int:
         """The pump thread's kernel thread id."""
-        return int(self._lib.rk_pump_tid(self.handle))
+        return self._thread.native_id or 0
 
     def stop(self) -> None:
-        """Stop and join the thread (bounded by one progress call and its wake-up)."""
-        if self.handle is not None:
-            self._lib.rk_pump_stop(self.handle)
-            self.handle = None
+        """Stop the loop, join the thread (at most ``PUMP_STOP_S``) and free
+        the pump; idempotent. A loop that does not return is reported and
+        its pump left allocated (its thread still reads it)."""
+        if self.handle is None:
+            return
+        self._lib.rk_pump_stop(self.handle)
+        self._thread.join(PUMP_STOP_S)
+        if self._thread.is_alive():
+            log.error("the progress thread of %r (tid %d) did not stop within %.0f s: stuck in UCX progress? "
+                      "Leaving its pump allocated and closing on", self.name, self.tid, PUMP_STOP_S)
+        else:
+            self._lib.rk_pump_free(self.handle)
+        self.handle = None
+
+
+def name_this_thread(name: bytes) -> None:
+    """Name the calling thread as the kernel shows it (15 bytes at most;
+    Python before 3.14 names no OS thread). Best effort."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def steer_mask() -> list[int] | None:

@@ -35,6 +35,8 @@ static __thread void *stub_current;
 static __thread void *stub_below[STUB_STACK]; /* the contexts pushed over */
 static __thread int stub_depth;
 static void *stub_first;                      /* the first context set */
+static int stub_stall_on;                     /* stub_stall(): pumps' progress blocks */
+static int stub_stalled_now;                  /* pump threads blocked in it */
 static stub_thread_t stub_records[STUB_MAX_THREADS];
 static int stub_count;
 static pthread_mutex_t stub_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -123,6 +125,15 @@ unsigned ucp_worker_progress(void *worker)
         void *ucp = dlopen("libucp.so.0", RTLD_NOLOAD | RTLD_LAZY);
         real = (stub_progress_t)dlsym(ucp != NULL ? ucp : RTLD_NEXT, "ucp_worker_progress");
     }
+    if (__atomic_load_n(&stub_stall_on, __ATOMIC_ACQUIRE) && rec != NULL &&
+        strcmp(rec->name, "rdma-kv-pump") == 0) {
+        /* A pump stuck in progress (it never returns while stalled). */
+        __atomic_fetch_add(&stub_stalled_now, 1, __ATOMIC_SEQ_CST);
+        while (__atomic_load_n(&stub_stall_on, __ATOMIC_ACQUIRE)) {
+            usleep(1000);
+        }
+        __atomic_fetch_sub(&stub_stalled_now, 1, __ATOMIC_SEQ_CST);
+    }
     if (rec != NULL) {
         __atomic_fetch_add(&rec->progress, 1, __ATOMIC_RELAXED);
         if (stub_current == NULL) {
@@ -132,6 +143,18 @@ unsigned ucp_worker_progress(void *worker)
         }
     }
     return real(worker);
+}
+
+/* 1: every pump thread that calls ucp_worker_progress from now on blocks
+ * there until stub_stall(0). */
+void stub_stall(int on)
+{
+    __atomic_store_n(&stub_stall_on, on, __ATOMIC_RELEASE);
+}
+
+int stub_stalled(void)
+{
+    return __atomic_load_n(&stub_stalled_now, __ATOMIC_SEQ_CST);
 }
 
 int stub_threads(void)

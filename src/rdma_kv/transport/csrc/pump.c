@@ -1,15 +1,14 @@
-/* rdma-kv pumps: C threads that progress a UCX worker without the Python
- * interpreter lock (an agent's own worker in progress="thread" mode, and
+/* rdma-kv pumps: loops that progress a UCX worker without the Python
+ * interpreter lock, each on a thread of its own (an agent's own worker in progress="thread" mode, and
  * every lane's); what a poster does to them: kick (hold it off its worker
  * while its part is posted, steer it off the poster's CPU where the agent
  * asked for that, wake it early); and what a blocked waiter does: help
  * (progress a worker whose pump is not running) and sleep on its slot.
  * Uses core.c. Declarations: shim.h (public), core.h (for post.c). */
 
-#define _GNU_SOURCE /* pthread_setname_np, sched_getcpu, CPU_* */
+#define _GNU_SOURCE /* sched_getcpu, CPU_* */
 #include <errno.h>
 #include <poll.h>
-#include <pthread.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
@@ -28,8 +27,7 @@ struct rk_pump {
     int efd;
     int stop;
     uint64_t spin_ns;
-    pthread_t thread;
-    pid_t tid;      /* set by the thread itself once running (0 before) */
+    pid_t tid;      /* set by the loop once running (0 before) */
     int steered_from; /* the poster CPU it was last kept off, or -1 (posters
                        * touch it under their agent's lock) */
     int steer;        /* the agent asked for steering, to the CPUs of allowed */
@@ -40,12 +38,6 @@ struct rk_pump {
     int asleep;     /* 1 while it sleeps on its worker's event fd */
     uint64_t ran_ns; /* when it last progressed its worker (rk_now_ns) */
     uint64_t kicks; /* bumped by rk_pump_kick: stay awake for spin_ns */
-    rk_cu_set_ctx_t set_ctx; /* NULL: no CUDA context to make current */
-    void *cu_ctx;
-    int cu_status;  /* set_ctx's result, written before started */
-    int started;    /* 1 once the thread is ready to progress (under lock) */
-    pthread_mutex_t lock;
-    pthread_cond_t cond;
 };
 
 /* Keep a pump off the CPU the poster runs on (the agent decides which
@@ -116,28 +108,15 @@ static void rk_pump_wake(rk_pump_t *pump)
     }
 }
 
-static void *rk_pump_main(void *arg)
+void rk_pump_run(rk_pump_t *pump)
 {
-    rk_pump_t *pump = (rk_pump_t *)arg;
     struct pollfd pfd;
     uint64_t last_event = 0, kicks = 0, spins = 0, k, stamp, now;
     unsigned events;
     uint64_t seen = rk_ctx_stamp(pump->watch);
     ucs_status_t status;
 
-    pthread_setname_np(pthread_self(), "rdma-kv-pump"); /* top -H, /proc/PID/task */
     __atomic_store_n(&pump->tid, (pid_t)syscall(SYS_gettid), __ATOMIC_RELEASE);
-    /* The creator's CUDA context before the first progress: UCX's CUDA
-     * transports call the driver (cuEventQuery...) from progress, and a
-     * thread without a current context fails or crashes there. */
-    pump->cu_status = pump->set_ctx != NULL ? pump->set_ctx(pump->cu_ctx) : 0;
-    pthread_mutex_lock(&pump->lock);
-    pump->started = 1;
-    pthread_cond_signal(&pump->cond);
-    pthread_mutex_unlock(&pump->lock);
-    if (pump->cu_status != 0) {
-        return NULL;
-    }
     pfd.fd = pump->efd;
     pfd.events = POLLIN;
     while (!__atomic_load_n(&pump->stop, __ATOMIC_ACQUIRE)) {
@@ -197,25 +176,15 @@ static void *rk_pump_main(void *arg)
         }
         __atomic_store_n(&pump->asleep, 0, __ATOMIC_RELAXED);
     }
-    return NULL;
 }
 
-static void rk_pump_free(rk_pump_t *pump)
-{
-    pthread_cond_destroy(&pump->cond);
-    pthread_mutex_destroy(&pump->lock);
-    free(pump);
-}
-
-rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
-                         ucp_worker_h wake_worker, int wake_fd, uint64_t spin_ns,
-                         const uint64_t *steer_cpus, uint32_t steer_words,
-                         rk_cu_set_ctx_t set_ctx, void *cu_ctx, int *cu_status)
+rk_pump_t *rk_pump_new(ucp_worker_h worker, int efd, rk_ctx_t *watch,
+                       ucp_worker_h wake_worker, int wake_fd, uint64_t spin_ns,
+                       const uint64_t *steer_cpus, uint32_t steer_words)
 {
     rk_pump_t *pump = calloc(1, sizeof(*pump));
     uint32_t cpu;
 
-    *cu_status = 0;
     if (pump == NULL) {
         return NULL;
     }
@@ -226,10 +195,6 @@ rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
     pump->efd = efd;
     pump->spin_ns = spin_ns;
     pump->steered_from = -1;
-    pump->set_ctx = set_ctx;
-    pump->cu_ctx = cu_ctx;
-    pthread_mutex_init(&pump->lock, NULL);
-    pthread_cond_init(&pump->cond, NULL);
     pump->steer = steer_cpus != NULL;
     CPU_ZERO(&pump->allowed);
     for (cpu = 0; pump->steer && cpu < 64 * steer_words && cpu < CPU_SETSIZE; ++cpu) {
@@ -237,34 +202,18 @@ rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
             CPU_SET(cpu, &pump->allowed);
         }
     }
-    if (pthread_create(&pump->thread, NULL, rk_pump_main, pump) != 0) {
-        rk_pump_free(pump);
-        return NULL;
-    }
-    /* A created thread runs: this waits for its first few instructions. */
-    pthread_mutex_lock(&pump->lock);
-    while (!pump->started) {
-        pthread_cond_wait(&pump->cond, &pump->lock);
-    }
-    pthread_mutex_unlock(&pump->lock);
-    if (pump->cu_status != 0) {
-        *cu_status = pump->cu_status;
-        pthread_join(pump->thread, NULL); /* it has returned */
-        rk_pump_free(pump);
-        return NULL;
-    }
     return pump;
 }
 
 void rk_pump_stop(rk_pump_t *pump)
 {
-    if (pump == NULL) {
-        return;
-    }
     __atomic_store_n(&pump->stop, 1, __ATOMIC_RELEASE);
     (void)ucp_worker_signal(pump->worker);
-    pthread_join(pump->thread, NULL);
-    rk_pump_free(pump);
+}
+
+void rk_pump_free(rk_pump_t *pump)
+{
+    free(pump);
 }
 
 int rk_pump_tid(const rk_pump_t *pump)

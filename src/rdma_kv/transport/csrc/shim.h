@@ -150,7 +150,7 @@ void rk_ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t status);
  * UCS_ERR_CANCELED. Returns within one ucp_am_send_nbx call. */
 void rk_ep_quiesce(rk_ep_state_t *state);
 
-/* A C thread progressing one worker; see rk_pump_start below. */
+/* What one thread needs to progress one worker; see rk_pump_new below. */
 typedef struct rk_pump rk_pump_t;
 
 /* One side of a route. A prepared list (addressed by index): addr, len and
@@ -242,35 +242,34 @@ void rk_abandon(rk_ctx_t *ctx, uint32_t slot);
  * were made. Returns the number of events progressed. */
 uint64_t rk_progress(ucp_worker_h worker, uint64_t max_rounds);
 
-/* cuCtxSetCurrent's shape: CUresult (*)(CUcontext). The agent hands in
- * libcuda's function (found with dlsym at run time), so the shim has no
- * link-time CUDA dependency. */
-typedef int (*rk_cu_set_ctx_t)(void *ctx);
+/* A pump: what one thread needs to progress one worker (created with
+ * UCS_THREAD_MODE_MULTI, so other threads may post on it meanwhile)
+ * without the Python interpreter lock: an agent's own worker in
+ * progress="thread" mode, and every lane's. Its thread is the caller's
+ * (pump.py: a Python thread that makes the creator's CUDA context current,
+ * then calls rk_pump_run, which cffi calls without the interpreter lock).
+ * It progresses without sleeping until spin_ns have passed since the last
+ * event, then arms the worker and sleeps on its event fd (ucp_worker_signal
+ * wakes it). Whenever the watched context changes during its progress (a
+ * batch published, a notification received, an endpoint error), it wakes
+ * whoever settles it: ucp_worker_signal(wake_worker) when not NULL (a
+ * polling owner sleeps on its worker's fd), and an 8-byte write to wake_fd
+ * when >= 0 (an eventfd a Python thread sleeps on). steer_cpus (NULL:
+ * never steer) is a CPU mask of steer_words words: when kicked, the pump's
+ * thread is bound to those CPUs minus the kicker's. NULL if out of memory. */
+rk_pump_t *rk_pump_new(ucp_worker_h worker, int efd, rk_ctx_t *watch,
+                       ucp_worker_h wake_worker, int wake_fd, uint64_t spin_ns,
+                       const uint64_t *steer_cpus, uint32_t steer_words);
 
-/* A pump: a C thread that progresses one worker (created with
- * UCS_THREAD_MODE_MULTI, so other threads may post on it meanwhile) without
- * the Python interpreter lock: an agent's own worker in progress="thread"
- * mode, and every lane's. It progresses without sleeping until spin_ns have
- * passed since the last event, then arms the worker and sleeps on its event
- * fd (ucp_worker_signal wakes it). Whenever the watched context changes
- * during its progress (a batch published, a notification received, an
- * endpoint error), it wakes whoever settles it: ucp_worker_signal(wake_worker)
- * when not NULL (a polling owner sleeps on its worker's fd), and an 8-byte
- * write to wake_fd when >= 0 (an eventfd a Python thread sleeps on).
- * steer_cpus (NULL: never steer) is a CPU mask of steer_words words: when
- * kicked, the pump's thread is bound to those CPUs minus the kicker's.
- * With set_ctx not NULL the thread first calls set_ctx(cu_ctx), making the
- * creator's CUDA context current (UCX's CUDA transports call the driver
- * during progress); rk_pump_start returns once it has. NULL if the thread
- * cannot start or set_ctx failed (its result in *cu_status, else 0). */
-rk_pump_t *rk_pump_start(ucp_worker_h worker, int efd, rk_ctx_t *watch,
-                         ucp_worker_h wake_worker, int wake_fd, uint64_t spin_ns,
-                         const uint64_t *steer_cpus, uint32_t steer_words,
-                         rk_cu_set_ctx_t set_ctx, void *cu_ctx, int *cu_status);
+/* The pump's loop, on the calling thread; returns
+ * once rk_pump_stop was called (within one progress call plus its wake-up). */
+void rk_pump_run(rk_pump_t *pump);
 
-/* Stop the pump's thread, join it and free the pump (bounded by one
- * progress call plus its wake-up). */
+/* Ask the pump's loop to return, and wake it. */
 void rk_pump_stop(rk_pump_t *pump);
+
+/* Free the pump, once its loop has returned (or never ran). */
+void rk_pump_free(rk_pump_t *pump);
 
 /* Add delta (+1 / -1) to the pump's hold count: while it is above zero the
  * pump does not progress its worker (a post holds each worker it posts on;
@@ -285,8 +284,8 @@ void rk_pump_hold(rk_pump_t *pump, int delta);
  * for every pump's hold to be 0 before it stops one or destroys a worker. */
 uint64_t rk_pump_help(rk_pump_t *pump, uint64_t max_rounds);
 
-/* The pump thread's kernel thread id (/proc/self/task/<tid>); set before
- * rk_pump_start returns. */
+/* The pump thread's kernel thread id (/proc/self/task/<tid>); 0 until its
+ * loop started. */
 int rk_pump_tid(const rk_pump_t *pump);
 
 /* What the pump is doing, for a transfer that outlived its deadline:
