@@ -7,8 +7,10 @@ With ``callers``, threads of the caller's own, one with no context and one
 with another context current, wait on a pumped agent whose pumps are held
 (so they help), drive a polling agent, and close both agents; it reports
 each caller's thread and its context before and after. With ``stuck``,
-every pump blocks inside ucp_worker_progress (the stub stalls it) and the
-agent is closed: it reports how long the close took and what it logged."""
+every pump of an agent connected to a peer blocks inside
+ucp_worker_progress (the stub stalls it) and the agent is closed: it
+reports how long the close took, what it logged, whether anything used
+the stuck workers, and whether the pumps' threads end once released."""
 
 from __future__ import annotations
 
@@ -184,7 +186,29 @@ def stuck(cuda: ctypes.CDLL) -> None:
                 errors.append(record.getMessage())
 
     logging.getLogger("rdma_kv").addHandler(Keep())
-    a = Agent("a", AgentConfig(ucx_options={"NET_DEVICES": "lo"}, lanes=2))
+    options = {"NET_DEVICES": "lo"}
+    src = np.random.default_rng(7).integers(0, 256, NBYTES, dtype=np.uint8)
+    dst = np.zeros(NBYTES, dtype=np.uint8)
+    offsets = np.arange(0, NBYTES, 1 << 20)
+    # b has no pump (nothing of it stalls): a thread drives it.
+    b = Agent("b", AgentConfig(ucx_options=options, progress="poll", lanes=1))
+    a = Agent("a", AgentConfig(ucx_options=options, lanes=2, lane_min_bytes=1 << 20))
+    driving = threading.Event()
+
+    def drive() -> None:
+        while not driving.is_set():
+            b.progress()
+            time.sleep(0.0005)
+
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    b.register(src)
+    a.register(dst)
+    a.add_peer(b.metadata())
+    # One striped read: a's endpoints to b on its own worker and both lanes.
+    a.read("b", DescList.from_regions(dst.ctypes.data, offsets, 1 << 20),
+           DescList.from_regions(src.ctypes.data, offsets, 1 << 20), timeout_s=60.0).wait(60.0)
+    assert np.array_equal(src, dst)
     workers = [a._core.worker] + [lane.worker for lane in a._core.lanes]
     cuda.stub_stall(1)
     end = time.monotonic() + 60.0
@@ -195,9 +219,20 @@ def stuck(cuda: ctypes.CDLL) -> None:
     stalled = cuda.stub_stalled()
     start = time.monotonic()
     a.close()
-    print(json.dumps({"pumps": len(workers), "stalled": stalled, "close_s": time.monotonic() - start,
-                      "errors": errors}), flush=True)
-    os._exit(0)  # the stuck threads would progress destroyed workers once released
+    close_s = time.monotonic() - start
+    touched = cuda.stub_touched()
+    # Released, the stuck threads leave progress on workers that still exist,
+    # see their stop flag and end; the process then exits as usual.
+    cuda.stub_stall(0)
+    end = time.monotonic() + 60.0
+    while any(t.name.startswith("rdma-kv-pump-a") for t in threading.enumerate()) and time.monotonic() < end:
+        time.sleep(0.01)
+    left = [t.name for t in threading.enumerate() if t.name.startswith("rdma-kv-pump-a")]
+    driving.set()
+    driver.join(10.0)
+    b.close()
+    print(json.dumps({"pumps": len(workers), "stalled": stalled, "close_s": close_s, "touched": touched,
+                      "left": left, "errors": errors}), flush=True)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ May import: numpy, rdma_kv.errors, the other rdma_kv.transport modules.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import warnings
@@ -87,6 +88,8 @@ from rdma_kv.transport.registry import MemoryRegistry
 from rdma_kv.transport.route import Epoch, RouteBuilder
 from rdma_kv.transport.transfer import Transfer, XferOp
 from rdma_kv.transport.ucx import Context, Worker
+
+log = logging.getLogger("rdma_kv.transport.agent")
 
 __all__ = ["Agent", "AgentConfig", "AgentStats", "Notification"]
 
@@ -233,23 +236,54 @@ class AgentCore:
             inflight.closed = True
             self.epoch.move()  # every route is stale: requests go to the checked path, which says closed
             driver.wake_all()
-        driver.stop()  # from here on, this thread progresses the own worker
+        why = f"agent {self.name!r} closed"
+        own_stopped = driver.stop()  # from here on, this thread progresses the own worker
         with self.lock:
             # The lanes' pumps still run: they progress their share meanwhile.
-            callbacks = driver.drain_for_close()
-            self.fail_all(f"agent {self.name!r} closed")  # (failing peers closes lane endpoints)
-            callbacks += inflight.take_callbacks()
+            callbacks = driver.drain_for_close() if own_stopped else []
             driver.stop_helping()  # the pumps stop next
+        wedged = self.lanes.stop_pumps() + (not own_stopped)
+        with self.lock:
+            if own_stopped:
+                self.fail_all(why)  # (failing peers closes lane endpoints, not a wedged lane's)
+            else:
+                inflight.fail_all(why)  # the own worker's endpoints stay as they are
+            callbacks += inflight.take_callbacks()
         self.lanes.close()  # their workers go before the context
         with self.lock:
-            inflight.drain()
+            if own_stopped:
+                inflight.drain()
             callbacks += inflight.take_callbacks()
-            driver.close()
-            self.peers.close()
-            self.memory.close()
-            self.worker.close()
-            self.context.close()
+            if wedged:
+                self._leave_wedged(wedged, own_stopped)
+            else:
+                driver.close()
+                self.peers.close()
+                self.memory.close()
+                self.worker.close()
+                self.context.close()
         return callbacks
+
+    def _leave_wedged(self, wedged: int, own_stopped: bool) -> None:
+        """Some pump's thread is stuck inside its worker (``Pump.stop``): it
+        may hold the worker's lock (closing an endpoint there would hang)
+        and would use whatever is freed (the context, the eventfd it
+        writes, the completion context its callbacks write). Keep all of it
+        for the life of the process: a leak, said in the log, instead of a
+        hang or a crash. Healthy workers are closed as usual."""
+        if own_stopped:
+            self.peers.close()
+            self.worker.close()
+        else:
+            self.worker.abandon()
+        self.context.abandon()
+        _WEDGED.append(self)
+        log.error("agent %r closed with %d progress thread(s) stuck in UCX: its UCX context, memory "
+                  "registrations and stuck workers are left in place until the process exits", self.name, wedged)
+
+
+_WEDGED: list[AgentCore] = []
+"""Agents closed with a pump stuck in UCX: what its thread may still touch stays alive."""
 
 
 def _collect(core: AgentCore) -> None:

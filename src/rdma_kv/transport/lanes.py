@@ -94,6 +94,7 @@ class Lane:
         self._stale = stale
         self._watch = watch
         self.peers: dict[str, Peer] = {}
+        self.wedged = False  # its pump's thread did not stop (stop_pump)
         self.worker = Worker(context, multi_thread=True)  # the pump progresses it while the agent posts
         try:
             # Steered: a lane adds bandwidth only on another core than the poster's.
@@ -118,11 +119,15 @@ class Lane:
             peer.close(force=not peer.healthy)
 
     def fail(self, name: str, reason: str) -> None:
-        """Force-close the endpoint to ``name``, cancelling its operations."""
+        """Force-close the endpoint to ``name``, cancelling its operations
+        (on a wedged lane: mark it failed only)."""
         self._stale()
         peer = self.peers.get(name)
         if peer is not None:
-            self._force_close(peer, reason)
+            if self.wedged:
+                peer.failure = peer.failure or reason
+            else:
+                self._force_close(peer, reason)
 
     @staticmethod
     def _force_close(peer: Peer, reason: str) -> None:
@@ -130,15 +135,26 @@ class Lane:
             peer.failure = reason
         peer.close(force=True)  # the endpoint first (cancelling its operations), then the remote keys
 
-    def close(self) -> None:
-        """Stop the pump, close the endpoints, destroy the worker (idempotent)."""
+    def stop_pump(self) -> bool:
+        """Stop the pump (idempotent); False when its thread is stuck in the
+        worker (``wedged``): then nothing closes the worker or its endpoints."""
         if self.pump is not None:
-            self.pump.stop()  # from here on, closing an endpoint progresses from Python
+            if not self.pump.stop():
+                self.wedged = True
             self.pump = None
-        for peer in self.peers.values():
-            peer.close(force=not peer.healthy)
+        return not self.wedged
+
+    def close(self) -> None:
+        """Stop the pump, close the endpoints, destroy the worker
+        (idempotent). A wedged lane's are left as they are: the stuck thread
+        may hold the worker's lock, and would use what is freed."""
+        if self.stop_pump():  # from here on, closing an endpoint progresses from Python
+            for peer in self.peers.values():
+                peer.close(force=not peer.healthy)
+            self.worker.close()
+        else:
+            self.worker.abandon()
         self.peers.clear()
-        self.worker.close()
 
 
 class Paths:
@@ -225,6 +241,10 @@ class Lanes:
                             [own_pump] + [lane.pump for lane in self._lanes])
         paths: Paths = p.paths
         return paths
+
+    def stop_pumps(self) -> int:
+        """Stop every lane's pump; how many are wedged (their thread stuck)."""
+        return sum(not lane.stop_pump() for lane in self._lanes)
 
     def close(self) -> None:
         for lane in self._lanes:

@@ -301,10 +301,11 @@ class ProgressDriver:
         if self._wake.fd >= 0:
             os.eventfd_write(self._wake.fd, 1)
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
         """Release every caller blocked in C, join the service thread and stop
         the own pump: from here on, the closing caller progresses. Call with
-        no lock held, after ``wake_all``."""
+        no lock held, after ``wake_all``. False when the own pump's thread
+        is stuck in the worker (``Pump.stop``): then nothing may progress it."""
         self._lib.rk_wake_waiters(self._ctx)  # they leave C within one help round
         if self._wake.fd >= 0:  # and the service thread's wait, which looks at closing when woken
             os.eventfd_write(self._wake.fd, 1)
@@ -321,9 +322,11 @@ class ProgressDriver:
         if inside:
             log.error("agent %r closing: %d thread(s) still inside a help round after %.0f s; closing anyway",
                       self.name, inside, CLOSE_HELP_WAIT_S)
+        stopped = True
         if self.pump is not None:
-            self.pump.stop()
+            stopped = self.pump.stop()
             self.pump = None
+        return stopped
 
     def _helpers_inside(self) -> int:
         """Threads holding one of the pumps (posts are over once closing: helpers)."""

@@ -12,9 +12,9 @@ eventfd, or a polling caller through the agent's own worker. The worker it
 progresses must be ``UCS_THREAD_MODE_MULTI``: Python posts on it meanwhile.
 
 Its thread is joined with a bound (``PUMP_STOP_S``): a loop that does not
-return (stuck in ``ucp_worker_progress``) is reported and its pump left
-allocated, and the close goes on rather than hang here (destroying the
-worker may still wait for a lock the stuck thread holds: UCX's).
+return (stuck in ``ucp_worker_progress``) is reported, its pump is left
+allocated and ``stop()`` says so; the close goes on rather than hang here,
+and leaves alone what the stuck thread may still use (agent.py, "wedged").
 
 May import: rdma_kv.errors, rdma_kv.transport._lib, .cuda, .ucx.
 """
@@ -68,6 +68,7 @@ class Pump:
         if handle == ffi.NULL:
             raise TransferError(f"cannot allocate the progress thread of {name!r} (out of memory)")
         self.handle: Any = handle  # rk_pump_t *; None once stopped
+        self.stuck = False  # stop() gave up on the thread
         self._cuda = cuda
         self._cu_status = CUDA_SUCCESS
         self._ready = threading.Event()
@@ -103,20 +104,24 @@ class Pump:
         """The pump thread's kernel thread id."""
         return self._thread.native_id or 0
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
         """Stop the loop, join the thread (at most ``PUMP_STOP_S``) and free
-        the pump; idempotent. A loop that does not return is reported and
-        its pump left allocated (its thread still reads it)."""
-        if self.handle is None:
-            return
-        self._lib.rk_pump_stop(self.handle)
-        self._thread.join(PUMP_STOP_S)
-        if self._thread.is_alive():
-            log.error("the progress thread of %r (tid %d) did not stop within %.0f s: stuck in UCX progress? "
-                      "Leaving its pump allocated and closing on", self.name, self.tid, PUMP_STOP_S)
-        else:
-            self._lib.rk_pump_free(self.handle)
-        self.handle = None
+        the pump; idempotent. False when the loop did not return: it is
+        reported and its pump left allocated (its thread still reads it),
+        and the caller must leave its worker alone (the thread may be
+        inside it, holding its lock)."""
+        if self.handle is not None:
+            self._lib.rk_pump_stop(self.handle)
+            self._thread.join(PUMP_STOP_S)
+            if self._thread.is_alive():
+                self.stuck = True
+                log.error("the progress thread of %r (tid %d) did not stop within %.0f s: stuck in UCX progress? "
+                          "Leaving its pump and worker as they are and closing on", self.name, self.tid,
+                          PUMP_STOP_S)
+            else:
+                self._lib.rk_pump_free(self.handle)
+            self.handle = None
+        return not self.stuck
 
 
 def name_this_thread(name: bytes) -> None:

@@ -131,6 +131,10 @@ class Context:
             self._lib.ucp_cleanup(self.handle)
             self.handle = None
 
+    def abandon(self) -> None:
+        """Forget the context without cleaning it up (a worker of it was abandoned)."""
+        self.handle = None
+
 
 class Worker:
     """A UCP worker with an event fd for sleeping progress."""
@@ -179,3 +183,8 @@ class Worker:
         if self.handle is not None:
             self._lib.ucp_worker_destroy(self.handle)
             self.handle = None
+
+    def abandon(self) -> None:
+        """Forget the worker without destroying it: a thread stuck inside it
+        would use it after it was freed (the memory is lost)."""
+        self.handle = None

@@ -5,7 +5,9 @@
  * ucp_worker_progress to record, per thread, which context was current
  * when the thread progressed a worker: none, the first one ever set (the
  * test's "creator" context), or another. The test reads the records with
- * stub_threads() / stub_thread(). */
+ * stub_threads() / stub_thread(). stub_stall() blocks the pumps' progress
+ * calls; ucp_worker_destroy and ucp_cleanup are interposed too, so that
+ * stub_touched() counts what used a worker a pump was blocked in. */
 
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -37,6 +39,8 @@ static __thread int stub_depth;
 static void *stub_first;                      /* the first context set */
 static int stub_stall_on;                     /* stub_stall(): pumps' progress blocks */
 static int stub_stalled_now;                  /* pump threads blocked in it */
+static void *stub_stalled_in[STUB_MAX_THREADS]; /* the workers they are blocked in */
+static int stub_touched_now;                  /* stub_touched() */
 static stub_thread_t stub_records[STUB_MAX_THREADS];
 static int stub_count;
 static pthread_mutex_t stub_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -115,6 +119,44 @@ int cuCtxPopCurrent_v2(void **ctx)
 }
 
 typedef unsigned (*stub_progress_t)(void *worker);
+typedef void (*stub_destroy_t)(void *handle);
+
+/* Count a call that uses `worker` (NULL: any) while a pump is blocked in it:
+ * with UCX, that thread may hold the worker's lock (a hang) or use what
+ * the call frees (a crash). */
+static void stub_touch(void *worker)
+{
+    int i;
+
+    if (__atomic_load_n(&stub_stalled_now, __ATOMIC_SEQ_CST) == 0) {
+        return;
+    }
+    for (i = 0; i < STUB_MAX_THREADS; i++) {
+        void *in = __atomic_load_n(&stub_stalled_in[i], __ATOMIC_SEQ_CST);
+        if (in != NULL && (worker == NULL || in == worker)) {
+            __atomic_fetch_add(&stub_touched_now, 1, __ATOMIC_SEQ_CST);
+            return;
+        }
+    }
+}
+
+static stub_destroy_t stub_real(const char *name)
+{
+    void *ucp = dlopen("libucp.so.0", RTLD_NOLOAD | RTLD_LAZY);
+    return (stub_destroy_t)dlsym(ucp != NULL ? ucp : RTLD_NEXT, name);
+}
+
+void ucp_worker_destroy(void *worker)
+{
+    stub_touch(worker);
+    stub_real("ucp_worker_destroy")(worker);
+}
+
+void ucp_cleanup(void *context)
+{
+    stub_touch(NULL); /* every worker of the test's agent is of its context */
+    stub_real("ucp_cleanup")(context);
+}
 
 unsigned ucp_worker_progress(void *worker)
 {
@@ -128,11 +170,15 @@ unsigned ucp_worker_progress(void *worker)
     if (__atomic_load_n(&stub_stall_on, __ATOMIC_ACQUIRE) && rec != NULL &&
         strcmp(rec->name, "rdma-kv-pump") == 0) {
         /* A pump stuck in progress (it never returns while stalled). */
+        __atomic_store_n(&stub_stalled_in[rec - stub_records], worker, __ATOMIC_SEQ_CST);
         __atomic_fetch_add(&stub_stalled_now, 1, __ATOMIC_SEQ_CST);
         while (__atomic_load_n(&stub_stall_on, __ATOMIC_ACQUIRE)) {
             usleep(1000);
         }
         __atomic_fetch_sub(&stub_stalled_now, 1, __ATOMIC_SEQ_CST);
+        __atomic_store_n(&stub_stalled_in[rec - stub_records], NULL, __ATOMIC_SEQ_CST);
+    } else {
+        stub_touch(worker);
     }
     if (rec != NULL) {
         __atomic_fetch_add(&rec->progress, 1, __ATOMIC_RELAXED);
@@ -155,6 +201,13 @@ void stub_stall(int on)
 int stub_stalled(void)
 {
     return __atomic_load_n(&stub_stalled_now, __ATOMIC_SEQ_CST);
+}
+
+/* Calls that progressed or destroyed a worker a pump was blocked in, or
+ * cleaned up a context while a pump was blocked. */
+int stub_touched(void)
+{
+    return __atomic_load_n(&stub_touched_now, __ATOMIC_SEQ_CST);
 }
 
 int stub_threads(void)
