@@ -84,7 +84,7 @@ from rdma_kv.connector import (
     SchedulerOutput,
 )
 from rdma_kv.errors import ConfigError
-from rdma_kv.harness.kvfill import block_seeds, expected_block, fill_block
+from rdma_kv.harness.kvfill import block_seeds, expected_block, fill_block, same_bits
 
 __all__ = ["Engine", "ModelShape", "RequestResult", "Status"]
 
@@ -516,14 +516,15 @@ class Engine:
         return done
 
     def verify_blocks(self, req: _Req, indices: Sequence[int] | range) -> list[int]:
-        """Prompt block indices whose content differs from kvfill's (on any rank)."""
+        """Prompt block indices whose content differs from kvfill's (on any
+        rank), bit for bit (a -0.0 where kvfill has 0.0 is wrong too)."""
         tokens = req.request.prompt_token_ids
         bad = []
         for i in indices:
             for part in self.ranks:
                 values, valid = expected_block(tokens, i, req.seeds[i], tuple(part.kv.shape[2:]),
                                                self.shape.num_layers, part.kv.dtype, part.heads)
-                if not torch.equal(part.kv[:, req.block_ids[i], :, :valid], values[:, :, :valid]):
+                if not same_bits(part.kv[:, req.block_ids[i], :, :valid], values[:, :, :valid]):
                     bad.append(i)
                     break
         return bad
