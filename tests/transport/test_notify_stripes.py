@@ -230,18 +230,33 @@ def test_a_pumped_agent_spreads_whole_transfers_in_turn(make_agent, spread_alone
     nothing else is in flight, goes to the own worker (a lane's pump would
     have to wake up); posted beside others, the next ones go to the lanes in
     turn (every worker has a pump: they drain alike). With ``spread_alone``
-    every one goes in turn."""
-    a, b, buf_a, buf_b = _agents(make_agent, "shm", "thread", 3, spread_alone=spread_alone)
+    every one goes in turn.
+
+    Over TCP with software RMA a read completes only once the target (a
+    polling agent, driven here) answers it, so "beside others" is certain:
+    over shared memory a lane's pump could finish the first reads before
+    the next is posted, and a post that finds the table empty is alone
+    again."""
+    a, b, buf_a, buf_b = _agents(make_agent, "tcp-sw-rma", "thread", 3, spread_alone=spread_alone)
     post = _small_reads(b, buf_a, buf_b)
+
+    def drive(xfers):
+        end = time.monotonic() + WAIT_S
+        while not all(x.done() for x in xfers):
+            assert time.monotonic() < end, "the reads did not complete"
+            a.progress()
+        for x in xfers:
+            x.wait(WAIT_S)
+
     alone = []
     for i in range(3):  # each finished (drained) before the next is posted
         xfer = post(i)
-        xfer.wait(WAIT_S)
+        drive([xfer])
         alone.append(xfer.worker)
-    with b._core.lock:  # posted back to back, and nobody drains (settles) meanwhile: the first stays in flight
+    with b._core.lock:  # posted back to back, and nobody drains (settles) meanwhile
         together = [post(3 + i) for i in range(4)]
-    for xfer in together:
-        xfer.wait(WAIT_S)
+        assert b._core.inflight.live == 4     # none could complete: the target was not driven
+    drive(together)
     assert (buf_b[:7 * 4 * BLOCK] == buf_a[:7 * 4 * BLOCK]).all()
     if spread_alone:
         assert alone == [0, 1, 2], alone
