@@ -331,6 +331,32 @@ def test_service_thread_leaves_completions_to_a_busy_caller(make_agent):
     np.testing.assert_array_equal(pair.buf_b[:65536], pair.buf_a[:65536])
 
 
+def test_finished_is_when_the_shim_completed_it_settled_when_the_agent_saw_it(make_agent):
+    """``finished`` is read by the shim as the batch completes (on the pump
+    that copied it), ``settled`` by the agent as it settles it: a completion
+    nobody settles for 0.1 s (a caller busy in Python; the service thread
+    leaving it to callers for ``settle_delay_s``) shows that wait between
+    the two, and ``elapsed_s`` (the transfer's own time) leaves it out. A
+    periodic round of the service thread may settle one early, hence "at
+    least three of five"."""
+    pair = connect(make_agent, progress="thread", settle_delay_s=1.0)
+    waited = 0
+    for i in range(5):
+        xfer = pair.b.read("a", pair.desc_b([i * 4096], 4096), pair.desc_a([i * 4096], 4096))
+        busy_until = time.perf_counter() + 0.1
+        while time.perf_counter() < busy_until:  # no settle: an engine busy in its step
+            pass
+        pair.b.settle()
+        xfer.wait(WAIT_S)
+        assert xfer.finished is not None and xfer.settled is not None
+        assert xfer.started <= xfer.finished <= xfer.settled
+        assert xfer.elapsed_s == pytest.approx(xfer.finished - xfer.started)
+        if xfer.settled - xfer.finished >= 0.05:
+            waited += 1
+            assert xfer.elapsed_s < 0.05
+    assert waited >= 3
+
+
 # -- notifications -------------------------------------------------------------------------
 
 

@@ -102,7 +102,7 @@ def rdmakv_reader(chan: Channel, start: dict[str, Any]) -> None:
                  for p, local_ids, remote_ids in requests]
         for x in xfers:
             x.wait(WAIT_S)
-        return t0, [x.finished if x.finished is not None else time.perf_counter() for x in xfers]
+        return t0, [x.settled if x.settled is not None else time.perf_counter() for x in xfers]
 
     chan.send({"type": "ready"})
     _serve(chan, start, local, run, agent.close, "rdma-kv reader")

@@ -97,7 +97,7 @@ class InFlight:
         self.ctx.timeout_ns = int(cfg.transfer_timeout_s * 1e9)
         self._table: list[Transfer | None] = [None] * n
         self._zombies: dict[int, bytes | None] = {}  # slot -> what UCX may still read
-        self._drained = ffi.new("uint64_t[]", n)
+        self._drained = ffi.new("uint64_t[]", 2 * n)  # rk_drain: (slot | status, completed at) pairs
         self._expired = ffi.new("uint32_t[]", _EXPIRED_MAX)
         self.out = ffi.new("uint64_t[]", 9 + 16)  # rk_submit's out: 9 fields + one per worker (MAX_LANES)
         self._callbacks: Callbacks = []
@@ -168,7 +168,9 @@ class InFlight:
         if n:
             now = time.perf_counter()
             table = self._table
-            for v in self._unpack(self._drained, n):
+            pairs = self._unpack(self._drained, 2 * n)
+            for i in range(0, 2 * n, 2):
+                v = pairs[i]
                 slot = v & _SLOT_MASK
                 xfer = table[slot]
                 if xfer is None:  # abandoned earlier; UCX is done with it now
@@ -176,13 +178,14 @@ class InFlight:
                     continue
                 table[slot] = None
                 status = v >> 32
-                self._settle(xfer, None if status == 0 else self._error_for(xfer, status - (1 << 32)), now)
+                self._settle(xfer, None if status == 0 else self._error_for(xfer, status - (1 << 32)), now,
+                             pairs[i + 1] * 1e-9)
         return int(n)
 
-    def _settle(self, xfer: Transfer, error: TransferError | None, now: float) -> None:
+    def _settle(self, xfer: Transfer, error: TransferError | None, now: float, finished: float | None = None) -> None:
         if error is not None:
             self._failed += 1
-        callbacks = xfer._settle(error, now)
+        callbacks = xfer._settle(error, now if finished is None else finished, now)
         if callbacks:
             self._callbacks.extend((cb, xfer) for cb in callbacks)
 

@@ -64,8 +64,15 @@ class Transfer:
     """A batch in flight. Poll ``state`` / ``done()``, block on ``wait()``, or
     ``await`` it. After failure ``error`` holds the exception ``wait`` raises.
 
-    ``started`` and ``finished`` are ``time.perf_counter()`` seconds (the
-    shim reads that clock at the call); ``post_s`` is the C post loop's
+    ``started``, ``finished`` and ``settled`` are ``time.perf_counter()``
+    seconds, read by the shim at the call (``started``) and as the last
+    operation completed (``finished``: it published the batch, from
+    whichever thread progressed it), and by the agent as it settled the
+    transfer (``settled``: what a caller could first see; a transfer failed
+    by the agent, on a deadline or a peer's failure, has both at that
+    moment). ``elapsed_s`` is the transfer's own time, ``finished -
+    started``; ``settled - finished`` is how long the completion waited for
+    a thread to settle it. ``post_s`` is the C post loop's
     time; ``worker_ops`` the operations on each worker (own first) of a
     transfer striped over lanes, else None, and ``worker`` the worker that
     carried a transfer whole, else None."""
@@ -76,6 +83,7 @@ class Transfer:
     # changes, and what is derived is computed when asked for.
     state = XferState.IN_PROGRESS
     finished: float | None = None
+    settled: float | None = None
     error: TransferError | None = None
     worker_ops: tuple[int, ...] | None = None
     _callbacks: list[Callback] | None = None
@@ -122,9 +130,10 @@ class Transfer:
 
     # -- settlement (the in-flight table's, under the agent's lock) -------------
 
-    def _settle(self, error: TransferError | None, finished: float) -> list[Callback] | None:
+    def _settle(self, error: TransferError | None, finished: float, settled: float) -> list[Callback] | None:
         """Move to DONE or FAILED once; returns the callbacks to run."""
         self.finished = finished
+        self.settled = settled
         self.error = error
         self.state = _FAILED if error is not None else _DONE
         self._notify = None

@@ -161,6 +161,7 @@ static void rk_publish(rk_batch_t *b)
     rk_ctx_t *ctx = b->ctx;
     uint32_t waiters, k;
 
+    b->done_ns = rk_now_ns();
     for (k = 0; k < b->nparts; ++k) {  /* its bytes no longer queued */
         __atomic_fetch_sub(&ctx->queued[b->top - k], b->share, __ATOMIC_RELAXED);
     }
@@ -250,7 +251,9 @@ uint64_t rk_drain(rk_ctx_t *ctx, uint64_t *out, uint64_t max)
         slot = ctx->done_ring[ctx->done_tail % ctx->done_cap];
         ctx->done_tail++;
         b = &ctx->slots[slot];
-        out[n++] = (uint64_t)slot | ((uint64_t)(uint32_t)b->status << 32);
+        out[2 * n] = (uint64_t)slot | ((uint64_t)(uint32_t)b->status << 32);
+        out[2 * n + 1] = b->done_ns;
+        n++;
         if (!b->abandoned) {
             b->peer->inflight--;
             ctx->live--;

@@ -47,6 +47,7 @@ typedef struct rk_batch {
     uint32_t top;            /* its workers: top, top - 1, ..., top - nparts + 1 */
     uint32_t nparts;
     uint64_t share;          /* the bytes it queued on each of them (rk_ctx_t.queued) */
+    uint64_t done_ns;        /* CLOCK_MONOTONIC when it was published complete */
 } rk_batch_t;
 
 typedef struct rk_ctx {
@@ -226,7 +227,8 @@ int64_t rk_submit(const rk_route_t *route, int op, uint64_t n, const void *l, co
                   const char *notif, uint64_t notif_len, uint64_t timeout_ns, uint64_t *out);
 
 /* Move up to max finished slots off the completion ring and free them;
- * out[i] = slot | (uint32_t)status << 32. Under the agent's lock. */
+ * out[2i] = slot | (uint32_t)status << 32, out[2i + 1] = its done_ns (out
+ * holds 2 * max). Under the agent's lock. */
 uint64_t rk_drain(rk_ctx_t *ctx, uint64_t *out, uint64_t max);
 
 /* Slots whose deadline has passed (at most max into out), once now_ns
