@@ -65,3 +65,21 @@ def test_a_second_register_kv_caches_says_one_engine_per_process():
     finally:
         engine.shutdown()
     assert "one process cannot hold two connector engines" in str(caught.value)
+
+
+@pytest.mark.ucx
+def test_express_is_a_boolean_setting_that_reaches_the_agent():
+    from rdma_kv.connector.rdma.connector import agent_transport
+
+    def settings(**extra):
+        return RdmaSettings.from_config(KVTransferConfig(kv_connector="RdmaKVConnector", kv_role="kv_consumer",
+                                                         kv_connector_extra_config=extra))
+
+    assert not settings().express
+    with pytest.raises(ConfigError, match="express"):
+        settings(express="yes")
+    agent = agent_transport("express-knob", settings(express=True, ucx_options={"NET_DEVICES": "lo"}))
+    try:
+        assert agent._core.config.express
+    finally:
+        agent.close()

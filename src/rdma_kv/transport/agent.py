@@ -119,14 +119,14 @@ class AgentCore:
             self.epoch = epoch = Epoch()
             self.memory = MemoryRegistry(self.context, f"agent {name!r}", cfg.ucx_options.get("TLS", ""),
                                          epoch.move)
-            self.peers = PeerTable(name, self.worker, self.inflight.ctx, epoch.move)
+            self.peers = PeerTable(name, self.worker, self.inflight.ctx, epoch.move, cfg.express)
             # The creator's CUDA context (None without CUDA): every pump makes
             # it current before it progresses (cuda.py).
             cuda = creator_context()
             self.wake = wake = Wake(cfg.progress, self.worker)
             self._made.append(wake)
             self.lanes = Lanes(self.context, cfg.lanes - 1, name, self.inflight.ctx, wake.worker, wake.fd,
-                               cfg.spin_s, cuda, epoch.move)
+                               cfg.spin_s, cuda, epoch.move, cfg.express)
             self._made.append(self.lanes)
             self.driver = ProgressDriver(name, cfg, self.worker, self.lock, self.inflight, wake,
                                          self.lanes.pumps, cuda, self.service, self.fail_all)

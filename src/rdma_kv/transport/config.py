@@ -70,6 +70,14 @@ class AgentConfig:
     # wake up for it: a lone 512 KiB request's p99 0.55-0.59 -> 0.20 ms,
     # docs/benchmarks.md); True sends every one to the next worker in turn.
     spread_alone: bool = False
+    # A second endpoint to every peer on every worker, for transfers too small
+    # to stripe (under 2 x lane_min_bytes): UCX serves an endpoint's operations
+    # in order and a worker's endpoints in turn, so a small request no longer
+    # waits behind every operation of a large one posted before it (on CMA a
+    # 512 KiB read behind 24 MiB: 6.9 ms -> 0.25 ms; the demo's mixed loads:
+    # p10 GB/s about 3x, docs/benchmarks.md). It doubles the endpoints (on
+    # InfiniBand the queue pairs, on both sides): off by default.
+    express: bool = False
     # close() first lets what is in flight finish for this long: force-closing
     # an endpoint with CMA gets still queued can trip a UCX assertion
     # (arbiter group not empty) when the worker is destroyed.

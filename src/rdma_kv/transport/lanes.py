@@ -89,8 +89,9 @@ class Lane:
     added, failed or removed: the agent's routes point at them."""
 
     def __init__(self, context: Context, name: str, watch: Any, wake_worker: Worker | None, wake_fd: int,
-                 spin_s: float, cuda: CudaContext | None, stale: Callable[[], None]) -> None:
+                 spin_s: float, cuda: CudaContext | None, stale: Callable[[], None], express: bool = False) -> None:
         self.name = name
+        self._express = express  # each endpoint to a peer has an express twin (peer.py)
         self._stale = stale
         self._watch = watch
         self.peers: dict[str, Peer] = {}
@@ -110,7 +111,7 @@ class Lane:
         old = self.peers.pop(md.name, None)
         if old is not None:
             self._force_close(old, "replaced by newly imported metadata")
-        self.peers[md.name] = Peer(self.worker, md, generation, self._watch)
+        self.peers[md.name] = Peer(self.worker, md, generation, self._watch, self._express)
 
     def disconnect(self, name: str) -> None:
         self._stale()
@@ -159,14 +160,18 @@ class Lane:
 
 class Paths:
     """One peer on every worker of an agent (0: its own, 1..: the lanes), as
-    the C arrays of a route (``rk_route_t``): ``eps``, ``rkeys``,
-    ``workers``, ``pumps`` (NULL: none) and ``ep_states``."""
+    the C arrays of a route (``rk_route_t``): ``eps``, ``rkeys``, the
+    express endpoints ``xeps`` and ``xrkeys`` (NULL: none), ``workers``,
+    ``pumps`` (NULL: none) and ``ep_states``."""
 
     def __init__(self, peers: list[Peer], workers: list[Worker], pumps: list[Pump | None]) -> None:
         ffi = load()[0]
         self.count = len(peers)
         self.eps = ffi.new("ucp_ep_h[]", [q.ep for q in peers])
         self.rkeys = ffi.new("ucp_rkey_h *[]", [q.rkeys for q in peers])
+        express = all(q.xep != ffi.NULL for q in peers)
+        self.xeps = ffi.new("ucp_ep_h[]", [q.xep for q in peers]) if express else ffi.NULL
+        self.xrkeys = ffi.new("ucp_rkey_h *[]", [q.xrkeys for q in peers]) if express else ffi.NULL
         self.workers = ffi.new("ucp_worker_h[]", [w.handle for w in workers])
         self.pumps = ffi.new("rk_pump_t *[]", [ffi.NULL if q is None else q.handle for q in pumps])
         self.ep_states = ffi.new("rk_ep_state_t *[]", [q.ep_state for q in peers])
@@ -178,12 +183,13 @@ class Lanes:
     ``owner`` names the agent; the other arguments go to every ``Lane``."""
 
     def __init__(self, context: Context, count: int, owner: str, watch: Any, wake_worker: Worker | None,
-                 wake_fd: int, spin_s: float, cuda: CudaContext | None, stale: Callable[[], None]) -> None:
+                 wake_fd: int, spin_s: float, cuda: CudaContext | None, stale: Callable[[], None],
+                 express: bool = False) -> None:
         self._lanes: list[Lane] = []
         try:
             for i in range(1, count + 1):
                 self._lanes.append(Lane(context, f"{owner}.lane{i}", watch, wake_worker, wake_fd, spin_s, cuda,
-                                        stale))
+                                        stale, express))
         except BaseException:
             self.close()
             raise

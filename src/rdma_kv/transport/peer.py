@@ -25,7 +25,14 @@ CLOSE_ROUNDS = 200_000
 
 
 class Peer:
-    def __init__(self, worker: Any, md: AgentMetadata, generation: int, ctx: Any = None) -> None:
+    """``md``'s agent on one local ``worker``: an endpoint and its remote
+    keys, and with ``express`` a second endpoint with keys of its own (the
+    route's express endpoint: small requests, so that they do not queue
+    behind a large one's operations on the first). Both report errors to
+    the one ``ep_state`` and are closed together."""
+
+    def __init__(self, worker: Any, md: AgentMetadata, generation: int, ctx: Any = None,
+                 express: bool = False) -> None:
         ffi, lib = load()
         self._ffi, self._lib = ffi, lib
         self._worker = worker
@@ -40,6 +47,23 @@ class Peer:
         if ctx is not None:  # the error callback counts ep_errors there (wakes a pump's owner)
             self.ep_state.ctx = ctx
         self._addr_buf = ffi.from_buffer(md.worker_address)
+        self._eps: list[Any] = []  # (ucp_ep_h, ucp_rkey_h[], keys unpacked): the first, then the express one
+        try:
+            for _ in range(2 if express else 1):
+                self._connect(md)
+        except BaseException:
+            self.close(force=True)
+            raise
+        self.ep: Any = self._eps[0][0]
+        self.rkeys: Any = self._eps[0][1]
+        self.xep: Any = self._eps[1][0] if express else ffi.NULL
+        self.xrkeys: Any = self._eps[1][1] if express else ffi.NULL
+        self.table = RegionTable([(r.base, r.nbytes) for r in md.regions], f"peer {md.name!r}")
+        self.kinds = [r.kind for r in md.regions]
+
+    def _connect(self, md: AgentMetadata) -> None:
+        """One more endpoint to the peer, with its remote keys unpacked."""
+        ffi, lib = self._ffi, self._lib
         params = ffi.new("ucp_ep_params_t *")
         params.field_mask = (
             lib.UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
@@ -51,26 +75,24 @@ class Peer:
         params.err_handler.cb = lib.rk_ep_error_cb
         params.err_handler.arg = self.ep_state
         ep = ffi.new("ucp_ep_h *")
-        check_status(lib.ucp_ep_create(worker.handle, params, ep), f"ucp_ep_create to {md.name!r}")
-        self.ep = ep[0]
-        self.rkeys = ffi.new("ucp_rkey_h[]", max(1, len(md.regions)))
-        self.num_rkeys = 0
-        try:
-            for i, region in enumerate(md.regions):
-                status = lib.ucp_ep_rkey_unpack(self.ep, region.rkey, self.rkeys + i)
-                if status != lib.UCS_OK:
-                    raise PeerError(
-                        f"cannot unpack remote key {i} of peer {md.name!r} "
-                        f"({region.kind.value} region [{region.base:#x}, +{region.nbytes})): "
-                        f"UCS status {status}; both sides must run compatible UCX builds "
-                        f"(peer {md.ucx_version})"
-                    )
-                self.num_rkeys += 1
-        except BaseException:
-            self.close(force=True)
-            raise
-        self.table = RegionTable([(r.base, r.nbytes) for r in md.regions], f"peer {md.name!r}")
-        self.kinds = [r.kind for r in md.regions]
+        check_status(lib.ucp_ep_create(self._worker.handle, params, ep), f"ucp_ep_create to {md.name!r}")
+        entry = [ep[0], ffi.new("ucp_rkey_h[]", max(1, len(md.regions))), 0]
+        self._eps.append(entry)
+        for i, region in enumerate(md.regions):
+            status = lib.ucp_ep_rkey_unpack(entry[0], region.rkey, entry[1] + i)
+            if status != lib.UCS_OK:
+                raise PeerError(
+                    f"cannot unpack remote key {i} of peer {md.name!r} "
+                    f"({region.kind.value} region [{region.base:#x}, +{region.nbytes})): "
+                    f"UCS status {status}; both sides must run compatible UCX builds "
+                    f"(peer {md.ucx_version})"
+                )
+            entry[2] += 1
+
+    @property
+    def express(self) -> bool:
+        """It has an express endpoint (open)."""
+        return len(self._eps) == 2
 
     @property
     def inflight(self) -> int:
@@ -85,31 +107,36 @@ class Peer:
         """Tear down, bounded. Graceful (nothing in flight): remote keys, then
         a flushing close of the endpoint. Forced (operations may be in
         flight): the endpoint first, which cancels them, then the keys they
-        referenced."""
-        if force or self.ep_state.failed:
-            self._close_ep(force=True)
-            self._destroy_rkeys()
-        else:
-            self._destroy_rkeys()
-            self._close_ep(force=False)
+        referenced. The express endpoint likewise, after the first."""
+        if self._eps:
+            # No notification goes out from here (a lane's pump may complete
+            # a transfer's last part after the close, and its notification
+            # would be sent on a freed endpoint), nor is one being sent.
+            self._lib.rk_ep_quiesce(self.ep_state)
+        force = force or bool(self.ep_state.failed)
+        for entry in self._eps:
+            if force:
+                self._close_ep(entry, force=True)
+                self._destroy_rkeys(entry)
+            else:
+                self._destroy_rkeys(entry)
+                self._close_ep(entry, force=False)
+        self._eps.clear()
+        self.ep = None
 
-    def _destroy_rkeys(self) -> None:
-        for i in range(self.num_rkeys):
-            self._lib.ucp_rkey_destroy(self.rkeys[i])
-        self.num_rkeys = 0
+    def _destroy_rkeys(self, entry: list[Any]) -> None:
+        for i in range(entry[2]):
+            self._lib.ucp_rkey_destroy(entry[1][i])
+        entry[2] = 0
 
-    def _close_ep(self, force: bool) -> None:
-        if self.ep is None:
+    def _close_ep(self, entry: list[Any], force: bool) -> None:
+        if entry[0] is None:
             return
         lib = self._lib
         param = self._ffi.new("ucp_request_param_t *")
         if force:
             param.op_attr_mask = lib.UCP_OP_ATTR_FIELD_FLAGS
             param.flags = lib.UCP_EP_CLOSE_FLAG_FORCE
-        # No notification goes out on it from here (a lane's pump may
-        # complete a transfer's last part after the close, and its
-        # notification would be sent on a freed endpoint), nor is one being sent.
-        lib.rk_ep_quiesce(self.ep_state)
-        req = lib.ucp_ep_close_nbx(self.ep, param)
+        req = lib.ucp_ep_close_nbx(entry[0], param)
         lib.rk_wait_request(self._worker.handle, req, CLOSE_ROUNDS)
-        self.ep = None
+        entry[0] = None

@@ -37,8 +37,9 @@ class PeerTable:
     agent's ``rk_ctx_t *``) counts endpoint errors, which wakes its pump's
     owner; ``stale`` is called when an endpoint is added, failed or removed."""
 
-    def __init__(self, name: str, worker: Worker, ctx: Any, stale: Callable[[], None]) -> None:
+    def __init__(self, name: str, worker: Worker, ctx: Any, stale: Callable[[], None], express: bool = False) -> None:
         self._name = name
+        self._express = express  # each peer gets an express endpoint too (peer.py)
         self._worker = worker
         self._ctx = ctx
         self._stale = stale
@@ -73,7 +74,7 @@ class PeerTable:
     def connect(self, md: wire.AgentMetadata, generation: int) -> Peer:
         """Connect the peer ``md`` describes (its name must not be in the table)."""
         self._stale()
-        peer = self._peers[md.name] = Peer(self._worker, md, generation, self._ctx)
+        peer = self._peers[md.name] = Peer(self._worker, md, generation, self._ctx, self._express)
         return peer
 
     def pop(self, name: str) -> Peer:

@@ -106,7 +106,8 @@ class RouteBuilder:
         paths = self._lanes.paths(peer, self._worker, self._pump)
         memhs = self._registry.memhs
         c = ffi.new("rk_route_t *", dict(
-            sides, ctx=self._ctx, nworkers=paths.count, eps=paths.eps, rkeys=paths.rkeys, workers=paths.workers,
+            sides, ctx=self._ctx, nworkers=paths.count, eps=paths.eps, rkeys=paths.rkeys, xeps=paths.xeps,
+            xrkeys=paths.xrkeys, express_below=2 * self._lane_min_bytes, workers=paths.workers,
             pumps=paths.pumps, ep_states=paths.ep_states, memhs=self._registry.memhs_c, epoch=self._epoch.c,
             built_at=self._epoch.c[0], lane_min_bytes=self._lane_min_bytes,
             spread=self._spread))

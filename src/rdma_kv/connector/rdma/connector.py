@@ -55,7 +55,8 @@ def agent_transport(name: str, settings: RdmaSettings) -> Transport:
     from rdma_kv.transport import Agent, AgentConfig
 
     return Agent(name, AgentConfig(progress="thread", ucx_options=dict(settings.ucx_options),
-                                   transfer_timeout_s=settings.read_timeout_s, lanes=settings.lanes))
+                                   transfer_timeout_s=settings.read_timeout_s, lanes=settings.lanes,
+                                   express=settings.express))
 
 
 class RdmaConnector(KVConnectorBase):

@@ -134,6 +134,11 @@ class RdmaSettings:
     then released by a RELEASE nobody waits for. ``false``: CONFIRM after
     every read (one round trip more per load). Reads that land after their
     pin ended, or whose pin was not granted, are CONFIRMed either way."""
+    express: bool = False
+    """Give every endpoint to a peer an express twin for reads and writes too
+    small to stripe (``AgentConfig.express``): a small load's reads then do
+    not queue behind a large load's. Doubles the endpoints (on InfiniBand the
+    queue pairs, on both sides)."""
     push_layerwise: bool = True
     """Push mode, concurrent dispatch: write each layer's complete blocks as
     the prefill stores it (``save_kv_layer``; host-memory KV caches) rather
@@ -184,6 +189,7 @@ class RdmaSettings:
         values["mode"] = get("mode", "pull", type=str)
         values["push_layerwise"] = get("push_layerwise", True, type=bool)
         values["read_pin"] = get("read_pin", True, type=bool)
+        values["express"] = get("express", False, type=bool)
         for name in ("router_discovery_address", "router_http_address"):
             values[name] = get(name, None, type=str)
         if (values["router_discovery_address"] is None) != (values["router_http_address"] is None):

@@ -46,6 +46,8 @@ typedef struct rk_run {
 typedef struct rk_poster {
     rk_batch_t *b;
     const rk_route_t *r;
+    ucp_ep_h const *eps;        /* the route's endpoints, or its express ones */
+    ucp_rkey_h const *const *rkeys;
     int op;
     ucp_request_param_t p;
     uint64_t *wops;
@@ -183,11 +185,11 @@ static int rk_post_run(rk_poster_t *ps, rk_run_t *run, uint32_t w)
     }
     rk_batch_inc(ps->b);
     if (ps->op == RK_OP_GET) {
-        st = ucp_get_nbx(r->eps[w], (void *)(uintptr_t)run->laddr, run->len, run->raddr,
-                         r->rkeys[w][run->rreg], &ps->p);
+        st = ucp_get_nbx(ps->eps[w], (void *)(uintptr_t)run->laddr, run->len, run->raddr,
+                         ps->rkeys[w][run->rreg], &ps->p);
     } else {
-        st = ucp_put_nbx(r->eps[w], (const void *)(uintptr_t)run->laddr, run->len, run->raddr,
-                         r->rkeys[w][run->rreg], &ps->p);
+        st = ucp_put_nbx(ps->eps[w], (const void *)(uintptr_t)run->laddr, run->len, run->raddr,
+                         ps->rkeys[w][run->rreg], &ps->p);
     }
     if (rk_account(ps->b, st) != UCS_OK) {
         return 0;
@@ -286,6 +288,13 @@ static uint32_t rk_least_queued(rk_ctx_t *ctx, const rk_route_t *r)
     return best;
 }
 
+/* Whether the request goes on the route's express endpoints (a FLUSH
+ * covers both kinds). */
+static int rk_express(const rk_route_t *r, int op, uint64_t nbytes)
+{
+    return r->xeps != NULL && op != RK_OP_FLUSH && nbytes < r->express_below;
+}
+
 /* An endpoint flush counted as one operation of the batch: it completes
  * once every operation posted on the endpoint so far completed remotely. */
 static void rk_flush_ep(rk_poster_t *ps, ucp_ep_h ep)
@@ -307,6 +316,8 @@ static uint64_t rk_post(rk_batch_t *b, const rk_route_t *r, rk_req_t *q, int op,
 
     ps.b = b;
     ps.r = r;
+    ps.eps = rk_express(r, op, nbytes) ? r->xeps : r->eps;
+    ps.rkeys = rk_express(r, op, nbytes) ? r->xrkeys : r->rkeys;
     ps.op = op;
     ps.wops = wops;
     ps.released = 0;
@@ -334,7 +345,10 @@ static uint64_t rk_post(rk_batch_t *b, const rk_route_t *r, rk_req_t *q, int op,
      * zero, waits for every worker's data to be visible at the target. */
     for (k = 0; k < nparts && (op == RK_OP_FLUSH || (op == RK_OP_PUT && b->has_notif)); ++k) {
         if (op == RK_OP_FLUSH || wops[top - k] > 0) {
-            rk_flush_ep(&ps, r->eps[top - k]);
+            rk_flush_ep(&ps, ps.eps[top - k]);
+        }
+        if (op == RK_OP_FLUSH && r->xeps != NULL) {  /* a FLUSH covers both endpoints */
+            rk_flush_ep(&ps, r->xeps[top - k]);
         }
     }
     rk_batch_dec(b);                    /* the guard: it may complete now */
@@ -386,7 +400,7 @@ int64_t rk_submit(const rk_route_t *r, int op, uint64_t n, const void *l, const 
         }
     }
     b->id = ++ctx->next_id;
-    b->notif_ep = r->eps[0];
+    b->notif_ep = (rk_express(r, op, nbytes) ? r->xeps : r->eps)[0];  /* behind its own operations only */
     b->peer = r->ep_states[0];
     b->posted = 0;
     b->status = UCS_OK;

@@ -177,12 +177,20 @@ typedef struct rk_side {
  * a peer is added, replaced, failed or removed and when its regions
  * change. lane_min_bytes and spread are the agent's policy: a transfer of
  * at least two lane_min_bytes parts is striped over that many workers;
- * a smaller one goes whole to one worker, chosen by spread (RK_SPREAD_*). */
+ * a smaller one goes whole to one worker, chosen by spread (RK_SPREAD_*).
+ * xeps[w] and xrkeys[w] (NULL: none) are a second endpoint to the peer on
+ * worker w, its express endpoint, and its keys: a request of fewer than
+ * express_below bytes is posted there, so that it does not queue behind a
+ * large one's operations on the first (UCX serves a worker's endpoints in
+ * turn, an endpoint's operations in order). */
 typedef struct rk_route {
     rk_ctx_t *ctx;
     uint32_t nworkers;
     ucp_ep_h const *eps;
     ucp_rkey_h const *const *rkeys;
+    ucp_ep_h const *xeps;
+    ucp_rkey_h const *const *xrkeys;
+    uint64_t express_below;
     ucp_worker_h const *workers;
     rk_pump_t *const *pumps;
     rk_ep_state_t *const *ep_states;
