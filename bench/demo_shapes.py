@@ -21,11 +21,16 @@ denominator. Per round, in turn:
   lets run at once, the most its loads can share the copy with).
 
 Per side: per-load GB/s median and p10, and the demo's aggregate (bytes /
-summed transfer time); the ratios demo / replay. Every replayed byte is
-checked at the end of each replay (the last load written to each block).
+summed transfer time); for a replay also its wall GB/s (bytes / first post
+to last completion: what the copy moved while loads shared it); the
+ratios demo / replay. Every replayed byte is checked at the end of each
+replay (the last load written to each block). ``--express`` turns on
+express endpoints on both sides (the connector's ``express`` setting in
+the demo, ``AgentConfig.express`` in the replay).
 
     .venv/bin/python bench/demo_shapes.py [--rounds 3] [--seed 1] [--concurrency 8] [--json OUT]
         [--requests 48] [--max-tokens 1500] [--layers 8] [--num-blocks 1024] [--block-bytes 65536]
+        [--express]
 """
 
 from __future__ import annotations
@@ -96,8 +101,8 @@ def _put(done: queue.Queue[tuple[int, Any]], i: int, xfer: Any) -> None:
 class Replay:
     """A reader connected to a target process that holds the demo-shaped KV cache."""
 
-    def __init__(self, layers: int, num_blocks: int, block_bytes: int) -> None:
-        from rdma_kv.transport import Agent
+    def __init__(self, layers: int, num_blocks: int, block_bytes: int, express: bool = False) -> None:
+        from rdma_kv.transport import Agent, AgentConfig
 
         self.layers, self.num_blocks, self.block_bytes = layers, num_blocks, block_bytes
         ctx = mp.get_context("spawn")
@@ -107,7 +112,8 @@ class Replay:
         if not self._conn.poll(120):
             raise SystemExit("the replay's target did not start within 120 s")
         address, meta = self._conn.recv()
-        self.agent = Agent("demo-shapes-reader")  # as the connector makes it: progress="thread", default lanes
+        # As the connector makes it: progress="thread", default lanes (and its express setting).
+        self.agent = Agent("demo-shapes-reader", AgentConfig(express=express))
         self.local = np.zeros(layers * num_blocks * block_bytes, dtype=np.uint8)
         self.agent.register(self.local)
         peer = self.agent.add_peer(meta)
@@ -125,10 +131,12 @@ class Replay:
     def run(self, loads: list[dict[str, Any]], concurrency: int) -> list[float]:
         """Each load's transfer seconds, ``concurrency`` in flight; checks every byte after."""
         self.local.fill(0)
+        self.span_s = 0.0
         done: queue.Queue[tuple[int, Any]] = queue.Queue()
         times: list[float] = [0.0] * len(loads)
         last_writer: dict[int, int] = {}
         nxt = start = inflight = 0
+        first, last = time.perf_counter(), 0.0
         while nxt < len(loads) or inflight:
             while nxt < len(loads) and inflight < concurrency:
                 ids = self._ids(start, loads[nxt]["blocks"])
@@ -142,7 +150,9 @@ class Replay:
             i, x = done.get(timeout=WAIT_S)
             x.wait(0)  # raises if it failed
             times[i] = x.elapsed_s
+            last = max(last, x.finished)
             inflight -= 1
+        self.span_s = last - first
         want = _pattern(self.layers, self.num_blocks, self.block_bytes).reshape(-1, self.block_bytes)
         got = self.local.reshape(-1, self.block_bytes)
         touched = np.fromiter(last_writer, dtype=np.int64)
@@ -174,14 +184,18 @@ def main() -> None:
                    help="one layer's share of a block (default 64 KiB: 8 KV heads x 128 x block 16, fp16, K and V)")
     p.add_argument("--requests", type=int, default=48, help="the demo's requests (default 48)")
     p.add_argument("--max-tokens", type=int, default=1500, help="the demo's longest prompt (default 1500)")
+    p.add_argument("--express", action="store_true",
+                   help="express endpoints on both sides: the demo's connector setting and the replay's AgentConfig")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     demo_args = ["--seed", str(args.seed), "--concurrency", str(args.concurrency), "--requests", str(args.requests),
                  "--max-tokens", str(args.max_tokens), "--layers", str(args.layers),
                  "--num-blocks", str(args.num_blocks)]
+    if args.express:
+        demo_args += ["--extra-config", json.dumps({"express": True})]
     python = sys.executable
     rows = []
-    replay = Replay(args.layers, args.num_blocks, args.block_bytes)
+    replay = Replay(args.layers, args.num_blocks, args.block_bytes, args.express)
     try:
         for r in range(args.rounds):
             load0 = os.getloadavg()[0]
@@ -193,7 +207,9 @@ def main() -> None:
                                      f"blocks, not {args.layers} x {args.block_bytes} per block: pass its shape")
             demo_stats = _stats(loads, [ld["transfer_s"] for ld in loads])
             c1 = _stats(loads, replay.run(loads, 1))
+            c1["wall_gbps"] = sum(ld["nbytes"] for ld in loads) / replay.span_s / 1e9
             cn = _stats(loads, replay.run(loads, args.concurrency))
+            cn["wall_gbps"] = sum(ld["nbytes"] for ld in loads) / replay.span_s / 1e9
             row = {"round": r + 1, "loads": len(loads), "mib": sum(ld["nbytes"] for ld in loads) / 2**20,
                    "demo": demo_stats, "replay_c1": c1, f"replay_c{args.concurrency}": cn,
                    "load_avg": (load0, os.getloadavg()[0]), "demo_summary": demo["summary"]}
@@ -201,7 +217,8 @@ def main() -> None:
             print(f"round {r + 1} ({len(loads)} loads, {row['mib']:.0f} MiB, load {load0:.1f}-{os.getloadavg()[0]:.1f})")
             for name, st in (("demo", demo_stats), ("replay c1", c1), (f"replay c{args.concurrency}", cn)):
                 print(f"  {name:<12} per load GB/s median {st['median_gbps']:5.2f}  p10 {st['p10_gbps']:5.2f}"
-                      f"  aggregate {st['aggregate_gbps']:5.2f}")
+                      f"  aggregate {st['aggregate_gbps']:5.2f}"
+                      + (f"  wall {st['wall_gbps']:5.2f}" if "wall_gbps" in st else ""))
             for name, st in (("c1", c1), (f"c{args.concurrency}", cn)):
                 print(f"  demo / replay {name:<4} median x{demo_stats['median_gbps'] / st['median_gbps']:.2f}"
                       f"  p10 x{demo_stats['p10_gbps'] / st['p10_gbps']:.2f}"

@@ -28,6 +28,8 @@ def test_one_round_of_a_short_demo_and_its_replays(tmp_path):
     (row,) = data["rows"]
     assert row["loads"] >= 1 and row["mib"] > 0
     for side in ("demo", "replay_c1", "replay_c4"):
+        if side != "demo":
+            assert row[side]["wall_gbps"] > 0, (side, row[side])
         st = row[side]
         assert 0 < st["p10_gbps"] <= st["median_gbps"], (side, st)
         assert st["aggregate_gbps"] > 0, (side, st)
