@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from rdma_kv.errors import PeerError
+from rdma_kv.transport._lib import load
 from transport_helpers import link, wait_until
 
 pytestmark = [pytest.mark.ucx]
@@ -31,15 +32,33 @@ def big_and_small(pair):
     return big, (pair.desc_b(at, SMALL), pair.desc_a(at, SMALL))
 
 
+def held_pumps(agent) -> list:
+    """Every pump of ``agent`` (its own worker's, its lanes'), to hold off its worker."""
+    core = agent._core
+    pumps = [core.driver.pump] if core.driver.pump is not None else []
+    pumps += [lane.pump for lane in core.lanes if lane.pump is not None]
+    return [p.handle for p in pumps]
+
+
 def completion_order(pair, *, notify: bool = False) -> list[str]:
     """Post the big read, then the small one, right behind it; return the
-    order in which they completed."""
+    order in which they completed. The reader's pumps are held off their
+    workers until both are posted, so that a poster preempted between the
+    two posts on a loaded host cannot let the big one run to its end first."""
     (bl, br), (sl, sr) = big_and_small(pair)
     order: list[str] = []
-    big = pair.b.read("a", bl, br, timeout_s=WAIT_S)
-    big.add_done_callback(lambda _: order.append("big"))
-    small = pair.b.read("a", sl, sr, timeout_s=WAIT_S, notify=b"small" if notify else None)
-    small.add_done_callback(lambda _: order.append("small"))
+    lib = load()[1]
+    pumps = held_pumps(pair.b)
+    for pump in pumps:
+        lib.rk_pump_hold(pump, 1)
+    try:
+        big = pair.b.read("a", bl, br, timeout_s=WAIT_S)
+        big.add_done_callback(lambda _: order.append("big"))
+        small = pair.b.read("a", sl, sr, timeout_s=WAIT_S, notify=b"small" if notify else None)
+        small.add_done_callback(lambda _: order.append("small"))
+    finally:
+        for pump in pumps:
+            lib.rk_pump_hold(pump, -1)
     small.wait(WAIT_S)
     big.wait(WAIT_S)
     assert copied(pair)
@@ -60,7 +79,8 @@ def test_a_small_read_posted_behind_a_large_one_completes_first_on_its_express_e
                 NBYTES)
     assert pair.b._core.peers.get("a").express
     # Ordered by UCX's service of the two endpoints, not by the clock: one
-    # segment of the large read, then the small one's, ..., whatever the load.
+    # segment of the large read, then the small one's, ..., whatever the load
+    # (both are posted before any pump may progress them).
     for _ in range(3):
         pair.buf_b[:] = 0
         assert completion_order(pair) == ["small", "big"]
