@@ -316,8 +316,14 @@ static uint64_t rk_post(rk_batch_t *b, const rk_route_t *r, rk_req_t *q, int op,
 
     ps.b = b;
     ps.r = r;
-    ps.eps = rk_express(r, op, nbytes) ? r->xeps : r->eps;
-    ps.rkeys = rk_express(r, op, nbytes) ? r->xrkeys : r->rkeys;
+    if (rk_express(r, op, nbytes)) {
+        ps.eps = r->xeps;
+        ps.rkeys = r->xrkeys;
+    } else {
+        ps.eps = r->eps;
+        ps.rkeys = r->rkeys;
+    }
+    b->notif_ep = ps.eps[0];            /* behind its own operations only */
     ps.op = op;
     ps.wops = wops;
     ps.released = 0;
@@ -400,7 +406,6 @@ int64_t rk_submit(const rk_route_t *r, int op, uint64_t n, const void *l, const 
         }
     }
     b->id = ++ctx->next_id;
-    b->notif_ep = (rk_express(r, op, nbytes) ? r->xeps : r->eps)[0];  /* behind its own operations only */
     b->peer = r->ep_states[0];
     b->posted = 0;
     b->status = UCS_OK;
