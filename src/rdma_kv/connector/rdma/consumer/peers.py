@@ -236,10 +236,11 @@ class PeerDirectory:
                 self._remove(name)
             host, port = address.rank_address(peer.rank)
             reason = f"handshake with {host}:{port} failed: {exc}"
-            logger.warning("producer %r: %s", address.engine_id, reason)
             with self._lock:
                 peer.state, peer.error, peer.failed_at = PeerStage.FAILED, reason, self._clock()
                 waiting, peer.waiting = peer.waiting, []
+            # Said once it holds: a load that starts after the warning finds the peer FAILED.
+            logger.warning("producer %r: %s", address.engine_id, reason)
         else:
             with self._lock:
                 peer.state = PeerStage.READY
