@@ -71,7 +71,7 @@ from typing import Any
 from rdma_kv.errors import ClosedError, ConfigError, PeerError
 from rdma_kv.transport import metadata as wire
 from rdma_kv.transport import stall
-from rdma_kv.transport._lib import status_name
+from rdma_kv.transport._lib import load, status_name
 from rdma_kv.transport.config import AgentConfig
 from rdma_kv.transport.cuda import creator_context
 from rdma_kv.transport.descriptors import DescList, PreparedList, new_generation
@@ -94,6 +94,7 @@ log = logging.getLogger("rdma_kv.transport.agent")
 __all__ = ["Agent", "AgentConfig", "AgentStats", "Notification"]
 
 _READ, _WRITE = XferOp.READ, XferOp.WRITE  # module globals: an Enum class attribute is a slower lookup
+_LOOK_DONE, _LOOK_NOTIF, _LOOK_ERRORS, _LOOK_DUE = 1, 2, 4, 8  # csrc/shim.h's RK_LOOK_* (checked in AgentCore)
 
 
 class AgentCore:
@@ -106,6 +107,11 @@ class AgentCore:
         self.config = cfg = config
         self.lock = threading.RLock()
         self.context = Context(cfg.ucx_options, name=name, shared_workers=cfg.lanes > 1)
+        lib = load()[1]
+        assert (lib.RK_LOOK_DONE, lib.RK_LOOK_NOTIF, lib.RK_LOOK_ERRORS, lib.RK_LOOK_DUE) == (
+            _LOOK_DONE, _LOOK_NOTIF, _LOOK_ERRORS, _LOOK_DUE), "agent.py's constants differ from csrc/shim.h"
+        self._look = lib.rk_look
+        self._errors_seen = 0  # the context's ep_errors when the endpoints were last looked at
         self._made: list[Any] = []  # parts made so far, closed in reverse if a later one fails
         try:
             # A pumped worker (progress="thread") is progressed by a C thread
@@ -182,11 +188,19 @@ class AgentCore:
         """Settle what progress produced: completions, notifications, failed
         endpoints, deadlines, retired peers. Returns completions drained.
         Caller holds the lock."""
-        drained = self.inflight.drain()
-        self.notifications.drain()
-        for peer in self.peers.failed_endpoints():
-            self.fail_peer(peer, f"endpoint error {status_name(peer.ep_state.status)}")
-        self.inflight.expire(self.fail_peer)
+        inflight = self.inflight
+        ctx = inflight.ctx
+        look = self._look(ctx, self._errors_seen, self.notifications.dropped)
+        drained = inflight.drain() if look & _LOOK_DONE else 0
+        if look & _LOOK_NOTIF:
+            self.notifications.drain()
+        if look & _LOOK_ERRORS:  # every endpoint's error callback counts ep_errors
+            errors, self._errors_seen = ctx.ep_errors, -1  # looked at again if failing one raises
+            for peer in self.peers.failed_endpoints():
+                self.fail_peer(peer, f"endpoint error {status_name(peer.ep_state.status)}")
+            self._errors_seen = errors
+        if look & _LOOK_DUE:
+            inflight.expire(self.fail_peer)
         self.peers.close_idle_retired()
         return drained
 

@@ -66,7 +66,7 @@ class Notifications:
         ctx.notif_max = config.notif_max_bytes
         check_status(lib.rk_set_notif_handler(worker.handle, NOTIF_AM_ID, ctx), "ucp_worker_set_am_recv_handler")
         self._queue: deque[Notification] = deque()
-        self._dropped = 0
+        self.dropped = 0  # drops logged so far (the shim's two counters, summed)
 
     def drain(self) -> None:
         """Move what arrived into the queue; log drops. Under the agent's lock."""
@@ -83,11 +83,11 @@ class Notifications:
                 tail += 1
             ctx.notif_tail = tail
         dropped = ctx.notif_dropped_full + ctx.notif_dropped_rndv
-        if dropped != self._dropped:
+        if dropped != self.dropped:
             log.warning("agent %s dropped %d notifications (ring of %d full or oversized); "
                         "call get_notifications() more often or raise notif_slots",
-                        self._name, dropped - self._dropped, self._nslots)
-            self._dropped = dropped
+                        self._name, dropped - self.dropped, self._nslots)
+            self.dropped = dropped
 
     def take(self) -> list[Notification]:
         """Every notification queued, in arrival order. Under the agent's lock."""

@@ -106,6 +106,7 @@ class ProgressDriver:
                  inflight: InFlight, wake: Wake, helpers: tuple[Any, ...], cuda: CudaContext | None,
                  service: Service, fail_all: Callable[[str], None]) -> None:
         self._ffi, self._lib = ffi, lib = load()
+        self._rk_progress = lib.rk_progress
         self.name = name
         self.config = config
         self.lock = lock
@@ -154,13 +155,25 @@ class ProgressDriver:
         """Drive the worker once and settle; returns UCX events handled.
         Internal callers (Transfer.wait/done) may race with close(): then
         their transfer has been failed by close() and they just return."""
-        inflight = self._inflight
-        with self.bound(), self.lock:
+        if self._binder is not None:
+            with self._binder.bound():
+                return self._progress()
+        return self._progress()
+
+    def _progress(self) -> int:
+        # Written for a cold cache, as the request path is (prepared.py): the
+        # lock taken without ``with``, no callbacks no call.
+        inflight, lock = self._inflight, self.lock
+        lock.acquire()
+        try:
             if inflight.closed:
                 return 0
             events = self.progress_locked()
             callbacks = inflight.take_callbacks()
-        inflight.run_callbacks(callbacks)
+        finally:
+            lock.release()
+        if callbacks:
+            inflight.run_callbacks(callbacks)
         return events
 
     def poll(self) -> None:
@@ -248,7 +261,7 @@ class ProgressDriver:
         that moment: a pump asleep or not yet scheduled (a loaded host)
         would otherwise leave the caller waiting for its wake-up while its
         own CPU idles. A pump that is progressing is left alone."""
-        events: int = self._worker.progress()
+        events: int = self._rk_progress(self._worker.handle, 1024)
         if not events and self.helpers and self._ctx.live:
             help_ = self._lib.rk_pump_help
             for pump in self.helpers:

@@ -296,6 +296,26 @@ uint64_t rk_expired(rk_ctx_t *ctx, uint64_t now_ns, uint32_t *out, uint64_t max)
     return n;
 }
 
+uint32_t rk_look(rk_ctx_t *ctx, uint64_t errors_seen, uint64_t dropped_seen)
+{
+    uint32_t bits = 0;
+
+    if (__atomic_load_n(&ctx->done_head, __ATOMIC_ACQUIRE) != ctx->done_tail) {
+        bits |= RK_LOOK_DONE;
+    }
+    if (__atomic_load_n(&ctx->notif_head, __ATOMIC_ACQUIRE) != ctx->notif_tail ||
+        ctx->notif_dropped_full + ctx->notif_dropped_rndv != dropped_seen) {
+        bits |= RK_LOOK_NOTIF;
+    }
+    if (__atomic_load_n(&ctx->ep_errors, __ATOMIC_ACQUIRE) != errors_seen) {
+        bits |= RK_LOOK_ERRORS;
+    }
+    if (ctx->live > 0 && rk_now_ns() >= ctx->next_deadline_ns) {
+        bits |= RK_LOOK_DUE;
+    }
+    return bits;
+}
+
 void rk_abandon(rk_ctx_t *ctx, uint32_t slot)
 {
     rk_batch_t *b = &ctx->slots[slot];

@@ -239,6 +239,19 @@ int64_t rk_submit(const rk_route_t *route, int op, uint64_t n, const void *l, co
  * holds 2 * max). Under the agent's lock. */
 uint64_t rk_drain(rk_ctx_t *ctx, uint64_t *out, uint64_t max);
 
+/* What the agent has to settle, in one look (rk_look's bits). */
+enum {
+    RK_LOOK_DONE = 1,       /* completions on the ring */
+    RK_LOOK_NOTIF = 2,      /* notifications on their ring, or drops since dropped_seen */
+    RK_LOOK_ERRORS = 4,     /* endpoint errors since errors_seen */
+    RK_LOOK_DUE = 8         /* a live transfer's deadline has passed (or may have) */
+};
+
+/* Which of the agent's settling steps have anything to do now: so that a
+ * settle after one completion costs one call, not one look per step.
+ * Under the agent's lock. */
+uint32_t rk_look(rk_ctx_t *ctx, uint64_t errors_seen, uint64_t dropped_seen);
+
 /* Slots whose deadline has passed (at most max into out), once now_ns
  * reaches the earliest deadline; 0 otherwise. Under the agent's lock. */
 uint64_t rk_expired(rk_ctx_t *ctx, uint64_t now_ns, uint32_t *out, uint64_t max);
