@@ -247,8 +247,8 @@ def _report(rows: list[dict[str, Any]], stats: dict[str, Any], status_p: dict[st
     print(f"load latency (admission -> done_recving): p50 {_pct(loads, 50) * 1e3:.2f} ms, "
           f"p99 {_pct(loads, 99) * 1e3:.2f} ms, max {max(loads, default=0) * 1e3:.2f} ms")
     print(f"transfer GB/s per request: median {_pct(gbps, 50):.2f}, p10 {_pct(gbps, 10):.2f}; "
-          f"aggregate {total_bytes / total_xfer / 1e9 if total_xfer else 0:.2f} GB/s over "
-          f"{total_xfer * 1e3:.1f} ms of transfers")
+          f"all loads {total_bytes / total_xfer / 1e9 if total_xfer else 0:.2f} GB/s (bytes over their "
+          f"summed transfer time, {total_xfer * 1e3:.1f} ms: loads overlap, so not a wall rate)")
     print(f"after the run: prefill holds {status_p['held']} requests' blocks, {status_p['leases']} leases, "
           f"{status_p['free_blocks']}/{shape.num_blocks} blocks free; decode "
           f"{status_d['free_blocks']}/{shape.num_blocks} free, {status_d['inflight_loads']} loads in flight")
