@@ -43,6 +43,7 @@ pytestmark = pytest.mark.timeout(600)
 SHAPE = ModelShape(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, num_blocks=96, dtype="float32")
 CANARY = -12345.0
 ROUNDS = int(os.environ.get("RDMA_KV_PUSH_CAMPAIGN_ROUNDS", "1000"))
+STUCK_STEPS = 20  # a prefill that needs more steps waits for blocks (a prompt here takes 1-3)
 
 
 def config(role: str, engine_id: str) -> KVTransferConfig:
@@ -106,9 +107,18 @@ class Campaign:
         self.n += 1
         prompt = self.rng.integers(1, 999, int(self.rng.integers(1, 40))).tolist()
         self.P.add_request(rid, prompt, {"do_remote_decode": True})
-        deadline = time.monotonic() + 10
+        deadline, steps = time.monotonic() + 10, 0
         while not (self.P.results.get(rid) and self.P.results[rid].status.value == "finished"):
-            assert time.monotonic() < deadline, "the prefill did not finish"
+            if steps == STUCK_STEPS and self.fabric.pending:
+                # The producer waits for blocks that writes this campaign holds
+                # keep pinned (a decode's push holds its source blocks until it
+                # lands): the network delivers them, as it would eventually.
+                self.do("release_for_prefill", self.fabric.release_all)
+            steps += 1
+            assert time.monotonic() < deadline, (
+                f"the prefill did not finish: the producer has {len(self.P.pool.free)} blocks free, holds "
+                f"{len(self.P.held)} requests' blocks, {len(self.P.waiting)} waiting; fabric hold={self.fabric.hold}, "
+                f"{len(self.fabric.pending)} writes pending; actions so far {self.counts}")
             self.step()
         self.D.add_request(rid, prompt, self.P.results[rid].kv_transfer_params)
 
