@@ -40,8 +40,7 @@ def main() -> None:
         peer = reader.add_peer(target.metadata())
 
         def slots(arr: np.ndarray) -> DescList:
-            base = np.uint64(arr.ctypes.data)
-            return DescList(base + np.arange(SLOTS, dtype=np.uint64) * np.uint64(SLOT_BYTES), SLOT_BYTES)
+            return DescList.slots(arr.ctypes.data, SLOTS, SLOT_BYTES)
 
         local, remote = reader.prep_local(slots(dst)), reader.prep_remote(peer, slots(src))
         one = np.zeros(1, dtype=np.int64)

@@ -82,8 +82,7 @@ class Raw:
         shape = engine.shape
         nbytes = shape.block_nbytes // shape.num_layers  # one layer's block: contiguous in the CPU layout
         count = shape.num_layers * shape.num_blocks
-        base = np.uint64(engine.kv.data_ptr())
-        return DescList(base + np.arange(count, dtype=np.uint64) * np.uint64(nbytes), nbytes)
+        return DescList.slots(engine.kv.data_ptr(), count, nbytes)
 
     def read(self, block_ids: list[int]) -> tuple[float, int]:
         """Read the producer's ``block_ids`` into the same ids of the decode:

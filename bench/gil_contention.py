@@ -54,7 +54,7 @@ def reader(conn, label: str, seconds: float) -> None:
     agent.register(local)
 
     def slots(base: int) -> DescList:
-        return DescList(np.uint64(base) + np.arange(SLOTS, dtype=np.uint64) * np.uint64(SLOT), SLOT)
+        return DescList.slots(base, SLOTS, SLOT)
 
     lp, rp = agent.prep_local(slots(local.ctypes.data)), agent.prep_remote(peer, slots(addr))
     rng = np.random.default_rng(0)

@@ -146,6 +146,15 @@ def test_desclist_from_regions_adds_offsets_to_base():
     assert d.nbytes == 192
 
 
+def test_desclist_slots_is_a_back_to_back_table():
+    d = DescList.slots(0x1000, 3, 64)
+    assert d.addrs.tolist() == [0x1000, 0x1040, 0x1080]
+    assert d.lengths.tolist() == [64, 64, 64]
+    assert len(DescList.slots(0x1000, 0, 64)) == 0
+    with pytest.raises(DescriptorError, match="nbytes > 0"):
+        DescList.slots(0x1000, 3, 0)
+
+
 def test_empty_desclist_is_valid():
     assert len(DescList([], [])) == 0
     assert DescList(np.empty(0, dtype=np.uint64), 16).nbytes == 0

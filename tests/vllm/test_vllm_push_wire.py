@@ -8,15 +8,20 @@ test's own, nowhere else), UCX over TCP on the pair only (``ucx_options``
 ``TLS=tcp``, ``NET_DEVICES`` the pair's end), the decode a vLLM server out
 here. The producer's end is throttled (htb, ``RATE_MBIT``) while a push is
 under way, all but its side channel and HTTP API (a deployment's control
-path, which must not queue behind the data), so a 192 KiB push takes seconds to cross, and the pair's byte
-counters show that it is crossing when the test breaks it.
+path, which must not queue behind the data), so a 192 KiB push takes
+seconds to cross, and the throttle's byte counter for the data (the
+limited class) shows that it is crossing when the test breaks it.
 
 - ``test_decode_aborted_mid_write_keeps_its_blocks_until_the_writes_end``:
-  the decode's client hangs up while the writes cross. vLLM aborts the
-  request; the decode asks the producer to abort, and holds the push (and
-  with it the request's blocks) for as long as bytes of it still cross; the
-  producer resolves it ABORTED once its posted writes completed, having
-  written no more. Then both hold nothing, and the next push equals plain.
+  the decode's client hangs up while the writes cross. The producer's end
+  lets half the push through and holds the rest (a rate near zero after a
+  burst) until the test raises it, so that what follows happens with bytes
+  still to cross however loaded the machine: vLLM aborts the request; the decode asks the producer to abort
+  (its ``push_abort_asked``), and still holds the push (and with it the
+  request's blocks). Released, the writes cross; the decode lets the push go
+  only once all its bytes crossed, the producer having resolved it ABORTED
+  with no more written. Then both hold nothing, and the next push equals
+  plain.
 - ``test_producer_killed_mid_write_recomputes``: the producer is SIGKILLed
   while the writes cross. The decode's next query meets a refused
   connection: a load error at once (not a lease or write deadline), the
@@ -63,17 +68,30 @@ LONG = " ".join(["whether tis nobler in the mind to suffer the slings and arrows
 SHORT = " ".join(["to be or not to be that is the question"] * 7)
 PUSH_BYTES = 6 * 2 * (16 << 10)
 """LONG's push: six blocks, two layers of 16 KiB each."""
+HOLD_MBIT = 0.008
+HOLD_BURST = 96 << 10
+"""The producer's end while the test hangs up and checks the decode: the
+first 96 KiB of data cross at once, the rest at a kilobyte a second, so
+that they stay queued on it (half the push, for the minute the test
+allows the abort)."""
+RELEASE_MBIT = 100
+"""... and once released: what was held (TCP's retransmissions of it
+included) crosses in milliseconds."""
 ON_THE_WIRE = 64 << 10
 """Bytes past the throttle's burst (32 KiB) that show writes are crossing."""
 FAIL_BOUND_S = 60.0
 """The killed producer's load must fail and recompute well within the push's
-deadlines (``read_timeout_s`` 30 here) plus the decode's own compute."""
+deadlines (``read_timeout_s``) plus the decode's own compute."""
+DEADLINE_S = 120.0
+"""``read_timeout_s``: the writes' deadline. A hold on the pair must end well
+before it, or the push fails by deadline instead of being aborted; on a
+loaded machine the hold lasts as long as the abort takes (seconds to tens)."""
 
 
 def wire_config(role: str, link: netns.VethLink, side: int) -> dict[str, Any]:
     return rdma_config(role, mode="push", side_channel_host=link.addr[side], allow_unauthenticated=True,
                        ucx_options={"TLS": "tcp", "NET_DEVICES": link.dev[side]},
-                       read_timeout_s=30.0, rpc_timeout_s=10.0)
+                       read_timeout_s=DEADLINE_S, rpc_timeout_s=10.0)
 
 
 @pytest.fixture(scope="module")
@@ -117,21 +135,38 @@ def push(p: ApiServer, d: ApiServer, prompt: str) -> dict[str, Any]:
     return out
 
 
-def start_crossing(link: netns.VethLink, p: ApiServer, d: ApiServer, *, stream: bool) -> tuple[Leg, int]:
+def start_crossing(link: netns.VethLink, p: ApiServer, d: ApiServer, *, stream: bool,
+                   hold: bool = False) -> tuple[Leg, int]:
     """Throttle the producer's end, run LONG's prefill leg, send its decode
     leg, and return once the push's writes are crossing the pair: the leg,
-    and the producer end's byte count when the throttle went on."""
+    and the count of the producer end's limited class (the data, not the
+    side channel's or the API's answers) when the throttle went on.
+
+    ``hold``: the throttle lets ``HOLD_BURST`` bytes of the data through,
+    then holds the rest (a kilobyte a second) until ``set_rate`` raises it:
+    the push is on the wire, and cannot finish, whatever the machine's pace."""
     out = complete(p.url, LONG, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     assert out["status"] == 200 and out["kv_transfer_params"], out
     # The side channel and the HTTP API cross unthrottled: as a deployment's
     # control path, they must not queue behind the data (an abort waits for
     # the PUSH's answer).
-    link.throttle(0, RATE_MBIT, exempt_ports=(int(out["kv_transfer_params"]["remote_port"]), p.port))
-    sent0 = link.tx_bytes(0)
+    exempt = (int(out["kv_transfer_params"]["remote_port"]), p.port)
+    if hold:
+        link.throttle(0, HOLD_MBIT, exempt_ports=exempt, burst=f"{HOLD_BURST >> 10}kb")
+    else:
+        link.throttle(0, RATE_MBIT, exempt_ports=exempt)
+    sent0 = link.limited_bytes(0)
     leg = Leg(d, LONG, f"wire-{uuid.uuid4().hex}", out["kv_transfer_params"], stream=stream)
-    wait_for("the push's writes to cross the pair", lambda: link.tx_bytes(0) - sent0 > ON_THE_WIRE, 60,
+    wait_for("the push's writes to cross the pair", lambda: link.limited_bytes(0) - sent0 > ON_THE_WIRE, 60,
              poll_s=0.05)
     return leg, sent0
+
+
+def abort_asked(p: ApiServer) -> float:
+    """The producer's count of aborts asked for a push whose writes were
+    running (after a step, so that it reached ``/metrics``)."""
+    step_reports(p)
+    return metric(p.url, "rdma_kv_events_total", event="push_abort_asked")
 
 
 def settled(p: ApiServer | None, d: ApiServer) -> bool:
@@ -148,25 +183,42 @@ def settled(p: ApiServer | None, d: ApiServer) -> bool:
 
 def test_decode_aborted_mid_write_keeps_its_blocks_until_the_writes_end(wire: dict[str, Any]) -> None:
     link, p, d, reference = wire["link"], wire["p"], wire["d"], wire["reference"]
-    before = counts(p, d)
+    before, asked = counts(p, d), abort_asked(p)
     try:
-        leg, sent0 = start_crossing(link, p, d, stream=True)
+        leg, sent0 = start_crossing(link, p, d, stream=True, hold=True)
+        held_since = time.monotonic()
         leg.hang_up()
-        hung_up = link.tx_bytes(0)
-        # The decode holds the push (and the request's blocks) while its bytes still cross ...
-        held_while_crossing, deadline = False, time.monotonic() + 120
+
+        def asked_to_abort() -> bool:
+            step_reports(d)  # the decode steps: vLLM's abort reaches its connector
+            return abort_asked(p) > asked
+
+        wait_for("the producer to be asked to abort the running push", asked_to_abort, DEADLINE_S / 2,
+                 poll_s=0.25)
+        step_reports(d)  # the gauge as of this step
+        running = metric(d.url, "rdma_kv_resource", resource="pushes_running")
+        held_at = link.limited_bytes(0) - sent0
+        assert held_at < PUSH_BYTES, f"{held_at} bytes of the push crossed although held: nothing was tested"
+        assert running == 1, "the decode let the aborted push go while its writes were still held on the wire"
+        # Released at once (what TCP resent during the hold crosses with it), the
+        # writes complete; only then does the decode let the push go ...
+        link.set_rate(0, RELEASE_MBIT)
+        held_s = time.monotonic() - held_since
+        deadline = time.monotonic() + 120
         while True:
-            step_reports(d)  # the gauge as of this step
+            step_reports(d)
             running = metric(d.url, "rdma_kv_resource", resource="pushes_running")
-            crossed = link.tx_bytes(0)
+            crossed = link.limited_bytes(0)
             if running == 0:
                 break
-            held_while_crossing |= crossed - hung_up > 4096  # more than side-channel chatter
             assert time.monotonic() < deadline, "the decode held the aborted push for 120 s"
             time.sleep(0.25)
+        assert crossed - sent0 >= PUSH_BYTES, (
+            f"the decode let the push go with {crossed - sent0} of its {PUSH_BYTES} bytes crossed "
+            f"(held {held_s:.1f} s; counts since the test began: {counts(p, d, before)})")
         # ... and once it let the push go, nothing more of it crosses.
         time.sleep(2.0)
-        after = link.tx_bytes(0) - crossed
+        after = link.limited_bytes(0) - crossed
         assert after < 16 << 10, f"{after} bytes crossed after the decode let the aborted push go"
         assert crossed - sent0 < 4 << 20, "more crossed than the push could hold"
     finally:
@@ -174,7 +226,6 @@ def test_decode_aborted_mid_write_keeps_its_blocks_until_the_writes_end(wire: di
 
     wait_producer_counted(p, d, before, "aborted", 1)  # the producer resolved the push ABORTED
     grew = counts(p, d, before)
-    assert held_while_crossing >= 1, "the hang-up came after the writes had crossed: nothing was tested"
     assert grew["aborted"] == 1 and grew["done"] == 0 and grew["failed"] == 0, grew
     assert grew["written"] == PUSH_BYTES, grew  # posted before the abort: they crossed, and count
     assert grew["pushed_aborted"] == 1 and grew["pushed_failed"] == 0 and grew["pushed_ok"] == 0, grew

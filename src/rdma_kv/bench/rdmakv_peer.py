@@ -50,8 +50,7 @@ def slot_descs(workload: Workload, base: int) -> Any:
     """Every slot of one side as a DescList (one descriptor per slot)."""
     from rdma_kv.transport import DescList
 
-    size = workload.slot_nbytes
-    return DescList(np.uint64(base) + np.arange(workload.num_slots, dtype=np.uint64) * np.uint64(size), size)
+    return DescList.slots(base, workload.num_slots, workload.slot_nbytes)
 
 
 # --- child bodies ------------------------------------------------------------------

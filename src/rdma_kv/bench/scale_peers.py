@@ -63,7 +63,7 @@ def _serve(chan: Channel, start: dict[str, Any], local: np.ndarray, run: Any, cl
 def _descs(base: int, count: int, size: int) -> Any:
     from rdma_kv.transport import DescList
 
-    return DescList(np.uint64(base) + np.arange(count, dtype=np.uint64) * np.uint64(size), size)
+    return DescList.slots(base, count, size)
 
 
 def rdmakv_target(chan: Channel, start: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -98,6 +99,7 @@ class VethLink:
         self.ns: tuple[str, str | None] = (f"{prefix}-a", None if host_end else f"{prefix}-b")
         self.dev = (f"{prefix}a", f"{prefix}b")
         self.addr = (f"{subnet}.1", f"{subnet}.2")
+        self._gso_segs: dict[int, int] = {}  # per throttled end: its gso_max_segs before the throttle
         made: list[str] = []
         try:
             for ns in self.ns:
@@ -126,29 +128,64 @@ class VethLink:
         """Take one end of the pair (0 or 1) down or bring it back up."""
         _run(*self._ip(side), "link", "set", self.dev[side], "up" if up else "down")
 
-    def throttle(self, side: int, mbit: float, *, exempt_ports: Sequence[int] = ()) -> None:
+    def throttle(self, side: int, mbit: float, *, exempt_ports: Sequence[int] = (), burst: str = "32kb") -> None:
         """Limit what leaves end ``side`` to ``mbit`` megabits per second (tbf),
         except TCP segments from ``exempt_ports`` (say, a control channel that
         a deployment carries on another path than the data): those go first,
         unthrottled (htb: an unlimited class for them, the default class
-        limited)."""
+        limited). ``burst``: what may leave at once before the limit bites
+        (a rate near zero with a burst of N bytes lets about N through, then
+        holds the rest until :meth:`set_rate` raises the rate)."""
         tc = self._ip(side, "tc")
         dev = self.dev[side]
-        tbf = ["tbf", "rate", f"{mbit}mbit", "burst", "32kb", "latency", "10s"]
+        # Segments of one MSS: a GSO packet of 64 KiB would be shaped as one,
+        # and at a rate near zero leave the class in debt for a minute after
+        # set_rate raised it (tokens are owed in time, not bytes).
+        if side not in self._gso_segs:
+            out = _run(*self._ip(side), "-d", "-j", "link", "show", dev)
+            self._gso_segs[side] = int(json.loads(out)[0].get("gso_max_segs", 65535))
+        _run(*self._ip(side), "link", "set", "dev", dev, "gso_max_segs", "1")
+        tbf = ["tbf", "rate", f"{mbit}mbit", "burst", burst, "latency", "10s"]
         if not exempt_ports:
             _run(*tc, "qdisc", "replace", "dev", dev, "root", *tbf)
             return
         _run(*tc, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "20")
         _run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", "10gbit")
-        _run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb", "rate", f"{mbit}mbit",
-             "ceil", f"{mbit}mbit", "burst", "32kb")
+        _run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb", *self._limit(mbit, burst))
         for port in exempt_ports:
             _run(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
                  "match", "ip", "protocol", "6", "0xff", "match", "ip", "sport", str(port), "0xffff",
                  "flowid", "1:10")
 
+    @staticmethod
+    def _limit(mbit: float, burst: str) -> list[str]:
+        """An htb class's limit: rate and ceiling ``mbit``, ``burst`` at either."""
+        return ["rate", f"{mbit}mbit", "ceil", f"{mbit}mbit", "burst", burst, "cburst", burst]
+
+    def set_rate(self, side: int, mbit: float, *, burst: str = "32kb") -> None:
+        """Change the limit of a throttle put on with ``exempt_ports`` in place:
+        what is queued stays queued, the exempt ports still pass. A rate
+        near zero (``0.008``: a kilobyte a second, with a small ``burst``)
+        holds the limited traffic until the rate is raised again."""
+        _run(*self._ip(side, "tc"), "class", "change", "dev", self.dev[side], "parent", "1:", "classid", "1:20",
+             "htb", *self._limit(mbit, burst))
+
+    def limited_bytes(self, side: int) -> int:
+        """Bytes the limited class of a throttle put on with ``exempt_ports``
+        has sent: what left end ``side`` but the exempt ports' segments
+        (``tx_bytes`` counts those too: a control path's chatter, an HTTP
+        API's answers)."""
+        out = _run(*self._ip(side, "tc"), "-s", "class", "show", "dev", self.dev[side], "classid", "1:20")
+        found = re.search(r"\bSent (\d+) bytes", out)  # tc here prints no JSON for classes
+        if found is None:
+            raise OSError(f"no throttle's limited class on {self.dev[side]}: {out.strip()!r}")
+        return int(found[1])
+
     def unthrottle(self, side: int) -> None:
         _run(*self._ip(side, "tc"), "qdisc", "del", "dev", self.dev[side], "root")
+        segs = self._gso_segs.pop(side, None)
+        if segs is not None:
+            _run(*self._ip(side), "link", "set", "dev", self.dev[side], "gso_max_segs", str(segs))
 
     def tx_bytes(self, side: int) -> int:
         """Bytes end ``side`` has sent (from its counters)."""

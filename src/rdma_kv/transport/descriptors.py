@@ -50,7 +50,15 @@ class DescList:
 
     @classmethod
     def from_regions(cls, base: int, offsets: Any, nbytes: Any) -> DescList:
+        """Descriptors at ``base + offsets[i]``, of ``nbytes`` (one length or one each)."""
         return cls(np.uint64(base) + _u64(offsets, "offsets"), nbytes)
+
+    @classmethod
+    def slots(cls, base: int, count: int, nbytes: int) -> DescList:
+        """A slot table: ``count`` descriptors of ``nbytes`` each, back to back from ``base``."""
+        if count < 0 or nbytes <= 0:
+            raise DescriptorError(f"a slot table needs count >= 0 and nbytes > 0, got {count} x {nbytes}")
+        return cls(np.uint64(base) + np.arange(count, dtype=np.uint64) * np.uint64(nbytes), nbytes)
 
     def __len__(self) -> int:
         return len(self.addrs)
