@@ -16,9 +16,9 @@ limited class) shows that it is crossing when the test breaks it.
   the decode's client hangs up while the writes cross. The producer's end
   lets half the push through and holds the rest (a rate near zero after a
   burst) until the test raises it, so that what follows happens with bytes
-  still to cross however loaded the machine: vLLM aborts the request; the decode asks the producer to abort
-  (its ``push_abort_asked``), and still holds the push (and with it the
-  request's blocks). Released, the writes cross; the decode lets the push go
+  still to cross however loaded the machine: vLLM aborts the request; the
+  decode asks the producer to abort (its ``push_abort_asked``), and still
+  holds the push (and with it the request's blocks). Released, the writes cross; the decode lets the push go
   only once all its bytes crossed, the producer having resolved it ABORTED
   with no more written. Then both hold nothing, and the next push equals
   plain.
@@ -78,7 +78,8 @@ RELEASE_MBIT = 100
 """... and once released: what was held (TCP's retransmissions of it
 included) crosses in milliseconds."""
 ON_THE_WIRE = 64 << 10
-"""Bytes past the throttle's burst (32 KiB) that show writes are crossing."""
+"""Bytes that show writes are crossing: past the rate throttle's burst
+(32 KiB), within the hold's (``HOLD_BURST``)."""
 FAIL_BOUND_S = 60.0
 """The killed producer's load must fail and recompute well within the push's
 deadlines (``read_timeout_s``) plus the decode's own compute."""
