@@ -32,7 +32,7 @@
 #define STOP 0x7fffffffull
 
 static int efd, epfd, cpu_sleeper;
-static volatile uint64_t woke_ns;
+static uint64_t woke_ns; /* written by the sleeper, atomically */
 
 static uint64_t now_ns(void)
 {
@@ -54,7 +54,7 @@ static int pin(int cpu)
 static void *sleeper(void *arg)
 {
     struct epoll_event ev;
-    uint64_t value;
+    uint64_t value, stamp;
 
     (void)arg;
     if (pin(cpu_sleeper) != 0) {
@@ -65,10 +65,15 @@ static void *sleeper(void *arg)
         if (epoll_wait(epfd, &ev, 1, -1) < 1) {
             continue;  /* EINTR */
         }
-        woke_ns = now_ns();
+        /* Stamped on waking, published only once the fd is drained: were
+         * it published before the read, the poster's next write could
+         * land in between, that read would take it too, and nothing would
+         * wake the sleeper again (a gap of 0 did exactly that). */
+        stamp = now_ns();
         if (read(efd, &value, sizeof(value)) == (ssize_t)sizeof(value) && value >= STOP) {
             return NULL;
         }
+        __atomic_store_n(&woke_ns, stamp, __ATOMIC_RELEASE);
     }
 }
 
@@ -148,7 +153,7 @@ int main(int argc, char **argv)
             if (gaps[g] > 0) {
                 usleep((useconds_t)gaps[g]);
             }
-            woke_ns = 0;
+            __atomic_store_n(&woke_ns, 0, __ATOMIC_RELEASE);
             t0 = now_ns();
             if (write(efd, &one, sizeof(one)) != (ssize_t)sizeof(one)) {
                 perror("wake_latency: eventfd write");
@@ -156,14 +161,14 @@ int main(int argc, char **argv)
             }
             t1 = now_ns();
             deadline = t0 + 1000000000ull;  /* a wake-up that takes 1 s is a broken machine */
-            while (woke_ns == 0) {
+            while (__atomic_load_n(&woke_ns, __ATOMIC_ACQUIRE) == 0) {
                 if (now_ns() > deadline) {
                     fprintf(stderr, "wake_latency: the sleeper did not wake within 1 s\n");
                     return 3;
                 }
             }
             write_us[i] = (double)(t1 - t0) / 1e3;
-            wake_us[i] = (double)(woke_ns - t0) / 1e3;
+            wake_us[i] = (double)(__atomic_load_n(&woke_ns, __ATOMIC_ACQUIRE) - t0) / 1e3;
         }
         printf("%s\"%d\": {", g ? ", " : "", gaps[g]);
         quantiles(write_us, reps, "write_us", 0);

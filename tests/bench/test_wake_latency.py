@@ -39,6 +39,16 @@ def test_probe_reports_every_gap_with_ordered_quantiles():
         assert r["wake_us"]["p10"] > 0
 
 
+def test_a_gap_of_zero_wakes_the_sleeper_every_rep():
+    """Back to back, the next write can come while the sleeper is still
+    between its wake-up and its read of the fd; the probe must not lose it
+    (it used to: the read took both writes, and the run died on its 1 s
+    bound with "the sleeper did not wake")."""
+    report = _module().run(400, [0])
+    r = report["gaps"]["0"]
+    assert 0 < r["wake_us"]["p10"] <= r["wake_us"]["median"] <= r["wake_us"]["p90"]
+
+
 def test_probe_refuses_bad_arguments(tmp_path):
     exe = _module().build(str(tmp_path))
     for args, message in ((["5"], "REPS must be 10..100000"), (["20", "-1"], "GAP_US must be 0..1000000")):
