@@ -79,12 +79,28 @@ def test_prefill_request_shapes_routers_send():
     ({"remote_lease_token": None}, "remote_lease_token"),
     ({"remote_lease_token": "ab" * 15}, "remote_lease_token"),
     ({"remote_lease_token": "zz" * 16}, "remote_lease_token"),
+    # 32 characters that bytes.fromhex reads as 15 bytes (it skips blanks):
+    # the producer's schema would refuse the whole batch of lease calls
+    # this token travelled in, other requests' CONFIRMs with it.
+    ({"remote_lease_token": "ab" * 15 + "  "}, "remote_lease_token"),
+    ({"remote_lease_token": " " + "ab" * 15 + "\n"}, "remote_lease_token"),
+    # JSON's "\ud800": a str no digest or wire encoding takes (it crashed the
+    # scheduler's lease lookup, or failed a batch of CONFIRMs).
+    ({"remote_engine_id": "P\ud800"}, "remote_engine_id"),
+    ({"remote_request_id": "req-1\udcff"}, "remote_request_id"),
+    ({"remote_host": "\ud800.example"}, "remote_host"),
+    ({"transfer_id": "t\ud800"}, "transfer_id"),
     ({"tp_size": 0}, "tp_size"),
     ({"do_remote_decode": "yes"}, "do_remote_decode"),
 ])
 def test_bad_fields_are_named(changes, field):
     with pytest.raises(ConfigError, match=field):
         parse_kv_transfer_params(producer_params(**changes))
+
+
+def test_a_token_of_another_length_is_refused_at_construction():
+    with pytest.raises(ConfigError, match="a lease token is 16 bytes, got 15"):
+        RemotePrefillParams("P", "127.0.0.1", 5000, (3,), "req-1", 1, 77, 5, TOKEN[:15], 30.0, 40)
 
 
 def test_unknown_keys_and_conflicts():

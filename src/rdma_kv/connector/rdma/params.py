@@ -75,6 +75,7 @@ _JSON_SAFE_INT = (1 << 53) - 1  # routers written in JS or Go may parse numbers 
 
 
 LEASE_TOKEN_BYTES = 16
+_HEX_TOKEN = re.compile(f"[0-9a-fA-F]{{{2 * LEASE_TOKEN_BYTES}}}")
 LEASE_BINDING_BYTES = 16
 
 
@@ -211,6 +212,8 @@ class RemotePrefillParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "remote_block_ids", as_group_block_ids(self.remote_block_ids))
+        if len(self.remote_lease_token) != LEASE_TOKEN_BYTES:  # the wire refuses any other length
+            raise ConfigError(f"a lease token is {LEASE_TOKEN_BYTES} bytes, got {len(self.remote_lease_token)}")
 
     @functools.cached_property
     def binding(self) -> bytes:
@@ -261,20 +264,26 @@ def _int(params: Mapping[str, Any], field: str, lo: int, hi: int) -> int:
 
 def _str(params: Mapping[str, Any], field: str, max_len: int = 256) -> str:
     value = params.get(field)
+    expected = f"a non-empty string of at most {max_len} characters"
     if not isinstance(value, str) or not value or len(value) > max_len:
-        raise _field_error(field, value, f"a non-empty string of at most {max_len} characters")
+        raise _field_error(field, value, expected)
+    try:  # JSON can carry a lone surrogate ("\ud800"), which no wire or digest can encode
+        value.encode()
+    except UnicodeEncodeError:
+        raise _field_error(field, value, expected + " (valid Unicode, without lone surrogates)") from None
     return value
 
 
 def _token(params: Mapping[str, Any], field: str) -> bytes:
     value = params.get(field)
     expected = f"{2 * LEASE_TOKEN_BYTES} hex digits (the producer's request_finished output, verbatim)"
-    if not isinstance(value, str) or len(value) != 2 * LEASE_TOKEN_BYTES:
+    # fullmatch, not bytes.fromhex alone: fromhex skips whitespace, so
+    # 30 digits and 2 blanks would make a 15-byte token, which the
+    # producer's schema refuses for the whole batch of lease calls it
+    # travels in (other requests' CONFIRMs with it).
+    if not isinstance(value, str) or _HEX_TOKEN.fullmatch(value) is None:
         raise _field_error(field, value, expected)
-    try:
-        return bytes.fromhex(value)
-    except ValueError:
-        raise _field_error(field, value, expected) from None
+    return bytes.fromhex(value)
 
 
 def _flag(params: Mapping[str, Any], field: str) -> bool:
