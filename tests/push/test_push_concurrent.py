@@ -7,6 +7,7 @@ engines in this process over the fake transport; every block verified."""
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 
@@ -15,7 +16,9 @@ from fakes import FakeFabric
 from rdma_testutil import wait_until
 
 from rdma_kv.connector import KVTransferConfig
+from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.params import format_router_address
+from rdma_kv.connector.rdma.sideclient import SideChannelClient
 from rdma_kv.harness.engine import Engine, ModelShape
 
 pytestmark = pytest.mark.timeout(120)
@@ -303,5 +306,42 @@ def test_a_decode_that_registers_during_the_prefills_forward_pass_joins_it(rng, 
             assert totals["push_layer_steps"] == 1 and totals["push_layer_writes"] == expected_batches, totals
             assert record["overlapped_nbytes"] == 4 * BLOCK_NBYTES, record
             assert totals["push_overlapped_bytes"] == 4 * BLOCK_NBYTES, totals
+    finally:
+        pair.close()
+
+
+def test_a_registration_naming_blocks_past_the_decodes_cache_is_refused_before_any_write(rng):
+    """Layer-wise writes go out as the prefill's forward pass stores each
+    layer, long before the seal plans the whole push: a PUSH_REG whose
+    block ids lie past the decode's cache was written into the next row
+    (another layer's blocks, never named) before the seal's check failed
+    the push. The producer now refuses such a registration when it comes,
+    naming the ids and the cache; nothing is written for it."""
+    pair = Pair()
+    try:
+        p_rid, d_rid, tid = pair.ids()  # an honest pair first: the decode introduces its KV cache
+        prompt = rng.integers(1, 999, 4 * SHAPE.block_size + 3).tolist()
+        pair.decode(d_rid, prompt, tid)
+        pair.prefill(p_rid, prompt, tid)
+        wait_until(lambda: pair.finished(d_rid), step=pair.pump, what="the honest decode")
+        assert not pair.D.results[d_rid].load_failed
+        writes = pair.fabric.writes
+        p2, _, tid2 = pair.ids()
+        prompt2 = rng.integers(1, 999, 4 * SHAPE.block_size).tolist()
+        n = SHAPE.num_blocks
+        client = SideChannelClient("127.0.0.1", pair.P.worker.worker.side_channel_port, rpc_timeout_s=5.0, retries=0)
+        try:
+            reply = client.call(wire.PushReg(wire.PROTOCOL_VERSION, tid2, secrets.token_bytes(16), "decode-1", 0, 1,
+                                              0, len(prompt2), [[n - 1, n, n + 1, n + 2]]))
+        finally:
+            client.close()
+        assert isinstance(reply, wire.PushReply) and reply.state is wire.PushState.REFUSED, reply
+        assert f"decode block ids [{n}, {n + 1}, {n + 2}] are outside [0, {n})" in reply.detail
+        pair.prefill(p2, prompt2, tid2)  # its prefill runs, layer by layer: nothing goes to the decode
+        wait_until(lambda: p2 in pair.P.results, step=pair.pump, what="the prefill")
+        for _ in range(5):
+            pair.pump()
+        assert pair.fabric.writes == writes
+        assert pair.registered() == 0
     finally:
         pair.close()
