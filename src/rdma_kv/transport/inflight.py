@@ -248,10 +248,14 @@ class InFlight:
         if why is None and peer.ep_state.failed:
             why = f"endpoint error {status_name(peer.ep_state.status)}"
         detail = f"; peer {xfer.peer!r} {why}" if why else ""
+        advice = "if the peer restarted, re-import its metadata with add_peer()"
+        if status == self._lib.UCS_ERR_INVALID_PARAM and not why:
+            detail = ("; an index or descriptor array the call was given changed while the call read it "
+                      "(another thread wrote it), or UCX refused an operation's parameters")
+            advice = "pass arrays that nobody writes until the call returns"
         return TransferError(
             f"{xfer.op.value} transfer {xfer.id} with peer {xfer.peer!r} failed: {name}{detail} "
-            f"({xfer.num_descs} descriptors, {xfer.nbytes} bytes); if the peer restarted, "
-            "re-import its metadata with add_peer()",
+            f"({xfer.num_descs} descriptors, {xfer.nbytes} bytes); {advice}",
             status=name,
         )
 

@@ -56,7 +56,7 @@ rk_batch_t *rk_slot_take(rk_ctx_t *ctx)
     return ctx->nfree > 0 ? &ctx->slots[ctx->free_slots[--ctx->nfree]] : NULL;
 }
 
-static void rk_record(rk_batch_t *b, ucs_status_t status)
+void rk_record(rk_batch_t *b, ucs_status_t status)
 {
     int32_t ok = UCS_OK;
 

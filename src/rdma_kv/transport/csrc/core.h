@@ -13,6 +13,8 @@ rk_batch_t *rk_slot_take(rk_ctx_t *ctx);
 /* Request parameters every operation of a batch shares, and the guard
  * count that keeps it from completing while it is being posted. */
 void rk_batch_begin(rk_batch_t *b, ucp_request_param_t *p, ucp_mem_h const *memhs);
+/* The batch failed with status (the first failure is the one kept). */
+void rk_record(rk_batch_t *b, ucs_status_t status);
 /* One more operation will be handed to UCX (counted before the call). */
 void rk_batch_inc(rk_batch_t *b);
 /* One operation completed: the last one completes the batch. */

@@ -227,7 +227,13 @@ static int rk_stream(rk_poster_t *ps, rk_req_t *q, uint64_t n, uint32_t top, uin
     uint32_t part = 0, w = top;
 
     for (i = 0; i < n; ++i) {
-        rk_pair(q, i, &l, &r);
+        if (!rk_pair(q, i, &l, &r)) {
+            /* rk_check passed this pair, and the caller's arrays changed
+             * since (the call runs without the interpreter lock): nothing
+             * unchecked is posted, the batch fails. */
+            rk_record(ps->b, UCS_ERR_INVALID_PARAM);
+            return 0;
+        }
         for (off = 0; off < l.len;) {
             if (pos >= cut && part + 1 < nparts) {
                 /* This part is full: post its last run, release its worker. */
