@@ -256,7 +256,7 @@ class AgentCore:
             # The lanes' pumps still run: they progress their share meanwhile.
             callbacks = driver.drain_for_close() if own_stopped else []
             driver.stop_helping()  # the pumps stop next
-        wedged = self.lanes.stop_pumps() + (not own_stopped)
+        wedged = self.lanes.stop_pumps(keep=driver.stragglers > 0) + (not own_stopped)
         with self.lock:
             if own_stopped:
                 self.fail_all(why)  # (failing peers closes lane endpoints, not a wedged lane's)
@@ -269,7 +269,7 @@ class AgentCore:
                 inflight.drain()
             callbacks += inflight.take_callbacks()
             if wedged:
-                self._leave_wedged(wedged, own_stopped)
+                self._leave_wedged(wedged, own_stopped, driver.stragglers)
             else:
                 driver.close()
                 self.peers.close()
@@ -278,11 +278,14 @@ class AgentCore:
                 self.context.close()
         return callbacks
 
-    def _leave_wedged(self, wedged: int, own_stopped: bool) -> None:
+    def _leave_wedged(self, wedged: int, own_stopped: bool, stragglers: int) -> None:
         """Some pump's thread is stuck inside its worker (``Pump.stop``): it
         may hold the worker's lock (closing an endpoint there would hang)
         and would use whatever is freed (the context, the eventfd it
-        writes, the completion context its callbacks write). Keep all of it
+        writes, the completion context its callbacks write). Or
+        ``stragglers`` threads were still in the shim when the close gave
+        up waiting for them (``ProgressDriver.stop``), and may yet reach the
+        pumps, the completion context and the workers. Keep all of it
         for the life of the process: a leak, said in the log, instead of a
         hang or a crash. Healthy workers are closed as usual."""
         if own_stopped:
@@ -292,8 +295,13 @@ class AgentCore:
             self.worker.abandon()
         self.context.abandon()
         _WEDGED.append(self)
-        log.error("agent %r closed with %d progress thread(s) stuck in UCX: its UCX context, memory "
-                  "registrations and stuck workers are left in place until the process exits", self.name, wedged)
+        if stragglers:
+            log.error("agent %r closed with %d thread(s) still in the shim past the close's bounds: its pumps, "
+                      "UCX context, memory registrations and workers are left in place until the process exits",
+                      self.name, stragglers)
+        else:
+            log.error("agent %r closed with %d progress thread(s) stuck in UCX: its UCX context, memory "
+                      "registrations and stuck workers are left in place until the process exits", self.name, wedged)
 
 
 _WEDGED: list[AgentCore] = []

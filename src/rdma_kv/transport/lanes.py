@@ -136,11 +136,13 @@ class Lane:
             peer.failure = reason
         peer.close(force=True)  # the endpoint first (cancelling its operations), then the remote keys
 
-    def stop_pump(self) -> bool:
+    def stop_pump(self, keep: bool = False) -> bool:
         """Stop the pump (idempotent); False when its thread is stuck in the
-        worker (``wedged``): then nothing closes the worker or its endpoints."""
+        worker, or ``keep`` (another thread of the agent may still reach the
+        pump and its worker): then the lane is ``wedged``, and nothing frees
+        the pump or closes the worker or its endpoints."""
         if self.pump is not None:
-            if not self.pump.stop():
+            if not self.pump.stop(free=not keep) or keep:
                 self.wedged = True
             self.pump = None
         return not self.wedged
@@ -248,9 +250,10 @@ class Lanes:
         paths: Paths = p.paths
         return paths
 
-    def stop_pumps(self) -> int:
-        """Stop every lane's pump; how many are wedged (their thread stuck)."""
-        return sum(not lane.stop_pump() for lane in self._lanes)
+    def stop_pumps(self, keep: bool = False) -> int:
+        """Stop every lane's pump; how many are wedged (their thread stuck,
+        or all of them with ``keep``: see :meth:`Lane.stop_pump`)."""
+        return sum(not lane.stop_pump(keep) for lane in self._lanes)
 
     def close(self) -> None:
         for lane in self._lanes:

@@ -73,6 +73,11 @@ CLOSE_HELP_WAIT_S = 30.0
 """How long a close waits for threads inside a help round (each is at most 64 progress rounds; a
 thread given no CPU can take seconds on a loaded host)."""
 
+CLOSE_BLOCKED_WAIT_S = 5.0
+"""How long a close waits for callers blocked in ``rk_await`` to leave it, and for the service
+thread to end. One still there after it may yet reach a pump: then the pumps are not freed (the
+agent closes as a wedged one)."""
+
 _UNBOUND: AbstractContextManager[None] = nullcontext()
 
 Service = Callable[[], int]  # the agent's settling round (caller holds the lock): completions drained
@@ -122,6 +127,7 @@ class ProgressDriver:
         self._cuda = cuda
         self._binder = Binder(cuda, f"agent {name!r}") if cuda is not None else None
         self._blocked = 0  # callers inside rk_await (they may be helping the pumps)
+        self.stragglers = 0  # threads still in the shim when stop() gave up waiting for them
         self.pump: Pump | None = None
         self._thread: threading.Thread | None = None
         if wake.fd >= 0:
@@ -322,24 +328,32 @@ class ProgressDriver:
         self._lib.rk_wake_waiters(self._ctx)  # they leave C within one help round
         if self._wake.fd >= 0:  # and the service thread's wait, which looks at closing when woken
             os.eventfd_write(self._wake.fd, 1)
-        end = time.monotonic() + 5.0
+        end = time.monotonic() + CLOSE_BLOCKED_WAIT_S
         while self._blocked and time.monotonic() < end:
             time.sleep(0.0001)
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=CLOSE_BLOCKED_WAIT_S)
         # No pump stops and no worker goes while a thread is inside a help round (closing is
         # set, so none starts one): one preempted there would use them after they were freed.
         end = time.monotonic() + CLOSE_HELP_WAIT_S
         while (inside := self._helpers_inside()) and time.monotonic() < end:
             time.sleep(0.0001)
-        if inside:
-            log.error("agent %r closing: %d thread(s) still inside a help round after %.0f s; closing anyway",
-                      self.name, inside, CLOSE_HELP_WAIT_S)
+        # A thread still blocked in C past these bounds (descheduled for
+        # seconds on a loaded host, or the service thread not joined) may yet
+        # look at a pump or the completion context: nothing it can reach is
+        # freed (the agent closes as a wedged one, its pumps kept).
+        service_alive = self._thread is not None and self._thread.is_alive() and \
+            self._thread is not threading.current_thread()
+        self.stragglers = inside + self._blocked + service_alive
+        if self.stragglers:
+            log.error("agent %r closing: %d thread(s) inside a help round, %d blocked caller(s) and %s service "
+                      "thread still in the shim after their bounds; leaving what they can reach in place",
+                      self.name, inside, self._blocked, "a" if service_alive else "no")
         stopped = True
         if self.pump is not None:
-            stopped = self.pump.stop()
+            stopped = self.pump.stop(free=not self.stragglers)
             self.pump = None
-        return stopped
+        return stopped and not self.stragglers
 
     def _helpers_inside(self) -> int:
         """Threads holding one of the pumps (posts are over once closing: helpers)."""

@@ -104,9 +104,10 @@ class Pump:
         """The pump thread's kernel thread id."""
         return self._thread.native_id or 0
 
-    def stop(self) -> bool:
+    def stop(self, free: bool = True) -> bool:
         """Stop the loop, join the thread (at most ``PUMP_STOP_S``) and free
-        the pump; idempotent. False when the loop did not return: it is
+        the pump (unless ``free`` is False: another thread may still reach
+        it); idempotent. False when the loop did not return: it is
         reported and its pump left allocated (its thread still reads it),
         and the caller must leave its worker alone (the thread may be
         inside it, holding its lock)."""
@@ -118,7 +119,7 @@ class Pump:
                 log.error("the progress thread of %r (tid %d) did not stop within %.0f s: stuck in UCX progress? "
                           "Leaving its pump and worker as they are and closing on", self.name, self.tid,
                           PUMP_STOP_S)
-            else:
+            elif free:
                 self._lib.rk_pump_free(self.handle)
             self.handle = None
         return not self.stuck

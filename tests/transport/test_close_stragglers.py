@@ -1,0 +1,103 @@
+"""A close that gives up waiting for a caller blocked in the shim must not
+free what that caller can still reach. A caller of ``wait()`` checks that
+the agent is open, counts itself blocked, then enters ``rk_await``, where
+it helps the pumps; descheduled in between (seconds, on a loaded host),
+it outlived the close's wait for blocked callers, the close freed every
+pump, and the caller then claimed a freed pump (found with an
+instrumented shim that poisons freed pumps: a use after free, then a
+segfault). Now such a close keeps the pumps and leaves the agent as a
+wedged one, said in the log."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+
+import numpy as np
+
+from rdma_kv.transport import Agent, AgentConfig, DescList
+from rdma_kv.transport import agent as agent_mod
+from rdma_kv.transport import progress
+from transport_helpers import LOOPBACK
+
+
+class _Recording:
+    """A pump's shim, recording each ``rk_pump_free`` and how many callers
+    were blocked in the agent at that moment."""
+
+    def __init__(self, lib, driver, frees):
+        self._lib, self._driver, self._frees = lib, driver, frees
+
+    def __getattr__(self, name):
+        attr = getattr(self._lib, name)
+        if name != "rk_pump_free":
+            return attr
+
+        def free(handle):
+            self._frees.append(self._driver._blocked)
+            return attr(handle)
+        return free
+
+
+def test_a_caller_descheduled_on_its_way_into_the_shim_keeps_the_pumps_alive(make_agent, monkeypatch, caplog):
+    monkeypatch.setattr(progress, "CLOSE_BLOCKED_WAIT_S", 0.2)
+    target = make_agent("target")
+    # Not from make_agent, whose teardown finds a wedged agent's regions and peers left in place (as they must be).
+    reader = Agent("reader", AgentConfig(ucx_options=dict(LOOPBACK), lanes=2))
+    nbytes = 64 << 20
+    theirs = np.ones(nbytes, dtype=np.uint8)
+    mine = np.zeros(nbytes, dtype=np.uint8)
+    target.register(theirs)
+    reader.register(mine)
+    peer = reader.add_peer(target.metadata())
+    core = reader._core
+    driver = core.driver
+    frees: list[int] = []
+    pumps = [driver.pump] + [lane.pump for lane in core.lanes._lanes]
+    assert all(p is not None for p in pumps) and len(pumps) == 2
+    for pump in pumps:
+        pump._lib = _Recording(pump._lib, driver, frees)
+    # The waiter is held between counting itself blocked and entering
+    # rk_await (where it binds the CUDA context: nothing without CUDA).
+    release = threading.Event()
+    bound = driver.bound
+
+    def slow_bound():
+        if threading.current_thread().name == "waiter":
+            release.wait(10.0)
+        return bound() if threading.current_thread().name != "waiter" else contextlib.nullcontext()
+
+    monkeypatch.setattr(driver, "bound", slow_bound)
+    # Both pumps held off their workers: the read cannot complete before the waiter blocks on it.
+    for pump in pumps:
+        pump._lib.rk_pump_hold(pump.handle, 1)
+    xfer = reader.read(peer, DescList([mine.ctypes.data], nbytes), DescList([theirs.ctypes.data], nbytes))
+    outcome: list[object] = []
+
+    def wait():
+        try:
+            xfer.wait(timeout_s=20)
+            outcome.append("done")
+        except Exception as exc:  # noqa: BLE001 -- what the waiter saw is asserted below
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait, name="waiter")
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while driver._blocked == 0 and waiter.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert driver._blocked == 1, "the waiter never blocked"
+    for pump in pumps:
+        pump._lib.rk_pump_hold(pump.handle, -1)
+    with caplog.at_level(logging.ERROR, logger="rdma_kv"):
+        reader.close()  # gives up on the waiter after 0.2 s
+    release.set()  # the waiter goes on into rk_await, with the agent closed
+    waiter.join(10.0)
+    assert not waiter.is_alive()
+    assert frees == [], f"pumps freed while a caller was still on its way into the shim (blocked: {frees})"
+    assert core in agent_mod._WEDGED
+    assert "1 blocked caller(s) and no service thread still in the shim after their bounds" in caplog.text
+    assert "closed with 1 thread(s) still in the shim past the close's bounds" in caplog.text
+    assert len(outcome) == 1  # it returned (done or closed): it did not hang or crash
