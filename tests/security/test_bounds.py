@@ -4,6 +4,7 @@ geometry) are rejected before anything is posted."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 
@@ -16,6 +17,7 @@ from rdma_kv.connector.rdma import wire, wiregeom
 from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress, RdmaConnectorMetadata
 from rdma_kv.connector.rdma.params import LeaseRef, parse_kv_transfer_params
 from rdma_kv.connector.rdma.settings import RdmaSettings
+from rdma_kv.connector.rdma.sideclient import SideChannelClient
 from rdma_kv.connector.rdma.sidechannel import SideChannelServer
 from rdma_kv.errors import ConfigError, MetadataError
 from rdma_kv.harness.engine import Engine, ModelShape
@@ -184,3 +186,29 @@ def test_peer_geometry_outside_its_regions_is_rejected(layer, match):
     geometry = wire.GeometryWire([wiregeom.RegionWire(1 << 20, 4096)], [layer])
     with pytest.raises(MetadataError, match=match):
         geometry.to_geometry()
+
+
+def test_refused_handshakes_are_readable_bounded_and_logged_a_few_times(pair, caplog):
+    """A peer handshaking again and again on one connection with a
+    mismatching, field-filling compat record: each refusal fits the wire's
+    bound (it was 51 KB against 8,192: the peer could not read why), and
+    the producer logs a few of them per window, each line bounded (each
+    refusal was one line of 51 KB: 200 handshakes in 0.2 s made 10 MB)."""
+    _, p, _ = pair
+    p.step()
+    compat = wire.CompatInfo(2, 4, 2, 8, "x" * 1024, "y" * 1024, ["z" * 1024] * 2, kv_layout="k" * 1024,
+                             attention_backend="a" * 1024, layer_groups=[123456789] * 4096, transfer_mode="m" * 1024)
+    client = SideChannelClient("127.0.0.1", p.worker.worker.side_channel_port, rpc_timeout_s=5.0, retries=0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="rdma_kv"):
+            replies = [client.call(wire.Handshake(wire.PROTOCOL_VERSION, "D", wire.RankInfo(0, 1, 2), compat))
+                       for _ in range(50)]
+    finally:
+        client.close()
+    for reply in replies:
+        assert isinstance(reply, wire.Refused), reply
+        assert reply.reason.startswith("incompatible KV caches (dtype: producer ") and len(reply.reason) < 8192
+        assert "layer_groups: producer " in reply.reason  # every differing field is still named
+    refused = [r for r in caplog.records if "refused handshake" in r.getMessage()]
+    assert 1 <= len(refused) <= 3, len(refused)
+    assert max(len(r.getMessage()) for r in refused) < 8192

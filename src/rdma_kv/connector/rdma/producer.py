@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma import auth, fences, wire
 from rdma_kv.connector.rdma.leases import Ending, LeaseCall, LeaseTable
+from rdma_kv.connector.rdma.lograte import EventSummary
 from rdma_kv.connector.rdma.meta import LayerPushSpec, SendSpec
 from rdma_kv.connector.rdma.pusher import PushWriter
 from rdma_kv.connector.rdma.settings import RdmaSettings
@@ -46,6 +47,9 @@ from rdma_kv.connector.types import EngineId, RequestId
 __all__ = ["ProducerHandler", "RdmaProducer"]
 
 logger = logging.getLogger(__name__)
+
+MAX_DIFF_CHARS = 4000
+"""What a refused handshake's reason says of the differences at most (its wire bound is 8192)."""
 
 
 class ProducerHandler:
@@ -64,6 +68,8 @@ class ProducerHandler:
         self.registration = 1
         self.pusher: PushWriter | None = None
         """Push mode's writer (None in pull mode, and while asleep)."""
+        self._refusals = EventSummary(logger, f"producer {engine_id!r}", "handshakes refused")
+        """A peer may handshake again and again on one connection: a few lines per window, then a count."""
 
     def suspend(self) -> None:
         """The KV cache is about to be unregistered: refuse handshakes and pushes."""
@@ -85,7 +91,10 @@ class ProducerHandler:
         compat = self._compat
         if request.compat != compat:
             diff = "; ".join(compat.mismatches(request.compat, mine="producer", theirs="consumer"))
-            logger.warning("refused handshake from consumer %r: %s", request.engine_id, diff)
+            if len(diff) > MAX_DIFF_CHARS:  # the Refused reason has a bound on the wire (and logs should too)
+                diff = diff[:MAX_DIFF_CHARS] + f"... ({len(diff)} characters)"
+            self._refusals.event("incompatible KV caches", request.engine_id[:64],
+                                 "refused handshake from consumer %r: %s", request.engine_id[:256], diff)
             hint = ("both engines must run the same model, dtype, block size and KV layout"
                     if any(not m.startswith("transfer_mode") for m in compat.mismatches(request.compat)) else
                     "both engines must run the same transfer mode (kv_connector_extra_config 'mode': "

@@ -85,13 +85,20 @@ class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                     a = f"{len(a)} layers, layer {first}: {a[first] if first < len(a) else '-'}"
                     b = f"{len(b)} layers, layer {first}: {b[first] if first < len(b) else '-'}"
-                out.append(f"{name}: {mine} {a!r} vs {theirs} {b!r}")
+                out.append(f"{name}: {mine} {_shown(a)} vs {theirs} {_shown(b)}")
                 if name == "block_size":
                     out[-1] += (" (blocks are not remapped between block sizes: the KV is not "
                                 "transferred and the request is computed locally, or fails under "
                                 "kv_load_failure_policy=fail; start both engines with the same "
                                 "--block-size)")
         return out
+
+
+def _shown(value: object, limit: int = 160) -> str:
+    """``repr(value)``, cut at ``limit`` characters (a peer's field may be
+    thousands of them: a mismatch line names the values, not all of them)."""
+    shown = repr(value)
+    return shown if len(shown) <= limit else f"{shown[:limit]}... ({len(shown)} characters)"
 
 
 class SegmentWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
