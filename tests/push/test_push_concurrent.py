@@ -16,6 +16,7 @@ from fakes import FakeFabric
 from rdma_testutil import wait_until
 
 from rdma_kv.connector import KVTransferConfig
+from rdma_kv.connector.rdma import pusher as pusher_module
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.params import format_router_address
 from rdma_kv.connector.rdma.sideclient import SideChannelClient
@@ -343,5 +344,44 @@ def test_a_registration_naming_blocks_past_the_decodes_cache_is_refused_before_a
             pair.pump()
         assert pair.fabric.writes == writes
         assert pair.registered() == 0
+    finally:
+        pair.close()
+
+
+def test_a_producer_knows_at_most_max_decodes_and_a_forgotten_decode_introduces_itself_again(rng, monkeypatch):
+    """Each PUSH_HELLO of a new decode rank kept its geometry (a peer may send
+    a megabyte of it) for ever: 60 introductions took the producer from 234
+    to 376 MB. Past MAX_DECODES (2 here) a new one replaces the least
+    recently used decode with no push under way; that decode, pushed to
+    again, is told to introduce itself and does, and its load succeeds."""
+    monkeypatch.setattr(pusher_module, "MAX_DECODES", 2)
+    pair = Pair()
+    try:
+        def serve(what):
+            p_rid, d_rid, tid = pair.ids()
+            prompt = rng.integers(1, 999, 3 * SHAPE.block_size + 1).tolist()
+            pair.decode(d_rid, prompt, tid)
+            pair.prefill(p_rid, prompt, tid)
+            wait_until(lambda: pair.finished(d_rid), step=pair.pump, what=what)
+            r = pair.D.results[d_rid]
+            assert r.status.value == "finished" and not r.load_failed and r.bad_blocks == [], (r.error, r.bad_blocks)
+
+        serve("the first decode")
+        writer = pair.P.worker.worker.side_channel_handler.pusher
+        local = pair.D.worker.worker._local  # other decode ranks' introductions, as one peer may make them
+        metadata, geometry = local.transport.metadata(), wire.GeometryWire.from_geometry(local.geometry)
+        client = SideChannelClient("127.0.0.1", pair.P.worker.worker.side_channel_port, rpc_timeout_s=5.0, retries=0)
+        try:
+            for i in range(5):
+                reply = client.call(wire.PushHello(wire.PROTOCOL_VERSION, f"other-{i}", wire.RankInfo(0, 1, 1), 1,
+                                                   metadata, geometry))
+                assert isinstance(reply, wire.PushReply) and reply.state is wire.PushState.DONE, reply
+                assert len(writer._decodes) == 2
+        finally:
+            client.close()
+        assert ("decode-1", 0) not in writer._decodes
+        serve("the forgotten decode")  # refused with 'introduce', it says PUSH_HELLO again
+        totals = producer_push_totals(pair)
+        assert totals["push_decodes_forgotten"] == 5 and totals["push_hellos"] == 7, totals
     finally:
         pair.close()

@@ -61,6 +61,7 @@ from rdma_kv.connector.rdma.pushstate import (
     DONE,
     FAILED,
     FORGET_AFTER_S,
+    MAX_DECODES,
     MAX_REMEMBERED,
     PENDING,
     REFUSED,
@@ -102,7 +103,8 @@ class PushWriter(ConcurrentDispatch):
         """A CUDA KV cache's: a layer is written once its fence passed (``fences``)."""
         self._clock = clock
         self._lock = threading.Lock()
-        self._decodes: dict[tuple[str, int], Decode] = {}
+        self._decodes: collections.OrderedDict[tuple[str, int], Decode] = collections.OrderedDict()
+        """Least recently used first (a push or registration from a decode moves it last)."""
         self._pushes: collections.OrderedDict[bytes, PushEntry] = collections.OrderedDict()
         self._generations: set[tuple[int, int]] = set()  # (lease, reader) pushed: a second PUSH is refused
         self._own: dict[HeadSlice | None, tuple[SlotTable, PreparedList]] = {}
@@ -119,11 +121,41 @@ class PushWriter(ConcurrentDispatch):
             old = self._decodes.get(key)
         if old is not None and old.registration == request.registration:
             return wire.PushReply(DONE, "known")
+        if old is None:
+            with self._lock:
+                room = self._make_room()
+            if isinstance(room, wire.PushReply):
+                return room
+            if room is not None:
+                self._transport.remove_peer(room)
         name = self._transport.add_peer(request.agent_metadata)  # replaces an older incarnation
         with self._lock:
             self._decodes[key] = Decode(name, geometry, request.registration, key)
             self._counts.add("hellos")
         return wire.PushReply(DONE, "introduced")
+
+    def _make_room(self) -> str | wire.PushReply | None:
+        """Room for one more decode (under the lock): below MAX_DECODES, none
+        needed (None); else the least recently used decode with no push
+        running or waiting is forgotten (it introduces itself again if it
+        comes back), and its transport peer's name returned when no other
+        decode uses it; REFUSED when every one has a push under way."""
+        if len(self._decodes) < MAX_DECODES:
+            return None
+        busy = set()
+        for entry in self._pushes.values():
+            if entry.state in (RUNNING, WAITING):
+                if entry.decode is not None:
+                    busy.add(entry.decode.key)
+                if entry.reg is not None:
+                    busy.add((entry.reg.engine_id, entry.reg.tp_rank))
+        victim = next((key for key in self._decodes if key not in busy), None)
+        if victim is None:
+            return wire.PushReply(REFUSED, f"this producer rank serves {MAX_DECODES} decode ranks, each with a "
+                                           "push under way: introduce this one again once one has ended")
+        old = self._decodes.pop(victim)
+        self._counts.add("decodes_forgotten")
+        return None if any(d.name == old.name for d in self._decodes.values()) else old.name
 
     # --- PUSH --------------------------------------------------------------------------------
 
@@ -171,6 +203,8 @@ class PushWriter(ConcurrentDispatch):
             if known is not None:
                 return self._answer(known)
             decode = self._decodes.get((request.engine_id, request.tp_rank))
+            if decode is not None:
+                self._decodes.move_to_end(decode.key)
         if decode is None or decode.registration != request.registration:
             return wire.PushReply(REFUSED, f"decode {request.engine_id!r} rank {request.tp_rank} registration "
                                            f"{request.registration} did not introduce its KV cache (PUSH_HELLO) "

@@ -19,12 +19,17 @@ from rdma_kv.connector.rdma.meta import SendSpec
 from rdma_kv.connector.rdma.slots import HeadSlice, SlotTable
 from rdma_kv.connector.rdma.transport_api import PreparedList
 
-__all__ = ["ABORTED", "DONE", "FAILED", "FORGET_AFTER_S", "MAX_REMEMBERED", "PENDING", "REFUSED", "RUNNING",
+__all__ = ["ABORTED", "DONE", "FAILED", "FORGET_AFTER_S", "MAX_DECODES", "MAX_REMEMBERED", "PENDING", "REFUSED", "RUNNING",
            "UNKNOWN", "WAITING", "Decode", "Granted", "PushEntry", "claim", "heads"]
 
 FORGET_AFTER_S = 600.0
 """A resolved push is remembered this long (a decode's late query reads its state)."""
 MAX_REMEMBERED = 1 << 16
+MAX_DECODES = 1024
+"""Decode ranks a producer rank knows at once (PUSH_HELLO): past it, a new one
+replaces the least recently used with no push running, or is refused. Each
+holds its KV cache's geometry (a peer may send megabytes of it) and an
+endpoint."""
 
 RUNNING, WAITING, DONE, FAILED, ABORTED, REFUSED, PENDING, UNKNOWN = (
     wire.PushState.RUNNING, wire.PushState.WAITING, wire.PushState.DONE, wire.PushState.FAILED,

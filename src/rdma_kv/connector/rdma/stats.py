@@ -325,6 +325,8 @@ class PushCounters(Counters):
 
     hellos: int = 0
     """Decode ranks that introduced their KV cache (producer)."""
+    decodes_forgotten: int = 0
+    """Decode ranks forgotten to make room for a new one (``MAX_DECODES`` known at once; producer)."""
     done: int = 0
     """Pushes whose writes all completed remotely, notification sent (producer)."""
     failed: int = 0
