@@ -96,7 +96,10 @@ class InFlight:
         lib.rk_ctx_init(self.ctx, self._slots, self._free, n, self._ring, n)
         self.ctx.timeout_ns = int(cfg.transfer_timeout_s * 1e9)
         self._table: list[Transfer | None] = [None] * n
-        self._zombies: dict[int, bytes | None] = {}  # slot -> what UCX may still read
+        # slot -> what the shim may still read when UCX completes it late: the
+        # notification's bytes, and the peer (its endpoint state: the
+        # completion enters it to send the notification), kept alive until then
+        self._zombies: dict[int, tuple[bytes | None, Any]] = {}
         self._drained = ffi.new("uint64_t[]", 2 * n)  # rk_drain: (slot | status, completed at) pairs
         self._expired = ffi.new("uint32_t[]", _EXPIRED_MAX)
         self.out = ffi.new("uint64_t[]", 9 + 16)  # rk_submit's out: 9 fields + one per worker (MAX_LANES)
@@ -193,7 +196,7 @@ class InFlight:
         """Settle ``xfer`` before UCX completed it: its slot becomes a zombie."""
         self._lib.rk_abandon(self.ctx, xfer._slot)
         self._table[xfer._slot] = None
-        self._zombies[xfer._slot] = xfer._notify
+        self._zombies[xfer._slot] = (xfer._notify, xfer._peer)
         self._settle(xfer, error, time.perf_counter())
 
     def expire(self, fail_peer: FailPeer) -> None:

@@ -1,4 +1,6 @@
-"""A close that gives up waiting for a caller blocked in the shim must not
+"""What the shim may still reach after Python let go of it.
+
+A close that gives up waiting for a caller blocked in the shim must not
 free what that caller can still reach. A caller of ``wait()`` checks that
 the agent is open, counts itself blocked, then enters ``rk_await``, where
 it helps the pumps; descheduled in between (seconds, on a loaded host),
@@ -11,16 +13,19 @@ wedged one, said in the log."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import threading
 import time
+import weakref
 
 import numpy as np
 
+from rdma_kv.errors import TransferError
 from rdma_kv.transport import Agent, AgentConfig, DescList
 from rdma_kv.transport import agent as agent_mod
 from rdma_kv.transport import progress
-from transport_helpers import LOOPBACK
+from transport_helpers import LOOPBACK, wait_until
 
 
 class _Recording:
@@ -101,3 +106,38 @@ def test_a_caller_descheduled_on_its_way_into_the_shim_keeps_the_pumps_alive(mak
     assert "1 blocked caller(s) and no service thread still in the shim after their bounds" in caplog.text
     assert "closed with 1 thread(s) still in the shim past the close's bounds" in caplog.text
     assert len(outcome) == 1  # it returned (done or closed): it did not hang or crash
+
+
+def test_an_abandoned_transfer_keeps_its_peer_until_ucx_hands_the_slot_back(make_agent):
+    """A transfer settled before UCX completed it (its deadline passed)
+    leaves its batch record to UCX (a zombie slot); the completion that
+    comes later reads the peer's endpoint state, to send the notification
+    or to see that it must not. That state is the peer's: removed and
+    collected meanwhile, the late completion read freed memory. The zombie
+    now keeps the peer alive until the slot is handed back."""
+    target, reader = make_agent("target"), make_agent("reader", lanes=2)
+    nbytes = 4 << 20
+    theirs, mine = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
+    target.register(theirs)
+    reader.register(mine)
+    name = reader.add_peer(target.metadata())
+    core = reader._core
+    pumps = [core.driver.pump] + [lane.pump for lane in core.lanes._lanes]
+    for pump in pumps:  # nothing progresses the read: it stays with UCX
+        pump._lib.rk_pump_hold(pump.handle, 1)
+    try:
+        xfer = reader.read(name, DescList([mine.ctypes.data], nbytes), DescList([theirs.ctypes.data], nbytes),
+                           notify=b"late")
+        peer = weakref.ref(core.peers.usable(name))
+        with core.lock:
+            core.inflight.abandon(xfer, TransferError("abandoned by the test"))  # as an expiry does
+        del xfer
+        reader.remove_peer(name)  # nothing in flight with it any more: closed and dropped now
+        gc.collect()
+        assert peer() is not None, "the peer was collected while UCX still held a transfer that reads its state"
+    finally:
+        for pump in pumps:
+            pump._lib.rk_pump_hold(pump.handle, -1)
+    wait_until(lambda: not core.inflight.zombies, 10.0, "the zombie handed back")
+    gc.collect()
+    assert peer() is None  # and let go once UCX is done with the slot
