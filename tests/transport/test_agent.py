@@ -889,3 +889,33 @@ def test_cuda_ipc_get_zero_copy_is_asked_for_and_skipped_where_ucx_has_no_cuda_m
         context.close()
     monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "n")
     assert "CUDA_IPC_ENABLE_GET_ZCOPY" not in ucx.effective_options({})
+
+
+def test_read_and_write_say_what_they_take(pair):
+    """Lists of (address, length) are not descriptors: a TypeError naming
+    DescList, not an AttributeError from inside the post."""
+    with pytest.raises(TypeError, match=r"take DescList local and remote descriptors, got list: make one with"):
+        pair.b.read("a", [(pair.buf_b.ctypes.data, 64)], pair.desc_a([0], 64))
+    with pytest.raises(TypeError, match="got tuple"):
+        pair.b.write("a", pair.desc_b([0], 64), ((pair.buf_a.ctypes.data, 64),))
+
+
+def test_a_timeout_past_the_clocks_range_means_no_deadline(pair):
+    """A timeout_s just under 2**64 ns (585 years) fits the call, but added to
+    the clock it wrapped past 2**64: the transfer was already late when
+    posted, expired at once, and its peer was failed. The deadline now
+    saturates."""
+    assert time.monotonic_ns() > 2**40  # the clock's reading is what wraps it
+    core = pair.b._core
+    pumps = [core.driver.pump] + [lane.pump for lane in core.lanes._lanes]
+    for pump in pumps:  # the read stays in flight until its deadline is looked at
+        pump._lib.rk_pump_hold(pump.handle, 1)
+    try:
+        xfer = pair.b.read("a", pair.desc_b([0], 4096), pair.desc_a([0], 4096), timeout_s=(2**64 - 2**40) / 1e9)
+        assert core.inflight.next_deadline() > time.monotonic() + 1e9  # (it was 18 minutes in the past)
+    finally:
+        for pump in pumps:
+            pump._lib.rk_pump_hold(pump.handle, -1)
+    xfer.wait(timeout_s=10)
+    np.testing.assert_array_equal(pair.buf_b[:4096], pair.buf_a[:4096])
+    pair.b.read("a", pair.desc_b([4096], 4096), pair.desc_a([4096], 4096)).wait(timeout_s=10)  # the peer is fine

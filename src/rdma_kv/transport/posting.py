@@ -45,6 +45,10 @@ class Posting:
                  notify: bytes | None, timeout_s: float | None) -> Transfer:
         """``remote``'s descriptors of ``peer`` to or from ``local``'s (FLUSH:
         none); ``code`` is ``op``'s OP_*."""
+        if not isinstance(local, DescList) or not isinstance(remote, DescList):
+            bad = local if not isinstance(local, DescList) else remote
+            raise TypeError(f"read()/write() take DescList local and remote descriptors, got "
+                            f"{type(bad).__name__}: make one with DescList(addrs, lengths)")
         n = len(local)
         if n != len(remote):
             raise DescriptorError(f"local and remote lists must pair up: {n} vs {len(remote)} descriptors")

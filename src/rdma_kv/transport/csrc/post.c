@@ -426,7 +426,8 @@ int64_t rk_submit(const rk_route_t *r, int op, uint64_t n, const void *l, const 
     for (w = 0; w < nparts; ++w) {
         __atomic_fetch_add(&ctx->queued[top - w], b->share, __ATOMIC_RELAXED);
     }
-    deadline = t0 + (timeout_ns != 0 ? timeout_ns : ctx->timeout_ns);
+    deadline = timeout_ns != 0 ? timeout_ns : ctx->timeout_ns;
+    deadline = deadline > UINT64_MAX - t0 ? UINT64_MAX : t0 + deadline; /* a huge timeout_s: no deadline */
     b->deadline_ns = deadline;
     if (ctx->live == 0 || deadline < ctx->next_deadline_ns) {
         ctx->next_deadline_ns = deadline;
