@@ -29,7 +29,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,9 +39,11 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for _path in (HERE, HERE.parent):  # tests/vllm, and tests/ (netutil)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
+import netutil  # noqa: E402
 from tiny_model import BLOCK_SIZE, KV_CACHE_MEMORY_BYTES, MAX_MODEL_LEN, UNSET_ENV, PrivateTmp, vllm_env  # noqa: E402
 
 ROUTER_VERSION = "0.1.17"
@@ -52,10 +53,8 @@ SERVED_MODEL = "tiny"
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the kernel's pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on 127.0.0.1 now, outside the ephemeral range (netutil says why)."""
+    return netutil.free_port()
 
 
 def router_command() -> str:
