@@ -12,6 +12,7 @@ May import: rdma_kv.errors, rdma_kv.transport._lib, .memory, .metadata.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from rdma_kv.errors import PeerError
@@ -22,6 +23,14 @@ from rdma_kv.transport.metadata import AgentMetadata
 # Bounded progress rounds while closing an endpoint (each round is one
 # non-blocking ucp_worker_progress call, a few microseconds).
 CLOSE_ROUNDS = 200_000
+# How long closing an endpoint waits for its outstanding flushes (Peer.close):
+# microseconds unless the peer hangs (a dead one fails them at once).
+CLOSE_FLUSH_WAIT_S = 0.5
+# Endpoints left open because flushes of them were still outstanding, with
+# their remote keys and state (the flushes' callbacks write it): destroyed
+# with their worker when the agent closes.
+_LEFT_OPEN: list[Any] = []
+_log = logging.getLogger(__name__)
 
 
 class Peer:
@@ -114,6 +123,22 @@ class Peer:
             # would be sent on a freed endpoint), nor is one being sent.
             self._lib.rk_ep_quiesce(self.ep_state)
         force = force or bool(self.ep_state.failed)
+        if self._eps:
+            # Nor is a flush of it outstanding: UCX (1.22) resumes a flush from
+            # the worker's progress queue through a pointer to its endpoint,
+            # which a forced close frees without removing it (a segfault in
+            # ucp_ep_flush_progress on the next progress call). A flush
+            # completes once the endpoint's operations do, or fail (a failed
+            # peer's), so this waits microseconds unless the peer is hung.
+            left = self._lib.rk_ep_wait_flushes(self._worker.handle, self.ep_state, int(CLOSE_FLUSH_WAIT_S * 1e9))
+            if left > 0:  # a hung peer: closing would crash UCX later, leaving it open costs an endpoint
+                _log.warning("peer %r: %d flush(es) of its endpoint still outstanding after %.1f s (the peer "
+                             "hangs?); the endpoint is left open until the agent closes", self.name, left,
+                             CLOSE_FLUSH_WAIT_S)
+                _LEFT_OPEN.append((self.ep_state, list(self._eps)))
+                self._eps.clear()
+                self.ep = None
+                return
         for entry in self._eps:
             if force:
                 self._close_ep(entry, force=True)

@@ -15,6 +15,10 @@ rk_batch_t *rk_slot_take(rk_ctx_t *ctx);
 void rk_batch_begin(rk_batch_t *b, ucp_request_param_t *p, ucp_mem_h const *memhs);
 /* The batch failed with status (the first failure is the one kept). */
 void rk_record(rk_batch_t *b, ucs_status_t status);
+/* Completion callback of an endpoint flush (user data: its
+ * rk_flush_ref_t): counts the endpoint state's flush down, then as
+ * rk_op_cb. */
+void rk_flush_cb(void *request, ucs_status_t status, void *user_data);
 /* One more operation will be handed to UCX (counted before the call). */
 void rk_batch_inc(rk_batch_t *b);
 /* One operation completed: the last one completes the batch. */

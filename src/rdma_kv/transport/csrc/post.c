@@ -302,14 +302,32 @@ static int rk_express(const rk_route_t *r, int op, uint64_t nbytes)
 }
 
 /* An endpoint flush counted as one operation of the batch: it completes
- * once every operation posted on the endpoint so far completed remotely. */
-static void rk_flush_ep(rk_poster_t *ps, ucp_ep_h ep)
+ * once every operation posted on the endpoint so far completed remotely.
+ * Counted in the endpoint's state (st->flushing) while UCX holds it: the
+ * endpoint is not closed under it (rk_ep_wait_flushes). */
+static void rk_flush_ep(rk_poster_t *ps, ucp_ep_h ep, rk_ep_state_t *st)
 {
-    if (ps->b->status == UCS_OK) {
-        ps->p.op_attr_mask &= ~(uint32_t)(UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FLAG_MULTI_SEND);
-        rk_batch_inc(ps->b);
-        rk_account(ps->b, ucp_ep_flush_nbx(ep, &ps->p));
+    rk_batch_t *b = ps->b;
+    rk_flush_ref_t *ref;
+    ucs_status_ptr_t r;
+
+    if (b->status != UCS_OK) {
+        return;
     }
+    /* (Never full: at most two endpoints on each of at most 17 workers.) */
+    ref = &b->flushes[b->nflushes < sizeof(b->flushes) / sizeof(b->flushes[0]) ? b->nflushes++ : 0];
+    ref->b = b;
+    ref->st = st;
+    ps->p.op_attr_mask &= ~(uint32_t)(UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FLAG_MULTI_SEND);
+    ps->p.cb.send = rk_flush_cb;
+    ps->p.user_data = ref;
+    rk_batch_inc(b);
+    __atomic_fetch_add(&st->flushing, 1, __ATOMIC_ACQ_REL);
+    r = ucp_ep_flush_nbx(ep, &ps->p);
+    if (!UCS_PTR_IS_PTR(r)) {           /* done in place or refused: no callback */
+        __atomic_fetch_sub(&st->flushing, 1, __ATOMIC_ACQ_REL);
+    }
+    rk_account(b, r);
 }
 
 /* Post the checked request on workers top, top - 1, ..., top - nparts + 1;
@@ -357,10 +375,10 @@ static uint64_t rk_post(rk_batch_t *b, const rk_route_t *r, rk_req_t *q, int op,
      * zero, waits for every worker's data to be visible at the target. */
     for (k = 0; k < nparts && (op == RK_OP_FLUSH || (op == RK_OP_PUT && b->has_notif)); ++k) {
         if (op == RK_OP_FLUSH || wops[top - k] > 0) {
-            rk_flush_ep(&ps, ps.eps[top - k]);
+            rk_flush_ep(&ps, ps.eps[top - k], r->ep_states[top - k]);
         }
         if (op == RK_OP_FLUSH && r->xeps != NULL) {  /* a FLUSH covers both endpoints */
-            rk_flush_ep(&ps, r->xeps[top - k]);
+            rk_flush_ep(&ps, r->xeps[top - k], r->ep_states[top - k]);
         }
     }
     rk_batch_dec(b);                    /* the guard: it may complete now */
@@ -417,6 +435,7 @@ int64_t rk_submit(const rk_route_t *r, int op, uint64_t n, const void *l, const 
     b->status = UCS_OK;
     b->state = (uint32_t)(b->id << 1);
     b->has_notif = (flags & RK_NOTIFY) != 0;
+    b->nflushes = 0;
     b->notif_sent = 0;
     b->notif_data = notif;
     b->notif_len = notif_len;

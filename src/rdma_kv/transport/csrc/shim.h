@@ -25,7 +25,17 @@ typedef struct rk_ep_state {
     uint64_t inflight;       /* transfers in flight with the peer (own worker's state only; under the agent's lock) */
     int32_t closing;         /* set by rk_ep_quiesce: no notification goes out on the endpoint */
     int32_t sending;         /* notifications being handed to the endpoint now (atomic) */
+    int32_t flushing;        /* endpoint flushes posted and not completed (atomic): the
+                              * endpoint must not be closed before they complete
+                              * (rk_ep_wait_flushes) */
 } rk_ep_state_t;
+
+/* An endpoint flush of a transfer in flight: its completion callback's
+ * user data (the batch, and the state of the endpoint it flushes). */
+typedef struct rk_flush_ref {
+    struct rk_batch *b;
+    rk_ep_state_t *st;
+} rk_flush_ref_t;
 
 /* One transfer in flight: a slot of the agent's slab. */
 typedef struct rk_batch {
@@ -48,6 +58,8 @@ typedef struct rk_batch {
     uint32_t nparts;
     uint64_t share;          /* the bytes it queued on each of them (rk_ctx_t.queued) */
     uint64_t done_ns;        /* CLOCK_MONOTONIC when it was published complete */
+    uint32_t nflushes;       /* flushes posted for it (flushes[0..nflushes)) */
+    rk_flush_ref_t flushes[34]; /* at most one per endpoint: 17 workers, 2 endpoints each */
 } rk_batch_t;
 
 typedef struct rk_ctx {
@@ -150,6 +162,15 @@ void rk_ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t status);
  * A transfer whose notification is dropped so completes with
  * UCS_ERR_CANCELED. Returns within one ucp_am_send_nbx call. */
 void rk_ep_quiesce(rk_ep_state_t *state);
+
+/* Before the agent closes an endpoint: progress worker until no flush
+ * posted on an endpoint of state is outstanding, for at most timeout_ns;
+ * returns how many still are (0: the endpoint may be closed). UCX 1.22
+ * keeps a flush that resumes from the worker's progress queue on a
+ * pointer to its endpoint that a forced close does not clear: closed
+ * under it, the endpoint is freed and the next progress call of the
+ * worker reads the freed endpoint (ucp_ep_flush_progress, SIGSEGV). */
+int32_t rk_ep_wait_flushes(ucp_worker_h worker, rk_ep_state_t *state, uint64_t timeout_ns);
 
 /* What one thread needs to progress one worker; see rk_pump_new below. */
 typedef struct rk_pump rk_pump_t;
