@@ -166,7 +166,7 @@ def step_reports(server: ApiServer) -> None:
     """One plain 1-token request: the engine steps, and its connector's
     counters and gauges reach ``/metrics`` (an idle engine reports nothing)."""
     out = complete(server.url, "hello world", max_tokens=1)
-    assert out["status"] == 200, out
+    assert out["status"] == 200, (out["status"], out["error"], server.log()[-6000:])
 
 
 def wait_registered(producer: ApiServer, registrations: float, timeout_s: float = 120.0) -> None:

@@ -68,6 +68,8 @@ LONG = " ".join(["whether tis nobler in the mind to suffer the slings and arrows
 SHORT = " ".join(["to be or not to be that is the question"] * 7)
 PUSH_BYTES = 6 * 2 * (16 << 10)
 """LONG's push: six blocks, two layers of 16 KiB each."""
+KILL_RATE_MBIT = 0.1
+"""The producer's end while it is killed mid-push: 12.5 KB/s."""
 HOLD_MBIT = 0.008
 HOLD_BURST = 96 << 10
 """The producer's end while the test hangs up and checks the decode: the
@@ -80,6 +82,14 @@ included) crosses in milliseconds."""
 ON_THE_WIRE = 64 << 10
 """Bytes that show writes are crossing: past the rate throttle's burst
 (32 KiB), within the hold's (``HOLD_BURST``)."""
+UCX_TCP_ABORT = "Fatal: unexpected error: Endpoint timeout"  # ucp_request.inl, ucp_request_try_send
+"""UCX 1.22 over TCP, where it emulates a PUT with messages the target
+acknowledges: an acknowledgement's send meets the dead producer's
+connection, and UCX treats the error as fatal (it aborts the decode's
+worker process, and vLLM's engine with it). Seen after the load had
+failed over correctly; not ours to fix, and not on InfiniBand, where the
+target of a write sends nothing. Known, so the test says XFAIL for it
+alone (reliability.md)."""
 FAIL_BOUND_S = 60.0
 """The killed producer's load must fail and recompute well within the push's
 deadlines (``read_timeout_s``) plus the decode's own compute."""
@@ -114,6 +124,10 @@ def wire(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 s.wait_healthy(START_S)
             reference = {prompt: plain_text(d, prompt) for prompt in (SHORT, LONG)}
             assert push(p, d, SHORT)["text"] == reference[SHORT]
+            # The producer resolves that push on its own threads, maybe after its
+            # last step: counted before the tests take their baselines, or the
+            # first test counts it as one of its own (it did: 'done' grew by 1).
+            wait_producer_counted(p, d, {}, "done", 1)
             yield {"link": link, "p": p, "d": d, "reference": reference}
         finally:
             for s in (p, d):
@@ -137,7 +151,7 @@ def push(p: ApiServer, d: ApiServer, prompt: str) -> dict[str, Any]:
 
 
 def start_crossing(link: netns.VethLink, p: ApiServer, d: ApiServer, *, stream: bool,
-                   hold: bool = False) -> tuple[Leg, int]:
+                   hold: bool = False, rate_mbit: float = RATE_MBIT) -> tuple[Leg, int]:
     """Throttle the producer's end, run LONG's prefill leg, send its decode
     leg, and return once the push's writes are crossing the pair: the leg,
     and the count of the producer end's limited class (the data, not the
@@ -155,7 +169,7 @@ def start_crossing(link: netns.VethLink, p: ApiServer, d: ApiServer, *, stream: 
     if hold:
         link.throttle(0, HOLD_MBIT, exempt_ports=exempt, burst=f"{HOLD_BURST >> 10}kb")
     else:
-        link.throttle(0, RATE_MBIT, exempt_ports=exempt)
+        link.throttle(0, rate_mbit, exempt_ports=exempt)
     sent0 = link.limited_bytes(0)
     leg = Leg(d, LONG, f"wire-{uuid.uuid4().hex}", out["kv_transfer_params"], stream=stream)
     wait_for("the push's writes to cross the pair", lambda: link.limited_bytes(0) - sent0 > ON_THE_WIRE, 60,
@@ -236,11 +250,17 @@ def test_decode_aborted_mid_write_keeps_its_blocks_until_the_writes_end(wire: di
 
 
 def test_producer_killed_mid_write_recomputes(wire: dict[str, Any]) -> None:
-    """Last in the module: it kills the producer."""
+    """Last in the module: it kills the producer while the push crosses, at
+    a quarter of the other tests' rate: the remaining 128 KiB take about ten
+    seconds (at 0.4 Mbit/s a loaded machine let the writes finish before
+    the kill, and nothing was tested). What the dead producer's kernel had
+    queued (the data, then its resets) crosses in order, as from a crashed
+    host; a hold would drop it when released."""
     link, p, d, reference = wire["link"], wire["p"], wire["d"], wire["reference"]
     before = counts(None, d)
     try:
-        leg, _ = start_crossing(link, p, d, stream=False)
+        leg, sent0 = start_crossing(link, p, d, stream=False, rate_mbit=KILL_RATE_MBIT)
+        assert link.limited_bytes(0) - sent0 < PUSH_BYTES, "the push crossed before the kill"
         killed_at = time.monotonic()
         p.kill()
         answer = leg.result(FAIL_BOUND_S + 60)
@@ -252,5 +272,15 @@ def test_producer_killed_mid_write_recomputes(wire: dict[str, Any]) -> None:
     assert grew["pushed_failed"] == 1 and grew["loads_failed"] == 1 and grew["pushed_ok"] == 0, grew
     assert grew["producer_gone"] == 1, (grew, d.log()[-3000:])
     assert took < FAIL_BOUND_S, f"the load failed {took:.1f} s after the kill"
-    wait_for("the decode to hold nothing", lambda: settled(None, d), 60, poll_s=0.5)
+
+    def decode_settled() -> bool:
+        try:
+            return settled(None, d)
+        except AssertionError:
+            if UCX_TCP_ABORT in d.log():  # only this known abort; anything else fails the test
+                pytest.xfail("the decode's worker aborted in UCX after its producer died mid-push over TCP "
+                             f"({UCX_TCP_ABORT!r}; reliability.md: not fixed)")
+            raise
+
+    wait_for("the decode to hold nothing", decode_settled, 60, poll_s=0.5)
     assert plain_text(d, SHORT) == reference[SHORT]
