@@ -37,6 +37,7 @@ from transport_helpers import (
     collect_notifications,
     connect,
     contiguous_runs,
+    pumps_held,
     random_blocks,
     wait_until,
 )
@@ -906,16 +907,9 @@ def test_a_timeout_past_the_clocks_range_means_no_deadline(pair):
     posted, expired at once, and its peer was failed. The deadline now
     saturates."""
     assert time.monotonic_ns() > 2**40  # the clock's reading is what wraps it
-    core = pair.b._core
-    pumps = [core.driver.pump] + [lane.pump for lane in core.lanes._lanes]
-    for pump in pumps:  # the read stays in flight until its deadline is looked at
-        pump._lib.rk_pump_hold(pump.handle, 1)
-    try:
+    with pumps_held(pair.b):  # the read stays in flight until its deadline is looked at
         xfer = pair.b.read("a", pair.desc_b([0], 4096), pair.desc_a([0], 4096), timeout_s=(2**64 - 2**40) / 1e9)
-        assert core.inflight.next_deadline() > time.monotonic() + 1e9  # (it was 18 minutes in the past)
-    finally:
-        for pump in pumps:
-            pump._lib.rk_pump_hold(pump.handle, -1)
+        assert pair.b._core.inflight.next_deadline() > time.monotonic() + 1e9  # (it was 18 minutes in the past)
     xfer.wait(timeout_s=10)
     np.testing.assert_array_equal(pair.buf_b[:4096], pair.buf_a[:4096])
     pair.b.read("a", pair.desc_b([4096], 4096), pair.desc_a([4096], 4096)).wait(timeout_s=10)  # the peer is fine

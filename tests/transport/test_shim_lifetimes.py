@@ -29,7 +29,7 @@ from rdma_kv.errors import TransferError
 from rdma_kv.transport import Agent, AgentConfig, DescList
 from rdma_kv.transport import agent as agent_mod
 from rdma_kv.transport import progress
-from transport_helpers import LOOPBACK, wait_until
+from transport_helpers import LOOPBACK, pumps_held, wait_until
 
 
 class _Recording:
@@ -79,27 +79,23 @@ def test_a_caller_descheduled_on_its_way_into_the_shim_keeps_the_pumps_alive(mak
         return bound() if threading.current_thread().name != "waiter" else contextlib.nullcontext()
 
     monkeypatch.setattr(driver, "bound", slow_bound)
-    # Both pumps held off their workers: the read cannot complete before the waiter blocks on it.
-    for pump in pumps:
-        pump._lib.rk_pump_hold(pump.handle, 1)
-    xfer = reader.read(peer, DescList([mine.ctypes.data], nbytes), DescList([theirs.ctypes.data], nbytes))
     outcome: list[object] = []
 
-    def wait():
+    def wait(xfer):
         try:
             xfer.wait(timeout_s=20)
             outcome.append("done")
         except Exception as exc:  # noqa: BLE001 -- what the waiter saw is asserted below
             outcome.append(exc)
 
-    waiter = threading.Thread(target=wait, name="waiter")
-    waiter.start()
-    deadline = time.monotonic() + 10
-    while driver._blocked == 0 and waiter.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert driver._blocked == 1, "the waiter never blocked"
-    for pump in pumps:
-        pump._lib.rk_pump_hold(pump.handle, -1)
+    with pumps_held(reader):  # the read cannot complete before the waiter blocks on it
+        xfer = reader.read(peer, DescList([mine.ctypes.data], nbytes), DescList([theirs.ctypes.data], nbytes))
+        waiter = threading.Thread(target=wait, args=(xfer,), name="waiter")
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while driver._blocked == 0 and waiter.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert driver._blocked == 1, "the waiter never blocked"
     with caplog.at_level(logging.ERROR, logger="rdma_kv"):
         reader.close()  # gives up on the waiter after 0.2 s
     release.set()  # the waiter goes on into rk_await, with the agent closed
@@ -126,10 +122,7 @@ def test_an_abandoned_transfer_keeps_its_peer_until_ucx_hands_the_slot_back(make
     reader.register(mine)
     name = reader.add_peer(target.metadata())
     core = reader._core
-    pumps = [core.driver.pump] + [lane.pump for lane in core.lanes._lanes]
-    for pump in pumps:  # nothing progresses the read: it stays with UCX
-        pump._lib.rk_pump_hold(pump.handle, 1)
-    try:
+    with pumps_held(reader):  # nothing progresses the read: it stays with UCX
         xfer = reader.read(name, DescList([mine.ctypes.data], nbytes), DescList([theirs.ctypes.data], nbytes),
                            notify=b"late")
         peer = weakref.ref(core.peers.usable(name))
@@ -139,9 +132,6 @@ def test_an_abandoned_transfer_keeps_its_peer_until_ucx_hands_the_slot_back(make
         reader.remove_peer(name)  # nothing in flight with it any more: closed and dropped now
         gc.collect()
         assert peer() is not None, "the peer was collected while UCX still held a transfer that reads its state"
-    finally:
-        for pump in pumps:
-            pump._lib.rk_pump_hold(pump.handle, -1)
     wait_until(lambda: not core.inflight.zombies, 10.0, "the zombie handed back")
     gc.collect()
     assert peer() is None  # and let go once UCX is done with the slot

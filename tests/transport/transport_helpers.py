@@ -13,7 +13,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -146,6 +147,22 @@ def contiguous_runs(local_off: np.ndarray, remote_off: np.ndarray, block: int) -
 
 
 # -- agents ------------------------------------------------------------------------------
+
+
+@contextmanager
+def pumps_held(agent) -> Iterator[list]:
+    """Every pump of ``agent`` (its own and each lane's) kept off its worker
+    meanwhile (``rk_pump_hold``): what is posted stays in flight until a
+    caller progresses it. Yields the pumps."""
+    core = agent._core
+    pumps = [p for p in (core.driver.pump, *(lane.pump for lane in core.lanes._lanes)) if p is not None]
+    for pump in pumps:
+        pump._lib.rk_pump_hold(pump.handle, 1)
+    try:
+        yield pumps
+    finally:
+        for pump in pumps:
+            pump._lib.rk_pump_hold(pump.handle, -1)
 
 
 def progress_threads() -> set[threading.Thread]:

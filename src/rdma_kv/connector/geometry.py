@@ -139,6 +139,11 @@ class KVCacheGeometry:
         raise SpecError(f"no geometry for layer {name!r}; layers: {[l.name for l in self.layers]}")
 
     @property
+    def num_blocks(self) -> int:
+        """Blocks every layer has (block ids below it index every layer)."""
+        return min(layer.num_blocks for layer in self.layers)
+
+    @property
     def bytes_per_block(self) -> int:
         """Bytes of one block id across every layer."""
         return sum(layer.block_nbytes for layer in self.layers)

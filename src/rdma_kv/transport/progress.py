@@ -331,8 +331,9 @@ class ProgressDriver:
         end = time.monotonic() + CLOSE_BLOCKED_WAIT_S
         while self._blocked and time.monotonic() < end:
             time.sleep(0.0001)
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=CLOSE_BLOCKED_WAIT_S)
+        service = self._thread if self._thread is not threading.current_thread() else None
+        if service is not None:
+            service.join(timeout=CLOSE_BLOCKED_WAIT_S)
         # No pump stops and no worker goes while a thread is inside a help round (closing is
         # set, so none starts one): one preempted there would use them after they were freed.
         end = time.monotonic() + CLOSE_HELP_WAIT_S
@@ -342,8 +343,7 @@ class ProgressDriver:
         # seconds on a loaded host, or the service thread not joined) may yet
         # look at a pump or the completion context: nothing it can reach is
         # freed (the agent closes as a wedged one, its pumps kept).
-        service_alive = self._thread is not None and self._thread.is_alive() and \
-            self._thread is not threading.current_thread()
+        service_alive = service is not None and service.is_alive()
         self.stragglers = inside + self._blocked + service_alive
         if self.stragglers:
             log.error("agent %r closing: %d thread(s) inside a help round, %d blocked caller(s) and %s service "

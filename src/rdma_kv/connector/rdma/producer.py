@@ -90,13 +90,14 @@ class ProducerHandler:
                                 "sleep mode); its KV is gone: compute locally, or retry once it woke up")
         compat = self._compat
         if request.compat != compat:
-            diff = "; ".join(compat.mismatches(request.compat, mine="producer", theirs="consumer"))
+            mismatches = compat.mismatches(request.compat, mine="producer", theirs="consumer")
+            diff = "; ".join(mismatches)
             if len(diff) > MAX_DIFF_CHARS:  # the Refused reason has a bound on the wire (and logs should too)
                 diff = diff[:MAX_DIFF_CHARS] + f"... ({len(diff)} characters)"
             self._refusals.event("incompatible KV caches", request.engine_id[:64],
                                  "refused handshake from consumer %r: %s", request.engine_id[:256], diff)
             hint = ("both engines must run the same model, dtype, block size and KV layout"
-                    if any(not m.startswith("transfer_mode") for m in compat.mismatches(request.compat)) else
+                    if any(not m.startswith("transfer_mode") for m in mismatches) else
                     "both engines must run the same transfer mode (kv_connector_extra_config 'mode': "
                     "'pull' or 'push')")
             return wire.Refused(f"incompatible KV caches ({diff}); {hint}")

@@ -138,7 +138,7 @@ class ConcurrentDispatch:
             return found
         if len(request.local_block_ids) != 1:
             return wire.PushReply(REFUSED, "concurrent dispatch serves models with one KV-cache group")
-        ids, num_blocks = request.local_block_ids[0], found.num_blocks
+        ids, num_blocks = request.local_block_ids[0], found.geometry.num_blocks
         if ids and max(ids) >= num_blocks:  # (the schema keeps them >= 0) checked before any layer is written:
             # a layer's writes go out as the prefill runs, long before the seal
             # plans the whole push, and an id past a row is another layer's block
@@ -370,9 +370,8 @@ class ConcurrentDispatch:
             first = reg.first_token // self._block_size
             mine = np.asarray(spec.block_ids[lo:hi], dtype=np.int64)
             theirs = np.asarray(reg.local_block_ids[0][lo - first:hi - first], dtype=np.int64)
-            for side, ids, table in (("this producer's", mine, own[0]), ("the decode's", theirs, dst[0])):
-                if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= table.num_blocks):
-                    raise ValueError(f"{side} block ids outside [0, {table.num_blocks})")
+            own[0].check_ids(mine, "local")  # (DescriptorError: a ValueError)
+            dst[0].check_ids(theirs, "remote")
             src = (own[0].row_base[rows][:, None] + mine[None, :]).ravel()
             dst_idx = (dst[0].row_base[rows][:, None] + theirs[None, :]).ravel()
         except (KeyError, ValueError) as exc:

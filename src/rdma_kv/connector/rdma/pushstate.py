@@ -46,11 +46,6 @@ class Decode:
     key: tuple[str, int]  # (engine id, TP rank)
     tables: dict[HeadSlice | None, tuple[SlotTable, PreparedList]] = dataclasses.field(default_factory=dict)
 
-    @property
-    def num_blocks(self) -> int:
-        """Blocks every layer of its KV cache has (a slot table's ``num_blocks``)."""
-        return min(layer.num_blocks for layer in self.geometry.layers)
-
 
 @dataclasses.dataclass(eq=False)
 class PushEntry:

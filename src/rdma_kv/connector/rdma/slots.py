@@ -95,7 +95,7 @@ class SlotTable:
         if not rows:
             raise DescriptorError("a KV cache with no layers has nothing to transfer")
         self.heads = heads
-        self.num_blocks = min(layer.num_blocks for layer in geometry.layers)
+        self.num_blocks = geometry.num_blocks
         counts = np.array([layer.num_blocks for layer, *_ in rows], dtype=np.int64)
         self.row_base = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self.row_group = np.array([layer.group for layer, *_ in rows], dtype=np.int64)
@@ -128,18 +128,20 @@ class SlotTable:
         ``r`` contributes ``block_ids[row_group[r]]``."""
         return self._indices(_as_groups(block_ids), side)
 
+    def check_ids(self, ids: np.ndarray, side: str) -> None:
+        """DescriptorError unless every one of ``ids`` (int64) is a block of this table."""
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            bad = ids[(ids < 0) | (ids >= self.num_blocks)]
+            raise DescriptorError(f"{side} block ids {bad[:8].tolist()} are outside [0, {self.num_blocks}) "
+                                  f"of the {side} KV cache")
+
     def _indices(self, groups: Sequence[np.ndarray], side: str) -> np.ndarray:
         """:meth:`indices` of per-group int64 arrays, taken as they are."""
         if len(groups) != self.num_groups:
             raise DescriptorError(f"{len(groups)} groups of {side} block ids for a {side} KV cache "
                                   f"of {self.num_groups} KV-cache group(s)")
         for ids in groups:
-            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
-                bad = ids[(ids < 0) | (ids >= self.num_blocks)]
-                raise DescriptorError(
-                    f"{side} block ids {bad[:8].tolist()} are outside [0, {self.num_blocks}) "
-                    f"of the {side} KV cache"
-                )
+            self.check_ids(ids, side)
         if len(groups) == 1:
             flat: np.ndarray = (self.row_base[:, None] + groups[0][None, :]).ravel()
             return flat

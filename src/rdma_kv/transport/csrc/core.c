@@ -87,16 +87,13 @@ static void rk_op_cb(void *request, ucs_status_t status, void *user_data)
 void rk_flush_cb(void *request, ucs_status_t status, void *user_data)
 {
     rk_flush_ref_t *ref = (rk_flush_ref_t *)user_data;
-    rk_batch_t *b = ref->b;
 
-    /* The state first: the batch's slot may be reused once it completes
-     * (rk_batch_dec). Whoever waits for the count to drop to close the
-     * endpoint takes the worker's lock to close it, held by this
+    /* The state first: the batch's slot (ref is in it) may be reused once
+     * it completes (rk_batch_dec). Whoever waits for the count to drop to
+     * close the endpoint takes the worker's lock to close it, held by this
      * thread's progress call until the callback returns. */
     __atomic_fetch_sub(&ref->st->flushing, 1, __ATOMIC_ACQ_REL);
-    rk_record(b, status);
-    ucp_request_free(request);
-    rk_batch_dec(b);
+    rk_op_cb(request, status, ref->b);
 }
 
 int32_t rk_ep_wait_flushes(ucp_worker_h worker, rk_ep_state_t *st, uint64_t timeout_ns)
