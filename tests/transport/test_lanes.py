@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from rdma_kv.errors import ConfigError, DescriptorError, PeerError, TransferError, TransferTimeoutError
-from rdma_kv.transport import AgentConfig, DescList, XferState
+from rdma_kv.transport import AgentConfig, DescList, XferState, stall
 from rdma_kv.transport._lib import load
 from transport_child import Child
 from transport_helpers import (LOOPBACK, PAIR_NBYTES, TCP, collect_notifications, connect, link, pattern,
@@ -587,8 +587,6 @@ def test_a_transfer_past_its_deadline_logs_what_it_was_waiting_for(make_agent, c
 
 def test_a_stall_line_says_a_held_pump_is_held(make_agent):
     """``stall.describe`` on a part whose pump a poster holds."""
-    from rdma_kv.transport import stall
-
     b = make_agent("b", progress="thread", lanes=2)
     ffi, lib = load()
     batch = ffi.new("rk_batch_t *", {"pending": 2, "posted": 1, "top": 1, "nparts": 2})
@@ -600,6 +598,35 @@ def test_a_stall_line_says_a_held_pump_is_held(make_agent):
         lib.rk_pump_hold(pumps[1], -1)
     assert line.startswith("2 of 1 operations outstanding; lane 1: pump held by 1 poster(s)"), line
     assert "; own worker: pump " in line and "held" not in line.split("own worker")[1], line
+
+
+class SlowToLoop:
+    """The shim's library, except that a pump's thread takes a while to
+    enter its loop (a thread that waits for a CPU on a loaded host)."""
+
+    def __init__(self, lib):
+        self._lib = lib
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+    def rk_pump_run(self, handle):
+        time.sleep(0.2)
+        self._lib.rk_pump_run(handle)
+
+
+def test_a_pump_is_running_when_its_agent_has_it(make_agent, monkeypatch):
+    """A new pump returns once its thread is in the shim's loop: steering
+    and the stall reports have its thread id from the first post on (a
+    report once read 'thread 0 not readable' for a pump just made)."""
+    import rdma_kv.transport.pump as pump_module
+    ffi, lib = load()
+    monkeypatch.setattr(pump_module, "load", lambda: (ffi, SlowToLoop(lib)))
+    b = make_agent("b", progress="thread", lanes=2)
+    pumps = [b._core.driver.pump] + [lane.pump for lane in b._core.lanes]
+    assert [lib.rk_pump_tid(p.handle) for p in pumps] == [p.tid for p in pumps]
+    assert all(p.tid > 0 for p in pumps)
+    assert "not yet in its loop" in stall.thread(0)
 
 
 def test_an_agent_reports_what_its_progress_threads_do(make_agent):

@@ -25,6 +25,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 from rdma_kv.errors import TransferError
@@ -40,6 +41,9 @@ PR_SET_NAME = 15  # <linux/prctl.h>
 PUMP_START_S = 60.0
 """How long a new pump's thread may take to start and make the CUDA context current (a thread
 waits seconds for a CPU on a loaded host)."""
+
+START_POLL_S = 0.0002
+"""How often a new pump checks that its thread entered the loop (a few checks at most)."""
 
 PUMP_STOP_S = 30.0
 """How long a stop waits for the pump's loop to return (one progress call and its wake-up; a
@@ -78,7 +82,8 @@ class Pump:
         except RuntimeError as exc:  # can't start new thread
             lib.rk_pump_free(handle)
             raise TransferError(f"cannot start the progress thread of {name!r}: {exc}") from exc
-        if not self._ready.wait(PUMP_START_S):
+        deadline = time.monotonic() + PUMP_START_S
+        if not self._ready.wait(PUMP_START_S) or not self._entered_loop(deadline):
             self.stop()
             raise TransferError(f"the progress thread of {name!r} did not start within {PUMP_START_S:.0f} s")
         if self._cu_status != CUDA_SUCCESS:
@@ -88,6 +93,17 @@ class Pump:
             assert cuda is not None
             raise TransferError(f"the progress thread of {name!r} cannot make the creator's CUDA context "
                                 f"{cuda.handle:#x} current: cuCtxSetCurrent returned CUresult {self._cu_status}")
+
+    def _entered_loop(self, deadline: float) -> bool:
+        """Wait (until ``deadline``) for the thread to enter the shim's loop,
+        which publishes its kernel thread id: a pump is born running, so
+        steering and the stall reports have its thread from the first post
+        on. True at once when it returned without running (a CUDA error)."""
+        while self._lib.rk_pump_tid(self.handle) == 0 and self._cu_status == CUDA_SUCCESS:
+            if not self._thread.is_alive() or time.monotonic() >= deadline:
+                return not self._thread.is_alive()
+            time.sleep(START_POLL_S)
+        return True
 
     def _run(self) -> None:
         """The pump's thread: the creator's CUDA context first (UCX's CUDA

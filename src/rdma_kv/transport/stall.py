@@ -52,7 +52,10 @@ def pump(who: str, handle: Any, now_ns: int) -> str:
 
 
 def thread(tid: int) -> str:
-    """The kernel's view of thread ``tid`` of this process."""
+    """The kernel's view of thread ``tid`` of this process (0: a pump whose
+    thread has not entered its loop)."""
+    if tid == 0:
+        return "its thread not yet in its loop"
     try:
         with open(f"/proc/self/task/{tid}/stat") as f:
             stat = f.read()
