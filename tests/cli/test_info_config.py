@@ -50,7 +50,7 @@ TABLE: list[tuple[str, str, list[tuple[str, str]], int]] = [
     ("misspelt extra key", vllm(extra={"side_channel_hots": "10.0.0.1"}),
      [("error", "unknown kv_connector_extra_config key(s) ['side_channel_hots']")], 1),
     ("lease_ttl_s out of range", vllm(extra={"lease_ttl_s": -1}),
-     [("error", "lease_ttl_s must be > 0, got -1")], 1),
+     [("error", "lease_ttl_s must be in [1, 86400] seconds, got -1")], 1),
     ("lanes out of range", vllm(extra={"lanes": 0}), [("error", "lanes must be 1..16, got 0")], 1),
     ("lanes of the wrong type", vllm(extra={"lanes": "2"}), [("error", "lanes")], 1),
     ("kv_ip under vLLM 0.32", vllm(kv_ip="10.0.0.1"),

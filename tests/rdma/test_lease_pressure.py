@@ -6,6 +6,7 @@ harness engines: tests/faults/test_lease_bounds.py."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 
@@ -113,7 +114,11 @@ def test_the_share_is_configurable(share, expected):
     ({"lease_max_share": 0}, "lease_max_share must be in (0, 1]"),
     ({"lease_max_share": 1.5}, "lease_max_share must be in (0, 1]"),
     ({"lease_max_s": 0}, "lease_max_s must be > 0"),
+    # A consumer accepts no TTL under a second in kv_transfer_params, so a
+    # producer grants none: its consumers would refuse every request.
+    ({"lease_ttl_s": 0.5}, "lease_ttl_s must be in [1, 86400] seconds, got 0.5"),
+    ({"lease_ttl_s": 86401}, "lease_ttl_s must be in [1, 86400] seconds"),
 ])
 def test_bad_bounds_are_refused(extra, says):
-    with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace("]", r"\]")):
+    with pytest.raises(ConfigError, match=re.escape(says)):
         producer(**extra)

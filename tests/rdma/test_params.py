@@ -76,6 +76,11 @@ def test_prefill_request_shapes_routers_send():
     ({"remote_engine_id": ""}, "remote_engine_id"),
     ({"remote_lease_generation": None}, "remote_lease_generation"),
     ({"remote_lease_ttl_s": 0}, "remote_lease_ttl_s"),
+    # The consumer renews at a third of the TTL the params name: a crafted
+    # 1e-9 would make every engine step a RENEW to the producer.
+    ({"remote_lease_ttl_s": 1e-9}, "remote_lease_ttl_s"),
+    ({"remote_lease_ttl_s": 0.99}, "remote_lease_ttl_s"),
+    ({"remote_lease_ttl_s": 86400.5}, "remote_lease_ttl_s"),
     ({"remote_lease_token": None}, "remote_lease_token"),
     ({"remote_lease_token": "ab" * 15}, "remote_lease_token"),
     ({"remote_lease_token": "zz" * 16}, "remote_lease_token"),

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rdma_kv.connector.types import BlockId, EngineId, GroupBlockIds, RequestId, as_group_block_ids
+from rdma_kv.connector.rdma.settings import MAX_LEASE_TTL_S, MIN_LEASE_TTL_S
 from rdma_kv.errors import ConfigError
 
 __all__ = [
@@ -356,8 +357,10 @@ def parse_kv_transfer_params(
         return ConcurrentPrefill(transfer_id)  # the producer's params never come: it pushes
     groups = _block_id_groups(params.get("remote_block_ids"))
     ttl = params.get("remote_lease_ttl_s")
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= 86400:
-        raise _field_error("remote_lease_ttl_s", ttl, "a number of seconds in (0, 86400]")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not MIN_LEASE_TTL_S <= ttl <= MAX_LEASE_TTL_S:
+        raise _field_error("remote_lease_ttl_s", ttl,
+                           f"a number of seconds in [{MIN_LEASE_TTL_S:g}, {MAX_LEASE_TTL_S:g}], the producer's "
+                           f"lease_ttl_s (the consumer renews at a third of it)")
     num_tokens = _int(params, "remote_num_tokens", 1, MAX_BLOCK_IDS * 1024)
     return RemotePrefillParams(
         remote_engine_id=EngineId(_str(params, "remote_engine_id")),

@@ -40,6 +40,16 @@ __all__ = ["EXTRA_KEYS", "MODES", "USER_KEYS", "RdmaSettings"]
 
 MODES = ("pull", "push")
 
+MIN_LEASE_TTL_S = 1.0
+"""The shortest lease a producer grants and a consumer accepts in
+``kv_transfer_params``. The params name the TTL and the consumer renews at a
+third of it, so without a floor a client's ``remote_lease_ttl_s`` of 1e-9
+made every engine step a RENEW to the producer for as long as the request
+waited; and a lease under a second lapses between the renewals of a
+consumer on a loaded host."""
+
+MAX_LEASE_TTL_S = 86400.0
+
 
 @dataclasses.dataclass(frozen=True)
 class RdmaSettings:
@@ -230,6 +240,9 @@ class RdmaSettings:
             raise ConfigError(f"side_channel_port {self.side_channel_port} + tp_size exceeds 65535")
         if not 0 < self.lease_max_share <= 1:
             raise ConfigError(f"lease_max_share must be in (0, 1], got {self.lease_max_share}")
+        if not MIN_LEASE_TTL_S <= self.lease_ttl_s <= MAX_LEASE_TTL_S:
+            raise ConfigError(f"lease_ttl_s must be in [{MIN_LEASE_TTL_S:g}, {MAX_LEASE_TTL_S:g}] seconds, "
+                              f"got {self.lease_ttl_s}")
         for name in ("lease_ttl_s", "lease_max_s", "read_timeout_s", "load_timeout_s", "connect_timeout_s",
                      "rpc_timeout_s"):
             if not getattr(self, name) > 0:
