@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 import time
 
 import msgspec
@@ -91,6 +92,58 @@ def test_unreachable_peer_fails_within_bounds():
         client.lease_call(renew())
     assert time.monotonic() - t0 < 5
     client.close()
+
+
+class HungResolver:
+    """``socket.getaddrinfo`` for a name whose DNS server never answers (it
+    returns once the test ends); other names resolve as before."""
+
+    def __init__(self, monkeypatch, name):
+        self.name, self.release, self.started = name, threading.Event(), 0
+        self._real = socket.getaddrinfo
+        monkeypatch.setattr(socket, "getaddrinfo", self)
+
+    def __call__(self, host, *args, **kwargs):
+        if host == self.name:
+            self.started += 1
+            self.release.wait(60)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return self._real(host, *args, **kwargs)
+
+
+@pytest.fixture
+def hung_resolver(monkeypatch):
+    resolver = HungResolver(monkeypatch, "kv-prefill-0.hung.example")
+    yield resolver
+    resolver.release.set()
+
+
+def test_a_name_its_dns_does_not_answer_fails_within_the_connect_bound(hung_resolver):
+    """The host comes from a request's params: a name nobody answers for
+    must not hold the caller (and the lease calls it owes) past
+    ``connect_timeout_s`` per attempt; the lookups are capped."""
+    client = SideChannelClient(hung_resolver.name, 5000, connect_timeout_s=0.3, rpc_timeout_s=0.3, retries=1)
+    with pytest.raises(PeerError, match=r"was not resolved within connect_timeout_s=0.3 s .*DNS"):
+        client.lease_call(renew())
+    assert hung_resolver.started == 2  # both attempts looked it up, each within its bound
+    client.close()
+    others = [SideChannelClient(hung_resolver.name, 5000 + k, connect_timeout_s=0.2, retries=0) for k in range(3)]
+    for other in others:
+        with pytest.raises(PeerError):
+            other.lease_call(renew())
+    # RESOLVER_THREADS (4) lookups are outstanding now: the next waits for a
+    # free one within its bound, and says why it got none.
+    with pytest.raises(PeerError, match="4 earlier lookups of this process are still unanswered"):
+        SideChannelClient("kv-prefill-1.hung.example", 5000, connect_timeout_s=0.2, retries=0).lease_call(renew())
+    assert hung_resolver.started == 4
+
+
+def test_a_name_is_resolved_and_its_addresses_tried(server):
+    client = SideChannelClient("localhost", server.port)
+    try:
+        assert client.lease_call(renew()).statuses == [wire.LeaseStatus.HELD]
+    finally:
+        client.close()
 
 
 def test_server_that_never_answers_times_out():

@@ -24,9 +24,11 @@ connector's ``rdma.auth`` and ``rdma.wire``.
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import threading
 import time
+from typing import Any
 
 import msgspec
 
@@ -43,6 +45,58 @@ its pre-connect go out in the same step) does not cost the producer a second
 connection."""
 BACKOFF_S = 0.05
 """The first pause between a call's attempts; it doubles with each retry."""
+RESOLVER_THREADS = 4
+"""Name lookups outstanding at once in a process. A lookup cannot be
+cancelled: one the resolver never answers keeps its thread until the
+resolver's own timeout, and this many of them make the next lookup fail
+(within its bound) instead of starting yet another thread."""
+
+_lookups = threading.BoundedSemaphore(RESOLVER_THREADS)
+
+
+def resolve(host: str, port: int, timeout_s: float) -> list[tuple[str, int]]:
+    """The addresses of ``host`` to connect to, within ``timeout_s``.
+
+    ``socket.create_connection`` resolves a name with ``getaddrinfo``, which
+    takes no timeout: a name that its DNS server does not answer blocked the
+    caller for the resolver's timeout (glibc: 5 s x 2 attempts per server),
+    past ``connect_timeout_s``, and with it the lease calls this client
+    owes (``urgent_worst_case_s`` counts the connect bound). The host comes
+    from a request's ``kv_transfer_params``. An address needs no lookup; a
+    name is looked up on a thread of its own, waited for at most
+    ``timeout_s``. Raises ``PeerError``, or the resolver's ``gaierror``
+    (both retried by the caller, like a refused connect)."""
+    try:
+        ipaddress.ip_address(host)
+        return [(host, port)]
+    except ValueError:
+        pass
+    deadline = time.monotonic() + timeout_s
+    if not _lookups.acquire(timeout=timeout_s):
+        raise PeerError(f"cannot look up {host!r}: {RESOLVER_THREADS} earlier lookups of this process are still "
+                        "unanswered (is its DNS server answering?); give the producer's advertise_host as an "
+                        "address to need none")
+    done = threading.Event()
+    answer: list[Any] = []
+
+    def lookup() -> None:
+        try:
+            answer.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except OSError as exc:
+            answer.append(exc)
+        finally:
+            _lookups.release()
+            done.set()
+
+    threading.Thread(target=lookup, name="rdma-kv-resolve", daemon=True).start()
+    if not done.wait(max(0.0, deadline - time.monotonic())):
+        raise PeerError(f"{host!r} was not resolved within connect_timeout_s={timeout_s:g} s (is its DNS "
+                        "server answering?); give the producer's advertise_host as an address to need no lookup")
+    if isinstance(answer[0], OSError):
+        raise answer[0]
+    if not answer[0]:
+        raise PeerError(f"{host!r} resolved to no address")
+    return [(str(info[4][0]), port) for info in answer[0]]
 
 
 class _Connection:
@@ -102,8 +156,14 @@ class SideChannelClient:
         return f"{self.host}:{self.port}"
 
     def _connect(self, timeout_s: float) -> socket.socket:
-        sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout_s,
-                                        source_address=self._source)
+        addresses = resolve(self.host, self.port, self._connect_timeout_s)
+        for k, address in enumerate(addresses):  # in the resolver's order, as create_connection does
+            try:
+                sock = socket.create_connection(address, timeout=self._connect_timeout_s, source_address=self._source)
+                break
+            except OSError:
+                if k == len(addresses) - 1:
+                    raise
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._open(sock, timeout_s)
