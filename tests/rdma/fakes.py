@@ -134,6 +134,7 @@ class FakeTransport:
         self.regions = []
         self.memory_types = []  # register()'s memory_type, per region
         self.peers = {}
+        self.aliases = {}
         self.closed = False
         self.inbox = []  # notifications received (push mode)
         self.settles = 0  # settle() calls
@@ -147,12 +148,14 @@ class FakeTransport:
     def metadata(self):
         return msgspec.msgpack.encode({"name": self.name, "regions": self.regions})
 
-    def add_peer(self, blob):
+    def add_peer(self, blob, *, name=None):
         md = msgspec.msgpack.decode(blob)
         if md["name"] not in self.fabric.agents:
             raise PeerError(f"fake: unknown agent {md['name']!r}")
-        self.peers[md["name"]] = [tuple(r) for r in md["regions"]]
-        return md["name"]
+        name = md["name"] if name is None else name
+        self.peers[name] = [tuple(r) for r in md["regions"]]
+        self.aliases[name] = md["name"]  # the agent behind the name it was imported under
+        return name
 
     def remove_peer(self, name):
         self.peers.pop(name, None)
@@ -174,7 +177,7 @@ class FakeTransport:
             self.fabric.on_prep(self.name)
         if peer not in self.peers:
             raise PeerError(f"fake: unknown peer {peer!r}")
-        return FakePrep(descs, peer)
+        return FakePrep(descs, self.aliases[peer])
 
     def read_prepared(self, local, local_index, remote, remote_index, *, notify=None, timeout_s=None):
         self.fabric.reads += 1
@@ -222,6 +225,7 @@ class FakeTransport:
         """Completes at once (the fake's writes copy when they resolve); with
         ``notify``, after the peer's held writes from this agent resolved."""
         fabric = self.fabric
+        peer = self.aliases.get(peer, peer)
         xfer = FakeTransfer(fabric, peer, np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint64), 0)
         xfer.reader = self.name
         if peer in fabric.dead or self.closed:

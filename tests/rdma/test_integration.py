@@ -224,3 +224,26 @@ def test_two_lanes_split_reads_bit_exact(rng):
         assert totals["nbytes"] > 4 * (8 << 20)
         assert totals["block_runs"] <= totals["ops_posted"] <= totals["block_runs"] + len(prompts)
         settle(p, d)
+
+
+def test_two_producers_that_claim_one_engine_id_are_each_read_as_themselves(rng):
+    """An operator gave two prefill engines one ``engine_id``. Each answers
+    its own handshake, and their agents' metadata name the same agent
+    (``P2/tp0``): imported under that name, the second replaced the first
+    in the decode's transport, whose later loads read the second's memory at
+    the first's block ids (or failed). The decode names each producer by
+    the side channel it dialled."""
+    with EngineProcess("prefill-a", config("kv_producer", "P2"), SHAPE) as a, \
+            EngineProcess("prefill-b", config("kv_producer", "P2"), SHAPE) as b, \
+            EngineProcess("decode-2", config("kv_consumer", "D2"), SHAPE) as d:
+        for wave in range(3):
+            prompts = {f"{who}{wave}-{i}": rng.integers(1, 999, int(rng.integers(40, 300))).tolist()
+                       for who in "ab" for i in range(4)}
+            params = {**prefill(a, {k: v for k, v in prompts.items() if k[0] == "a"}),
+                      **prefill(b, {k: v for k, v in prompts.items() if k[0] == "b"})}
+            for rid in prompts:
+                d.add(rid, prompts[rid], params[rid])
+            results = d.wait_results(list(prompts), timeout_s=60)
+            for rid, r in results.items():
+                assert r["status"] == "finished" and not r["load_failed"], (rid, r["error"])
+                assert r["bad_blocks"] == [], f"{rid}: blocks {r['bad_blocks']} differ from its producer's"

@@ -184,3 +184,33 @@ def test_add_peer_rejects_bad_metadata_and_keeps_its_peers(make_agent):
     assert a.peers == ("b",)
     with pytest.raises(PeerError, match="metadata names this agent itself"):
         a.add_peer(a.metadata())
+
+
+def test_a_peer_imported_under_the_name_its_importer_knows_it_by(make_agent):
+    """Two agents whose metadata give one name (two producers that claim
+    one engine id) imported under names of the importer's: both live, and
+    each name reads its own agent's memory; a name is still not the
+    importer's own."""
+    import numpy as np
+
+    from rdma_kv.transport import DescList
+
+    twins = [make_agent("p"), make_agent("p")]
+    bufs = [np.full(4096, k + 1, dtype=np.uint8) for k in range(2)]
+    for twin, buf in zip(twins, bufs):
+        twin.register(buf)
+    d = make_agent("d")
+    assert [d.add_peer(t.metadata(), name=f"p@{k}") for k, t in enumerate(twins)] == ["p@0", "p@1"]
+    assert sorted(d.peers) == ["p@0", "p@1"]
+    out = np.zeros(4096, dtype=np.uint8)
+    d.register(out)
+    for k, buf in enumerate(bufs):
+        d.read(f"p@{k}", DescList([out.ctypes.data], 4096), DescList([buf.ctypes.data], 4096)).wait(10)
+        assert (out == k + 1).all()
+    for bad in ("d", ""):
+        with pytest.raises(PeerError, match="cannot import a peer as"):
+            d.add_peer(twins[0].metadata(), name=bad)
+    assert sorted(d.peers) == ["p@0", "p@1"]
+    d.close()
+    for twin in twins:  # both before the fixture's check, which tells agents apart by name
+        twin.close()

@@ -369,12 +369,15 @@ class Agent:
             core.require_open()
             return core.peers.export(core.memory.infos())
 
-    def add_peer(self, blob: bytes) -> str:
-        """Import a peer's metadata; returns its name. Importing a name again
-        replaces the peer (a restarted peer has a new worker address): its
-        transfers in flight fail, prepared lists for it must be prepared again."""
+    def add_peer(self, blob: bytes, *, name: str | None = None) -> str:
+        """Import a peer's metadata; returns its name: ``name``, else the one
+        the metadata gives. Importing a name again replaces the peer (a
+        restarted peer has a new worker address): its transfers in flight
+        fail, prepared lists for it must be prepared again. A caller that
+        knows whom it dialled passes ``name``, so that no peer's metadata
+        can replace another's by naming it."""
         core = self._core
-        md = core.peers.decode(blob)
+        md = core.peers.decode(blob, name)
         with core.lock:
             core.require_open()
             generation = new_generation()

@@ -22,6 +22,8 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
+
 from rdma_kv.errors import PeerError
 from rdma_kv.transport import metadata as wire
 from rdma_kv.transport._lib import status_name, ucx_version
@@ -52,12 +54,17 @@ class PeerTable:
         """This agent's metadata: what a peer passes to ``add_peer``."""
         return wire.encode(self._name, ucx_version(), self._worker.address, regions)
 
-    def decode(self, blob: bytes) -> wire.AgentMetadata:
-        """A peer's metadata, checked (MetadataError, PeerError)."""
+    def decode(self, blob: bytes, name: str | None = None) -> wire.AgentMetadata:
+        """A peer's metadata, checked (MetadataError, PeerError), under
+        ``name`` when given (the name the importer knows the peer by)."""
         md = wire.decode(blob)
         if md.name == self._name:
             raise PeerError(f"metadata names this agent itself ({self._name!r}); pass the peer's metadata")
-        return md
+        if name is None:
+            return md
+        if not name or name == self._name:
+            raise PeerError(f"cannot import a peer as {name!r}: name it apart from this agent ({self._name!r})")
+        return msgspec.structs.replace(md, name=name)
 
     # ------------------------------------------------------------------- peers
 

@@ -128,7 +128,10 @@ class PushWriter(ConcurrentDispatch):
                 return room
             if room is not None:
                 self._transport.remove_peer(room)
-        name = self._transport.add_peer(request.agent_metadata)  # replaces an older incarnation
+        # Named by the decode rank it introduces itself as (replacing an older
+        # incarnation), not by its metadata's own name: another decode's
+        # metadata cannot replace this one's peer.
+        name = self._transport.add_peer(request.agent_metadata, name=f"{key[0]}/tp{key[1]}")
         with self._lock:
             self._decodes[key] = Decode(name, geometry, request.registration, key)
             self._counts.add("hellos")

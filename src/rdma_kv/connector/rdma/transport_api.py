@@ -73,8 +73,9 @@ class Transport(Protocol):
     def metadata(self) -> bytes:
         """What a peer passes to ``add_peer`` (after every ``register``)."""
 
-    def add_peer(self, blob: bytes) -> str:
-        """Import a peer's metadata; returns its name (replacing an older incarnation)."""
+    def add_peer(self, blob: bytes, *, name: str | None = None) -> str:
+        """Import a peer's metadata under ``name`` (else the metadata's own);
+        returns the name (replacing an older incarnation of that name)."""
 
     def remove_peer(self, name: str) -> None: ...
 

@@ -131,6 +131,18 @@ class PeerState:
     def key(self) -> PeerKey:
         return (self.address.engine_id, *self.address.rank_address(self.rank))
 
+    @property
+    def transport_name(self) -> str:
+        """Its name in the transport: the side channel this consumer dialled,
+        never the name its metadata gives. Two producers that claim one
+        engine id (an operator gave two engines the same ``engine_id``)
+        each answer their own handshake; under the metadata's name the
+        second replaced the first in the transport, and the first's loads
+        then read the second's memory at the first's block ids while the
+        first confirmed its leases: wrong KV, accepted."""
+        engine_id, host, port = self.key
+        return f"{engine_id}/tp{self.rank}@{host}:{port}"
+
     def forgotten(self, now: float) -> bool:
         """FAILED at least ``PEER_RETRY_S`` ago: the next load dials it again."""
         return self.state is PeerStage.FAILED and now - self.failed_at >= PEER_RETRY_S
@@ -230,7 +242,7 @@ class PeerDirectory:
         try:
             reply = self._ask(peer)
             geometry = reply.geometry.to_geometry()
-            name = self._local.transport.add_peer(reply.agent_metadata)
+            name = self._local.transport.add_peer(reply.agent_metadata, name=peer.transport_name)
         except Exception as exc:
             if name is not None:
                 self._remove(name)
