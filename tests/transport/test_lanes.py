@@ -382,6 +382,9 @@ def test_a_striped_transfer_to_a_stopped_peer_fails_on_every_worker(make_agent):
             with pytest.raises(TransferError) as err:
                 x.wait(WAIT_S)
             assert isinstance(err.value, TransferTimeoutError) or "lanes-tcp" in str(err.value)
+        # wait() returns once a transfer is settled; the service thread, which
+        # expired them, runs their callbacks after that.
+        wait_until(lambda: len(resolved) == len(xfers), WAIT_S, "every completion callback")
         assert sorted(resolved) == sorted(x.id for x in xfers)
         assert reader.inflight == 0 and reader.stats.failed == 3
         # Without the lanes' endpoints closed, their gets would stay queued and these never clear.
