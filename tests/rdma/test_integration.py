@@ -135,8 +135,12 @@ def test_handshake_mismatch_is_refused(engines):
     with EngineProcess("decode-mismatch", config("kv_consumer", "D2", "fail"), other) as d2:
         d2.add("mm", prompt, params["mm"])
         r = d2.wait_results(["mm"], timeout_s=15)["mm"]
-    assert r["status"] == "failed" and r["load_failed"]
-    p.wait_status(lambda s: s["leases"] == 0 and s["held"] == 0, timeout_s=10)  # released, not stranded
+        assert r["status"] == "failed" and r["load_failed"]
+        # Released, not stranded: the decode's RELEASE goes out on its RPC
+        # thread after the load failed, so wait for it with the decode still
+        # up (closing drops RPCs not started yet; the lease would then wait
+        # out its TTL).
+        p.wait_status(lambda s: s["leases"] == 0 and s["held"] == 0, timeout_s=10)
 
 
 @pytest.mark.parametrize("read_pin", [True, False], ids=["pinned", "confirmed"])
