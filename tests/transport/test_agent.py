@@ -26,6 +26,7 @@ from rdma_kv.errors import (
     RegistrationError,
     TransferError,
     TransferTimeoutError,
+    UCXError,
 )
 from rdma_kv.transport import AgentConfig, DescList, MemoryKind, XferOp, XferState
 from rdma_kv.transport._lib import load, status_name
@@ -913,3 +914,49 @@ def test_a_timeout_past_the_clocks_range_means_no_deadline(pair):
     xfer.wait(timeout_s=10)
     np.testing.assert_array_equal(pair.buf_b[:4096], pair.buf_a[:4096])
     pair.b.read("a", pair.desc_b([4096], 4096), pair.desc_a([4096], 4096)).wait(timeout_s=10)  # the peer is fine
+
+
+class VanishingDevice:
+    """``Worker`` for the agent's own worker, failing the first ``fails``
+    times as UCX does when a network interface it listed at ``ucp_init`` was
+    deleted before the worker opened it."""
+
+    def __init__(self, fails: int, status_name_: str = "UCS_ERR_NO_DEVICE"):
+        from rdma_kv.transport.ucx import Worker
+
+        self.real, self.fails, self.calls = Worker, fails, 0
+        self.status = getattr(load()[1], status_name_)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls <= self.fails:
+            raise UCXError(f"ucp_worker_create failed: {status_name(self.status)}", self.status,
+                           status_name(self.status))
+        return self.real(*args, **kwargs)
+
+
+@pytest.mark.parametrize("fails, status, made", [
+    (2, "UCS_ERR_NO_DEVICE", True),  # made again, with a fresh context, until the device list holds
+    (3, "UCS_ERR_NO_DEVICE", False),  # a device that stays missing still fails, after 3 attempts
+    (1, "UCS_ERR_INVALID_PARAM", False),  # any other failure is not retried
+])
+def test_an_agent_is_made_again_when_a_device_vanished_while_ucx_opened_it(make_agent, monkeypatch, caplog,
+                                                                            fails, status, made):
+    import rdma_kv.transport.agent as agent_module
+
+    worker = VanishingDevice(fails, status)
+    monkeypatch.setattr(agent_module, "Worker", worker)
+    if made:
+        a, b = make_agent("a"), make_agent("b")
+        src, buf = np.full(4096, 7, np.uint8), np.zeros(4096, np.uint8)
+        a.register(src)
+        b.register(buf)
+        b.add_peer(a.metadata())
+        b.read("a", DescList([buf.ctypes.data], 4096), DescList([src.ctypes.data], 4096)).wait(WAIT_S)
+        assert (buf == 7).all()
+        assert worker.calls == fails + 2  # a's three attempts, then b's one
+        assert "making the agent again (attempt 3 of 3)" in caplog.text.lower()
+    else:
+        with pytest.raises(UCXError, match=status_name(worker.status)):
+            make_agent("a")
+        assert worker.calls == (3 if status == "UCS_ERR_NO_DEVICE" else 1)

@@ -68,7 +68,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from rdma_kv.errors import ClosedError, ConfigError, PeerError
+from rdma_kv.errors import ClosedError, ConfigError, PeerError, UCXError
 from rdma_kv.transport import metadata as wire
 from rdma_kv.transport import stall
 from rdma_kv.transport._lib import load, status_name
@@ -316,6 +316,33 @@ def _collect(core: AgentCore) -> None:
         core.close()
 
 
+CREATE_ATTEMPTS = 3
+"""How many times an agent is made when a network device vanished while UCX
+opened it (below)."""
+
+
+def _make_core(name: str, config: AgentConfig) -> AgentCore:
+    """An ``AgentCore``, made again (with a fresh UCX context) when a device
+    the context listed was gone by the time a worker opened it: UCX lists a
+    host's network interfaces once, at ``ucp_init``, and a container host
+    creates and deletes veth interfaces all the time (seen here: a test's
+    veth deleted between the two, ``uct_iface_open(tcp/rc14530b) failed: No
+    such device``, and the engine failed to start). A device that stays
+    missing (a ``NET_DEVICES`` naming none) still fails, after
+    ``CREATE_ATTEMPTS``."""
+    no_device = load()[1].UCS_ERR_NO_DEVICE
+    for attempt in range(CREATE_ATTEMPTS):
+        try:
+            return AgentCore(name, config)
+        except UCXError as exc:
+            if exc.status != no_device or attempt == CREATE_ATTEMPTS - 1:
+                raise
+            log.warning("agent %r: %s; a network device disappeared while UCX opened it? Making the agent "
+                        "again (attempt %d of %d)", name, exc, attempt + 2, CREATE_ATTEMPTS)
+            time.sleep(0.05 * 2**attempt)
+    raise AssertionError("unreachable")
+
+
 class Agent:
     """One UCX worker (plus ``config.lanes - 1`` lanes), its registered memory
     and its peers. Use as a context manager or call ``close()``."""
@@ -325,7 +352,7 @@ class Agent:
             raise ConfigError(f"agent name must be 1..{wire.MAX_NAME_BYTES} bytes, got {name!r}")
         self.name = name
         self.config = config or AgentConfig()
-        self._core = core = AgentCore(name, self.config)
+        self._core = core = _make_core(name, self.config)
         # The per-request paths, one attribute away.
         self._prepared = core.prepared
         self._posting = core.posting
