@@ -321,6 +321,8 @@ def test_service_thread_leaves_completions_to_a_busy_caller(make_agent):
             pass
         pair.b.settle()
         xfer.wait(WAIT_S)
+    # A transfer the service thread settled runs its callback after wait() saw it settled.
+    wait_until(lambda: len(ran_on) == 20, WAIT_S, "every completion callback")
     assert len(ran_on) == 20
     assert sum(t is caller for t in ran_on) >= 15, [t.name for t in ran_on]
 
