@@ -46,8 +46,11 @@ class Confirmations:
 
     def __init__(self, lock: threading.RLock, pool: ClientPool, peers: PeerDirectory, leases: LeaseCalls,
                  fail: Callable[[LoadState, str], None],
-                 on_confirmed: Callable[[LoadState, float], None]) -> None:
+                 on_confirmed: Callable[[LoadState, float], None],
+                 reading: Callable[[PeerKey], bool]) -> None:
+        """``reading``: whether a read from a producer rank may still land (lock held)."""
         self._lock = lock
+        self._reading = reading
         self._pool = pool
         self._peers = peers
         self._leases = leases
@@ -95,7 +98,8 @@ class Confirmations:
                 for load, _ in batch:
                     self._fail(load, f"could not confirm the lease with {peer.address.engine_id!r} rank "
                                      f"{peer.rank}, so the data read cannot be trusted: {exc}")
-            if isinstance(exc, PeerError):
+                reading = self._reading(peer.key)
+            if isinstance(exc, PeerError) and not reading:
                 # The producer is gone: drop its endpoint and rkeys now, not
                 # at the next load, or they outlive it.
                 self._peers.failed(peer, str(exc))

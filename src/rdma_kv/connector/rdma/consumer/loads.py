@@ -86,7 +86,8 @@ class RdmaConsumer:
         self.peers = PeerDirectory(local, engine_id, settings.tp_rank, self._lock, pool, book.counters, clock,
                                    self._handshake_done)
         self.leases = LeaseCalls(settings, self.peers.plan, pool, book, self._fail)
-        self._confirms = Confirmations(self._lock, pool, self.peers, self.leases, self._fail, self._confirmed)
+        self._confirms = Confirmations(self._lock, pool, self.peers, self.leases, self._fail, self._confirmed,
+                                       book.reading_from)
         self._pins = Pins(book, pool, self.leases, self._on_pin, self.peers.failed)
         self._asleep: str | None = None  # why loads fail at once (suspend)
         self.pushes = (Pushes(local, engine_id, registration, settings, pool, self.peers.failed,

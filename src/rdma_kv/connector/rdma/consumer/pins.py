@@ -27,10 +27,14 @@ What the answers mean to the load (``loads`` applies them):
   failed: not pinned; the source is CONFIRMed after its reads, as
   without pins.
 
-A producer found gone by either call (``PeerError``) is failed in the
-peer directory (``failed``), as a CONFIRM's would be: a load trusted on
-its pin needs no more calls, so its RELEASE may be the only one to learn
-it, and the endpoint and keys must not outlive the producer.
+A producer found gone by a RELEASE (``PeerError``) is failed in the peer
+directory (``failed``), as a CONFIRM's would be: a load trusted on its
+pin needs no more calls, so its RELEASE may be the only one to learn it,
+and the endpoint and keys must not outlive the producer. Not while reads
+from it are on the wire, and a failed PIN fails nothing: failing the peer
+cancels those reads (a 0.5 s link flap failed the loads in flight when
+it did), and their deadline or their CONFIRM tells a producer that is
+gone.
 
 Imports the standard library, ``rdma_kv.errors``, the connector's
 ``rdma.meta`` and ``rdma.wire`` and the consumer's ``clients``,
@@ -51,7 +55,6 @@ from rdma_kv.connector.rdma.consumer.lease_rpc import LeaseCalls, call_lease_rpc
 from rdma_kv.connector.rdma.consumer.peers import PeerKey, PeerState
 from rdma_kv.connector.rdma.consumer.records import LoadBook, LoadState, PinStage, Source
 from rdma_kv.connector.rdma.meta import RemoteLease
-from rdma_kv.errors import PeerError
 
 __all__ = ["PIN_MARGIN_S", "Pins"]
 
@@ -145,9 +148,17 @@ class Pins:
         client = self._pool.get(*peer.address.rank_address(peer.rank))
         # A producer found gone is failed: drop its endpoint and keys now.
         if call_lease_rpc(client, wire.Release, peer.address, leases,
-                          gone=lambda reason: self._failed(peer, reason)) is not None:
+                          gone=lambda reason: self._gone(peer, reason)) is not None:
             with self._lock:
                 self._book.counters.add("release_rpcs")
+
+    def _gone(self, peer: PeerState, reason: str) -> None:
+        """A RELEASE found ``peer`` gone: fail it, unless reads from it may
+        still land (``LoadBook.reading_from``)."""
+        with self._lock:
+            reading = self._book.reading_from(peer.key)
+        if not reading:
+            self._failed(peer, reason)
 
     def _send_pins(self, peer: PeerState, batch: list[tuple[LoadState, Source]]) -> None:
         request = wire.Renew(wire.PROTOCOL_VERSION, [self._leases.of(ld, src)[1].to_wire() for ld, src in batch],
@@ -157,10 +168,15 @@ class Pins:
             reply = self._pool.get(*peer.address.rank_address(peer.rank)).lease_call(request, urgent=True)
             statuses, pinned_s = list(reply.statuses), reply.pinned_s
         except Exception as exc:  # their reads are CONFIRMed instead
+            # The peer is not failed here: its reads are on the wire, and
+            # failing it cancels them. The side channel can be down for a
+            # moment (a link flap: with the consumer's own end down, three
+            # attempts meet "Network is unreachable" within 0.15 s) while the
+            # reads, under their own deadline, cross once it is back. A
+            # producer that is gone fails them by that deadline, or fails
+            # their CONFIRM; either fails the peer then.
             logger.debug("PIN of %d lease(s) with %r rank %d failed: %s", len(batch), peer.address.engine_id,
                          peer.rank, exc)
-            if isinstance(exc, PeerError):
-                self._failed(peer, str(exc))  # the producer is gone: drop its endpoint and keys now
             statuses, pinned_s = [None] * len(batch), 0.0
         with self._lock:
             if statuses[0] is not None:

@@ -159,6 +159,19 @@ class LoadBook:
         self.counters = Tally(ConsumerCounters)
         self._has_finished = threading.Event()  # set while a finished load waits for ``report``
 
+    def reading_from(self, key: tuple[str, str, int]) -> bool:
+        """Whether a read from the producer rank ``key`` (``PeerState.key``)
+        may still land. Lock held. A lease call that finds a producer's side
+        channel down fails the peer only when none may: failing it cancels
+        them, and a side channel down for a moment (a link flap: with the
+        consumer's own end down, three attempts meet "Network is
+        unreachable" within 0.15 s) does not lose reads that cross once it
+        is back. Their deadline, or their CONFIRM, tells a producer that is
+        gone. (A 0.5 s flap failed every load still reading when a CONFIRM
+        or a RELEASE of another failed the peer.)"""
+        return any(not src.resolved and (load.spec.peer.engine_id, *load.spec.peer.rank_address(src.read.rank)) == key
+                   for load in self.loads.values() for src in load.sources)
+
     def finish(self, load: LoadState) -> None:
         """``load`` is DONE or FAILED: the next :meth:`report` names it."""
         self._finished.append(load)
