@@ -43,6 +43,13 @@ def prefill(p, prompts):
     return {rid: results[rid]["kv_transfer_params"] for rid in prompts}
 
 
+def assert_loaded_bit_exact(results):
+    """Every load finished, from its producer, and every block matches the producer's."""
+    for rid, r in results.items():
+        assert r["status"] == "finished" and not r["load_failed"], (rid, r["error"])
+        assert r["bad_blocks"] == [], f"{rid}: blocks {r['bad_blocks']} differ from its producer's"
+
+
 def settle(p, d):
     p.wait_status(lambda s: s["held"] == 0 and s["leases"] == 0 and s["free_blocks"] == SHAPE.num_blocks,
                   timeout_s=15)
@@ -73,9 +80,7 @@ def test_many_concurrent_requests_bit_exact(engines, rng):
     for rid in ids[24:]:
         d.add(rid, prompts[rid], params[rid])
     results = d.wait_results(ids, timeout_s=60)
-    for rid, r in results.items():
-        assert r["status"] == "finished" and not r["load_failed"], (rid, r["error"])
-        assert r["bad_blocks"] == [], f"{rid}: blocks {r['bad_blocks']} differ from the producer's"
+    assert_loaded_bit_exact(results)
     assert any(r["local_hit_tokens"] and r["external_tokens"] for r in results.values())
     stats = d.call("stats")
     assert stats["totals"]["ops_posted"] == stats["totals"]["block_runs"]
@@ -220,9 +225,7 @@ def test_two_lanes_split_reads_bit_exact(rng):
         for rid in prompts:
             d.add(rid, prompts[rid], params[rid])
         results = d.wait_results(list(prompts), timeout_s=60)
-        for rid, r in results.items():
-            assert r["status"] == "finished" and not r["load_failed"], (rid, r["error"])
-            assert r["bad_blocks"] == [], f"{rid}: blocks {r['bad_blocks']} differ from the producer's"
+        assert_loaded_bit_exact(results)
         totals = d.call("stats")["totals"]
         # A run the cut falls into is posted once per part.
         assert totals["nbytes"] > 4 * (8 << 20)
@@ -248,6 +251,4 @@ def test_two_producers_that_claim_one_engine_id_are_each_read_as_themselves(rng)
             for rid in prompts:
                 d.add(rid, prompts[rid], params[rid])
             results = d.wait_results(list(prompts), timeout_s=60)
-            for rid, r in results.items():
-                assert r["status"] == "finished" and not r["load_failed"], (rid, r["error"])
-                assert r["bad_blocks"] == [], f"{rid}: blocks {r['bad_blocks']} differ from its producer's"
+            assert_loaded_bit_exact(results)

@@ -22,12 +22,18 @@ from rdma_kv.connector.types import BlockId, EngineId, GroupBlockIds, RequestId,
 
 __all__ = [
     "LoadSpec",
+    "agent_name",
     "PeerAddress",
     "RdmaConnectorMetadata",
     "RdmaHandshakeMetadata",
     "RemoteLease",
     "SendSpec",
 ]
+
+
+def agent_name(engine_id: str, tp_rank: int) -> str:
+    """The transport agent name of rank ``tp_rank`` of engine ``engine_id``."""
+    return f"{engine_id}/tp{tp_rank}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +52,10 @@ class PeerAddress:
     def rank_address(self, rank: int) -> tuple[str, int]:
         """The side channel of producer rank ``rank``: host, base port + rank."""
         return self.host, self.port + rank
+
+    def rank_key(self, rank: int) -> tuple[str, str, int]:
+        """Producer rank ``rank`` as a consumer keys it (``PeerKey``): engine id, host, port."""
+        return (self.engine_id, *self.rank_address(rank))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,7 @@ the records both halves keep are ``pushstate``'s.
 Runs on the side channel's loop thread (posting does not block) and the
 transport's progress thread (completions). Imports numpy, the standard
 library, the connector's ``geometry``, and its ``rdma`` modules
-``fences``, ``leases``, ``pushreg``, ``pushstate``, ``slots``, ``stats``,
+``fences``, ``leases``, ``meta``, ``pushreg``, ``pushstate``, ``slots``, ``stats``,
 ``transport_api`` and ``wire``. Never the consumer's modules.
 """
 
@@ -55,6 +55,7 @@ from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.fences import FenceFactory
 from rdma_kv.connector.rdma.leases import LeaseCall, LeaseTable
+from rdma_kv.connector.rdma.meta import agent_name
 from rdma_kv.connector.rdma.pushreg import ConcurrentDispatch, Planned
 from rdma_kv.connector.rdma.pushstate import (
     ABORTED,
@@ -131,7 +132,7 @@ class PushWriter(ConcurrentDispatch):
         # Named by the decode rank it introduces itself as (replacing an older
         # incarnation), not by its metadata's own name: another decode's
         # metadata cannot replace this one's peer.
-        name = self._transport.add_peer(request.agent_metadata, name=f"{key[0]}/tp{key[1]}")
+        name = self._transport.add_peer(request.agent_metadata, name=agent_name(*key))
         with self._lock:
             self._decodes[key] = Decode(name, geometry, request.registration, key)
             self._counts.add("hellos")

@@ -243,7 +243,7 @@ class RdmaSettings:
         if not MIN_LEASE_TTL_S <= self.lease_ttl_s <= MAX_LEASE_TTL_S:
             raise ConfigError(f"lease_ttl_s must be in [{MIN_LEASE_TTL_S:g}, {MAX_LEASE_TTL_S:g}] seconds, "
                               f"got {self.lease_ttl_s}")
-        for name in ("lease_ttl_s", "lease_max_s", "read_timeout_s", "load_timeout_s", "connect_timeout_s",
+        for name in ("lease_max_s", "read_timeout_s", "load_timeout_s", "connect_timeout_s",
                      "rpc_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -56,7 +56,7 @@ from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.compat import compat_info, rank_info
 from rdma_kv.connector.rdma.consumer import ClientPool, LoadBook, LocalKV, RdmaConsumer
 from rdma_kv.connector.rdma.leases import LeaseTable
-from rdma_kv.connector.rdma.meta import LayerPushSpec, RdmaConnectorMetadata, RdmaHandshakeMetadata
+from rdma_kv.connector.rdma.meta import LayerPushSpec, RdmaConnectorMetadata, RdmaHandshakeMetadata, agent_name
 from rdma_kv.connector.rdma.producer import ProducerHandler, RdmaProducer
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sidechannel import SideChannelServer
@@ -129,7 +129,7 @@ class RdmaWorker:
 
     @property
     def agent_name(self) -> str:
-        return f"{self._engine_id}/tp{self._settings.tp_rank}"
+        return agent_name(self._engine_id, self._settings.tp_rank)
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         if self._transport is not None:

@@ -49,7 +49,7 @@ from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.consumer.clients import ClientPool
 from rdma_kv.connector.rdma.consumer.records import LoadState, Source
-from rdma_kv.connector.rdma.meta import PeerAddress
+from rdma_kv.connector.rdma.meta import PeerAddress, agent_name
 from rdma_kv.connector.rdma.slots import HeadSlice, SlotTable
 from rdma_kv.connector.rdma.stats import ConsumerCounters, Tally
 from rdma_kv.connector.rdma.topology import RankPlan, Read, plan_ranks
@@ -129,7 +129,7 @@ class PeerState:
 
     @property
     def key(self) -> PeerKey:
-        return (self.address.engine_id, *self.address.rank_address(self.rank))
+        return self.address.rank_key(self.rank)
 
     @property
     def transport_name(self) -> str:
@@ -141,7 +141,7 @@ class PeerState:
         then read the second's memory at the first's block ids while the
         first confirmed its leases: wrong KV, accepted."""
         engine_id, host, port = self.key
-        return f"{engine_id}/tp{self.rank}@{host}:{port}"
+        return f"{agent_name(engine_id, self.rank)}@{host}:{port}"
 
     def forgotten(self, now: float) -> bool:
         """FAILED at least ``PEER_RETRY_S`` ago: the next load dials it again."""
@@ -180,7 +180,7 @@ class PeerDirectory:
     # --- finding a peer (lock held) -----------------------------------------------------------
 
     def _known(self, address: PeerAddress, rank: int, now: float) -> PeerState | None:
-        key = (address.engine_id, *address.rank_address(rank))
+        key = address.rank_key(rank)
         peer = self._peers.get(key)
         if peer is not None and peer.forgotten(now):
             del self._peers[key]

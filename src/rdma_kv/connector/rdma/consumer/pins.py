@@ -36,7 +36,7 @@ cancels those reads (a 0.5 s link flap failed the loads in flight when
 it did), and their deadline or their CONFIRM tells a producer that is
 gone.
 
-Imports the standard library, ``rdma_kv.errors``, the connector's
+Imports the standard library, the connector's
 ``rdma.meta`` and ``rdma.wire`` and the consumer's ``clients``,
 ``lease_rpc``, ``peers`` and ``records``.
 """
@@ -168,13 +168,7 @@ class Pins:
             reply = self._pool.get(*peer.address.rank_address(peer.rank)).lease_call(request, urgent=True)
             statuses, pinned_s = list(reply.statuses), reply.pinned_s
         except Exception as exc:  # their reads are CONFIRMed instead
-            # The peer is not failed here: its reads are on the wire, and
-            # failing it cancels them. The side channel can be down for a
-            # moment (a link flap: with the consumer's own end down, three
-            # attempts meet "Network is unreachable" within 0.15 s) while the
-            # reads, under their own deadline, cross once it is back. A
-            # producer that is gone fails them by that deadline, or fails
-            # their CONFIRM; either fails the peer then.
+            # The peer is not failed: these reads are on the wire (LoadBook.reading_from says why).
             logger.debug("PIN of %d lease(s) with %r rank %d failed: %s", len(batch), peer.address.engine_id,
                          peer.rank, exc)
             statuses, pinned_s = [None] * len(batch), 0.0

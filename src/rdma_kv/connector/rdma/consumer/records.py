@@ -169,7 +169,7 @@ class LoadBook:
         is back. Their deadline, or their CONFIRM, tells a producer that is
         gone. (A 0.5 s flap failed every load still reading when a CONFIRM
         or a RELEASE of another failed the peer.)"""
-        return any(not src.resolved and (load.spec.peer.engine_id, *load.spec.peer.rank_address(src.read.rank)) == key
+        return any(not src.resolved and load.spec.peer.rank_key(src.read.rank) == key
                    for load in self.loads.values() for src in load.sources)
 
     def finish(self, load: LoadState) -> None:
