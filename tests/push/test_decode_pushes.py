@@ -60,13 +60,13 @@ def setup(client):
     local = SimpleNamespace(transport=SimpleNamespace(get_notifications=lambda: [],
                                                       progress_report=lambda: "own worker: pump asleep"))
     failed = []
-    pushes = Pushes(local, "D", 1, settings, Pool(client), lambda peer, why: failed.append(why),
+    pushes = Pushes(local, "D", 1, b"i" * 8, settings, Pool(client), lambda peer, why: failed.append(why),
                     lambda heads: (table, None), clock=clock)
     pushes._hellos.add((Client.host, Client.port, 0))  # introduced already
     peer = SimpleNamespace(address=SimpleNamespace(rank_address=lambda rank: (Client.host, Client.port)),
                            rank=0, connection=None)
     lease = RemoteLease(PeerAddress("P", "127.0.0.1", 1, 1), ref(1), b"A" * 16).to_wire()
-    request = wire.Push(wire.PROTOCOL_VERSION, lease, TOKEN, "D", 0, 1, [[40, 41]], [[10, 11]])
+    request = wire.Push(wire.PROTOCOL_VERSION, lease, TOKEN, "D", 0, b"i" * 8, 1, [[40, 41]], [[10, 11]])
     return pushes, clock, request, peer, failed
 
 

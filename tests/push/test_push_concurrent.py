@@ -332,8 +332,8 @@ def test_a_registration_naming_blocks_past_the_decodes_cache_is_refused_before_a
         n = SHAPE.num_blocks
         client = SideChannelClient("127.0.0.1", pair.P.worker.worker.side_channel_port, rpc_timeout_s=5.0, retries=0)
         try:
-            reply = client.call(wire.PushReg(wire.PROTOCOL_VERSION, tid2, secrets.token_bytes(16), "decode-1", 0, 1,
-                                              0, len(prompt2), [[n - 1, n, n + 1, n + 2]]))
+            reply = client.call(wire.PushReg(wire.PROTOCOL_VERSION, tid2, secrets.token_bytes(16), "decode-1", 0,
+                                              pair.D.worker.worker._incarnation, 1, 0, len(prompt2), [[n - 1, n, n + 1, n + 2]]))
         finally:
             client.close()
         assert isinstance(reply, wire.PushReply) and reply.state is wire.PushState.REFUSED, reply
@@ -373,13 +373,13 @@ def test_a_producer_knows_at_most_max_decodes_and_a_forgotten_decode_introduces_
         client = SideChannelClient("127.0.0.1", pair.P.worker.worker.side_channel_port, rpc_timeout_s=5.0, retries=0)
         try:
             for i in range(5):
-                reply = client.call(wire.PushHello(wire.PROTOCOL_VERSION, f"other-{i}", wire.RankInfo(0, 1, 1), 1,
-                                                   metadata, geometry))
+                reply = client.call(wire.PushHello(wire.PROTOCOL_VERSION, f"other-{i}", wire.RankInfo(0, 1, 1),
+                                                   b"i" * 8, 1, metadata, geometry))
                 assert isinstance(reply, wire.PushReply) and reply.state is wire.PushState.DONE, reply
                 assert len(writer._decodes) == 2
         finally:
             client.close()
-        assert ("decode-1", 0) not in writer._decodes
+        assert ("decode-1", 0, pair.D.worker.worker._incarnation) not in writer._decodes
         serve("the forgotten decode")  # refused with 'introduce', it says PUSH_HELLO again
         totals = producer_push_totals(pair)
         assert totals["push_decodes_forgotten"] == 5 and totals["push_hellos"] == 7, totals

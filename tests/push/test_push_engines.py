@@ -13,7 +13,7 @@ from rdma_kv.harness.process import EngineProcess
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
-from test_integration import SHAPE, prefill, settle  # noqa: E402  (tests/rdma: the pull tests' engines)
+from test_integration import SHAPE, assert_loaded_bit_exact, prefill, settle  # noqa: E402  (tests/rdma: the pull tests' engines)
 from test_integration import config as pull_config  # noqa: E402
 
 BS = SHAPE.block_size
@@ -35,6 +35,28 @@ def test_push_many_requests_bit_exact(rng):
             assert r["status"] == "finished" and not r["load_failed"], (rid, r["error"])
             assert r["bad_blocks"] == [], f"{rid}: blocks {r['bad_blocks']} differ from the producer's"
         settle(p, d)
+
+
+def test_two_decodes_given_one_engine_id_each_load_their_own_blocks(rng):
+    """An operator gave two decode engines one ``engine_id``. Each
+    introduces its KV cache to the producer under that id and rank 0; before
+    the incarnation, the second's PUSH_HELLO was answered 'known' and its
+    pushes wrote into the first decode's blocks (which the first's own
+    requests held), while its own loads waited for notifications that went
+    to the first. Now the producer knows each decode by its incarnation."""
+    with EngineProcess("prefill", config("kv_producer", "P"), SHAPE) as p, \
+            EngineProcess("decode-a", config("kv_consumer", "D"), SHAPE) as a, \
+            EngineProcess("decode-b", config("kv_consumer", "D"), SHAPE) as b:
+        for wave in range(3):
+            prompts = {f"{who}{wave}-{i}": rng.integers(1, 999, int(rng.integers(40, 300))).tolist()
+                       for who in "ab" for i in range(4)}
+            params = prefill(p, prompts)
+            for rid, prompt in prompts.items():
+                (a if rid[0] == "a" else b).add(rid, prompt, params[rid])
+            for d, who in ((a, "a"), (b, "b")):
+                assert_loaded_bit_exact(d.wait_results([r for r in prompts if r[0] == who], timeout_s=60))
+        settle(p, a)
+        settle(p, b)
 
 
 def test_a_mode_mismatch_is_refused_naming_both_modes_and_the_request_recomputes(capfd):

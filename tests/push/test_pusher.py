@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import numpy as np
 import pytest
 from fakes import FakeFabric
@@ -15,12 +16,13 @@ from leaseutil import A, Clock, binding, ref, table_with
 from rdma_kv.connector.geometry import derive_geometry
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.pusher import PUSH_NOTIFY_PREFIX, PushWriter
-from rdma_kv.connector.rdma.meta import RemoteLease, PeerAddress
+from rdma_kv.connector.rdma.meta import PeerAddress, RemoteLease, SendSpec
 from rdma_kv.connector.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
 S = wire.PushState
 SPEC = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
 BLOCKS = 64
+INC = b"i" * 8  # the decode worker's incarnation
 
 
 def cache(fill: float | None):
@@ -48,14 +50,14 @@ class Setup:
         self.clock = Clock()
         self.leases = table_with(1, 2, clock=self.clock)  # lease g over blocks (10g, 10g + 1)
         self.writer = PushWriter(self.p, g_src, self.leases, write_timeout_s=5.0, clock=self.clock)
-        hello = wire.PushHello(wire.PROTOCOL_VERSION, "D", wire.RankInfo(0, 1, 2), 1, self.d.metadata(),
+        hello = wire.PushHello(wire.PROTOCOL_VERSION, "D", wire.RankInfo(0, 1, 2), INC, 1, self.d.metadata(),
                                wire.GeometryWire.from_geometry(self.g_dst))
         assert self.writer.hello(hello).state is S.DONE
 
     def push(self, gen, local, remote=None, token=None, claim=A, lease_ref=None):
         remote = remote if remote is not None else [gen * 10, gen * 10 + 1]
         lease = RemoteLease(PeerAddress("P", "127.0.0.1", 1, 1), lease_ref or ref(gen), claim).to_wire()
-        return wire.Push(wire.PROTOCOL_VERSION, lease, token or bytes([gen]) * 16, "D", 0, 1, [local], [remote])
+        return wire.Push(wire.PROTOCOL_VERSION, lease, token or bytes([gen]) * 16, "D", 0, INC, 1, [local], [remote])
 
 
 def written(s: Setup, dst_blocks, src_blocks) -> bool:
@@ -73,6 +75,33 @@ def test_a_push_writes_the_leases_blocks_into_the_decodes_and_notifies_after_the
     assert not any(s.dst[n][untouched].any() for n in s.dst)
     assert s.leases.take_done() == {"r1"}  # the lease ended with its push: the producer frees its blocks
     assert s.writer.take_counters().done == 1
+
+
+def test_two_decodes_given_one_engine_id_each_get_their_own_writes():
+    """An operator gave two decode engines one engine id: the producer tells
+    them apart by their incarnation, so neither's introduction replaces the
+    other's and each push lands in the decode that sent it (before: the
+    second was 'known', and its pushes wrote into the first one's blocks)."""
+    s = Setup()
+    twin_kv, g_twin = cache(None)
+    twin = s.fabric.factory("D-twin")  # another process; its agent's own name does not matter
+    for region in g_twin.regions:
+        twin.register((region.base_address, region.nbytes))
+    twin_inc = b"j" * 8
+    hello = wire.PushHello(wire.PROTOCOL_VERSION, "D", wire.RankInfo(0, 1, 2), twin_inc, 1, twin.metadata(),
+                           wire.GeometryWire.from_geometry(g_twin))
+    assert s.writer.hello(hello).state is S.DONE
+    assert s.writer.push(s.push(1, [40, 41])).state is S.DONE
+    twin_push = msgspec.structs.replace(s.push(2, [40, 41], token=b"t" * 16), incarnation=twin_inc)
+    assert s.writer.push(twin_push).state is S.DONE
+    for n in s.dst:  # the same decode block ids, each decode's own bytes
+        assert np.array_equal(s.dst[n][[40, 41]], s.src[n][[10, 11]])
+        assert np.array_equal(twin_kv[n][[40, 41]], s.src[n][[20, 21]])
+    assert [x.payload for x in s.d.get_notifications()] == [PUSH_NOTIFY_PREFIX + bytes([1]) * 16]
+    assert [x.payload for x in twin.get_notifications()] == [PUSH_NOTIFY_PREFIX + b"t" * 16]
+    stranger = msgspec.structs.replace(s.push(2, [50, 51], token=b"s" * 16), incarnation=b"k" * 8)
+    reply = s.writer.push(stranger)
+    assert reply.state is S.REFUSED and "PUSH_HELLO" in reply.detail and "6b6b6b6b6b6b6b6b" in reply.detail
 
 
 @pytest.mark.parametrize("case", ["forged", "outside", "unknown_lease", "other_claim_after_push"])
@@ -160,3 +189,30 @@ def test_a_push_that_arrives_after_the_decode_aborted_it_unknown_writes_nothing(
     assert s.writer.query(wire.PushQuery(wire.PROTOCOL_VERSION, other)).state is S.UNKNOWN
     assert s.writer.push(s.push(2, [50, 51], token=other)).state is S.DONE
     assert written(s, [50, 51], [20, 21])
+
+
+def test_a_registration_made_before_the_decode_re_registered_its_kv_cache_writes_nothing():
+    """Concurrent dispatch: a decode registered blocks (PUSH_REG, its KV
+    cache's registration 1), then slept and woke (PUSH_HELLO, registration
+    2: new memory, its old block ids mean nothing). The prefill's grant must
+    not write the old registration's block ids into the new cache (before:
+    the producer looked the decode up by engine and rank alone, and wrote)."""
+    s = Setup()
+    s.writer = PushWriter(s.p, s.writer._geometry, s.leases, write_timeout_s=5.0, clock=s.clock, block_size=4,
+                          layerwise=False)
+    hello = wire.PushHello(wire.PROTOCOL_VERSION, "D", wire.RankInfo(0, 1, 2), INC, 1, s.d.metadata(),
+                           wire.GeometryWire.from_geometry(s.g_dst))
+    assert s.writer.hello(hello).state is S.DONE
+    token = b"g" * 16
+    reg = wire.PushReg(wire.PROTOCOL_VERSION, "t1", token, "D", 0, INC, 1, 0, 8, [[40, 41]])
+    assert s.writer.register(reg).state is S.WAITING
+    assert s.writer.hello(msgspec.structs.replace(hello, registration=2)).detail == "introduced"
+    s.writer.granted(SendSpec("r1", [10, 11], ref(1), 10.0, transfer_id="t1", num_tokens=8))
+    reply = s.writer.query(wire.PushQuery(wire.PROTOCOL_VERSION, token))
+    assert reply.state is S.REFUSED and "forgot its KV cache" in reply.detail, reply
+    assert s.fabric.writes == 0 and not any(s.dst[n].any() for n in s.dst)
+    fresh = msgspec.structs.replace(reg, transfer_id="t2", token=b"h" * 16, registration=2)  # the control
+    assert s.writer.register(fresh).state is S.WAITING
+    s.writer.granted(SendSpec("r2", [20, 21], ref(2), 10.0, transfer_id="t2", num_tokens=8))
+    assert s.writer.query(wire.PushQuery(wire.PROTOCOL_VERSION, b"h" * 16)).state is S.DONE
+    assert written(s, [40, 41], [20, 21])

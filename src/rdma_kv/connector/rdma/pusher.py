@@ -55,7 +55,6 @@ from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.fences import FenceFactory
 from rdma_kv.connector.rdma.leases import LeaseCall, LeaseTable
-from rdma_kv.connector.rdma.meta import agent_name
 from rdma_kv.connector.rdma.pushreg import ConcurrentDispatch, Planned
 from rdma_kv.connector.rdma.pushstate import (
     ABORTED,
@@ -70,7 +69,11 @@ from rdma_kv.connector.rdma.pushstate import (
     UNKNOWN,
     WAITING,
     Decode,
+    DecodeKey,
     PushEntry,
+    decode_key,
+    decode_name,
+    describe,
     heads,
 )
 from rdma_kv.connector.rdma.slots import HeadSlice, SlotTable
@@ -104,7 +107,7 @@ class PushWriter(ConcurrentDispatch):
         """A CUDA KV cache's: a layer is written once its fence passed (``fences``)."""
         self._clock = clock
         self._lock = threading.Lock()
-        self._decodes: collections.OrderedDict[tuple[str, int], Decode] = collections.OrderedDict()
+        self._decodes: collections.OrderedDict[DecodeKey, Decode] = collections.OrderedDict()
         """Least recently used first (a push or registration from a decode moves it last)."""
         self._pushes: collections.OrderedDict[bytes, PushEntry] = collections.OrderedDict()
         self._generations: set[tuple[int, int]] = set()  # (lease, reader) pushed: a second PUSH is refused
@@ -116,7 +119,7 @@ class PushWriter(ConcurrentDispatch):
     # --- PUSH_HELLO ------------------------------------------------------------------------
 
     def hello(self, request: wire.PushHello) -> wire.PushReply:
-        key = (request.engine_id, request.rank.tp_rank)
+        key = decode_key(request)
         geometry = request.geometry.to_geometry()
         with self._lock:
             old = self._decodes.get(key)
@@ -129,10 +132,11 @@ class PushWriter(ConcurrentDispatch):
                 return room
             if room is not None:
                 self._transport.remove_peer(room)
-        # Named by the decode rank it introduces itself as (replacing an older
-        # incarnation), not by its metadata's own name: another decode's
-        # metadata cannot replace this one's peer.
-        name = self._transport.add_peer(request.agent_metadata, name=agent_name(*key))
+        # Named by the decode worker it introduces itself as (engine, rank and
+        # incarnation; a new registration of it replaces the old), not by its
+        # metadata's own name: another decode's metadata cannot replace this
+        # one's peer, even under the same engine id.
+        name = self._transport.add_peer(request.agent_metadata, name=decode_name(key))
         with self._lock:
             self._decodes[key] = Decode(name, geometry, request.registration, key)
             self._counts.add("hellos")
@@ -152,7 +156,7 @@ class PushWriter(ConcurrentDispatch):
                 if entry.decode is not None:
                     busy.add(entry.decode.key)
                 if entry.reg is not None:
-                    busy.add((entry.reg.engine_id, entry.reg.tp_rank))
+                    busy.add(decode_key(entry.reg))
         victim = next((key for key in self._decodes if key not in busy), None)
         if victim is None:
             return wire.PushReply(REFUSED, f"this producer rank serves {MAX_DECODES} decode ranks, each with a "
@@ -194,7 +198,7 @@ class PushWriter(ConcurrentDispatch):
         with self._lock:
             self._generations.add((w.generation, w.reader))
             self._remember(token, entry)
-        self._write(entry, planned, request.engine_id)
+        self._write(entry, planned, decode.name)
         with self._lock:
             return self._answer(entry)
 
@@ -206,13 +210,12 @@ class PushWriter(ConcurrentDispatch):
             known = self._pushes.get(request.token)
             if known is not None:
                 return self._answer(known)
-            decode = self._decodes.get((request.engine_id, request.tp_rank))
+            decode = self._decodes.get(decode_key(request))
             if decode is not None:
                 self._decodes.move_to_end(decode.key)
         if decode is None or decode.registration != request.registration:
-            return wire.PushReply(REFUSED, f"decode {request.engine_id!r} rank {request.tp_rank} registration "
-                                           f"{request.registration} did not introduce its KV cache (PUSH_HELLO) "
-                                           "to this producer rank")
+            return wire.PushReply(REFUSED, f"{describe(decode_key(request))} registration {request.registration} "
+                                           "did not introduce its KV cache (PUSH_HELLO) to this producer rank")
         return decode
 
     def _write(self, entry: PushEntry, planned: Planned,

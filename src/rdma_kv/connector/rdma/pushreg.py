@@ -51,9 +51,12 @@ from rdma_kv.connector.rdma.pushstate import (
     RUNNING,
     WAITING,
     Decode,
+    DecodeKey,
     Granted,
     PushEntry,
     claim,
+    decode_key,
+    describe,
 )
 from rdma_kv.connector.rdma.slots import SlotTable
 from rdma_kv.connector.rdma.stats import PushCounters, Tally
@@ -79,11 +82,17 @@ class ConcurrentDispatch:
     _block_size: int
     _clock: Callable[[], float]
     _lock: threading.Lock
-    _decodes: dict[tuple[str, int], Decode]
+    _decodes: dict[DecodeKey, Decode]
     _pushes: collections.OrderedDict[bytes, PushEntry]
     _counts: Tally[PushCounters]
     layerwise: bool
     _fences: FenceFactory | None
+
+    def _introduced_as(self, reg: wire.PushReg) -> Decode | None:
+        """The decode ``reg`` registered blocks of, under the lock: None once it
+        re-registered its KV cache (the blocks named are of the old one)."""
+        decode = self._decodes.get(decode_key(reg))
+        return decode if decode is not None and decode.registration == reg.registration else None
 
     def _init_concurrent(self) -> None:
         self._waiting: dict[str, list[bytes]] = collections.defaultdict(list)  # transfer id -> tokens
@@ -144,8 +153,7 @@ class ConcurrentDispatch:
             # plans the whole push, and an id past a row is another layer's block
             bad = [b for b in ids if b >= num_blocks][:8]
             return wire.PushReply(REFUSED, f"decode block ids {bad} are outside [0, {num_blocks}) of the KV cache "
-                                           f"decode {request.engine_id!r} rank {request.tp_rank} introduced "
-                                           f"(registration {request.registration})")
+                                           f"{describe(found.key)} introduced (registration {request.registration})")
         now = self._clock()
         entry = PushEntry(None, WAITING, token=token, reg=request, wait_until=now + self._wait_s, started_at=now)
         with self._lock:
@@ -182,7 +190,7 @@ class ConcurrentDispatch:
         with self._lock:
             if entry.state is not WAITING:
                 return  # aborted or expired meanwhile
-            decode = self._decodes.get((reg.engine_id, reg.tp_rank))
+            decode = self._introduced_as(reg)
             entry.state = RUNNING  # taken: no second start
             entry.decode = entry.decode or decode
         problem = None
@@ -214,8 +222,8 @@ class ConcurrentDispatch:
         done = max(entry.written_upto, first)  # blocks the layer-wise writes covered
         if done > first and tuple(ids[first:done]) != tuple(entry.producer_blocks[first:done]):
             entry.error = "the prefill's blocks changed under its layer-wise writes (preempted)"
+        assert decode is not None  # else a problem above
         try:
-            assert decode is not None
             planned = self._plan([list(ids[done:first + len(local)])], [local[done - first:]], reg.remote_heads,
                                  reg.local_heads, decode, lease_blocks)
         except ValueError as exc:
@@ -229,10 +237,10 @@ class ConcurrentDispatch:
             entry.error = str(exc)
             planned = None
         if done == first and entry.outstanding == 0 and planned is not None:
-            self._write(entry, planned, reg.engine_id)  # every block at once, notified after its flush
+            self._write(entry, planned, decode.name)  # every block at once, notified after its flush
             return
         # Layer-wise writes went out: write the rest, then a flush that notifies (_finish_layerwise).
-        if planned is not None and len(planned[0]) and entry.error is None and decode is not None:
+        if planned is not None and len(planned[0]) and entry.error is None:
             self._post_layer(entry, planned, decode)
         with self._lock:
             entry.sealing = True
@@ -360,7 +368,7 @@ class ConcurrentDispatch:
         reg = entry.reg
         assert reg is not None
         with self._lock:
-            decode = self._decodes.get((reg.engine_id, reg.tp_rank))
+            decode = self._introduced_as(reg)
             if decode is None or entry.state is not WAITING or entry.aborted or entry.error:
                 return False
         try:
@@ -427,7 +435,7 @@ class ConcurrentDispatch:
             if entry.state not in (WAITING, RUNNING):
                 return
             entry.finishing = True
-            decode = self._decodes.get((reg.engine_id, reg.tp_rank))
+            decode = self._introduced_as(reg)
         notify = PUSH_NOTIFY_PREFIX + entry.token if not ended else None
         try:
             if decode is None:

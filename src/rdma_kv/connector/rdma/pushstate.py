@@ -15,12 +15,12 @@ import hashlib
 from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.leases import LeaseCall
-from rdma_kv.connector.rdma.meta import SendSpec
+from rdma_kv.connector.rdma.meta import SendSpec, agent_name
 from rdma_kv.connector.rdma.slots import HeadSlice, SlotTable
 from rdma_kv.connector.rdma.transport_api import PreparedList
 
 __all__ = ["ABORTED", "DONE", "FAILED", "FORGET_AFTER_S", "MAX_DECODES", "MAX_REMEMBERED", "PENDING", "REFUSED", "RUNNING",
-           "UNKNOWN", "WAITING", "Decode", "Granted", "PushEntry", "claim", "heads"]
+           "UNKNOWN", "WAITING", "Decode", "DecodeKey", "Granted", "PushEntry", "claim", "decode_key", "decode_name", "describe", "heads"]
 
 FORGET_AFTER_S = 600.0
 """A resolved push is remembered this long (a decode's late query reads its state)."""
@@ -36,14 +36,33 @@ RUNNING, WAITING, DONE, FAILED, ABORTED, REFUSED, PENDING, UNKNOWN = (
     wire.PushState.ABORTED, wire.PushState.REFUSED, wire.PushState.PENDING, wire.PushState.UNKNOWN)
 
 
+DecodeKey = tuple[str, int, bytes]
+"""(engine id, TP rank, incarnation): one decode worker, even when two
+engines were given one engine id by mistake."""
+
+
+def decode_key(request: wire.PushHello | wire.Push | wire.PushReg) -> DecodeKey:
+    rank = request.rank.tp_rank if isinstance(request, wire.PushHello) else request.tp_rank
+    return request.engine_id, rank, request.incarnation
+
+
+def decode_name(key: DecodeKey) -> str:
+    """The transport peer's name of decode ``key``: ``engine/tpR#incarnation``."""
+    return f"{agent_name(key[0], key[1])}#{key[2].hex()}"
+
+
+def describe(key: DecodeKey) -> str:
+    return f"decode {key[0]!r} rank {key[1]} (incarnation {key[2].hex()})"
+
+
 @dataclasses.dataclass
 class Decode:
-    """A decode rank that introduced its KV cache (PUSH_HELLO)."""
+    """A decode worker's rank that introduced its KV cache (PUSH_HELLO)."""
 
     name: str  # the transport peer
     geometry: KVCacheGeometry
     registration: int
-    key: tuple[str, int]  # (engine id, TP rank)
+    key: DecodeKey
     tables: dict[HeadSlice | None, tuple[SlotTable, PreparedList]] = dataclasses.field(default_factory=dict)
 
 

@@ -40,6 +40,7 @@ from rdma_kv.errors import MetadataError
 __all__ = [
     "CLAIM_BYTES",
     "PUSH_NOTIFY_PREFIX",
+    "INCARNATION_BYTES",
     "PUSH_TOKEN_BYTES",
     "HeadsWire",
     "Push",
@@ -75,7 +76,7 @@ __all__ = [
     "check_reader",
 ]
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """The side channel's version: both ends must speak the same one. A peer of
 another version is refused with a message naming both versions (a version-1
 producer answers HELLO with ``error``, which the client reports as a version
@@ -128,6 +129,11 @@ refuses as unknown: ``forbid_unknown_fields``):
    later writes nothing, and the decode gives up a PUSH that got no answer
    only on that; a plain query's UNKNOWN means "not taken yet" (the decode
    sends the PUSH again). A version-7 producer would write such a late PUSH.
+9. (2026-11-29) PUSH_HELLO, PUSH and PUSH_REG name the decode worker's
+   ``incarnation`` (8 random bytes drawn when the worker starts): the
+   producer knows a decode rank by engine id, rank and incarnation, so two
+   decode engines given one ``engine_id`` each get their own writes (under
+   version 8 the producer wrote both decodes' pushes into one of them).
 """
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 16 << 20  # agent metadata (worker address + rkeys) plus geometry
@@ -278,6 +284,10 @@ PUSH_TOKEN_BYTES = 16
 PUSH_NOTIFY_PREFIX = b"rdma-kv-push:"
 """A push's notification (transport-level, after every write landed): this prefix, then the 16-byte token."""
 PushToken = Annotated[bytes, msgspec.Meta(min_length=PUSH_TOKEN_BYTES, max_length=PUSH_TOKEN_BYTES)]
+INCARNATION_BYTES = 8
+Incarnation = Annotated[bytes, msgspec.Meta(min_length=INCARNATION_BYTES, max_length=INCARNATION_BYTES)]
+"""A decode worker's, random, drawn when it starts: which of the decodes
+calling themselves ``engine_id`` rank ``r`` a push is for."""
 BlockIdList = Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_BLOCKS_PER_LAYER)]],
                         msgspec.Meta(max_length=1 << 20)]
 GroupIdLists = Annotated[list[BlockIdList], msgspec.Meta(min_length=1, max_length=MAX_LAYERS)]
@@ -299,6 +309,7 @@ class PushHello(msgspec.Struct, frozen=True, tag="push_hello", forbid_unknown_fi
     version: int
     engine_id: Str
     rank: RankInfo
+    incarnation: Incarnation
     registration: Annotated[int, msgspec.Meta(ge=1)]
     agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_REQUEST_BYTES // 2)]
     geometry: GeometryWire
@@ -315,6 +326,7 @@ class Push(msgspec.Struct, frozen=True, tag="push", forbid_unknown_fields=True):
     token: PushToken
     engine_id: Str
     tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+    incarnation: Incarnation
     registration: Annotated[int, msgspec.Meta(ge=1)]
     local_block_ids: GroupIdLists
     remote_block_ids: GroupIdLists
@@ -335,6 +347,7 @@ class PushReg(msgspec.Struct, frozen=True, tag="push_reg", forbid_unknown_fields
     token: PushToken
     engine_id: Str
     tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+    incarnation: Incarnation
     registration: Annotated[int, msgspec.Meta(ge=1)]
     first_token: Annotated[int, msgspec.Meta(ge=0)]
     num_tokens: Annotated[int, msgspec.Meta(ge=1)]

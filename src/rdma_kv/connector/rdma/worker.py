@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -108,6 +109,9 @@ class RdmaWorker:
         self._closed = False
         self._kv_caches: Mapping[str, Any] | None = None
         self._registration = 1
+        self._incarnation = secrets.token_bytes(wire.INCARNATION_BYTES)
+        """Push mode: who this worker is to a producer, with its engine id and rank
+        (two decodes given one engine id by mistake are told apart)."""
         self._asleep = False
         self._reported: tuple[int, dict[str, int]] | None = None
         """The leases held and resources in the last stats returned: gauges are
@@ -118,7 +122,7 @@ class RdmaWorker:
 
     def _new_consumer(self, local: LocalKV) -> RdmaConsumer:
         return RdmaConsumer(local, self._engine_id, self._settings, self._pool, self._book, self._clock,
-                            self._registration)
+                            self._registration, incarnation=self._incarnation)
 
     def _make_client(self, host: str, port: int) -> SideChannelClient:
         s = self._settings

@@ -75,7 +75,8 @@ class RdmaConsumer:
     from sleep takes over."""
 
     def __init__(self, local: LocalKV, engine_id: EngineId, settings: RdmaSettings, pool: ClientPool,
-                 book: LoadBook, clock: Callable[[], float] = time.monotonic, registration: int = 1) -> None:
+                 book: LoadBook, clock: Callable[[], float] = time.monotonic, registration: int = 1, *,
+                 incarnation: bytes) -> None:
         self._local = local
         self._settings = settings
         self._clock = clock
@@ -90,7 +91,7 @@ class RdmaConsumer:
                                        book.reading_from)
         self._pins = Pins(book, pool, self.leases, self._on_pin, self.peers.failed)
         self._asleep: str | None = None  # why loads fail at once (suspend)
-        self.pushes = (Pushes(local, engine_id, registration, settings, pool, self.peers.failed,
+        self.pushes = (Pushes(local, engine_id, registration, incarnation, settings, pool, self.peers.failed,
                               self.peers.local_table, clock)
                        if settings.mode == "push" else None)
         """Push mode: the producer writes each source (``pushes``); None in pull mode."""

@@ -142,13 +142,16 @@ class PushHandle:
 class Pushes:
     """The pushes of one decode rank."""
 
-    def __init__(self, local: LocalKV, engine_id: str, registration: int, settings: RdmaSettings,
+    def __init__(self, local: LocalKV, engine_id: str, registration: int, incarnation: bytes, settings: RdmaSettings,
                  pool: ClientPool, peer_failed: Callable[[PeerState, str], None],
                  local_table: Callable[[HeadSlice | None], tuple[SlotTable, Any]],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._local = local
         self._engine_id = engine_id
         self._registration = registration
+        self._incarnation = incarnation
+        """This worker's, drawn when it started (``wire.Incarnation``): the producer
+        tells it apart from another decode given the same engine id."""
         self._settings = settings
         self._pool = pool
         self._peer_failed = peer_failed
@@ -171,7 +174,7 @@ class Pushes:
         """Register this source's blocks with its producer rank (on an RPC thread)."""
         local_heads, remote_heads = _heads(plan, read)
         request = wire.Push(wire.PROTOCOL_VERSION, lease.to_wire(), secrets.token_bytes(wire.PUSH_TOKEN_BYTES),
-                            self._engine_id, self._settings.tp_rank, self._registration,
+                            self._engine_id, self._settings.tp_rank, self._incarnation, self._registration,
                             [list(g) for g in local_block_ids], [list(g) for g in remote_block_ids],
                             local_heads, remote_heads)
         return self._begin(peer, request, local_block_ids)
@@ -182,7 +185,8 @@ class Pushes:
         assert spec.transfer_id is not None
         local_heads, remote_heads = _heads(plan, read)
         request = wire.PushReg(wire.PROTOCOL_VERSION, spec.transfer_id, secrets.token_bytes(wire.PUSH_TOKEN_BYTES),
-                               self._engine_id, self._settings.tp_rank, self._registration, spec.first_token,
+                               self._engine_id, self._settings.tp_rank, self._incarnation, self._registration,
+                               spec.first_token,
                                spec.num_tokens, [list(g) for g in spec.local_block_ids], self._settings.tp_rank,
                                readers, local_heads, remote_heads)
         return self._begin(peer, request, spec.local_block_ids)
@@ -217,8 +221,9 @@ class Pushes:
         if key in self._hellos and not again:
             return
         local = self._local
-        reply = client.call(wire.PushHello(wire.PROTOCOL_VERSION, self._engine_id, local.rank, self._registration,
-                                           local.transport.metadata(), wire.GeometryWire.from_geometry(local.geometry)))
+        reply = client.call(wire.PushHello(wire.PROTOCOL_VERSION, self._engine_id, local.rank, self._incarnation,
+                                           self._registration, local.transport.metadata(),
+                                           wire.GeometryWire.from_geometry(local.geometry)))
         if not isinstance(reply, wire.PushReply) or reply.state is not wire.PushState.DONE:
             detail = reply.detail if isinstance(reply, wire.PushReply) else getattr(reply, "reason", repr(reply))
             raise PushFailed(f"producer {client.address} refused this decode's KV cache: {detail}")
