@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import socket
 import struct
 import threading
@@ -9,6 +10,8 @@ import time
 
 import msgspec
 import pytest
+
+from netutil import free_port
 
 from rdma_kv.connector.rdma import framing, wire
 from rdma_kv.connector.rdma.sidechannel import SideChannelServer
@@ -81,17 +84,62 @@ def test_malformed_frames_get_an_error_and_the_server_keeps_serving(server, payl
 
 
 def test_unreachable_peer_fails_within_bounds():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed once we leave: nothing listens
+    port = free_port()  # nothing listens there (outside the ephemeral range: no client's port either)
     client = SideChannelClient("127.0.0.1", port, connect_timeout_s=0.5, rpc_timeout_s=0.5, retries=1)
     t0 = time.monotonic()
-    with pytest.raises(PeerError, match="unreachable after 2 attempts"):
+    # Refused: nobody listens, so no waiting out connect_timeout_s (the
+    # producer died; a consumer must learn it at once).
+    with pytest.raises(PeerError, match=r"unreachable after 2 attempts in .*Connection refused"):
         client.lease_call(renew())
+    assert time.monotonic() - t0 < 0.5
     with pytest.raises(PeerError, match="is down"):  # fails fast while marked down
         client.lease_call(renew())
     assert time.monotonic() - t0 < 5
     client.close()
+
+
+class DownLink:
+    """``socket.create_connection`` on a host whose own link is down for
+    ``down_s`` ("Network is unreachable", at once, as a veth that is down
+    answers), then up again."""
+
+    def __init__(self, down_s):
+        self.until = time.monotonic() + down_s
+        self.refused = 0
+        self.real = socket.create_connection
+
+    def __call__(self, address, *args, **kwargs):
+        if time.monotonic() < self.until:
+            self.refused += 1
+            raise OSError(errno.ENETUNREACH, "Network is unreachable")
+        return self.real(address, *args, **kwargs)
+
+
+def test_a_link_that_comes_back_within_the_connect_timeout_costs_the_call_nothing(server, monkeypatch):
+    """This host's link flaps for 0.3 s: each connect meets "Network is
+    unreachable" at once. The call keeps trying until ``connect_timeout_s``
+    (before: its three attempts were over in 0.15 s, and the CONFIRM it
+    carried failed its load; ``tests/faults/test_netns.py`` flaps a real
+    link)."""
+    link = DownLink(0.3)
+    monkeypatch.setattr(socket, "create_connection", link)
+    client = SideChannelClient("127.0.0.1", server.port, connect_timeout_s=2.0, rpc_timeout_s=2.0, retries=2)
+    t0 = time.monotonic()
+    assert client.lease_call(renew()).statuses == [wire.LeaseStatus.HELD]
+    assert time.monotonic() - t0 >= 0.3 and link.refused >= 3
+    client.close()
+    link = DownLink(30.0)  # down for longer: the call gives up once connect_timeout_s has passed
+    monkeypatch.setattr(socket, "create_connection", link)
+    client = SideChannelClient("127.0.0.1", server.port, connect_timeout_s=0.5, rpc_timeout_s=0.5, retries=2)
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match=r"unreachable after \d+ attempts in .*Network is unreachable"):
+        client.lease_call(renew())
+    assert 0.5 <= time.monotonic() - t0 < 2.0
+    client.close()
+    once = SideChannelClient("127.0.0.1", server.port, connect_timeout_s=5.0, rpc_timeout_s=0.5, retries=0)
+    with pytest.raises(PeerError, match="unreachable after 1 attempts"):  # retries=0: one attempt, no window
+        once.lease_call(renew())
+    once.close()
 
 
 class HungResolver:

@@ -2,7 +2,17 @@
 consumer calls it.
 
 Owns the socket to one producer rank, re-opened on failure, with bounded
-retries and backoff; every call has a deadline. The opening (HELLO ->
+retries and backoff; every call has a deadline. A call retries ``retries``
+times and, while its attempts find the way to the peer down ("Network is
+unreachable": a link or interface of this host that flaps; "No route to
+host"), until ``connect_timeout_s`` has passed: that error comes back in
+microseconds, and three attempts with
+backoff were over in 0.15 s, so a 0.5 s flap of the consumer's own end
+failed its CONFIRMs. A refused connect is not waited out: nobody listens
+there (the producer died or restarted, and its leases with it), and a
+consumer must learn that at once. Nor is a failed name lookup (a producer
+advertised by name, its DNS server out of reach): only the errors of
+``LINK_DOWN``. The opening (HELLO ->
 CHALLENGE, then AUTH -> AUTH_OK with a shared secret) is checked both
 ways: a consumer with a secret refuses a producer that cannot prove it
 knows the same one. Lease RPCs are idempotent (a retried CONFIRM of a
@@ -24,6 +34,7 @@ connector's ``rdma.auth`` and ``rdma.wire``.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import socket
 import threading
@@ -44,7 +55,14 @@ RENEW that meets a handshake or a CONFIRM (the scheduler's first renewal and
 its pre-connect go out in the same step) does not cost the producer a second
 connection."""
 BACKOFF_S = 0.05
-"""The first pause between a call's attempts; it doubles with each retry."""
+"""The first pause between a call's attempts; it doubles with each retry, up
+to ``MAX_BACKOFF_S``."""
+MAX_BACKOFF_S = 0.25
+"""The longest pause between two attempts."""
+LINK_DOWN = frozenset({errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN, errno.EHOSTDOWN})
+"""Errors that say the way to the peer is down, for now: a call meeting them
+keeps trying until ``connect_timeout_s`` (a host whose router answers that
+the peer's host is gone takes that long to fail, too)."""
 RESOLVER_THREADS = 4
 """Name lookups outstanding at once in a process. A lookup cannot be
 cancelled: one the resolver never answers keeps its thread until the
@@ -52,6 +70,11 @@ resolver's own timeout, and this many of them make the next lookup fail
 (within its bound) instead of starting yet another thread."""
 
 _lookups = threading.BoundedSemaphore(RESOLVER_THREADS)
+
+
+def _pause(backoff_s: float, retry: int) -> float:
+    """The pause before retry ``retry`` (0: the first) of a call."""
+    return min(backoff_s * (1 << min(retry, 16)), MAX_BACKOFF_S)
 
 
 def resolve(host: str, port: int, timeout_s: float) -> list[tuple[str, int]]:
@@ -230,8 +253,11 @@ class SideChannelClient:
         connection, then every attempt's connect and reply deadlines, and the
         backoffs between them."""
         attempts = retries + 1
-        return (URGENT_WAIT_S + attempts * (connect_timeout_s + rpc_timeout_s)
-                + backoff_s * ((1 << retries) - 1))
+        slow = attempts * (connect_timeout_s + rpc_timeout_s) + sum(_pause(backoff_s, k) for k in range(retries))
+        # Attempts that find the network down go on until connect_timeout_s,
+        # then one more may start (after a pause) and be slow:
+        window = connect_timeout_s + MAX_BACKOFF_S + connect_timeout_s + rpc_timeout_s if retries else 0.0
+        return URGENT_WAIT_S + max(slow, window)
 
     def call(self, request: wire.Request, timeout_s: float | None = None, *, urgent: bool = False) -> wire.Reply:
         """Send ``request``, return the decoded reply. Transport failures are
@@ -253,7 +279,9 @@ class SideChannelClient:
         """``call`` on ``conn``, its lock held."""
         payload = wire.encode(request)
         last: Exception | None = None
-        for attempt in range(self._retries + 1):
+        start = time.monotonic()
+        attempts = 0
+        while True:
             if self._closed:
                 raise PeerError(f"side channel client for {self.address} is closed")
             if time.monotonic() < self._down_until:
@@ -274,8 +302,12 @@ class SideChannelClient:
             except (OSError, TimeoutError, PeerError) as exc:
                 last = exc
                 conn.drop()
-                if attempt < self._retries:
-                    time.sleep(self._backoff_s * (2**attempt))
+                attempts += 1
+                link_down = isinstance(exc, OSError) and exc.errno in LINK_DOWN
+                if not self._retries or (attempts > self._retries and not (
+                        link_down and time.monotonic() - start < self._connect_timeout_s)):
+                    break
+                time.sleep(_pause(self._backoff_s, attempts - 1))
                 continue
             except MetadataError as exc:
                 conn.drop()
@@ -285,7 +317,7 @@ class SideChannelClient:
                 raise MetadataError(f"{self.address} rejected {type(request).__name__}: {reply.message}")
             return reply
         self._down_until = time.monotonic() + self.down_s
-        self._down_reason = f"unreachable after {self._retries + 1} attempts: {last}"
+        self._down_reason = f"unreachable after {attempts} attempts in {time.monotonic() - start:.2g} s: {last}"
         self._down_error = PeerError
         raise PeerError(f"side channel {self.address} {self._down_reason}")
 
