@@ -191,18 +191,24 @@ def test_a_push_that_arrives_after_the_decode_aborted_it_unknown_writes_nothing(
     assert written(s, [50, 51], [20, 21])
 
 
-def test_a_registration_made_before_the_decode_re_registered_its_kv_cache_writes_nothing():
-    """Concurrent dispatch: a decode registered blocks (PUSH_REG, its KV
-    cache's registration 1), then slept and woke (PUSH_HELLO, registration
-    2: new memory, its old block ids mean nothing). The prefill's grant must
-    not write the old registration's block ids into the new cache (before:
-    the producer looked the decode up by engine and rank alone, and wrote)."""
+def concurrent_setup():
+    """A writer for concurrent dispatch (PUSH_REG; 4 tokens a block), the decode introduced."""
     s = Setup()
     s.writer = PushWriter(s.p, s.writer._geometry, s.leases, write_timeout_s=5.0, clock=s.clock, block_size=4,
                           layerwise=False)
     hello = wire.PushHello(wire.PROTOCOL_VERSION, "D", wire.RankInfo(0, 1, 2), INC, 1, s.d.metadata(),
                            wire.GeometryWire.from_geometry(s.g_dst))
     assert s.writer.hello(hello).state is S.DONE
+    return s, hello
+
+
+def test_a_registration_made_before_the_decode_re_registered_its_kv_cache_writes_nothing():
+    """Concurrent dispatch: a decode registered blocks (PUSH_REG, its KV
+    cache's registration 1), then slept and woke (PUSH_HELLO, registration
+    2: new memory, its old block ids mean nothing). The prefill's grant must
+    not write the old registration's block ids into the new cache (before:
+    the producer looked the decode up by engine and rank alone, and wrote)."""
+    s, hello = concurrent_setup()
     token = b"g" * 16
     reg = wire.PushReg(wire.PROTOCOL_VERSION, "t1", token, "D", 0, INC, 1, 0, 8, [[40, 41]])
     assert s.writer.register(reg).state is S.WAITING
@@ -216,3 +222,45 @@ def test_a_registration_made_before_the_decode_re_registered_its_kv_cache_writes
     s.writer.granted(SendSpec("r2", [20, 21], ref(2), 10.0, transfer_id="t2", num_tokens=8))
     assert s.writer.query(wire.PushQuery(wire.PROTOCOL_VERSION, b"h" * 16)).state is S.DONE
     assert written(s, [40, 41], [20, 21])
+
+
+def test_a_re_registration_while_a_write_is_being_prepared_writes_nothing():
+    """The engine thread took the decode's registration 1 for a grant; before
+    it prepared the decode's slot table, the side channel thread took the
+    decode's PUSH_HELLO of registration 2, which replaced the transport peer
+    under the same name. The table prepared is the new cache's: the check
+    after preparing refuses it (before: written into the new cache)."""
+    s, hello = concurrent_setup()
+    token = b"g" * 16
+    assert s.writer.register(wire.PushReg(wire.PROTOCOL_VERSION, "t1", token, "D", 0, INC, 1, 0, 8,
+                                          [[40, 41]])).state is S.WAITING
+    real = s.p.prep_remote
+
+    def racing(name, descs):
+        assert s.writer.hello(msgspec.structs.replace(hello, registration=2)).detail == "introduced"
+        return real(name, descs)
+
+    s.p.prep_remote = racing
+    s.writer.granted(SendSpec("r1", [10, 11], ref(1), 10.0, transfer_id="t1", num_tokens=8))
+    reply = s.writer.query(wire.PushQuery(wire.PROTOCOL_VERSION, token))
+    assert reply.state is S.REFUSED and "re-registered its KV cache" in reply.detail, reply
+    assert s.fabric.writes == 0 and not any(s.dst[n].any() for n in s.dst)
+
+
+def test_a_decode_forgotten_after_a_failed_write_has_its_peer_removed():
+    """A failed write makes the producer forget the decode (its endpoint may
+    be dead); a restarted decode comes back as a new incarnation under a new
+    peer name, so the old peer must be removed, not left for the producer's
+    lifetime (one leaked peer per decode crash)."""
+    s = Setup()
+    old = next(iter(s.p.peers))
+    s.fabric.fail_next = 1
+    reply = s.writer.push(s.push(1, [40, 41]))
+    assert reply.state is S.FAILED, reply
+    restarted = wire.PushHello(wire.PROTOCOL_VERSION, "D", wire.RankInfo(0, 1, 2), b"n" * 8, 1, s.d.metadata(),
+                               wire.GeometryWire.from_geometry(s.g_dst))
+    assert s.writer.hello(restarted).detail == "introduced"
+    assert list(s.p.peers) == ["D/tp0#6e6e6e6e6e6e6e6e"], s.p.peers
+    assert old == "D/tp0#6969696969696969"
+    assert s.writer.push(msgspec.structs.replace(s.push(2, [50, 51]), incarnation=b"n" * 8)).state is S.DONE
+    assert written(s, [50, 51], [20, 21])

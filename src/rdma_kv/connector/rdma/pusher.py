@@ -1,7 +1,8 @@
 """Push mode, the producer's side: writing a lease's blocks into a decode's KV cache.
 
 Owns :class:`PushWriter`: the decode ranks that introduced their KV cache
-(PUSH_HELLO: agent metadata, geometry, registration), and the pushes (one
+(PUSH_HELLO: agent metadata, geometry, registration; each known by engine
+id, rank and its worker's incarnation), and the pushes (one
 per decode allocation ``token``): PUSH checks the lease, writes, and the
 transport notifies the decode once every write is remotely complete;
 PUSH_QUERY answers where a push is, or aborts it.
@@ -110,6 +111,8 @@ class PushWriter(ConcurrentDispatch):
         self._decodes: collections.OrderedDict[DecodeKey, Decode] = collections.OrderedDict()
         """Least recently used first (a push or registration from a decode moves it last)."""
         self._pushes: collections.OrderedDict[bytes, PushEntry] = collections.OrderedDict()
+        self._retired: list[str] = []
+        """Transport peers of decodes forgotten after a failed write, to remove (side channel thread)."""
         self._generations: set[tuple[int, int]] = set()  # (lease, reader) pushed: a second PUSH is refused
         self._own: dict[HeadSlice | None, tuple[SlotTable, PreparedList]] = {}
         self._counts = Tally(PushCounters)  # counted under self._lock
@@ -123,15 +126,24 @@ class PushWriter(ConcurrentDispatch):
         geometry = request.geometry.to_geometry()
         with self._lock:
             old = self._decodes.get(key)
-        if old is not None and old.registration == request.registration:
-            return wire.PushReply(DONE, "known")
-        if old is None:
-            with self._lock:
+            if old is not None and old.registration == request.registration:
+                return wire.PushReply(DONE, "known")
+            if old is not None:
+                # A new registration of this decode (it slept and woke): the
+                # old one's block ids mean nothing in the new cache. Retired
+                # before its peer is replaced, so that nothing prepares a write
+                # for it from here on (``_tables`` checks again once prepared).
+                del self._decodes[old.key]
+                room: str | wire.PushReply | None = None
+            else:
                 room = self._make_room()
             if isinstance(room, wire.PushReply):
                 return room
-            if room is not None:
-                self._transport.remove_peer(room)
+            names = {d.name for d in self._decodes.values()}
+            gone = [n for n in self._retired + ([room] if room else []) if n not in names]
+            self._retired = []
+        for name in gone:  # (peers are removed on this thread, never in a completion callback)
+            self._transport.remove_peer(name)
         # Named by the decode worker it introduces itself as (engine, rank and
         # incarnation; a new registration of it replaces the old), not by its
         # metadata's own name: another decode's metadata cannot replace this
@@ -146,8 +158,8 @@ class PushWriter(ConcurrentDispatch):
         """Room for one more decode (under the lock): below MAX_DECODES, none
         needed (None); else the least recently used decode with no push
         running or waiting is forgotten (it introduces itself again if it
-        comes back), and its transport peer's name returned when no other
-        decode uses it; REFUSED when every one has a push under way."""
+        comes back), and its transport peer's name returned; REFUSED when
+        every one has a push under way."""
         if len(self._decodes) < MAX_DECODES:
             return None
         busy = set()
@@ -163,7 +175,7 @@ class PushWriter(ConcurrentDispatch):
                                            "push under way: introduce this one again once one has ended")
         old = self._decodes.pop(victim)
         self._counts.add("decodes_forgotten")
-        return None if any(d.name == old.name for d in self._decodes.values()) else old.name
+        return old.name
 
     # --- PUSH --------------------------------------------------------------------------------
 
@@ -274,6 +286,11 @@ class PushWriter(ConcurrentDispatch):
                                  "(KV layouts or head slices do not match)")
             dst = (table, self._transport.prep_remote(decode.name, table.descs))
             with self._lock:
+                if self._decodes.get(decode.key) is not decode:
+                    # Re-registered (or forgotten) while this was prepared: the
+                    # list may be of the new cache's peer, under the same name.
+                    raise ValueError(f"{describe(decode.key)} re-registered its KV cache: registration "
+                                     f"{decode.registration}'s block ids are not written")
                 decode.tables[dst_heads] = dst
         return own, dst
 
@@ -305,6 +322,7 @@ class PushWriter(ConcurrentDispatch):
                 # fails against the dead endpoint). A newer introduction is kept.
                 if self._decodes.get(entry.decode.key) is entry.decode:
                     del self._decodes[entry.decode.key]
+                    self._retired.append(entry.decode.name)  # its peer, removed at the next PUSH_HELLO
             if failure is None and xfer is not None:  # remotely complete, whatever the decode then wanted
                 self._counts.add("written_bytes", entry.nbytes)
                 self._counts.add("overlapped_bytes", entry.overlapped_nbytes)
