@@ -11,6 +11,7 @@ import logging
 import pytest
 from rdma_testutil import wait_until
 from fakes import FakeFabric
+from netutil import free_port
 from test_connector_fake import Pair, scheduler
 
 from rdma_kv.connector import Request, SchedulerOutput
@@ -105,11 +106,7 @@ def test_a_failed_preconnect_is_a_failed_handshake_no_more(pair, monkeypatch, ca
 
 
 def test_a_failed_preconnect_elsewhere_leaves_other_producers_alone(pair):
-    import socket
-
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        dead_port = s.getsockname()[1]
+    dead_port = free_port()  # nobody listens there (outside the ephemeral range: no client's port either)
     params = pair.prefill({"g": list(range(1, 30))})
     worker = pair.D.worker.worker
     events = Events(worker)

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rdma_kv.bench.ports import free_port
 from rdma_kv.bench.report import Result
 from rdma_kv.bench.runner import BenchError
 
@@ -57,12 +57,6 @@ def perftest_binary() -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _listening(port: int) -> bool:
     """True once some socket listens on ``port`` (Linux /proc/net/tcp, state 0A)."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -97,7 +91,7 @@ def run_perftest(
     binary = perftest_binary()
     env = dict(os.environ, **(env or {}))
     env["LD_LIBRARY_PATH"] = f"{binary.parent.parent / 'lib'}:{os.environ.get('LD_LIBRARY_PATH', '')}"
-    port = str(_free_port())
+    port = str(free_port())  # not a kernel-picked one: any outgoing connection could take it first
     server = subprocess.Popen(
         [str(binary), "-p", port], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
