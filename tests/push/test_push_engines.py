@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess, pytest.mark.timeout(180
 
 from test_integration import SHAPE, assert_loaded_bit_exact, prefill, settle  # noqa: E402  (tests/rdma: the pull tests' engines)
 from test_integration import config as pull_config  # noqa: E402
+from rdma_testutil import wait_until  # noqa: E402
 
 BS = SHAPE.block_size
 
@@ -93,9 +94,19 @@ def test_a_decode_abort_mid_push_keeps_its_blocks_until_no_write_can_land():
     with gated_engines() as (p, d):
         prompt = list(range(3, 400))
         start_held_push(p, d, "ab", prompt)
+        steps = d.call("status")["steps"]
         d.abort("ab")
-        time.sleep(1.5)  # the decode asked the producer to abort; the writes are still to be posted
-        status = d.call("status")
+        # The producer took the decode's abort (the writes are still to be
+        # posted), and the decode stepped since: its blocks stay held.
+        asked = 0
+
+        def abort_taken():
+            nonlocal asked  # stats are counted since the last call
+            asked += ((p.call("stats") or {}).get("totals") or {}).get("push_abort_asked", 0)
+            return asked >= 1
+
+        wait_until(abort_taken, timeout_s=30, what="the producer to take the decode's abort")
+        status = d.wait_status(lambda s: s["steps"] >= steps + 3, timeout_s=10)
         assert "ab" in status["held_ids"], "an aborted request's blocks were handed back while a push could land"
         assert p.call("status")["resources"]["pushes_running"] == 1
         p.open_gate()  # the writes go out and resolve: the producer answers ABORTED

@@ -99,9 +99,11 @@ def test_aborts_before_and_during_load(engines):
         d.abort("ab0")  # before the engine admitted it
         d.add("ab1", prompts["ab1"], params["ab1"])
         d.wait_status(lambda s: "ab1" in s["loading_ids"], timeout_s=10)
+        steps = d.call("status")["steps"]
         d.abort("ab1")  # its reads are in flight (completions gated)
-        time.sleep(0.2)
-        status = d.call("status")
+        # Three engine steps after the abort (not a guessed sleep): each had
+        # its chance to free the blocks, and none may while reads can land.
+        status = d.wait_status(lambda s: s["steps"] >= steps + 3, timeout_s=10)
         assert "ab1" in status["held_ids"], "an aborted request's blocks were freed while reads could land"
     finally:
         d.open_gate()

@@ -228,7 +228,7 @@ def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dic
                         "held_ids": sorted(engine.held),
                         "loading_ids": sorted(r for r, q in engine.requests.items()
                                               if q.status.value == "loading"),
-                        "requests": len(engine.requests),
+                        "requests": len(engine.requests), "steps": engine.steps,
                         "leases": len(inner.leases) if inner else 0,
                         "inflight_loads": inner.num_inflight() if inner else 0,
                         "resources": inner.resources() if inner else {},
