@@ -13,7 +13,7 @@ from rdma_kv.harness.process import EngineProcess
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
-from test_integration import SHAPE, assert_loaded_bit_exact, prefill, settle  # noqa: E402  (tests/rdma: the pull tests' engines)
+from test_integration import SHAPE, assert_loaded_bit_exact, prefill, settle, twin_waves  # noqa: E402  (tests/rdma: the pull tests' engines)
 from test_integration import config as pull_config  # noqa: E402
 from rdma_testutil import wait_until  # noqa: E402
 
@@ -31,10 +31,7 @@ def test_push_many_requests_bit_exact(rng):
         params = prefill(p, prompts)
         for rid, prompt in prompts.items():
             d.add(rid, prompt, params[rid])
-        results = d.wait_results(prompts, timeout_s=60)
-        for rid, r in results.items():
-            assert r["status"] == "finished" and not r["load_failed"], (rid, r["error"])
-            assert r["bad_blocks"] == [], f"{rid}: blocks {r['bad_blocks']} differ from the producer's"
+        assert_loaded_bit_exact(d.wait_results(prompts, timeout_s=60))
         settle(p, d)
 
 
@@ -48,14 +45,7 @@ def test_two_decodes_given_one_engine_id_each_load_their_own_blocks(rng):
     with EngineProcess("prefill", config("kv_producer", "P"), SHAPE) as p, \
             EngineProcess("decode-a", config("kv_consumer", "D"), SHAPE) as a, \
             EngineProcess("decode-b", config("kv_consumer", "D"), SHAPE) as b:
-        for wave in range(3):
-            prompts = {f"{who}{wave}-{i}": rng.integers(1, 999, int(rng.integers(40, 300))).tolist()
-                       for who in "ab" for i in range(4)}
-            params = prefill(p, prompts)
-            for rid, prompt in prompts.items():
-                (a if rid[0] == "a" else b).add(rid, prompt, params[rid])
-            for d, who in ((a, "a"), (b, "b")):
-                assert_loaded_bit_exact(d.wait_results([r for r in prompts if r[0] == who], timeout_s=60))
+        twin_waves(rng, {"a": p, "b": p}, {"a": a, "b": b})
         settle(p, a)
         settle(p, b)
 

@@ -50,6 +50,22 @@ def assert_loaded_bit_exact(results):
         assert r["bad_blocks"] == [], f"{rid}: blocks {r['bad_blocks']} differ from its producer's"
 
 
+def twin_waves(rng, prefills, decodes, waves=3):
+    """Three waves of 4 prompts each for "a" and "b": prefilled on
+    ``prefills[who]``, loaded by ``decodes[who]``, every block checked.
+    Two engines given one engine id: each side must still be itself."""
+    for wave in range(waves):
+        prompts = {f"{who}{wave}-{i}": rng.integers(1, 999, int(rng.integers(40, 300))).tolist()
+                   for who in "ab" for i in range(4)}
+        params = {}
+        for who in "ab":
+            params.update(prefill(prefills[who], {k: v for k, v in prompts.items() if k[0] == who}))
+        for rid, prompt in prompts.items():
+            decodes[rid[0]].add(rid, prompt, params[rid])
+        for d in {id(d): d for d in decodes.values()}.values():
+            assert_loaded_bit_exact(d.wait_results([r for r in prompts if decodes[r[0]] is d], timeout_s=60))
+
+
 def settle(p, d):
     p.wait_status(lambda s: s["held"] == 0 and s["leases"] == 0 and s["free_blocks"] == SHAPE.num_blocks,
                   timeout_s=15)
@@ -245,12 +261,4 @@ def test_two_producers_that_claim_one_engine_id_are_each_read_as_themselves(rng)
     with EngineProcess("prefill-a", config("kv_producer", "P2"), SHAPE) as a, \
             EngineProcess("prefill-b", config("kv_producer", "P2"), SHAPE) as b, \
             EngineProcess("decode-2", config("kv_consumer", "D2"), SHAPE) as d:
-        for wave in range(3):
-            prompts = {f"{who}{wave}-{i}": rng.integers(1, 999, int(rng.integers(40, 300))).tolist()
-                       for who in "ab" for i in range(4)}
-            params = {**prefill(a, {k: v for k, v in prompts.items() if k[0] == "a"}),
-                      **prefill(b, {k: v for k, v in prompts.items() if k[0] == "b"})}
-            for rid in prompts:
-                d.add(rid, prompts[rid], params[rid])
-            results = d.wait_results(list(prompts), timeout_s=60)
-            assert_loaded_bit_exact(results)
+        twin_waves(rng, {"a": a, "b": b}, {"a": d, "b": d})

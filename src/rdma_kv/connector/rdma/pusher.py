@@ -139,8 +139,7 @@ class PushWriter(ConcurrentDispatch):
                 room = self._make_room()
             if isinstance(room, wire.PushReply):
                 return room
-            names = {d.name for d in self._decodes.values()}
-            gone = [n for n in self._retired + ([room] if room else []) if n not in names]
+            gone = self._retired + ([room] if room else [])  # (names are unique per decode: none is in use)
             self._retired = []
         for name in gone:  # (peers are removed on this thread, never in a completion callback)
             self._transport.remove_peer(name)
@@ -222,10 +221,10 @@ class PushWriter(ConcurrentDispatch):
             known = self._pushes.get(request.token)
             if known is not None:
                 return self._answer(known)
-            decode = self._decodes.get(decode_key(request))
+            decode = self._introduced_as(request)
             if decode is not None:
                 self._decodes.move_to_end(decode.key)
-        if decode is None or decode.registration != request.registration:
+        if decode is None:
             return wire.PushReply(REFUSED, f"{describe(decode_key(request))} registration {request.registration} "
                                            "did not introduce its KV cache (PUSH_HELLO) to this producer rank")
         return decode

@@ -88,9 +88,9 @@ class ConcurrentDispatch:
     layerwise: bool
     _fences: FenceFactory | None
 
-    def _introduced_as(self, reg: wire.PushReg) -> Decode | None:
-        """The decode ``reg`` registered blocks of, under the lock: None once it
-        re-registered its KV cache (the blocks named are of the old one)."""
+    def _introduced_as(self, reg: wire.Push | wire.PushReg) -> Decode | None:
+        """The decode ``reg`` names blocks of, under the lock: None when unknown,
+        or once it re-registered its KV cache (the blocks named are of the old one)."""
         decode = self._decodes.get(decode_key(reg))
         return decode if decode is not None and decode.registration == reg.registration else None
 

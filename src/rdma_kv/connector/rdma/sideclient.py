@@ -6,9 +6,8 @@ retries and backoff; every call has a deadline. A call retries ``retries``
 times and, while its attempts find the way to the peer down ("Network is
 unreachable": a link or interface of this host that flaps; "No route to
 host"), until ``connect_timeout_s`` has passed: that error comes back in
-microseconds, and three attempts with
-backoff were over in 0.15 s, so a 0.5 s flap of the consumer's own end
-failed its CONFIRMs. A refused connect is not waited out: nobody listens
+microseconds, and three attempts with backoff were over in 0.15 s, so a
+0.5 s flap of the consumer's own end failed its CONFIRMs. A refused connect is not waited out: nobody listens
 there (the producer died or restarted, and its leases with it), and a
 consumer must learn that at once. Nor is a failed name lookup (a producer
 advertised by name, its DNS server out of reach): only the errors of
