@@ -15,7 +15,7 @@ from netutil import free_port
 
 from rdma_kv.connector.rdma import framing, wire
 from rdma_kv.connector.rdma.sidechannel import SideChannelServer
-from rdma_kv.connector.rdma.sideclient import SideChannelClient
+from rdma_kv.connector.rdma.sideclient import URGENT_WAIT_S, SideChannelClient
 from rdma_kv.errors import HandshakeError, MetadataError, PeerError
 
 pytestmark = pytest.mark.timeout(30)
@@ -64,7 +64,7 @@ def test_round_trip_and_refusal(server):
 def raw_exchange(port, payload):
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(payload)
-        body = framing.recv_frame(sock, wire.MAX_REPLY_BYTES, 5, "test")
+        body = framing.recv_frame(sock, wire.MAX_REPLY_BYTES, "test", deadline=time.monotonic() + 5)
         return None if body is None else wire.reply_decoder.decode(body)
 
 
@@ -140,6 +140,120 @@ def test_a_link_that_comes_back_within_the_connect_timeout_costs_the_call_nothin
     with pytest.raises(PeerError, match="unreachable after 1 attempts"):  # retries=0: one attempt, no window
         once.lease_call(renew())
     once.close()
+
+
+class FlakyResolver:
+    """``socket.getaddrinfo`` for ``name`` failing with ``code`` for
+    ``down_s`` (``EAI_AGAIN`` at once: what glibc answers while no DNS
+    server can be reached, as during a flap of this host's link), then
+    answering 127.0.0.1."""
+
+    def __init__(self, monkeypatch, name, down_s, code):
+        self.name, self.until, self.code, self.failed = name, time.monotonic() + down_s, code, 0
+        self._real = socket.getaddrinfo
+        monkeypatch.setattr(socket, "getaddrinfo", self)
+
+    def __call__(self, host, *args, **kwargs):
+        if host == self.name:
+            if time.monotonic() < self.until:
+                self.failed += 1
+                raise socket.gaierror(self.code, "name resolution failed (test)")
+            host = "127.0.0.1"
+        return self._real(host, *args, **kwargs)
+
+
+def test_a_lookup_that_fails_for_now_is_waited_out_like_a_link_down(server, monkeypatch):
+    """A producer advertised by name, during a 0.3 s flap of this host's
+    link: the lookup fails at once with EAI_AGAIN, as a connect fails with
+    "Network is unreachable". The call keeps trying until
+    ``connect_timeout_s`` (before: its three attempts were over in 0.15 s).
+    A name that does not exist is not waited out."""
+    resolver = FlakyResolver(monkeypatch, "kv-prefill-0.flap.example", 0.3, socket.EAI_AGAIN)
+    client = SideChannelClient(resolver.name, server.port, connect_timeout_s=2.0, rpc_timeout_s=2.0, retries=2)
+    assert client.lease_call(renew()).statuses == [wire.LeaseStatus.HELD]
+    assert resolver.failed >= 3
+    client.close()
+    resolver = FlakyResolver(monkeypatch, "kv-prefill-0.gone.example", 30.0, socket.EAI_NONAME)
+    client = SideChannelClient(resolver.name, server.port, connect_timeout_s=5.0, rpc_timeout_s=2.0, retries=2)
+    with pytest.raises(PeerError, match="unreachable after 3 attempts"):
+        client.lease_call(renew())
+    assert resolver.failed == 3
+    client.close()
+
+
+class SlowProducer:
+    """A producer that answers each message of a connection -- the HELLO,
+    then every request -- ``delay_s`` after it came: each answer within an
+    ``rpc_timeout_s`` of 2 x ``delay_s``, the opening and the call's reply
+    together not."""
+
+    def __init__(self, delay_s):
+        self.delay_s, self.answered = delay_s, 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        conn, _ = self.listener.accept()
+        with conn:
+            for _ in range(2):
+                body = framing.recv_frame(conn, 1 << 20, "slow", deadline=time.monotonic() + 10)
+                if body is None:
+                    return
+                request = wire.decode_request(body)
+                time.sleep(self.delay_s)
+                if isinstance(request, wire.Hello):
+                    reply = wire.Challenge(wire.PROTOCOL_VERSION, request.nonce, False)
+                else:
+                    reply = wire.LeaseReply([wire.LeaseStatus.HELD] * len(request.leases), 5.0)
+                try:
+                    framing.send_frame(conn, wire.encode(reply), deadline=time.monotonic() + 10)
+                except OSError:
+                    return
+                self.answered += 1
+
+    def close(self):
+        self.listener.close()
+        self.thread.join(10)
+
+
+def test_an_attempt_is_bounded_by_connect_and_rpc_timeouts_together():
+    """The opening (HELLO -> CHALLENGE) and the call's request and reply
+    share the call's ``rpc_timeout_s``: an attempt ends within
+    ``connect_timeout_s`` + ``rpc_timeout_s``, the bound a RENEW's worst case
+    (``urgent_worst_case_s``) counts. Before, each send and each reply had
+    the whole timeout, so a producer answering each message in 0.6 x the
+    timeout held an attempt for 1.2 x it (and one with a shared secret, for
+    up to six timeouts), and the call here succeeded."""
+    producer = SlowProducer(delay_s=0.3)
+    client = SideChannelClient("127.0.0.1", producer.port, connect_timeout_s=0.5, rpc_timeout_s=0.5, retries=0)
+    try:
+        with pytest.raises(PeerError, match="unreachable after 1 attempts in .*timed out"):
+            client.lease_call(renew())
+        assert producer.answered == 1  # the CHALLENGE went out in time; the reply could not
+    finally:
+        client.close()
+        producer.close()
+
+
+def test_an_urgent_call_waits_for_a_busy_second_connection_within_a_bound():
+    """Both connections busy (a call on each, stuck): an urgent call waits
+    ``URGENT_WAIT_S`` for the first, then at most one call's worst case for
+    the second, and says so."""
+    client = SideChannelClient("127.0.0.1", free_port(), connect_timeout_s=0.1, rpc_timeout_s=0.1, retries=0)
+    bound = SideChannelClient.call_worst_case_s(0.1, 0.1, 0)
+    assert bound == pytest.approx(0.2)
+    assert client._first.lock.acquire() and client._spare.lock.acquire()  # two calls in flight
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PeerError, match="both connections stayed busy"):
+            client.lease_call(renew(), urgent=True)
+        assert time.monotonic() - t0 >= URGENT_WAIT_S + bound
+    finally:
+        client._first.lock.release()
+        client._spare.lock.release()
+        client.close()
 
 
 class HungResolver:
@@ -228,19 +342,19 @@ def test_reply_received_in_time_survives_a_reader_descheduled_past_its_deadline(
         body = wire.encode(wire.PushReply(wire.PushState.RUNNING, ""))
         b.sendall(struct.pack(">I", len(body)) + body)
         monkeypatch.setattr(framing, "time", _Descheduled(late_s=60.0))
-        assert framing.recv_frame(a, wire.MAX_REPLY_BYTES, 10.0, "reply") == body
+        assert framing.recv_frame(a, wire.MAX_REPLY_BYTES, "reply", deadline=time.monotonic() + 10.0) == body
         # A frame that has not fully arrived by then is still a timeout, at once.
         b.sendall(struct.pack(">I", 100) + b"x" * 10)
         monkeypatch.setattr(framing, "time", _Descheduled(late_s=60.0))
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="10 of 100"):
-            framing.recv_frame(a, wire.MAX_REPLY_BYTES, 10.0, "reply")
+            framing.recv_frame(a, wire.MAX_REPLY_BYTES, "reply", deadline=time.monotonic() + 10.0)
         assert time.monotonic() - t0 < 5.0  # "at once": well under the 10 s deadline it must not wait out
         b.sendall(struct.pack(">I", 100) + b"x" * 10)
         b.close()
         monkeypatch.setattr(framing, "time", _Descheduled(late_s=60.0))
         with pytest.raises(PeerError):  # closed mid-frame: not a timeout
-            framing.recv_frame(a, wire.MAX_REPLY_BYTES, 1.0, "reply")
+            framing.recv_frame(a, wire.MAX_REPLY_BYTES, "reply", deadline=time.monotonic() + 1.0)
 
 
 def test_oversized_reply_is_refused():
@@ -252,7 +366,7 @@ def test_oversized_reply_is_refused():
 
         def evil():
             conn, _ = lst.accept()
-            framing.recv_frame(conn, 1 << 20, 2, "evil")
+            framing.recv_frame(conn, 1 << 20, "evil", deadline=time.monotonic() + 2)
             conn.sendall(struct.pack(">I", wire.MAX_REPLY_BYTES + 1))
             time.sleep(0.5)
             conn.close()

@@ -11,6 +11,7 @@ import os
 import pickle
 import socket
 import threading
+import time
 
 import pytest
 from fakes import FakeFabric
@@ -213,12 +214,13 @@ def impostor_server(proof_for):
     def serve():
         conn, _ = lst.accept()
         with conn:
-            hello = wire.decode_request(framing.recv_frame(conn, 1 << 20, 5, "impostor"))
+            hello = wire.decode_request(framing.recv_frame(conn, 1 << 20, "impostor", deadline=time.monotonic() + 5))
             nonce = auth.new_nonce()
-            framing.send_frame(conn, wire.encode(wire.Challenge(wire.PROTOCOL_VERSION, nonce, True)), 5)
-            framing.recv_frame(conn, 1 << 20, 5, "impostor")
-            framing.send_frame(conn, wire.encode(wire.AuthOk(proof_for(hello, nonce))), 5)
-            framing.recv_frame(conn, 1 << 20, 2, "impostor")  # whatever comes next (nothing should)
+            challenge = wire.Challenge(wire.PROTOCOL_VERSION, nonce, True)
+            framing.send_frame(conn, wire.encode(challenge), deadline=time.monotonic() + 5)
+            framing.recv_frame(conn, 1 << 20, "impostor", deadline=time.monotonic() + 5)
+            framing.send_frame(conn, wire.encode(wire.AuthOk(proof_for(hello, nonce))), deadline=time.monotonic() + 5)
+            framing.recv_frame(conn, 1 << 20, "impostor", deadline=time.monotonic() + 2)  # whatever comes next (nothing should)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()

@@ -72,7 +72,7 @@ def connect(srv, source="127.0.0.2"):
 
 def exchange(sock, message):
     sock.sendall(frame(message))
-    body = framing.recv_frame(sock, wire.MAX_REPLY_BYTES, 10, "test")
+    body = framing.recv_frame(sock, wire.MAX_REPLY_BYTES, "test", deadline=time.monotonic() + 10)
     assert body is not None, f"the server closed the connection instead of answering {message!r:.80}"
     return wire.decode_reply(body)
 

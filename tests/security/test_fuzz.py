@@ -19,6 +19,7 @@ import os
 import random
 import socket
 import struct
+import time
 
 import msgspec
 import pytest
@@ -426,7 +427,7 @@ def reply_frame(data):
         b.sendall(data)
         b.shutdown(socket.SHUT_WR)
         try:
-            body = framing.recv_frame(a, wire.MAX_REPLY_BYTES, 2.0, "fuzz")
+            body = framing.recv_frame(a, wire.MAX_REPLY_BYTES, "fuzz", deadline=time.monotonic() + 2.0)
             if body is not None:
                 wire.decode_reply(body)
         except Exception as exc:

@@ -1,7 +1,8 @@
 """The side channel's framing: a 4-byte big-endian length, then the body.
 
 A frame's length is checked against the caller's limit before a byte of
-the body is read, and every read has a deadline. Imports the standard
+the body is read, and every send and read has a deadline: a point in time
+(``time.monotonic``), so that the steps of one call share one bound. Imports the standard
 library and ``rdma_kv.errors`` only: what the body means is ``wire``'s.
 """
 
@@ -43,17 +44,25 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> byte
     return bytes(buf)
 
 
-def send_frame(sock: socket.socket, payload: bytes, timeout_s: float) -> None:
-    sock.settimeout(timeout_s)
-    sock.sendall(HEADER.pack(len(payload)) + payload)
+def send_frame(sock: socket.socket, payload: bytes, *, deadline: float) -> None:
+    """Send one frame by ``deadline`` (``time.monotonic``); past it, only what
+    the socket's buffer takes at once."""
+    sock.settimeout(max(deadline - time.monotonic(), 0.0))
+    try:
+        sock.sendall(HEADER.pack(len(payload)) + payload)
+    except BlockingIOError:
+        raise TimeoutError(f"send of a {len(payload)}-byte frame: timed out") from None
 
 
-def recv_frame(sock: socket.socket, max_bytes: int, timeout_s: float, what: str) -> bytes | None:
-    """One frame's body; ``None`` on a clean close before a frame starts.
-    A length above ``max_bytes`` is refused before reading the body."""
-    deadline = time.monotonic() + timeout_s
-    sock.settimeout(timeout_s)
-    first = sock.recv(HEADER.size)
+def recv_frame(sock: socket.socket, max_bytes: int, what: str, *, deadline: float) -> bytes | None:
+    """One frame's body, by ``deadline`` (``time.monotonic``, as in
+    ``_recv_exact``); ``None`` on a clean close before a frame starts. A
+    length above ``max_bytes`` is refused before reading the body."""
+    sock.settimeout(max(deadline - time.monotonic(), 0.0))
+    try:
+        first = sock.recv(HEADER.size)
+    except BlockingIOError:
+        raise TimeoutError(f"{what}: timed out with 0 of {HEADER.size} header bytes received") from None
     if not first:
         return None
     header = first + (_recv_exact(sock, HEADER.size - len(first), deadline, what)

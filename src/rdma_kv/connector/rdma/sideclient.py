@@ -7,11 +7,13 @@ times and, while its attempts find the way to the peer down ("Network is
 unreachable": a link or interface of this host that flaps; "No route to
 host"), until ``connect_timeout_s`` has passed: that error comes back in
 microseconds, and three attempts with backoff were over in 0.15 s, so a
-0.5 s flap of the consumer's own end failed its CONFIRMs. A refused connect is not waited out: nobody listens
-there (the producer died or restarted, and its leases with it), and a
-consumer must learn that at once. Nor is a failed name lookup (a producer
-advertised by name, its DNS server out of reach): only the errors of
-``LINK_DOWN``. The opening (HELLO ->
+0.5 s flap of the consumer's own end failed its CONFIRMs. A name lookup
+that fails for now (``EAI_AGAIN``: the DNS server out of reach, as it is
+during such a flap) is waited out the same way. A refused connect is not:
+nobody listens there (the producer died or restarted, and its leases with
+it), and a consumer must learn that at once; nor is a name that does not
+exist. One attempt takes at most ``connect_timeout_s`` (lookup and
+connect) plus the call's timeout (opening, request and reply). The opening (HELLO ->
 CHALLENGE, then AUTH -> AUTH_OK with a shared secret) is checked both
 ways: a consumer with a secret refuses a producer that cannot prove it
 knows the same one. Lease RPCs are idempotent (a retried CONFIRM of a
@@ -69,6 +71,16 @@ resolver's own timeout, and this many of them make the next lookup fail
 (within its bound) instead of starting yet another thread."""
 
 _lookups = threading.BoundedSemaphore(RESOLVER_THREADS)
+
+
+def _link_down(exc: BaseException) -> bool:
+    """Whether a failed attempt says the way to the peer is down for now:
+    an error of ``LINK_DOWN``, or a name lookup that failed for now
+    (``EAI_AGAIN``, "Temporary failure in name resolution": glibc's answer
+    when no DNS server can be reached)."""
+    if isinstance(exc, socket.gaierror):
+        return exc.errno == socket.EAI_AGAIN
+    return isinstance(exc, OSError) and exc.errno in LINK_DOWN
 
 
 def _pause(backoff_s: float, retry: int) -> float:
@@ -177,36 +189,47 @@ class SideChannelClient:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def _connect(self, timeout_s: float) -> socket.socket:
+    def _connect(self, timeout_s: float) -> tuple[socket.socket, float]:
+        """A new connection, opened; and the deadline of the call it is for.
+        The name lookup and the connects share ``connect_timeout_s``; the
+        opening, then the call's request and reply, share ``timeout_s``
+        from then: one attempt takes at most the two together
+        (``urgent_worst_case_s`` counts on it)."""
+        connect_by = time.monotonic() + self._connect_timeout_s
         addresses = resolve(self.host, self.port, self._connect_timeout_s)
         for k, address in enumerate(addresses):  # in the resolver's order, as create_connection does
+            left = connect_by - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"connect to {self.host}:{self.port} timed out after {k} of "
+                                   f"{len(addresses)} addresses (connect_timeout_s={self._connect_timeout_s:g})")
             try:
-                sock = socket.create_connection(address, timeout=self._connect_timeout_s, source_address=self._source)
+                sock = socket.create_connection(address, timeout=left, source_address=self._source)
                 break
             except OSError:
                 if k == len(addresses) - 1:
                     raise
+        deadline = time.monotonic() + timeout_s
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._open(sock, timeout_s)
+            self._open(sock, deadline)
         except BaseException:
             sock.close()
             raise
-        return sock
+        return sock, deadline
 
-    def _exchange(self, sock: socket.socket, message: msgspec.Struct, timeout_s: float) -> wire.Reply:
-        framing.send_frame(sock, wire.encode(message), timeout_s)
-        body = framing.recv_frame(sock, wire.MAX_REPLY_BYTES, timeout_s, f"reply from {self.address}")
+    def _exchange(self, sock: socket.socket, message: msgspec.Struct, deadline: float) -> wire.Reply:
+        framing.send_frame(sock, wire.encode(message), deadline=deadline)
+        body = framing.recv_frame(sock, wire.MAX_REPLY_BYTES, f"reply from {self.address}", deadline=deadline)
         if body is None:
             raise PeerError(f"{self.address} closed the side channel")
         return wire.decode_reply(body)
 
-    def _open(self, sock: socket.socket, timeout_s: float) -> None:
+    def _open(self, sock: socket.socket, deadline: float) -> None:
         """HELLO -> CHALLENGE (-> AUTH -> AUTH_OK). Raises ``HandshakeError``
         (not retried) when the peer speaks another version, and
         ``AuthenticationError`` when the two sides' secrets disagree."""
         nonce = auth.new_nonce()
-        reply = self._exchange(sock, wire.Hello(wire.PROTOCOL_VERSION, self._role, nonce), timeout_s)
+        reply = self._exchange(sock, wire.Hello(wire.PROTOCOL_VERSION, self._role, nonce), deadline)
         if isinstance(reply, wire.Refused):
             raise HandshakeError(f"producer at {self.address} refused the connection: {reply.reason}")
         if isinstance(reply, wire.ErrorReply):  # a version-1 producer does not know HELLO
@@ -223,12 +246,12 @@ class SideChannelClient:
                     "auth_secret_env on the producer (refusing to trust an unauthenticated peer)")
             return
         if self._secret is None:
-            self._send_quietly(sock, wire.Auth(wire.PROTOCOL_VERSION, b""), timeout_s)  # its log says why
+            self._send_quietly(sock, wire.Auth(wire.PROTOCOL_VERSION, b""), deadline)  # its log says why
             raise AuthenticationError(
                 f"producer at {self.address} requires a shared secret and this consumer has none; "
                 "set kv_connector_extra_config auth_secret_file or auth_secret_env")
         proof = auth.client_proof(self._secret, reply.nonce, nonce, wire.PROTOCOL_VERSION, self._role)
-        answer = self._exchange(sock, wire.Auth(wire.PROTOCOL_VERSION, proof), timeout_s)
+        answer = self._exchange(sock, wire.Auth(wire.PROTOCOL_VERSION, proof), deadline)
         if isinstance(answer, wire.Refused):
             raise AuthenticationError(f"producer at {self.address} refused this consumer: {answer.reason}")
         expected = auth.server_proof(self._secret, nonce, reply.nonce, wire.PROTOCOL_VERSION, self._role)
@@ -238,25 +261,34 @@ class SideChannelClient:
                 "differs, or it is not the producer it claims to be)")
 
     @staticmethod
-    def _send_quietly(sock: socket.socket, message: msgspec.Struct, timeout_s: float) -> None:
+    def _send_quietly(sock: socket.socket, message: msgspec.Struct, deadline: float) -> None:
         try:
-            framing.send_frame(sock, wire.encode(message), timeout_s)
+            framing.send_frame(sock, wire.encode(message), deadline=deadline)
         except OSError:
             pass
+
+    @staticmethod
+    def call_worst_case_s(connect_timeout_s: float, rpc_timeout_s: float, retries: int,
+                          backoff_s: float = BACKOFF_S) -> float:
+        """The longest a call can take once it holds its connection, against
+        a producer that stalls rather than refuses: every attempt's
+        ``connect_timeout_s`` and ``rpc_timeout_s`` (its two bounds,
+        ``_connect``), and the backoffs between them."""
+        attempts = retries + 1
+        slow = attempts * (connect_timeout_s + rpc_timeout_s) + sum(_pause(backoff_s, k) for k in range(retries))
+        # Attempts that find the network down go on until connect_timeout_s,
+        # then one more may start (after a pause) and be slow:
+        window = connect_timeout_s + MAX_BACKOFF_S + connect_timeout_s + rpc_timeout_s if retries else 0.0
+        return max(slow, window)
 
     @staticmethod
     def urgent_worst_case_s(connect_timeout_s: float, rpc_timeout_s: float, retries: int,
                             backoff_s: float = BACKOFF_S) -> float:
         """The longest an ``urgent`` call (a RENEW) can take against a
         producer that stalls rather than refuses: the wait for a busy
-        connection, then every attempt's connect and reply deadlines, and the
-        backoffs between them."""
-        attempts = retries + 1
-        slow = attempts * (connect_timeout_s + rpc_timeout_s) + sum(_pause(backoff_s, k) for k in range(retries))
-        # Attempts that find the network down go on until connect_timeout_s,
-        # then one more may start (after a pause) and be slow:
-        window = connect_timeout_s + MAX_BACKOFF_S + connect_timeout_s + rpc_timeout_s if retries else 0.0
-        return URGENT_WAIT_S + max(slow, window)
+        connection, then ``call_worst_case_s``."""
+        return URGENT_WAIT_S + SideChannelClient.call_worst_case_s(connect_timeout_s, rpc_timeout_s, retries,
+                                                                   backoff_s)
 
     def call(self, request: wire.Request, timeout_s: float | None = None, *, urgent: bool = False) -> wire.Reply:
         """Send ``request``, return the decoded reply. Transport failures are
@@ -264,13 +296,19 @@ class SideChannelClient:
         raises :class:`MetadataError`; ``Refused`` is returned (the caller
         names what was refused). ``urgent``: do not wait behind a call in
         flight for more than ``URGENT_WAIT_S``; take the second connection
-        (module docstring)."""
+        (module docstring); if another urgent call holds that one, wait for
+        it at most one call's worst case (``call_worst_case_s``), then
+        :class:`PeerError`."""
+        timeout = self._rpc_timeout_s if timeout_s is None else timeout_s
         conn = self._first
         if not conn.lock.acquire(timeout=URGENT_WAIT_S if urgent else -1):
             conn = self._spare
-            conn.lock.acquire()
+            bound = self.call_worst_case_s(self._connect_timeout_s, timeout, self._retries, self._backoff_s)
+            if not conn.lock.acquire(timeout=bound):
+                raise PeerError(f"side channel {self.address}: both connections stayed busy, the second for "
+                                f"{bound:.3g} s, longer than a call should take; is the producer stalled?")
         try:
-            return self._call(conn, request, self._rpc_timeout_s if timeout_s is None else timeout_s)
+            return self._call(conn, request, timeout)
         finally:
             conn.lock.release()
 
@@ -287,9 +325,11 @@ class SideChannelClient:
                 raise self._down_error(f"side channel {self.address} is down: {self._down_reason}")
             try:
                 if conn.sock is None:
-                    conn.sock = self._connect(timeout)
-                framing.send_frame(conn.sock, payload, timeout)
-                body = framing.recv_frame(conn.sock, wire.MAX_REPLY_BYTES, timeout, f"reply from {self.address}")
+                    conn.sock, deadline = self._connect(timeout)
+                else:
+                    deadline = time.monotonic() + timeout
+                framing.send_frame(conn.sock, payload, deadline=deadline)
+                body = framing.recv_frame(conn.sock, wire.MAX_REPLY_BYTES, f"reply from {self.address}", deadline=deadline)
                 if body is None:
                     raise PeerError(f"{self.address} closed the side channel")
                 reply = wire.decode_reply(body)
@@ -302,9 +342,8 @@ class SideChannelClient:
                 last = exc
                 conn.drop()
                 attempts += 1
-                link_down = isinstance(exc, OSError) and exc.errno in LINK_DOWN
                 if not self._retries or (attempts > self._retries and not (
-                        link_down and time.monotonic() - start < self._connect_timeout_s)):
+                        _link_down(exc) and time.monotonic() - start < self._connect_timeout_s)):
                     break
                 time.sleep(_pause(self._backoff_s, attempts - 1))
                 continue
