@@ -176,6 +176,10 @@ class RdmaScheduler:
         self._pending_loads: list[LoadSpec] = []
         self._pending_releases: list[RemoteLease] = []
         self._pending_aborts: list[RequestId] = []
+        self._aborting: set[RequestId] = set()
+        """Requests whose shipped load was aborted and that the workers have
+        not yet reported in ``finished_sending`` (reads may still land in
+        their blocks)."""
         self._pending_connects: dict[PeerAddress, None] = {}  # ordered set, emptied every step
 
     def _new_epoch(self) -> None:
@@ -307,6 +311,16 @@ class RdmaScheduler:
             if not isinstance(parsed, (RemotePrefillParams, Concurrent)):
                 return 0, False
             remote = self._remote[rid] = Remote(parsed)
+            if rid in self._aborting:
+                # The same id's aborted load is still in the workers' hands:
+                # a second load under it would be refused there (and hang),
+                # and their reports could not tell the two apart.
+                logger.warning("request %r: a load under this request id was aborted and may still be "
+                               "landing; computing this one locally (engines that reuse request ids: "
+                               "vLLM makes them unique unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is set)",
+                               rid)
+                self._release(remote)
+                return 0, False
             self._pending_connects[parsed.peer if isinstance(parsed, Concurrent) else PeerAddress.of(parsed)] = None
         if remote.stage is not RemoteStage.WAITING:
             return 0, False  # loaded (or released) already: e.g. after a preemption
@@ -467,6 +481,7 @@ class RdmaScheduler:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_sending:
+            self._aborting.discard(rid)
             held = self._held.pop(rid, None)
             if held is not None:
                 self._held_blocks -= held[1]
@@ -493,6 +508,7 @@ class RdmaScheduler:
                 # A read may still land in these blocks: the worker reports the
                 # request in done_sending once its transfer completed or failed.
                 self._pending_aborts.append(rid)
+                self._aborting.add(rid)
                 return True, None
             if remote.stage is RemoteStage.PENDING:
                 self._pending_loads = [s for s in self._pending_loads if s.request_id != rid]

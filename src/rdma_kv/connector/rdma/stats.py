@@ -265,6 +265,10 @@ class ConsumerCounters(Counters):
     handshakes: int = 0
     preconnects: int = 0
     """Handshakes started before a load, from the scheduler's ``connects``."""
+    peers_forgotten: int = 0
+    """Producer ranks forgotten once no load had used them for the client
+    pool's ``idle_s`` (their endpoint and keys removed; a later load
+    handshakes again)."""
     loads_failed: int = 0
     loads_aborted: int = 0
     renew_rpcs: int = 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Callable, Iterator, Sequence
 from typing import Annotated, TypeVar, Union
 
 import msgspec
@@ -39,6 +40,7 @@ from rdma_kv.errors import MetadataError
 
 __all__ = [
     "CLAIM_BYTES",
+    "lease_chunks",
     "PUSH_NOTIFY_PREFIX",
     "INCARNATION_BYTES",
     "PUSH_TOKEN_BYTES",
@@ -217,6 +219,35 @@ class LeaseWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fie
 
 
 Leases = Annotated[list[LeaseWire], msgspec.Meta(max_length=MAX_LEASES_PER_MESSAGE)]
+T = TypeVar("T")
+
+LEASE_FIXED_BYTES = 96
+"""The most one lease of a lease call takes on the wire besides its request
+id's UTF-8 bytes: two 64-bit integers (9 bytes each), token, binding and
+claim (18 each), reader and readers (3 each), the array's and the
+string's headers (1 and 3): 82, rounded up."""
+MESSAGE_FIXED_BYTES = 256
+"""Room for a lease call's own fields (tag, version, flags) and list header."""
+
+
+def lease_chunks(items: Sequence[T], request_id: Callable[[T], str]) -> Iterator[list[T]]:
+    """``items`` (each carrying one lease, whose request id ``request_id``
+    gives) cut, in order, into the lease calls that carry them: at most
+    ``MAX_LEASES_PER_MESSAGE`` leases, and at most ``MAX_REQUEST_BYTES``
+    encoded, a call. The producer refuses a call over either limit whole
+    (an ``ErrorReply``), and a request id may be 1024 characters: 4096
+    leases of 190-character ids already pass the byte limit."""
+    chunk: list[T] = []
+    size = MESSAGE_FIXED_BYTES
+    for item in items:
+        nbytes = LEASE_FIXED_BYTES + len(request_id(item).encode())
+        if chunk and (len(chunk) == MAX_LEASES_PER_MESSAGE or size + nbytes > MAX_REQUEST_BYTES):
+            yield chunk
+            chunk, size = [], MESSAGE_FIXED_BYTES
+        chunk.append(item)
+        size += nbytes
+    if chunk:
+        yield chunk
 
 
 # --- requests (client -> server) ---------------------------------------------------
@@ -459,9 +490,6 @@ Reply = Union[Challenge, AuthOk, HandshakeReply, LeaseReply, Refused, ErrorReply
 _encoder = msgspec.msgpack.Encoder()
 request_decoder: msgspec.msgpack.Decoder[Request] = msgspec.msgpack.Decoder(Request)
 reply_decoder: msgspec.msgpack.Decoder[Reply] = msgspec.msgpack.Decoder(Reply)
-
-
-T = TypeVar("T")
 
 
 def encode(message: msgspec.Struct) -> bytes:

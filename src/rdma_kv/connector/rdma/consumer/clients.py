@@ -62,6 +62,12 @@ class ClientPool:
             return False
         return True
 
+    @property
+    def idle_s(self) -> float:
+        """How long a client may go unused before ``prune`` closes it (the
+        peer directory forgets an unused producer rank after as long)."""
+        return self._idle_s
+
     def get(self, host: str, port: int) -> SideChannelClient:
         with self._lock:
             if self._closed:

@@ -2,7 +2,8 @@
 
 Owns :class:`Confirmations`: a source whose reads landed is queued for its
 peer; one CONFIRM (with ``release``) per peer carries every source queued
-since the last one, on an RPC thread. The producer's answer per source:
+since the last one, on an RPC thread (cut into several where the producer's
+limits on one call require it: ``wire.lease_chunks``). The producer's answer per source:
 
 - HELD: the lease was held during the whole read (and this reader's share
   is released): the source is CONFIRMED; the load's ``on_confirmed`` runs
@@ -12,7 +13,7 @@ since the last one, on an RPC thread. The producer's answer per source:
 - GONE, CLAIMED, UNKNOWN or FORGED: the data read cannot be trusted; the
   load fails (``lease_rpc.refusal_reason``).
 
-A call that fails fails every load of its batch; a producer that is gone
+A call that fails fails every load it carried; a producer that is gone
 (``PeerError``) is failed in the peer directory too, so its endpoint and
 keys do not outlive it.
 
@@ -82,15 +83,21 @@ class Confirmations:
         self._pending.clear()
 
     def _confirm(self, peer: PeerState) -> None:
-        """RPC thread: one CONFIRM+RELEASE for what is queued for ``peer``."""
+        """RPC thread: CONFIRM+RELEASE what is queued for ``peer``, in as
+        few calls as the producer accepts (``wire.lease_chunks``: a queue
+        that grew while a CONFIRM was in flight can pass its limits)."""
         with self._lock:
             self._scheduled.discard(peer.key)
             batch = [(ld, src) for ld, src in self._queue.pop(peer.key, [])
                      if src.stage is SourceStage.CONFIRMING and not ld.stage.terminal]
-        if not batch:
-            return
-        request = wire.Confirm(wire.PROTOCOL_VERSION, [self._leases.of(ld, src)[1].to_wire() for ld, src in batch],
-                               release=True)
+        wired = [(queued, self._leases.of(*queued)[1].to_wire()) for queued in batch]
+        for chunk in wire.lease_chunks(wired, lambda item: item[1].request_id):
+            self._confirm_chunk(peer, chunk)
+
+    def _confirm_chunk(self, peer: PeerState, wired: list[tuple[Queued, wire.LeaseWire]]) -> None:
+        """One CONFIRM+RELEASE call; a failed call fails its own loads."""
+        batch = [queued for queued, _ in wired]
+        request = wire.Confirm(wire.PROTOCOL_VERSION, [lease for _, lease in wired], release=True)
         try:
             statuses = self._pool.get(*peer.address.rank_address(peer.rank)).lease_call(request).statuses
         except Exception as exc:

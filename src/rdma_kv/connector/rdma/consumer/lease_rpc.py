@@ -6,7 +6,7 @@ every producer rank this rank calls for the lease, each with the number of
 consumer ranks that call it, so a producer rank read by several consumer
 ranks keeps the blocks until each released), which renewals are due
 (``RdmaSettings.renewal_due``, the scheduler's rule too), batching (per
-producer rank, at most ``wire.MAX_LEASES_PER_MESSAGE`` leases a message),
+producer rank, in calls the producer accepts: ``wire.lease_chunks``),
 the call on the RPC threads, and the wording of a producer's refusal
 (:func:`refusal_reason`). A RENEW never waits behind another call: it runs
 on the pool's renewal threads, and is ``urgent`` on the client (a second
@@ -142,8 +142,7 @@ class LeaseCalls:
             by_peer[lease.peer, rank].append(lease)
         submit = self._pool.submit_renewal if kind is wire.Renew else self._pool.submit
         for (address, rank), leases in by_peer.items():
-            for start in range(0, len(leases), wire.MAX_LEASES_PER_MESSAGE):
-                chunk = leases[start:start + wire.MAX_LEASES_PER_MESSAGE]
+            for chunk in wire.lease_chunks(leases, lease_id):
                 if not submit(self._call, kind, address, rank, chunk):
                     return  # the pool is closed: the worker is shutting down
 
@@ -164,6 +163,11 @@ class LeaseCalls:
                         if src.read.rank == rank:
                             src.released = True  # the producer holds nothing for it
                     self._fail(load, refusal_reason(status, address.engine_id, lease.lease.generation))
+
+
+def lease_id(lease: RemoteLease) -> str:
+    """The request id a lease call carries for ``lease`` (``wire.lease_chunks``)."""
+    return lease.lease.request_id
 
 
 def call_lease_rpc(client: SideChannelClient, kind: LeaseKind, address: PeerAddress,

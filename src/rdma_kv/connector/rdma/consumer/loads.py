@@ -214,14 +214,20 @@ class RdmaConsumer:
                 self.peers.failed(peer, str(exc))
             return
         src.transfer = xfer
-        runs, skipped = pairs.runs(local), local.skipped_nbytes(spec.num_skipped_blocks)
-        with self._lock:
-            load.posting(xfer.started)
-            load.measures = load.measures.with_(num_blocks=pairs.num_blocks).add(
-                block_runs=runs, nbytes_skipped=skipped, plan_s=max(0.0, xfer.started - t0), post_s=xfer.post_s)
-        xfer.add_done_callback(functools.partial(self._on_read_done, load, src, peer))
-        if pin:
-            self._pins.flush(peer)  # after the post: the pin's round trip runs beside the reads
+        try:
+            runs, skipped = pairs.runs(local), local.skipped_nbytes(spec.num_skipped_blocks)
+            with self._lock:
+                load.posting(xfer.started)
+                load.measures = load.measures.with_(num_blocks=pairs.num_blocks).add(
+                    block_runs=runs, nbytes_skipped=skipped, plan_s=max(0.0, xfer.started - t0),
+                    post_s=xfer.post_s)
+        finally:
+            # The reads are on the wire: whatever the figures above did, the
+            # source must resolve when they land (an exception here used to
+            # leave it unresolved, so a failed load waited for ever).
+            xfer.add_done_callback(functools.partial(self._on_read_done, load, src, peer))
+            if pin:
+                self._pins.flush(peer)  # after the post: the pin's round trip runs beside the reads
 
     def _push(self, load: LoadState, src: Source, peer: PeerState) -> None:
         """Push mode: register this source's blocks with its producer rank,
@@ -430,7 +436,8 @@ class RdmaConsumer:
             finished = self._book.report()
             self._confirms.retry()
             renew = self.leases.due(self._book.loads.values(), now)
-            self.peers.prune(now)
+            idle = self.peers.prune(now, self._book.peer_keys)
+        self.peers.remove(idle)
         self.leases.renew(renew)
         self._pool.prune(self._addresses_in_use, now)
         self._failure_warnings.flush(now)

@@ -15,7 +15,12 @@ Owns, for one consumer rank:
   transport) or FAILED. A FAILED peer is forgotten :data:`PEER_RETRY_S`
   after its failure (:meth:`PeerState.forgotten`, the one retry rule): the
   next load handshakes again. A peer whose producer re-registered its KV
-  cache since (sleep mode) is dropped for a new one.
+  cache since (sleep mode) is dropped for a new one. A READY peer that no
+  load has used for the client pool's ``idle_s`` and that no load in the
+  book reads from is forgotten too, its transport peer removed
+  (:meth:`PeerDirectory.prune`): a producer that left after its last load
+  (scaled down, restarted at another address) kept its endpoint, keys and
+  slot tables for the consumer's life.
 - every **slot table** a read uses, prepared with the transport once: this
   rank's own per head slice, and each peer's per head slice (whole blocks
   when both sides hold the same heads).
@@ -126,6 +131,8 @@ class PeerState:
     waiting: list[Waiter] = dataclasses.field(default_factory=list)
     error: str | None = None
     failed_at: float = 0.0
+    used_at: float = 0.0
+    """When a load last found it (or a preconnect asked for it): ``prune``'s idle clock."""
 
     @property
     def key(self) -> PeerKey:
@@ -202,6 +209,7 @@ class PeerDirectory:
                 return "the worker is shutting down"
         if peer.state is PeerStage.FAILED:
             return f"producer {spec.peer.engine_id!r} rank {rank} is unavailable: {peer.error}"
+        peer.used_at = now
         if peer.state is PeerStage.CONNECTING or peer.connection is None:
             peer.waiting.append((load, src))
             return None
@@ -218,15 +226,18 @@ class PeerDirectory:
             return  # no plan: the load fails with the reason
         with self._lock:
             for rank in ranks:
-                if self._known(address, rank, self._clock()) is None:
-                    if self._connect(address, rank) is None:
-                        return
-                    self._counters.add("preconnects")
+                known = self._known(address, rank, self._clock())
+                if known is not None:
+                    known.used_at = self._clock()  # a load from it is on its way
+                    continue
+                if self._connect(address, rank) is None:
+                    return
+                self._counters.add("preconnects")
 
     def _connect(self, address: PeerAddress, rank: int) -> PeerState | None:
         """A new CONNECTING peer, its handshake submitted to the RPC threads
         (None once they are shut down). Lock held."""
-        peer = PeerState(address, rank)
+        peer = PeerState(address, rank, used_at=self._clock())
         self._peers[peer.key] = peer
         if not self._pool.submit(self._handshake, peer):
             del self._peers[peer.key]
@@ -309,12 +320,36 @@ class PeerDirectory:
         except Exception:
             pass  # already gone (the transport failed it itself, or closed)
 
-    def prune(self, now: float) -> None:
-        """Forget the peers :meth:`PeerState.forgotten` (producers that come and
-        go, with new engine ids on restart, do not accumulate). Lock held."""
+    def prune(self, now: float, reading: Callable[[], set[PeerKey]]) -> list[str]:
+        """Forget the peers :meth:`PeerState.forgotten`, and the READY ones
+        no load found for the client pool's ``idle_s`` that no load in the
+        book reads from (``reading()``, asked only when one is idle), so that
+        producers that come and go do not accumulate. Returns the transport
+        names of the latter, for :meth:`remove` once the lock is released.
+        Lock held."""
+        idle_s, idle = self._pool.idle_s, []
         for key, peer in list(self._peers.items()):
             if peer.forgotten(now):
                 del self._peers[key]
+            elif peer.state is PeerStage.READY and now - peer.used_at >= idle_s and not peer.waiting:
+                idle.append(peer)
+        if not idle:
+            return []
+        busy = reading()
+        names = []
+        for peer in idle:
+            if peer.key not in busy and peer.connection is not None:
+                del self._peers[peer.key]
+                # A call still holding it (a RELEASE on an RPC thread) finds it no longer READY.
+                peer.state, peer.error = PeerStage.FAILED, f"idle for {now - peer.used_at:.0f} s: forgotten"
+                names.append(peer.connection.name)
+                self._counters.add("peers_forgotten")
+        return names
+
+    def remove(self, names: list[str]) -> None:
+        """Remove transport peers ``prune`` forgot. Called without the lock."""
+        for name in names:
+            self._remove(name)
 
     def clear(self) -> None:
         """Forget every peer (the transport is about to close). Lock held."""

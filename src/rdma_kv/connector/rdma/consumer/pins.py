@@ -51,7 +51,7 @@ from collections.abc import Callable
 
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.consumer.clients import ClientPool
-from rdma_kv.connector.rdma.consumer.lease_rpc import LeaseCalls, call_lease_rpc
+from rdma_kv.connector.rdma.consumer.lease_rpc import LeaseCalls, call_lease_rpc, lease_id
 from rdma_kv.connector.rdma.consumer.peers import PeerKey, PeerState
 from rdma_kv.connector.rdma.consumer.records import LoadBook, LoadState, PinStage, Source
 from rdma_kv.connector.rdma.meta import RemoteLease
@@ -136,10 +136,11 @@ class Pins:
                     self._scheduled.discard(peer.key)
                     return
             try:
-                for start in range(0, len(pins), wire.MAX_LEASES_PER_MESSAGE):
-                    self._send_pins(peer, pins[start:start + wire.MAX_LEASES_PER_MESSAGE])
-                for start in range(0, len(releases), wire.MAX_LEASES_PER_MESSAGE):
-                    self._send_releases(peer, releases[start:start + wire.MAX_LEASES_PER_MESSAGE])
+                wired = [(queued, self._leases.of(*queued)[1].to_wire()) for queued in pins]
+                for chunk in wire.lease_chunks(wired, _wire_id):
+                    self._send_pins(peer, chunk)
+                for leases in wire.lease_chunks(releases, lease_id):
+                    self._send_releases(peer, leases)
             except Exception:  # a bug: this peer's later pins must still go out (its loads have deadlines)
                 logger.exception("sending lease pins / releases to %r rank %d failed", peer.address.engine_id,
                                  peer.rank)
@@ -160,9 +161,9 @@ class Pins:
         if not reading:
             self._failed(peer, reason)
 
-    def _send_pins(self, peer: PeerState, batch: list[tuple[LoadState, Source]]) -> None:
-        request = wire.Renew(wire.PROTOCOL_VERSION, [self._leases.of(ld, src)[1].to_wire() for ld, src in batch],
-                             pin=True)
+    def _send_pins(self, peer: PeerState, wired: list[tuple[tuple[LoadState, Source], wire.LeaseWire]]) -> None:
+        batch = [queued for queued, _ in wired]
+        request = wire.Renew(wire.PROTOCOL_VERSION, [lease for _, lease in wired], pin=True)
         statuses: list[wire.LeaseStatus | None]
         try:
             reply = self._pool.get(*peer.address.rank_address(peer.rank)).lease_call(request, urgent=True)
@@ -178,3 +179,7 @@ class Pins:
             for (load, src), status in zip(batch, statuses):
                 if src.pin is PinStage.SENT:
                     self._on_answer(load, src, peer, status, pinned_s)
+
+
+def _wire_id(item: tuple[object, wire.LeaseWire]) -> str:
+    return item[1].request_id

@@ -159,6 +159,11 @@ class LoadBook:
         self.counters = Tally(ConsumerCounters)
         self._has_finished = threading.Event()  # set while a finished load waits for ``report``
 
+    def peer_keys(self) -> set[tuple[str, str, int]]:
+        """The producer ranks (``PeerState.key``) that the loads in the book
+        read from. Lock held."""
+        return {load.spec.peer.rank_key(src.read.rank) for load in self.loads.values() for src in load.sources}
+
     def reading_from(self, key: tuple[str, str, int]) -> bool:
         """Whether a read from the producer rank ``key`` (``PeerState.key``)
         may still land. Lock held. A lease call that finds a producer's side
