@@ -379,9 +379,16 @@ class Agent:
         """Drop one reference; unmap when the last one goes. Peers must
         re-import metadata afterwards."""
         core = self._core
-        with core.lock:
-            core.require_open()
-            core.memory.deregister(region, core.inflight.live)
+        inflight, due = core.inflight, None
+        try:
+            with core.lock:
+                core.require_open()
+                inflight.drain()  # transfers UCX handed back since the last settle no longer count
+                due = inflight.take_due()
+                core.memory.deregister(region, inflight.live, inflight.zombies)
+        finally:
+            if due:
+                inflight.run_callbacks(due)
 
     @property
     def regions(self) -> tuple[MemoryRegion, ...]:

@@ -138,10 +138,8 @@ class InFlight:
         if rec[3] > 1:
             xfer.worker_ops = tuple(self._unpack(out + 9, rec[3]))
         self._table[slot] = xfer
-        if rec[8]:  # something completed in place (an error, an empty batch)
-            self.drain()
-            if self._callbacks:  # the posting thread holds the (reentrant) lock: run them now
-                self.run_callbacks(self.take_callbacks())
+        if rec[8]:  # something on the completion ring (done in place, or a pump's): settle it now
+            self.drain()  # its callbacks wait for the poster to release the lock (take_due)
         return xfer
 
     @property
@@ -284,6 +282,18 @@ class InFlight:
         return True
 
     def take_callbacks(self) -> Callbacks:
+        callbacks, self._callbacks = self._callbacks, []
+        return callbacks
+
+    def take_due(self) -> Callbacks | None:
+        """``take_callbacks``, None when there are none (the post paths ask on
+        every request). Lock held; run them once it is released: a callback
+        that takes a lock of the caller's, waits for a thread that needs
+        this agent, or closes the agent would otherwise do so under the
+        agent's lock (a close from a callback stalled 5 s, then left the
+        agent wedged)."""
+        if not self._callbacks:
+            return None
         callbacks, self._callbacks = self._callbacks, []
         return callbacks
 

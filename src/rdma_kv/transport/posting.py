@@ -52,21 +52,27 @@ class Posting:
         n = len(local)
         if n != len(remote):
             raise DescriptorError(f"local and remote lists must pair up: {n} vs {len(remote)} descriptors")
-        fb = self._from_buffer
-        with self._lock:
-            p = self._peers.get(peer) if not self._inflight.closed else None
+        fb, lock, inflight = self._from_buffer, self._lock, self._inflight
+        lock.acquire()
+        try:
+            p = self._peers.get(peer) if not inflight.closed else None
             route = p.list_route if p is not None else None
             for _ in range(2):  # a stale route is rebuilt once
                 if route is None or route.builder is not self._routes:
                     route = self._route(peer)
-                x = self._inflight.submit(route, op, code, n, fb(local.addrs), fb(remote.addrs), fb(local.lengths),
-                                          fb(remote.lengths), LIST, notify, timeout_s)
+                x = inflight.submit(route, op, code, n, fb(local.addrs), fb(remote.addrs), fb(local.lengths),
+                                    fb(remote.lengths), LIST, notify, timeout_s)
                 if isinstance(x, Transfer):
                     return x
                 if x != SUBMIT_STALE:
                     self._refused(x, peer, local, remote)
                 route = None
             raise AssertionError("rk_submit found a route built just now stale")
+        finally:
+            due = inflight.take_due()  # what the post settled: its callbacks run without the lock
+            lock.release()
+            if due:
+                inflight.run_callbacks(due)
 
     def flush(self, peer: str, timeout_s: float | None, notify: bytes | None = None) -> Transfer:
         """A transfer that completes once every earlier operation to ``peer``

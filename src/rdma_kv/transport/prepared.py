@@ -113,7 +113,7 @@ class PreparedLists:
         n = lshape[0]
         if n != rshape[0]:
             raise DescriptorError(f"selected descriptors must pair up: {n} local vs {rshape[0]} remote")
-        lock = self._lock
+        lock, inflight = self._lock, self._inflight
         lock.acquire()
         try:
             route = remote.route
@@ -125,7 +125,7 @@ class PreparedLists:
                     li, ri = as_index(li), as_index(ri)
                     lbuf, rbuf = self._from_buffer(li), self._from_buffer(ri)
                 # InFlight.submit, inlined (one frame fewer, cold): rk_submit, then track.
-                inflight, null = self._inflight, self._null
+                null = self._null
                 slot = inflight.rk_submit(route.c, code, n, lbuf, rbuf, null, null,
                                           flags if notify is None else flags | NOTIFY, notify or null,
                                           0 if notify is None else len(notify),
@@ -139,7 +139,10 @@ class PreparedLists:
             return self._checked(op, code, local, li, local_index, remote, ri, remote_index,
                                  (li.dtype is INT32) | (ri.dtype is INT32) << 1, notify, timeout_s)
         finally:
+            due = inflight.take_due()  # what the post settled: its callbacks run without the lock
             lock.release()
+            if due:
+                inflight.run_callbacks(due)
 
     def _checked(self, op: XferOp, code: int, local: PreparedList, li: Any, local_index: Any, remote: PreparedList,
                  ri: Any, remote_index: Any, flags: int, notify: bytes | None,

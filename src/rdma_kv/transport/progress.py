@@ -140,9 +140,17 @@ class ProgressDriver:
         self._await_help = ffi.new("rk_pump_t *[]", list(self._pumps) or [ffi.NULL])
         self._await_nhelp = len(self._pumps)
         if wake.fd >= 0:
-            self._thread = threading.Thread(target=self._service_loop, name=f"rdma-kv-progress-{name}",
-                                            daemon=True)
-            self._thread.start()
+            try:
+                self._thread = threading.Thread(target=self._service_loop, name=f"rdma-kv-progress-{name}",
+                                                daemon=True)
+                self._thread.start()
+            except BaseException:
+                # The agent tears the worker down next (it never knew this
+                # driver): the pump must not be progressing it then.
+                self._thread = None
+                if self.pump is not None:
+                    self.pump.stop()
+                raise
 
     def bound(self) -> AbstractContextManager[None]:
         """Around a caller's call that may progress a worker (itself, or a
@@ -297,13 +305,22 @@ class ProgressDriver:
                 errors = ctx.ep_errors  # before service: an error after it wakes the next wait
                 try:
                     self._service()
+                    failed = False
                 except Exception:
-                    log.exception("rdma-kv progress thread failed; failing in-flight transfers")
-                    self._fail_all("the progress thread failed (see the log)")
-                    return
+                    # A bug: said, and what was in flight fails (its callbacks
+                    # run below). The thread goes on: nothing else settles a
+                    # pumped agent's completions or enforces its deadlines.
+                    log.exception("rdma-kv progress thread: settling failed; failing in-flight transfers")
+                    try:
+                        self._fail_all("the progress thread failed (see the log)")
+                    except Exception:
+                        log.exception("rdma-kv progress thread: failing in-flight transfers failed too")
+                    failed = True
                 callbacks = inflight.take_callbacks()
                 due = inflight.next_deadline()
             inflight.run_callbacks(callbacks)
+            if failed:
+                time.sleep(0.1)  # a bug that repeats logs at most ten times a second
             left = 1.0 if due is None else min(1.0, due - time.monotonic())
             # The pumps a blocked caller helps are the ones this thread helps when stale (none
             # once closing: wake_all empties the list, and the shim checks closing too).

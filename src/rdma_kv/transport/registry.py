@@ -116,9 +116,13 @@ class MemoryRegistry:
             raise
         return MemoryRegion(base, nbytes, ucx_kind, memh, packed)
 
-    def deregister(self, region: MemoryRegion, inflight: int) -> None:
+    def deregister(self, region: MemoryRegion, inflight: int, abandoned: int = 0) -> None:
         """Drop one reference; unmap when the last one goes, which ``inflight``
-        transfers forbid."""
+        transfers forbid, and so do ``abandoned`` ones: failed by the agent
+        (their peer failed, its endpoint left open while a flush of it was
+        outstanding), not yet handed back by UCX, so their data may still be
+        written into local memory (over TCP, into the unmapped and freed
+        buffer: 65,536 bytes landed in a new array at the old address)."""
         if region not in self._regions:
             raise RegistrationError(f"{region} is not registered with {self._owner}")
         if region.refs > 1:
@@ -127,6 +131,12 @@ class MemoryRegistry:
         if inflight:
             raise RegistrationError(
                 f"cannot deregister {region}: {inflight} transfers in flight; wait for them first"
+            )
+        if abandoned:
+            raise RegistrationError(
+                f"cannot deregister {region}: {abandoned} transfers failed by {self._owner} are still held by "
+                "UCX (a peer that stopped answering, its endpoint left open until the agent closes) and may "
+                "still write into local memory; close the agent to end them"
             )
         self._regions.remove(region)
         check_status(self._lib.ucp_mem_unmap(self._context.handle, region.memh), "ucp_mem_unmap")

@@ -1,0 +1,140 @@
+"""Four defects of the transport's Python layer, found by an adversarial
+review; each test fails on the code before its fix.
+
+- ``deregister()`` counted live transfers only: a transfer the agent failed
+  while UCX still held it (its peer stopped answering, the endpoint left
+  open because a flush of it was outstanding) could still write into the
+  region after it was unmapped and freed.
+- A post settled whatever the pumps had published and ran those callbacks
+  under the agent's lock: a callback that closed the agent stalled 5 s,
+  then left it wedged.
+- One exception in the service thread's settling round ended the thread
+  for good while the agent stayed open: nothing settled a pumped agent's
+  completions any more.
+- A driver whose service thread failed to start left its pump progressing
+  the worker the agent then destroyed (a segfault)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from rdma_kv.errors import RegistrationError, TransferError
+from rdma_kv.transport import DescList
+from rdma_kv.transport import agent as agent_mod
+from transport_helpers import TCP
+
+pytestmark = [pytest.mark.ucx, pytest.mark.timeout(120)]
+
+
+def pair(make_agent, **b_config):
+    a = make_agent("a", lanes=1)
+    b = make_agent("b", lanes=1, **b_config)
+    src, dst = np.arange(1 << 16, dtype=np.uint8), np.zeros(1 << 16, dtype=np.uint8)
+    a.register(src)
+    b.register(dst)
+    b.add_peer(a.metadata())
+    return a, b, src, dst, DescList([dst.ctypes.data], dst.nbytes), DescList([src.ctypes.data], src.nbytes)
+
+
+def test_deregister_is_refused_while_a_failed_read_may_still_land(make_agent):
+    n = 1 << 16
+    target = make_agent("target", progress="poll", ucx_options=TCP, lanes=1)
+    reader = make_agent("reader", ucx_options=TCP, lanes=1, transfer_timeout_s=1.0)
+    theirs, mine = np.full(n, 0xAB, dtype=np.uint8), np.zeros(n, dtype=np.uint8)
+    target.register(theirs)
+    region = reader.register(mine)
+    reader.add_peer(target.metadata())
+    target.add_peer(reader.metadata())
+    loc, rem = DescList([mine.ctypes.data], n), DescList([theirs.ctypes.data], n)
+    first = reader.read("target", loc, rem)
+    end = time.monotonic() + 10
+    while not first.done() and time.monotonic() < end:
+        target.progress()
+    first.wait(1)
+    mine[:] = 0
+    # The target stops progressing (a peer that hangs): a read and a flush pass their deadline.
+    stuck = [reader.read("target", loc, rem), reader.flush("target")]
+    for xfer in stuck:
+        with pytest.raises(TransferError):
+            xfer.wait(10)
+    assert reader.inflight == 0 and reader._core.inflight.zombies > 0
+    with pytest.raises(RegistrationError, match="may still write into local memory"):
+        reader.deregister(region)
+    end = time.monotonic() + 2
+    while time.monotonic() < end:  # the target answers late: the read lands in a region still registered
+        target.progress()
+        time.sleep(0.001)
+    assert region in reader.regions
+
+
+def test_a_callback_run_after_a_post_may_close_the_agent(make_agent):
+    a, b, src, dst, loc, rem = pair(make_agent, settle_delay_s=1.0)
+    first = b.read("a", loc, rem)
+    first.add_done_callback(lambda t: b.close())
+    time.sleep(0.05)  # the pumps complete it; no one settles it for settle_delay_s
+    t0 = time.monotonic()
+    try:
+        b.read("a", loc, rem)  # settles the first on its way: its callback closes the agent
+    except Exception:
+        pass
+    took = time.monotonic() - t0
+    assert b.closed and b._core not in agent_mod._WEDGED, f"closed from a callback in {took:.1f} s, wedged"
+    assert took < 4.0  # not the 5 s close bound it waited out under the lock
+
+
+def test_the_service_thread_keeps_settling_after_a_failed_round(make_agent, caplog):
+    a, b, src, dst, loc, rem = pair(make_agent)
+    core = b._core
+    real = core.driver._service
+    failed = []
+
+    def once():
+        core.driver._service = real
+        failed.append(1)
+        raise RuntimeError("injected: one failure of the settling round")
+
+    core.driver._service = once
+    end = time.monotonic() + 5
+    while not failed and time.monotonic() < end:
+        time.sleep(0.01)
+    assert failed and "settling failed" in caplog.text
+    b.add_peer(a.metadata())  # whatever the round failed, the agent is open and usable
+
+    async def load() -> None:
+        await asyncio.wait_for(b.read("a", loc, rem), 10)  # resolved by the service thread's settle
+
+    asyncio.run(load())
+    assert (dst == src).all()
+
+
+def test_a_service_thread_that_cannot_start_leaves_no_pump_on_the_destroyed_worker():
+    script = textwrap.dedent("""
+        import threading, time
+        from rdma_kv.transport import Agent, AgentConfig
+
+        real_start = threading.Thread.start
+
+        def failing_start(self):
+            if self.name.startswith("rdma-kv-progress-"):
+                raise RuntimeError("can't start new thread")
+            return real_start(self)
+
+        threading.Thread.start = failing_start
+        try:
+            Agent("x", AgentConfig(progress="thread", lanes=1, ucx_options={"NET_DEVICES": "lo"}))
+        except RuntimeError as exc:
+            print("raised:", exc)
+        threading.Thread.start = real_start
+        time.sleep(0.5)
+        print("pumps alive:", [t.name for t in threading.enumerate() if t.name.startswith("rdma-kv-pump")])
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])  # -11 before
+    assert "raised: can't start new thread" in proc.stdout and "pumps alive: []" in proc.stdout
