@@ -122,3 +122,22 @@ def test_the_share_is_configurable(share, expected):
 def test_bad_bounds_are_refused(extra, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
         producer(**extra)
+
+
+def test_a_prefill_aborted_after_its_last_chunk_was_scheduled_is_not_held():
+    """An engine counts a chunk's tokens computed when it schedules them:
+    an abort handled after the last chunk was scheduled reaches
+    ``request_finished`` with the whole prompt counted. It was held under a
+    lease for the full TTL (its params reach no router, so no decode
+    claims it; an abort storm pinned KV cache). Held are only requests that
+    finished with an answer, as vLLM's NixlConnector does (found by an
+    adversarial review)."""
+    p = Producer()
+    request = Request("cut", list(range(1, 3 * BS + 1)), {"do_remote_decode": True})
+    request.num_computed_tokens = 3 * BS
+    p.s.get_num_new_matched_tokens(request, 0)
+    p.s.update_state_after_alloc(request, KVCacheBlocks.of([0, 1, 2]), 0)
+    request.aborted = True
+    assert p.s.request_finished(request, [0, 1, 2]) == (False, None)
+    p.finish_prefill("done", 3)  # the same prefill finished with its answer: held (asserted there)
+    assert list(p.generation) == ["done"]

@@ -89,6 +89,32 @@ def test_the_shortest_pin_of_a_batch_is_granted():
     assert table.pin(call(1) + call(2)) == ([HELD, HELD], 2.0)
 
 
+def test_a_lease_held_but_not_pinned_makes_its_batch_grant_nothing():
+    """A lease read by two consumer ranks (heterogeneous TP) is pinned by
+    the first, then reclaimed under pressure (deferred to the end of that
+    pin); the second pins it in one batch with another lease. It is HELD
+    but not pinned again, and the reply's one ``pinned_s`` must not cover
+    it: before, the other lease's pin set it (4 s), the second reader
+    trusted its reads for 4 s, and the blocks were handed back after 1 s
+    (silent: reads of reused blocks accepted). Found by an adversarial
+    review."""
+    clock = Clock()
+    table = LeaseTable(clock, pin_s=4.0)
+    table.set_epoch(EPOCH, KEY)
+    table.grant(ref(1), [10, 11], 60.0)
+    table.grant(ref(2), [20, 21], 60.0)
+    assert table.pin([LeaseCall(ref(1), A, 0, 2)]) == ([HELD], 4.0)  # reader 0 pins lease 1 at t0
+    clock.t += 1.0
+    assert table.reclaim([1]) == []  # deferred to the end of reader 0's pin (t0 + 4)
+    clock.t += 2.0
+    statuses, pinned_s = table.pin([LeaseCall(ref(1), A, 1, 2), LeaseCall(ref(2), A, 1, 2)])
+    assert statuses == [HELD, HELD] and pinned_s == 0.0  # so reader 1 CONFIRMs both
+    trusted_until = clock.t + pinned_s
+    clock.t += 1.5
+    assert table.take_done() == {"r1"} and clock.t >= trusted_until  # handed back, trusted by no one
+    assert table.pin([LeaseCall(ref(2), A, 1, 2)]) == ([HELD], 4.0)  # a batch without it pins as before
+
+
 def test_closed_pins_grant_nothing_until_opened():
     table, _ = pinned_table()
     table.close_pins()

@@ -84,6 +84,19 @@ def test_request_drops_vllm_annotation_and_keeps_engine_id() -> None:
     assert embeds.num_prompt_tokens == 3
 
 
+def test_a_request_finished_without_an_answer_is_marked_aborted() -> None:
+    """vLLM's own statuses: a producer holds the KV of requests that
+    stopped or hit their length only (as its NixlConnector does)."""
+    from vllm.v1.request import RequestStatus
+
+    base = dict(request_id="1-0", prompt_token_ids=[1, 2], num_prompt_tokens=2, kv_transfer_params={},
+                num_computed_tokens=2, output_token_ids=[])
+    aborted = {status.name: translate.request(SimpleNamespace(**base, status=status)).aborted
+               for status in RequestStatus if RequestStatus.is_finished(status)}
+    assert aborted == {"FINISHED_STOPPED": False, "FINISHED_LENGTH_CAPPED": False, "FINISHED_ABORTED": True,
+                       "FINISHED_IGNORED": True, "FINISHED_ERROR": True, "FINISHED_REPETITION": False}
+
+
 def test_scheduler_output_struct_of_arrays() -> None:
     out = SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id="a", prompt_token_ids=[1, 2],

@@ -53,7 +53,11 @@ class Request:
     ``prompt_token_ids`` and ``kv_transfer_params`` are fixed at creation
     (the params are a read-only copy: connectors parse them, never mutate
     them). ``output_token_ids`` and ``num_computed_tokens`` are the engine's
-    to update as the request runs.
+    to update as the request runs; ``aborted`` is set when it finished
+    without completing (aborted by its client, ignored, failed): an engine
+    counts tokens computed when it schedules them, so a prefill aborted
+    after its last chunk was scheduled shows all its prompt computed, and a
+    producer would hold its KV for a decode that never comes.
     """
 
     __slots__ = (
@@ -62,6 +66,7 @@ class Request:
         "kv_transfer_params",
         "output_token_ids",
         "num_computed_tokens",
+        "aborted",
     )
 
     def __init__(
@@ -81,6 +86,7 @@ class Request:
         )
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.aborted = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -549,6 +549,7 @@ class Engine:
         self.requests.pop(rid, None)
         req.status = req.result.status = status
         req.result.finished_at = time.perf_counter()
+        req.request.aborted = status is Status.ABORTED
         delay, params = self.scheduler.request_finished(req.request, [BlockId(b) for b in req.block_ids])
         req.result.kv_transfer_params = params
         if req.block_ids:

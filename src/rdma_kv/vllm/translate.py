@@ -207,6 +207,9 @@ def request(req: Any) -> Request:
     ours = Request(str(req.request_id), ids, params)
     ours.num_computed_tokens = int(req.num_computed_tokens)
     ours.output_token_ids = list(req.output_token_ids)
+    # vLLM's NixlConnector holds the KV of FINISHED_STOPPED and _LENGTH_CAPPED
+    # requests only; these three finished without an answer to hand over.
+    ours.aborted = str(getattr(req, "status", "")) in ("FINISHED_ABORTED", "FINISHED_IGNORED", "FINISHED_ERROR")
     return ours
 
 

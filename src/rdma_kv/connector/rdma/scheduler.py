@@ -530,8 +530,10 @@ class RdmaScheduler:
             return False, None
         if not isinstance(parsed, RemoteDecodeRequest) or not any(groups):
             return False, None
-        if request.num_computed_tokens < request.num_prompt_tokens:
-            # Aborted before its prefill completed: there is nothing to hand over.
+        if request.num_computed_tokens < request.num_prompt_tokens or request.aborted:
+            # Aborted before its prefill completed (or after its last chunk was
+            # scheduled, which counts the prompt computed): nothing to hand over,
+            # and no decode will come for it (its params reach no router).
             return False, None
         if len(groups) != len(self._specs):
             logger.warning("request %r: block ids of %d KV-cache groups, this engine has %d; "
