@@ -43,3 +43,34 @@ def test_a_bug_between_the_post_and_its_callback_fails_the_load_instead_of_hangi
     finally:
         monkeypatch.undo()
         pair.close()
+
+
+def test_one_bad_post_after_a_handshake_does_not_strand_the_loads_that_waited_with_it(fabric, monkeypatch):
+    """Four loads wait on one producer's handshake; the first's post raises
+    after its reads went out (injected). The other three are still posted
+    (before: only the first was, and the others failed at load_timeout_s,
+    '(stage handshake)'; found by a review of the fix above)."""
+    pair = Pair(fabric, d_extra={"load_timeout_s": 30.0})
+    try:
+        prompts = {f"r{i}": list(range(1 + 40 * i, 30 + 40 * i)) for i in range(4)}
+        params = pair.prefill(prompts)
+        real, calls = SlotTable.skipped_nbytes, []
+
+        def boom_once(self, counts):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("injected: a bug in the figures recorded after a post")
+            return real(self, counts)
+
+        monkeypatch.setattr(SlotTable, "skipped_nbytes", boom_once)
+        pair.decode(prompts, params, wait=False)
+        wait_until(lambda: all(r in pair.D.results and pair.D.results[r].status.value in ("finished", "failed")
+                               for r in prompts), step=pair.pump, what="the loads to end", timeout_s=20)
+        assert len(calls) == len(prompts)  # every load was posted
+        assert all(pair.D.results[r].bad_blocks == [] for r in prompts)
+        assert sum(not pair.D.results[r].load_failed for r in prompts) >= 3
+        monkeypatch.undo()
+        pair.settle()
+    finally:
+        monkeypatch.undo()
+        pair.close()

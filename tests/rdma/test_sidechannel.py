@@ -239,17 +239,17 @@ def test_an_attempt_is_bounded_by_connect_and_rpc_timeouts_together():
 
 def test_an_urgent_call_waits_for_a_busy_second_connection_within_a_bound():
     """Both connections busy (a call on each, stuck): an urgent call waits
-    ``URGENT_WAIT_S`` for the first, then at most one call's worst case for
-    the second, and says so."""
+    ``URGENT_WAIT_S`` for each, then says so; ``urgent_worst_case_s`` counts
+    both waits (a review found the first bound, one call's worst case,
+    uncounted: 2.2 s against a figure of 1.7)."""
     client = SideChannelClient("127.0.0.1", free_port(), connect_timeout_s=0.1, rpc_timeout_s=0.1, retries=0)
-    bound = SideChannelClient.call_worst_case_s(0.1, 0.1, 0)
-    assert bound == pytest.approx(0.2)
+    assert SideChannelClient.urgent_worst_case_s(0.1, 0.1, 0) == pytest.approx(2 * URGENT_WAIT_S + 0.2)
     assert client._first.lock.acquire() and client._spare.lock.acquire()  # two calls in flight
     try:
         t0 = time.monotonic()
         with pytest.raises(PeerError, match="both connections stayed busy"):
             client.lease_call(renew(), urgent=True)
-        assert time.monotonic() - t0 >= URGENT_WAIT_S + bound
+        assert time.monotonic() - t0 >= 2 * URGENT_WAIT_S
     finally:
         client._first.lock.release()
         client._spare.lock.release()

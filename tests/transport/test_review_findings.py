@@ -138,3 +138,34 @@ def test_a_service_thread_that_cannot_start_leaves_no_pump_on_the_destroyed_work
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])  # -11 before
     assert "raised: can't start new thread" in proc.stdout and "pumps alive: []" in proc.stdout
+
+
+def test_a_settle_that_fails_mid_drain_leaves_every_transfer_settled_and_the_counts_right(make_agent):
+    """The service thread's settling raises while three completions are
+    drained together (found by a review of the fix above): ``rk_drain`` had
+    freed their slots in C, the one being settled was lost (in flight for
+    ever) and the rest, still in the table, were abandoned a second time:
+    the counters wrapped to 2**64 - 2 and deregister was refused for good."""
+    a, b, src, dst, loc, rem = pair(make_agent)
+    region = b.regions[0]
+    inflight = b._core.inflight
+    real, hits = inflight._settle, []
+
+    def settle_once(xfer, error, now, finished=None):
+        hits.append(1)
+        if len(hits) == 1:
+            raise RuntimeError("injected: a bug while settling one completion")
+        return real(xfer, error, now, finished)
+
+    inflight._settle = settle_once
+    xs = [b.read("a", loc, rem) for _ in range(3)]
+    for xfer in xs:
+        try:
+            xfer.wait(10)
+        except TransferError:
+            pass
+    assert [x.state.name for x in xs].count("IN_PROGRESS") == 0
+    assert sum(x.error is not None for x in xs) == 1  # the one whose settle raised: failed, saying why
+    assert inflight.live == 0 and inflight.zombies == 0 and b.inflight == 0
+    inflight._settle = real
+    b.deregister(region)

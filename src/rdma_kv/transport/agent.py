@@ -46,9 +46,9 @@ UCX's lock alone and never take the agent's; they wake the settling
 thread through an eventfd or the own worker's signal, and a caller
 blocked in ``wait()`` through its transfer's slot. Completion callbacks
 and ``Transfer`` waiters run with no lock held (callbacks queued under the
-lock, run after it is released; the posting thread runs those due at once
-with the lock still held, which is reentrant). ``_lib``'s loader lock is
-taken once, before any of these.
+lock, run after it is released: a posting thread runs those its post
+settled once the post released it, ``InFlight.take_due``). ``_lib``'s
+loader lock is taken once, before any of these.
 
 Bounded failure: every transfer has a deadline. When it passes, or when UCX
 reports the peer's endpoint failed, the peer is marked failed, its

@@ -35,7 +35,7 @@ from rdma_kv.transport._lib import load, status_name
 from rdma_kv.transport.config import AgentConfig
 from rdma_kv.transport.peer import Peer
 from rdma_kv.transport.route import Route
-from rdma_kv.transport.transfer import Callback, Owner, Transfer, XferOp
+from rdma_kv.transport.transfer import Callback, Owner, Transfer, XferOp, XferState
 
 # Same logger name as the agent's: operators filter the transport's lines by it.
 log = logging.getLogger("rdma_kv.transport.agent")
@@ -164,12 +164,19 @@ class InFlight:
         return int(self.ctx.live)
 
     def drain(self) -> int:
-        """Settle the slots the shim published; returns how many."""
+        """Settle the slots the shim published; returns how many.
+
+        ``rk_drain`` has freed them in C (no longer live, back on the free
+        stack): every one leaves the table before any is settled, so that
+        nothing can fail (``abandon``) a slot already freed, even if settling
+        raised part-way (before, the rest of the batch stayed in the table,
+        was abandoned a second time, and the counters wrapped)."""
         n = self._rk_drain(self.ctx, self._drained, len(self._table))
         if n:
             now = time.perf_counter()
             table = self._table
             pairs = self._unpack(self._drained, 2 * n)
+            drained = []
             for i in range(0, 2 * n, 2):
                 v = pairs[i]
                 slot = v & _SLOT_MASK
@@ -178,9 +185,16 @@ class InFlight:
                     self._zombies.pop(slot, None)
                     continue
                 table[slot] = None
-                status = v >> 32
-                self._settle(xfer, None if status == 0 else self._error_for(xfer, status - (1 << 32)), now,
-                             pairs[i + 1] * 1e-9)
+                drained.append((xfer, v >> 32, pairs[i + 1] * 1e-9))
+            for xfer, status, finished in drained:
+                try:
+                    self._settle(xfer, None if status == 0 else self._error_for(xfer, status - (1 << 32)), now,
+                                 finished)
+                except Exception as exc:  # a bug: the transfer still ends, failed, and says why
+                    log.exception("settling %s transfer %d failed", xfer.op.value, xfer.id)
+                    if xfer.state is XferState.IN_PROGRESS:
+                        self._settle(xfer, TransferError(f"{xfer.op.value} transfer {xfer.id} with {xfer.peer!r}: "
+                                                         f"settling its completion failed: {exc!r}"), now)
         return int(n)
 
     def _settle(self, xfer: Transfer, error: TransferError | None, now: float, finished: float | None = None) -> None:

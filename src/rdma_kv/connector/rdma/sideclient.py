@@ -285,10 +285,10 @@ class SideChannelClient:
     def urgent_worst_case_s(connect_timeout_s: float, rpc_timeout_s: float, retries: int,
                             backoff_s: float = BACKOFF_S) -> float:
         """The longest an ``urgent`` call (a RENEW) can take against a
-        producer that stalls rather than refuses: the wait for a busy
-        connection, then ``call_worst_case_s``."""
-        return URGENT_WAIT_S + SideChannelClient.call_worst_case_s(connect_timeout_s, rpc_timeout_s, retries,
-                                                                   backoff_s)
+        producer that stalls rather than refuses: the waits for the two
+        connections (``URGENT_WAIT_S`` each), then ``call_worst_case_s``."""
+        return 2 * URGENT_WAIT_S + SideChannelClient.call_worst_case_s(connect_timeout_s, rpc_timeout_s, retries,
+                                                                       backoff_s)
 
     def call(self, request: wire.Request, timeout_s: float | None = None, *, urgent: bool = False) -> wire.Reply:
         """Send ``request``, return the decoded reply. Transport failures are
@@ -296,17 +296,16 @@ class SideChannelClient:
         raises :class:`MetadataError`; ``Refused`` is returned (the caller
         names what was refused). ``urgent``: do not wait behind a call in
         flight for more than ``URGENT_WAIT_S``; take the second connection
-        (module docstring); if another urgent call holds that one, wait for
-        it at most one call's worst case (``call_worst_case_s``), then
-        :class:`PeerError`."""
+        (module docstring); if another urgent call holds that one too, wait
+        for it as long, then :class:`PeerError` (two calls stuck at once: the
+        producer stalls; the next renewal tries again)."""
         timeout = self._rpc_timeout_s if timeout_s is None else timeout_s
         conn = self._first
         if not conn.lock.acquire(timeout=URGENT_WAIT_S if urgent else -1):
             conn = self._spare
-            bound = self.call_worst_case_s(self._connect_timeout_s, timeout, self._retries, self._backoff_s)
-            if not conn.lock.acquire(timeout=bound):
-                raise PeerError(f"side channel {self.address}: both connections stayed busy, the second for "
-                                f"{bound:.3g} s, longer than a call should take; is the producer stalled?")
+            if not conn.lock.acquire(timeout=URGENT_WAIT_S):
+                raise PeerError(f"side channel {self.address}: both connections stayed busy for "
+                                f"{URGENT_WAIT_S:g} s each (is the producer stalled?)")
         try:
             return self._call(conn, request, timeout)
         finally:

@@ -171,7 +171,12 @@ class RdmaConsumer:
                 else:
                     self._fail(load, stale)
         for load, src, connection in post:
-            self._post(load, src, peer, connection)
+            try:
+                self._post(load, src, peer, connection)
+            except Exception as exc:  # a bug; the loads after it must still be posted
+                logger.exception("posting the reads of request %r failed", load.spec.request_id)
+                with self._lock:
+                    self._fail(load, f"posting its reads failed (a bug: please report it): {exc!r}")
 
     # --- reads -----------------------------------------------------------------------------------
 
