@@ -212,6 +212,14 @@ class ConcurrentDispatch:
             status, lease_blocks = self._leases.pin_for_push(call)
             if status is not wire.LeaseStatus.HELD:
                 problem = f"the prefill's lease is {status.name}"
+        if problem is not None and (entry.written_upto >= 0 or entry.outstanding):
+            # Layer-wise writes of it went out: nothing is answered before
+            # they are flushed (FAILED then). Answered REFUSED at once, the
+            # decode handed its blocks back with those writes on the wire.
+            with self._lock:
+                entry.error = entry.error or problem
+            self._finish_layerwise(entry)
+            return
         if problem is not None:
             with self._lock:
                 entry.state, entry.detail, entry.resolved_at = REFUSED, problem, self._clock()
@@ -369,7 +377,7 @@ class ConcurrentDispatch:
         assert reg is not None
         with self._lock:
             decode = self._introduced_as(reg)
-            if decode is None or entry.state is not WAITING or entry.aborted or entry.error:
+            if decode is None or entry.state is not WAITING or entry.aborted or entry.expired or entry.error:
                 return False
         try:
             own, dst = self._tables(decode, None, None)
@@ -397,6 +405,13 @@ class ConcurrentDispatch:
                     decode: Decode, overlapped: bool = False) -> bool:
         src, dst, own_prep, dst_prep = planned
         with self._lock:
+            if entry.finishing or entry.state not in (WAITING, RUNNING):
+                # Its last flush is posted (aborted, expired, failed: the
+                # answer follows that flush) or it resolved: nothing may be
+                # posted after it. Checked with the count taken, so the two
+                # cannot interleave (a decode's abort used to be answered
+                # between the check above and this post, and the post landed).
+                return False
             entry.outstanding += 1
             entry.decode = entry.decode or decode
         try:
