@@ -261,3 +261,38 @@ def test_tp_sizes_that_cannot_share_the_heads_recompute_and_release_every_produc
         dep.settle()
     finally:
         dep.close()
+
+
+def test_an_abort_between_two_decode_ranks_reports_frees_the_blocks_once_both_are_done(rng):
+    """D2: rank 0's load is done and reported in done_recving; the request
+    is aborted while rank 1 still reads. Each rank reports the load in
+    done_recving exactly once (rank 1 once its reads resolved); the engine
+    counts both before it frees (as vLLM's aggregator does). Before, an
+    aborted load went to done_sending, rank 0 (already reported) never sent
+    it there, and vLLM's adapter dropped it: neither count completed and the
+    blocks leaked (found by an adversarial review against vLLM's aggregator)."""
+    fabric = FakeFabric()
+    dep = Deployment(1, 2, 4, {"transport_factory": fabric.factory})
+    try:
+        prompt = rng.integers(1, 999, 20).tolist()
+        dep.P.add_request("r0", prompt, {"do_remote_decode": True})
+        wait_until(lambda: dep.P.results.get("r0") and dep.P.results["r0"].status.value == "finished",
+                   step=dep.pump, what="prefill")
+        fabric.hold = True
+        dep.D.add_request("r0", prompt, dep.P.results["r0"].kv_transfer_params)
+        wait_until(lambda: len(fabric.pending) == 2, step=dep.pump, what="both ranks' reads posted")
+        first, second = (r.worker.worker for r in dep.D.ranks)
+        fabric.release_all(reader=first.agent_name)
+        wait_until(lambda: dep.D._reported["recving"].get("r0") == 1, step=dep.pump,
+                   what="one rank reported its load")
+        dep.D.abort_request("r0")
+        for _ in range(10):
+            dep.pump()
+        assert "r0" in dep.D.held and second.num_inflight() == 1  # rank 1 may still write into them
+        fabric.hold = False
+        fabric.release_all()
+        wait_until(lambda: "r0" not in dep.D.held, step=dep.pump, what="the aborted request's blocks freed")
+        assert dep.D.results["r0"].status.value == "aborted"
+        dep.settle()
+    finally:
+        dep.close()

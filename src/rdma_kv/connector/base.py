@@ -141,6 +141,10 @@ class KVConnectorBase(abc.ABC):
       exactly once per request, finished or aborted, before its blocks are
       freed. ``delay_free`` True makes the connector responsible: the blocks
       stay allocated until a worker reports the request in ``done_sending``.
+      A request that waits for an asynchronous load keeps its blocks, even
+      once finished (aborted, failed), until every worker reported it in
+      ``done_recving``: the engine's rule (vLLM 0.32: a finished
+      ``WAITING_FOR_REMOTE_KVS`` request), not a delay the connector asks for.
       ``kv_transfer_params`` (a new dict, or None) goes to the request's
       output, e.g. for a router to pass to a consumer. An engine with
       several KV-cache groups (hybrid models) calls
@@ -170,7 +174,9 @@ class KVConnectorBase(abc.ABC):
       after each step with the requests finished since the last call;
       returns the requests whose asynchronous sends / loads completed. A
       request is reported in ``done_sending`` only if ``request_finished``
-      delayed its free, and at most once.
+      delayed its free, and at most once; a load, in ``done_recving``
+      exactly once per worker, whether it completed, failed or its request
+      was aborted (then once none of its reads can still land).
     - ``get_block_ids_with_load_errors()``: after ``get_finished``; blocks
       whose load failed since the last call, no later than the step in which
       their request appears in ``done_recving``.

@@ -35,7 +35,10 @@ every block it loaded from the prompt alone.
 5. A finished (or aborted) request: ``request_finished(request, block_ids)``;
    ``delay_free=True`` keeps its blocks allocated until the worker reports
    it in ``finished_sending``; the returned params go to the request's
-   output (a router hands them to the decode request).
+   output (a router hands them to the decode request). A request aborted
+   while it waits for a load keeps its blocks until the workers report it in
+   ``finished_recving``, whatever ``request_finished`` said (vLLM 0.32's
+   rule for a finished ``WAITING_FOR_REMOTE_KVS`` request).
 
 Keep stepping while requests wait for loads or blocks are held: the worker
 reports completions (and lease expiries) only from ``get_finished``.
@@ -157,6 +160,7 @@ class _Req:
     block_ids: list[int] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
     scheduled_once: bool = False
+    load_reported: bool = False  # its load was in finished_recving (every rank)
 
 
 class _BlockPool:
@@ -296,6 +300,8 @@ class Engine:
         self.results: dict[str, RequestResult] = {}
         self.waiting: collections.deque[_Req] = collections.deque()
         self.held: dict[str, list[int]] = {}  # delayed frees, until finished_sending
+        self._held_for_load: set[str] = set()  # aborted while loading: held until finished_recving
+        self._delayed: set[str] = set()  # request_finished said delay_free: finished_sending may come
         self._finished_ids: set[RequestId] = set()
         self._recved: set[str] = set()
         self._load_errors: set[int] = set()
@@ -476,8 +482,22 @@ class Engine:
         for rid in kv_output.finished_recving:
             req = self.requests.get(rid)
             if req is not None and req.status is Status.LOADING:
+                req.load_reported = True
                 self._recved.add(rid)
+            elif rid in self._held_for_load:  # aborted while loading: its load is over now
+                self._held_for_load.discard(rid)
+                blocks = self.held.pop(rid, None)
+                if blocks is not None:
+                    self.pool.release(blocks)
         for rid in kv_output.finished_sending:
+            if rid not in self._delayed:
+                # The contract (connector/base.py): reported in done_sending only
+                # if request_finished delayed its free. vLLM frees on it anyway,
+                # so such a report frees blocks the engine still holds for
+                # another reason (a load that may still land).
+                raise AssertionError(f"{self.name}: request {rid!r} reported in finished_sending, but "
+                                     "request_finished did not delay its free")
+            self._delayed.discard(rid)
             blocks = self.held.pop(rid, None)
             if blocks is not None:
                 self.pool.release(blocks)
@@ -547,13 +567,18 @@ class Engine:
     def _finish(self, req: _Req, status: Status) -> None:
         rid = req.request.request_id
         self.requests.pop(rid, None)
+        loading = req.status is Status.LOADING and not req.load_reported
         req.status = req.result.status = status
         req.result.finished_at = time.perf_counter()
         req.request.aborted = status is Status.ABORTED
         delay, params = self.scheduler.request_finished(req.request, [BlockId(b) for b in req.block_ids])
         req.result.kv_transfer_params = params
+        if delay:
+            self._delayed.add(rid)
+        if loading:
+            self._held_for_load.add(rid)  # until finished_recving (the engine's own hold)
         if req.block_ids:
-            if delay:
+            if delay or loading:
                 self.held[rid] = list(req.block_ids)
             else:
                 self.pool.release(req.block_ids)

@@ -14,7 +14,6 @@ connector, hence UCX, only when an instance is created).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import time
@@ -41,10 +40,6 @@ if TYPE_CHECKING:
 __all__ = ["RdmaKVConnector", "RdmaKVConnectorMetadata", "RdmaKVHandshakeMetadata"]
 
 logger = logging.getLogger(__name__)
-
-_RECVED_MEMORY = 1 << 16
-"""How many request ids reported in ``finished_recving`` a worker remembers
-(see ``RdmaKVConnector.get_finished``); the oldest are forgotten first."""
 
 _ROLES = {KVConnectorRole.SCHEDULER: Role.SCHEDULER, KVConnectorRole.WORKER: Role.WORKER}
 
@@ -143,7 +138,6 @@ class RdmaKVConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError("RdmaKVConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
         self._connector: RdmaConnector = RdmaConnector(
             config, _ROLES[role], translate.kv_cache_config(kv_cache_config))
-        self._recved: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     @property
     def connector(self) -> RdmaConnector:
@@ -222,12 +216,13 @@ class RdmaKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
         """vLLM frees a finished request's blocks when it appears in
-        ``finished_recving``: a load that failed under ``fail`` is reported
-        there, then vLLM finishes the request and calls ``request_finished``
-        *before* ``update_connector_output``, so the connector still sees
-        the load in flight, delays the free and later reports
-        ``done_sending`` for blocks vLLM already freed (an assertion in its
-        scheduler). Such reports are dropped here."""
+        ``finished_recving`` from every rank (its aggregator counts them):
+        each rank reports every load there exactly once, an aborted one
+        included, and never in ``finished_sending`` (``LoadBook.hand_back``).
+        Before, an aborted load went to ``finished_sending``, and this
+        adapter dropped the report of a rank that had already reported the
+        load in ``finished_recving`` (vLLM would free the blocks twice): with
+        tensor parallelism neither count completed and the blocks leaked."""
         sending, recving = self._connector.get_finished({RequestId(rid) for rid in finished_req_ids})
         if self._connector.worker.num_inflight():
             # vLLM's engine loop starts its next step at once, even when every
@@ -239,14 +234,7 @@ class RdmaKVConnector(KVConnectorBase_V1, SupportsHMA):
             # inside vLLM. Releasing the GIL once per step while loads are in
             # flight lets them run now (docs/benchmarks.md, "First request").
             time.sleep(0)
-        stale = {rid for rid in sending if rid in self._recved}
-        for rid in stale:
-            del self._recved[rid]
-        for rid in recving:
-            self._recved[rid] = None
-        while len(self._recved) > _RECVED_MEMORY:
-            self._recved.popitem(last=False)
-        return translate.finished_sets(set(sending) - stale, recving)
+        return translate.finished_sets(sending, recving)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return {int(b) for b in self._connector.get_block_ids_with_load_errors()}

@@ -181,7 +181,8 @@ class RdmaConnectorMetadata(KVConnectorMetadata):
     """Leases of requests still waiting for admission."""
     aborts: tuple[RequestId, ...] = ()
     """Requests finished while their load was handed to the worker: report
-    them in ``done_sending`` once no read can land in their blocks."""
+    them in ``done_recving`` once no read can land in their blocks (unless
+    reported already)."""
     connects: tuple[PeerAddress, ...] = ()
     """Producers of requests the scheduler saw for the first time this step:
     the workers start a handshake with any they do not know yet

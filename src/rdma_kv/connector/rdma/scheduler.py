@@ -178,7 +178,7 @@ class RdmaScheduler:
         self._pending_aborts: list[RequestId] = []
         self._aborting: set[RequestId] = set()
         """Requests whose shipped load was aborted and that the workers have
-        not yet reported in ``finished_sending`` (reads may still land in
+        not yet reported in ``finished_recving`` (reads may still land in
         their blocks)."""
         self._pending_connects: dict[PeerAddress, None] = {}  # ordered set, emptied every step
 
@@ -481,11 +481,11 @@ class RdmaScheduler:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_sending:
-            self._aborting.discard(rid)
             held = self._held.pop(rid, None)
             if held is not None:
                 self._held_blocks -= held[1]
         for rid in output.finished_recving:
+            self._aborting.discard(rid)
             remote = self._remote.get(rid)
             if remote is not None and remote.stage is RemoteStage.SHIPPED:
                 remote.stage = RemoteStage.LOADED
@@ -505,11 +505,12 @@ class RdmaScheduler:
         remote = self._remote.pop(rid, None)
         if remote is not None:
             if remote.stage is RemoteStage.SHIPPED:
-                # A read may still land in these blocks: the worker reports the
-                # request in done_sending once its transfer completed or failed.
+                # A read may still land in these blocks: the engine holds them
+                # until every worker reported the load in done_recving, which
+                # an aborted load is once none of its reads can land (base.py).
                 self._pending_aborts.append(rid)
                 self._aborting.add(rid)
-                return True, None
+                return False, None
             if remote.stage is RemoteStage.PENDING:
                 self._pending_loads = [s for s in self._pending_loads if s.request_id != rid]
             self._release(remote)

@@ -22,8 +22,10 @@ Guarantees, and where they are kept:
   per-transfer ``timeout_s``; handshake and confirmation:
   ``load_timeout_s``) bound when. Every failure goes through ``_fail``,
   which waits until none of the load's reads can still land.
-- An aborted request is reported in ``done_sending`` (its blocks handed
-  back) only once its transfer completed or failed (``_abort``).
+- An aborted request's load is reported in ``done_recving`` (its blocks
+  handed back), once, when none of its reads can still land (``_abort``);
+  the engine holds the blocks of a request waiting for a load until then
+  (vLLM 0.32's rule). A load already reported is not reported again.
 - Nothing raises into the engine loop: ``on_step`` catches, logs, and turns
   the failure into load errors.
 
@@ -407,8 +409,10 @@ class RdmaConsumer:
         """The scheduler finished ``rid`` while its load was handed to us."""
         with self._lock:
             load = self._book.loads.get(rid)
-            if load is None or (load.stage.terminal and load.read_resolved):
-                self._book.hand_back(rid)  # nothing in flight (a finished load goes unreported)
+            if load is None:
+                return  # reported already (done or failed): the engine freed its blocks then
+            if load.stage.terminal and load.read_resolved:
+                self._book.hand_back(rid)  # finished, not yet reported: reported now, as handed back
                 return
             load.aborted = True
             if load.read_resolved:

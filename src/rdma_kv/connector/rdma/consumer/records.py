@@ -188,9 +188,14 @@ class LoadBook:
         return self._has_finished.wait(timeout_s)
 
     def hand_back(self, rid: RequestId) -> None:
-        """An aborted request's blocks go back to the scheduler at the next
-        report (its ``finished_sending``); its load, if any, is forgotten
-        unreported."""
+        """An aborted request's blocks go back to the engine at the next
+        report: its load is reported in ``finished_recving`` (no load errors,
+        no stats: the request is gone), where each worker reports every load
+        once, so that an engine gathering the reports of several workers (vLLM
+        counts them per request) frees the blocks once all of them did. (They
+        were reported in ``finished_sending``: a worker that had reported the
+        load before the abort never reported it there, and with tensor
+        parallelism the count never completed: the blocks leaked.)"""
         load = self.loads.pop(rid, None)
         if load is not None:
             self._finished = [ld for ld in self._finished if ld is not load]
@@ -217,8 +222,9 @@ class LoadBook:
                                error=load.error)
         self._finished = []
         self._has_finished.clear()
-        sending, self._handed_back = self._handed_back, set()
-        return sending, recving
+        recving |= self._handed_back
+        self._handed_back = set()
+        return set(), recving
 
     def take_load_errors(self) -> set[BlockId]:
         with self.lock:
