@@ -495,7 +495,7 @@ class Engine:
                 # if request_finished delayed its free. vLLM frees on it anyway,
                 # so such a report frees blocks the engine still holds for
                 # another reason (a load that may still land).
-                raise AssertionError(f"{self.name}: request {rid!r} reported in finished_sending, but "
+                raise AssertionError(f"{self.config.engine_id}: request {rid!r} reported in finished_sending, but "
                                      "request_finished did not delay its free")
             self._delayed.discard(rid)
             blocks = self.held.pop(rid, None)
