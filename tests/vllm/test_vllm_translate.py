@@ -187,3 +187,98 @@ def test_the_field_list_info_checks_is_vllms() -> None:
     import dataclasses
 
     assert set(translate.VLLM_KV_TRANSFER_FIELDS) == {f.name for f in dataclasses.fields(VllmKVTransferConfig)}
+
+
+def _failing_decode(groups, blocks):
+    """A decode (scheduler, worker over the fake fabric, adapter) whose load
+    of request 'r' fails: its params, well-formed and from a real producer
+    scheduler, name a side channel nobody listens on (what any client can
+    send)."""
+    import socket
+
+    import numpy as np
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "rdma"))
+    from fakes import FakeFabric
+
+    from rdma_kv.connector import KVCacheBlocks, KVConnectorRole, KVTransferConfig, Request
+    from rdma_kv.connector import specs as ours
+    from rdma_kv.connector.rdma import RdmaConnector
+
+    bs, nb, heads, head = 4, 64, 2, 8
+    full = ours.FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=head, dtype="float32")
+    sliding = ours.SlidingWindowSpec(block_size=bs, num_kv_heads=heads, head_size=head, dtype="float32",
+                                     sliding_window=6)
+    layers = [f"l{i}" for i in range(3)]
+    spec_groups = ((ours.KVCacheGroupSpec(("l0", "l2"), sliding), ours.KVCacheGroupSpec(("l1",), full))
+                   if groups == 2 else (ours.KVCacheGroupSpec(tuple(layers), full),))
+    config = ours.KVCacheConfig(nb, tuple(ours.KVCacheTensor(nb * full.page_size_bytes, (n,)) for n in layers),
+                                spec_groups)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+
+    def cfg(role, eid, **extra):
+        return KVTransferConfig(kv_connector="RdmaKVConnector", kv_role=role, engine_id=eid, kv_port=0,
+                                kv_load_failure_policy="recompute",
+                                kv_connector_extra_config={"rpc_timeout_s": 0.5, "load_timeout_s": 3.0, **extra})
+
+    prompt = list(range(1, 18))
+    producer = RdmaConnector(cfg("kv_producer", "P", side_channel_port=dead), KVConnectorRole.SCHEDULER, config)
+    done = Request("r", prompt, {"do_remote_decode": True})
+    done.num_computed_tokens = len(prompt)
+    _, params = producer.request_finished_all_groups(done, blocks)
+    scheduler = RdmaConnector(cfg("kv_consumer", "D"), KVConnectorRole.SCHEDULER, config)
+    worker = RdmaConnector(cfg("kv_consumer", "D"), KVConnectorRole.WORKER, config,
+                           transport_factory=FakeFabric().factory)
+    worker.register_kv_caches({n: np.zeros((nb, heads, bs, 2 * head), dtype=np.float32) for n in layers})
+    decode = Request("r", prompt, params)
+    n, _ = scheduler.get_num_new_matched_tokens(decode, 0)
+    scheduler.update_state_after_alloc(decode, KVCacheBlocks.of(*blocks), n)
+    adapter = object.__new__(RdmaKVConnector)
+    adapter._connector = worker
+    adapter._per_request_failures = groups > 1
+    return scheduler, worker, adapter
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_failed_load_reaches_vllm_in_the_form_it_takes(groups) -> None:
+    """With several KV-cache groups vLLM 0.32 raises on block-level load
+    errors (``_handle_invalid_blocks``: a RuntimeError out of its engine
+    loop), so a failed load goes as ``failed_recving``; one group keeps the
+    block ids (recompute from the first bad block). Before, a hybrid decode
+    engine died on any failed load, e.g. a client's params naming a side
+    channel nobody listens on (found by an adversarial review)."""
+    import time
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from rdma_kv.connector import SchedulerOutput
+
+    blocks = ([0, 0, 0, 13, 14], [20, 21, 22, 23, 24]) if groups == 2 else ([20, 21, 22, 23, 24],)
+    scheduler, worker, adapter = _failing_decode(groups, blocks)
+    try:
+        end = time.monotonic() + 20
+        while time.monotonic() < end:
+            worker.bind_connector_metadata(scheduler.build_connector_meta(SchedulerOutput()))
+            worker.start_load_kv(None)
+            results = adapter.get_transfer_results(set())
+            errors = adapter.get_block_ids_with_load_errors()
+            worker.clear_connector_metadata()
+            if "r" in results.finished_recving:
+                break
+            time.sleep(0.01)
+        assert "r" in results.finished_recving
+        if groups == 2:
+            assert results.failed_recving == {"r"} and errors == set()
+        else:
+            assert results.failed_recving == set() and errors == {20, 21, 22, 23, 24}
+            # what vLLM does with them (update_from_output), with one group: no error
+            fake = SimpleNamespace(kv_cache_config=SimpleNamespace(kv_cache_groups=[0]), recompute_kv_load_failures=True,
+                                   kv_holding_waiting=[], running=[],
+                                   _update_requests_with_invalid_blocks=lambda *a, **k: (set(), 0, set()))
+            assert Scheduler._handle_invalid_blocks(fake, errors, {}) == set()
+        nothing = adapter.get_transfer_results(set())
+        assert nothing.failed_recving == set() and adapter.get_block_ids_with_load_errors() == set()
+    finally:
+        worker.shutdown()

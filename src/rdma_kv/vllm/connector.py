@@ -136,8 +136,10 @@ class RdmaKVConnector(KVConnectorBase_V1, SupportsHMA):
                                            total_kv_heads=_total_kv_heads(vllm_config))
         if kv_cache_config is None:
             raise ConfigError("RdmaKVConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
-        self._connector: RdmaConnector = RdmaConnector(
-            config, _ROLES[role], translate.kv_cache_config(kv_cache_config))
+        ours = translate.kv_cache_config(kv_cache_config)
+        self._connector: RdmaConnector = RdmaConnector(config, _ROLES[role], ours)
+        self._per_request_failures = len(ours.kv_cache_groups) > 1
+        """Failed loads go to vLLM as ``failed_recving``, not block ids (``get_transfer_results``)."""
 
     @property
     def connector(self) -> RdmaConnector:
@@ -236,8 +238,26 @@ class RdmaKVConnector(KVConnectorBase_V1, SupportsHMA):
             time.sleep(0)
         return translate.finished_sets(sending, recving)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM 0.32's ``get_finished`` with ``failed_recving``. With several
+        KV-cache groups (a hybrid model) vLLM refuses block-level load errors
+        (block ids are unique within a group only: a ``RuntimeError`` that
+        ends its engine loop, so a client sending params that cannot load
+        took the decode engine down) and takes failed loads by request: it
+        recomputes them from the start, or fails them, per its policy. A
+        single-group engine keeps the block-level errors (recompute from the
+        first bad block)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._connector.take_failed_loads()  # taken either way: nothing accumulates
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+            failed_recving={str(r) for r in failed} if self._per_request_failures else set())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return {int(b) for b in self._connector.get_block_ids_with_load_errors()}
+        errors = self._connector.get_block_ids_with_load_errors()  # taken either way
+        return set() if self._per_request_failures else {int(b) for b in errors}
 
     # --- scheduler side ----------------------------------------------------------------
 

@@ -175,6 +175,14 @@ class RdmaConnector(KVConnectorBase):
     def get_block_ids_with_load_errors(self) -> set[BlockId]:
         return self.worker.take_load_errors()
 
+    def take_failed_loads(self) -> set[RequestId]:
+        """The requests whose load failed since the last call, each also in
+        ``done_recving`` and its blocks in ``get_block_ids_with_load_errors``:
+        for an engine that cannot map block ids back to requests (vLLM with
+        several KV-cache groups: block ids are unique within a group only)
+        and fails or recomputes a request as a whole."""
+        return self.worker.take_failed_loads()
+
     # --- scheduler side -------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int

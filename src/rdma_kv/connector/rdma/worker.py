@@ -305,6 +305,9 @@ class RdmaWorker:
     def take_load_errors(self) -> set[BlockId]:
         return self._book.take_load_errors()
 
+    def take_failed_loads(self) -> set[RequestId]:
+        return self._book.take_failed()
+
     # --- stats and shutdown -----------------------------------------------------------------------------------
 
     def stats(self) -> WorkerStats | None:

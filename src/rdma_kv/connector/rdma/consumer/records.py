@@ -154,6 +154,7 @@ class LoadBook:
         """Every load not yet reported: running, or finished and waiting for ``report``."""
         self._finished: list[LoadState] = []  # DONE or FAILED, in ``loads`` until reported
         self._handed_back: set[RequestId] = set()
+        self._failed_ids: set[RequestId] = set()  # failed loads reported since the last take_failed
         self._load_errors: set[BlockId] = set()
         self._stats = LoadStats()
         self.counters = Tally(ConsumerCounters)
@@ -215,6 +216,7 @@ class LoadBook:
             self.loads.pop(rid, None)
             if load.stage is LoadStage.FAILED:
                 self._load_errors.update(load.spec.all_local_block_ids)
+                self._failed_ids.add(rid)
             measures = load.measures
             if load.reads_done_at is not None:
                 measures = measures.with_(finish_s=max(0.0, now - load.reads_done_at))
@@ -230,6 +232,12 @@ class LoadBook:
         with self.lock:
             errors, self._load_errors = self._load_errors, set()
             return errors
+
+    def take_failed(self) -> set[RequestId]:
+        """The requests whose load was reported failed since the last call."""
+        with self.lock:
+            failed, self._failed_ids = self._failed_ids, set()
+            return failed
 
     def take_stats(self) -> tuple[tuple[LoadRecord, ...], Totals]:
         """Per-load records, and their totals with the consumer's counters, since the last call."""
