@@ -113,16 +113,16 @@ def test_scheduler_output_struct_of_arrays() -> None:
     assert ours.finished_req_ids == frozenset({"z"})
 
 
-def test_finished_sending_after_recving_is_dropped() -> None:
-    """vLLM frees a finished request on finished_recving (the ``fail`` policy
-    path): a later finished_sending for it would trip vLLM's scheduler."""
-    import collections
-
-    reports = iter([({"p1"}, {"d1"}), ({"d1", "p2"}, set()), (set(), set())])
+def test_finished_sets_pass_through_in_vllms_form() -> None:
+    """The worker reports every load in finished_recving exactly once (an
+    aborted one too) and never in finished_sending, so the adapter passes
+    both sets on as they are: vLLM counts each rank's reports (the filter it
+    had, for a fail-path double free, broke that count with tensor
+    parallelism and leaked the blocks)."""
+    reports = iter([({"p1"}, {"d1"}), ({"p2"}, set()), (set(), set())])
     adapter = object.__new__(RdmaKVConnector)
     adapter._connector = SimpleNamespace(get_finished=lambda ids: next(reports),
                                          worker=SimpleNamespace(num_inflight=lambda: 0))
-    adapter._recved = collections.OrderedDict()
     assert adapter.get_finished(set()) == ({"p1"}, {"d1"})
     assert adapter.get_finished(set()) == ({"p2"}, None)
     assert adapter.get_finished(set()) == (None, None)
