@@ -170,8 +170,12 @@ class RdmaWorker:
         self._transport, self._compat = transport, compat
         self._local = LocalKV(transport, geometry, slots, local_prep, compat, rank)
         if self._consumes or self._consumer is not None:
-            # A new consumer over the new transport; it reports what the one before the sleep left.
+            # A new consumer over the new transport; it reports what the one before the sleep
+            # left, and asks the producers about the pushes that one left unresolved.
+            before = self._consumer
             self._consumer = self._new_consumer(self._local)
+            if before is not None and before.pushes is not None and self._consumer.pushes is not None:
+                self._consumer.pushes.adopt(before.pushes)
         server = self._server
         logger.info("rdma-kv worker %s: %d layers in %d region(s), %d blocks, %d bytes per block; "
                     "side channel %s, peer authentication %s, registration %d", self.agent_name,

@@ -387,6 +387,23 @@ class Pushes:
         with self._lock:
             return len(self._running)
 
+    def adopt(self, old: Pushes) -> None:
+        """Take over the pushes ``old`` (this rank's before a sleep) left
+        unresolved: asked about from the next :meth:`poll` on, within their
+        own bounds. The producer's answer resolves each (their notifications
+        went to the transport the sleep closed: a query learns DONE, or the
+        abort ``suspend`` asked for is sent). Before, nothing polled them
+        again: their loads, blocks and requests stayed for ever (found by an
+        adversarial review)."""
+        with old._lock:
+            handles, old._running = old._running, {}
+        now = self._clock()
+        with self._lock:
+            for token, handle in handles.items():
+                if not handle.done():
+                    handle.next_query_at = handle.next_query_at or now
+                    self._running[token] = handle
+
     def _progress_report(self) -> str:
         try:
             return self._local.transport.progress_report()
