@@ -66,3 +66,39 @@ def test_a_decode_that_sleeps_mid_push_finishes_the_load_after_it_wakes():
         fabric.release_all()
         P.shutdown()
         D.shutdown()
+
+
+def test_a_push_adopted_while_a_call_of_the_old_consumer_is_in_flight_is_dropped_once_resolved():
+    """The wake adopts a push whose PUSH or query is still on an RPC thread
+    of the consumer before the sleep; that call's answer resolves it there.
+    The new consumer drops it at its next poll: before, it stayed running
+    and every poll queried the producer about it again, for ever (found by
+    a review of the adoption)."""
+    from types import SimpleNamespace
+
+    from rdma_kv.connector.rdma import wire
+    from rdma_kv.connector.rdma.consumer.pushes import PushHandle, Pushes
+
+    submitted = []
+    pool = SimpleNamespace(submit=lambda fn, handle: submitted.append(handle) or True)
+
+    def pushes():
+        local = SimpleNamespace(transport=SimpleNamespace(get_notifications=lambda: []))
+        settings = SimpleNamespace(rpc_timeout_s=1.0, lease_max_s=20.0, read_timeout_s=1.0, tp_rank=0)
+        return Pushes(local, "D", 1, b"x" * 8, settings, pool, lambda peer, why: None, lambda heads: None,
+                      clock=lambda: 100.0)
+
+    old, new = pushes(), pushes()
+    handle = PushHandle(b"t" * 16, SimpleNamespace(rank=0), None, 0, 0, 0.0, hard_deadline=121.0)
+    fired = []
+    handle.add_done_callback(fired.append)
+    old._running[handle.token] = handle
+    old.abort(handle)  # the sleep failed the load: the push is asked to stop
+    handle.busy = True  # ... while a call of it is on an RPC thread
+    new.adopt(old)
+    assert new.running() == 1
+    old._after(handle, wire.PushReply(wire.PushState.ABORTED, "stopped"), None)  # that call's answer
+    assert handle.done() and fired == [handle]
+    for _ in range(3):
+        new.poll()
+    assert submitted == [] and new.running() == 0

@@ -345,7 +345,10 @@ class Pushes:
         now = self._clock()
         due = []
         with self._lock:
-            for handle in self._running.values():
+            for token, handle in list(self._running.items()):
+                if handle.done():  # adopted while a call of the Pushes before a sleep was in flight,
+                    del self._running[token]  # which resolved it there: nothing to ask
+                    continue
                 if not handle.busy and handle.next_query_at and now >= handle.next_query_at:
                     handle.busy = True
                     due.append(handle)
@@ -392,7 +395,9 @@ class Pushes:
         unresolved: asked about from the next :meth:`poll` on, within their
         own bounds. The producer's answer resolves each (their notifications
         went to the transport the sleep closed: a query learns DONE, or the
-        abort ``suspend`` asked for is sent). Before, nothing polled them
+        abort ``suspend`` asked for is sent); a call of ``old``'s still in
+        flight may resolve one through ``old``, and :meth:`poll` then drops
+        it. Before, nothing polled them
         again: their loads, blocks and requests stayed for ever (found by an
         adversarial review)."""
         with old._lock:
