@@ -306,10 +306,7 @@ class InFlight:
         this agent, or closes the agent would otherwise do so under the
         agent's lock (a close from a callback stalled 5 s, then left the
         agent wedged)."""
-        if not self._callbacks:
-            return None
-        callbacks, self._callbacks = self._callbacks, []
-        return callbacks
+        return self.take_callbacks() if self._callbacks else None
 
     @staticmethod
     def run_callbacks(callbacks: Iterable[tuple[Callback, Transfer]]) -> None:

@@ -116,7 +116,7 @@ class MemoryRegistry:
             raise
         return MemoryRegion(base, nbytes, ucx_kind, memh, packed)
 
-    def deregister(self, region: MemoryRegion, inflight: int, abandoned: int = 0) -> None:
+    def deregister(self, region: MemoryRegion, inflight: int, abandoned: int) -> None:
         """Drop one reference; unmap when the last one goes, which ``inflight``
         transfers forbid, and so do ``abandoned`` ones: failed by the agent
         (their peer failed, its endpoint left open while a flush of it was

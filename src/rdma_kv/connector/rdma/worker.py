@@ -303,8 +303,7 @@ class RdmaWorker:
             return sending, set()
         if idle and self._settings.idle_wait_s > 0:
             self._consumer.wait_idle(self._settings.idle_wait_s)
-        aborted, recving = self._consumer.get_finished()
-        return sending | aborted, recving
+        return sending, self._consumer.get_finished()
 
     def take_load_errors(self) -> set[BlockId]:
         return self._book.take_load_errors()

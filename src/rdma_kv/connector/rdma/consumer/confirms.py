@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.consumer.clients import ClientPool
-from rdma_kv.connector.rdma.consumer.lease_rpc import LeaseCalls, refusal_reason
+from rdma_kv.connector.rdma.consumer.lease_rpc import LeaseCalls, refusal_reason, wired_id
 from rdma_kv.connector.rdma.consumer.peers import PeerDirectory, PeerKey, PeerState
 from rdma_kv.connector.rdma.consumer.records import LoadState, Source, SourceStage
 from rdma_kv.errors import PeerError
@@ -91,7 +91,7 @@ class Confirmations:
             batch = [(ld, src) for ld, src in self._queue.pop(peer.key, [])
                      if src.stage is SourceStage.CONFIRMING and not ld.stage.terminal]
         wired = [(queued, self._leases.of(*queued)[1].to_wire()) for queued in batch]
-        for chunk in wire.lease_chunks(wired, lambda item: item[1].request_id):
+        for chunk in wire.lease_chunks(wired, wired_id):
             self._confirm_chunk(peer, chunk)
 
     def _confirm_chunk(self, peer: PeerState, wired: list[tuple[Queued, wire.LeaseWire]]) -> None:

@@ -170,6 +170,11 @@ def lease_id(lease: RemoteLease) -> str:
     return lease.lease.request_id
 
 
+def wired_id(item: tuple[object, wire.LeaseWire]) -> str:
+    """The request id of a source paired with its lease on the wire (``wire.lease_chunks``)."""
+    return item[1].request_id
+
+
 def call_lease_rpc(client: SideChannelClient, kind: LeaseKind, address: PeerAddress,
                    leases: list[RemoteLease], gone: Callable[[str], None] | None = None) -> Refused | None:
     """One RENEW or RELEASE; the leases the producer refused (GONE, CLAIMED,

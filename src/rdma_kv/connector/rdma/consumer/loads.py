@@ -422,8 +422,8 @@ class RdmaConsumer:
 
     # --- get_finished, introspection, sleep -------------------------------------------------------
 
-    def get_finished(self) -> tuple[set[RequestId], set[RequestId]]:
-        """(aborted requests whose blocks may be freed, loads finished):
+    def get_finished(self) -> set[RequestId]:
+        """The loads finished, aborted ones included (``LoadBook.report``):
         fails the loads past their deadline, re-queues PENDING confirmations
         and sends the renewals due."""
         if self.pushes is not None:

@@ -51,7 +51,7 @@ from collections.abc import Callable
 
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.consumer.clients import ClientPool
-from rdma_kv.connector.rdma.consumer.lease_rpc import LeaseCalls, call_lease_rpc, lease_id
+from rdma_kv.connector.rdma.consumer.lease_rpc import LeaseCalls, call_lease_rpc, lease_id, wired_id
 from rdma_kv.connector.rdma.consumer.peers import PeerKey, PeerState
 from rdma_kv.connector.rdma.consumer.records import LoadBook, LoadState, PinStage, Source
 from rdma_kv.connector.rdma.meta import RemoteLease
@@ -137,7 +137,7 @@ class Pins:
                     return
             try:
                 wired = [(queued, self._leases.of(*queued)[1].to_wire()) for queued in pins]
-                for chunk in wire.lease_chunks(wired, _wire_id):
+                for chunk in wire.lease_chunks(wired, wired_id):
                     self._send_pins(peer, chunk)
                 for leases in wire.lease_chunks(releases, lease_id):
                     self._send_releases(peer, leases)
@@ -179,7 +179,3 @@ class Pins:
             for (load, src), status in zip(batch, statuses):
                 if src.pin is PinStage.SENT:
                     self._on_answer(load, src, peer, status, pinned_s)
-
-
-def _wire_id(item: tuple[object, wire.LeaseWire]) -> str:
-    return item[1].request_id

@@ -204,10 +204,10 @@ class LoadBook:
                 self._has_finished.clear()
         self._handed_back.add(rid)
 
-    def report(self) -> tuple[set[RequestId], set[RequestId]]:
-        """(aborted requests whose blocks may be freed, loads finished) since
-        the last call; the failed loads' blocks go to the load errors and every
-        finished load to the stats."""
+    def report(self) -> set[RequestId]:
+        """The loads finished since the last call, and the aborted requests
+        whose blocks may be freed (``hand_back``); the failed loads' blocks go
+        to the load errors and every finished load to the stats."""
         recving: set[RequestId] = set()
         now = time.perf_counter()  # the stages' clock (``LoadState.seen``)
         for load in self._finished:
@@ -226,7 +226,7 @@ class LoadBook:
         self._has_finished.clear()
         recving |= self._handed_back
         self._handed_back = set()
-        return set(), recving
+        return recving
 
     def take_load_errors(self) -> set[BlockId]:
         with self.lock:
