@@ -28,19 +28,19 @@ import pytest
 from rdma_kv.errors import RegistrationError, TransferError
 from rdma_kv.transport import DescList
 from rdma_kv.transport import agent as agent_mod
-from transport_helpers import TCP
+from transport_helpers import TCP, link
+
+NBYTES = 1 << 16
 
 pytestmark = [pytest.mark.ucx, pytest.mark.timeout(120)]
 
 
 def pair(make_agent, **b_config):
-    a = make_agent("a", lanes=1)
-    b = make_agent("b", lanes=1, **b_config)
-    src, dst = np.arange(1 << 16, dtype=np.uint8), np.zeros(1 << 16, dtype=np.uint8)
-    a.register(src)
-    b.register(dst)
-    b.add_peer(a.metadata())
-    return a, b, src, dst, DescList([dst.ctypes.data], dst.nbytes), DescList([src.ctypes.data], src.nbytes)
+    """``link``'s pair ("a", "b": one lane each, b with ``b_config``) and the
+    descriptors of b reading a's whole buffer into its own."""
+    p = link(make_agent("a", lanes=1), make_agent("b", lanes=1, **b_config), NBYTES)
+    whole = np.zeros(1, dtype=np.uint64)
+    return p.a, p.b, p.buf_a, p.buf_b, p.desc_b(whole, NBYTES), p.desc_a(whole, NBYTES)
 
 
 def test_deregister_is_refused_while_a_failed_read_may_still_land(make_agent):
