@@ -82,3 +82,40 @@ def test_a_peer_a_load_reads_from_is_kept_however_idle(fabric):
         assert name not in consumer._local.transport.peers
     finally:
         pair.close()
+
+
+def test_a_late_removal_of_a_failed_peer_leaves_its_successor_alone(fabric):
+    """``PeerDirectory.failed`` (and ``prune``) remove the transport peer
+    after releasing the lock. A thread stalled there for longer than
+    ``PEER_RETRY_S`` while a new load dialled the producer again removed
+    the *new* handshake's transport peer, since both had one name: the new
+    peer stayed READY in the directory with no transport peer behind it,
+    and every load from it failed. Each handshake now has its own
+    transport name, so a late removal removes only its own."""
+    from rdma_kv.connector.rdma.consumer.peers import PEER_RETRY_S
+
+    pair = Pair(fabric)
+    try:
+        first = {"a": list(range(1, 30))}
+        assert not pair.decode(first, pair.prefill(first))["a"].load_failed
+        consumer = pair.D.worker.worker._consumer
+        directory, transport = consumer.peers, consumer._local.transport
+        (old,) = directory._peers.values()
+        stalled: list[str] = []
+        real_remove = directory._remove
+        directory._remove = stalled.append  # the failing thread stalls before its removal
+        directory.failed(old, "injected: reads failed")
+        directory._remove = real_remove
+        assert stalled == [old.connection.name]
+        consumer._clock = lambda: time.perf_counter() + PEER_RETRY_S + 1
+        second = {"b": list(range(40, 70))}
+        assert not pair.decode(second, pair.prefill(second))["b"].load_failed  # dialled again
+        (new,) = directory._peers.values()
+        assert new is not old and new.connection.name in transport.peers
+        real_remove(stalled[0])  # the stalled thread goes on
+        assert new.connection.name in transport.peers
+        third = {"c": list(range(80, 110))}
+        result = pair.decode(third, pair.prefill(third))["c"]
+        assert result.status.value == "finished" and not result.load_failed and result.bad_blocks == []
+    finally:
+        pair.close()

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import logging
 import threading
 import time
@@ -73,6 +74,7 @@ Table = tuple[SlotTable, Any]
 """A slot table and its prepared descriptor list (the transport's handle)."""
 Waiter = tuple[LoadState, Source]
 PeerKey = tuple[str, str, int]  # engine id, side-channel host, the producer rank's port
+_SERIALS = itertools.count(1)  # PeerState.serial (next() on a count is atomic under the GIL)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -133,6 +135,8 @@ class PeerState:
     failed_at: float = 0.0
     used_at: float = 0.0
     """When a load last found it (or a preconnect asked for it): ``prune``'s idle clock."""
+    serial: int = dataclasses.field(default_factory=lambda: next(_SERIALS))
+    """This dialling's number: a producer rank dialled again is a new ``PeerState``."""
 
     @property
     def key(self) -> PeerKey:
@@ -146,9 +150,14 @@ class PeerState:
         each answer their own handshake; under the metadata's name the
         second replaced the first in the transport, and the first's loads
         then read the second's memory at the first's block ids while the
-        first confirmed its leases: wrong KV, accepted."""
+        first confirmed its leases: wrong KV, accepted.
+
+        Each dialling has its own (``#serial``): a failed peer's transport
+        peer is removed after the lock is released, and a thread stalled
+        there while a new load dialled the producer again would otherwise
+        remove the new handshake's transport peer under the shared name."""
         engine_id, host, port = self.key
-        return f"{agent_name(engine_id, self.rank)}@{host}:{port}"
+        return f"{agent_name(engine_id, self.rank)}@{host}:{port}#{self.serial}"
 
     def forgotten(self, now: float) -> bool:
         """FAILED at least ``PEER_RETRY_S`` ago: the next load dials it again."""
