@@ -72,8 +72,15 @@ class ProducerHandler:
         """A peer may handshake again and again on one connection: a few lines per window, then a count."""
 
     def suspend(self) -> None:
-        """The KV cache is about to be unregistered: refuse handshakes and pushes."""
+        """The KV cache is about to be unregistered: refuse handshakes and new
+        pushes. The pusher still answers PUSH_QUERY until :meth:`detach`: a
+        write it posted may still land until the transport is closed, and a
+        decode told "nothing is written" (UNKNOWN) meanwhile would hand its
+        blocks back under that write (found by an adversarial review)."""
         self._agent_metadata = None
+
+    def detach(self) -> None:
+        """The transport is closed: no write of the pusher's can land any more."""
         self.pusher = None
 
     def resume(self, agent_metadata: Callable[[], bytes], geometry: KVCacheGeometry, registration: int,
@@ -135,10 +142,11 @@ class ProducerHandler:
         return self._to_pusher(request, lambda p: p.query(request))
 
     def _to_pusher(self, request: object, act: Callable[[PushWriter], wire.PushReply]) -> wire.PushReply:
-        pusher = self.pusher
+        pusher, query = self.pusher, isinstance(request, wire.PushQuery)
         if pusher is None:  # pull mode, or asleep: nothing is written (a query: nothing was)
-            state = wire.PushState.UNKNOWN if isinstance(request, wire.PushQuery) else wire.PushState.REFUSED
-            return wire.PushReply(state, self._not_pushing())
+            return wire.PushReply(wire.PushState.UNKNOWN if query else wire.PushState.REFUSED, self._not_pushing())
+        if self._agent_metadata is None and not query:  # going to sleep: its pushes are answered, no new one
+            return wire.PushReply(wire.PushState.REFUSED, self._not_pushing())
         return act(pusher)
 
     def _not_pushing(self) -> str:
@@ -244,6 +252,12 @@ class RdmaProducer:
         while (left := self.leases.pinned_for()) > 0 and time.monotonic() < deadline:
             time.sleep(min(left, 0.005))
         self.leases.end_all(Ending.SLEEP)
+
+    def suspended(self) -> None:
+        """The transport is closed (after :meth:`suspend`): the pusher's
+        writes ended, landed or failed, and it stops answering."""
+        if self.handler is not None:
+            self.handler.detach()
 
     def resume(self, transport: Transport, geometry: KVCacheGeometry, registration: int) -> None:
         self.leases.open_pins()

@@ -202,6 +202,8 @@ class RdmaWorker:
             self._producer.suspend()
         self._transport = self._local = None
         transport.close()
+        if self._producer is not None:
+            self._producer.suspended()
         logger.info("rdma-kv worker %s: KV cache unregistered for sleep (registration %d)", self.agent_name,
                     self._registration)
 

@@ -320,12 +320,16 @@ class Pushes:
                 self._counts.add("resent")
                 handle.resend, handle.next_query_at = True, now + QUERY_EVERY_S
         else:  # REFUSED, FAILED, ABORTED, UNKNOWN after an answer (forgotten long after it resolved)
-            if state is S.FAILED and handle.answered:
-                # The producer's transport cancelled a posted batch. Where the
-                # decode's own worker applies writes (TCP's software emulation
-                # of PUT), bytes already received could still be applied: drop
-                # the endpoints to this producer before the blocks go back.
-                self._peer_failed(handle.peer, f"a push from it failed: {reply.detail}")
+            if state in (S.FAILED, S.UNKNOWN) and handle.answered:
+                # The producer's transport cancelled a posted batch, or it no
+                # longer knows a push it said was under way (it forgot it, or
+                # went to sleep and closed its transport). Where the decode's
+                # own worker applies writes (TCP's software emulation of PUT),
+                # bytes already received could still be applied; over RDMA a
+                # closed endpoint takes no more writes: drop the endpoints to
+                # this producer before the blocks go back.
+                self._peer_failed(handle.peer, f"a push from it {'failed' if state is S.FAILED else 'was forgotten'}: "
+                                               f"{reply.detail}")
             self._resolve(handle, PushFailed(f"push {state.value}: {reply.detail}"))
 
     # --- every step (engine thread) ----------------------------------------------------------------
