@@ -164,7 +164,7 @@ class LeaseTable:
         self._ended = collections.OrderedDict[int, Tombstone]()
         self._ended_readers = 0  # sum of len(tombstone.confirmed)
         self._early: dict[int, Claim] = {}
-        self._pinned: set[int] = set()  # generations a push is writing from (push mode)
+        self._pinned = collections.Counter[int]()  # generation -> pushes writing from it (push mode)
         self._reclaim_at_pin_end: set[int] = set()  # reclaimed while a read pin held them
         self._counts = Tally(LeaseCounters)
 
@@ -423,14 +423,26 @@ class LeaseTable:
                 return (GONE if call.ref.generation <= self._max_generation else PENDING), ()
             if self._owner(lease, call) is None:
                 return CLAIMED, ()
-            self._pinned.add(call.ref.generation)
+            self._pinned[call.ref.generation] += 1
             return HELD, lease.block_ids
 
     def unpin(self, generation: int) -> None:
-        """The push from lease ``generation`` resolved: it may end again (an
-        expiry that fell due meanwhile applies at the next reap)."""
+        """A push from lease ``generation`` resolved. Pins are counted: the
+        decode ranks of a larger TP each push from one lease at once, and
+        the first to resolve left the others' writes unprotected (a reclaim
+        or the lifetime bound ended the lease and its blocks were reused
+        under them: found by an adversarial review). At the last unpin it
+        may end again: an expiry that fell due meanwhile applies at the
+        next reap, a release of its last reader now."""
         with self._lock:
-            self._pinned.discard(generation)
+            left = self._pinned[generation] - 1
+            if left > 0:
+                self._pinned[generation] = left
+                return
+            self._pinned.pop(generation, None)
+            lease = self._leases.get(generation)
+            if lease is not None and lease.claim is not None and lease.claim.all_released:
+                self._end(generation, Ending.RELEASED)
 
     def _release_one(self, call: LeaseCall) -> LeaseStatus:
         gen = call.ref.generation
@@ -454,7 +466,7 @@ class LeaseTable:
         if reader not in owner.released:
             self._counts.add("reader_released")
         owner.release(reader, confirmed)
-        if owner.all_released:
+        if owner.all_released and lease.ref.generation not in self._pinned:  # else at the last unpin
             self._end(lease.ref.generation, Ending.RELEASED)
 
     def _end(self, generation: int, how: Ending) -> None:

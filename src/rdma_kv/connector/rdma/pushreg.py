@@ -97,6 +97,9 @@ class ConcurrentDispatch:
     def _init_concurrent(self) -> None:
         self._waiting: dict[str, list[bytes]] = collections.defaultdict(list)  # transfer id -> tokens
         self._granted: collections.OrderedDict[str, Granted] = collections.OrderedDict()
+        self._reg_owners: collections.OrderedDict[str, tuple[str, int, dict[int, bytes]]] = \
+            collections.OrderedDict()
+        """Transfer id -> (its decode engine id, reader count, each reader's last token): ``_take_transfer_id``."""
         self._active: list[tuple[PushEntry, LayerPushSpec, int, int, set[int]]] = []
         """This step's layer-wise writes: (push, chunk, first block, end block, the layers posted)."""
         self._step: tuple[LayerPushSpec, ...] = ()
@@ -157,6 +160,10 @@ class ConcurrentDispatch:
         now = self._clock()
         entry = PushEntry(None, WAITING, token=token, reg=request, wait_until=now + self._wait_s, started_at=now)
         with self._lock:
+            taken = self._take_transfer_id(request)
+            if taken is not None:
+                self._counts.add("refused")
+                return wire.PushReply(REFUSED, taken)
             self._remember(token, entry)
             self._waiting[request.transfer_id].append(token)
             self._reg_seq += 1
@@ -168,6 +175,36 @@ class ConcurrentDispatch:
             self._start_registered(entry, granted.send)
         with self._lock:
             return self._answer(entry)
+
+    def _take_transfer_id(self, request: wire.PushReg) -> str | None:
+        """Under the lock: record ``request`` as its reader's registration
+        under its transfer id; why not when the id is another engine's (or
+        the same engine's with another reader count), or this reader's
+        registration under it is still waiting or running. The first
+        registration under a transfer id owns it: the claim on the
+        prefill's lease comes from the transfer id alone, and every
+        registration under it used to be written (a second engine that
+        learnt the id got the prefill's KV: found by an adversarial review).
+        A reader may register again once its registration resolved (a
+        decode leg the client hung up on, retried on the same engine); a
+        router retrying the decode leg on another engine gets REFUSED, and
+        that decode computes the prompt itself."""
+        tid = request.transfer_id
+        owner = self._reg_owners.get(tid)
+        if owner is None:
+            owner = self._reg_owners[tid] = (request.engine_id, request.readers, {})
+            while len(self._reg_owners) > MAX_REMEMBERED:
+                self._reg_owners.popitem(last=False)
+        engine_id, readers, tokens = owner
+        if engine_id != request.engine_id or readers != request.readers:
+            return (f"transfer id {tid!r} is registered by decode engine {engine_id[:64]!r} with {readers} "
+                    f"reader(s); a transfer id serves one decode engine: nothing is written for this one")
+        before = self._pushes.get(tokens.get(request.reader, b""))
+        if before is not None and before.state in (WAITING, RUNNING):
+            return (f"decode reader {request.reader} of {readers} has a registration under transfer id {tid!r} "
+                    "under way (another token): one at a time per reader; nothing is written for this one")
+        tokens[request.reader] = request.token
+        return None
 
     def granted(self, send: SendSpec) -> None:
         """The prefill under ``send.transfer_id`` finished and its lease was
