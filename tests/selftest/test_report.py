@@ -33,6 +33,11 @@ def test_exit_status_is_1_only_when_something_failed():
     assert exit_status([]) == 0
     assert summary(CHECKS) == "selftest: 1 PASS, 1 FAIL, 1 SKIP"
     assert summary(CHECKS[:2]).endswith("(nothing failed)")
+    unexercised = [Check.skipped("nic:eth0", "NIC not exercised: ...", exercised=False),
+                   Check.skipped("nic:eth1", "NIC not exercised: ...", exercised=False)]
+    assert summary(CHECKS + unexercised) == ("selftest: 1 PASS, 1 FAIL, 3 SKIP (not exercised: nic:eth0, nic:eth1, "
+                                             "see their lines)")
+    assert exit_status(CHECKS[:2] + unexercised) == 0  # SKIPs, as on any host that cannot check something
 
 
 def test_a_line_says_status_name_and_reason():

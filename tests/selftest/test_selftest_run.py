@@ -3,13 +3,19 @@ the host-memory reads between two processes (the real agent, prepared
 lists, a KV-shaped read and a notified one, bit-exact), CUDA and NICs
 skipped with their reasons where the host has neither, the JSON report and
 the exit status; a NIC named in the config that UCX does not report is a
-FAIL, reported, and makes the exit status 1 while every other check runs.
+FAIL, reported, and makes the exit status 1 while every other check runs;
+a NIC read over tcp (eth0 here), which the kernel keeps on loopback, is a
+SKIP "NIC not exercised" named in the summary, never a PASS.
 
 Deadlines are generous (240 s a group): the host is shared and small."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import socket
+import struct
+from pathlib import Path
 
 import pytest
 
@@ -93,6 +99,72 @@ def test_a_configured_nic_is_read_through_and_an_unknown_one_fails_with_exit_sta
     path.write_text(json.dumps(config))
     assert main(["selftest", "--quick", "--timeout", DEADLINE, "--config", str(path)]) == 1
     assert "FAIL  nic:mlx5_9:1" in capsys.readouterr().out
+
+
+# This host's loopback interfaces (IFF_LOOPBACK in their flags): lo.
+LOOPBACK = [p.name for p in sorted(Path("/sys/class/net").glob("*"))
+            if (p / "flags").is_file() and int((p / "flags").read_text(), 16) & 0x8]
+
+
+def tx_bytes(interface: str) -> int | None:
+    try:
+        return int(Path(f"/sys/class/net/{interface}/statistics/tx_bytes").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def ipv4_address(interface: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", interface.encode()[:15]))  # SIOCGIFADDR
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def tcp_only_nic() -> str | None:
+    """A non-loopback interface with an IPv4 address on which UCX reports
+    tcp and no verbs transport (a NIC the selftest reads through over tcp)."""
+    library = loaded_ucx().library
+    binary = ucx_info_binary(library)
+    if binary is None:
+        return None
+    transports, _ = parse_ucx_info(run_ucx_info(binary, library))
+    verbs = {t["device"] for t in transports if t["transport"] in VERBS_TRANSPORTS}
+    tcp = sorted({t["device"] for t in transports if t["transport"] == "tcp"} - verbs - set(LOOPBACK))
+    return next((d for d in tcp if ipv4_address(d) and tx_bytes(d) is not None), None)
+
+
+def test_a_configured_tcp_nic_is_not_passed_on_a_read_the_kernel_kept_on_loopback(tmp_path, capsys):
+    """Before, ``nic:eth0`` PASSed here (eth0 sent 0 bytes, lo 8.49 MB).
+    ``rdma-kv selftest --quick`` with the NIC in ``ucx_net_devices``
+    (the reviewer's reproduction): a PASS would have to mean the NIC sent
+    the bytes; here it sends none, so the check is a SKIP saying why, the
+    read itself still ran bit-exact, and the summary names the NIC."""
+    device = tcp_only_nic()
+    if device is None:
+        pytest.skip("no non-loopback interface with an IPv4 address that UCX reports with tcp only")
+    config = {"kv_connector": "RdmaKVConnector", "kv_role": "kv_consumer",
+              "kv_connector_extra_config": {"ucx_net_devices": device}}
+    path = tmp_path / "selftest.json"
+    before = tx_bytes(device)
+    status = main(["selftest", "--quick", "--timeout", DEADLINE, "--engine", "rdma-kv", "--config", json.dumps(config),
+                   "--json", str(path)])
+    moved = tx_bytes(device) - before
+    out = capsys.readouterr().out
+    nic = {c["name"]: c for c in json.loads(path.read_text())["checks"]}[f"nic:{device}"]
+    if nic["status"] == "PASS":  # the defect: PASS with the NIC silent
+        assert moved >= nic["nbytes"], (f"selftest says PASS ({nic['detail'][:60]}..., exit {status}) but {device} "
+                                        f"sent {moved} bytes while the check read {nic['nbytes']}")
+    assert nic["status"] == "SKIP", nic
+    assert nic["detail"].startswith("NIC not exercised: over tcp") and "bit-exact" in nic["detail"]
+    assert nic["exercised"] is False and nic["nbytes"] == kv_workload(quick=True).transfer_nbytes
+    sent = nic["tx_bytes_during_read"]
+    assert set(sent) >= {device, *LOOPBACK}
+    assert sum(sent[lo] for lo in LOOPBACK) >= nic["nbytes"]  # the read went over loopback
+    assert f"SKIP  {f'nic:{device}':<24} NIC not exercised" in out
+    assert f"not exercised: nic:{device}, see its line" in out.splitlines()[-2]
+    assert status == 0, out  # nothing FAILed: the host reads pass, the NIC is a SKIP
 
 
 def test_a_bad_config_is_refused_before_anything_runs(capsys):

@@ -5,16 +5,19 @@ says what each checks): the UCX loaded and its transports by memory type;
 host-memory reads between two processes with the real agent; per visible
 GPU, registration through the connector's code, GPU <-> GPU and GPU <-> host
 reads and the pumps' CUDA context (skipped without a GPU driver); a
-loopback read through each NIC of the rank's ``ucx_net_devices``; the KV
-layouts the handshake relies on, on CUDA tensors.
+loopback read through each NIC of the rank's ``ucx_net_devices`` (inside the
+HCA over verbs: not the link or switch; over tcp the kernel keeps it on
+loopback, so the NIC is a SKIP, "not exercised", named in the summary);
+the KV layouts the handshake relies on, on CUDA tensors.
 
 ``--config`` takes the engine's kv-transfer config (as ``rdma-kv info``
 does): the checks then run with that rank's UCX options, NICs and lanes.
 Every group runs under a deadline (``--timeout``); its processes are
 killed when it passes. ``--quick`` moves a few MiB per read (seconds).
 
-Exit status: 0 when nothing FAILed, 1 when a check FAILed, 2 when the
-arguments or the config are wrong (nothing ran).
+Exit status: 0 when nothing FAILed (SKIPs included: the summary line names
+a configured NIC that could not be exercised), 1 when a check FAILed, 2
+when the arguments or the config are wrong (nothing ran).
 """
 
 from __future__ import annotations

@@ -14,7 +14,10 @@ PASS, FAIL or SKIP and the reason:
   two processes, the pumps' CUDA context in practice (``cuda.py``); the
   KV layouts the handshake relies on, on real CUDA tensors (``layout.py``);
 - NICs: per device of the rank's ``ucx_net_devices`` (or every RDMA device
-  UCX reports), a loopback read through that device (``groups.py``).
+  UCX reports), a loopback read through that device (``groups.py``): over
+  verbs the HCA loops it back (a PASS says it proves the HCA, not the link
+  or switch); over tcp the kernel routes it over ``lo``, so the NIC is not
+  exercised: a SKIP that the summary line names.
 
 Groups that move data run in check processes of their own under a
 deadline: a hang is killed and a crash is reported (``supervise.py``).

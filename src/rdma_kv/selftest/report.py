@@ -2,7 +2,9 @@
 
 A :class:`Check` is what every check produces: a name, a :class:`Status`
 (PASS, FAIL or SKIP), a detail that says why, and figures (GB/s, bytes,
-the transport UCX chose...). The JSON report is
+the transport UCX chose...). A SKIP with the figure ``exercised: False``
+is something configured that this host could not check (a NIC reached
+only over TCP): the summary line names it. The JSON report is
 ``{"checks": [{"name", "status", "detail", <figures>...}, ...]}``; the exit
 status is 0 when no check FAILed, 1 otherwise.
 
@@ -78,11 +80,20 @@ def render(check: Check) -> str:
 
 
 def summary(checks: Iterable[Check]) -> str:
+    """The counts; "(nothing failed)" when nothing did; and the checks of
+    something configured that could not be exercised here (figure
+    ``exercised: False``, e.g. a NIC reachable only over TCP), named."""
     counts = {s: 0 for s in Status}
+    unexercised = []
     for check in checks:
         counts[check.status] += 1
+        if check.figures.get("exercised") is False:
+            unexercised.append(check.name)
+    notes = ([] if counts[Status.FAIL] else ["nothing failed"]) + (
+        [f"not exercised: {', '.join(unexercised)}, see {'its line' if len(unexercised) == 1 else 'their lines'}"]
+        if unexercised else [])
     return (f"selftest: {counts[Status.PASS]} PASS, {counts[Status.FAIL]} FAIL, {counts[Status.SKIP]} SKIP"
-            + ("" if counts[Status.FAIL] else " (nothing failed)"))
+            + (f" ({'; '.join(notes)})" if notes else ""))
 
 
 def to_json(checks: Iterable[Check]) -> dict[str, Any]:
