@@ -136,6 +136,7 @@ class FakeTransport:
         self.peers = {}
         self.aliases = {}
         self.closed = False
+        self.wedge = False  # a test sets it to stand for a close that left the memory registered
         self.inbox = []  # notifications received (push mode)
         self.settles = 0  # settle() calls
 
@@ -252,6 +253,9 @@ class FakeTransport:
 
     def progress_report(self):
         return "fake transport: no progress threads"
+
+    def wedged(self):
+        return self.wedge
 
     def close(self):
         self.closed = True

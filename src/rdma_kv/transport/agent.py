@@ -106,6 +106,7 @@ class AgentCore:
         self.name = name
         self.config = cfg = config
         self.lock = threading.RLock()
+        self.wedged = False  # closed leaving its memory registered (_leave_wedged)
         self.context = Context(cfg.ucx_options, name=name, shared_workers=cfg.lanes > 1)
         lib = load()[1]
         assert (lib.RK_LOOK_DONE, lib.RK_LOOK_NOTIF, lib.RK_LOOK_ERRORS, lib.RK_LOOK_DUE) == (
@@ -294,6 +295,7 @@ class AgentCore:
         else:
             self.worker.abandon()
         self.context.abandon()
+        self.wedged = True
         _WEDGED.append(self)
         if stragglers:
             log.error("agent %r closed with %d thread(s) still in the shim past the close's bounds: its pumps, "
@@ -553,6 +555,12 @@ class Agent:
     @property
     def closed(self) -> bool:
         return self._core.inflight.closed
+
+    def wedged(self) -> bool:
+        """Closed leaving its memory registered and its workers in place: a
+        thread was stuck in UCX past the close's bounds (said in the log);
+        a transfer could still write into the memory."""
+        return self._core.wedged
 
     def close(self) -> None:
         """Let what is in flight finish (at most ``close_drain_s``), fail the

@@ -138,8 +138,11 @@ class MemoryRegistry:
                 "UCX (a peer that stopped answering, its endpoint left open until the agent closes) and may "
                 "still write into local memory; close the agent to end them"
             )
-        self._regions.remove(region)
+        # Unmapped first: a failure leaves the region registered everywhere
+        # (listed, published, in the table, unmapped by a retry or close),
+        # where removing it first left it listed nowhere yet still accepted.
         check_status(self._lib.ucp_mem_unmap(self._context.handle, region.memh), "ucp_mem_unmap")
+        self._regions.remove(region)
         region.owners.clear()  # unmapped: the memory may go now
         self.generation = new_generation()
         self._rebuild()

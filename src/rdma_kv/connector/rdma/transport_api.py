@@ -129,6 +129,10 @@ class Transport(Protocol):
 
     def close(self) -> None: ...
 
+    def wedged(self) -> bool:
+        """After :meth:`close`: it had to leave its memory registered (a
+        thread stuck in UCX), so a transfer could still write into it."""
+
 
 TransportFactory = Callable[[str, Any], Transport]
 """``factory(agent_name, settings) -> Transport``."""

@@ -67,7 +67,7 @@ from rdma_kv.connector.rdma.stats import PushRecord, WorkerStats
 from rdma_kv.connector.rdma.transport_api import Transport
 from rdma_kv.connector.specs import KVCacheConfig
 from rdma_kv.connector.types import BlockId, EngineId, RequestId
-from rdma_kv.errors import NotInitializedError
+from rdma_kv.errors import NotInitializedError, UCXError
 
 __all__ = ["RdmaWorker"]
 
@@ -136,6 +136,15 @@ class RdmaWorker:
         return agent_name(self._engine_id, self._settings.tp_rank)
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        if self._asleep and not self._closed:
+            # Handed over again while asleep (instead of restore_kv_caches): a wake
+            # with these caches. Before, it registered under the old registration
+            # number (peers kept the keys they cached) and left the worker asleep,
+            # so the next sleep kept the memory registered (an adversarial review).
+            self._registration += 1
+            self._register(kv_caches)
+            self._kv_caches, self._asleep = kv_caches, False
+            return
         if self._transport is not None:
             raise NotInitializedError(
                 "register_kv_caches() was already called on this worker: the engine keeps one KV "
@@ -202,6 +211,12 @@ class RdmaWorker:
             self._producer.suspend()
         self._transport = self._local = None
         transport.close()
+        if transport.wedged():
+            raise UCXError(
+                f"rdma-kv worker {self.agent_name}: its transport could not be closed cleanly for sleep (a "
+                "thread is stuck in UCX, see the log): the KV memory stays registered with UCX and a stuck "
+                "transfer could still write into it, so the engine must not free or reuse it; restart this "
+                "engine instead of putting it to sleep")
         if self._producer is not None:
             self._producer.suspended()
         logger.info("rdma-kv worker %s: KV cache unregistered for sleep (registration %d)", self.agent_name,
