@@ -61,6 +61,7 @@ import statistics
 import struct
 import subprocess
 import time
+from collections.abc import Iterable
 from typing import Any, cast
 
 from rdma_kv.connector.rdma import auth, wire, wiregeom
@@ -98,8 +99,8 @@ class CannedHandler:
         return wire.LeaseReply([wire.LeaseStatus.PENDING if lease.request_id == "garbage" else wire.LeaseStatus.HELD
                                 for lease in leases], 30.0)
 
-    def holds(self, leases: object) -> bool:
-        return True  # every lease it answered HELD lives
+    def live(self, leases: Iterable[tuple[int, int]]) -> set[tuple[int, int]]:
+        return set(leases)  # every lease it answered HELD lives
 
 
 class CountingHandler(logging.Handler):

@@ -172,7 +172,7 @@ def test_a_renew_reaches_the_producer_while_another_call_to_it_is_stalled(rig, o
         reached = False
     clock.t += TTL_S / 3  # past the TTL counted from the claim
     table.expire()
-    held = table.holds_any([(EPOCH, 1)])
+    held = (EPOCH, 1) in table.live([(EPOCH, 1)])
     proxy.release()
     assert done.wait(30) and answers == [[HELD]], "the stalled CONFIRM did not complete once released"
     assert reached and held, (f"the RENEW waited behind the CONFIRM stalled on {on} (one connection per "

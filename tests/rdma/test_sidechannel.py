@@ -34,8 +34,8 @@ class Handler:
 
     on_confirm = on_release = on_renew
 
-    def holds(self, leases):
-        return True  # every lease it answered HELD lives
+    def live(self, leases):
+        return set(leases)  # every lease it answered HELD lives
 
 
 @pytest.fixture

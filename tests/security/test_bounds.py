@@ -43,8 +43,8 @@ def listening_address(port):
 class Nobody:
     """A handler that is never asked anything: the test only looks at the listening socket."""
 
-    def holds(self, leases):
-        return False
+    def live(self, leases):
+        return set()
 
 
 def test_server_listens_on_the_configured_interface_only():

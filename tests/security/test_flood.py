@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -46,8 +47,8 @@ class Handler:
 
     on_confirm = on_release = on_renew
 
-    def holds(self, leases):
-        return True  # every lease it answered HELD lives
+    def live(self, leases):
+        return set(leases)  # every lease it answered HELD lives
 
 
 def limits(**kw):
@@ -234,10 +235,14 @@ def test_an_idle_trusted_connection_is_closed_at_the_idle_timeout():
 
 class LeaseHandler(Handler):
     """Answers HELD for request ids starting "held", PENDING for "pending";
-    ``live`` is what the lease table holds."""
+    ``table`` is what the lease table holds. ``looks`` counts the looks at
+    it (each takes a real table's lock once), ``lock`` makes a change of
+    the table and a reset of the count one step for the server's loop."""
 
     def __init__(self):
-        self.live = set()
+        self.table = set()
+        self.looks = 0
+        self.lock = threading.Lock()
 
     def on_renew(self, request):
         out = []
@@ -250,8 +255,10 @@ class LeaseHandler(Handler):
 
     on_confirm = on_release = on_renew
 
-    def holds(self, leases):
-        return any(lease in self.live for lease in leases)
+    def live(self, leases):
+        with self.lock:
+            self.looks += 1
+            return {lease for lease in leases if lease in self.table}
 
 
 def lease_server(handler, **kw):
@@ -265,7 +272,7 @@ def test_no_trust_from_pending_or_from_a_lease_the_table_does_not_hold(answer):
         sock = connect(srv, "127.0.0.1")
         try:
             hello(sock)
-            rid = "pending-1" if answer == "pending" else "held-1"  # (1, 1) is not in handler.live
+            rid = "pending-1" if answer == "pending" else "held-1"  # (1, 1) is not in handler.table
             exchange(sock, renew(rid))
             assert srv.stats.trusted == 0
             assert closed_by_server(sock), "an unproven connection outlived its opening deadline"
@@ -275,19 +282,65 @@ def test_no_trust_from_pending_or_from_a_lease_the_table_does_not_hold(answer):
 
 def test_trust_from_a_live_lease_ends_with_the_lease():
     handler = LeaseHandler()
-    handler.live.add((1, 1))
+    handler.table.add((1, 1))
     with lease_server(handler, opening_deadline_s=SHORT) as srv:
         sock = connect(srv, "127.0.0.1")
         try:
             hello(sock)
             assert exchange(sock, renew("held-1")).statuses == [wire.LeaseStatus.HELD]
             assert srv.stats.trusted == 1
-            handler.live.clear()  # the lease ended (released, expired)
+            handler.table.clear()  # the lease ended (released, expired)
             wait_until(lambda: srv.stats.untrusted_again == 1, what="trust withdrawn")
             assert closed_by_server(sock), "trust outlived the lease that proved it"
             assert srv.stats.closed_at_deadline == 1
         finally:
             sock.close()
+
+
+def held_leases(generations):
+    return wire.Renew(wire.PROTOCOL_VERSION, [wire.LeaseWire(1, g, f"held-{g}", b"t" * 16, b"b" * 16, b"c" * 16)
+                                              for g in generations])
+
+
+def test_when_proven_leases_end_the_trust_check_looks_at_the_table_once_per_connection():
+    """Connections that proved many leases (a busy consumer rank proves one or
+    more a load, for minutes): when the leases end, the trust check takes the
+    lease table's lock once for the vouchers and once per connection, not
+    once per lease each proved (150 such connections stalled the loop for a
+    second, every time a voucher ended), and a proof it found dead is never
+    looked at again. Counts only."""
+    handler = LeaseHandler()
+    conns, shared = 3, range(1, 200)
+    stays = 500  # proven last by every connection: it outlives the rest
+    handler.table |= {(1, g) for g in [*shared, stays]}
+    with lease_server(handler) as srv:
+        socks = []
+        try:
+            for _ in range(conns):  # one at a time: two untrusted per source at most
+                sock = connect(srv, "127.0.0.1")
+                socks.append(sock)
+                hello(sock)
+                assert set(exchange(sock, held_leases(shared)).statuses) == {wire.LeaseStatus.HELD}
+                exchange(sock, held_leases([stays]))
+            assert srv.stats.trusted == conns
+            with handler.lock:  # every lease but one ends
+                handler.table = {(1, stays)}
+                handler.looks = 0
+            # the check after it: the vouchers (one look), then each connection's proofs (one each)
+            wait_until(lambda: handler.looks >= 1 + conns, what="the trust check")
+            time.sleep(0.2)  # what a check that took more would have taken
+            assert srv.stats.untrusted_again == 0, "the lease proven last did not take over"
+            assert handler.looks <= 2 * (1 + conns) + 5, (
+                f"{handler.looks} looks at the lease table: one per lease the {conns} connections proved")
+            with handler.lock:  # the last one ends
+                handler.table = set()
+                handler.looks = 0
+            wait_until(lambda: srv.stats.untrusted_again == conns, what="trust withdrawn")
+            assert handler.looks == 1, (f"{handler.looks} looks at the lease table: the proofs found dead "
+                                        "at the last check were looked at again")
+        finally:
+            for sock in socks:
+                sock.close()
 
 
 # --- the opening deadline ------------------------------------------------------------------

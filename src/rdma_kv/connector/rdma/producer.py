@@ -124,8 +124,8 @@ class ProducerHandler:
     def on_release(self, request: wire.Release) -> wire.LeaseReply:
         return wire.LeaseReply(self._leases.release(_calls(request)), self._lease_ttl_s)
 
-    def holds(self, leases: Iterable[tuple[int, int]]) -> bool:
-        return self._leases.holds_any(leases)
+    def live(self, leases: Iterable[tuple[int, int]]) -> set[tuple[int, int]]:
+        return self._leases.live(leases)
 
     # --- push mode (``pusher``) ------------------------------------------------------------------
 

@@ -146,7 +146,7 @@ class SideChannelServer:
         self._conns: dict[int, Accepted] = {}
         self._deadlines: list[tuple[float, int, Accepted]] = []
         self._seq = itertools.count()
-        self._lease_trust: LeaseTrust[Accepted] = LeaseTrust(handler.holds)
+        self._lease_trust: LeaseTrust[Accepted] = LeaseTrust(handler.live)
         self._next_trust_check = 0.0
         self._closed = threading.Event()
         self._counts = Tally(SideChannelCounters)  # counted on the loop thread only
@@ -395,7 +395,7 @@ class SideChannelServer:
 
     def _check_lease_trust(self, now: float) -> None:
         """A connection trusted by a lease is untrusted again once no lease it
-        proved lives; it then has a new opening deadline to prove another (one
+        proved lives (of the last ``sidetrust.MAX_PROOFS``); it then has a new opening deadline to prove another (one
         that handshook: its idle bound, ``handshake_idle_s``)."""
         for conn in self._lease_trust.lapsed():
             self._admission.untrust(conn)

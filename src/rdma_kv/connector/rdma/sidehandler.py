@@ -16,7 +16,7 @@ counters), ``rdma.sidetrust``, ``rdma.stats`` and ``rdma.wire``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Protocol
 
 from rdma_kv.connector.rdma import wire
@@ -39,8 +39,9 @@ class Handler(Protocol):
 
     def on_release(self, request: wire.Release) -> wire.LeaseReply: ...
 
-    def holds(self, leases: Iterable[tuple[int, int]]) -> bool:
-        """Whether any of these (epoch, generation) leases is live."""
+    def live(self, leases: Iterable[tuple[int, int]]) -> Collection[tuple[int, int]]:
+        """Which of these (epoch, generation) leases are live: one look at the
+        lease table for the batch (its lock taken once)."""
         ...
 
 
