@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import struct
 import threading
@@ -12,9 +13,10 @@ import msgspec
 import pytest
 
 from netutil import free_port
+from rdma_testutil import frame, wait_until
 
 from rdma_kv.connector.rdma import framing, wire
-from rdma_kv.connector.rdma.sidechannel import SideChannelServer
+from rdma_kv.connector.rdma.sidechannel import ACCEPT_PAUSE_S, SideChannelServer
 from rdma_kv.connector.rdma.sideclient import URGENT_WAIT_S, SideChannelClient
 from rdma_kv.errors import HandshakeError, MetadataError, PeerError
 
@@ -81,6 +83,51 @@ def test_malformed_frames_get_an_error_and_the_server_keeps_serving(server, payl
     assert client.lease_call(renew()).statuses == [wire.LeaseStatus.HELD]
     client.close()
     assert server.stats.bad_frames >= 1
+
+
+class OutOfDescriptors:
+    """A server's listening socket whose accept() fails with EMFILE (the
+    process's descriptors used up) while ``out`` is set; counts the tries."""
+
+    def __init__(self, sock):
+        self._sock, self.out, self.tries = sock, True, 0
+
+    def fileno(self):
+        return self._sock.fileno()
+
+    def accept(self):
+        self.tries += 1
+        if self.out:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return self._sock.accept()
+
+    def close(self):
+        self._sock.close()
+
+
+def test_accepting_pauses_while_the_process_is_out_of_file_descriptors():
+    """accept() failing with EMFILE leaves the connection queued and the
+    listener readable: the loop stops watching the listener for
+    ACCEPT_PAUSE_S at a time instead of trying again at once (it spun at
+    100% CPU, holding the GIL against the engine thread, until a descriptor
+    freed), and takes the connection once one is free. Counts only."""
+    with SideChannelServer(Handler(), "127.0.0.1", 0) as srv:
+        listener = srv._sock = OutOfDescriptors(srv._sock)
+        start = time.monotonic()
+        sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)  # queued: the kernel accepts it
+        try:
+            wait_until(lambda: listener.tries >= 3, timeout_s=20, what="accept() tried")
+            time.sleep(0.5)
+            tries, elapsed = listener.tries, time.monotonic() - start
+            assert tries <= 2 + elapsed / ACCEPT_PAUSE_S, f"{tries} accept() calls in {elapsed:.2f} s: the loop spins"
+            assert srv.stats.accept_paused >= tries - 1 and srv.stats.connections == 0
+            listener.out = False  # a descriptor frees: the queued connection is taken and served
+            sock.sendall(frame(wire.Hello(wire.PROTOCOL_VERSION, "consumer", os.urandom(32))))
+            body = framing.recv_frame(sock, wire.MAX_REPLY_BYTES, "test", deadline=time.monotonic() + 10)
+            assert isinstance(wire.decode_reply(body), wire.Challenge)
+            assert srv.stats.connections == 1
+        finally:
+            sock.close()
 
 
 def test_unreachable_peer_fails_within_bounds():

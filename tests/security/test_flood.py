@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import socket
 import threading
 import time
@@ -15,9 +16,11 @@ import time
 import pytest
 from rdma_testutil import frame, wait_until
 
+from rdma_kv.connector import KVTransferConfig
 from rdma_kv.connector.rdma import auth, framing, wire, wiregeom
-from rdma_kv.connector.rdma.admission import Admission, ConnectionLimits
+from rdma_kv.connector.rdma.admission import FD_RESERVE, Admission, ConnectionLimits
 from rdma_kv.connector.rdma.lograte import EventSummary
+from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sidechannel import SideChannelServer
 from rdma_kv.connector.rdma.sideclient import SideChannelClient
 from rdma_kv.errors import ConfigError
@@ -559,6 +562,29 @@ def test_a_wrong_auth_is_refused_naming_what_was_wrong(answer, says):
 def test_inconsistent_limits_are_refused(kw, says):
     with pytest.raises(ConfigError, match=says):
         limits(**kw)
+
+
+@pytest.mark.parametrize("soft, most", [(4096, 4096 - FD_RESERVE), (1024, 256), (resource.RLIM_INFINITY, None)])
+def test_side_channel_max_connections_past_the_file_descriptor_limit_is_refused(monkeypatch, soft, most):
+    """More connections than the file-descriptor limit leaves after the
+    reserve (or than the default's floor, 256, if that is more) would run
+    the process out of descriptors: refused when the settings are read."""
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (soft, resource.RLIM_INFINITY))
+
+    def settings(n):
+        return RdmaSettings.from_config(KVTransferConfig(
+            kv_connector="RdmaKVConnector", kv_role="kv_producer", engine_id="p", kv_port=0,
+            kv_connector_extra_config={"side_channel_max_connections": n}))
+
+    assert settings(0).side_channel_max_connections == 0  # sized from the limit
+    if most is None:
+        assert settings(1 << 20).side_channel_max_connections == 1 << 20
+        return
+    assert settings(most).side_channel_max_connections == most
+    with pytest.raises(ConfigError, match=f"side_channel_max_connections={most + 1} exceeds what this "
+                                          f"process's file-descriptor limit allows: RLIMIT_NOFILE \\(ulimit -n\\) "
+                                          f"is {soft} .* so at most {most}; raise the limit"):
+        settings(most + 1)
 
 
 class Member:

@@ -34,7 +34,7 @@ from typing import Protocol
 
 from rdma_kv.errors import ConfigError
 
-__all__ = ["Admission", "ConnectionLimits", "Member", "default_max_connections"]
+__all__ = ["Admission", "ConnectionLimits", "Member", "check_max_connections", "default_max_connections"]
 
 FD_RESERVE = 1024
 """File descriptors left to the rest of the process (UCX endpoints over TCP,
@@ -43,18 +43,46 @@ files, the engine's own sockets) when ``max_connections`` is sized from
 MAX_CONNECTIONS_CAP = 65536
 
 
+MIN_DEFAULT_CONNECTIONS = 256
+"""The default's floor, whatever the file-descriptor limit."""
+
+
+def _fd_limit() -> int | None:
+    """The process's soft ``RLIMIT_NOFILE`` (None: unlimited)."""
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return 1024
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 def default_max_connections() -> int:
     """Connections one side channel keeps by default: what the process's
     file-descriptor limit allows after ``FD_RESERVE``, three quarters of it,
     at least 256 and at most 65,536. vLLM raises the soft ``RLIMIT_NOFILE``
     to 65,535 at start, which gives 48,384; a shell's common 1,024 gives 256."""
-    try:
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    except (OSError, ValueError):
-        soft = 1024
-    if soft == resource.RLIM_INFINITY:
+    soft = _fd_limit()
+    if soft is None:
         soft = MAX_CONNECTIONS_CAP * 2
-    return max(256, min(MAX_CONNECTIONS_CAP, (soft - FD_RESERVE) * 3 // 4))
+    return max(MIN_DEFAULT_CONNECTIONS, min(MAX_CONNECTIONS_CAP, (soft - FD_RESERVE) * 3 // 4))
+
+
+def check_max_connections(configured: int, knob: str = "side_channel_max_connections") -> None:
+    """Refuse (``ConfigError``) a configured connection limit the process's
+    file-descriptor limit cannot serve: more than the limit leaves after
+    ``FD_RESERVE`` (or than the default's floor, 256, if that is more). Past
+    it, the side channel's accept would find no descriptor (it pauses and
+    retries, the connection waits queued) and so would UCX, files and the
+    engine's own sockets."""
+    soft = _fd_limit()
+    if soft is None:
+        return
+    allowed = max(MIN_DEFAULT_CONNECTIONS, soft - FD_RESERVE)
+    if configured > allowed:
+        raise ConfigError(f"{knob}={configured} exceeds what this process's file-descriptor limit allows: "
+                          f"RLIMIT_NOFILE (ulimit -n) is {soft} and {FD_RESERVE} of it are left to the rest "
+                          f"of the process, so at most {allowed}; raise the limit, lower {knob}, or set it "
+                          f"to 0 (sized from the limit)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,8 @@ Owns the list of extra-config keys the connector understands, their
 defaults, their validation (unknown keys are rejected with the valid ones)
 and the frozen :class:`RdmaSettings` inner code receives.
 
-Imports the standard library, ``rdma_kv.errors`` and the connector's ``config``.
+Imports the standard library, ``rdma_kv.errors``, the connector's ``config``
+and ``rdma.admission`` (the file-descriptor bound of ``side_channel_max_connections``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rdma_kv.connector.config import KVTransferConfig
+from rdma_kv.connector.rdma.admission import check_max_connections
 from rdma_kv.errors import ConfigError
 
 # The transport's bound (rdma_kv.transport.lanes.MAX_LANES) and default
@@ -99,7 +101,9 @@ class RdmaSettings:
     """Connections a producer rank's side channel keeps open (one per consumer
     rank that reads it, pooled). 0: sized from the process's file-descriptor
     limit (``admission.default_max_connections``: 48,384 under vLLM, which
-    raises ``RLIMIT_NOFILE`` to 65,535)."""
+    raises ``RLIMIT_NOFILE`` to 65,535). Else at least 64 and at most what
+    that limit leaves after ``admission.FD_RESERVE`` (or 256 if more):
+    ``admission.check_max_connections``."""
     ucx_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """UCX settings without the ``UCX_`` prefix, e.g. ``{"TLS": "rc,sm"}``."""
     ucx_net_devices: str | Mapping[int, str] | None = None
@@ -255,6 +259,8 @@ class RdmaSettings:
             raise ConfigError(f"side_channel_max_connections must be 0 (sized from the file-descriptor "
                               f"limit) or at least 64 (the budget of connections not yet authenticated), "
                               f"got {self.side_channel_max_connections}")
+        if self.side_channel_max_connections:
+            check_max_connections(self.side_channel_max_connections)
         if self.rpc_retries < 0 or self.rpc_threads < 1:
             raise ConfigError("rpc_retries must be >= 0 and rpc_threads >= 1")
         if not 1 <= self.lanes <= MAX_LANES:

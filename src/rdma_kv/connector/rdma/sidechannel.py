@@ -81,6 +81,11 @@ the lease table: trust ends within this long of the lease."""
 ACCEPTS_PER_TURN = 64
 """Connections accepted per loop turn before the loop serves the open ones
 again: a connect flood cannot starve consumers already connected."""
+ACCEPT_PAUSE_S = 0.1
+"""How long accepting pauses when accept() finds no file descriptor (EMFILE,
+ENFILE) or no memory: the connection stays in the listen queue and the
+listener readable, so accepting again at once would spin the loop (and hold
+the GIL against the engine thread) until a descriptor frees."""
 RECV_BYTES = 65536
 
 
@@ -142,6 +147,7 @@ class SideChannelServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._selector.register(self._sock, selectors.EVENT_READ, None)
+        self._accept_resume: float | None = None  # while accepting is paused: when it resumes
         self._selector.register(self._wake_r, selectors.EVENT_READ, self._wake_r)
         self._conns: dict[int, Accepted] = {}
         self._deadlines: list[tuple[float, int, Accepted]] = []
@@ -166,6 +172,8 @@ class SideChannelServer:
         while not self._closed.is_set():
             now = time.monotonic()
             timeout = min(0.5, max(0.0, self._deadlines[0][0] - now)) if self._deadlines else 0.5
+            if self._accept_resume is not None:
+                timeout = min(timeout, max(0.0, self._accept_resume - now))
             try:
                 events = self._selector.select(timeout)
             except OSError:  # closed under us
@@ -186,6 +194,9 @@ class SideChannelServer:
                     if mask & selectors.EVENT_READ and not conn.closed:
                         self._on_readable(conn)
             now = time.monotonic()
+            if self._accept_resume is not None and now >= self._accept_resume:
+                self._accept_resume = None
+                self._selector.register(self._sock, selectors.EVENT_READ, None)
             self._expire(now)
             if now >= self._next_trust_check:
                 self._check_lease_trust(now)
@@ -204,13 +215,24 @@ class SideChannelServer:
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     self._events.event("no_fd", "-", "side channel %s: cannot accept: %s (raise the "
-                                       "file-descriptor limit, ulimit -n)", self._name, exc.strerror)
+                                       "file-descriptor limit, ulimit -n); accepting again in %.1f s",
+                                       self._name, exc.strerror, ACCEPT_PAUSE_S)
+                    self._pause_accepting()
                     return
                 if self._closed.is_set():
                     return
                 logger.exception("side channel %s: accept failed", self._name)
                 return
             self._admit(sock, addr)
+
+    def _pause_accepting(self) -> None:
+        """Stop watching the listener for ``ACCEPT_PAUSE_S`` (the loop watches
+        it again after): the connection accept() could not take stays
+        queued, and the listener readable."""
+        if self._accept_resume is None:
+            self._selector.unregister(self._sock)
+            self._accept_resume = time.monotonic() + ACCEPT_PAUSE_S
+            self._counts.add("accept_paused")
 
     def _admit(self, sock: socket.socket, addr: tuple[Any, ...]) -> None:
         now = time.monotonic()

@@ -39,6 +39,9 @@ class SideChannelCounters(Counters):
     trusted: int = 0
     """Connections that became trusted (AUTH, or a lease they proved)."""
     untrusted_again: int = 0
+    accept_paused: int = 0
+    """Times accepting paused (``sidechannel.ACCEPT_PAUSE_S``) because accept()
+    found no file descriptor or no memory (EMFILE, ENFILE, ENOBUFS, ENOMEM)."""
     refused_connections: int = 0
     """Refused at accept (any reason below) or at the opening."""
     refused_full: int = 0
