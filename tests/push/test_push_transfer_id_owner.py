@@ -144,3 +144,65 @@ def test_two_readers_of_one_engine_are_both_written_and_the_lease_outlives_the_f
     fabric.release_all()
     assert "r1" in leases.take_done()
     assert landed(dsts, ("VICTIM", 0), src) and landed(dsts, ("VICTIM", 1), src)
+
+
+def test_a_worker_that_claims_the_owners_engine_id_cannot_take_a_resolved_reader():
+    """Found by a review of the first version of the owner rule, which bound
+    a transfer id to a self-declared engine id only and freed a reader once
+    its registration resolved: another worker claiming engine 'VICTIM' took
+    reader 0 after its write was DONE and was written the prefill's KV. A
+    reader is now the worker's (engine, rank, incarnation) that registered it."""
+    fabric, src, dsts, leases, writer = setup()
+    fabric.hold = True
+    for rank, token in ((0, b"v" * 16), (1, b"u" * 16)):
+        assert writer.register(reg("VICTIM", rank, token, dsts, reader=rank, readers=2)).state is S.WAITING
+    grant(writer)
+    assert len(fabric.pending) == 2
+    fabric.pending.pop(0)._resolve()  # reader 0's write landed; reader 1's still in flight
+    assert writer.query(wire.PushQuery(wire.PROTOCOL_VERSION, b"v" * 16)).state is S.DONE
+
+    # The attacker: its own KV cache, introduced under the victim's engine id.
+    dst, g_dst = cache(None)
+    d = fabric.factory("EVIL")
+    for region in g_dst.regions:
+        d.register((region.base_address, region.nbytes))
+    inc = b"evil" * 2
+    hello = wire.PushHello(wire.PROTOCOL_VERSION, "VICTIM", wire.RankInfo(0, 2, 2), inc, 1, d.metadata(),
+                           wire.GeometryWire.from_geometry(g_dst))
+    assert writer.hello(hello).state is S.DONE
+    dsts["EVIL", 0] = (dst, inc)
+    evil = wire.PushReg(wire.PROTOCOL_VERSION, "t-victim", b"e" * 16, "VICTIM", 0, inc, 1, 0, 8, [[40, 41]],
+                        reader=0, readers=2)
+    answer = writer.register(evil)
+    fabric.release_all()
+    got = landed(dsts, ("EVIL", 0), src)
+    print("attacker's PUSH_REG answered", answer.state, "; prefill KV landed in attacker memory:", got)
+    assert answer.state is S.REFUSED and not got, (
+        f"a second registration of reader 0 under the transfer id (another decode worker claiming engine "
+        f"'VICTIM') was answered {answer.state.name} and written the victim's prefill KV: {got}")
+
+
+def test_an_owner_is_not_forgotten_while_its_registration_waits(monkeypatch):
+    """Found by the same review: `_reg_owners` was trimmed to MAX_REMEMBERED
+    by insertion order, live or not: registrations under other transfer ids evict the owner of one still
+    WAITING, and another engine is then written under it. (MAX_REMEMBERED is
+    65,536 in production; patched to 4 here so the test is quick, the logic
+    is the same: nothing ties the eviction to the registration's lifetime.)"""
+    import rdma_kv.connector.rdma.pushreg as pushreg
+
+    monkeypatch.setattr(pushreg, "MAX_REMEMBERED", 4)
+    fabric, src, dsts, leases, writer = setup()
+    fabric.hold = True
+    assert writer.register(reg("VICTIM", 0, b"v" * 16, dsts)).state is S.WAITING
+    for i in range(4):  # other transfer ids (the attacker's own, never granted)
+        other = wire.PushReg(wire.PROTOCOL_VERSION, f"junk-{i}", bytes([i]) * 16, "ATTACKER", 0,
+                             dsts["ATTACKER", 0][1], 1, 0, 8, [[50, 51]], reader=0, readers=1)
+        assert writer.register(other).state is S.WAITING
+    second = writer.register(reg("ATTACKER", 0, b"a" * 16, dsts))
+    grant(writer)
+    fabric.release_all()
+    got = landed(dsts, ("ATTACKER", 0), src)
+    print("second engine's PUSH_REG answered", second.state, "; written:", got)
+    assert second.state is S.REFUSED and not got, (
+        f"after the owner record of 't-victim' was evicted (its registration still WAITING), engine ATTACKER "
+        f"registered under it: {second.state.name}, victim's KV written to it: {got}")

@@ -146,7 +146,9 @@ class ProducerHandler:
         if pusher is None:  # pull mode, or asleep: nothing is written (a query: nothing was)
             return wire.PushReply(wire.PushState.UNKNOWN if query else wire.PushState.REFUSED, self._not_pushing())
         if self._agent_metadata is None and not query:  # going to sleep: its pushes are answered, no new one
-            return wire.PushReply(wire.PushState.REFUSED, self._not_pushing())
+            token = getattr(request, "token", None)  # (a PUSH or PUSH_REG sent again: its state, not REFUSED)
+            known = pusher.known(token) if isinstance(token, bytes) else None
+            return known or wire.PushReply(wire.PushState.REFUSED, self._not_pushing())
         return act(pusher)
 
     def _not_pushing(self) -> str:

@@ -374,6 +374,13 @@ class PushWriter(ConcurrentDispatch):
 
     # --- bookkeeping (lock held) ---------------------------------------------------------------
 
+    def known(self, token: bytes) -> wire.PushReply | None:
+        """The answer for a push of ``token`` this rank took (a PUSH or
+        PUSH_REG sent again); None when it took none."""
+        with self._lock:
+            entry = self._pushes.get(token)
+            return self._answer(entry) if entry is not None else None
+
     def _answer(self, entry: PushEntry) -> wire.PushReply:
         within = {RUNNING: self._write_timeout_s,
                   WAITING: max(0.0, entry.wait_until - self._clock()) + self._write_timeout_s}.get(entry.state, 0.0)

@@ -97,9 +97,10 @@ class ConcurrentDispatch:
     def _init_concurrent(self) -> None:
         self._waiting: dict[str, list[bytes]] = collections.defaultdict(list)  # transfer id -> tokens
         self._granted: collections.OrderedDict[str, Granted] = collections.OrderedDict()
-        self._reg_owners: collections.OrderedDict[str, tuple[str, int, dict[int, bytes]]] = \
+        self._reg_owners: collections.OrderedDict[str, tuple[str, int, dict[int, tuple[DecodeKey, bytes]]]] = \
             collections.OrderedDict()
-        """Transfer id -> (its decode engine id, reader count, each reader's last token): ``_take_transfer_id``."""
+        """Transfer id -> (its decode engine id, reader count, each reader's worker and last token):
+        ``_take_transfer_id``."""
         self._active: list[tuple[PushEntry, LayerPushSpec, int, int, set[int]]] = []
         """This step's layer-wise writes: (push, chunk, first block, end block, the layers posted)."""
         self._step: tuple[LayerPushSpec, ...] = ()
@@ -179,32 +180,47 @@ class ConcurrentDispatch:
     def _take_transfer_id(self, request: wire.PushReg) -> str | None:
         """Under the lock: record ``request`` as its reader's registration
         under its transfer id; why not when the id is another engine's (or
-        the same engine's with another reader count), or this reader's
-        registration under it is still waiting or running. The first
-        registration under a transfer id owns it: the claim on the
-        prefill's lease comes from the transfer id alone, and every
-        registration under it used to be written (a second engine that
-        learnt the id got the prefill's KV: found by an adversarial review).
-        A reader may register again once its registration resolved (a
-        decode leg the client hung up on, retried on the same engine); a
-        router retrying the decode leg on another engine gets REFUSED, and
-        that decode computes the prompt itself."""
+        the same engine's with another reader count), the reader is another
+        decode worker's, or the reader's registration is still waiting or
+        running. The first registration under a transfer id owns it, and
+        each reader is the worker's (engine, rank, incarnation) that first
+        registered it: the claim on the prefill's lease comes from the
+        transfer id alone, and every registration under it used to be
+        written (a second engine that learnt the id got the prefill's KV:
+        found by an adversarial review; a worker that only claimed the
+        owner's engine id is another worker). The same worker may register
+        its reader again once its registration resolved (a decode leg the
+        client hung up on, retried on the same engine); a router retrying
+        the decode leg on another engine gets REFUSED, and that decode
+        computes the prompt itself. An owner is forgotten only once none of
+        its registrations waits or runs."""
         tid = request.transfer_id
         owner = self._reg_owners.get(tid)
         if owner is None:
             owner = self._reg_owners[tid] = (request.engine_id, request.readers, {})
             while len(self._reg_owners) > MAX_REMEMBERED:
+                oldest = next(iter(self._reg_owners.values()))
+                if any(self._under_way(token) for _, token in oldest[2].values()):
+                    break  # (as _remember: bounded by the registrations under way, each within wait_s)
                 self._reg_owners.popitem(last=False)
-        engine_id, readers, tokens = owner
+        engine_id, readers, slots = owner
         if engine_id != request.engine_id or readers != request.readers:
             return (f"transfer id {tid!r} is registered by decode engine {engine_id[:64]!r} with {readers} "
                     f"reader(s); a transfer id serves one decode engine: nothing is written for this one")
-        before = self._pushes.get(tokens.get(request.reader, b""))
-        if before is not None and before.state in (WAITING, RUNNING):
+        worker = decode_key(request)
+        slot = slots.get(request.reader)
+        if slot is not None and slot[0] != worker:
+            return (f"decode reader {request.reader} of {readers} under transfer id {tid!r} was registered by "
+                    f"another worker than {describe(worker)}: nothing is written for this one")
+        if slot is not None and self._under_way(slot[1]):
             return (f"decode reader {request.reader} of {readers} has a registration under transfer id {tid!r} "
                     "under way (another token): one at a time per reader; nothing is written for this one")
-        tokens[request.reader] = request.token
+        slots[request.reader] = (worker, request.token)
         return None
+
+    def _under_way(self, token: bytes) -> bool:
+        entry = self._pushes.get(token)
+        return entry is not None and entry.state in (WAITING, RUNNING)
 
     def granted(self, send: SendSpec) -> None:
         """The prefill under ``send.transfer_id`` finished and its lease was
