@@ -67,5 +67,12 @@ def test_a_sleep_whose_transport_closed_wedged_is_refused():
         with pytest.raises(UCXError, match="stays registered"):
             worker.unregister_kv_caches()
         assert transport.closed
+        # A retried sleep is refused as well (found by a review: it returned
+        # early, reporting the sleep done), and so is one after a wake.
+        with pytest.raises(UCXError, match="stays registered"):
+            worker.unregister_kv_caches()
+        worker.restore_kv_caches()
+        with pytest.raises(UCXError, match="stays registered"):
+            worker.unregister_kv_caches()
     finally:
         P.shutdown()

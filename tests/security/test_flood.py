@@ -564,27 +564,49 @@ def test_inconsistent_limits_are_refused(kw, says):
         limits(**kw)
 
 
-@pytest.mark.parametrize("soft, most", [(4096, 4096 - FD_RESERVE), (1024, 256), (resource.RLIM_INFINITY, None)])
-def test_side_channel_max_connections_past_the_file_descriptor_limit_is_refused(monkeypatch, soft, most):
-    """More connections than the file-descriptor limit leaves after the
+@pytest.mark.parametrize("hard, most", [(4096, 4096 - FD_RESERVE), (1024, 256), (resource.RLIM_INFINITY, None)])
+def test_side_channel_max_connections_past_the_file_descriptor_limit_is_refused(monkeypatch, hard, most):
+    """More connections than the hard file-descriptor limit leaves after the
     reserve (or than the default's floor, 256, if that is more) would run
-    the process out of descriptors: refused when the settings are read."""
-    monkeypatch.setattr(resource, "getrlimit", lambda which: (soft, resource.RLIM_INFINITY))
+    the process out of descriptors: refused when a producer's settings are
+    read. The soft limit (a shell's ulimit -n of 1,024 here) is the
+    server's to raise, and a consumer serves no side channel: neither
+    refuses anything (a review of the first version, which refused both)."""
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, hard))
 
-    def settings(n):
+    def settings(n, role="kv_producer"):
         return RdmaSettings.from_config(KVTransferConfig(
-            kv_connector="RdmaKVConnector", kv_role="kv_producer", engine_id="p", kv_port=0,
+            kv_connector="RdmaKVConnector", kv_role=role, engine_id="p", kv_port=0,
             kv_connector_extra_config={"side_channel_max_connections": n}))
 
     assert settings(0).side_channel_max_connections == 0  # sized from the limit
+    assert settings(1 << 20, "kv_consumer").side_channel_max_connections == 1 << 20
     if most is None:
         assert settings(1 << 20).side_channel_max_connections == 1 << 20
         return
     assert settings(most).side_channel_max_connections == most
     with pytest.raises(ConfigError, match=f"side_channel_max_connections={most + 1} exceeds what this "
-                                          f"process's file-descriptor limit allows: RLIMIT_NOFILE \\(ulimit -n\\) "
-                                          f"is {soft} .* so at most {most}; raise the limit"):
+                                          f"process's file-descriptor limit allows: the hard RLIMIT_NOFILE "
+                                          f"\\(ulimit -Hn\\) is {hard} .* so at most {most}; raise the limit"):
         settings(most + 1)
+
+
+def test_a_producer_raises_its_soft_file_descriptor_limit_for_the_connections_it_serves(monkeypatch):
+    from rdma_kv.connector.rdma import admission
+
+    calls = []
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 1 << 20))
+    monkeypatch.setattr(resource, "setrlimit", lambda which, limits: calls.append(limits))
+    admission.raise_fd_limit(4096)
+    assert calls == [(4096 + FD_RESERVE, 1 << 20)]
+    calls.clear()
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 2048))
+    admission.raise_fd_limit(4096)
+    assert calls == [(2048, 2048)]  # as far as the hard limit goes
+    calls.clear()
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (65535, 1 << 20))
+    admission.raise_fd_limit(4096)
+    assert calls == []  # enough already
 
 
 class Member:

@@ -34,7 +34,8 @@ from typing import Protocol
 
 from rdma_kv.errors import ConfigError
 
-__all__ = ["Admission", "ConnectionLimits", "Member", "check_max_connections", "default_max_connections"]
+__all__ = ["Admission", "ConnectionLimits", "Member", "check_max_connections", "default_max_connections",
+           "raise_fd_limit"]
 
 FD_RESERVE = 1024
 """File descriptors left to the rest of the process (UCX endpoints over TCP,
@@ -47,13 +48,18 @@ MIN_DEFAULT_CONNECTIONS = 256
 """The default's floor, whatever the file-descriptor limit."""
 
 
+def _fd_limits() -> tuple[int | None, int | None]:
+    """The process's soft and hard ``RLIMIT_NOFILE`` (None: unlimited)."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return 1024, 1024
+    return (None if soft == resource.RLIM_INFINITY else soft), (None if hard == resource.RLIM_INFINITY else hard)
+
+
 def _fd_limit() -> int | None:
     """The process's soft ``RLIMIT_NOFILE`` (None: unlimited)."""
-    try:
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    except (OSError, ValueError):
-        return 1024
-    return None if soft == resource.RLIM_INFINITY else soft
+    return _fd_limits()[0]
 
 
 def default_max_connections() -> int:
@@ -69,20 +75,37 @@ def default_max_connections() -> int:
 
 def check_max_connections(configured: int, knob: str = "side_channel_max_connections") -> None:
     """Refuse (``ConfigError``) a configured connection limit the process's
-    file-descriptor limit cannot serve: more than the limit leaves after
-    ``FD_RESERVE`` (or than the default's floor, 256, if that is more). Past
-    it, the side channel's accept would find no descriptor (it pauses and
-    retries, the connection waits queued) and so would UCX, files and the
-    engine's own sockets."""
-    soft = _fd_limit()
-    if soft is None:
+    file-descriptor limit cannot serve: more than the *hard* limit leaves
+    after ``FD_RESERVE`` (or than the default's floor, 256, if that is
+    more). Past it, the side channel's accept would find no descriptor (it
+    pauses and retries, the connection waits queued) and so would UCX,
+    files and the engine's own sockets. The soft limit is the server's to
+    raise (:func:`raise_fd_limit`; vLLM raises it to 65,535 itself), so a
+    shell's ``ulimit -n`` of 1,024 refuses nothing the hard limit allows."""
+    _, hard = _fd_limits()
+    if hard is None:
         return
-    allowed = max(MIN_DEFAULT_CONNECTIONS, soft - FD_RESERVE)
+    allowed = max(MIN_DEFAULT_CONNECTIONS, hard - FD_RESERVE)
     if configured > allowed:
         raise ConfigError(f"{knob}={configured} exceeds what this process's file-descriptor limit allows: "
-                          f"RLIMIT_NOFILE (ulimit -n) is {soft} and {FD_RESERVE} of it are left to the rest "
-                          f"of the process, so at most {allowed}; raise the limit, lower {knob}, or set it "
-                          f"to 0 (sized from the limit)")
+                          f"the hard RLIMIT_NOFILE (ulimit -Hn) is {hard} and {FD_RESERVE} of it are left to "
+                          f"the rest of the process, so at most {allowed}; raise the limit, lower {knob}, or set "
+                          f"it to 0 (sized from the limit)")
+
+
+def raise_fd_limit(configured: int) -> None:
+    """Before a side channel starts with ``configured`` connections: raise
+    the soft ``RLIMIT_NOFILE`` to serve them and ``FD_RESERVE`` more, up to
+    the hard limit (:func:`check_max_connections` refused more). Never raises."""
+    soft, hard = _fd_limits()
+    needed = configured + FD_RESERVE
+    if soft is None or soft >= needed:
+        return
+    target = needed if hard is None else min(needed, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, resource.RLIM_INFINITY if hard is None else hard))
+    except (OSError, ValueError):
+        return
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,6 +39,7 @@ from rdma_kv.connector.rdma.lograte import EventSummary
 from rdma_kv.connector.rdma.meta import LayerPushSpec, SendSpec
 from rdma_kv.connector.rdma.pusher import PushWriter
 from rdma_kv.connector.rdma.settings import RdmaSettings
+from rdma_kv.connector.rdma.admission import raise_fd_limit
 from rdma_kv.connector.rdma.sidechannel import ConnectionLimits, SideChannelServer
 from rdma_kv.connector.rdma.stats import LeaseCounters, PushCounters, PushRecord
 from rdma_kv.connector.rdma.transport_api import Transport
@@ -187,6 +188,8 @@ class RdmaProducer:
         self._block_size = compat.block_size
         handler.pusher = self._new_pusher(transport, geometry)
         port = s.side_channel_port
+        if s.side_channel_max_connections:
+            raise_fd_limit(s.side_channel_max_connections)
         limits = (ConnectionLimits(max_connections=s.side_channel_max_connections)
                   if s.side_channel_max_connections else ConnectionLimits())
         self.server = SideChannelServer(handler, s.side_channel_host, port + s.tp_rank if port else 0,

@@ -225,6 +225,8 @@ class RdmaSettings:
                 values[name] = get(name, type=kind)
         settings = cls(**values)
         settings._validate()
+        if config.is_kv_producer and settings.side_channel_max_connections:  # (a consumer serves none)
+            check_max_connections(settings.side_channel_max_connections)
         return settings
 
     def _validate(self) -> None:
@@ -259,8 +261,6 @@ class RdmaSettings:
             raise ConfigError(f"side_channel_max_connections must be 0 (sized from the file-descriptor "
                               f"limit) or at least 64 (the budget of connections not yet authenticated), "
                               f"got {self.side_channel_max_connections}")
-        if self.side_channel_max_connections:
-            check_max_connections(self.side_channel_max_connections)
         if self.rpc_retries < 0 or self.rpc_threads < 1:
             raise ConfigError("rpc_retries must be >= 0 and rpc_threads >= 1")
         if not 1 <= self.lanes <= MAX_LANES:

@@ -113,6 +113,8 @@ class RdmaWorker:
         """Push mode: who this worker is to a producer, with its engine id and rank
         (two decodes given one engine id by mistake are told apart)."""
         self._asleep = False
+        self._wedged: str | None = None
+        """Why every sleep is refused: a close for sleep left the memory registered (a thread stuck in UCX)."""
         self._reported: tuple[int, dict[str, int]] | None = None
         """The leases held and resources in the last stats returned: gauges are
         sent again whenever they change, not only with an event."""
@@ -200,6 +202,8 @@ class RdmaWorker:
         (bounded by ``read_timeout_s``: closing the transport then fails
         them); end every lease the producer part holds (GONE); refuse
         handshakes; close the transport. Idempotent."""
+        if self._wedged is not None:
+            raise UCXError(self._wedged)
         transport = self._transport
         if transport is None or self._asleep or self._closed:
             return
@@ -212,11 +216,14 @@ class RdmaWorker:
         self._transport = self._local = None
         transport.close()
         if transport.wedged():
-            raise UCXError(
+            # Every later sleep is refused too (until the process restarts): the memory
+            # stays registered with the stuck transport whatever happens next.
+            self._wedged = (
                 f"rdma-kv worker {self.agent_name}: its transport could not be closed cleanly for sleep (a "
                 "thread is stuck in UCX, see the log): the KV memory stays registered with UCX and a stuck "
                 "transfer could still write into it, so the engine must not free or reuse it; restart this "
                 "engine instead of putting it to sleep")
+            raise UCXError(self._wedged)
         if self._producer is not None:
             self._producer.suspended()
         logger.info("rdma-kv worker %s: KV cache unregistered for sleep (registration %d)", self.agent_name,
