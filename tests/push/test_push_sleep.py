@@ -80,7 +80,7 @@ def test_a_push_adopted_while_a_call_of_the_old_consumer_is_in_flight_is_dropped
     from rdma_kv.connector.rdma.consumer.pushes import PushHandle, Pushes
 
     submitted = []
-    pool = SimpleNamespace(submit=lambda fn, handle: submitted.append(handle) or True)
+    pool = SimpleNamespace(submit=lambda fn, handle, to=None: submitted.append(handle) or True)
 
     def pushes():
         local = SimpleNamespace(transport=SimpleNamespace(get_notifications=lambda: []))

@@ -85,7 +85,7 @@ class Pool:
     def __init__(self, client):
         self.jobs, self.client = [], client
 
-    def submit(self, fn, *args):
+    def submit(self, fn, *args, to=None):
         self.jobs.append((fn, args))
         return True
 

@@ -107,7 +107,7 @@ def test_a_job_that_raises_on_an_rpc_thread_is_logged(caplog):
         with caplog.at_level(logging.ERROR, logger="rdma_kv.connector.rdma.consumer.clients"):
             assert pool.submit(confirm_batch)
             assert pool.submit(ran.append, "next")
-            pool._executor.shutdown(wait=True)
+            pool._calls.executor.shutdown(wait=True)
     finally:
         pool.close()
     assert ran == ["next"]

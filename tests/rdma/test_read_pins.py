@@ -281,7 +281,7 @@ def test_a_failing_answer_does_not_stop_the_peers_later_pins(caplog):
     lease_wire = wire.LeaseWire.of(ref(1), A)
     client = SimpleNamespace(lease_call=lambda request, urgent=False: wire.LeaseReply(
         [HELD] * len(request.leases), 30.0, 5.0))
-    pool = SimpleNamespace(submit_renewal=lambda fn, *a: threading.Thread(target=fn, args=a).start() or True,
+    pool = SimpleNamespace(submit_renewal=lambda fn, *a, to=None: threading.Thread(target=fn, args=a).start() or True,
                            get=lambda host, port: client)
     leases = SimpleNamespace(of=lambda load, src: (0, SimpleNamespace(to_wire=lambda: lease_wire)))
     answered = []

@@ -20,7 +20,12 @@ knows the same one. Lease RPCs are idempotent (a retried CONFIRM of a
 lease its first attempt released still reads HELD; see ``leases``), so
 retrying is safe. After a failed call the client fails fast for
 ``down_s``: a dead peer must not tie up every RPC thread in connect
-timeouts.
+timeouts. An attempt that times out (the connect, or the peer's answer:
+a producer that accepts and never answers, stopped or starved of CPU, or
+an address that drops what is sent to it) is not retried: the client is
+down from then on, so the calls queued for it fail fast instead of each
+waiting ``rpc_timeout_s`` x (``retries`` + 1) (a stall is not a refused
+connect, over in microseconds, which the retries are for).
 
 One call at a time per connection (request, then its reply). A call that
 must not wait behind another (``urgent``: a RENEW, whose lease lapses if it
@@ -47,7 +52,11 @@ import msgspec
 from rdma_kv.connector.rdma import auth, framing, wire
 from rdma_kv.errors import AuthenticationError, HandshakeError, MetadataError, PeerError
 
-__all__ = ["URGENT_WAIT_S", "SideChannelClient"]
+__all__ = ["HANDSHAKE_TIMEOUT_S", "URGENT_WAIT_S", "SideChannelClient"]
+
+HANDSHAKE_TIMEOUT_S = 5.0
+"""A HANDSHAKE's least timeout per attempt (the producer imports nothing to
+answer it, but its reply carries the agent metadata)."""
 
 URGENT_WAIT_S = 0.5
 """How long an urgent call waits for a busy first connection before it takes
@@ -184,6 +193,9 @@ class SideChannelClient:
         self._down_reason = ""
         self._down_error: type[PeerError] = PeerError  # a refusal stays an AuthenticationError
         self.down_s = 1.0
+        self.answering = False
+        """The last attempt that ended got a reply (False: none yet, or it
+        timed out): ``ClientPool`` caps the calls to peers not answering."""
 
     @property
     def address(self) -> str:
@@ -294,14 +306,24 @@ class SideChannelClient:
         """Send ``request``, return the decoded reply. Transport failures are
         retried ``retries`` times; then :class:`PeerError`. An ``ErrorReply``
         raises :class:`MetadataError`; ``Refused`` is returned (the caller
-        names what was refused). ``urgent``: do not wait behind a call in
+        names what was refused). A call waits for the connection at most one
+        call's worst case (``call_worst_case_s``), then :class:`PeerError`.
+        ``urgent``: do not wait behind a call in
         flight for more than ``URGENT_WAIT_S``; take the second connection
         (module docstring); if another urgent call holds that one too, wait
         for it as long, then :class:`PeerError` (two calls stuck at once: the
         producer stalls; the next renewal tries again)."""
         timeout = self._rpc_timeout_s if timeout_s is None else timeout_s
         conn = self._first
-        if not conn.lock.acquire(timeout=URGENT_WAIT_S if urgent else -1):
+        # Whoever holds the first connection is done within one call's worst case (the
+        # longest-timed call is a handshake).
+        wait = URGENT_WAIT_S if urgent else self.call_worst_case_s(
+            self._connect_timeout_s, max(timeout, self._rpc_timeout_s, HANDSHAKE_TIMEOUT_S), self._retries,
+            self._backoff_s)
+        if not conn.lock.acquire(timeout=wait):
+            if not urgent:
+                raise PeerError(f"side channel {self.address}: the connection stayed busy for {wait:.3g} s "
+                                "(is the producer stalled?)")
             conn = self._spare
             if not conn.lock.acquire(timeout=URGENT_WAIT_S):
                 raise PeerError(f"side channel {self.address}: both connections stayed busy for "
@@ -341,6 +363,9 @@ class SideChannelClient:
                 last = exc
                 conn.drop()
                 attempts += 1
+                if isinstance(exc, TimeoutError):
+                    self.answering = False
+                    break  # stalled: down now (module docstring)
                 if not self._retries or (attempts > self._retries and not (
                         _link_down(exc) and time.monotonic() - start < self._connect_timeout_s)):
                     break
@@ -349,6 +374,7 @@ class SideChannelClient:
             except MetadataError as exc:
                 conn.drop()
                 raise MetadataError(f"malformed reply from {self.address}: {exc}") from None
+            self.answering = True
             if isinstance(reply, wire.ErrorReply):
                 conn.drop()
                 raise MetadataError(f"{self.address} rejected {type(request).__name__}: {reply.message}")
@@ -359,7 +385,7 @@ class SideChannelClient:
         raise PeerError(f"side channel {self.address} {self._down_reason}")
 
     def handshake(self, request: wire.Handshake) -> wire.HandshakeReply:
-        reply = self.call(request, timeout_s=max(self._rpc_timeout_s, 5.0))
+        reply = self.call(request, timeout_s=max(self._rpc_timeout_s, HANDSHAKE_TIMEOUT_S))
         if isinstance(reply, wire.Refused):
             raise HandshakeError(f"producer at {self.address} refused the handshake: {reply.reason}")
         if not isinstance(reply, wire.HandshakeReply):

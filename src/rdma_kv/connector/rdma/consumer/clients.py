@@ -14,12 +14,35 @@ come late, and its lease lapse. The worker owns the pool: it outlives a
 consumer put to sleep, so the calls that consumer queued (releases of the
 loads the sleep failed) still go out.
 
+A call to a producer names the producer rank's address (``to``), and the
+pool isolates addresses from one another, on either set of threads:
+
+- **one call per address at a time**: the calls for an address run one
+  after another, each as a job of its own; a call submitted while one is
+  in flight waits in the address's queue, not on a thread. A producer rank
+  that accepts connections and never answers (stopped, its side channel
+  starved of CPU) holds one thread, for one attempt (the client then fails
+  fast for ``down_s``: ``sideclient``), and the calls queued behind it
+  fail fast in turn; before, each waited for the client's connection on a
+  thread of its own, and four of them held every thread: a CONFIRM to a
+  healthy producer waited 6 s behind four RELEASEs to a stalled rank.
+- **strangers are capped**: calls to addresses not answering (no client
+  yet, or one whose last attempt got no reply: an address a request's
+  ``kv_transfer_params`` named, which any client of the decode server
+  chooses, or a producer whose last attempt timed out: stopped, or every
+  rank of a stopped TP engine) run at most :func:`strangers` at once, half
+  the threads, so that the others remain for producers that answer. Four
+  handshakes to ports that accept and never answer held every thread for
+  15 s.
+
 Imports the standard library and the connector's ``sideclient``.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -35,6 +58,29 @@ logger = logging.getLogger(__name__)
 Address = tuple[str, int]
 
 
+def strangers(threads: int) -> int:
+    """How many calls to addresses not answering run at once, of ``threads``."""
+    return max(1, threads // 2)
+
+
+Job = tuple[Callable[..., Any], tuple[Any, ...]]
+
+
+@dataclasses.dataclass(eq=False)
+class _Lane:
+    """One set of RPC threads, and the calls per address that wait for them."""
+
+    executor: concurrent.futures.ThreadPoolExecutor
+    limit: int
+    """Calls to strangers at once (``strangers``)."""
+    queues: dict[Address, collections.deque[Job]] = dataclasses.field(default_factory=dict)
+    """Per address with a call running or handed to the executor: the calls waiting behind it."""
+    strangers: int = 0
+    """Calls to strangers running or handed to the executor."""
+    parked: collections.deque[tuple[Address, Job]] = dataclasses.field(default_factory=collections.deque)
+    """Calls to strangers waiting for one of ``limit`` to end (the first of their address)."""
+
+
 class ClientPool:
     def __init__(self, make: Callable[[str, int], SideChannelClient], idle_s: float = 120.0,
                  clock: Callable[[], float] = time.monotonic, threads: int = 1,
@@ -43,24 +89,80 @@ class ClientPool:
         self._lock = threading.Lock()
         self._clients: dict[Address, tuple[SideChannelClient, float]] = {}
         self._closed = False
-        self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=thread_name)
-        self._renewals = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"{thread_name}-renew")
+        self._calls = _Lane(concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=thread_name),
+                            strangers(threads))
+        self._renewals = _Lane(concurrent.futures.ThreadPoolExecutor(
+            threads, thread_name_prefix=f"{thread_name}-renew"), strangers(threads))
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> bool:
-        """Run ``fn(*args)`` on an RPC thread; False (nothing runs) once closed."""
-        return self._submit(self._executor, fn, args)
+    def submit(self, fn: Callable[..., Any], *args: Any, to: Address | None = None) -> bool:
+        """Run ``fn(*args)`` on an RPC thread; False (nothing runs) once
+        closed. ``to``: the producer rank's address ``fn`` calls (one call
+        per address at a time, strangers capped: module docstring)."""
+        return self._submit(self._calls, fn, args, to)
 
-    def submit_renewal(self, fn: Callable[..., Any], *args: Any) -> bool:
+    def submit_renewal(self, fn: Callable[..., Any], *args: Any, to: Address | None = None) -> bool:
         """Like :meth:`submit`, on the threads only renewals use."""
-        return self._submit(self._renewals, fn, args)
+        return self._submit(self._renewals, fn, args, to)
 
-    @staticmethod
-    def _submit(executor: concurrent.futures.ThreadPoolExecutor, fn: Callable[..., Any], args: Any) -> bool:
+    def _submit(self, lane: _Lane, fn: Callable[..., Any], args: tuple[Any, ...], to: Address | None) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            if to is None:
+                return self._start(lane, None, (fn, args), False)
+            queue = lane.queues.get(to)
+            if queue is not None:  # a call to ``to`` is in flight: this one waits for it, on no thread
+                queue.append((fn, args))
+                return True
+            lane.queues[to] = collections.deque()
+            if self._dispatch(lane, to, (fn, args)):
+                return True
+            del lane.queues[to]
+            return False
+
+    def _stranger(self, address: Address) -> bool:
+        """``address`` is not answering (``SideChannelClient.answering``; lock held)."""
+        entry = self._clients.get(address)
+        return entry is None or not getattr(entry[0], "answering", False)
+
+    def _dispatch(self, lane: _Lane, address: Address, job: Job) -> bool:
+        """Hand ``job``, the next call to ``address``, to the threads, or
+        park it while ``lane.limit`` calls to strangers run (lock held)."""
+        stranger = self._stranger(address)
+        if stranger and lane.strangers >= lane.limit:
+            lane.parked.append((address, job))
+            return True
+        return self._start(lane, address, job, stranger)
+
+    def _start(self, lane: _Lane, address: Address | None, job: Job, stranger: bool) -> bool:
         try:
-            executor.submit(_logged, fn, *args)
+            lane.executor.submit(self._run, lane, address, job, stranger)
         except RuntimeError:  # shut down: the worker is closing
             return False
+        if stranger:
+            lane.strangers += 1
         return True
+
+    def _run(self, lane: _Lane, address: Address | None, job: Job, stranger: bool) -> None:
+        """RPC thread: ``job``; then the next call to its address, and the strangers' parked
+        calls that now fit, go to the threads (at the back of their queue: other
+        addresses' calls submitted meanwhile go first)."""
+        fn, args = job
+        try:
+            _logged(fn, *args)
+        finally:
+            with self._lock:
+                if stranger:
+                    lane.strangers -= 1
+                if address is not None and address in lane.queues:  # not: closed meanwhile
+                    queue = lane.queues[address]
+                    if not queue or not self._dispatch(lane, address, queue.popleft()):
+                        del lane.queues[address]  # nothing left (or closing: what waits is dropped)
+                while lane.parked and lane.strangers < lane.limit:
+                    parked, next_job = lane.parked.popleft()
+                    if not self._dispatch(lane, parked, next_job):
+                        lane.parked.clear()  # closing
+                        break
 
     @property
     def idle_s(self) -> float:
@@ -96,10 +198,14 @@ class ClientPool:
 
     def close(self) -> None:
         """Stop the RPC threads (calls not started are dropped) and close every client."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self._renewals.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             self._closed = True
+            for lane in (self._calls, self._renewals):
+                lane.queues.clear()
+                lane.parked.clear()
+        self._calls.executor.shutdown(wait=False, cancel_futures=True)
+        self._renewals.executor.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
             clients = [c for c, _ in self._clients.values()]
             self._clients.clear()
         for client in clients:

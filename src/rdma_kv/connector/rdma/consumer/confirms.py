@@ -67,7 +67,8 @@ class Confirmations:
     def queue(self, peer: PeerState, load: LoadState, src: Source) -> None:
         """``src``'s reads landed: confirm it with the next CONFIRM to ``peer``. Lock held."""
         self._queue[peer.key].append((load, src))
-        if peer.key not in self._scheduled and self._pool.submit(self._confirm, peer):
+        if peer.key not in self._scheduled and self._pool.submit(self._confirm, peer,
+                                                             to=peer.address.rank_address(peer.rank)):
             self._scheduled.add(peer.key)
 
     def retry(self) -> None:

@@ -143,7 +143,7 @@ class LeaseCalls:
         submit = self._pool.submit_renewal if kind is wire.Renew else self._pool.submit
         for (address, rank), leases in by_peer.items():
             for chunk in wire.lease_chunks(leases, lease_id):
-                if not submit(self._call, kind, address, rank, chunk):
+                if not submit(self._call, kind, address, rank, chunk, to=address.rank_address(rank)):
                     return  # the pool is closed: the worker is shutting down
 
     def _call(self, kind: LeaseKind, address: PeerAddress, rank: int, leases: list[RemoteLease]) -> None:

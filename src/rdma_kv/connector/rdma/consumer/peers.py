@@ -248,7 +248,7 @@ class PeerDirectory:
         (None once they are shut down). Lock held."""
         peer = PeerState(address, rank, used_at=self._clock())
         self._peers[peer.key] = peer
-        if not self._pool.submit(self._handshake, peer):
+        if not self._pool.submit(self._handshake, peer, to=address.rank_address(rank)):
             del self._peers[peer.key]
             return None
         return peer

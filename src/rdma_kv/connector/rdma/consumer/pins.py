@@ -13,8 +13,8 @@ becomes the part of the pin's round trip the reads did not hide.
 The source's reader is then done with the lease: its RELEASE is queued
 here too and sent after the peer's pending pins, batched, and nobody
 waits for its answer (a lost RELEASE leaves the lease to expire, as any
-lost RELEASE does). One task per producer rank drains both queues, pins
-first, on the pool's renewal threads (``urgent`` on the client: a pin
+lost RELEASE does). One task per producer rank at a time drains both queues,
+pins first, on the pool's renewal threads (``urgent`` on the client: a pin
 never waits behind a slow CONFIRM or handshake).
 
 What the answers mean to the load (``loads`` applies them):
@@ -121,29 +121,30 @@ class Pins:
     def _schedule(self, peer: PeerState) -> bool:
         if peer.key in self._scheduled:
             return True
-        if not self._pool.submit_renewal(self._drain, peer):
+        if not self._pool.submit_renewal(self._drain, peer, to=peer.address.rank_address(peer.rank)):
             return False
         self._scheduled.add(peer.key)
         return True
 
     def _drain(self, peer: PeerState) -> None:
-        """Renewal thread: send ``peer``'s queued pins, then its releases, until none is left."""
-        while True:
-            with self._lock:
-                pins = self._pins.pop(peer.key, [])
-                releases = self._releases.pop(peer.key, [])
-                if not pins and not releases:
-                    self._scheduled.discard(peer.key)
-                    return
-            try:
-                wired = [(queued, self._leases.of(*queued)[1].to_wire()) for queued in pins]
-                for chunk in wire.lease_chunks(wired, wired_id):
-                    self._send_pins(peer, chunk)
-                for leases in wire.lease_chunks(releases, lease_id):
-                    self._send_releases(peer, leases)
-            except Exception:  # a bug: this peer's later pins must still go out (its loads have deadlines)
-                logger.exception("sending lease pins / releases to %r rank %d failed", peer.address.engine_id,
-                                 peer.rank)
+        """Renewal thread: send ``peer``'s queued pins, then its releases.
+        What is queued meanwhile goes in a task of its own, after the calls
+        to that producer rank submitted since (a stream of pins does not
+        hold the rank's turn on the pool: ``ClientPool``, one call per
+        address at a time)."""
+        with self._lock:
+            self._scheduled.discard(peer.key)
+            pins = self._pins.pop(peer.key, [])
+            releases = self._releases.pop(peer.key, [])
+        try:
+            wired = [(queued, self._leases.of(*queued)[1].to_wire()) for queued in pins]
+            for chunk in wire.lease_chunks(wired, wired_id):
+                self._send_pins(peer, chunk)
+            for leases in wire.lease_chunks(releases, lease_id):
+                self._send_releases(peer, leases)
+        except Exception:  # a bug: this peer's later pins must still go out (its loads have deadlines)
+            logger.exception("sending lease pins / releases to %r rank %d failed", peer.address.engine_id,
+                             peer.rank)
 
     def _send_releases(self, peer: PeerState, leases: list[RemoteLease]) -> None:
         client = self._pool.get(*peer.address.rank_address(peer.rank))

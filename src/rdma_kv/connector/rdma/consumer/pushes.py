@@ -204,14 +204,18 @@ class Pushes:
         with self._lock:
             self._running[request.token] = handle
             handle.busy = True
-        if not self._pool.submit(self._send, handle):
+        if not self._pool.submit(self._send, handle, to=self._address(handle)):
             self._resolve(handle, PushFailed("the worker is closing"))
         return handle
 
     # --- RPC threads -------------------------------------------------------------------------------
 
+    @staticmethod
+    def _address(handle: PushHandle) -> tuple[str, int]:
+        return handle.peer.address.rank_address(handle.peer.rank)
+
     def _client(self, handle: PushHandle) -> Any:
-        return self._pool.get(*handle.peer.address.rank_address(handle.peer.rank))
+        return self._pool.get(*self._address(handle))
 
     def _hello(self, handle: PushHandle, client: Any, again: bool = False) -> None:
         connection = handle.peer.connection
@@ -361,7 +365,8 @@ class Pushes:
             # Aborting, a PUSH due again is not sent: the abort asks the producer instead.
             # It answers UNKNOWN and refuses any earlier attempt of that PUSH still on its
             # way (an attempt the client gave up on may yet arrive), or stops what it took.
-            if not self._pool.submit(self._send if resend and not handle.aborting else self._query, handle):
+            if not self._pool.submit(self._send if resend and not handle.aborting else self._query, handle,
+                                   to=self._address(handle)):
                 self._resolve(handle, PushFailed("the worker is closing"))
 
     def abort(self, handle: PushHandle) -> None:
