@@ -25,7 +25,8 @@ The plan for consumer rank ``d``:
   before it hands the blocks back. A producer rank no consumer rank reads
   (its heads are replicas read elsewhere) is released by consumer rank
   ``p mod D`` alone, so its blocks go back at once instead of at lease
-  expiry.
+  expiry (once a handshake confirmed the producer's TP size: the
+  consumer's ``lease_rpc``).
 
 Pure functions of plain integers; imports the standard library and
 ``rdma_kv.errors``.

@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.consumer.clients import ClientPool
@@ -37,7 +37,8 @@ from rdma_kv.connector.rdma.sideclient import SideChannelClient
 from rdma_kv.connector.rdma.topology import RankPlan
 from rdma_kv.errors import ConfigError, PeerError
 
-__all__ = ["REFUSALS", "LeaseCalls", "LeaseKind", "Refused", "Targeted", "call_lease_rpc", "refusal_reason"]
+__all__ = ["MAX_UNPLANNED_RANKS", "REFUSALS", "LeaseCalls", "LeaseKind", "Refused", "Targeted", "call_lease_rpc",
+           "refusal_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,10 @@ Targeted = tuple[int, RemoteLease]
 Refused = list[tuple[RemoteLease, wire.LeaseStatus]]
 """The leases a producer rank refused in one call, with its answers."""
 LeaseKind = type[wire.Renew] | type[wire.Release]
+
+MAX_UNPLANNED_RANKS = 8
+"""The most producer ranks one consumer rank releases for a lease it has no
+rank plan for (the two TP sizes cannot share the model's heads)."""
 
 REFUSALS = frozenset({wire.LeaseStatus.GONE, wire.LeaseStatus.CLAIMED, wire.LeaseStatus.UNKNOWN,
                       wire.LeaseStatus.FORGED})
@@ -56,10 +61,15 @@ class LeaseCalls:
     """The RENEW and RELEASE calls of consumer rank ``settings.tp_rank``."""
 
     def __init__(self, settings: RdmaSettings, plan: Callable[[PeerAddress], RankPlan], pool: ClientPool,
-                 book: LoadBook, fail: Callable[[LoadState, str], None]) -> None:
+                 book: LoadBook, fail: Callable[[LoadState, str], None],
+                 confirmed: Callable[[PeerAddress, Collection[int]], bool] | None = None) -> None:
+        """``confirmed(address, ranks)``: whether a handshake with one of
+        ``ranks`` of the producer at ``address`` confirmed its TP size
+        (``PeerDirectory.confirmed``; None: never)."""
         self._settings = settings
         self._reader, self._tp_size = settings.tp_rank, settings.tp_size
         self._plan = plan
+        self._confirmed = confirmed or (lambda address, ranks: False)
         self._pool = pool
         self._book = book
         self._fail = fail
@@ -89,13 +99,34 @@ class LeaseCalls:
                 s.connect_timeout_s, s.rpc_timeout_s, s.rpc_retries, margin)
 
     def targets(self, lease: RemoteLease) -> list[Targeted]:
-        """Where this rank sends a RENEW or RELEASE made for a whole request."""
+        """Where this rank sends a RENEW or RELEASE made for a whole request:
+        the producer ranks it reads, and those it only releases once a
+        handshake confirmed the producer's TP size (``confirmed``). The TP
+        size comes from the request's ``kv_transfer_params``, which any
+        client of the decode server writes: with 8 KV heads, ``tp_size`` 1024
+        made this rank call 1,016 ports of a host the client chose, one
+        RELEASE each on the RPC threads. The ranks it reads are no more than
+        the load's own handshakes dial; a load holds the others
+        (``LoadState.release_only``) until its handshake confirms."""
         try:
-            readers = self._plan(lease.peer).readers
+            plan = self._plan(lease.peer)
         except ConfigError:
-            # No load can run: each producer rank is released by one consumer rank.
-            readers = {p: 1 for p in range(lease.peer.tp_size) if p % self._tp_size == self._reader}
-        return [(p, dataclasses.replace(lease, reader=self._reader, readers=n)) for p, n in readers.items()]
+            # No load can run (and no handshake confirms the TP size): each producer
+            # rank is released by one consumer rank, at most MAX_UNPLANNED_RANKS by this one.
+            ranks = [p for p in range(lease.peer.tp_size) if p % self._tp_size == self._reader]
+            return [(p, dataclasses.replace(lease, reader=self._reader, readers=1))
+                    for p in ranks[:MAX_UNPLANNED_RANKS]]
+        read = {r.rank for r in plan.reads}
+        everyone = self._confirmed(lease.peer, read)
+        return [(p, dataclasses.replace(lease, reader=self._reader, readers=n))
+                for p, n in plan.readers.items() if everyone or p in read]
+
+    def release_only(self, lease: RemoteLease, plan: RankPlan) -> list[Targeted]:
+        """The RELEASEs of the producer ranks this rank releases without
+        reading under ``plan``, whether or not the TP size is confirmed (the
+        caller holds them until it is)."""
+        return [(p, dataclasses.replace(lease, reader=self._reader, readers=plan.readers[p]))
+                for p in plan.release_only]
 
     def of(self, load: LoadState, src: Source) -> Targeted:
         """The lease call of ``load`` to its source ``src``."""

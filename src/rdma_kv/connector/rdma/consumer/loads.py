@@ -88,7 +88,7 @@ class RdmaConsumer:
         self._failure_warnings = RateLimitedWarnings(logger, "KV load failures", clock=clock)
         self.peers = PeerDirectory(local, engine_id, settings.tp_rank, self._lock, pool, book.counters, clock,
                                    self._handshake_done)
-        self.leases = LeaseCalls(settings, self.peers.plan, pool, book, self._fail)
+        self.leases = LeaseCalls(settings, self.peers.plan, pool, book, self._fail, self.peers.confirmed)
         self._confirms = Confirmations(self._lock, pool, self.peers, self.leases, self._fail, self._confirmed,
                                        book.reading_from)
         self._pins = Pins(book, pool, self.leases, self._on_pin, self.peers.failed)
@@ -145,8 +145,7 @@ class RdmaConsumer:
                 self._fail(load, f"cannot map tensor-parallel ranks: {exc}")
                 return
             load.sources = [Source(read, plan.readers[read.rank]) for read in plan.reads]
-            release_only = [] if spec.concurrent else [
-                t for t in self.leases.targets(spec.remote_lease) if t[0] in plan.release_only]
+            release_only = [] if spec.concurrent else self.leases.release_only(spec.remote_lease, plan)
             for src in load.sources:
                 found = self.peers.peer_for(load, src, now)
                 if isinstance(found, str):
@@ -154,15 +153,23 @@ class RdmaConsumer:
                     break
                 if found is not None:
                     ready.append((src, *found))
+            if release_only and not self.peers.confirmed(spec.peer, {src.read.rank for src in load.sources}):
+                # The params' TP size is a client's word: released once a handshake confirms it.
+                load.release_only, release_only = release_only, []
         self.leases.release(release_only)
         for src, peer, connection in ready:
             self._post(load, src, peer, connection)
 
     def _handshake_done(self, peer: PeerState, waiting: list[tuple[LoadState, Source]]) -> None:
-        """RPC thread: ``peer`` became READY (post its waiting loads) or FAILED (fail them)."""
-        post = []
+        """RPC thread: ``peer`` became READY (post its waiting loads, and
+        release the producer ranks they only release: the handshake confirmed
+        the TP size) or FAILED (fail them)."""
+        post, release_only = [], []
         with self._lock:
             for load, src in waiting:
+                if load.release_only and peer.connection is not None and peer.address == load.spec.peer:
+                    release_only += load.release_only
+                    load.release_only = []
                 if peer.connection is None or peer.error is not None:
                     self._fail(load, peer.error or "handshake failed")
                     continue
@@ -172,6 +179,7 @@ class RdmaConsumer:
                     post.append((load, src, peer.connection))
                 else:
                     self._fail(load, stale)
+        self.leases.release(release_only)
         for load, src, connection in post:
             try:
                 self._post(load, src, peer, connection)

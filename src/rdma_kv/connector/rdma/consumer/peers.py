@@ -46,7 +46,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
@@ -192,6 +192,17 @@ class PeerDirectory:
 
     def __len__(self) -> int:
         return len(self._peers)
+
+    def confirmed(self, address: PeerAddress, ranks: Collection[int]) -> bool:
+        """Whether one of producer ranks ``ranks`` at ``address`` is READY
+        under that very address: its handshake confirmed the engine's TP
+        size (``_ask``), which the request's params only claim. Takes the lock."""
+        with self._lock:
+            for rank in ranks:
+                peer = self._peers.get(address.rank_key(rank))
+                if peer is not None and peer.state is PeerStage.READY and peer.address == address:
+                    return True
+        return False
 
     # --- finding a peer (lock held) -----------------------------------------------------------
 

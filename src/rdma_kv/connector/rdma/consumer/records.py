@@ -26,7 +26,7 @@ import enum
 import threading
 import time
 
-from rdma_kv.connector.rdma.meta import LoadSpec
+from rdma_kv.connector.rdma.meta import LoadSpec, RemoteLease
 from rdma_kv.connector.rdma.stats import ConsumerCounters, LoadMeasures, LoadRecord, LoadStats, Tally, Totals
 from rdma_kv.connector.rdma.topology import Read
 from rdma_kv.connector.rdma.transport_api import TransferHandle
@@ -111,6 +111,10 @@ class LoadState:
     reads_done_at: float | None = None
     """``perf_counter()`` when its last read completed (``finish_s`` runs from here)."""
     measures: LoadMeasures = dataclasses.field(default_factory=LoadMeasures)
+    release_only: list[tuple[int, RemoteLease]] = dataclasses.field(default_factory=list)
+    """The RELEASEs of the producer ranks this rank releases without reading,
+    held until a handshake of this load confirms the producer's TP size
+    (``lease_rpc.LeaseCalls.targets``)."""
 
     def posting(self, started: float) -> None:
         """A source's reads were posted, the call starting at ``started``
