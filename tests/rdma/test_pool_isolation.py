@@ -49,8 +49,8 @@ class Handler:
 
     on_confirm = on_release = on_renew
 
-    def holds(self, leases):
-        return True
+    def live(self, leases):
+        return set(leases)
 
 
 def lease(i: int) -> wire.LeaseWire:
@@ -210,3 +210,43 @@ def test_a_producer_whose_last_attempt_timed_out_is_capped_like_a_stranger():
     finally:
         release.set()
         pool.close()
+
+
+class Stalling(Handler):
+    """Answers its first RENEW, then stalls every call (a producer starved of CPU)."""
+
+    def __init__(self) -> None:
+        self.answered, self.go = 0, threading.Event()
+
+    def on_renew(self, request):
+        if self.answered:
+            self.go.wait(30)
+        self.answered += 1
+        return super().on_renew(request)
+
+
+def test_a_peer_that_answered_before_gets_one_more_attempt_after_a_stall_one_that_never_did_none():
+    """An attempt that times out is not retried for a peer that never
+    answered (a tarpit: down at once), and retried once for one whose last
+    attempt was answered: a producer starved of CPU a while on a loaded
+    host is not given up on at its first slow answer."""
+    renew = wire.Renew(wire.PROTOCOL_VERSION, [lease(0)])
+    stalling = Stalling()
+    server = SideChannelServer(stalling, "127.0.0.1", 0)
+    tarpit = Tarpit()
+    try:
+        client = SideChannelClient("127.0.0.1", server.port, connect_timeout_s=5.0, rpc_timeout_s=0.3, retries=2)
+        assert client.lease_call(renew).statuses == [wire.LeaseStatus.HELD] and client.answering
+        with pytest.raises(PeerError, match="unreachable after 2 attempts"):
+            client.lease_call(renew)
+        assert not client.answering
+        stranger = SideChannelClient("127.0.0.1", tarpit.port, connect_timeout_s=5.0, rpc_timeout_s=0.3,
+                                     retries=2)
+        with pytest.raises(PeerError, match="unreachable after 1 attempts"):
+            stranger.lease_call(renew)
+        client.close()
+        stranger.close()
+    finally:
+        stalling.go.set()
+        tarpit.close()
+        server.close()
