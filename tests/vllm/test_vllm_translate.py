@@ -282,3 +282,31 @@ def test_a_failed_load_reaches_vllm_in_the_form_it_takes(groups) -> None:
         assert nothing.failed_recving == set() and adapter.get_block_ids_with_load_errors() == set()
     finally:
         worker.shutdown()
+
+
+@pytest.mark.parametrize("name", ["RdmaKVConnector", "NixlConnector"])
+def test_stats_of_rdma_kv_under_vllms_multiconnector_reach_the_api_servers_logger(name: str) -> None:
+    """vLLM's MultiConnector keys each child's stats by the child's class
+    name, and the API server rebuilds them from vLLM's connector registry
+    (``MultiConnector.build_kv_connector_stats``): rdma-kv, loaded by module
+    path, was not registered (ValueError), and under the compatibility name
+    "NixlConnector" vLLM's own NIXL stats class read rdma-kv's (KeyError).
+    Either raised in AsyncLLM's output handler, which then stopped: every
+    request of the server failed at the first stats report (found by an
+    adversarial review)."""
+    import rdma_kv.vllm as adapter
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    cls = getattr(adapter, name)
+    child = object.__new__(cls)  # a child as MultiConnector holds it (its stats only are asked for)
+    data = {"requests": [{"request_id": "r", "ok": True, "total_s": 0.01, "nbytes": 4096, "transfer_s": 0.001}],
+            "totals": {}, "leases_held": 0}
+    child.get_kv_connector_stats = lambda: cls.build_kv_connector_stats(data=data)
+    stats = MultiConnector.get_kv_connector_stats(SimpleNamespace(_connectors=[child]))  # the engine core's
+    assert stats is not None
+    config = VllmKVTransferConfig(kv_connector="MultiConnector", kv_role="kv_consumer", kv_connector_extra_config={
+        "connectors": [{"kv_connector": name, "kv_connector_module_path": "rdma_kv.vllm", "kv_role": "kv_consumer"}]})
+    logging = KVConnectorLogging(config)  # the API server's, fed what the engine core sends
+    logging.observe(stats.to_dict())  # what the scheduler sends (SchedulerStats.kv_connector_stats)
+    logging.log()

@@ -36,4 +36,13 @@ class NixlConnector(RdmaKVConnector):
     """``RdmaKVConnector``, named for frameworks that select the NIXL request
     protocol by connector name (Dynamo, SMG over gRPC). Same behaviour, same
     ``kv_connector_extra_config`` keys; load it with
-    ``kv_connector_module_path="rdma_kv.vllm"``."""
+    ``kv_connector_module_path="rdma_kv.vllm"``.
+
+    Its class name is ``RdmaKVConnector``: vLLM's ``MultiConnector`` keys
+    each child's stats by the class name and rebuilds them in the API server
+    from vLLM's connector registry, where "NixlConnector" is vLLM's own
+    (whose stats class raised ``KeyError`` on rdma-kv's, stopping the
+    server's output handler); only frameworks read the config's name."""
+
+
+NixlConnector.__name__ = NixlConnector.__qualname__ = RdmaKVConnector.__name__

@@ -298,3 +298,22 @@ class RdmaKVConnector(KVConnectorBase_V1, SupportsHMA):
                                     ) -> None:
         self._connector.set_xfer_handshake_metadata(
             {rank: m.inner for rank, m in metadata.items() if isinstance(m, RdmaKVHandshakeMetadata)})
+
+
+def _register_with_vllm() -> None:
+    """Put ``RdmaKVConnector`` in vLLM's connector registry (once; a name
+    already there is left alone). vLLM loads rdma-kv by
+    ``kv_connector_module_path`` and needs no registry entry for that, but
+    its ``MultiConnector`` rebuilds a child's stats in the API server by the
+    child's class name, looked up in the registry: unregistered, the first
+    stats report raised there and stopped the server's output handler
+    (found by an adversarial review; ``tests/vllm/test_vllm_translate.py``)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    try:
+        KVConnectorFactory.register_connector(RdmaKVConnector.__name__, __name__, RdmaKVConnector.__name__)
+    except ValueError:
+        pass  # registered already (this module imported again, or by the engine's own entry points)
+
+
+_register_with_vllm()
