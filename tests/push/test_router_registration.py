@@ -79,3 +79,30 @@ def test_the_registration_settings_are_checked():
             kv_connector_extra_config={"router_discovery_address": "127.0.0.1:1", "router_http_address": "h:1"}))
     with pytest.raises(ConfigError, match="request id names prefill address"):
         router_address("cmpl-___prefill_addr_host:1.2.3.4,notify:5___decode_addr_x_" + "0" * 32)
+
+
+def test_an_ipv6_discovery_address_is_reached():
+    """A ZMQ socket is IPv4-only unless told: with "[::1]:PORT" the
+    registration never connected and every beat was dropped silently, so
+    the router never learnt the engine (found by an adversarial review)."""
+    import socket
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this host")
+    from rdma_kv.connector.rdma.discovery import RouterRegistration
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.IPV6, 1)
+    try:
+        port = router.bind_to_random_port("tcp://[::1]")
+    except zmq.ZMQError as exc:
+        router.close(linger=0)
+        pytest.skip(f"cannot bind [::1] here: {exc}")
+    registration = RouterRegistration(f"[::1]:{port}", lambda: {"type": "P", "zmq_address": "x"}, interval_s=0.2)
+    try:
+        assert router.poll(10_000), "no registration reached the router over IPv6 within 10 s"
+        assert msgspec.msgpack.decode(router.recv_multipart()[-1])["type"] == "P"
+    finally:
+        registration.close()
+        router.close(linger=0)

@@ -113,3 +113,22 @@ def test_unknown_keys_and_conflicts():
         parse_kv_transfer_params({"do_remote_decode": True, "bogus": 1})
     with pytest.raises(ConfigError, match="both do_remote_decode and do_remote_prefill"):
         parse_kv_transfer_params(producer_params(do_remote_decode=True))
+
+
+def test_whole_numbers_as_floats_are_read_as_integers():
+    """A protobuf Struct (gRPC P/D workers: vllm-router's, SMG's) carries
+    every number as a double: the decode gets remote_port 5000.0 and block
+    ids 3.0. Read exactly as the integers they are (every one below 2**53
+    is), so the lease's token still verifies; a fraction, or a double too
+    large to be exact, is refused (found by an adversarial review: every
+    such decode recomputed)."""
+    params = producer_params()
+    as_struct = {k: ([float(b) for b in v] if k == "remote_block_ids" else
+                     float(v) if isinstance(v, int) and not isinstance(v, bool) else v) for k, v in params.items()}
+    parsed = parse_kv_transfer_params(as_struct)
+    assert parsed == parse_kv_transfer_params(params)
+    assert all(type(b) is int for g in parsed.remote_block_ids for b in g)
+    for bad in ({"remote_port": 5000.5}, {"remote_block_ids": [3.0, 4.5, 9.0]}, {"remote_port": float("nan")},
+                {"remote_lease_epoch": 2.0 ** 60}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            parse_kv_transfer_params(producer_params(**bad))

@@ -60,6 +60,9 @@ class RouterRegistration:
         self._socket: Any = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDHWM, 16)
+        # ZMQ sockets are IPv4-only unless told: "[::1]:PORT" (an IPv6 cluster's
+        # address) never connected, and every beat was dropped without a word.
+        self._socket.setsockopt(zmq.IPV6, 1)
         self._socket.connect(f"tcp://{address}")
         self._payload = payload
         self._interval_s = interval_s

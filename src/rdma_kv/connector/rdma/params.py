@@ -256,8 +256,19 @@ def _field_error(field: str, value: Any, expected: str) -> ConfigError:
     return ConfigError(f"kv_transfer_params[{field!r}] must be {expected}, got {shown}")
 
 
+def _whole(value: Any) -> Any:
+    """A float that is a whole number below 2**53 as that integer (a
+    protobuf ``Struct``, as gRPC P/D workers carry params, has only
+    doubles: 5600 arrives as 5600.0); any other value as it is. Exact: a
+    double holds every integer below 2**53, and the lease's token covers
+    the integers it was issued for."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2.0 ** 53:
+        return int(value)
+    return value
+
+
 def _int(params: Mapping[str, Any], field: str, lo: int, hi: int) -> int:
-    value = params.get(field)
+    value = _whole(params.get(field))
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise _field_error(field, value, f"an integer in [{lo}, {hi}]")
     return value
@@ -314,12 +325,12 @@ def _block_id_groups(ids: Any) -> GroupBlockIds:
         if not isinstance(group, (list, tuple)):
             raise _field_error("remote_block_ids", ids, "a flat list of block ids or a list of lists, "
                                                         "not a mix of both")
-        for value in group:
+        for value in map(_whole, group):
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 32:
                 raise _field_error("remote_block_ids", ids, "integers in [0, 2**32)")
     if not any(groups):
         raise _field_error("remote_block_ids", ids, expected)
-    return tuple(tuple(BlockId(b) for b in group) for group in groups)
+    return tuple(tuple(BlockId(_whole(b)) for b in group) for group in groups)
 
 
 def parse_kv_transfer_params(
