@@ -22,12 +22,10 @@ retrying is safe. After a failed call the client fails fast for
 ``down_s``: a dead peer must not tie up every RPC thread in connect
 timeouts. An attempt that times out (the connect, or the peer's answer:
 a producer that accepts and never answers, stopped or starved of CPU, or
-an address that drops what is sent to it) is retried once if the peer's
-last attempt was answered (a producer starved of CPU for a while on a
-loaded host), else not: the client is down from then on, so the calls
-queued for it fail fast instead of each waiting ``rpc_timeout_s`` x
-(``retries`` + 1) (a stall is not a refused connect, over in
-microseconds, which the retries are for).
+an address that drops what is sent to it) marks the client not
+``answering``, which the consumer's pool caps (``consumer.clients``); it
+is retried as any failure is (a producer starved of CPU a while on a
+loaded host answers the next attempt).
 
 One call at a time per connection (request, then its reply). A call that
 must not wait behind another (``urgent``: a RENEW, whose lease lapses if it
@@ -366,11 +364,7 @@ class SideChannelClient:
                 conn.drop()
                 attempts += 1
                 if isinstance(exc, TimeoutError):
-                    answered, self.answering = self.answering, False
-                    if not answered or attempts > self._retries:
-                        break  # never answered, or stalled twice in a row: down now (module docstring)
-                    time.sleep(_pause(self._backoff_s, attempts - 1))
-                    continue  # it answered before: one stall (a producer starved of CPU a while) is retried once
+                    self.answering = False  # (the pool caps the calls to it from now on)
                 if not self._retries or (attempts > self._retries and not (
                         _link_down(exc) and time.monotonic() - start < self._connect_timeout_s)):
                     break

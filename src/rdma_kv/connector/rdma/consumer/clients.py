@@ -21,9 +21,9 @@ pool isolates addresses from one another, on either set of threads:
   after another, each as a job of its own; a call submitted while one is
   in flight waits in the address's queue, not on a thread. A producer rank
   that accepts connections and never answers (stopped, its side channel
-  starved of CPU) holds one thread, for one attempt (the client then fails
-  fast for ``down_s``: ``sideclient``), and the calls queued behind it
-  fail fast in turn; before, each waited for the client's connection on a
+  starved of CPU) holds one thread, for one call's attempts (the client
+  then fails fast for ``down_s``: ``sideclient``), and the calls queued
+  behind it fail fast in turn; before, each waited for the client's connection on a
   thread of its own, and four of them held every thread: a CONFIRM to a
   healthy producer waited 6 s behind four RELEASEs to a stalled rank.
 - **strangers are capped**: calls to addresses not answering (no client
@@ -33,7 +33,7 @@ pool isolates addresses from one another, on either set of threads:
   rank of a stopped TP engine) run at most :func:`strangers` at once, half
   the threads, so that the others remain for producers that answer. Four
   handshakes to ports that accept and never answer held every thread for
-  15 s.
+  15 s. A parked call starts as soon as its address answers (``_unpark``).
 
 Imports the standard library and the connector's ``sideclient``.
 """
@@ -108,6 +108,7 @@ class ClientPool:
         with self._lock:
             if self._closed:
                 return False
+            self._unpark(lane)
             if to is None:
                 return self._start(lane, None, (fn, args), False)
             queue = lane.queues.get(to)
@@ -134,6 +135,20 @@ class ClientPool:
             return True
         return self._start(lane, address, job, stranger)
 
+    def _unpark(self, lane: _Lane) -> None:
+        """Start the parked calls whose address answers now (lock held): a
+        call parked while its producer had not answered yet (a load's first
+        RENEW, sent beside its handshake) held every later call to that
+        address in the queue behind it, its read pin too, until a stranger's
+        call ended (found by an adversarial review)."""
+        if not lane.parked:
+            return
+        keep: collections.deque[tuple[Address, Job]] = collections.deque()
+        for address, job in lane.parked:
+            if self._stranger(address) or not self._start(lane, address, job, False):
+                keep.append((address, job))
+        lane.parked = keep
+
     def _start(self, lane: _Lane, address: Address | None, job: Job, stranger: bool) -> bool:
         try:
             lane.executor.submit(self._run, lane, address, job, stranger)
@@ -158,6 +173,7 @@ class ClientPool:
                     queue = lane.queues[address]
                     if not queue or not self._dispatch(lane, address, queue.popleft()):
                         del lane.queues[address]  # nothing left (or closing: what waits is dropped)
+                self._unpark(lane)
                 while lane.parked and lane.strangers < lane.limit:
                     parked, next_job = lane.parked.popleft()
                     if not self._dispatch(lane, parked, next_job):
