@@ -83,3 +83,40 @@ def test_express_is_a_boolean_setting_that_reaches_the_agent():
         assert agent._core.config.express
     finally:
         agent.close()
+
+
+def consumer_settings(**extra):
+    return RdmaSettings.from_config(KVTransferConfig(kv_connector="RdmaKVConnector", kv_role="kv_consumer",
+                                                     kv_connector_extra_config=extra))
+
+
+@pytest.mark.parametrize("extra, says", [
+    # NaN (Python's json reads it): every comparison false, so renewals were never due again
+    ({"renew_interval_s": float("nan")}, "renew_interval_s must be in"),
+    ({"read_timeout_s": float("nan")}, "read_timeout_s must be in"),
+    # past ~1e10 s a deadline overflows (OverflowError in the agent's C fields, in every handshake)
+    ({"read_timeout_s": 1e11}, r"read_timeout_s must be in \(0, 86400\]"),
+    ({"read_timeout_s": float("inf")}, "read_timeout_s must be in"),
+    ({"connect_timeout_s": 1e10}, "connect_timeout_s must be in"),
+    ({"rpc_timeout_s": 1e10}, "rpc_timeout_s must be in"),
+    ({"renew_interval_s": 1e12}, "renew_interval_s must be in"),
+    # each retry an attempt and a backoff on an RPC thread: 10**8 held one for hours
+    ({"rpc_retries": 10 ** 8}, r"rpc_retries must be in \[0, 10\]"),
+    ({"rpc_threads": 100000}, r"rpc_threads in \[1, 256\]"),
+    # a conversion or format spec passed the check of the names, then for_device raised a bare ValueError
+    ({"ucx_net_devices": "mlx5_{rank!x}:1"}, "without a conversion or format spec"),
+    ({"ucx_net_devices": "mlx5_{local_rank:q}:1"}, "without a conversion or format spec"),
+    ({"ucx_net_devices": "mlx5_{rank:>99999999999}:1"}, "without a conversion or format spec"),
+])
+def test_values_that_failed_later_are_refused_when_read(extra, says):
+    """Found by an adversarial review of the configuration: each was
+    accepted (``rdma-kv info --config`` said so) and failed, or never
+    worked, at run time."""
+    with pytest.raises(ConfigError, match=says):
+        consumer_settings(**extra)
+
+
+def test_the_bounds_themselves_are_accepted():
+    s = consumer_settings(read_timeout_s=86400.0, renew_interval_s=0.0, rpc_retries=10, rpc_threads=256,
+                          ucx_net_devices="mlx5_{local_rank}:1")
+    assert s.read_timeout_s == 86400.0 and s.rpc_retries == 10 and s.rpc_threads == 256

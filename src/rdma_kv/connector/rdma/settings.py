@@ -52,6 +52,17 @@ consumer on a loaded host."""
 
 MAX_LEASE_TTL_S = 86400.0
 
+MAX_TIMEOUT_S = 86400.0
+"""The longest timeout or interval a setting may name: past ~1e10 s a
+deadline overflows the clocks and C fields it is kept in (an
+``OverflowError`` in every handshake), and long before that a dead
+producer would never be detected."""
+
+MAX_RPC_RETRIES = 10
+"""Each retry is an attempt and a backoff on an RPC thread."""
+
+MAX_RPC_THREADS = 256
+
 
 @dataclasses.dataclass(frozen=True)
 class RdmaSettings:
@@ -251,18 +262,22 @@ class RdmaSettings:
                               f"got {self.lease_ttl_s}")
         for name in ("lease_max_s", "read_timeout_s", "load_timeout_s", "connect_timeout_s",
                      "rpc_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.renew_interval_s < 0:
-            raise ConfigError(f"renew_interval_s must be >= 0, got {self.renew_interval_s}")
+            # (written so that NaN fails too; the bound: past it a deadline overflows the
+            # clocks and C fields it is kept in, and a dead peer would never be detected)
+            if not 0 < getattr(self, name) <= MAX_TIMEOUT_S:
+                raise ConfigError(f"{name} must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {getattr(self, name)}")
+        if not 0 <= self.renew_interval_s <= MAX_TIMEOUT_S:  # (NaN: never renewed, every lease lapsed)
+            raise ConfigError(f"renew_interval_s must be in [0, {MAX_TIMEOUT_S:g}] seconds (0: from the lease's "
+                              f"TTL), got {self.renew_interval_s}")
         if not 0 <= self.idle_wait_s <= 1:
             raise ConfigError(f"idle_wait_s must be in [0, 1] seconds (0: never wait), got {self.idle_wait_s}")
         if self.side_channel_max_connections and self.side_channel_max_connections < 64:
             raise ConfigError(f"side_channel_max_connections must be 0 (sized from the file-descriptor "
                               f"limit) or at least 64 (the budget of connections not yet authenticated), "
                               f"got {self.side_channel_max_connections}")
-        if self.rpc_retries < 0 or self.rpc_threads < 1:
-            raise ConfigError("rpc_retries must be >= 0 and rpc_threads >= 1")
+        if not 0 <= self.rpc_retries <= MAX_RPC_RETRIES or not 1 <= self.rpc_threads <= MAX_RPC_THREADS:
+            raise ConfigError(f"rpc_retries must be in [0, {MAX_RPC_RETRIES}] and rpc_threads in "
+                              f"[1, {MAX_RPC_THREADS}], got {self.rpc_retries} and {self.rpc_threads}")
         if not 1 <= self.lanes <= MAX_LANES:
             raise ConfigError(f"lanes must be 1..{MAX_LANES}, got {self.lanes}")
         if isinstance(self.ucx_net_devices, Mapping):
@@ -336,6 +351,10 @@ def _net_devices(value: Any, ucx_options: Mapping[str, str]) -> str | dict[int, 
         if not value.strip() or not fields <= {"rank", "local_rank"}:
             raise ConfigError(f"ucx_net_devices template {value!r} may name only {{rank}} and {{local_rank}} "
                               '(e.g. "mlx5_{local_rank}:1")')
+        if any(spec or conversion for _, name, spec, conversion in string.Formatter().parse(value)
+               if name is not None):
+            raise ConfigError(f"ucx_net_devices template {value!r}: write {{rank}} and {{local_rank}} plainly, "
+                              'without a conversion or format spec (e.g. "mlx5_{local_rank}:1")')
         return value
     if isinstance(value, Mapping):
         out: dict[int, str] = {}
