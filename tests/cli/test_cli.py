@@ -76,6 +76,30 @@ def test_demo_help_lists_the_transport_mode(capsys):
     assert exited.value.code == 0 and "--transport" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--block-size", "0"], "--block-size must be >= 1, got 0"),  # was a ZeroDivisionError traceback
+    (["--concurrency", "0"], "--concurrency must be >= 1, got 0"),  # was a 2.5 min wait, then "did not finish"
+    (["--min-tokens", "100", "--max-tokens", "50"], "--min-tokens 100 exceeds --max-tokens 50"),  # numpy's low >= high
+    # was the right ConfigError, inside two engine processes' tracebacks
+    (["--extra-config", '{"lease_ttl": 5}'], "--extra-config: RdmaKVConnector: unknown kv_connector_extra_config key"),
+    (["--extra-config", '{"rpc_retries": 100}'], "--extra-config: rpc_retries must be in"),
+])
+def test_demo_refuses_bad_arguments_before_it_starts_anything(capsys, argv, says):
+    """Found by an adversarial review of the CLI: each ended in a traceback
+    or a long wait; now a usage error (exit 2) that names the argument."""
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", *argv])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and says in err and "Traceback" not in err
+
+
+def test_selftest_refuses_a_timeout_past_a_day(capsys):
+    """A --timeout of 1e300 was reported as "FAIL host.read OverflowError"
+    (exit 1), blaming the host for a bad argument."""
+    code = main(["selftest", "--quick", "--timeout", "1e300"])
+    assert code == 2 and "--timeout must be in (0, 86400] seconds" in capsys.readouterr().err
+
+
 def test_bench_rejects_unknown_peer(capsys):
     assert main(["bench", "--vs", "mooncake", "--reps", "1"]) == 2
     assert "unknown; valid: nixl" in capsys.readouterr().err

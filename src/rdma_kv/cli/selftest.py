@@ -51,8 +51,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.rank < 0 or (args.tp_size is not None and not 0 <= args.rank < args.tp_size):
         raise ConfigError(f"--rank {args.rank} must be in [0, --tp-size)")
-    if args.timeout is not None and not args.timeout > 0:
-        raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.timeout is not None and not 0 < args.timeout <= 86400:
+        raise ConfigError(f"--timeout must be in (0, 86400] seconds, got {args.timeout}")
     settings = None
     if args.config:
         from rdma_kv.cli.info import load_settings

@@ -26,6 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from rdma_kv.connector.config import KVTransferConfig
+from rdma_kv.connector.rdma.settings import RdmaSettings
+from rdma_kv.errors import ConfigError
 from rdma_kv.harness.engine import ModelShape
 from rdma_kv.harness.process import EngineProcess, HarnessError
 
@@ -136,6 +139,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.transport:
         parser.error("--transport is the other mode of `rdma-kv demo`: run `rdma-kv demo --transport`")
+    for name in ("requests", "concurrency", "min_tokens", "max_tokens", "layers", "kv_heads", "head_size",
+                 "block_size", "num_blocks"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.min_tokens > args.max_tokens:
+        parser.error(f"--min-tokens {args.min_tokens} exceeds --max-tokens {args.max_tokens}")
+    for role in ("kv_producer", "kv_consumer"):  # a bad --extra-config said here, not in two engines' tracebacks
+        try:
+            RdmaSettings.from_config(KVTransferConfig.from_dict(_config(role, "check", args.ucx_tls,
+                                                                        args.extra_config)))
+        except ConfigError as exc:
+            parser.error(f"--extra-config: {exc}")
     entropy = np.random.SeedSequence().entropy
     assert isinstance(entropy, int)
     seed = args.seed if args.seed is not None else entropy % (2**32)
