@@ -242,3 +242,25 @@ def test_push_records_round_trip_and_reach_prometheus():
     assert samples("rdma_kv_push_overlap_ratio_bucket", {"le": "0.0"}) == 1
     assert samples("rdma_kv_push_overlap_ratio_bucket", {"le": "0.75"}) == 1
     assert samples("rdma_kv_push_overlap_ratio_bucket", {"le": "0.9"}) == 2
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"requests": [{"request_id": "r", "ok": "false", "total_s": 1.0}]}, "load record ok"),
+    ({"requests": [{"request_id": "r", "ok": True, "total_s": 1.0, "nbytes": 2.9}]}, "load record nbytes"),
+    ({"requests": [{"request_id": 3, "ok": True, "total_s": 1.0}]}, "load record request_id"),
+    ({"requests": [{"request_id": "r", "ok": True, "total_s": "1.0"}]}, "load record total_s"),
+    ({"totals": {"nbytes": "7"}}, "totals nbytes"),
+    ({"totals": {"leases_granted": 2.9}}, "totals leases_granted"),
+    ({"totals": {"handshakes": True}}, "totals handshakes"),
+    ({"totals": {"transfer_s": "0.5"}}, "totals transfer_s"),
+    ({"leases_held": "3"}, "leases_held"),
+    ({"resources": {"peers": 1.5}}, "resources peers"),
+    ({"pushes": [{"request_id": "p", "outcome": "done", "nbytes": "10"}]}, "push record nbytes"),
+])
+def test_the_dict_form_is_parsed_strictly_never_coerced(data, field):
+    """A value of the wrong type is refused, naming its field: before, "ok": "false"
+    parsed as a successful load and counters "7" or 2.9 as 7 and 2."""
+    with pytest.raises(TypeError, match=re.escape(field)):
+        WorkerStats.from_dict(data)
+    # ints where a float is expected are numbers, not a type error
+    assert WorkerStats.from_dict({"totals": {"transfer_s": 1}}).totals.transfer_s == 1.0

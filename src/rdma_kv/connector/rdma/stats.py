@@ -32,7 +32,9 @@ appears only at the boundary, where counters are flattened into their
 names (``leases_granted``...): :meth:`WorkerStats.to_dict` is what
 ``get_kv_connector_stats()`` returns (and vLLM carries as
 ``KVConnectorStats.data``); :meth:`WorkerStats.from_dict` parses it back,
-refusing keys it does not know.
+refusing keys it does not know and values of the wrong type (a ``TypeError``
+naming the field: no coercion, so ``"ok": "false"`` is not a success and a
+counter ``"7"`` or ``2.9`` is not a count).
 
 :class:`LoadStats` is the consumer's accumulator. Not thread-safe:
 the consumer calls it under its lock.
@@ -53,6 +55,45 @@ __all__ = ["MAX_RECORDS", "ConsumerCounters", "Counters", "LeaseCounters", "Load
 MAX_RECORDS = 10_000
 """Per-request records kept until collected, and across merges; beyond it
 the oldest are dropped (the totals still count them)."""
+
+
+def _int(where: str, value: Any) -> int:
+    """``value`` if it is an int (not a bool); else a ``TypeError`` naming ``where``.
+    The dict form crosses processes: a string or a fraction there is a bug upstream, never coerced."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{where}: expected an int, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _float(where: str, value: Any) -> float:
+    """``value`` as a float if it is a real number (an int or a float, not a bool); else a ``TypeError``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _str(where: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{where}: expected a str, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _bool(where: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}: expected a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _mapping(where: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _list(where: str, value: Any) -> list[Any] | tuple[Any, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -143,10 +184,14 @@ class LoadRecord(LoadMeasures):
         unknown = set(data) - _RECORD_KEYS
         if unknown:
             raise ValueError(f"unknown load record key(s) {sorted(unknown)}; valid: {sorted(_RECORD_KEYS)}")
-        measured: dict[str, Any] = {name: (int(data[name]) if name in _INT_FIELDS else float(data[name]))
-                                    for name in _MEASURED if data.get(name) is not None}
-        return cls(request_id=str(data.get("request_id", "")), ok=bool(data.get("ok")),
-                   total_s=float(data.get("total_s", 0.0)), error=data.get("error") or None, **measured)
+        measured: dict[str, Any] = {
+            name: (_int if name in _INT_FIELDS else _float)(f"load record {name}", data[name])
+            for name in _MEASURED if data.get(name) is not None}
+        error = data.get("error")
+        return cls(request_id=_str("load record request_id", data.get("request_id", "")),
+                   ok=_bool("load record ok", data.get("ok", False)),
+                   total_s=_float("load record total_s", data.get("total_s", 0.0)),
+                   error=None if error is None else _str("load record error", error) or None, **measured)
 
 
 _RECORD_KEYS = frozenset(f.name for f in dataclasses.fields(LoadRecord))
@@ -180,9 +225,11 @@ class PushRecord:
         unknown = set(data) - _PUSH_KEYS
         if unknown:
             raise ValueError(f"unknown push record key(s) {sorted(unknown)}; valid: {sorted(_PUSH_KEYS)}")
-        return cls(request_id=str(data.get("request_id", "")), outcome=str(data.get("outcome", "")),
-                   nbytes=int(data.get("nbytes", 0)), overlapped_nbytes=int(data.get("overlapped_nbytes", 0)),
-                   total_s=float(data.get("total_s", 0.0)))
+        return cls(request_id=_str("push record request_id", data.get("request_id", "")),
+                   outcome=_str("push record outcome", data.get("outcome", "")),
+                   nbytes=_int("push record nbytes", data.get("nbytes", 0)),
+                   overlapped_nbytes=_int("push record overlapped_nbytes", data.get("overlapped_nbytes", 0)),
+                   total_s=_float("push record total_s", data.get("total_s", 0.0)))
 
 
 _PUSH_KEYS = frozenset(f.name for f in dataclasses.fields(PushRecord))
@@ -228,7 +275,8 @@ class Counters:
     @classmethod
     def parse(cls: type[C], data: Mapping[str, Any]) -> C:
         """The counters among ``data``'s flat names (absent ones are 0)."""
-        return cls(*(int(data.get(cls.PREFIX + f.name, 0)) for f in dataclasses.fields(cls)))
+        return cls(*(_int(f"totals {cls.PREFIX + f.name}", data.get(cls.PREFIX + f.name, 0))
+                     for f in dataclasses.fields(cls)))
 
 
 class Tally(Generic[C]):
@@ -411,7 +459,8 @@ class Totals:
         unknown = set(data) - _TOTAL_KEYS
         if unknown:
             raise ValueError(f"unknown totals key(s) {sorted(unknown)}; valid: {sorted(_TOTAL_KEYS)}")
-        numbers: dict[str, Any] = {name: (float if name in _FLOATS else int)(data.get(name, 0)) for name in _NUMBERS}
+        numbers: dict[str, Any] = {name: (_float if name in _FLOATS else _int)(f"totals {name}", data.get(name, 0))
+                                   for name in _NUMBERS}
         return cls(**numbers, consumer=ConsumerCounters.parse(data), leases=LeaseCounters.parse(data),
                    push=PushCounters.parse(data))
 
@@ -450,10 +499,14 @@ class WorkerStats:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> WorkerStats:
         resources = data.get("resources")
-        return cls(tuple(LoadRecord.from_dict(r) for r in data.get("requests", ())),
-                   Totals.from_dict(data.get("totals") or {}), int(data.get("leases_held", 0)),
-                   None if resources is None else {k: int(v) for k, v in resources.items()},
-                   tuple(PushRecord.from_dict(p) for p in data.get("pushes", ())))
+        return cls(tuple(LoadRecord.from_dict(_mapping("load record", r))
+                         for r in _list("requests", data.get("requests", ()))),
+                   Totals.from_dict(_mapping("totals", data.get("totals") or {})),
+                   _int("leases_held", data.get("leases_held", 0)),
+                   None if resources is None else {_str("resources key", k): _int(f"resources {k}", v)
+                                                   for k, v in _mapping("resources", resources).items()},
+                   tuple(PushRecord.from_dict(_mapping("push record", p))
+                         for p in _list("pushes", data.get("pushes", ()))))
 
 
 def merge(parts: Iterable[WorkerStats | None]) -> WorkerStats | None:
