@@ -264,3 +264,46 @@ def test_the_dict_form_is_parsed_strictly_never_coerced(data, field):
         WorkerStats.from_dict(data)
     # ints where a float is expected are numbers, not a type error
     assert WorkerStats.from_dict({"totals": {"transfer_s": 1}}).totals.transfer_s == 1.0
+
+
+def _rank(rank, leases, counters=None, **resources):
+    """One TP rank's report as its worker sends it: gauges by rank."""
+    return WorkerStats(totals=Totals.from_dict(counters or {}), leases_held=leases, resources=resources,
+                       by_rank={rank: {"leases_held": leases, **resources}}).to_dict()
+
+
+def test_gauges_sum_each_ranks_last_value_across_steps():
+    """A gauge is a value now: exported as the sum over the TP ranks of each
+    rank's last report. Before, it was set from the sum over the ranks that
+    reported in the step: a rank steadily holding 3 leases returns no stats
+    (its gauges did not move) and vanished from rdma_kv_leases_held."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    pm = metrics.PrometheusMetrics(registry=registry, labelnames=["engine"], labelvalues=["0"])
+    tm = TransferMetrics()
+    steps = [merge_stats([_rank(0, 2, peers=1), _rank(1, 3, peers=2)]),
+             merge_stats([_rank(0, 3, {"leases_granted": 1}, peers=1), None]),  # rank 1 unchanged: None
+             merge_stats([None, _rank(1, 0, peers=0)])]  # rank 1 let go of everything
+    expected = [(5, 3), (6, 3), (3, 1)]
+    for step, (leases, peers) in zip(steps, expected):
+        pm.observe(step)
+        tm.observe(step)
+        assert registry.get_sample_value("rdma_kv_leases_held", {"engine": "0"}) == leases
+        assert registry.get_sample_value("rdma_kv_resource", {"engine": "0", "resource": "peers"}) == peers
+        assert tm.snapshot()["gauges"] == {"leases_held": leases, "peers": peers}
+    # another engine's ranks are its own
+    pm.observe(_rank(0, 7), labelvalues=["1"])
+    assert registry.get_sample_value("rdma_kv_leases_held", {"engine": "1"}) == 7
+    assert registry.get_sample_value("rdma_kv_leases_held", {"engine": "0"}) == 3
+
+
+def test_merging_a_ranks_later_report_keeps_its_latest_gauges():
+    """Two intervals of one rank (vLLM's logger aggregates across steps): the
+    later gauges, not their sum; two ranks: summed, in either order."""
+    later = merge_stats([_rank(0, 2, peers=1), _rank(0, 4, peers=1)])
+    assert later["leases_held"] == 4 and later["resources"] == {"peers": 1}
+    a, b = _rank(0, 2, {"leases_granted": 1}), _rank(1, 3, peers=2)
+    for parts in ((a, b), (b, a)):
+        merged = merge_stats(parts)
+        assert merged["leases_held"] == 5 and merged["resources"] == {"peers": 2}
+        assert WorkerStats.from_dict(merged).to_dict() == merged

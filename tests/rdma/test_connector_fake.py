@@ -302,6 +302,8 @@ def test_gauges_are_reported_when_they_move_without_an_event(pair, monkeypatch):
     monkeypatch.setattr(worker, "resources", lambda: {**held, "pushes_running": 1})
     stats = worker.stats()
     assert stats is not None and stats.resources["pushes_running"] == 1 and not stats.totals.events()
+    # the gauges by TP rank too: where they are exported, a rank that later reports nothing keeps its value
+    assert stats.by_rank == {worker._settings.tp_rank: {"leases_held": stats.leases_held, **stats.resources}}
     assert worker.stats() is None, "the same gauges were reported twice"
     monkeypatch.setattr(worker, "resources", lambda: {**held, "pushes_running": 0})
     stats = worker.stats()

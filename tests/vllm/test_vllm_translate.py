@@ -147,6 +147,29 @@ def test_stats_aggregate_and_reduce() -> None:
     assert push.reduce()["pushes"] == 2 and push.reduce()["push_overlap"] == 0.75
 
 
+def test_a_ranks_gauge_only_report_is_not_empty_nor_dropped() -> None:
+    """A worker reports its gauges when they move, with no event (worker.stats()):
+    such a report is not empty, so vLLM's aggregation across TP ranks
+    (KVOutputAggregator: aggregated.aggregate(rank_stats)) and its scheduler
+    keep it. Before, is_empty() ignored the gauges: rank0.aggregate(rank1)
+    dropped rank 1's 3 leases (2, not 5; 5 the other way round)."""
+    from rdma_kv.connector.rdma.stats import LeaseCounters, Totals, WorkerStats
+
+    def rank(r: int, held: int, totals: Totals = Totals(), **resources: int) -> dict:
+        return WorkerStats(totals=totals, leases_held=held, resources=resources,
+                           by_rank={r: {"leases_held": held, **resources}}).to_dict()
+
+    rank0 = rank(0, 2, Totals(leases=LeaseCounters(granted=1)), leases=2)
+    rank1 = rank(1, 3, leases=3, held_blocks=12)
+    assert not RdmaKVConnectorStats(data=rank1).is_empty()
+    assert not RdmaKVConnectorStats(data=rank(1, 0, leases=0)).is_empty()  # all let go: still news
+    for first, second in ((rank0, rank1), (rank1, rank0)):
+        merged = RdmaKVConnectorStats(data=dict(first)).aggregate(RdmaKVConnectorStats(data=dict(second)))
+        assert merged.data["leases_held"] == 5
+        assert merged.data["resources"] == {"leases": 5, "held_blocks": 12}
+        assert merged.reduce()["leases_held"] == 5
+
+
 def test_import_rdma_kv_does_not_import_vllm_nor_start_anything() -> None:
     code = ("import sys, threading, rdma_kv, rdma_kv.connector, rdma_kv.transport\n"
             "assert 'vllm' not in sys.modules\n"

@@ -49,13 +49,19 @@ class RdmaKVConnectorStats(KVConnectorStats):
         self._typed = None
 
     def is_empty(self) -> bool:
+        """No record, no count and no gauge: a worker's gauge-only report (its
+        leases or resources moved) is not empty, else ``aggregate`` and vLLM's
+        scheduler would drop that rank's gauges."""
         typed = self._parsed()
-        return not typed.requests and not typed.pushes and not any(typed.totals.to_dict().values())
+        return (not typed.requests and not typed.pushes and not any(typed.totals.to_dict().values())
+                and not typed.carries_gauges())
 
     def aggregate(self, other: KVConnectorStats) -> RdmaKVConnectorStats:
         """Fold ``other`` (another worker, or a later interval) in with the
         connector's one merge: records concatenated (the newest
-        ``MAX_RECORDS`` kept), totals, leases held and resources summed."""
+        ``MAX_RECORDS`` kept), totals summed, gauges kept per TP rank (the
+        later report's for a rank in both) and leases held and resources
+        summed over the ranks."""
         if not isinstance(other, RdmaKVConnectorStats):
             raise TypeError(f"cannot aggregate {type(other).__name__} into RdmaKVConnectorStats")
         if other.is_empty():
@@ -79,6 +85,8 @@ class RdmaKVConnectorStats(KVConnectorStats):
             "ops_posted": totals.ops_posted,
             "handshakes": totals.consumer.handshakes,
         }
+        if typed.carries_gauges():
+            out["leases_held"] = typed.leases_held
         for name, values in (("transfer", [r.transfer_s for r in ok]), ("total", [r.total_s for r in ok])):
             measured = [v for v in values if v is not None]
             if measured:

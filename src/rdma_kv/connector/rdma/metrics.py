@@ -43,7 +43,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rdma_kv.connector.rdma.stats import LoadRecord, WorkerStats, merge
+from rdma_kv.connector.rdma.stats import LoadRecord, WorkerStats, held_by_rank, merge
 
 __all__ = [
     "BYTES_BUCKETS",
@@ -215,6 +215,7 @@ class TransferMetrics:
         self.bytes_skipped_total = 0
         self.events: dict[str, int] = {}
         self.gauges: dict[str, int] = {}
+        self._by_rank: dict[int, Mapping[str, int]] = {}
 
     def observe(self, stats: WorkerStats | Mapping[str, Any] | None) -> None:
         """Fold one worker summary in: a :class:`WorkerStats` or its dict
@@ -236,7 +237,7 @@ class TransferMetrics:
                     logger.debug("%s", _debug_line(record, values))
             for name, n in typed.totals.events().items():
                 self.events[name] = self.events.get(name, 0) + n
-            self.gauges.update(gauges(typed))
+            self.gauges.update(_latest(self._by_rank, typed))
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -268,6 +269,18 @@ def gauges(stats: WorkerStats) -> dict[str, int]:
     return {"leases_held": stats.leases_held, **(stats.resources or {})}
 
 
+def _latest(last: dict[int, Mapping[str, int]], stats: WorkerStats) -> dict[str, int]:
+    """The gauges to export after ``stats``: with gauges by rank, ``last``
+    (each rank's last reported gauges, updated here) summed over the ranks,
+    so that a rank that did not report this time (its gauges did not move:
+    its stats were None) still counts; without, :func:`gauges` as they are."""
+    if not stats.by_rank:
+        return gauges(stats)
+    last.update(stats.by_rank)
+    leases_held, resources = held_by_rank(last)
+    return {"leases_held": leases_held, **resources}
+
+
 def merge_stats(parts: Iterable[WorkerStats | Mapping[str, Any] | None]) -> dict[str, Any] | None:
     """Several workers' ``get_kv_connector_stats()`` dicts as one, in the
     same form: :func:`~rdma_kv.connector.rdma.stats.merge` (records
@@ -286,6 +299,11 @@ class PrometheusMetrics:
         {prefix}_skipped_bytes_total                                           counters
         {prefix}_events_total{event="handshakes"|"loads_failed"|...}            counter
         {prefix}_leases_held, {prefix}_resource{resource=...}                   gauges
+
+    The gauges are set to the sum over an engine's TP ranks of each rank's
+    last reported value (``WorkerStats.by_rank``, kept here per label
+    values): vLLM sums the reports of the ranks that returned stats in a
+    step, and a rank whose gauges did not move returns none.
 
     ``labelnames``/``labelvalues`` are added to every series (e.g. engine,
     tp_rank). ``counter_cls``/``histogram_cls``/``gauge_cls`` default to
@@ -311,6 +329,8 @@ class PrometheusMetrics:
         self._labels = [str(v) for v in labelvalues]
         self._observing = self._labels
         self._lock = threading.Lock()
+        self._by_rank: dict[tuple[str, ...], dict[int, Mapping[str, int]]] = {}
+        """Per label values (an engine), each rank's last reported gauges."""
         kw = {"registry": registry} if registry is not None else {}
         names = list(labelnames)
 
@@ -387,7 +407,7 @@ class PrometheusMetrics:
                                ("aborted", push.loads_aborted)):
                 if n > 0:
                     self._child(self.pushed_loads, outcome).inc(n)
-            for name, value in gauges(typed).items():
+            for name, value in _latest(self._by_rank.setdefault(tuple(labels), {}), typed).items():
                 if name == "leases_held":
                     self._child(self.leases_held).set(value)
                 else:

@@ -50,7 +50,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
 __all__ = ["MAX_RECORDS", "ConsumerCounters", "Counters", "LeaseCounters", "LoadMeasures", "LoadRecord",
-           "LoadStats", "PushCounters", "PushRecord", "Tally", "Totals", "WorkerStats", "merge"]
+           "LoadStats", "PushCounters", "PushRecord", "Tally", "Totals", "WorkerStats", "held_by_rank", "merge"]
 
 MAX_RECORDS = 10_000
 """Per-request records kept until collected, and across merges; beyond it
@@ -484,9 +484,18 @@ class WorkerStats:
     resources: Mapping[str, int] | None = None
     pushes: tuple[PushRecord, ...] = ()
     """Pushes this producer rank resolved (mode push)."""
+    by_rank: Mapping[int, Mapping[str, int]] | None = None
+    """The gauges (``leases_held`` and the resources) of each worker this
+    summary covers, by its TP rank, as the rank last reported them. A worker
+    reports them with every summary it returns; ``leases_held`` and
+    ``resources`` are their sums. A gauge is a value now, not a count: a
+    merge keeps each rank's latest (the later part's), and whoever exports
+    it keeps the last value of every rank, since a rank whose gauges did not
+    move returns no stats (:func:`held_by_rank`)."""
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"requests": [...], "totals": {...}, "leases_held": n[, "resources": {...}][, "pushes": [...]]}``:
+        """``{"requests": [...], "totals": {...}, "leases_held": n[, "resources": {...}][, "pushes": [...]]
+        [, "by_rank": {"<tp_rank>": {"leases_held": n, <resource>: n, ...}}]}``:
         what ``get_kv_connector_stats()`` returns and vLLM carries."""
         out: dict[str, Any] = {"requests": [r.to_dict() for r in self.requests],
                                "totals": self.totals.to_dict(), "leases_held": self.leases_held}
@@ -494,11 +503,18 @@ class WorkerStats:
             out["resources"] = dict(self.resources)
         if self.pushes:
             out["pushes"] = [p.to_dict() for p in self.pushes]
+        if self.by_rank is not None:
+            out["by_rank"] = {str(rank): dict(held) for rank, held in self.by_rank.items()}
         return out
+
+    def carries_gauges(self) -> bool:
+        """Whether this summary reports gauges (a worker's always does, even all zero)."""
+        return bool(self.by_rank) or self.resources is not None or self.leases_held != 0
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> WorkerStats:
         resources = data.get("resources")
+        by_rank = data.get("by_rank")
         return cls(tuple(LoadRecord.from_dict(_mapping("load record", r))
                          for r in _list("requests", data.get("requests", ()))),
                    Totals.from_dict(_mapping("totals", data.get("totals") or {})),
@@ -506,13 +522,36 @@ class WorkerStats:
                    None if resources is None else {_str("resources key", k): _int(f"resources {k}", v)
                                                    for k, v in _mapping("resources", resources).items()},
                    tuple(PushRecord.from_dict(_mapping("push record", p))
-                         for p in _list("pushes", data.get("pushes", ()))))
+                         for p in _list("pushes", data.get("pushes", ()))),
+                   None if by_rank is None else {_rank(k): _gauges(f"by_rank {k}", v)
+                                                 for k, v in _mapping("by_rank", by_rank).items()})
+
+
+def _rank(key: Any) -> int:
+    if isinstance(key, str) and key.isdigit():
+        return int(key)
+    return _int("by_rank key", key)
+
+
+def _gauges(where: str, value: Any) -> dict[str, int]:
+    return {_str(f"{where} key", k): _int(f"{where} {k}", v) for k, v in _mapping(where, value).items()}
+
+
+def held_by_rank(by_rank: Mapping[int, Mapping[str, int]]) -> tuple[int, dict[str, int]]:
+    """Leases held and resources summed over the ranks' gauges (a resource a
+    rank does not report counts 0 for it)."""
+    resources: collections.Counter[str] = collections.Counter()
+    for held in by_rank.values():
+        resources.update({name: n for name, n in held.items() if name != "leases_held"})
+    return sum(held.get("leases_held", 0) for held in by_rank.values()), dict(resources)
 
 
 def merge(parts: Iterable[WorkerStats | None]) -> WorkerStats | None:
     """Several summaries as one: records concatenated (each keeps its own
-    request id and timings; the newest :data:`MAX_RECORDS` kept), totals,
-    leases held and resources summed. None when every part is None."""
+    request id and timings; the newest :data:`MAX_RECORDS` kept), totals
+    summed; gauges (:attr:`WorkerStats.by_rank`) kept per rank, the later
+    part's for a rank in both (a later interval), and leases held and
+    resources their sum over the ranks. None when every part is None."""
     present = [p for p in parts if p is not None]
     if not present:
         return None
@@ -521,14 +560,25 @@ def merge(parts: Iterable[WorkerStats | None]) -> WorkerStats | None:
     records = [r for p in present for r in p.requests]
     totals = Totals()
     resources: collections.Counter[str] | None = None
+    leases_held = 0
+    by_rank: dict[int, Mapping[str, int]] | None = None
     for p in present:
         totals = totals + p.totals
+        if p.by_rank is not None:  # gauges by rank: each rank's latest, summed below
+            by_rank = {**(by_rank or {}), **p.by_rank}
+            continue
+        leases_held += p.leases_held  # a summary without ranks (built by hand): summed as it is
         if p.resources is not None:
             resources = resources or collections.Counter()
             resources.update(p.resources)
+    if by_rank is not None:
+        held, by_rank_resources = held_by_rank(by_rank)
+        leases_held += held
+        resources = resources or collections.Counter()
+        resources.update(by_rank_resources)
     pushes = [r for p in present for r in p.pushes]
-    return WorkerStats(tuple(records[-MAX_RECORDS:]), totals, sum(p.leases_held for p in present),
-                       None if resources is None else dict(resources), tuple(pushes[-MAX_RECORDS:]))
+    return WorkerStats(tuple(records[-MAX_RECORDS:]), totals, leases_held,
+                       None if resources is None else dict(resources), tuple(pushes[-MAX_RECORDS:]), by_rank)
 
 
 class LoadStats:

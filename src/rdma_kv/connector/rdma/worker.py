@@ -355,7 +355,10 @@ class RdmaWorker:
         if not records and not pushes and not totals.events() and held == self._reported:
             return None
         self._reported = held
-        return WorkerStats(records, totals, held[0], held[1], pushes)
+        # By TP rank: vLLM sums the ranks' reports of a step, and a rank that returned None keeps its
+        # last value where the gauges are exported (a gauge is a value, not a count: WorkerStats.by_rank).
+        return WorkerStats(records, totals, held[0], held[1], pushes,
+                           by_rank={self._settings.tp_rank: {"leases_held": held[0], **held[1]}})
 
     def resources(self) -> dict[str, int]:
         """What this worker holds now (leak checks): loads in flight, peers
