@@ -113,7 +113,7 @@ def test_the_share_is_configurable(share, expected):
 @pytest.mark.parametrize("extra, says", [
     ({"lease_max_share": 0}, "lease_max_share must be in (0, 1]"),
     ({"lease_max_share": 1.5}, "lease_max_share must be in (0, 1]"),
-    ({"lease_max_s": 0}, "lease_max_s must be > 0"),
+    ({"lease_max_s": 0}, "lease_max_s must be in (0, 86400] seconds"),  # (the message names the bound since d0260d1)
     # A consumer accepts no TTL under a second in kv_transfer_params, so a
     # producer grants none: its consumers would refuse every request.
     ({"lease_ttl_s": 0.5}, "lease_ttl_s must be in [1, 86400] seconds, got 0.5"),
