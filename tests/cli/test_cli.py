@@ -83,6 +83,8 @@ def test_demo_help_lists_the_transport_mode(capsys):
     # was the right ConfigError, inside two engine processes' tracebacks
     (["--extra-config", '{"lease_ttl": 5}'], "--extra-config: RdmaKVConnector: unknown kv_connector_extra_config key"),
     (["--extra-config", '{"rpc_retries": 100}'], "--extra-config: rpc_retries must be in"),
+    # the secret is loaded by each worker, not by the settings parser (a review of the first version)
+    (["--extra-config", '{"auth_secret_env": "RDMA_KV_TEST_NEVER_SET"}'], "--extra-config: "),
 ])
 def test_demo_refuses_bad_arguments_before_it_starts_anything(capsys, argv, says):
     """Found by an adversarial review of the CLI: each ended in a traceback

@@ -333,3 +333,15 @@ def test_stats_of_rdma_kv_under_vllms_multiconnector_reach_the_api_servers_logge
     logging = KVConnectorLogging(config)  # the API server's, fed what the engine core sends
     logging.observe(stats.to_dict())  # what the scheduler sends (SchedulerStats.kv_connector_stats)
     logging.log()
+
+
+def test_the_compatibility_class_still_pickles_by_reference() -> None:
+    """Its class name is RdmaKVConnector (above); its qualified name stays
+    its own, which pickle looks it up by (a review of the first version
+    set both, and pickling the class then found the parent)."""
+    import pickle
+
+    from rdma_kv.vllm import NixlConnector
+
+    assert NixlConnector.__name__ == "RdmaKVConnector"
+    assert pickle.loads(pickle.dumps(NixlConnector)) is NixlConnector

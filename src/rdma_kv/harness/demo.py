@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from rdma_kv.connector.config import KVTransferConfig
+from rdma_kv.connector.rdma import auth
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.errors import ConfigError
 from rdma_kv.harness.engine import ModelShape
@@ -147,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--min-tokens {args.min_tokens} exceeds --max-tokens {args.max_tokens}")
     for role in ("kv_producer", "kv_consumer"):  # a bad --extra-config said here, not in two engines' tracebacks
         try:
-            RdmaSettings.from_config(KVTransferConfig.from_dict(_config(role, "check", args.ucx_tls,
-                                                                        args.extra_config)))
+            settings = RdmaSettings.from_config(KVTransferConfig.from_dict(_config(role, "check", args.ucx_tls,
+                                                                                   args.extra_config)))
+            auth.load_secret(settings.auth_secret_env, settings.auth_secret_file)  # as each worker will
         except ConfigError as exc:
             parser.error(f"--extra-config: {exc}")
     entropy = np.random.SeedSequence().entropy

@@ -45,4 +45,4 @@ class NixlConnector(RdmaKVConnector):
     server's output handler); only frameworks read the config's name."""
 
 
-NixlConnector.__name__ = NixlConnector.__qualname__ = RdmaKVConnector.__name__
+NixlConnector.__name__ = RdmaKVConnector.__name__  # (not __qualname__: pickle finds the class by that)

@@ -25,7 +25,9 @@ a producer that accepts and never answers, stopped or starved of CPU, or
 an address that drops what is sent to it) marks the client not
 ``answering``, which the consumer's pool caps (``consumer.clients``); it
 is retried as any failure is (a producer starved of CPU a while on a
-loaded host answers the next attempt).
+loaded host answers the next attempt), once only for a peer that never
+answered (a port a client named that accepts and never answers holds a
+capped place for two attempts, not ``retries`` + 1).
 
 One call at a time per connection (request, then its reply). A call that
 must not wait behind another (``urgent``: a RENEW, whose lease lapses if it
@@ -364,7 +366,9 @@ class SideChannelClient:
                 conn.drop()
                 attempts += 1
                 if isinstance(exc, TimeoutError):
-                    self.answering = False  # (the pool caps the calls to it from now on)
+                    answered, self.answering = self.answering, False  # (the pool caps the calls to it now)
+                    if not answered and attempts > 1:
+                        break  # never answered: one retry (a first answer slow once), not a stranger's slot for long
                 if not self._retries or (attempts > self._retries and not (
                         _link_down(exc) and time.monotonic() - start < self._connect_timeout_s)):
                     break

@@ -173,7 +173,8 @@ class ClientPool:
                     queue = lane.queues[address]
                     if not queue or not self._dispatch(lane, address, queue.popleft()):
                         del lane.queues[address]  # nothing left (or closing: what waits is dropped)
-                self._unpark(lane)
+                for each in (self._calls, self._renewals):  # (a handshake on one makes its producer answer
+                    self._unpark(each)                         # for the calls parked on the other)
                 while lane.parked and lane.strangers < lane.limit:
                     parked, next_job = lane.parked.popleft()
                     if not self._dispatch(lane, parked, next_job):
