@@ -96,6 +96,8 @@ def test_prefill_request_shapes_routers_send():
     ({"remote_host": "\ud800.example"}, "remote_host"),
     ({"transfer_id": "t\ud800"}, "transfer_id"),
     ({"tp_size": 0}, "tp_size"),
+    # rank r's side channel is remote_port + r: past 65535 the consumer dialled a wrapped port
+    ({"remote_port": 65535, "tp_size": 2}, "remote_port"),
     ({"do_remote_decode": "yes"}, "do_remote_decode"),
 ])
 def test_bad_fields_are_named(changes, field):

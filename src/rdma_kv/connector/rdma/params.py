@@ -373,13 +373,17 @@ def parse_kv_transfer_params(
                            f"a number of seconds in [{MIN_LEASE_TTL_S:g}, {MAX_LEASE_TTL_S:g}], the producer's "
                            f"lease_ttl_s (the consumer renews at a third of it)")
     num_tokens = _int(params, "remote_num_tokens", 1, MAX_BLOCK_IDS * 1024)
+    port, tp_size = _int(params, "remote_port", 1, 65535), _int(params, "tp_size", 1, 1024)
+    if port + tp_size - 1 > 65535:  # rank r's side channel is port + r: past 65535 it wrapped to another port
+        raise _field_error("remote_port", port, f"a port whose producer ranks' ports (+ 0 .. {tp_size - 1}, "
+                                                f"tp_size {tp_size}) stay within 65535")
     return RemotePrefillParams(
         remote_engine_id=EngineId(_str(params, "remote_engine_id")),
         remote_host=_str(params, "remote_host"),
-        remote_port=_int(params, "remote_port", 1, 65535),
+        remote_port=port,
         remote_block_ids=groups,
         remote_request_id=RequestId(_str(params, "remote_request_id", 1024)),
-        tp_size=_int(params, "tp_size", 1, 1024),
+        tp_size=tp_size,
         remote_lease_epoch=_int(params, "remote_lease_epoch", 1, _JSON_SAFE_INT),
         remote_lease_generation=_int(params, "remote_lease_generation", 1, _JSON_SAFE_INT),
         remote_lease_token=_token(params, "remote_lease_token"),
