@@ -345,3 +345,20 @@ def test_the_compatibility_class_still_pickles_by_reference() -> None:
 
     assert NixlConnector.__name__ == "RdmaKVConnector"
     assert pickle.loads(pickle.dumps(NixlConnector)) is NixlConnector
+
+
+def test_a_stats_report_the_api_server_cannot_read_is_dropped_not_raised(caplog) -> None:
+    """The API server reads the workers' stats in the task that hands every
+    request its output; an exception there stops the task (the
+    MultiConnector test above). A report it cannot read (since the parse is
+    strict: processes of two rdma-kv versions) is dropped, and said once."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    bad = RdmaKVConnectorStats(data={"requests": [{"request_id": "r", "ok": "false"}], "totals": {}})
+    assert bad.is_empty() and bad.reduce()["loads"] == 0
+    config = VllmKVTransferConfig(kv_connector="RdmaKVConnector", kv_connector_module_path="rdma_kv.vllm",
+                                  kv_role="kv_consumer")
+    logging = KVConnectorLogging(config)
+    logging.observe({"requests": [{"request_id": "r", "ok": "false"}], "totals": {}})
+    logging.log()
+    assert "could not be read and is dropped" in caplog.text

@@ -15,6 +15,7 @@ Imports vLLM's ``metrics`` module (only ``rdma_kv.vllm`` may).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import statistics
 
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,10 @@ if TYPE_CHECKING:
     from rdma_kv.connector.rdma.stats import WorkerStats
 
 __all__ = ["RdmaKVConnectorStats", "RdmaKVPromMetrics"]
+
+logger = logging.getLogger(__name__)
+
+_UNREADABLE_SAID = False
 
 @dataclasses.dataclass
 class RdmaKVConnectorStats(KVConnectorStats):
@@ -41,7 +46,18 @@ class RdmaKVConnectorStats(KVConnectorStats):
             # Lazy, as in RdmaKVPromMetrics: vLLM imports this module in its front end.
             from rdma_kv.connector.rdma.stats import WorkerStats
 
-            self._typed = WorkerStats.from_dict(self.data)
+            try:
+                self._typed = WorkerStats.from_dict(self.data)
+            except (TypeError, ValueError, KeyError, AttributeError) as exc:
+                # This runs in vLLM's API server, in the task that hands every request its
+                # output: a stats report it cannot read (processes of two rdma-kv versions)
+                # is dropped and said, never raised there (that stopped the task).
+                global _UNREADABLE_SAID
+                if not _UNREADABLE_SAID:
+                    _UNREADABLE_SAID = True
+                    logger.warning("rdma-kv: a KV-transfer stats report could not be read and is dropped "
+                                   "(do all engine processes run the same rdma-kv?): %s", exc)
+                self._typed = WorkerStats()
         return self._typed
 
     def reset(self) -> None:
