@@ -204,6 +204,11 @@ def test_prometheus_series_through_vllms_hook():
     assert registry.get_sample_value("rdma_kv_read_bytes_total", {"model_name": "tiny", "engine": "1"}) == 4096
     assert registry.get_sample_value("rdma_kv_loads_total",
                                      {"model_name": "tiny", "engine": "0", "outcome": "ok"}) is None
+    # A report the API server cannot read is dropped here too, never raised: this runs in
+    # the task that hands every request its output (found by a review of the logger's guard).
+    prom.observe({"requests": [record], "totals": {"handshakes": "7"}}, engine_idx=1)
+    assert registry.get_sample_value("rdma_kv_loads_total",
+                                     {"model_name": "tiny", "engine": "1", "outcome": "ok"}) == 1
 
 
 def test_the_field_list_info_checks_is_vllms() -> None:
@@ -347,13 +352,16 @@ def test_the_compatibility_class_still_pickles_by_reference() -> None:
     assert pickle.loads(pickle.dumps(NixlConnector)) is NixlConnector
 
 
-def test_a_stats_report_the_api_server_cannot_read_is_dropped_not_raised(caplog) -> None:
+def test_a_stats_report_the_api_server_cannot_read_is_dropped_not_raised(caplog, monkeypatch) -> None:
     """The API server reads the workers' stats in the task that hands every
     request its output; an exception there stops the task (the
     MultiConnector test above). A report it cannot read (since the parse is
     strict: processes of two rdma-kv versions) is dropped, and said once."""
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 
+    from rdma_kv.vllm import stats as adapter_stats
+
+    monkeypatch.setattr(adapter_stats, "_UNREADABLE_SAID", False)  # (said once per process: maybe already)
     bad = RdmaKVConnectorStats(data={"requests": [{"request_id": "r", "ok": "false"}], "totals": {}})
     assert bad.is_empty() and bad.reduce()["loads"] == 0
     config = VllmKVTransferConfig(kv_connector="RdmaKVConnector", kv_connector_module_path="rdma_kv.vllm",

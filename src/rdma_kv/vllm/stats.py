@@ -40,6 +40,8 @@ class RdmaKVConnectorStats(KVConnectorStats):
 
     def __post_init__(self) -> None:
         self._typed: WorkerStats | None = None
+        self.unreadable = False
+        """``data`` could not be read (dropped: an empty summary stands for it)."""
 
     def _parsed(self) -> WorkerStats:
         if self._typed is None:
@@ -57,12 +59,12 @@ class RdmaKVConnectorStats(KVConnectorStats):
                     _UNREADABLE_SAID = True
                     logger.warning("rdma-kv: a KV-transfer stats report could not be read and is dropped "
                                    "(do all engine processes run the same rdma-kv?): %s", exc)
-                self._typed = WorkerStats()
+                self._typed, self.unreadable = WorkerStats(), True
         return self._typed
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
-        self._typed = None
+        self._typed, self.unreadable = None, False
 
     def is_empty(self) -> bool:
         """No record, no count and no gauge: a worker's gauge-only report (its
@@ -135,5 +137,10 @@ class RdmaKVPromMetrics(KVConnectorPromMetrics):
                                           gauge_cls=self._gauge_cls)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        self._metrics.observe(transfer_stats_data, labelvalues=self.per_engine_labelvalues[engine_idx])
+        # Parsed as the logger's copy is: a report it cannot read is dropped, never raised
+        # (this runs in the API server's output handler too).
+        stats = RdmaKVConnectorStats(data=transfer_stats_data)
+        typed = stats._parsed()
+        if not stats.unreadable:
+            self._metrics.observe(typed, labelvalues=self.per_engine_labelvalues[engine_idx])
 
