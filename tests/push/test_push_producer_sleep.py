@@ -25,27 +25,17 @@ import time
 
 import pytest
 from fakes import FakeFabric, FakeTransport
+from test_push_sleep import SHAPE, config, held_push
 
-from rdma_kv.connector import KVTransferConfig
-from rdma_kv.harness.engine import Engine, ModelShape
+from rdma_kv.harness.engine import Engine
 
 pytestmark = pytest.mark.timeout(90)
-
-SHAPE = ModelShape(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, num_blocks=64, dtype="float32")
-
-
-def config(role, engine_id, policy="fail"):
-    return KVTransferConfig(kv_connector="RdmaKVConnector", kv_role=role, engine_id=engine_id, kv_port=0,
-                            kv_load_failure_policy=policy,
-                            kv_connector_extra_config={"mode": "push", "rpc_timeout_s": 1.0, "load_timeout_s": 5.0,
-                                                       "read_timeout_s": 1.0, "lease_max_s": 20.0})
-
 
 def test_decode_does_not_release_blocks_while_a_push_write_into_them_is_in_flight():
     fabric = FakeFabric()
     kw = {"transport_factory": fabric.factory}
-    P = Engine(config("kv_producer", "P"), SHAPE, connector_kwargs=kw, prefix_caching=False)
-    D = Engine(config("kv_consumer", "D"), SHAPE, connector_kwargs=kw, prefix_caching=False)
+    P = Engine(config("kv_producer", "P", "fail"), SHAPE, connector_kwargs=kw, prefix_caching=False)
+    D = Engine(config("kv_consumer", "D", "fail"), SHAPE, connector_kwargs=kw, prefix_caching=False)
     drain = threading.Event()
     orig_close = FakeTransport.close
 
@@ -58,17 +48,7 @@ def test_decode_does_not_release_blocks_while_a_push_write_into_them_is_in_fligh
     FakeTransport.close = draining_close
     sleeper = None
     try:
-        prompt = list(range(1, 30))
-        P.add_request("r", prompt, {"do_remote_decode": True})
-        P.run(until=lambda: "r" in P.results and P.results["r"].status.value == "finished")
-        fabric.hold = True
-        D.add_request("r", prompt, P.results["r"].kv_transfer_params)
-        deadline = time.monotonic() + 10
-        while not fabric.pending:
-            assert time.monotonic() < deadline, "the push never started"
-            P.step()
-            D.step()
-            time.sleep(0.01)
+        held_push(P, D, fabric)
         # let the decode get its RUNNING answer
         for _ in range(20):
             D.step()

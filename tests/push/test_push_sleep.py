@@ -18,11 +18,27 @@ pytestmark = pytest.mark.timeout(120)
 SHAPE = ModelShape(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, num_blocks=64, dtype="float32")
 
 
-def config(role, engine_id):
+def config(role, engine_id, policy="recompute"):
     return KVTransferConfig(kv_connector="RdmaKVConnector", kv_role=role, engine_id=engine_id, kv_port=0,
-                            kv_load_failure_policy="recompute",
+                            kv_load_failure_policy=policy,
                             kv_connector_extra_config={"mode": "push", "rpc_timeout_s": 1.0, "load_timeout_s": 5.0,
                                                        "read_timeout_s": 1.0, "lease_max_s": 20.0})
+
+
+def held_push(P, D, fabric):
+    """Request 'r' prefilled on P, its push to D started and its writes held
+    on the fabric (``fabric.hold``)."""
+    prompt = list(range(1, 30))
+    P.add_request("r", prompt, {"do_remote_decode": True})
+    P.run(until=lambda: "r" in P.results and P.results["r"].status.value == "finished")
+    fabric.hold = True
+    D.add_request("r", prompt, P.results["r"].kv_transfer_params)
+    deadline = time.monotonic() + 10
+    while not fabric.pending:
+        assert time.monotonic() < deadline, "the push never started"
+        P.step()
+        D.step()
+        time.sleep(0.01)
 
 
 def test_a_decode_that_sleeps_mid_push_finishes_the_load_after_it_wakes():
@@ -31,17 +47,7 @@ def test_a_decode_that_sleeps_mid_push_finishes_the_load_after_it_wakes():
     P = Engine(config("kv_producer", "P"), SHAPE, connector_kwargs=kw, prefix_caching=False)
     D = Engine(config("kv_consumer", "D"), SHAPE, connector_kwargs=kw, prefix_caching=False)
     try:
-        prompt = list(range(1, 30))
-        P.add_request("r", prompt, {"do_remote_decode": True})
-        P.run(until=lambda: "r" in P.results and P.results["r"].status.value == "finished")
-        fabric.hold = True
-        D.add_request("r", prompt, P.results["r"].kv_transfer_params)
-        deadline = time.monotonic() + 10
-        while not fabric.pending:
-            assert time.monotonic() < deadline, "the push never started"
-            P.step()
-            D.step()
-            time.sleep(0.01)
+        held_push(P, D, fabric)
         D.sleep()  # its writes still held on the wire
         D.wake_up()
         fabric.hold = False

@@ -23,28 +23,11 @@ import numpy as np
 import pytest
 from fakes import FakeFabric
 from leaseutil import Clock, ref, table_with
+from test_pusher import S, cache  # its KV caches
 
-from rdma_kv.connector.geometry import derive_geometry
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.meta import SendSpec
 from rdma_kv.connector.rdma.pusher import PushWriter
-from rdma_kv.connector.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-
-S = wire.PushState
-SPEC = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
-BLOCKS = 64
-
-
-def cache(fill):
-    names = ("l0", "l1")
-    shape = (BLOCKS, 2, 4, 16)
-    kv = {n: (np.zeros(shape, np.float32) if fill is None else
-              np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + 1000 * (i + 1) * fill)
-          for i, n in enumerate(names)}
-    config = KVCacheConfig(BLOCKS, tuple(KVCacheTensor(BLOCKS * SPEC.page_size_bytes, (n,)) for n in names),
-                           (KVCacheGroupSpec(names, SPEC),))
-    return kv, derive_geometry(kv, config)
-
 
 def setup():
     fabric = FakeFabric()
