@@ -50,7 +50,8 @@ import numpy as np
 
 from rdma_kv.connector import KVRole, KVTransferConfig
 from rdma_kv.connector.rdma import RdmaSettings, RemotePrefillParams, agent_transport, parse_kv_transfer_params
-from rdma_kv.connector.rdma.stats import LoadRecord, WorkerStats
+from rdma_kv.connector.rdma.stats import LoadRecord
+from rdma_kv.connector.rdma.statsparse import parse_worker_stats
 from rdma_kv.harness.engine import Engine, ModelShape
 from rdma_kv.transport import Agent, DescList, PreparedList
 
@@ -131,7 +132,7 @@ def run_geometry(name: str, shape: ModelShape, tokens: int, reps: int, idle_s: f
                 step_until(D, lambda: D.results[rid].status.value == "finished", idle_s)
                 stats = D.worker.get_kv_connector_stats()
                 assert stats is not None
-                (rec,) = [r for r in WorkerStats.from_dict(stats).requests if r.request_id == rid]
+                (rec,) = [r for r in parse_worker_stats(stats).requests if r.request_id == rid]
                 if not rec.ok or D.results[rid].load_failed:
                     raise RuntimeError(f"load {rid} failed: {rec.error}")
                 return rec

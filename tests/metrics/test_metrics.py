@@ -13,6 +13,7 @@ import pytest
 from rdma_kv.connector.rdma import metrics
 from rdma_kv.connector.rdma.metrics import Histogram, TransferMetrics, merge_stats, record_values
 from rdma_kv.connector.rdma.stats import MAX_RECORDS, LoadMeasures, LoadRecord, LoadStats, Totals, WorkerStats, merge
+from rdma_kv.connector.rdma.statsparse import parse_totals, parse_worker_stats
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "rdma_kv"
 
@@ -23,7 +24,7 @@ def _stats(*records, counters=None, leases_held=0, resources=None):
     for rid, fields, ok, error in records:
         s.record(rid, LoadMeasures(**fields), ok=ok, total_s=0.05, error=error)
     recorded, totals = s.take()
-    totals = totals + Totals.from_dict(counters or {})  # the parts' counters, by their flat names
+    totals = totals + parse_totals(counters or {})  # the parts' counters, by their flat names
     return WorkerStats(recorded, totals, leases_held, resources).to_dict()
 
 
@@ -196,9 +197,9 @@ def test_worker_stats_round_trip_through_the_dict_form():
     assert d["totals"] == {"nbytes": 64 << 20, "num_descs": 4096, "ops_posted": 128, "block_runs": 4,
                            "num_blocks": 64, "nbytes_skipped": 0, "loads_ok": 1,
                            "transfer_s": OK["transfer_s"], "handshakes": 1, "leases_granted": 2}
-    assert WorkerStats.from_dict(d).to_dict() == d
+    assert parse_worker_stats(d).to_dict() == d
     with pytest.raises(ValueError, match=r"unknown load record key\(s\) \['nbytez'\]"):
-        WorkerStats.from_dict({"requests": [{"request_id": "x", "ok": True, "nbytez": 1}]})
+        parse_worker_stats({"requests": [{"request_id": "x", "ok": True, "nbytez": 1}]})
 
 
 def test_records_are_capped_but_the_totals_count_every_load():
@@ -226,11 +227,11 @@ def test_push_records_round_trip_and_reach_prometheus():
               PushRecord(request_id="p-3", outcome="refused"))
     stats = WorkerStats(totals=Totals(push=PushCounters(done=2, refused=1, written_bytes=2000,
                                                         overlapped_bytes=800)), pushes=pushes)
-    parsed = WorkerStats.from_dict(stats.to_dict())
+    parsed = parse_worker_stats(stats.to_dict())
     assert parsed == stats and pushes[0].overlap == 0.8 and pushes[2].overlap is None
     assert merge([parsed, WorkerStats(pushes=pushes[:1])]).pushes == (*pushes, pushes[0])
     with pytest.raises(ValueError, match="unknown push record key"):
-        WorkerStats.from_dict({"pushes": [{"request_id": "x", "outcome": "done", "overlap": 1.0}]})
+        parse_worker_stats({"pushes": [{"request_id": "x", "outcome": "done", "overlap": 1.0}]})
 
     registry = prometheus_client.CollectorRegistry()
     pm = metrics.PrometheusMetrics(registry=registry)
@@ -261,14 +262,14 @@ def test_the_dict_form_is_parsed_strictly_never_coerced(data, field):
     """A value of the wrong type is refused, naming its field: before, "ok": "false"
     parsed as a successful load and counters "7" or 2.9 as 7 and 2."""
     with pytest.raises(TypeError, match=re.escape(field)):
-        WorkerStats.from_dict(data)
+        parse_worker_stats(data)
     # ints where a float is expected are numbers, not a type error
-    assert WorkerStats.from_dict({"totals": {"transfer_s": 1}}).totals.transfer_s == 1.0
+    assert parse_worker_stats({"totals": {"transfer_s": 1}}).totals.transfer_s == 1.0
 
 
 def _rank(rank, leases, counters=None, **resources):
     """One TP rank's report as its worker sends it: gauges by rank."""
-    return WorkerStats(totals=Totals.from_dict(counters or {}), leases_held=leases, resources=resources,
+    return WorkerStats(totals=parse_totals(counters or {}), leases_held=leases, resources=resources,
                        by_rank={rank: {"leases_held": leases, **resources}}).to_dict()
 
 
@@ -306,4 +307,4 @@ def test_merging_a_ranks_later_report_keeps_its_latest_gauges():
     for parts in ((a, b), (b, a)):
         merged = merge_stats(parts)
         assert merged["leases_held"] == 5 and merged["resources"] == {"peers": 2}
-        assert WorkerStats.from_dict(merged).to_dict() == merged
+        assert parse_worker_stats(merged).to_dict() == merged

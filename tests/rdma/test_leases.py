@@ -11,7 +11,9 @@ import pytest
 
 from leaseutil import A, B, C, CLAIMED, EPOCH, FORGED, GONE, HELD, KEY, PENDING, UNKNOWN, Clock, call, rcall, ref, state, table_with
 from rdma_kv.connector.rdma import leases as leases_mod
+from rdma_kv.connector.rdma import tombstones as tombstones_mod
 from rdma_kv.connector.rdma import wire
+from rdma_kv.connector.rdma.leaseheap import HEAP_SLACK
 from rdma_kv.connector.rdma.leases import LeaseCall, LeaseTable
 from rdma_kv.connector.rdma.params import LeaseRef, lease_token
 from rdma_kv.errors import MetadataError
@@ -153,7 +155,7 @@ def test_reaper_does_not_assume_sorted_expiries():
 
 
 def test_a_forgotten_tombstone_is_gone_to_everyone(monkeypatch):
-    monkeypatch.setattr(leases_mod, "MAX_TOMBSTONES", 2)
+    monkeypatch.setattr(tombstones_mod, "MAX_TOMBSTONES", 2)
     table = table_with(1, 2, 3)
     for gen in (1, 2, 3):
         assert table.confirm(call(gen, A), release=True) == [HELD]
@@ -329,7 +331,7 @@ def test_early_claims_with_two_readers():
 
 
 def test_tombstones_remember_a_bounded_number_of_readers(monkeypatch):
-    monkeypatch.setattr(leases_mod, "MAX_TOMBSTONE_READERS", 3)
+    monkeypatch.setattr(tombstones_mod, "MAX_TOMBSTONE_READERS", 3)
     table = table_with(1, 2)
     for gen in (1, 2):
         for reader in (0, 1):
@@ -438,10 +440,10 @@ def test_the_expiry_heap_stays_proportional_to_the_live_leases():
     for gen in range(1, 5001):  # granted and released at once, long before their expiry
         table.grant(ref(gen), [gen], 30.0)
         assert table.confirm(call(gen, A), release=True) == [HELD]
-    assert len(table) == 0 and table.heap_size() <= leases_mod.HEAP_SLACK
+    assert len(table) == 0 and table.heap_size() <= HEAP_SLACK
     for gen in range(5001, 5101):  # live ones keep their entries
         table.grant(ref(gen), [gen], 30.0)
-    assert 100 <= table.heap_size() <= 2 * 100 + leases_mod.HEAP_SLACK
+    assert 100 <= table.heap_size() <= 2 * 100 + HEAP_SLACK
     table.expire(now=Clock().t + 31.0)
     assert len(table) == 0 and table.take_done() >= {f"r{g}" for g in range(5001, 5101)}
 

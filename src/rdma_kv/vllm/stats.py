@@ -47,9 +47,10 @@ class RdmaKVConnectorStats(KVConnectorStats):
         if self._typed is None:
             # Lazy, as in RdmaKVPromMetrics: vLLM imports this module in its front end.
             from rdma_kv.connector.rdma.stats import WorkerStats
+            from rdma_kv.connector.rdma.statsparse import parse_worker_stats
 
             try:
-                self._typed = WorkerStats.from_dict(self.data)
+                self._typed = parse_worker_stats(self.data)
             except (TypeError, ValueError, KeyError, AttributeError) as exc:
                 # This runs in vLLM's API server, in the task that hands every request its
                 # output: a stats report it cannot read (processes of two rdma-kv versions)

@@ -15,7 +15,9 @@ Modules, by role (each docstring says what it owns and may import):
   RPC threads). Its loggers are all under ``rdma_kv.connector.rdma.consumer``.
 - producer: ``producer`` (the side-channel handler, starting and stopping
   the server, the lease table's owner), ``leases`` (the lease table and its
-  expiry: where a lease expires; its records are ``leaserecords``), ``sidechannel`` (the server),
+  expiry: where a lease expires; its records are ``leaserecords``, its pins
+  ``leasepins``, its memory of ended leases ``tombstones``, its reaper's heap
+  ``leaseheap``), ``sidechannel`` (the server),
   ``sidehandler`` (the Protocols it dispatches to, and what a lease answer
   means to it), ``sideconn`` (an accepted connection's record, the server's
   counters), ``sidetrust`` (trust earned by a lease) and ``admission`` (its
@@ -29,7 +31,7 @@ Modules, by role (each docstring says what it owns and may import):
   (length-prefixed frames), ``sideclient`` (the side channel's client),
   ``auth`` (the shared secret), ``lograte`` (rate-limited warnings), ``transport_api`` (the transport
   Protocol), ``stats`` (per-load records, each part's counters and their
-  summary) and ``metrics`` (histograms and Prometheus series from those
+  summary; ``statsparse`` reads its dict form back) and ``metrics`` (histograms and Prometheus series from those
   records).
 
 Importing this package does not load UCX: the transport's ``Agent`` is

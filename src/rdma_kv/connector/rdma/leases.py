@@ -62,18 +62,10 @@ altered to name other blocks fail too: FORGED when the token is the one this
 table granted (the params were edited), UNKNOWN otherwise. A call before
 this worker knows its epoch answers PENDING.
 
-Read pins (PIN at post, protocol 7). A RENEW with ``pin`` is a renewal
-that also *pins* each lease it answers HELD: until it is released or its
-``pinned_until`` (at most ``pin_s`` after the answer, never past its expiry
-and so never past the lifetime bound), neither reclaim nor sleep ends it
-(``reclaim`` marks it, and it ends as RECLAIMED when its pin does,
-whatever its renewals, and is not pinned again; ``RdmaProducer.suspend`` waits for it,
-``pinned_for``), and expiry cannot (its expiry is at least as late). HELD
-to a pin thus says the blocks were held from the grant until the answer
-*and* will be until ``pinned_until``: a consumer that sent the pin before
-posting its reads, and saw them land within the time granted from sending
-it, read blocks no one reused and needs no CONFIRM. (A push's pin,
-``pin_for_push``, is another thing: held until the push resolves.)
+Pins. A RENEW with ``pin`` also pins each lease it answers HELD for the
+consumer's reads, for at most ``pin_s``; a push pins its lease until the
+push resolves (``pin_for_push``). What each kind holds off, and the
+records of both (``Pins``), are ``leasepins``.
 
 Bounded lifetime. Renewals push a lease's expiry back, but never past
 ``max_s`` after its grant: then it ends (LIFETIME) whatever its owner asks,
@@ -82,46 +74,40 @@ admission) cannot hold the producer's blocks forever. The scheduler may
 also end leases early (``reclaim``: memory pressure, ``scheduler``); both
 are GONE to every later call, as any ending is.
 
-The reaper keeps a heap of (expiry, generation) and re-checks the live
-expiry on pop, so renewals in any order are handled: it never assumes
-sorted expiries. A lease that ends before its entry's expiry leaves the
-entry behind; the heap is rebuilt from the live leases whenever it holds
-more than twice as many entries as live leases (plus a small slack), so
-its size stays O(live leases), whatever the release rate.
+The reaper pops a heap of (expiry, generation) (``leaseheap``) and
+re-checks the live expiry on pop, so renewals in any order are handled;
+the heap stays O(live leases), whatever the release rate.
 
 Thread-safe (the side-channel threads and the engine thread share it).
 Its records (a call, a lease, a claim, an ending, a tombstone) are
-``leaserecords``, re-exported here where the producer's modules use them.
+``leaserecords``, re-exported here where the producer's modules use them;
+its pins are ``leasepins``, its memory of ended leases ``tombstones`` and
+its reaper's heap ``leaseheap``, each called under its lock.
 
 Imports the standard library and the connector's ``params``, ``types``,
-``rdma.leaserecords``, ``rdma.stats`` (its counters) and ``rdma.wire`` (for
-``LeaseStatus``).
+``rdma.leaserecords``, ``rdma.leasepins``, ``rdma.tombstones``,
+``rdma.leaseheap``, ``rdma.stats`` (its counters) and ``rdma.wire`` (for ``LeaseStatus``).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import heapq
 import hmac
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from rdma_kv.connector.rdma.leaserecords import Claim, Ending, Lease, LeaseCall, Tombstone
+from rdma_kv.connector.rdma.leaseheap import ExpiryHeap
+from rdma_kv.connector.rdma.leasepins import Pins
+from rdma_kv.connector.rdma.leaserecords import Claim, Ending, Lease, LeaseCall
 from rdma_kv.connector.rdma.params import LeaseRef, lease_token
 from rdma_kv.connector.rdma.stats import LeaseCounters, Tally
+from rdma_kv.connector.rdma.tombstones import Tombstones
 from rdma_kv.connector.rdma.wire import LeaseStatus
 from rdma_kv.connector.types import BlockId, GroupBlockIds, RequestId, as_group_block_ids
 
 __all__ = ["Ending", "Lease", "LeaseCall", "LeaseTable"]
 
-MAX_TOMBSTONES = 1 << 16
-"""Ended leases remembered (a few hundred bytes each). A forgotten one is GONE
-to everyone, its owner's retried CONFIRM included: a load error, never a lie."""
-MAX_TOMBSTONE_READERS = 1 << 18
-"""Releasing readers remembered across all tombstones: with many readers per
-lease, fewer leases are remembered (``readers`` may reach 1024)."""
 MAX_EARLY = 1 << 14
 """Claims recorded on leases issued but not yet shipped here. Past this a new
 one is answered PENDING without being recorded (the caller asks again)."""
@@ -130,12 +116,8 @@ HELD, PENDING, GONE, CLAIMED, UNKNOWN, FORGED = (
     LeaseStatus.HELD, LeaseStatus.PENDING, LeaseStatus.GONE, LeaseStatus.CLAIMED, LeaseStatus.UNKNOWN,
     LeaseStatus.FORGED)
 
-
 PIN_RECHECK_S = 0.1
 """How soon a due lease that a push pins is looked at again."""
-
-HEAP_SLACK = 64
-"""Stale heap entries tolerated beyond the live leases before a rebuild."""
 
 
 class LeaseTable:
@@ -153,19 +135,16 @@ class LeaseTable:
         self.pin_s = pin_s
         """The longest a read pin holds a lease (the producer's
         ``read_timeout_s``). 0: pins grant nothing (consumers CONFIRM)."""
-        self._pins_open = True  # closed while the producer goes to sleep (close_pins)
         self._lock = threading.Lock()
         self._epoch: int | None = None
         self._key = b""
         self._max_generation = 0
         self._leases: dict[int, Lease] = {}  # generation -> lease
-        self._heap: list[tuple[float, int]] = []
+        self._heap = ExpiryHeap()
         self._done: set[RequestId] = set()
-        self._ended = collections.OrderedDict[int, Tombstone]()
-        self._ended_readers = 0  # sum of len(tombstone.confirmed)
+        self._ended = Tombstones()
         self._early: dict[int, Claim] = {}
-        self._pinned = collections.Counter[int]()  # generation -> pushes writing from it (push mode)
-        self._reclaim_at_pin_end: set[int] = set()  # reclaimed while a read pin held them
+        self._pins = Pins()
         self._counts = Tally(LeaseCounters)
 
     # --- grants (from the producer scheduler, through step metadata) -------------
@@ -182,7 +161,6 @@ class LeaseTable:
             self._leases.clear()
             self._heap.clear()
             self._ended.clear()
-            self._ended_readers = 0
             self._early.clear()
             self._max_generation = 0
             self._epoch, self._key = epoch, key
@@ -210,7 +188,7 @@ class LeaseTable:
             lease = Lease(ref, groups, ttl_s, min(now + ttl_s, now + self.max_s), now, now + self.max_s,
                           claim=early)
             self._leases[ref.generation] = lease
-            heapq.heappush(self._heap, (lease.expires_at, ref.generation))
+            self._heap.push(lease.expires_at, ref.generation)
 
     # --- consumer calls ----------------------------------------------------------------
 
@@ -269,7 +247,7 @@ class LeaseTable:
 
     def pin(self, calls: Iterable[LeaseCall]) -> tuple[list[LeaseStatus], float]:
         """A RENEW with ``pin``: the answers of :meth:`renew`, each HELD lease
-        also pinned until ``min(now + pin_s, its expiry)`` (module docstring);
+        also pinned until ``min(now + pin_s, its expiry)`` (``leasepins``);
         and the shortest pin granted, in seconds from now (0 when no lease
         was HELD, or ``pin_s`` is 0)."""
         self.expire()
@@ -279,20 +257,17 @@ class LeaseTable:
             status = self._renew_one(call)
             if status is not HELD:
                 return status
-            if not self._pins_open or call.ref.generation in self._reclaim_at_pin_end:
-                # HELD, but not pinned now (a reclaim waits for its earlier
-                # pin to end): the one pinned_s of the reply must not cover
-                # it, so the whole batch is answered 0 and CONFIRMs. Before,
-                # the batch's other leases set pinned_s, and this lease's
-                # reader trusted reads landing after its blocks were handed
-                # back (a second reader of the lease, pinning in a batch).
+            pinned_s = self._pins.read_pin(self._leases[call.ref.generation], self._clock(), self.pin_s)
+            if pinned_s is None:
+                # HELD, but not pinned now (pins closed, or a reclaim waits for
+                # its earlier pin to end): the one pinned_s of the reply must
+                # not cover it, so the whole batch is answered 0 and CONFIRMs.
+                # Before, the batch's other leases set pinned_s, and this
+                # lease's reader trusted reads landing after its blocks were
+                # handed back (a second reader of the lease, pinning in a batch).
                 granted.append(0.0)
                 return status
-            lease = self._leases[call.ref.generation]
-            now = self._clock()
-            until = min(now + self.pin_s, lease.expires_at)  # the TTL, and the lifetime bound
-            lease.pinned_until = max(lease.pinned_until, until)
-            granted.append(max(0.0, until - now))
+            granted.append(pinned_s)
             self._counts.add("pinned")
             return status
 
@@ -303,11 +278,11 @@ class LeaseTable:
         """Grant no read pin from now on (pins answer ``pinned_s`` 0: their
         consumers CONFIRM); the producer is about to unregister its KV cache."""
         with self._lock:
-            self._pins_open = False
+            self._pins.open = False
 
     def open_pins(self) -> None:
         with self._lock:
-            self._pins_open = True
+            self._pins.open = True
 
     def pinned_for(self) -> float:
         """Seconds until the last read pin of a live lease ends (0: none is pinned)."""
@@ -410,9 +385,8 @@ class LeaseTable:
         """Push mode: HELD and the lease's block ids, the lease now *pinned*
         (no expiry, lifetime bound or reclaim ends it until :meth:`unpin`:
         the producer is writing from its blocks, and they must not be
-        reused under the write); else the refusal (PENDING: its grant has
-        not reached this worker yet) and nothing pinned. A pin lasts at
-        most one write's timeout (``pusher``)."""
+        reused under the write; ``leasepins``); else the refusal (PENDING:
+        its grant has not reached this worker yet) and nothing pinned."""
         self.expire()
         with self._lock:
             status = self._verify(call.ref)
@@ -423,23 +397,17 @@ class LeaseTable:
                 return (GONE if call.ref.generation <= self._max_generation else PENDING), ()
             if self._owner(lease, call) is None:
                 return CLAIMED, ()
-            self._pinned[call.ref.generation] += 1
+            self._pins.push(call.ref.generation)
             return HELD, lease.block_ids
 
     def unpin(self, generation: int) -> None:
-        """A push from lease ``generation`` resolved. Pins are counted: the
-        decode ranks of a larger TP each push from one lease at once, and
-        the first to resolve left the others' writes unprotected (a reclaim
-        or the lifetime bound ended the lease and its blocks were reused
-        under them: found by an adversarial review). At the last unpin it
-        may end again: an expiry that fell due meanwhile applies at the
-        next reap, a release of its last reader now."""
+        """A push from lease ``generation`` resolved. Pins are counted (one per
+        push: ``leasepins``); at the last unpin the lease may end again: an
+        expiry that fell due meanwhile applies at the next reap, a release
+        of its last reader now."""
         with self._lock:
-            left = self._pinned[generation] - 1
-            if left > 0:
-                self._pinned[generation] = left
+            if not self._pins.unpush(generation):
                 return
-            self._pinned.pop(generation, None)
             lease = self._leases.get(generation)
             if lease is not None and lease.claim is not None and lease.claim.all_released:
                 self._end(generation, Ending.RELEASED)
@@ -466,29 +434,18 @@ class LeaseTable:
         if reader not in owner.released:
             self._counts.add("reader_released")
         owner.release(reader, confirmed)
-        if owner.all_released and lease.ref.generation not in self._pinned:  # else at the last unpin
+        if owner.all_released and not self._pins.pushing(lease.ref.generation):  # else at the last unpin
             self._end(lease.ref.generation, Ending.RELEASED)
 
     def _end(self, generation: int, how: Ending) -> None:
         lease = self._leases.pop(generation)
-        self._reclaim_at_pin_end.discard(generation)
+        self._pins.ended(generation)
         self._done.add(lease.ref.request_id)
         self._bury(generation, how, lease.claim)
-        if len(self._heap) > 2 * len(self._leases) + HEAP_SLACK:
-            # Entries of leases that ended before their expiry: drop them.
-            self._heap = [(lease.expires_at, gen) for gen, lease in self._leases.items()]
-            heapq.heapify(self._heap)
+        self._heap.compact(self._leases)  # entries of leases that ended before their expiry
 
     def _bury(self, generation: int, how: Ending, claim: Claim | None) -> None:
-        if claim is None:
-            tomb = Tombstone(how)
-        else:
-            tomb = Tombstone(how, claim.owner, claim.readers, frozenset(claim.confirmed))
-        self._ended[generation] = tomb
-        self._ended_readers += len(tomb.confirmed)
-        while len(self._ended) > MAX_TOMBSTONES or self._ended_readers > MAX_TOMBSTONE_READERS:
-            _, old = self._ended.popitem(last=False)
-            self._ended_readers -= len(old.confirmed)
+        self._ended.bury(generation, how, claim)
         self._counts.add(how.value)
 
     # --- reaper and done_sending --------------------------------------------------------
@@ -498,20 +455,19 @@ class LeaseTable:
         now = self._clock() if now is None else now
         expired = []
         with self._lock:
-            while self._heap and self._heap[0][0] <= now:
-                _, generation = heapq.heappop(self._heap)
+            while (generation := self._heap.pop_due(now)) is not None:
                 lease = self._leases.get(generation)
                 if lease is None:
                     continue  # ended earlier
-                if generation in self._reclaim_at_pin_end and lease.pinned_until <= now:
+                if self._pins.reclaim_due(lease, now):
                     self._end(generation, Ending.RECLAIMED)  # reclaimed while its read pin held it
                     expired.append(lease.ref.request_id)
                     continue
                 if lease.expires_at > now:  # renewed since this entry was pushed
-                    heapq.heappush(self._heap, (lease.expires_at, generation))
+                    self._heap.push(lease.expires_at, generation)
                     continue
-                if generation in self._pinned:  # a push writes from it: look again shortly
-                    heapq.heappush(self._heap, (now + PIN_RECHECK_S, generation))
+                if self._pins.pushing(generation):  # a push writes from it: look again shortly
+                    self._heap.push(now + PIN_RECHECK_S, generation)
                     continue
                 # Its last renewal was cut short by the lifetime bound: that, not the TTL, ended it.
                 how = Ending.LIFETIME if lease.expires_at >= lease.ends_at else Ending.EXPIRED
@@ -548,13 +504,12 @@ class LeaseTable:
         with self._lock:
             for generation in generations:
                 lease = self._leases.get(generation)
-                if lease is None or generation in self._pinned:  # a push's pin ends when its push does
+                if lease is None or self._pins.pushing(generation):  # a push's pin ends when its push does
                     continue
                 if lease.pinned_until > self._clock():  # a consumer reads it under a pin: end it after
-                    if generation not in self._reclaim_at_pin_end:
-                        self._reclaim_at_pin_end.add(generation)
+                    if self._pins.reclaim_after_pin(generation):
                         self._counts.add("reclaim_after_pin")
-                        heapq.heappush(self._heap, (lease.pinned_until, generation))
+                        self._heap.push(lease.pinned_until, generation)
                     continue
                 self._end(generation, Ending.RECLAIMED)
                 ended.append(lease.ref.request_id)

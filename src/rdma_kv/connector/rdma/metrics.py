@@ -29,8 +29,8 @@ request).
 Per-request lines go to this module's logger at DEBUG only, one per
 record, as ``key=value`` pairs; nothing here logs at INFO.
 
-Imports the standard library and the connector's ``rdma.stats``
-(``prometheus_client`` lazily).
+Imports the standard library and the connector's ``rdma.stats`` and
+``rdma.statsparse`` (``prometheus_client`` lazily).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rdma_kv.connector.rdma.stats import LoadRecord, WorkerStats, held_by_rank, merge
+from rdma_kv.connector.rdma.statsparse import parse_worker_stats
 
 __all__ = [
     "BYTES_BUCKETS",
@@ -201,7 +202,7 @@ def as_worker_stats(stats: WorkerStats | Mapping[str, Any] | None) -> WorkerStat
     dict form (``get_kv_connector_stats()``, vLLM's ``data``) parsed."""
     if not stats:
         return None
-    return stats if isinstance(stats, WorkerStats) else WorkerStats.from_dict(stats)
+    return stats if isinstance(stats, WorkerStats) else parse_worker_stats(stats)
 
 
 class TransferMetrics:

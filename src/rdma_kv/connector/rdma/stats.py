@@ -31,10 +31,7 @@ aggregation) and keeps at most :data:`MAX_RECORDS` records. A dict
 appears only at the boundary, where counters are flattened into their
 names (``leases_granted``...): :meth:`WorkerStats.to_dict` is what
 ``get_kv_connector_stats()`` returns (and vLLM carries as
-``KVConnectorStats.data``); :meth:`WorkerStats.from_dict` parses it back,
-refusing keys it does not know and values of the wrong type (a ``TypeError``
-naming the field: no coercion, so ``"ok": "false"`` is not a success and a
-counter ``"7"`` or ``2.9`` is not a count).
+``KVConnectorStats.data``); ``rdma.statsparse`` parses it back, strictly.
 
 :class:`LoadStats` is the consumer's accumulator. Not thread-safe:
 the consumer calls it under its lock.
@@ -49,51 +46,13 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
-__all__ = ["MAX_RECORDS", "ConsumerCounters", "Counters", "LeaseCounters", "LoadMeasures", "LoadRecord",
-           "LoadStats", "PushCounters", "PushRecord", "Tally", "Totals", "WorkerStats", "held_by_rank", "merge"]
+__all__ = ["MAX_RECORDS", "MEASURES", "TOTAL_NUMBERS", "ConsumerCounters", "Counters", "LeaseCounters",
+           "LoadMeasures", "LoadRecord", "LoadStats", "PushCounters", "PushRecord", "Tally", "Totals", "WorkerStats",
+           "held_by_rank", "merge"]
 
 MAX_RECORDS = 10_000
 """Per-request records kept until collected, and across merges; beyond it
 the oldest are dropped (the totals still count them)."""
-
-
-def _int(where: str, value: Any) -> int:
-    """``value`` if it is an int (not a bool); else a ``TypeError`` naming ``where``.
-    The dict form crosses processes: a string or a fraction there is a bug upstream, never coerced."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{where}: expected an int, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _float(where: str, value: Any) -> float:
-    """``value`` as a float if it is a real number (an int or a float, not a bool); else a ``TypeError``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
-    return float(value)
-
-
-def _str(where: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{where}: expected a str, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _bool(where: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{where}: expected a bool, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _mapping(where: str, value: Any) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise TypeError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _list(where: str, value: Any) -> list[Any] | tuple[Any, ...]:
-    if not isinstance(value, (list, tuple)):
-        raise TypeError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
-    return value
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -148,11 +107,11 @@ class LoadMeasures:
 
     def measured(self) -> dict[str, Any]:
         """The measures taken so far, by name."""
-        return {name: getattr(self, name) for name in _MEASURED if getattr(self, name) is not None}
+        return {name: getattr(self, name) for name in MEASURES if getattr(self, name) is not None}
 
 
-_MEASURED = tuple(f.name for f in dataclasses.fields(LoadMeasures))
-_INT_FIELDS = frozenset({"num_blocks", "block_runs", "nbytes", "num_descs", "ops_posted", "nbytes_skipped"})
+MEASURES = tuple(f.name for f in dataclasses.fields(LoadMeasures))
+"""The names of a load's measures."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -179,23 +138,6 @@ class LoadRecord(LoadMeasures):
             out["error"] = self.error
         return out
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> LoadRecord:
-        unknown = set(data) - _RECORD_KEYS
-        if unknown:
-            raise ValueError(f"unknown load record key(s) {sorted(unknown)}; valid: {sorted(_RECORD_KEYS)}")
-        measured: dict[str, Any] = {
-            name: (_int if name in _INT_FIELDS else _float)(f"load record {name}", data[name])
-            for name in _MEASURED if data.get(name) is not None}
-        error = data.get("error")
-        return cls(request_id=_str("load record request_id", data.get("request_id", "")),
-                   ok=_bool("load record ok", data.get("ok", False)),
-                   total_s=_float("load record total_s", data.get("total_s", 0.0)),
-                   error=None if error is None else _str("load record error", error) or None, **measured)
-
-
-_RECORD_KEYS = frozenset(f.name for f in dataclasses.fields(LoadRecord))
-
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class PushRecord:
@@ -220,20 +162,6 @@ class PushRecord:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> PushRecord:
-        unknown = set(data) - _PUSH_KEYS
-        if unknown:
-            raise ValueError(f"unknown push record key(s) {sorted(unknown)}; valid: {sorted(_PUSH_KEYS)}")
-        return cls(request_id=_str("push record request_id", data.get("request_id", "")),
-                   outcome=_str("push record outcome", data.get("outcome", "")),
-                   nbytes=_int("push record nbytes", data.get("nbytes", 0)),
-                   overlapped_nbytes=_int("push record overlapped_nbytes", data.get("overlapped_nbytes", 0)),
-                   total_s=_float("push record total_s", data.get("total_s", 0.0)))
-
-
-_PUSH_KEYS = frozenset(f.name for f in dataclasses.fields(PushRecord))
-
 C = TypeVar("C", bound="Counters")
 
 
@@ -241,7 +169,7 @@ C = TypeVar("C", bound="Counters")
 class Counters:
     """Event counters of one owner, one field each: summed and subtracted
     field by field, flattened into ``{prefix + name: count}`` (non-zero
-    counts only) at the edge, and parsed back from that form."""
+    counts only) at the edge (``statsparse.parse_counters`` reads that form back)."""
 
     PREFIX: ClassVar[str] = ""
     """Put before each field's name in the flat form (``get_kv_connector_stats``,
@@ -271,12 +199,6 @@ class Counters:
     def names(cls) -> frozenset[str]:
         """Every flat name of this kind of counters."""
         return frozenset(cls.PREFIX + f.name for f in dataclasses.fields(cls))
-
-    @classmethod
-    def parse(cls: type[C], data: Mapping[str, Any]) -> C:
-        """The counters among ``data``'s flat names (absent ones are 0)."""
-        return cls(*(_int(f"totals {cls.PREFIX + f.name}", data.get(cls.PREFIX + f.name, 0))
-                     for f in dataclasses.fields(cls)))
 
 
 class Tally(Generic[C]):
@@ -452,26 +374,14 @@ class Totals:
         return {**self.consumer.flat(), **self.leases.flat(), **self.push.flat()}
 
     def to_dict(self) -> dict[str, Any]:
-        return {**{name: getattr(self, name) for name in _NUMBERS}, **self.events()}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Totals:
-        unknown = set(data) - _TOTAL_KEYS
-        if unknown:
-            raise ValueError(f"unknown totals key(s) {sorted(unknown)}; valid: {sorted(_TOTAL_KEYS)}")
-        numbers: dict[str, Any] = {name: (_float if name in _FLOATS else _int)(f"totals {name}", data.get(name, 0))
-                                   for name in _NUMBERS}
-        return cls(**numbers, consumer=ConsumerCounters.parse(data), leases=LeaseCounters.parse(data),
-                   push=PushCounters.parse(data))
+        return {**{name: getattr(self, name) for name in TOTAL_NUMBERS}, **self.events()}
 
 
 _TOTALS_FIELDS = dataclasses.fields(Totals)
-_SUMS = tuple(f.name for f in _TOTALS_FIELDS if f.name in _MEASURED)
+_SUMS = tuple(f.name for f in _TOTALS_FIELDS if f.name in MEASURES)
 """The measures a record adds to the totals (nbytes, transfer_s...)."""
-_NUMBERS = (*_SUMS, "loads_ok")
+TOTAL_NUMBERS = (*_SUMS, "loads_ok")
 """The totals that are numbers (the others are counters)."""
-_FLOATS = frozenset(f.name for f in _TOTALS_FIELDS if isinstance(f.default, float))
-_TOTAL_KEYS = frozenset(_NUMBERS) | ConsumerCounters.names() | LeaseCounters.names() | PushCounters.names()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -510,31 +420,6 @@ class WorkerStats:
     def carries_gauges(self) -> bool:
         """Whether this summary reports gauges (a worker's always does, even all zero)."""
         return bool(self.by_rank) or self.resources is not None or self.leases_held != 0
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> WorkerStats:
-        resources = data.get("resources")
-        by_rank = data.get("by_rank")
-        return cls(tuple(LoadRecord.from_dict(_mapping("load record", r))
-                         for r in _list("requests", data.get("requests", ()))),
-                   Totals.from_dict(_mapping("totals", data.get("totals") or {})),
-                   _int("leases_held", data.get("leases_held", 0)),
-                   None if resources is None else {_str("resources key", k): _int(f"resources {k}", v)
-                                                   for k, v in _mapping("resources", resources).items()},
-                   tuple(PushRecord.from_dict(_mapping("push record", p))
-                         for p in _list("pushes", data.get("pushes", ()))),
-                   None if by_rank is None else {_rank(k): _gauges(f"by_rank {k}", v)
-                                                 for k, v in _mapping("by_rank", by_rank).items()})
-
-
-def _rank(key: Any) -> int:
-    if isinstance(key, str) and key.isdigit():
-        return int(key)
-    return _int("by_rank key", key)
-
-
-def _gauges(where: str, value: Any) -> dict[str, int]:
-    return {_str(f"{where} key", k): _int(f"{where} {k}", v) for k, v in _mapping(where, value).items()}
 
 
 def held_by_rank(by_rank: Mapping[int, Mapping[str, int]]) -> tuple[int, dict[str, int]]:
