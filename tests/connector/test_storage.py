@@ -266,3 +266,71 @@ def test_a_spawned_process_loads_what_this_one_saved(tmp_path, rng):
     for name in LAYERS:
         assert data[name] == want[name].tobytes(), name
     assert child.exitcode == 0
+
+
+class _ContextEngine(MiniEngine):
+    """A MiniEngine whose forward pass, like attention, makes a block's KV
+    depend on the KV of the block before it in the cache: KV computed over a
+    block that failed to load is wrong, as in a real model."""
+
+    def step(self, scheduler_output, compute={}):
+        contextual = {}
+        for rid, (tokens, block_ids, first) in compute.items():
+            contextual[rid] = (tokens, block_ids, len(block_ids))  # the base writes nothing
+            self._pending = (tokens, block_ids, first)
+        original = self.worker.save_kv_layer
+
+        def save_kv_layer(name, kv_layer, attn_metadata=None, **kwargs):
+            tokens, block_ids, first = self._pending
+            layer_index = LAYERS.index(name)
+            for i in range(first, len(block_ids)):
+                if (i + 1) * BLOCK_SIZE <= len(tokens):
+                    value = expected_block(tokens, i, layer_index)
+                    if i > 0:
+                        value = value + self.kv_caches[name][block_ids[i - 1]] / 2
+                    self.kv_caches[name][block_ids[i]] = value
+            original(name, kv_layer, attn_metadata, **kwargs)
+
+        self.worker.save_kv_layer = save_kv_layer
+        try:
+            return super().step(scheduler_output, contextual)
+        finally:
+            del self.worker.save_kv_layer
+
+
+def test_blocks_computed_over_a_failed_load_are_not_saved(tmp_path, rng):
+    """A synchronous load that fails leaves the block's old bytes in place,
+    and the same step's forward pass computes the prompt's later blocks
+    over them (vLLM drops them from its own prefix cache and recomputes).
+    They were saved under their prefix's keys anyway, as valid files: once
+    the failed block could be read again, every later request with that
+    prefix loaded KV computed over garbage."""
+    short = _prompt(rng, 3 * BLOCK_SIZE + 1)
+    long = short[: 3 * BLOCK_SIZE] + _prompt(rng, 3 * BLOCK_SIZE + 1)
+    reference = _ContextEngine(storage_config(tmp_path / "reference", "kv_producer"))
+    ref_blocks = reference.prefill(Request("ref", long))["block_ids"]
+
+    _ContextEngine(storage_config(tmp_path / "cache")).prefill(Request("a", short))
+    engine = _ContextEngine(storage_config(tmp_path / "cache"), fill_seed=3, first_block=8)
+    keys = chained_block_keys(long, BLOCK_SIZE, engine.worker._seed)
+    read_block = engine.worker._read_block
+    failed = []
+
+    def read_once_failing(key, block_id):
+        if key == keys[1] and not failed:  # a transient I/O error
+            failed.append(block_id)
+            raise OSError(5, "Input/output error")
+        read_block(key, block_id)
+
+    engine.worker._read_block = read_once_failing
+    result = engine.prefill(Request("b", long))
+    assert result["num_external"] == 3 * BLOCK_SIZE and failed
+    assert result["output"].invalid_block_ids == frozenset(result["block_ids"][1:3])
+    assert not any(os.path.exists(engine.worker.path_for(k)) for k in keys[3:6])
+
+    fresh = _ContextEngine(storage_config(tmp_path / "cache"), fill_seed=4, first_block=16)
+    loaded = fresh.prefill(Request("c", long))
+    for name in LAYERS:
+        for i in range(6):
+            assert torch.equal(fresh.kv_caches[name][loaded["block_ids"][i]],
+                               reference.kv_caches[name][ref_blocks[i]]), (name, i)

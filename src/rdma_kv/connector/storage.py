@@ -81,11 +81,14 @@ def chained_block_keys(token_ids: Sequence[int], block_size: int, seed: bytes) -
 
 @dataclasses.dataclass(frozen=True)
 class BlockTransfer:
-    """Blocks of one request to load or save: ``keys[i]`` <-> ``block_ids[i]``."""
+    """Blocks of one request to load or save: ``keys[i]`` <-> ``block_ids[i]``.
+    A save's ``context`` is every prompt block of its request: the saved
+    blocks' KV was computed over them."""
 
     request_id: RequestId
     keys: tuple[str, ...]
     block_ids: tuple[BlockId, ...]
+    context: tuple[BlockId, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +152,7 @@ class StorageConnector(KVConnectorBase):
         self._geometry: KVCacheGeometry | None = None
         self._memory: list[tuple[np.ndarray, int]] = []
         self._load_errors: set[BlockId] = set()
+        self._failed_this_step: set[BlockId] = set()
         self._stats = {"blocks_loaded": 0, "blocks_saved": 0, "load_errors": 0}
 
     @property
@@ -259,7 +263,8 @@ class StorageConnector(KVConnectorBase):
         keys = keys[: len(tracked.block_ids)]
         todo = [i for i, key in enumerate(keys) if not os.path.exists(self.path_for(key))]
         return BlockTransfer(
-            request_id, tuple(keys[i] for i in todo), tuple(tracked.block_ids[i] for i in todo)
+            request_id, tuple(keys[i] for i in todo), tuple(tracked.block_ids[i] for i in todo),
+            tuple(tracked.block_ids[: len(keys)]),
         )
 
     def request_finished(
@@ -304,6 +309,7 @@ class StorageConnector(KVConnectorBase):
         blocks become load errors (the engine recomputes from there)."""
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, StorageConnectorMetadata)
+        self._failed_this_step = set()
         for load in metadata.loads:
             for index, (key, block_id) in enumerate(zip(load.keys, load.block_ids)):
                 try:
@@ -314,6 +320,7 @@ class StorageConnector(KVConnectorBase):
                         load.request_id, block_id, self.path_for(key), exc,
                     )
                     self._load_errors.update(load.block_ids[index:])
+                    self._failed_this_step.update(load.block_ids[index:])
                     self._stats["load_errors"] += len(load.block_ids) - index
                     break
                 self._stats["blocks_loaded"] += 1
@@ -328,9 +335,18 @@ class StorageConnector(KVConnectorBase):
         happens in ``wait_for_save``, once all layers of the step are written."""
 
     def wait_for_save(self) -> None:
+        """Write the step's saves, except those of a request with a block
+        whose load failed in this step: the forward pass computed them over
+        that block's stale bytes (the engine recomputes them; a later request
+        saves them)."""
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, StorageConnectorMetadata)
+        failed, self._failed_this_step = self._failed_this_step, set()
         for save in metadata.saves:
+            if not failed.isdisjoint(save.context + save.block_ids):
+                logger.warning("request %r: not saving %d block(s) computed over a block that "
+                               "failed to load", save.request_id, len(save.keys))
+                continue
             for key, block_id in zip(save.keys, save.block_ids):
                 if not os.path.exists(self.path_for(key)):
                     self._write_block(key, block_id)
