@@ -334,3 +334,29 @@ def test_blocks_computed_over_a_failed_load_are_not_saved(tmp_path, rng):
         for i in range(6):
             assert torch.equal(fresh.kv_caches[name][loaded["block_ids"][i]],
                                reference.kv_caches[name][ref_blocks[i]]), (name, i)
+
+
+def test_a_failed_save_is_logged_and_the_engine_carries_on(tmp_path, rng, monkeypatch, caplog):
+    """A cache that cannot write (disk full, quota, a dead mount) must not
+    stop the engine: ``wait_for_save`` raised ``OSError`` out of the
+    forward step, which ends a vLLM engine with every request in it."""
+    import errno
+
+    from rdma_kv.connector import storage as storage_module
+
+    tokens = _prompt(rng, 3 * BLOCK_SIZE + 1)
+    engine = MiniEngine(storage_config(tmp_path, "kv_producer"))
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(storage_module.os, "fsync", full)
+    result = engine.prefill(Request("a", tokens))  # raised before
+    assert [len(s.keys) for s in result["meta"].saves] == [3]
+    assert not list(tmp_path.rglob("*.safetensors")) and not list(tmp_path.rglob("*.tmp"))
+    assert "No space left on device" in caplog.text
+    assert engine.worker.get_kv_connector_stats() == {"blocks_loaded": 0, "blocks_saved": 0,
+                                                      "load_errors": 0, "save_errors": 1}
+    monkeypatch.undo()
+    engine.prefill(Request("b", tokens))  # the next request's save goes through
+    assert len(list(tmp_path.rglob("*.safetensors"))) == 3

@@ -153,7 +153,8 @@ class StorageConnector(KVConnectorBase):
         self._memory: list[tuple[np.ndarray, int]] = []
         self._load_errors: set[BlockId] = set()
         self._failed_this_step: set[BlockId] = set()
-        self._stats = {"blocks_loaded": 0, "blocks_saved": 0, "load_errors": 0}
+        self._stats = {"blocks_loaded": 0, "blocks_saved": 0, "load_errors": 0,
+                       "save_errors": 0}
 
     @property
     def directory(self) -> str:
@@ -338,7 +339,8 @@ class StorageConnector(KVConnectorBase):
         """Write the step's saves, except those of a request with a block
         whose load failed in this step: the forward pass computed them over
         that block's stale bytes (the engine recomputes them; a later request
-        saves them)."""
+        saves them). A write that fails (disk full, a dead mount) is logged
+        and counted (``save_errors``), and ends that request's saves."""
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, StorageConnectorMetadata)
         failed, self._failed_this_step = self._failed_this_step, set()
@@ -348,9 +350,17 @@ class StorageConnector(KVConnectorBase):
                                "failed to load", save.request_id, len(save.keys))
                 continue
             for key, block_id in zip(save.keys, save.block_ids):
-                if not os.path.exists(self.path_for(key)):
+                if os.path.exists(self.path_for(key)):
+                    continue
+                try:
                     self._write_block(key, block_id)
-                    self._stats["blocks_saved"] += 1
+                except OSError as exc:  # a cache that cannot write must not stop the engine
+                    logger.warning("request %r: saving block %d to %s failed, not saving its "
+                                   "later blocks: %s", save.request_id, block_id,
+                                   self.path_for(key), exc)
+                    self._stats["save_errors"] += 1
+                    break
+                self._stats["blocks_saved"] += 1
 
     def get_block_ids_with_load_errors(self) -> set[BlockId]:
         errors, self._load_errors = self._load_errors, set()
