@@ -75,11 +75,59 @@ def test_load_comes_from_the_first_child_that_reports_tokens():
     a, b, c = sched.children
     request = Request("r", list(range(20)))
     assert sched.get_num_new_matched_tokens(request, 4) == (8, True)
-    assert c.names("match") == []  # the choice is made; later children are not asked
+    assert c.names("match") == [("match", "r", 4)]  # asked too, as vLLM does; b was chosen
     sched.update_state_after_alloc(request, KVCacheBlocks.of([1, 2, 3]), 8)
     assert a.names("alloc") == [("alloc", "r", ([1, 2, 3],), 0)]
     assert b.names("alloc") == [("alloc", "r", ([1, 2, 3],), 8)]
     assert c.names("alloc") == [("alloc", "r", ([1, 2, 3],), 0)]  # sees the blocks, loads nothing
+
+
+def rdma_child(**extra):
+    """The RDMA connector as a child (its scheduler side needs no transport)."""
+    return {"kv_connector": "RdmaKVConnector", "kv_port": 15555, "kv_connector_extra_config": extra}
+
+
+def test_every_child_hears_of_a_request_the_first_hit_loads():
+    """vLLM's MultiConnector asks every child; the first with tokens loads.
+    The RDMA producer learns from this question that a request waits for
+    blocks and then ends the oldest leases over ``lease_max_share``. Asked
+    only until the first hit, it never heard of requests a child before it
+    (a storage cache) could serve: leases kept the blocks they waited for
+    (renewed by their decodes) and admission stalled."""
+    sched, _ = pair(fake_child(matched_tokens=8), rdma_child(lease_max_share=0.25),
+                    role="kv_producer")
+    fake, rdma = sched.children
+    for rid, blocks in (("p1", range(0, 6)), ("p2", range(6, 12))):  # leases hold 12 of 32 blocks
+        prefill = Request(rid, list(range(1, 6 * BLOCK_SIZE)), {"do_remote_decode": True})
+        prefill.num_computed_tokens = prefill.num_prompt_tokens
+        assert sched.request_finished(prefill, list(blocks))[0] is True
+    sched.build_connector_meta(SchedulerOutput())
+    waiting = Request("w", list(range(40)))
+    assert sched.get_num_new_matched_tokens(waiting, 0) == (8, False)  # the first hit wins
+    # no blocks for it this step: the engine allocates nothing and asks again later
+    meta = sched.build_connector_meta(SchedulerOutput())
+    assert len(meta.children[1].reclaims) == 1  # down to 6 of 32 blocks held
+    assert rdma.scheduler.num_held_blocks() == 6
+
+
+def test_a_consumer_child_not_chosen_releases_the_producers_lease_at_once():
+    """A decode whose load a child before the RDMA connector serves (a
+    storage hit) does not read the producer's blocks: the RDMA child, asked
+    and then given 0 tokens, releases the lease at admission (vLLM's
+    order). Never asked, it released it only when the decode finished, so
+    the producer held the prompt's blocks for the whole decode (or the
+    lease's 30 s)."""
+    producer, _ = pair(rdma_child(), role="kv_producer")
+    prefill = Request("p", list(range(1, 6 * BLOCK_SIZE)), {"do_remote_decode": True})
+    prefill.num_computed_tokens = prefill.num_prompt_tokens
+    _, params = producer.request_finished(prefill, list(range(6)))
+    sched, _ = pair(fake_child(matched_tokens=8), rdma_child(), role="kv_consumer")
+    decode = Request("d", list(range(1, 6 * BLOCK_SIZE)), params)
+    assert sched.get_num_new_matched_tokens(decode, 0) == (8, False)
+    sched.update_state_after_alloc(decode, KVCacheBlocks.of(list(range(10, 16))), 8)
+    meta = sched.build_connector_meta(SchedulerOutput())
+    assert meta.children[1].loads == ()
+    assert [r.lease.request_id for r in meta.children[1].releases] == ["p"]
 
 
 def test_a_child_still_looking_up_defers_the_answer():

@@ -5,9 +5,10 @@ Owns the composition rules. Children come from
 dicts (each child inherits the parent's ``engine_id`` and ``kv_role`` unless
 it sets its own):
 
-- load: from the first child, in config order, whose
-  ``get_num_new_matched_tokens`` reports tokens; the choice is remembered
-  per request and only that child is told to load;
+- load: every child is asked ``get_num_new_matched_tokens`` (as vLLM's
+  MultiConnector does); the first, in config order, that reports tokens
+  loads; the choice is remembered per request and only that child is told
+  to load;
 - save: every child sees every step (each decides what to save);
 - free: a request's blocks stay allocated while any child delays their
   free, and the request counts as finished sending only when every child
@@ -248,17 +249,22 @@ class MultiConnector(KVConnectorBase):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """The first child (config order) that reports tokens wins. A child
-        that cannot tell yet (None) before any hit makes the answer None."""
+        """Every child is asked, as vLLM's MultiConnector does (a child may
+        learn from the question, e.g. the RDMA producer that a request waits
+        for blocks); the first (config order) that reports tokens wins. A
+        child that cannot tell yet (None) makes the answer None."""
         self._load_child.pop(request.request_id, None)
+        answer: tuple[int | None, bool] = (0, False)
+        chosen = None
         for index, child in enumerate(self._children):
             num_tokens, load_async = child.get_num_new_matched_tokens(request, num_computed_tokens)
             if num_tokens is None:
                 return None, False
-            if num_tokens > 0:
-                self._load_child[request.request_id] = index
-                return num_tokens, load_async
-        return 0, False
+            if chosen is None and num_tokens > 0:
+                chosen, answer = index, (num_tokens, load_async)
+        if chosen is not None:
+            self._load_child[request.request_id] = chosen
+        return answer
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
