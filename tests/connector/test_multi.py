@@ -60,6 +60,10 @@ def test_children_are_built_from_config_and_inherit_engine_id_and_role(tmp_path)
         ({"connectors": [{"kv_connector": "StorageConnector", "kv_port": 1e9}]},
          r"\['connectors'\]\[0\]: kv_port must be an integer"),
         ({"connectors": [{"kv_conector": "X"}]}, r"\['connectors'\]\[0\]: unknown .*'kv_conector'"),
+        # a child's setting put beside "connectors" was ignored: the child ran without it
+        ({"connectors": [fake_child()], "storage_path": "/x"},
+         r"MultiConnector: unknown kv_connector_extra_config key\(s\) \['storage_path'\]; "
+         r"its only key is 'connectors': a child's settings go in that child's own"),
     ],
 )
 def test_bad_child_configs_are_reported_with_their_index(extra, pattern):

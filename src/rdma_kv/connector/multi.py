@@ -74,6 +74,13 @@ class MultiKVConnectorHandshakeMetadata(KVConnectorHandshakeMetadata):
 
 def child_configs(config: KVTransferConfig) -> list[KVTransferConfig]:
     """The children's configs, parsed and validated."""
+    unknown = sorted(set(config.kv_connector_extra_config) - {"connectors"})
+    if unknown:
+        raise ConfigError(
+            f"MultiConnector: unknown kv_connector_extra_config key(s) {unknown}; its only key "
+            "is 'connectors': a child's settings go in that child's own "
+            "kv_connector_extra_config"
+        )
     raw = config.get_extra("connectors", type=tuple)
     if not raw:
         raise ConfigError(
