@@ -12,7 +12,17 @@ import pytest
 import torch
 
 import kv_harness
-from kv_harness import BLOCK_SIZE, LAYERS, MiniEngine, expected_block, storage_config
+from kv_harness import (
+    BLOCK_SIZE,
+    HEAD_SIZE,
+    LAYERS,
+    NUM_BLOCKS,
+    NUM_HEADS,
+    NUM_LAYERS,
+    MiniEngine,
+    expected_block,
+    storage_config,
+)
 from rdma_kv.connector import (
     CachedRequestData,
     KVCacheBlocks,
@@ -163,6 +173,23 @@ def test_a_file_from_another_layout_is_refused(tmp_path, rng):
     engine.scheduler.update_state_after_alloc(request, KVCacheBlocks.of([1, 2, 3]), 2 * BLOCK_SIZE)
     _, output = engine.step(SchedulerOutput())
     assert output.invalid_block_ids == frozenset({1, 2})
+
+
+def test_a_file_saved_in_another_memory_order_is_refused(tmp_path, rng):
+    """NHD and HND blocks have the same sizes and permuted bytes: a loader
+    whose layers are laid out heads-inside-tokens must refuse the saver's
+    heads-outside-tokens files (before: loaded, every byte in the wrong place)."""
+    tokens = _prompt(rng, 2 * BLOCK_SIZE + 1)
+    MiniEngine(storage_config(tmp_path, "kv_producer"), fill_seed=1).prefill(Request("p", tokens))
+    consumer = MiniEngine(storage_config(tmp_path, "kv_consumer"), fill_seed=2)
+    whole = torch.zeros(NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, 2 * HEAD_SIZE,
+                        dtype=torch.bfloat16)
+    consumer.kv_caches = {name: whole[i].permute(0, 2, 1, 3) for i, name in enumerate(LAYERS)}
+    consumer.worker.register_kv_caches(consumer.kv_caches)  # same shape and sizes, other order
+    loaded = consumer.prefill(Request("c", tokens))
+    assert loaded["num_external"] == 2 * BLOCK_SIZE  # the scheduler sees the files
+    assert loaded["output"].invalid_block_ids == frozenset(loaded["block_ids"][:2])
+    assert not whole.any()  # nothing was copied into the loader's blocks
 
 
 def test_chunked_prefill_saves_once_the_prompt_is_complete(tmp_path, rng):

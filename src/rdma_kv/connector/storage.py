@@ -63,7 +63,7 @@ __all__ = ["BlockTransfer", "StorageConnector", "StorageConnectorMetadata", "cha
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "rdma-kv-storage/1"
+FORMAT = "rdma-kv-storage/2"  # 2: the layout names each layer's memory order
 _EXTRA_KEYS = ("storage_path", "namespace", "fsync")
 
 
@@ -299,9 +299,13 @@ class StorageConnector(KVConnectorBase):
         return self._geometry
 
     def _layout_signature(self) -> str:
+        """What a loader must share with the saver to copy a block's bytes
+        as they are: per layer, its segments' sizes and its memory order
+        (NHD and HND blocks have equal sizes and permuted bytes)."""
         geometry = self._require_geometry()
         return json.dumps(
-            [[layer.name, [s.block_nbytes for s in layer.segments]] for layer in geometry.layers]
+            [[layer.name, [s.block_nbytes for s in layer.segments], layer.memory_order]
+             for layer in geometry.layers]
         )
 
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
