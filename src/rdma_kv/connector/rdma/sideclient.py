@@ -27,7 +27,13 @@ an address that drops what is sent to it) marks the client not
 is retried as any failure is (a producer starved of CPU a while on a
 loaded host answers the next attempt), once only for a peer that never
 answered (a port a client named that accepts and never answers holds a
-capped place for two attempts, not ``retries`` + 1).
+capped place for two attempts, not ``retries`` + 1). Any attempt that
+fails at the peer (a timeout, a new connection refused or reset; not the
+way to it down, nor a kept connection the producer closed) marks the client not ``answering`` until one is answered: the
+ranks of a producer engine that just stopped answered before, and their
+first calls were not capped. Whoever runs the call may say, on its thread
+(:class:`CallGuard`), that a peer that stopped answering is not tried
+again, and that a call is not made at all.
 
 One call at a time per connection (request, then its reply). A call that
 must not wait behind another (``urgent``: a RENEW, whose lease lapses if it
@@ -42,11 +48,14 @@ connector's ``rdma.auth`` and ``rdma.wire``.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import errno
 import ipaddress
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -54,7 +63,7 @@ import msgspec
 from rdma_kv.connector.rdma import auth, framing, wire
 from rdma_kv.errors import AuthenticationError, HandshakeError, MetadataError, PeerError
 
-__all__ = ["HANDSHAKE_TIMEOUT_S", "URGENT_WAIT_S", "SideChannelClient"]
+__all__ = ["HANDSHAKE_TIMEOUT_S", "URGENT_WAIT_S", "CallGuard", "SideChannelClient", "guarded"]
 
 HANDSHAKE_TIMEOUT_S = 5.0
 """A HANDSHAKE's least timeout per attempt (the producer imports nothing to
@@ -82,6 +91,38 @@ resolver's own timeout, and this many of them make the next lookup fail
 (within its bound) instead of starting yet another thread."""
 
 _lookups = threading.BoundedSemaphore(RESOLVER_THREADS)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallGuard:
+    """What the calls to ``address`` made on this thread may do (the
+    consumer's pool sets one around each job it runs: :func:`guarded`)."""
+
+    address: tuple[str, int]
+    refusal: str = ""
+    """Not empty: a call fails at once with this reason, touching no socket."""
+    stopped_answering: Callable[[], str] | None = None
+    """Asked when an attempt of a peer that answered before fails at the
+    peer: "" to try it again, otherwise why not."""
+
+
+_guards = threading.local()
+
+
+@contextlib.contextmanager
+def guarded(guard: CallGuard) -> Iterator[None]:
+    """Calls made on this thread to ``guard.address`` follow ``guard`` meanwhile."""
+    before = getattr(_guards, "guard", None)
+    _guards.guard = guard
+    try:
+        yield
+    finally:
+        _guards.guard = before
+
+
+def _guard(host: str, port: int) -> CallGuard | None:
+    guard: CallGuard | None = getattr(_guards, "guard", None)
+    return guard if guard is not None and guard.address == (host, port) else None
 
 
 def _link_down(exc: BaseException) -> bool:
@@ -315,6 +356,9 @@ class SideChannelClient:
         (module docstring); if another urgent call holds that one too, wait
         for it as long, then :class:`PeerError` (two calls stuck at once: the
         producer stalls; the next renewal tries again)."""
+        guard = _guard(self.host, self.port)
+        if guard is not None and guard.refusal:
+            raise PeerError(f"side channel {self.address}: not called: {guard.refusal}")
         timeout = self._rpc_timeout_s if timeout_s is None else timeout_s
         conn = self._first
         # Whoever holds the first connection is done within one call's worst case (the
@@ -346,6 +390,7 @@ class SideChannelClient:
                 raise PeerError(f"side channel client for {self.address} is closed")
             if time.monotonic() < self._down_until:
                 raise self._down_error(f"side channel {self.address} is down: {self._down_reason}")
+            fresh = conn.sock is None  # (a kept connection may have been closed by the producer meanwhile)
             try:
                 if conn.sock is None:
                     conn.sock, deadline = self._connect(timeout)
@@ -365,10 +410,17 @@ class SideChannelClient:
                 last = exc
                 conn.drop()
                 attempts += 1
-                if isinstance(exc, TimeoutError):
+                if (fresh or isinstance(exc, TimeoutError)) and not _link_down(exc):  # failed at the peer
                     answered, self.answering = self.answering, False  # (the pool caps the calls to it now)
-                    if not answered and attempts > 1:
+                    if isinstance(exc, TimeoutError) and not answered and attempts > 1:
                         break  # never answered: one retry (a first answer slow once), not a stranger's slot for long
+                    guard = _guard(self.host, self.port)
+                    why = guard.stopped_answering() if answered and guard and guard.stopped_answering else ""
+                    if why:
+                        self._down_until = time.monotonic() + self.down_s
+                        self._down_reason = f"stopped answering ({exc}); not tried again: {why}"
+                        self._down_error = PeerError
+                        raise PeerError(f"side channel {self.address} {self._down_reason}")
                 if not self._retries or (attempts > self._retries and not (
                         _link_down(exc) and time.monotonic() - start < self._connect_timeout_s)):
                     break

@@ -27,13 +27,30 @@ pool isolates addresses from one another, on either set of threads:
   thread of its own, and four of them held every thread: a CONFIRM to a
   healthy producer waited 6 s behind four RELEASEs to a stalled rank.
 - **strangers are capped**: calls to addresses not answering (no client
-  yet, or one whose last attempt got no reply: an address a request's
+  yet, or one whose last attempt failed at the peer: an address a request's
   ``kv_transfer_params`` named, which any client of the decode server
-  chooses, or a producer whose last attempt timed out: stopped, or every
-  rank of a stopped TP engine) run at most :func:`strangers` at once, half
-  the threads, so that the others remain for producers that answer. Four
-  handshakes to ports that accept and never answer held every thread for
-  15 s. A parked call starts as soon as its address answers (``_unpark``).
+  chooses, or a producer whose last attempt timed out or was refused:
+  stopped, or every rank of a stopped TP engine) run at most
+  :func:`strangers` at once, half the threads, so that the others remain
+  for producers that answer. Four handshakes to ports that accept and
+  never answer held every thread for 15 s. A parked call starts as soon as
+  its address answers (``_unpark``).
+- **a producer that stops answering becomes a stranger**: the first call
+  to each rank of an engine that just stopped is not capped (its ranks
+  answered before), so a stopped TP-4 engine held the four threads for
+  one call's attempts each. Its first failed attempt asks the pool for a
+  stranger's place (``_demote``); with none free the call is not tried
+  again (it fails, its loads recompute): one attempt, not the call's
+  attempts, and the next calls to it are capped.
+- **parked calls are bounded and taken in turn by host**: calls parked for
+  a stranger's place wait per host, and the next to start is taken from
+  the hosts in turn, so the first call to a new producer does not wait
+  behind a host's many ports that never answer (a client naming fresh
+  ports of a host that accepts and never answers, faster than the capped
+  places drain); at most :data:`PARKED_PER_HOST` per host and
+  :data:`PARKED_MAX` in all wait, and a stranger call beyond them is not
+  made: it fails at once, saying so (``CallGuard.refusal``), and its load
+  recomputes, as it would at its deadline.
 
 Imports the standard library and the connector's ``sideclient``.
 """
@@ -49,9 +66,9 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-from rdma_kv.connector.rdma.sideclient import SideChannelClient
+from rdma_kv.connector.rdma.sideclient import CallGuard, SideChannelClient, guarded
 
-__all__ = ["ClientPool"]
+__all__ = ["PARKED_MAX", "PARKED_PER_HOST", "ClientPool"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +80,23 @@ def strangers(threads: int) -> int:
     return max(1, threads // 2)
 
 
+PARKED_PER_HOST = 16
+"""Calls to one host's strangers that wait for a stranger's place, per set
+of threads (a producer host's first burst: a rank each of a few engines)."""
+PARKED_MAX = 64
+"""Calls to strangers that wait for a stranger's place, per set of threads."""
+
 Job = tuple[Callable[..., Any], tuple[Any, ...]]
+
+
+@dataclasses.dataclass(eq=False)
+class _Place:
+    """A call handed to the threads; ``stranger``: it holds a stranger's place."""
+
+    address: Address | None
+    job: Job
+    stranger: bool
+    refusal: str = ""
 
 
 @dataclasses.dataclass(eq=False)
@@ -77,8 +110,28 @@ class _Lane:
     """Per address with a call running or handed to the executor: the calls waiting behind it."""
     strangers: int = 0
     """Calls to strangers running or handed to the executor."""
-    parked: collections.deque[tuple[Address, Job]] = dataclasses.field(default_factory=collections.deque)
-    """Calls to strangers waiting for one of ``limit`` to end (the first of their address)."""
+    parked: dict[str, collections.deque[tuple[Address, Job]]] = dataclasses.field(default_factory=dict)
+    """Per host, in turn: calls to strangers waiting for one of ``limit`` to end (the first of their address)."""
+    nparked: int = 0
+
+    def park(self, address: Address, job: Job) -> None:
+        self.parked.setdefault(address[0], collections.deque()).append((address, job))
+        self.nparked += 1
+
+    def next_parked(self) -> tuple[Address, Job]:
+        """The first parked call of the host whose turn it is; that host goes last."""
+        host = next(iter(self.parked))
+        queue = self.parked.pop(host)
+        address, job = queue.popleft()
+        if queue:
+            self.parked[host] = queue
+        self.nparked -= 1
+        return address, job
+
+    def clear(self) -> None:
+        self.queues.clear()
+        self.parked.clear()
+        self.nparked = 0
 
 
 class ClientPool:
@@ -110,7 +163,7 @@ class ClientPool:
                 return False
             self._unpark(lane)
             if to is None:
-                return self._start(lane, None, (fn, args), False)
+                return self._start(lane, _Place(None, (fn, args), False))
             queue = lane.queues.get(to)
             if queue is not None:  # a call to ``to`` is in flight: this one waits for it, on no thread
                 queue.append((fn, args))
@@ -128,12 +181,21 @@ class ClientPool:
 
     def _dispatch(self, lane: _Lane, address: Address, job: Job) -> bool:
         """Hand ``job``, the next call to ``address``, to the threads, or
-        park it while ``lane.limit`` calls to strangers run (lock held)."""
+        park it while ``lane.limit`` calls to strangers run, or, with too
+        many parked, have it fail at once (lock held)."""
         stranger = self._stranger(address)
         if stranger and lane.strangers >= lane.limit:
-            lane.parked.append((address, job))
-            return True
-        return self._start(lane, address, job, stranger)
+            host = len(lane.parked.get(address[0], ()))
+            if host < PARKED_PER_HOST and lane.nparked < PARKED_MAX:
+                lane.park(address, job)
+                return True
+            refusal = (f"{lane.nparked} calls to producer addresses that have not answered wait for the "
+                       f"{lane.limit} RPC threads they may use (rpc_threads / 2), {host} of them to host "
+                       f"{address[0]} (at most {PARKED_MAX}, {PARKED_PER_HOST} per host); are requests naming "
+                       "producers (kv_transfer_params remote_host / remote_port) that do not answer? This "
+                       "load is computed here instead")
+            return self._start(lane, _Place(address, job, False, refusal))
+        return self._start(lane, _Place(address, job, stranger))
 
     def _unpark(self, lane: _Lane) -> None:
         """Start the parked calls whose address answers now (lock held): a
@@ -141,33 +203,56 @@ class ClientPool:
         RENEW, sent beside its handshake) held every later call to that
         address in the queue behind it, its read pin too, until a stranger's
         call ended (found by an adversarial review)."""
-        if not lane.parked:
-            return
-        keep: collections.deque[tuple[Address, Job]] = collections.deque()
-        for address, job in lane.parked:
-            if self._stranger(address) or not self._start(lane, address, job, False):
-                keep.append((address, job))
-        lane.parked = keep
+        for host, queue in list(lane.parked.items()):
+            keep: collections.deque[tuple[Address, Job]] = collections.deque()
+            for address, job in queue:
+                if self._stranger(address) or not self._start(lane, _Place(address, job, False)):
+                    keep.append((address, job))
+            lane.nparked -= len(queue) - len(keep)
+            if keep:
+                lane.parked[host] = keep
+            else:
+                del lane.parked[host]
 
-    def _start(self, lane: _Lane, address: Address | None, job: Job, stranger: bool) -> bool:
+    def _start(self, lane: _Lane, place: _Place) -> bool:
         try:
-            lane.executor.submit(self._run, lane, address, job, stranger)
+            lane.executor.submit(self._run, lane, place)
         except RuntimeError:  # shut down: the worker is closing
             return False
-        if stranger:
+        if place.stranger:
             lane.strangers += 1
         return True
 
-    def _run(self, lane: _Lane, address: Address | None, job: Job, stranger: bool) -> None:
-        """RPC thread: ``job``; then the next call to its address, and the strangers' parked
+    def _demote(self, lane: _Lane, place: _Place) -> str:
+        """``place``'s producer answered before and an attempt of this call
+        just failed at it (``CallGuard.stopped_answering``, RPC thread): the
+        call goes on in a stranger's place, or, with none free, is not
+        tried again (why not)."""
+        with self._lock:
+            if place.stranger:
+                return ""
+            if lane.strangers < lane.limit:
+                lane.strangers += 1
+                place.stranger = True
+                return ""
+            return (f"{lane.strangers} calls to producers not answering already hold the {lane.limit} RPC "
+                    "threads they may use (rpc_threads / 2)")
+
+    def _run(self, lane: _Lane, place: _Place) -> None:
+        """RPC thread: ``place``'s job; then the next call to its address, and the strangers' parked
         calls that now fit, go to the threads (at the back of their queue: other
         addresses' calls submitted meanwhile go first)."""
-        fn, args = job
+        fn, args = place.job
+        address = place.address
         try:
-            _logged(fn, *args)
+            if address is None:
+                _logged(fn, *args)
+            else:
+                with guarded(CallGuard(address, place.refusal, lambda: self._demote(lane, place))):
+                    _logged(fn, *args)
         finally:
             with self._lock:
-                if stranger:
+                if place.stranger:
                     lane.strangers -= 1
                 if address is not None and address in lane.queues:  # not: closed meanwhile
                     queue = lane.queues[address]
@@ -175,10 +260,10 @@ class ClientPool:
                         del lane.queues[address]  # nothing left (or closing: what waits is dropped)
                 for each in (self._calls, self._renewals):  # (a handshake on one makes its producer answer
                     self._unpark(each)                         # for the calls parked on the other)
-                while lane.parked and lane.strangers < lane.limit:
-                    parked, next_job = lane.parked.popleft()
+                while lane.nparked and lane.strangers < lane.limit:
+                    parked, next_job = lane.next_parked()
                     if not self._dispatch(lane, parked, next_job):
-                        lane.parked.clear()  # closing
+                        lane.clear()  # closing
                         break
 
     @property
@@ -218,8 +303,7 @@ class ClientPool:
         with self._lock:
             self._closed = True
             for lane in (self._calls, self._renewals):
-                lane.queues.clear()
-                lane.parked.clear()
+                lane.clear()
         self._calls.executor.shutdown(wait=False, cancel_futures=True)
         self._renewals.executor.shutdown(wait=False, cancel_futures=True)
         with self._lock:
