@@ -12,7 +12,8 @@ import pytest
 
 from rdma_kv.connector.rdma import metrics
 from rdma_kv.connector.rdma.metrics import Histogram, TransferMetrics, merge_stats, record_values
-from rdma_kv.connector.rdma.stats import MAX_RECORDS, LoadMeasures, LoadRecord, LoadStats, Totals, WorkerStats, merge
+from rdma_kv.connector.rdma.stats import (GAUGE_REFRESH_S, GAUGE_STALE_S, MAX_RECORDS, LoadMeasures, LoadRecord,
+                                          LoadStats, Totals, WorkerStats, merge)
 from rdma_kv.connector.rdma.statsparse import parse_totals, parse_worker_stats
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "rdma_kv"
@@ -308,3 +309,62 @@ def test_merging_a_ranks_later_report_keeps_its_latest_gauges():
         merged = merge_stats(parts)
         assert merged["leases_held"] == 5 and merged["resources"] == {"peers": 2}
         assert parse_worker_stats(merged).to_dict() == merged
+
+
+def _inc(rank, leases, incarnation, **resources):
+    """A rank's report with its worker's incarnation, as a worker sends it."""
+    return {**_rank(rank, leases, **resources), "incarnations": {str(rank): incarnation}}
+
+
+def _exporters(now):
+    """Feed both exporters (clock ``now[0]``); returns the gauges they export, (leases, peers)."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    pm = metrics.PrometheusMetrics(registry=registry, labelnames=["engine"], labelvalues=["0"],
+                                   clock=lambda: now[0])
+    tm = TransferMetrics(clock=lambda: now[0])
+
+    def observe(step):
+        pm.observe(step)
+        tm.observe(step)
+        leases = registry.get_sample_value("rdma_kv_leases_held", {"engine": "0"})
+        peers = registry.get_sample_value("rdma_kv_resource", {"engine": "0", "resource": "peers"})
+        assert tm.snapshot()["gauges"] == {"leases_held": leases, "peers": peers}
+        return leases, peers
+    return observe
+
+
+def test_an_engine_restarted_with_fewer_ranks_drops_the_old_ranks_gauges():
+    """A TP-2 engine restarted as TP-1: its rank 0's first report carries a
+    new incarnation, and rank 1 (the engine before) no longer counts.
+    Before, rank 1's last value (3 leases, 2 peers) stayed in the gauges
+    until the metrics object was made again. (The ranks of an engine all
+    report in its first step: a new worker's first stats carry its gauges.)"""
+    now = [0.0]
+    observe = _exporters(now)
+    assert observe(merge_stats([_inc(0, 2, "a0", peers=1), _inc(1, 3, "a1", peers=2)])) == (5, 3)
+    assert observe(_inc(0, 2, "a0", peers=1)) == (5, 3)  # the same incarnation: rank 1 keeps its last value
+    now[0] += 1.0
+    assert observe(_inc(0, 0, "b0", peers=0)) == (0, 0), "a rank of the engine before still counted"
+    assert observe(_inc(1, 1, "b1", peers=1)) == (1, 1)  # a rank of the new engine counts when it reports
+
+
+def test_a_rank_silent_for_long_while_its_engine_reports_is_dropped():
+    """A worker reports its gauges at least every ``GAUGE_REFRESH_S`` while
+    its engine steps: a rank silent for ``GAUGE_STALE_S`` while another
+    rank of its engine reports is gone (a rank that died), and its value no
+    longer counts; before, it counted for good. An engine that pauses (no
+    rank reports: it does not step) keeps every rank's value."""
+    now = [0.0]
+    observe = _exporters(now)
+    both = merge_stats([_inc(0, 2, "a0", peers=1), _inc(1, 3, "a1", peers=2)])
+    assert observe(both) == (5, 3)
+    now[0] += 10 * GAUGE_STALE_S  # idle: nothing stepped
+    assert observe(both) == (5, 3)
+    last_seen, gone_at = now[0], None
+    while now[0] < last_seen + 3 * GAUGE_STALE_S:  # rank 0 reports every GAUGE_REFRESH_S; rank 1 is gone
+        now[0] += GAUGE_REFRESH_S
+        if observe(_inc(0, 2, "a0", peers=1)) == (2, 1) and gone_at is None:
+            gone_at = now[0]
+    assert gone_at is not None, "a rank silent while its engine reported still counted"
+    assert last_seen + GAUGE_STALE_S < gone_at <= last_seen + GAUGE_STALE_S + 2 * GAUGE_REFRESH_S

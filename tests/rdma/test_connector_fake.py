@@ -308,3 +308,26 @@ def test_gauges_are_reported_when_they_move_without_an_event(pair, monkeypatch):
     monkeypatch.setattr(worker, "resources", lambda: {**held, "pushes_running": 0})
     stats = worker.stats()
     assert stats is not None and stats.resources["pushes_running"] == 0
+
+
+def test_a_worker_reports_its_gauges_again_every_refresh_and_its_incarnation(pair, monkeypatch):
+    """Where the gauges are exported, a rank silent for ``GAUGE_STALE_S``
+    while its engine's other ranks report is taken for gone: a worker whose
+    gauges did not move reports them again every ``GAUGE_REFRESH_S`` (while
+    its engine steps), with its incarnation (a new one replaces the rank's
+    gauges of the engine before)."""
+    from rdma_kv.connector.rdma.stats import GAUGE_REFRESH_S
+
+    worker = pair.D.worker.worker
+    now = [1000.0]
+    monkeypatch.setattr(worker, "_clock", lambda: now[0])
+    first = worker.stats()
+    assert first is not None and first.incarnations == {worker._settings.tp_rank: worker._incarnation.hex()}
+    now[0] += GAUGE_REFRESH_S / 2
+    assert worker.stats() is None, "nothing moved, yet stats came out"
+    now[0] += GAUGE_REFRESH_S / 2
+    again = worker.stats()
+    assert again is not None and again.by_rank == first.by_rank and not again.totals.events()
+    assert worker.stats() is None
+    other = pair.P.worker.worker
+    assert other.stats().incarnations != again.incarnations  # another worker: another incarnation

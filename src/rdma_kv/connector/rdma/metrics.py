@@ -39,11 +39,12 @@ import bisect
 import logging
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rdma_kv.connector.rdma.stats import LoadRecord, WorkerStats, held_by_rank, merge
+from rdma_kv.connector.rdma.stats import GAUGE_STALE_S, LoadRecord, WorkerStats, held_by_rank, merge
 from rdma_kv.connector.rdma.statsparse import parse_worker_stats
 
 __all__ = [
@@ -208,15 +209,16 @@ def as_worker_stats(stats: WorkerStats | Mapping[str, Any] | None) -> WorkerStat
 class TransferMetrics:
     """Histograms and counters over every record observed (thread-safe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
+        self._clock = clock
         self.histograms = {name: Histogram(tuple(buckets)) for name, (_, buckets) in HISTOGRAMS.items()}
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.bytes_total = 0
         self.bytes_skipped_total = 0
         self.events: dict[str, int] = {}
         self.gauges: dict[str, int] = {}
-        self._by_rank: dict[int, Mapping[str, int]] = {}
+        self._by_rank: dict[int, _Reported] = {}
 
     def observe(self, stats: WorkerStats | Mapping[str, Any] | None) -> None:
         """Fold one worker summary in: a :class:`WorkerStats` or its dict
@@ -238,7 +240,7 @@ class TransferMetrics:
                     logger.debug("%s", _debug_line(record, values))
             for name, n in typed.totals.events().items():
                 self.events[name] = self.events.get(name, 0) + n
-            self.gauges.update(_latest(self._by_rank, typed))
+            self.gauges.update(_latest(self._by_rank, typed, self._clock()))
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -270,15 +272,39 @@ def gauges(stats: WorkerStats) -> dict[str, int]:
     return {"leases_held": stats.leases_held, **(stats.resources or {})}
 
 
-def _latest(last: dict[int, Mapping[str, int]], stats: WorkerStats) -> dict[str, int]:
+@dataclass(frozen=True)
+class _Reported:
+    """A rank's last reported gauges: by which incarnation of its worker, and when (the exporter's clock)."""
+
+    gauges: Mapping[str, int]
+    incarnation: str | None
+    at: float
+
+
+def _latest(last: dict[int, _Reported], stats: WorkerStats, now: float) -> dict[str, int]:
     """The gauges to export after ``stats``: with gauges by rank, ``last``
     (each rank's last reported gauges, updated here) summed over the ranks,
     so that a rank that did not report this time (its gauges did not move:
-    its stats were None) still counts; without, :func:`gauges` as they are."""
+    its stats were None) still counts; without, :func:`gauges` as they are.
+
+    A rank reporting a new incarnation was made again (its engine
+    restarted): the ranks ``stats`` does not carry are the engine's before,
+    and forgotten (an engine restarted with fewer ranks left its last ranks'
+    values for good). A rank silent for ``GAUGE_STALE_S`` while its engine
+    reports is forgotten too (a worker reports every ``GAUGE_REFRESH_S``)."""
     if not stats.by_rank:
         return gauges(stats)
-    last.update(stats.by_rank)
-    leases_held, resources = held_by_rank(last)
+    incarnations = stats.incarnations or {}
+    newest = max((reported.at for reported in last.values()), default=now)  # before this report: an engine
+    if any(rank in last and last[rank].incarnation is not None
+           and incarnations.get(rank) not in (None, last[rank].incarnation) for rank in stats.by_rank):
+        for rank in [r for r in last if r not in stats.by_rank]:
+            del last[rank]
+    for rank, held in stats.by_rank.items():
+        last[rank] = _Reported(held, incarnations.get(rank), now)
+    for rank in [r for r, reported in last.items() if newest - reported.at > GAUGE_STALE_S]:
+        del last[rank]  # (that resumes stepping after a pause reports its ranks again: none is forgotten then)
+    leases_held, resources = held_by_rank({rank: reported.gauges for rank, reported in last.items()})
     return {"leases_held": leases_held, **resources}
 
 
@@ -304,7 +330,10 @@ class PrometheusMetrics:
     The gauges are set to the sum over an engine's TP ranks of each rank's
     last reported value (``WorkerStats.by_rank``, kept here per label
     values): vLLM sums the reports of the ranks that returned stats in a
-    step, and a rank whose gauges did not move returns none.
+    step, and a rank whose gauges did not move returns none. A rank
+    reporting a new incarnation (its engine restarted) drops the ranks that
+    report does not carry, and a rank silent for ``GAUGE_STALE_S`` while its
+    engine reports is dropped (``_latest``).
 
     ``labelnames``/``labelvalues`` are added to every series (e.g. engine,
     tp_rank). ``counter_cls``/``histogram_cls``/``gauge_cls`` default to
@@ -314,7 +343,8 @@ class PrometheusMetrics:
 
     def __init__(self, *, prefix: str = "rdma_kv", labelnames: Sequence[str] = (),
                  labelvalues: Sequence[object] = (), registry: Any = None,
-                 counter_cls: Any = None, histogram_cls: Any = None, gauge_cls: Any = None) -> None:
+                 counter_cls: Any = None, histogram_cls: Any = None, gauge_cls: Any = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if len(labelnames) != len(labelvalues):
             raise ValueError(f"labelnames {list(labelnames)} and labelvalues {list(labelvalues)} differ in length")
         if counter_cls is None or histogram_cls is None or gauge_cls is None:
@@ -330,7 +360,8 @@ class PrometheusMetrics:
         self._labels = [str(v) for v in labelvalues]
         self._observing = self._labels
         self._lock = threading.Lock()
-        self._by_rank: dict[tuple[str, ...], dict[int, Mapping[str, int]]] = {}
+        self._clock = clock
+        self._by_rank: dict[tuple[str, ...], dict[int, _Reported]] = {}
         """Per label values (an engine), each rank's last reported gauges."""
         kw = {"registry": registry} if registry is not None else {}
         names = list(labelnames)
@@ -408,7 +439,7 @@ class PrometheusMetrics:
                                ("aborted", push.loads_aborted)):
                 if n > 0:
                     self._child(self.pushed_loads, outcome).inc(n)
-            for name, value in _latest(self._by_rank.setdefault(tuple(labels), {}), typed).items():
+            for name, value in _latest(self._by_rank.setdefault(tuple(labels), {}), typed, self._clock()).items():
                 if name == "leases_held":
                     self._child(self.leases_held).set(value)
                 else:

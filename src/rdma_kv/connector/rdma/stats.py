@@ -46,13 +46,23 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
-__all__ = ["MAX_RECORDS", "MEASURES", "TOTAL_NUMBERS", "ConsumerCounters", "Counters", "LeaseCounters",
-           "LoadMeasures", "LoadRecord", "LoadStats", "PushCounters", "PushRecord", "Tally", "Totals", "WorkerStats",
-           "held_by_rank", "merge"]
+__all__ = ["GAUGE_REFRESH_S", "GAUGE_STALE_S", "MAX_RECORDS", "MEASURES", "TOTAL_NUMBERS", "ConsumerCounters",
+           "Counters", "LeaseCounters", "LoadMeasures", "LoadRecord", "LoadStats", "PushCounters", "PushRecord", "Tally",
+           "Totals", "WorkerStats", "held_by_rank", "merge"]
 
 MAX_RECORDS = 10_000
 """Per-request records kept until collected, and across merges; beyond it
 the oldest are dropped (the totals still count them)."""
+
+GAUGE_REFRESH_S = 10.0
+"""A worker whose gauges did not move reports them again this often, while
+its engine steps (``RdmaWorker.stats``)."""
+GAUGE_STALE_S = 6 * GAUGE_REFRESH_S
+"""Where the gauges are exported, a rank that has not reported for this
+long while another rank of its engine reported is forgotten (an engine
+restarted with fewer ranks, or a rank that died): its last value no longer
+counts. An engine none of whose ranks reports (idle: it does not step)
+keeps every rank's last value."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -401,7 +411,16 @@ class WorkerStats:
     ``resources`` are their sums. A gauge is a value now, not a count: a
     merge keeps each rank's latest (the later part's), and whoever exports
     it keeps the last value of every rank, since a rank whose gauges did not
-    move returns no stats (:func:`held_by_rank`)."""
+    move returns no stats (:func:`held_by_rank`), or none for
+    :data:`GAUGE_REFRESH_S`: a worker reports its gauges at least that often
+    while its engine steps, so that a rank gone silent that long while its
+    engine's other ranks report is a rank that is gone
+    (:data:`GAUGE_STALE_S`)."""
+    incarnations: Mapping[int, str] | None = None
+    """Of each rank in ``by_rank``, its worker's incarnation (hex): a rank
+    reporting another one than before was made again (its engine
+    restarted), and the ranks of the engine before that this report does
+    not carry are forgotten where the gauges are exported."""
 
     def to_dict(self) -> dict[str, Any]:
         """``{"requests": [...], "totals": {...}, "leases_held": n[, "resources": {...}][, "pushes": [...]]
@@ -415,6 +434,8 @@ class WorkerStats:
             out["pushes"] = [p.to_dict() for p in self.pushes]
         if self.by_rank is not None:
             out["by_rank"] = {str(rank): dict(held) for rank, held in self.by_rank.items()}
+        if self.incarnations is not None:
+            out["incarnations"] = {str(rank): incarnation for rank, incarnation in self.incarnations.items()}
         return out
 
     def carries_gauges(self) -> bool:
@@ -447,8 +468,11 @@ def merge(parts: Iterable[WorkerStats | None]) -> WorkerStats | None:
     resources: collections.Counter[str] | None = None
     leases_held = 0
     by_rank: dict[int, Mapping[str, int]] | None = None
+    incarnations: dict[int, str] | None = None
     for p in present:
         totals = totals + p.totals
+        if p.incarnations is not None:
+            incarnations = {**(incarnations or {}), **p.incarnations}
         if p.by_rank is not None:  # gauges by rank: each rank's latest, summed below
             by_rank = {**(by_rank or {}), **p.by_rank}
             continue
@@ -463,7 +487,8 @@ def merge(parts: Iterable[WorkerStats | None]) -> WorkerStats | None:
         resources.update(by_rank_resources)
     pushes = [r for p in present for r in p.pushes]
     return WorkerStats(tuple(records[-MAX_RECORDS:]), totals, leases_held,
-                       None if resources is None else dict(resources), tuple(pushes[-MAX_RECORDS:]), by_rank)
+                       None if resources is None else dict(resources), tuple(pushes[-MAX_RECORDS:]), by_rank,
+                       incarnations)
 
 
 class LoadStats:

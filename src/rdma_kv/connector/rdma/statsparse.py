@@ -117,6 +117,7 @@ def parse_worker_stats(data: Mapping[str, Any]) -> WorkerStats:
     """``WorkerStats.to_dict``'s form (``get_kv_connector_stats()``)."""
     resources = data.get("resources")
     by_rank = data.get("by_rank")
+    incarnations = data.get("incarnations")
     return WorkerStats(tuple(parse_load_record(_mapping("load record", r))
                              for r in _list("requests", data.get("requests", ()))),
                        parse_totals(_mapping("totals", data.get("totals") or {})),
@@ -126,7 +127,9 @@ def parse_worker_stats(data: Mapping[str, Any]) -> WorkerStats:
                        tuple(parse_push_record(_mapping("push record", p))
                              for p in _list("pushes", data.get("pushes", ()))),
                        None if by_rank is None else {_rank(k): _gauges(f"by_rank {k}", v)
-                                                     for k, v in _mapping("by_rank", by_rank).items()})
+                                                     for k, v in _mapping("by_rank", by_rank).items()},
+                       None if incarnations is None else {_rank(k): _str(f"incarnations {k}", v)
+                                                          for k, v in _mapping("incarnations", incarnations).items()})
 
 
 def _rank(key: Any) -> int:

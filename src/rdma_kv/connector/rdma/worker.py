@@ -63,7 +63,7 @@ from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sidechannel import SideChannelServer
 from rdma_kv.connector.rdma.sideclient import SideChannelClient
 from rdma_kv.connector.rdma.slots import SlotTable
-from rdma_kv.connector.rdma.stats import PushRecord, WorkerStats
+from rdma_kv.connector.rdma.stats import GAUGE_REFRESH_S, PushRecord, WorkerStats
 from rdma_kv.connector.rdma.transport_api import Transport
 from rdma_kv.connector.specs import KVCacheConfig
 from rdma_kv.connector.types import BlockId, EngineId, RequestId
@@ -118,6 +118,8 @@ class RdmaWorker:
         self._reported: tuple[int, dict[str, int]] | None = None
         """The leases held and resources in the last stats returned: gauges are
         sent again whenever they change, not only with an event."""
+        self._reported_at = 0.0
+        """When ``stats`` last reported the gauges (again every ``GAUGE_REFRESH_S``)."""
         self._bound_at: float | None = None
         """``perf_counter()`` when the step's metadata was bound (``bind``): where its loads' stages start."""
         self._idle_step = False  # the step being run computes nothing (``RdmaConnectorMetadata.idle``)
@@ -351,14 +353,18 @@ class RdmaWorker:
                                          push=totals.push + self._producer.take_push_counters())
         if self._consumer is not None and self._consumer.pushes is not None:
             totals = dataclasses.replace(totals, push=totals.push + self._consumer.pushes.take_counters())
-        held = (len(self.leases), self.resources())
-        if not records and not pushes and not totals.events() and held == self._reported:
+        held, now = (len(self.leases), self.resources()), self._clock()
+        if not records and not pushes and not totals.events() and held == self._reported \
+                and now - self._reported_at < GAUGE_REFRESH_S:
             return None
-        self._reported = held
+        self._reported, self._reported_at = held, now
         # By TP rank: vLLM sums the ranks' reports of a step, and a rank that returned None keeps its
-        # last value where the gauges are exported (a gauge is a value, not a count: WorkerStats.by_rank).
+        # last value where the gauges are exported (a gauge is a value, not a count: WorkerStats.by_rank),
+        # for GAUGE_STALE_S while the engine's other ranks report; a new incarnation replaces the old.
+        rank = self._settings.tp_rank
         return WorkerStats(records, totals, held[0], held[1], pushes,
-                           by_rank={self._settings.tp_rank: {"leases_held": held[0], **held[1]}})
+                           by_rank={rank: {"leases_held": held[0], **held[1]}},
+                           incarnations={rank: self._incarnation.hex()})
 
     def resources(self) -> dict[str, int]:
         """What this worker holds now (leak checks): loads in flight, peers
