@@ -279,7 +279,7 @@ def test_a_call_parked_while_its_producer_had_not_answered_starts_once_it_does()
         producer = ("10.0.0.1", 5600)
         first, pin = threading.Event(), threading.Event()
         assert pool.submit_renewal(first.set, to=producer)  # the load's first RENEW: parked
-        assert len(pool._renewals.parked) == 1
+        assert pool._renewals.nparked == 1
 
         def handshake() -> None:  # on the other set of threads: its producer answers
             pool.get(*producer).answering = True

@@ -177,7 +177,7 @@ def test_a_stopped_engine_whose_ranks_answered_before_holds_half_the_threads_aft
 
     def make(host: str, port: int) -> SideChannelClient:
         return clients.setdefault((host, port), SideChannelClient(host, port, connect_timeout_s=30.0,
-                                                                  rpc_timeout_s=1.0, retries=10))
+                                                                  rpc_timeout_s=1.0, retries=30))
 
     pool = ClientPool(make, threads=THREADS)
     ranks = [Tarpit() for _ in range(THREADS)]
