@@ -118,3 +118,13 @@ def test_a_mismatched_consumer_recomputes(caplog):
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_the_kv_cache_dtype_joins_the_dtype():
+    """vLLM's fp8 caches are all uint8 tensors: the engine's name for the
+    format (``kv_cache_dtype``) is what tells them apart."""
+    e4m3 = compat_info(CONFIG, derive_geometry(kv_first("NHD"), CONFIG), HEADS, "X", kv_cache_dtype="fp8_e4m3")
+    e5m2 = compat_info(CONFIG, derive_geometry(kv_first("NHD"), CONFIG), HEADS, "X", kv_cache_dtype="fp8_e5m2")
+    assert e4m3.dtype == "float16 (fp8_e4m3)"
+    assert e4m3.mismatches(e5m2) == ["dtype: local 'float16 (fp8_e4m3)' vs remote 'float16 (fp8_e5m2)'"]
+    assert compat("NHD", "X").dtype == "float16"  # none given (vLLM's "auto"): the tensor's dtype alone

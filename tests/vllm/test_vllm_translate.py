@@ -370,3 +370,73 @@ def test_a_stats_report_the_api_server_cannot_read_is_dropped_not_raised(caplog,
     logging.observe({"requests": [{"request_id": "r", "ok": "false"}], "totals": {}})
     logging.log()
     assert "could not be read and is dropped" in caplog.text
+
+
+def _fp8_worker(role: str, engine: str, cache_dtype: str, monkeypatch) -> RdmaKVConnector:
+    """A worker-role adapter built as vLLM builds it (a stand-in config:
+    TP 1, 2 KV heads, ``--kv-cache-dtype cache_dtype``), its uint8 KV cache
+    registered (vLLM's tensor dtype for every fp8 format)."""
+    from vllm.config import KVTransferConfig as Kv
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    import rdma_kv.vllm.connector as adapter
+
+    monkeypatch.setattr(adapter, "_attention_backend", lambda config, role: "CPU_ATTN")  # no model runner here
+    nb, bs, heads, head = 8, 32, 2, 16
+    spec = FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=head, dtype=torch.uint8)
+    page = spec.page_size_bytes
+    config = KVCacheConfig(num_blocks=nb, kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)],
+                           kv_cache_tensors=[KVCacheTensor(size=nb * page, layers=[n], layer_stride=nb * page,
+                                                           block_stride=page, offset=0) for n in LAYERS])
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=Kv(kv_connector="RdmaKVConnector", kv_connector_module_path="rdma_kv.vllm",
+                              kv_role=role, engine_id=engine, kv_port=0),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_rank=0),
+        model_config=SimpleNamespace(get_total_num_kv_heads=lambda: heads),
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype))
+    conn = RdmaKVConnector(vllm_config, KVConnectorRole.WORKER, config)
+    conn.register_kv_caches({n: torch.zeros(nb, heads, bs, 2 * head, dtype=torch.uint8) for n in LAYERS})
+    return conn
+
+
+@pytest.mark.parametrize(("producer", "consumer", "accepted"), [
+    ("fp8_e4m3", "fp8_e5m2", False),
+    ("fp8", "fp8_e5m2", False),
+    ("fp8_e5m2", "fp8_e5m2", True),
+])
+def test_fp8_kv_cache_formats_are_compared_at_the_handshake(producer, consumer, accepted, monkeypatch) -> None:
+    """vLLM stores every fp8 ``--kv-cache-dtype`` as a ``uint8`` tensor of
+    one page size, so the adapter's specs and geometry of an ``fp8_e4m3``
+    and an ``fp8_e5m2`` engine were identical: the producer answered the
+    consumer's handshake, and the decode would have read e4m3 bytes as e5m2
+    (silently wrong KV; found by a review of the geometry mapping). Now the
+    cache dtype is part of the compatibility record."""
+    from rdma_kv.connector.rdma import wire
+
+    p = _fp8_worker("kv_producer", "P", producer, monkeypatch)
+    try:
+        d = _fp8_worker("kv_consumer", "D", consumer, monkeypatch)
+        try:
+            pw, dw = p.connector.worker, d.connector.worker
+            reply = pw._producer.handler.on_handshake(
+                wire.Handshake(wire.PROTOCOL_VERSION, "D", dw._local.rank, dw._compat))
+            if accepted:
+                assert isinstance(reply, wire.HandshakeReply), reply
+            else:
+                assert isinstance(reply, wire.Refused), reply
+                assert f"dtype: producer 'uint8 ({producer})' vs consumer 'uint8 ({consumer})'" in reply.reason
+        finally:
+            d.shutdown()
+    finally:
+        p.shutdown()
+
+
+def test_kv_cache_dtype_comes_from_vllm_only() -> None:
+    vllm_kv = VllmKVTransferConfig(kv_connector="RdmaKVConnector", kv_connector_module_path="rdma_kv.vllm",
+                                   kv_role="kv_consumer")
+    extra = translate.transfer_config(vllm_kv, kv_cache_dtype="fp8_e5m2").kv_connector_extra_config
+    assert extra["kv_cache_dtype"] == "fp8_e5m2"
+    assert "kv_cache_dtype" not in translate.transfer_config(vllm_kv, kv_cache_dtype="auto").kv_connector_extra_config
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        translate.transfer_config(SimpleNamespace(**{**vars(vllm_kv),
+                                  "kv_connector_extra_config": {"kv_cache_dtype": "fp8"}}))

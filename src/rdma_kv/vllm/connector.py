@@ -103,6 +103,15 @@ def _total_kv_heads(vllm_config: Any) -> int:
         return 0
 
 
+def _kv_cache_dtype(vllm_config: Any) -> str:
+    """vLLM's ``--kv-cache-dtype`` ("auto": the model's dtype, which the KV
+    tensors carry; "fp8", "fp8_e4m3", "fp8_e5m2"... are all ``uint8``
+    tensors, so the name is what tells two engines' bytes apart)."""
+    cache = getattr(vllm_config, "cache_config", None)
+    value = getattr(cache, "cache_dtype", None)
+    return "" if value is None else str(value)
+
+
 def _attention_backend(vllm_config: Any, role: KVConnectorRole) -> str:
     """The worker's attention backend name(s) (as NixlConnector reads them),
     for the compatibility check; empty on the scheduler, which checks none."""
@@ -133,7 +142,8 @@ class RdmaKVConnector(KVConnectorBase_V1, SupportsHMA):
         config = translate.transfer_config(vllm_config.kv_transfer_config, tp_rank=tp_rank,
                                            tp_size=tp_size, dp_rank=dp_rank,
                                            attention_backend=_attention_backend(vllm_config, role),
-                                           total_kv_heads=_total_kv_heads(vllm_config))
+                                           total_kv_heads=_total_kv_heads(vllm_config),
+                                           kv_cache_dtype=_kv_cache_dtype(vllm_config))
         if kv_cache_config is None:
             raise ConfigError("RdmaKVConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
         ours = translate.kv_cache_config(kv_cache_config)

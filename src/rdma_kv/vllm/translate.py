@@ -96,7 +96,7 @@ def check_vllm_fields(raw: Mapping[str, Any]) -> None:
 
 def transfer_config(vllm_kv: Any, *, tp_rank: int = 0, tp_size: int = 1,
                     dp_rank: int = 0, attention_backend: str = "",
-                    total_kv_heads: int = 0) -> KVTransferConfig:
+                    total_kv_heads: int = 0, kv_cache_dtype: str = "") -> KVTransferConfig:
     """Our ``KVTransferConfig`` from vLLM's (``vllm.config.KVTransferConfig``).
 
     vLLM's fields map one to one (``kv_connector``, ``engine_id``,
@@ -106,13 +106,16 @@ def transfer_config(vllm_kv: Any, *, tp_rank: int = 0, tp_size: int = 1,
     The tensor-parallel rank and size come from vLLM's parallel config, never
     from the user; with data parallelism, DP rank ``d`` uses base port
     ``port + d * tp_size`` (rank ``r`` adds ``r``), so ranks never collide.
+    ``kv_cache_dtype`` is vLLM's ``cache_config.cache_dtype`` ("auto": none),
+    compared at the handshake (its fp8 formats share one tensor dtype).
     """
     extra = dict(getattr(vllm_kv, "kv_connector_extra_config", None) or {})
-    for key in ("tp_rank", "tp_size", "total_kv_heads", "attention_backend"):
+    for key in ("tp_rank", "tp_size", "total_kv_heads", "attention_backend", "kv_cache_dtype"):
         if key in extra:
             raise ConfigError(
                 f"kv_connector_extra_config[{key!r}] is set, but under vLLM the tensor-parallel "
-                "rank and size and the attention backend come from vLLM's config; remove it")
+                "rank and size, the attention backend and the KV-cache dtype come from vLLM's config; "
+                "remove it")
     host = extra.get("side_channel_host", DEFAULT_HOST)
     if not isinstance(host, str) or not host:
         raise ConfigError(f"kv_connector_extra_config['side_channel_host'] must be a host, got {host!r}")
@@ -124,6 +127,8 @@ def transfer_config(vllm_kv: Any, *, tp_rank: int = 0, tp_size: int = 1,
         extra["total_kv_heads"] = total_kv_heads
     if attention_backend:  # part of the compatibility check (worker side)
         extra["attention_backend"] = attention_backend
+    if kv_cache_dtype and kv_cache_dtype != "auto":  # likewise: "auto" is the tensor's own dtype
+        extra["kv_cache_dtype"] = kv_cache_dtype
     device: Any = getattr(vllm_kv, "kv_buffer_device", None) or "cpu"  # KVTransferConfig parses it
     policy: Any = getattr(vllm_kv, "kv_load_failure_policy", None) or "fail"
     return KVTransferConfig(

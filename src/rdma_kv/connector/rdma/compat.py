@@ -25,14 +25,17 @@ def _rank_heads(spec: object) -> int:
 
 
 def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, total_kv_heads: int,
-                attention_backend: str = "", transfer_mode: str = "pull") -> CompatInfo:
+                attention_backend: str = "", transfer_mode: str = "pull", kv_cache_dtype: str = "") -> CompatInfo:
     """What this engine's KV cache is, for the handshake to compare, in
     terms independent of tensor parallelism: model shape (``total_kv_heads``
     before sharding), dtype, block size, the spec of each KV-cache group
     (``+``-joined, page size per head) and, with several groups, each
     layer's group; the attention backend, and per layer the layout, bytes
     per head and memory order (so an NHD and an HND cache of one shape
-    differ)."""
+    differ). ``kv_cache_dtype`` (the engine's name for the format of the
+    bytes, when the tensor's dtype does not tell it: vLLM's fp8 caches are
+    all ``uint8``) joins the dtype, so an ``fp8_e4m3`` and an ``fp8_e5m2``
+    cache differ."""
     specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
     spec = specs[0]
     heads = _rank_heads(spec)
@@ -42,6 +45,8 @@ def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, total
         for layer in geometry.layers
     ]
     head_size, dtype = (spec.head_size, spec.dtype) if isinstance(spec, AttentionSpec) else (0, "")
+    if kv_cache_dtype:
+        dtype = f"{dtype} ({kv_cache_dtype})"
     return CompatInfo(
         num_layers=len(geometry.layers),
         block_size=spec.block_size,

@@ -129,6 +129,14 @@ class RdmaSettings:
     """The engine's attention backend, part of the compatibility check (an
     NHD and an HND backend must not exchange blocks). The vLLM adapter sets
     it from vLLM (e.g. ``FLASH_ATTN``); elsewhere, any name both sides use."""
+    kv_cache_dtype: str = ""
+    """The format of the KV bytes when the tensor's dtype does not tell it,
+    part of the compatibility check: vLLM stores ``--kv-cache-dtype``
+    ``fp8``, ``fp8_e4m3`` and ``fp8_e5m2`` all as ``uint8`` tensors of one
+    page size, so two engines of different fp8 formats would otherwise
+    exchange blocks. The vLLM adapter sets it from vLLM's cache config (empty
+    for ``auto``: the tensor's dtype is the format); elsewhere, any name both
+    sides use."""
     lanes: int = dataclasses.field(default_factory=default_lanes)
     """UCX workers that carry one request's reads in parallel (``AgentConfig.lanes``):
     each extra lane is a worker, an endpoint per producer and a progress thread.
@@ -204,6 +212,7 @@ class RdmaSettings:
             "ucx_net_devices": _net_devices(extra.get("ucx_net_devices"), ucx),
         }
         values["attention_backend"] = get("attention_backend", "", type=str)
+        values["kv_cache_dtype"] = get("kv_cache_dtype", "", type=str)
         for name in ("auth_secret_env", "auth_secret_file"):
             value = get(name, None, type=str)
             if value is not None and not value.strip():

@@ -171,7 +171,8 @@ class RdmaWorker:
             s = self._settings
             rank = rank_info(self._kv_cache_config, s.tp_rank, s.tp_size)
             compat = compat_info(self._kv_cache_config, geometry,
-                                 s.total_kv_heads or rank.num_kv_heads * s.tp_size, s.attention_backend, s.mode)
+                                 s.total_kv_heads or rank.num_kv_heads * s.tp_size, s.attention_backend, s.mode,
+                                 s.kv_cache_dtype)
             if self._producer is not None:
                 if self._producer.handler is None:
                     self._producer.start(compat, rank, transport, geometry)
