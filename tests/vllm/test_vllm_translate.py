@@ -440,3 +440,19 @@ def test_kv_cache_dtype_comes_from_vllm_only() -> None:
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         translate.transfer_config(SimpleNamespace(**{**vars(vllm_kv),
                                   "kv_connector_extra_config": {"kv_cache_dtype": "fp8"}}))
+
+
+def test_a_sliding_window_that_retains_tokens_below_it_is_refused() -> None:
+    """vLLM's ``extra_retained_tokens`` (multi-module MTP) keeps blocks below
+    the window that the engine counts loaded; the adapter dropped the field,
+    so rdma-kv skipped up to one block more than vLLM frees (a 19-token
+    prompt, window 8, block 4, 2 retained: vLLM keeps block 2, rdma-kv
+    neither offered nor read it: stale KV accepted; found by a review of the
+    geometry mapping). Refused now, naming the setting; without it, as before."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    common = dict(block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float16, sliding_window=8)
+    with pytest.raises(SpecError, match="extra_retained_tokens=2"):
+        translate.kv_cache_spec(SlidingWindowSpec(**common, extra_retained_tokens=2))
+    ours = translate.kv_cache_spec(SlidingWindowSpec(**common))
+    assert isinstance(ours, specs.SlidingWindowSpec) and ours.num_skipped_blocks(19) == (19 - 8 + 1) // 4

@@ -149,7 +149,10 @@ def kv_cache_spec(spec: Any) -> KVCacheSpec:
     ``SlidingWindowSpec``. Other kinds (Mamba, chunked-local, sink, cross
     attention...) and anything whose page differs from the plain K/V page
     (padding, quantised KV, a V head of another size) raise ``SpecError``:
-    the connector moves whole pages and must know their size exactly."""
+    the connector moves whole pages and must know their size exactly. So
+    does a sliding window that keeps extra tokens below it
+    (``extra_retained_tokens``): the connector skips exactly the blocks
+    before the window, and would leave those unwritten."""
     kind = type(spec).__name__
     common = dict(block_size=int(spec.block_size), num_kv_heads=int(spec.num_kv_heads),
                   head_size=int(spec.head_size), dtype=spec.dtype)
@@ -162,6 +165,15 @@ def kv_cache_spec(spec: Any) -> KVCacheSpec:
                             f"{spec.head_size} is not supported by RdmaKVConnector")
         ours = FullAttentionSpec(**common, sliding_window=getattr(spec, "sliding_window", None))
     elif kind == "SlidingWindowSpec":
+        extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
+        if extra:
+            # vLLM keeps these tokens' blocks below the window (multi-module MTP re-prefills
+            # them) and counts them loaded; a transfer that skips the window's blocks would
+            # leave them unwritten, and NIXL's prefill back-off for such drafters is not done here.
+            raise SpecError(f"SlidingWindowSpec with extra_retained_tokens={extra} (speculative decoding "
+                            "that reads prefill tokens ahead: num_prefill_lookahead_tokens > 1) is not "
+                            "supported by RdmaKVConnector: its blocks below the window would be counted "
+                            "loaded and never transferred")
         ours = SlidingWindowSpec(**common, sliding_window=int(spec.sliding_window))
     else:
         raise SpecError(f"RdmaKVConnector supports FullAttentionSpec, MLAAttentionSpec and "
