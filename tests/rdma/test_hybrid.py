@@ -317,3 +317,74 @@ def test_block_size_mismatch_is_refused_with_what_to_set(caplog):
         assert d.get_num_new_matched_tokens(Request("d1", range(1, 18), params), 0) == (0, False)
     assert "has 3 blocks" in caplog.text and "needs 5 at block size 4" in caplog.text
     assert "computing locally" in caplog.text and "same --block-size" in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_peer_geometry_that_groups_layers_otherwise_is_refused(mode, monkeypatch):
+    """The block geometry a peer announces (a producer's in its handshake
+    reply, a decode's in its PUSH_HELLO) is its own word, apart from its
+    compatibility record. One that puts the layers in other KV-cache groups
+    with the same number of rows per group (here l0 in the full group, l1 in
+    the sliding one) used to pass the bytes-per-row check: the slot indices
+    of the two sides paired layer l0's window blocks with another layer's
+    blocks of the full group, and the load ended ok with the wrong bytes
+    (found by a review of the geometry mapping). Now the rows' groups must
+    match too: the load fails naming the mismatch. Real UCX on loopback."""
+    import dataclasses
+
+    from rdma_kv.connector.geometry import KVCacheGeometry
+    from rdma_kv.connector.rdma import wire
+
+    def regrouped(geometry: KVCacheGeometry) -> KVCacheGeometry:
+        swap = {"l0": 1, "l1": 0, "l2": 0}
+        return KVCacheGeometry(geometry.regions, tuple(dataclasses.replace(layer, group=swap[layer.name])
+                                                       for layer in geometry.layers))
+
+    p_sched = RdmaConnector(transfer_config("kv_producer", "P", mode=mode), KVConnectorRole.SCHEDULER, hybrid_config())
+    p_work = RdmaConnector(transfer_config("kv_producer", "P", mode=mode), KVConnectorRole.WORKER, hybrid_config())
+    d_sched = RdmaConnector(transfer_config("kv_consumer", "D", mode=mode), KVConnectorRole.SCHEDULER, hybrid_config())
+    d_work = RdmaConnector(transfer_config("kv_consumer", "D", mode=mode), KVConnectorRole.WORKER, hybrid_config())
+    src, dst = kv_caches(fill=1.0), kv_caches()
+    # What a peer announces (the producer's handshake reply, the decode's PUSH_HELLO): regrouped.
+    announce = wire.GeometryWire.from_geometry
+    monkeypatch.setattr(wire.GeometryWire, "from_geometry", classmethod(lambda cls, g: announce(regrouped(g))))
+    try:
+        p_work.register_kv_caches(src)
+        d_work.register_kv_caches(dst)
+        p_sched.set_xfer_handshake_metadata({0: p_work.get_handshake_metadata()})
+
+        def step(sched, work):
+            work.bind_connector_metadata(sched.build_connector_meta(SchedulerOutput()))
+            work.start_load_kv()
+            sending, recving = work.get_finished(set())
+            work.clear_connector_metadata()
+            return sending, recving
+
+        prompt = list(range(1, 18))
+        prefill = Request("r", prompt, {"do_remote_decode": True})
+        prefill.num_computed_tokens = len(prompt)
+        sliding_p, full_p = [0, 0, 0, 13, 14], [20, 21, 22, 23, 24]
+        _, params = p_sched.request_finished_all_groups(prefill, (sliding_p, full_p))
+        step(p_sched, p_work)
+        decode = Request("r", prompt, params)
+        n, _ = d_sched.get_num_new_matched_tokens(decode, 0)
+        sliding_d, full_d = [0, 0, 0, 43, 44], [50, 51, 52, 53, 54]
+        d_sched.update_state_after_alloc(decode, KVCacheBlocks.of(sliding_d, full_d), n)
+        done: set[str] = set()
+
+        def pump():
+            step(p_sched, p_work)
+            done.update(step(d_sched, d_work)[1])
+
+        wait_until(lambda: "r" in done, step=pump, what="the load")
+        wrong = [(name, i) for name, (mine, theirs) in {"l0": (sliding_d, sliding_p), "l2": (sliding_d, sliding_p),
+                                                       "l1": (full_d, full_p)}.items()
+                 for i in range(3 if name != "l1" else 0, 5)
+                 if not np.array_equal(dst[name][mine[i]], src[name][theirs[i]])]
+        errors = d_work.get_block_ids_with_load_errors()
+        assert errors, f"a geometry grouping the layers otherwise was accepted; wrong blocks: {wrong}"
+        (record,) = d_work.get_kv_connector_stats()["requests"]
+        assert not record["ok"] and "group" in record["error"], record
+    finally:
+        p_work.shutdown()
+        d_work.shutdown()

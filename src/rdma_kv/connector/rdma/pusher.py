@@ -280,9 +280,10 @@ class PushWriter(ConcurrentDispatch):
                 self._own[own_heads] = own
         if dst is None:
             table = SlotTable(decode.geometry, dst_heads)
-            if not np.array_equal(table.row_nbytes, own[0].row_nbytes):
-                raise ValueError("the decode's and this producer's slot tables differ in bytes per block "
-                                 "(KV layouts or head slices do not match)")
+            why = own[0].mismatch(table)
+            if why is not None:
+                raise ValueError(f"the geometry the decode introduced does not pair with this producer's "
+                                 f"(or the head slices do not match): {why}")
             dst = (table, self._transport.prep_remote(decode.name, table.descs))
             with self._lock:
                 if self._decodes.get(decode.key) is not decode:

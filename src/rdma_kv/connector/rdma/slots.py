@@ -121,6 +121,22 @@ class SlotTable:
     def num_rows(self) -> int:
         return len(self.row_base)
 
+    def mismatch(self, other: SlotTable) -> str | None:
+        """Why ``other`` (a peer's table, from the geometry it announced)
+        cannot be paired row for row with this one, or None. Rows pair by
+        position: each must be of the same layer index, KV-cache group and
+        bytes per block on both sides, or the slot indices of the two sides
+        would pair one layer's (or group's) blocks with another's."""
+        if not np.array_equal(self.row_nbytes, other.row_nbytes):
+            return "their slot tables differ in bytes per block; the KV layouts do not match"
+        if not np.array_equal(self.row_layer, other.row_layer):
+            return "their layers are cut into segments differently; the KV layouts do not match"
+        if not np.array_equal(self.row_group, other.row_group):
+            return (f"their layers are in other KV-cache groups (per layer here "
+                    f"{[int(g) for g in self.row_group[_first_rows(self.row_layer)]][:64]}, there "
+                    f"{[int(g) for g in other.row_group[_first_rows(other.row_layer)]][:64]})")
+        return None
+
     def indices(self, block_ids: GroupIds, side: str) -> np.ndarray:
         """Slot indices (into ``descs``, and the list prepared from it) of the
         per-group ``block_ids`` (one 1-D array or sequence per group; a bare
@@ -164,6 +180,11 @@ class SlotTable:
         if counts.size == 0:
             return 0
         return int((counts * self.group_nbytes[: counts.size]).sum())
+
+
+def _first_rows(row_layer: np.ndarray) -> np.ndarray:
+    """The first row of each layer (rows are listed layer-major)."""
+    return np.flatnonzero(np.concatenate([[True], row_layer[1:] != row_layer[:-1]]))
 
 
 GroupIds = Union[np.ndarray, Sequence[Any]]

@@ -32,7 +32,7 @@ by the consumer's lock (handed in); tables are prepared under a lock of
 their own, never the consumer's, which the transport's completion
 callbacks take (holding it here deadlocked a load with two sources).
 
-Imports the standard library, numpy, ``rdma_kv.errors`` and the
+Imports the standard library, ``rdma_kv.errors`` and the
 connector's ``geometry``, ``types`` and ``rdma`` modules ``wire``, ``meta``,
 ``slots``, ``topology``, ``transport_api``, ``stats``, ``sideclient``,
 ``auth``, ``settings`` and the consumer's ``records`` and ``clients``.
@@ -49,7 +49,6 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-import numpy as np
 
 from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma import wire
@@ -395,7 +394,8 @@ class PeerDirectory:
     def tables(self, plan: RankPlan, read: Read, peer: Connection) -> tuple[Table, Table]:
         """(local, remote) prepared slot tables for ``read`` through ``peer``;
         raises ``ValueError`` (once, when the remote table is first made) if
-        their rows differ in bytes per block. Called without the consumer's
+        their rows do not pair (``SlotTable.mismatch``: bytes per block,
+        layer, KV-cache group). Called without the consumer's
         lock (preparing calls the transport)."""
         whole = plan.whole(read)
         local = None if whole else HeadSlice(read.local_first, read.count, plan.local_heads)
@@ -406,8 +406,9 @@ class PeerDirectory:
             theirs = peer.tables.get(remote)
             if theirs is None:
                 slots = SlotTable(peer.geometry, remote)
-                if not np.array_equal(mine[0].row_nbytes, slots.row_nbytes):
-                    raise ValueError(f"the local and producer rank {read.rank} slot tables differ in "
-                                     "bytes per block; the KV layouts do not match")
+                why = mine[0].mismatch(slots)
+                if why is not None:
+                    raise ValueError(f"the geometry producer rank {read.rank} announced does not pair with "
+                                     f"this rank's: {why}")
                 theirs = peer.tables[remote] = (slots, transport.prep_remote(peer.name, slots.descs))
         return mine, theirs
