@@ -125,6 +125,12 @@ def test_the_kv_cache_dtype_joins_the_dtype():
     format (``kv_cache_dtype``) is what tells them apart."""
     e4m3 = compat_info(CONFIG, derive_geometry(kv_first("NHD"), CONFIG), HEADS, "X", kv_cache_dtype="fp8_e4m3")
     e5m2 = compat_info(CONFIG, derive_geometry(kv_first("NHD"), CONFIG), HEADS, "X", kv_cache_dtype="fp8_e5m2")
-    assert e4m3.dtype == "float16 (fp8_e4m3)"
-    assert e4m3.mismatches(e5m2) == ["dtype: local 'float16 (fp8_e4m3)' vs remote 'float16 (fp8_e5m2)'"]
+    assert e4m3.dtype == "float16 (float8_e4m3fn)"
+    assert e4m3.mismatches(e5m2) == ["dtype: local 'float16 (float8_e4m3fn)' vs remote 'float16 (float8_e5m2)'"]
+    fp8 = compat_info(CONFIG, derive_geometry(kv_first("NHD"), CONFIG), HEADS, "X", kv_cache_dtype="fp8")
+    assert fp8.mismatches(e4m3) == []  # vLLM's "fp8" is e4m3: one format, two spellings
+    same = compat_info(CONFIG, derive_geometry(kv_first("NHD"), CONFIG), HEADS, "X", kv_cache_dtype="half")
+    assert same.dtype == "float16"  # naming the tensor's own dtype is "auto" (the other engine's default)
+    other = compat_info(CONFIG, derive_geometry(kv_first("NHD"), CONFIG), HEADS, "X", kv_cache_dtype="nvfp4")
+    assert other.dtype == "float16 (nvfp4)"  # a name the specs do not know is kept as it is
     assert compat("NHD", "X").dtype == "float16"  # none given (vLLM's "auto"): the tensor's dtype alone

@@ -403,6 +403,7 @@ def _fp8_worker(role: str, engine: str, cache_dtype: str, monkeypatch) -> RdmaKV
     ("fp8_e4m3", "fp8_e5m2", False),
     ("fp8", "fp8_e5m2", False),
     ("fp8_e5m2", "fp8_e5m2", True),
+    ("fp8", "fp8_e4m3", True),  # vLLM's "fp8" is e4m3: one format
 ])
 def test_fp8_kv_cache_formats_are_compared_at_the_handshake(producer, consumer, accepted, monkeypatch) -> None:
     """vLLM stores every fp8 ``--kv-cache-dtype`` as a ``uint8`` tensor of
@@ -424,7 +425,9 @@ def test_fp8_kv_cache_formats_are_compared_at_the_handshake(producer, consumer, 
                 assert isinstance(reply, wire.HandshakeReply), reply
             else:
                 assert isinstance(reply, wire.Refused), reply
-                assert f"dtype: producer 'uint8 ({producer})' vs consumer 'uint8 ({consumer})'" in reply.reason
+                canonical = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+                assert (f"dtype: producer 'uint8 ({canonical[producer]})' vs consumer "
+                        f"'uint8 ({canonical[consumer]})'") in reply.reason
         finally:
             d.shutdown()
     finally:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma.wire import CompatInfo, RankInfo
-from rdma_kv.connector.specs import AttentionSpec, KVCacheConfig
+from rdma_kv.connector.specs import AttentionSpec, KVCacheConfig, normalize_dtype
+from rdma_kv.errors import SpecError
 
 __all__ = ["compat_info", "rank_info"]
 
@@ -22,6 +23,18 @@ def _rank_heads(spec: object) -> int:
     if isinstance(spec, AttentionSpec):
         return 1 if spec.use_mla else spec.num_kv_heads
     return 1
+
+
+def _with_format(dtype: str, kv_cache_dtype: str) -> str:
+    """``dtype`` with the engine's name for its bytes' format, in canonical
+    spelling where it has one (vLLM's ``fp8`` and ``fp8_e4m3`` are one
+    format), and not at all where it names the tensor's own dtype (an
+    explicit ``bfloat16`` against another engine's ``auto`` on a bf16 model)."""
+    try:
+        name = normalize_dtype(kv_cache_dtype)
+    except SpecError:
+        name = kv_cache_dtype
+    return dtype if name == dtype else f"{dtype} ({name})"
 
 
 def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, total_kv_heads: int,
@@ -46,7 +59,7 @@ def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, total
     ]
     head_size, dtype = (spec.head_size, spec.dtype) if isinstance(spec, AttentionSpec) else (0, "")
     if kv_cache_dtype:
-        dtype = f"{dtype} ({kv_cache_dtype})"
+        dtype = _with_format(dtype, kv_cache_dtype)
     return CompatInfo(
         num_layers=len(geometry.layers),
         block_size=spec.block_size,
