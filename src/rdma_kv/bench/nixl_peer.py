@@ -41,7 +41,13 @@ NAME = "nixl"
 DEFAULT_OPTIONS: dict[str, Any] = {
     "list_mode": "strided",  # "blocks" | "strided"
     "progress_thread": False,  # reader's: it polls check_xfer_state itself
-    "target_progress_thread": True,  # the idle target must progress UCX wire-up
+    # The target only waits while the reader reads; NIXL's progress thread (the
+    # Python API starts it with pthrDelay=0) would spin one of the host's cores
+    # for the whole run, beside a reader that shares them, where rdma-kv's
+    # target sleeps on its event fd. Without it the target progresses UCX
+    # (wire-up, notifications) from its command loop: get_new_notifs every
+    # millisecond while it waits, as the scale bench's NIXL targets do.
+    "target_progress_thread": False,
     "telemetry": True,  # needed for descCount (ops NIXL really posted)
     "num_threads": 0,  # NIXL's own default; vLLM's NixlConnector passes 4
     "notify": False,  # a notif_msg on every transfer
@@ -118,24 +124,23 @@ def target(chan: Channel, start: dict[str, Any]) -> None:
     filler = runner.PatternFiller(buf, workload.seed)
     chan.send({"type": "ready", "address": buf.ctypes.data, "nbytes": buf.nbytes}, agent.get_agent_metadata())
     fills = []
+    got: list[bytes] = []
 
     def fill(rep: int) -> None:
         fills.append(rep)
         filler.fill(rep)
 
+    def poll() -> list[bytes]:
+        for msgs in agent.get_new_notifs().values():  # also progresses the worker
+            got.extend(bytes(m) for m in msgs)
+        return got
+
     def close() -> None:
         if options["notify"]:
-            got: list[bytes] = []
-
-            def poll() -> list[bytes]:
-                for msgs in agent.get_new_notifs().values():
-                    got.extend(bytes(m) for m in msgs)
-                return got
-
             runner.await_notifications(poll, [f"rep{r}".encode() for r in fills], NOTIFY_WAIT_S, "nixl target")
         agent.deregister_memory(reg)
 
-    runner.serve_target(chan, fill, close)
+    runner.serve_target(chan, fill, close, idle=None if options["target_progress_thread"] else poll)
 
 
 def reader(chan: Channel, start: dict[str, Any]) -> None:

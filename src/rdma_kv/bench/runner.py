@@ -176,9 +176,15 @@ def run_pair(
             child.close(timeout_s=10)
 
 
-def serve_target(chan: Channel, fill: Any, close: Any) -> None:
-    """Target command loop: ``fill(rep)`` on request until ``close``."""
+def serve_target(chan: Channel, fill: Any, close: Any, idle: Any = None, idle_s: float = 0.001) -> None:
+    """Target command loop: ``fill(rep)`` on request until ``close``. With
+    ``idle``, a target without a progress thread of its own calls it every
+    ``idle_s`` while it waits for a command (asleep in between, never
+    spinning), so that its transport still progresses (wire-up, notifications)."""
     while True:
+        if idle is not None:
+            while not chan.poll(idle_s):
+                idle()
         msg, _ = chan.recv()
         if msg["type"] == "fill":
             fill(int(msg["rep"]))

@@ -1,0 +1,76 @@
+"""The bench configures and times rdma-kv and NIXL alike (in-process, no NIXL needed).
+
+- NIXL's bench target waits without NIXL's progress thread, which the Python
+  API starts with pthrDelay=0 and which spun one of the host's cores during
+  the reader's timed reads, where rdma-kv's target sleeps on its event fd;
+  it progresses UCX from its command loop while it waits instead.
+"""
+
+from typing import Any
+
+import pytest
+
+from rdma_kv.bench import nixl_peer, runner
+from rdma_kv.bench.workloads import Workload
+
+TINY = Workload("tiny", "kv", num_layers=2, blocks_per_request=8, block_nbytes=4096, pool_blocks=16, seed=11)
+
+
+class ScriptedChan:
+    """A target's end of the control pipe: ``waits`` empty polls, then ``close``."""
+
+    def __init__(self, waits: int) -> None:
+        self.waits = waits
+        self.polls = 0
+        self.sent: list[dict[str, Any]] = []
+
+    def send(self, msg: dict[str, Any], blob: bytes | None = None) -> None:
+        self.sent.append(msg)
+
+    def poll(self, timeout_s: float) -> bool:
+        self.polls += 1
+        return self.polls > self.waits
+
+    def recv(self, timeout_s: float | None = None) -> tuple[dict[str, Any], None]:
+        return {"type": "close"}, None
+
+
+class FakeNixlAgent:
+    def __init__(self) -> None:
+        self.notif_polls = 0
+        self.deregistered = False
+
+    def get_agent_metadata(self) -> bytes:
+        return b"md"
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        self.notif_polls += 1
+        return {}
+
+    def deregister_memory(self, reg: Any) -> None:
+        self.deregistered = True
+
+
+@pytest.mark.parametrize("notify", [False, True])
+def test_nixl_target_runs_without_a_progress_thread_and_progresses_while_it_waits(monkeypatch, notify):
+    made: dict[str, Any] = {}
+    agent = FakeNixlAgent()
+
+    def fake_agent(name: str, options: dict[str, Any]) -> FakeNixlAgent:
+        made.update(options)
+        return agent
+
+    monkeypatch.setattr(nixl_peer, "_agent", fake_agent)
+    monkeypatch.setattr(nixl_peer, "_register", lambda agent, buf: "reg")
+    chan = ScriptedChan(waits=3)
+    nixl_peer.target(chan, {"workload": TINY.to_dict(), "options": {"notify": notify}})
+    assert made["progress_thread"] is False  # rdma-kv's target sleeps: NIXL's must not spin a core
+    assert agent.notif_polls >= 3  # one progress call per wait for a command (wire-up, notifications)
+    assert agent.deregistered and [m["type"] for m in chan.sent] == ["ready", "closed"]
+
+
+def test_serve_target_without_idle_only_blocks_on_the_pipe():
+    chan = ScriptedChan(waits=3)
+    runner.serve_target(chan, fill=lambda rep: None, close=lambda: None)  # type: ignore[arg-type]
+    assert chan.polls == 0 and [m["type"] for m in chan.sent] == ["closed"]
+
