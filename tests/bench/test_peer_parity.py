@@ -4,13 +4,17 @@
   API starts with pthrDelay=0 and which spun one of the host's cores during
   the reader's timed reads, where rdma-kv's target sleeps on its event fd;
   it progresses UCX from its command loop while it waits instead.
+- rdma-kv's *seconds* runs from the shim's entry to the completion the reader
+  saw, the return from the post to Python included, as NIXL's runs from its
+  ``transfer()`` call; before, the return was left out of both columns.
 """
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from rdma_kv.bench import nixl_peer, runner
+from rdma_kv.bench import nixl_peer, rdmakv_peer, runner
 from rdma_kv.bench.workloads import Workload
 
 TINY = Workload("tiny", "kv", num_layers=2, blocks_per_request=8, block_nbytes=4096, pool_blocks=16, seed=11)
@@ -74,3 +78,14 @@ def test_serve_target_without_idle_only_blocks_on_the_pipe():
     runner.serve_target(chan, fill=lambda rep: None, close=lambda: None)  # type: ignore[arg-type]
     assert chan.polls == 0 and [m["type"] for m in chan.sent] == ["closed"]
 
+
+def test_rdmakv_rep_times_run_from_the_shims_entry_to_the_completion_seen():
+    # t0: before read_prepared; the shim's clock at its entry; the post loop
+    # ended long before read_prepared returned; t2: after wait().
+    xfer = SimpleNamespace(started=10.000_040, post_s=0.000_010)
+    t0, t2 = 10.0, 10.001
+    times = rdmakv_peer.rep_times(t0, t2, xfer)
+    assert times["seconds"] == pytest.approx(t2 - xfer.started)  # the return to Python counts, as in NIXL's
+    assert times["prep_seconds"] == pytest.approx(xfer.started - t0)
+    assert times["seconds"] + times["prep_seconds"] == pytest.approx(t2 - t0)
+    assert times["post_seconds"] == xfer.post_s

@@ -6,10 +6,11 @@ every (layer, region, pool block) slot, made once outside the timed region;
 each repetition reads by block-table indices with ``read_prepared``, with
 a notification when ``notify`` is set (the target checks at close that one
 arrived per repetition).
-Timings per rep: *prep* is the Python work before the C post (index
-gathering, merging, argument marshalling), *post* the C post loop
-(``rk_submit``), *seconds* from the post to completion, the same span NIXL's
-``transfer`` + ``check_xfer_state`` covers.
+Timings per rep (``rep_times``): *prep* is the Python work before the C
+call (index gathering, argument marshalling), *post* the C post loop
+(``rk_submit``), *seconds* from the C call's entry to the completion the
+reader saw, return to Python included, the span NIXL's ``transfer`` +
+``check_xfer_state`` covers.
 
 Imports numpy, the stdlib, ``rdma_kv.bench`` siblings, and
 ``rdma_kv.transport`` inside the child processes only.
@@ -51,6 +52,16 @@ def slot_descs(workload: Workload, base: int) -> Any:
     from rdma_kv.transport import DescList
 
     return DescList.slots(base, workload.num_slots, workload.slot_nbytes)
+
+
+def rep_times(t0: float, t2: float, xfer: Any) -> dict[str, float]:
+    """One rep's timings from the caller's clock reads around the call
+    (``t0``) and after ``wait`` (``t2``): *seconds* from the shim's entry
+    (``xfer.started``, the same ``perf_counter`` clock) to the completion the
+    reader saw -- the post loop, the return to Python and the wait, as NIXL's
+    *seconds* runs from its ``transfer()`` call -- and *prep* the Python work
+    before it. The two add up to the whole call."""
+    return {"seconds": t2 - xfer.started, "prep_seconds": xfer.started - t0, "post_seconds": xfer.post_s}
 
 
 # --- child bodies ------------------------------------------------------------------
@@ -106,21 +117,12 @@ def reader(chan: Channel, start: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         xfer = agent.read_prepared(local_prep, p.local_slots, remote_prep, p.remote_slots,
                                    notify=f"rep{rep}".encode() if notify else None)
-        t1 = time.perf_counter()
         xfer.wait(120)
         t2 = time.perf_counter()
-        prep = (t1 - t0) - xfer.post_s
         if xfer.nbytes != p.nbytes:
             raise BenchError(f"rdma-kv moved {xfer.nbytes} bytes, the batch says {p.nbytes}")
         runner.verify(local, p, "rdma-kv reader")
-        return {
-            "seconds": t2 - t0 - prep,
-            "prep_seconds": prep,
-            "post_seconds": xfer.post_s,
-            "ops": xfer.ops_posted,
-            "nbytes": p.nbytes,
-            "descriptors": p.descriptor_count,
-        }
+        return dict(rep_times(t0, t2, xfer), ops=xfer.ops_posted, nbytes=p.nbytes, descriptors=p.descriptor_count)
 
     from rdma_kv.transport._lib import library_path, ucx_version
 
