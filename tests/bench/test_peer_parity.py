@@ -89,3 +89,38 @@ def test_rdmakv_rep_times_run_from_the_shims_entry_to_the_completion_seen():
     assert times["prep_seconds"] == pytest.approx(xfer.started - t0)
     assert times["seconds"] + times["prep_seconds"] == pytest.approx(t2 - t0)
     assert times["post_seconds"] == xfer.post_s
+
+
+def test_bench_gives_nixl_tn_the_split_that_lets_it_use_its_threads(monkeypatch):
+    """nixl-tN is NIXL's parallelism at rdma-kv's lane count: NIXL's UCX thread
+    pool splits a request only from split_batch_size descriptors on (1024 by
+    default: never on kv-contiguous, kv-one-block or contiguous-256m), so the
+    variant sets it to N, its smallest, as rdma-kv stripes any large request."""
+    from rdma_kv.bench import baselines
+    from rdma_kv.cli import main
+
+    variants: dict[str, dict[str, Any]] = {}
+    real_add_variant = baselines.add_variant
+
+    def add_variant(name: str, base: str, **options: Any) -> str:
+        variants[name] = dict(options, base=base)
+        return real_add_variant(name, base, **options)
+
+    monkeypatch.setattr(baselines, "add_variant", add_variant)
+    monkeypatch.setattr(baselines, "run", lambda *a, **k: [])
+    monkeypatch.setattr(baselines, "BACKENDS", dict(baselines.BACKENDS))  # the run registers its variants
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")  # the CLI's pin_loopback sets it otherwise
+    assert main(["bench", "--vs", "nixl", "--lanes", "2", "--workloads", "kv-one-block", "--perftest", "none",
+                 "--no-cma", "--reps", "1"]) == 0
+    assert variants["nixl-t2"] == {"base": "nixl", "num_threads": 2, "split_batch_size": 2, "notify": False}
+    assert variants["rdma-kv-l1"]["lanes"] == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(nixl_peer.nixl_available() is not None, reason="nixl is not importable")
+def test_nixl_with_threads_and_a_small_split_moves_and_verifies():
+    w = TINY.replace(name="tiny-contig", block_order="contiguous")  # 4 merged runs: split over 2 threads
+    r = nixl_peer.run_backend(w, 2, num_threads=2, split_batch_size=2, notify=True)
+    assert r.status == "ok", r.reason
+    assert r.config["num_threads"] == 2 and r.config["split_batch_size"] == 2

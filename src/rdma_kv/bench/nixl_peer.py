@@ -50,6 +50,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "target_progress_thread": False,
     "telemetry": True,  # needed for descCount (ops NIXL really posted)
     "num_threads": 0,  # NIXL's own default; vLLM's NixlConnector passes 4
+    "split_batch_size": 0,  # with num_threads: split requests from this many descriptors on; 0: NIXL's 1024
     "notify": False,  # a notif_msg on every transfer
 }
 NOTIFY_WAIT_S = 10.0  # at close, how long the target waits for the last notifications
@@ -77,14 +78,21 @@ def _agent(name: str, options: dict[str, Any]) -> Any:
         # runs they bury the progress bar. NIXL_LOG_LEVEL still wins.
         logging.getLogger("nixl").setLevel(logging.WARNING)
 
+    threads = int(options["num_threads"])
+    split = int(options.get("split_batch_size") or 0) if threads > 0 else 0
     config = nixl_agent_config(
         enable_prog_thread=bool(options["progress_thread"]),
         enable_listen_thread=False,
         capture_telemetry=bool(options["telemetry"]),
-        num_threads=int(options["num_threads"]),
-        backends=["UCX"],
+        num_threads=threads,
+        backends=[] if split else ["UCX"],
     )
     agent = nixl_agent(name, config)
+    if split:
+        # The UCX backend's thread pool splits a request over its num_threads
+        # workers only from split_batch_size descriptors on (NIXL's default:
+        # 1024); a backend parameter, so the backend is made here with it.
+        agent.create_backend("UCX", {"num_threads": str(threads), "split_batch_size": str(split)})
     if "UCX" not in agent.backends:
         raise BenchError(f"NIXL agent {name!r} has no UCX backend (plugins: {agent.get_plugin_list()})")
     return agent
