@@ -11,6 +11,10 @@ second (1.0 = one core busy all the time).
   service thread, all asleep on their event fds once ``spin_s`` passed.
 - ``nixl``: NIXL 1.5.1's agent with its progress thread
   (``enable_prog_thread=True``), as NixlConnector runs it.
+- ``nixl-poll`` (on request): the same without the progress thread, the
+  configuration ``rdma-kv bench --vs nixl`` times NIXL's reader in; its
+  owner must then drive progress itself (``check_xfer_state``,
+  ``get_new_notifs``), as rdma-kv's ``progress="poll"`` does.
 
     .venv/bin/python bench/idle_cpu.py [--idle-s 2] [--rounds 3] [--json PATH]
 """
@@ -61,10 +65,11 @@ def _rdmakv(role: str, conn: Any, idle_s: float) -> None:
         conn.recv()
 
 
-def _nixl(role: str, conn: Any, idle_s: float) -> None:
+def _nixl(role: str, conn: Any, idle_s: float, progress_thread: bool = True) -> None:
     from rdma_kv.bench.nixl_peer import DEFAULT_OPTIONS, _agent
 
-    agent = _agent(f"idle-{role}", dict(DEFAULT_OPTIONS, progress_thread=True, telemetry=False, num_threads=0))
+    agent = _agent(f"idle-{role}", dict(DEFAULT_OPTIONS, progress_thread=progress_thread, telemetry=False,
+                                        num_threads=0))
     buf = np.ones(NBYTES, dtype=np.uint8)
     reg = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
     conn.send((agent.get_agent_metadata(), buf.ctypes.data))
@@ -81,16 +86,23 @@ def _nixl(role: str, conn: Any, idle_s: float) -> None:
             state = agent.check_xfer_state(handle)
         handle.release()
     conn.send("wired")
+    if not progress_thread:  # the peer's wire-up needs this side's progress until both are wired
+        while not conn.poll(0.001):
+            agent.get_new_notifs()
     conn.recv()
     _idle(conn, idle_s)
     conn.recv()
     agent.deregister_memory(reg)
 
 
+def _nixl_poll(role: str, conn: Any, idle_s: float) -> None:
+    _nixl(role, conn, idle_s, progress_thread=False)
+
+
 def run(engine: str, idle_s: float) -> tuple[float, float]:
     """(target, reader) CPU seconds per idle second."""
     ctx = mp.get_context("spawn")
-    body = _rdmakv if engine == "rdma-kv" else _nixl
+    body = {"rdma-kv": _rdmakv, "nixl": _nixl, "nixl-poll": _nixl_poll}[engine]
     pipes = [ctx.Pipe() for _ in range(2)]
     procs = [ctx.Process(target=body, args=(role, child, idle_s), daemon=True)
              for role, (_, child) in zip(("target", "reader"), pipes)]
@@ -116,7 +128,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--idle-s", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--engines", default="rdma-kv,nixl")
+    ap.add_argument("--engines", default="rdma-kv,nixl", help="comma list of rdma-kv, nixl, nixl-poll")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows: dict[str, list[tuple[float, float]]] = {}
