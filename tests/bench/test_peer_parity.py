@@ -124,3 +124,14 @@ def test_nixl_with_threads_and_a_small_split_moves_and_verifies():
     r = nixl_peer.run_backend(w, 2, num_threads=2, split_batch_size=2, notify=True)
     assert r.status == "ok", r.reason
     assert r.config["num_threads"] == 2 and r.config["split_batch_size"] == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(nixl_peer.nixl_available() is not None, reason="nixl is not importable")
+def test_nixl_reports_the_ucx_it_runs_on():
+    """NIXL's wheel bundles its own UCX, not the libucx rdma-kv loads: each
+    reader reports the version it ran on, so a result file shows both."""
+    r = nixl_peer.run_backend(TINY, 1)
+    assert r.status == "ok", r.reason
+    assert r.config["ucx_version"].count(".") == 2 and "libucp" in r.config["ucx_library"]

@@ -209,7 +209,8 @@ def reader(chan: Channel, start: dict[str, Any]) -> None:
         agent.deregister_memory(reg)
         agent.remove_remote_agent(remote_name)
 
-    chan.send({"type": "ready", "config": dict(options, prep_xfer_dlist_s=prep_dlist_s, nixl_version=_version())})
+    chan.send({"type": "ready", "config": dict(options, prep_xfer_dlist_s=prep_dlist_s, nixl_version=_version(),
+                                               **_loaded_ucx())})
     runner.serve_reader(chan, run_rep, close)
 
 
@@ -223,6 +224,22 @@ def _warm_up(agent: Any, local_h: Any, remote_h: Any) -> None:
     handle.release()
     if state != "DONE":
         raise BenchError(f"NIXL warm-up READ ended in state {state!r}")
+
+
+def _loaded_ucx() -> dict[str, str]:
+    """The UCX this process's NIXL runs on (NIXL's wheel bundles its own, not
+    the libucx rdma-kv loads): ``ucx_version`` and ``ucx_library``, as the
+    rdma-kv reader reports its own; empty strings where they cannot be read."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as fh:
+            path = next(line.split()[-1] for line in fh if "/libucp" in line and ".so" in line)
+        fn = ctypes.CDLL(path).ucp_get_version_string  # loaded already: the same handle
+        fn.restype = ctypes.c_char_p
+        return {"ucx_version": fn().decode(), "ucx_library": path}
+    except (OSError, StopIteration, AttributeError):
+        return {"ucx_version": "", "ucx_library": ""}
 
 
 def _version() -> str:
