@@ -323,17 +323,22 @@ class RdmaSettings:
         return renewed_at is None or now - renewed_at >= self.renew_interval_for(remote_ttl_s)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine's loopback (a host name other than
+    ``localhost`` may resolve anywhere: not loopback)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _require_secret_off_loopback(host: str, values: Mapping[str, Any]) -> None:
     """A producer hands out remote keys of its KV cache to whoever completes
     the side channel's opening: off loopback, only with a secret, or when
     the operator said explicitly that the network is trusted."""
     if values["auth_secret_env"] or values["auth_secret_file"] or values["allow_unauthenticated"]:
         return
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve anywhere
-        loopback = False
-    if not loopback:
+    if not is_loopback(host):
         raise ConfigError(
             f"RdmaKVConnector: this producer's side channel listens on {host!r}, not a loopback address, "
             "and no shared secret is configured, so any peer that reaches it would get the remote keys "

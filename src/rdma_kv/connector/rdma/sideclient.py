@@ -241,6 +241,11 @@ class SideChannelClient:
         timed out): ``ClientPool`` caps the calls to peers not answering."""
 
     @property
+    def authenticated(self) -> bool:
+        """Whether this client proves a shared secret and has the producer prove it."""
+        return self._secret is not None
+
+    @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 

@@ -62,7 +62,7 @@ from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.consumer.clients import ClientPool
 from rdma_kv.connector.rdma.consumer.peers import LocalKV, PeerState
 from rdma_kv.connector.rdma.meta import LoadSpec, RemoteLease
-from rdma_kv.connector.rdma.settings import RdmaSettings
+from rdma_kv.connector.rdma.settings import RdmaSettings, is_loopback
 from rdma_kv.connector.rdma.slots import HeadSlice, SlotTable
 from rdma_kv.connector.rdma.stats import PushCounters, Tally
 from rdma_kv.connector.rdma.topology import RankPlan, Read
@@ -223,6 +223,17 @@ class Pushes:
         key = (client.host, client.port, registration)
         if key in self._hellos and not again:
             return
+        if not (client.authenticated or self._settings.allow_unauthenticated or is_loopback(client.host)):
+            # A PUSH_HELLO carries this worker's address and the remote keys of its whole KV
+            # cache, writable; without a secret the producer is whoever answers at an address
+            # the request's kv_transfer_params named, and any client of the decode server names it.
+            raise PushFailed(
+                f"not introducing this decode's KV cache to producer {client.address}: this decode has no "
+                "shared secret, so it cannot check that the peer there is a producer of this deployment, and "
+                "would hand whoever answers the remote keys to write its whole KV cache (any client of this "
+                "server can name that address in kv_transfer_params). Set kv_connector_extra_config "
+                "auth_secret_file or auth_secret_env on the decodes and producers, or, on a network you "
+                "trust, allow_unauthenticated: true (docs/security.md). This load is computed here instead")
         local = self._local
         reply = client.call(wire.PushHello(wire.PROTOCOL_VERSION, self._engine_id, local.rank, self._incarnation,
                                            self._registration, local.transport.metadata(),
