@@ -331,3 +331,31 @@ def test_a_worker_reports_its_gauges_again_every_refresh_and_its_incarnation(pai
     assert worker.stats() is None
     other = pair.P.worker.worker
     assert other.stats().incarnations != again.incarnations  # another worker: another incarnation
+
+
+def _corrupt_cached(engine, prompt, index):
+    """Flip one value of ``prompt``'s block ``index`` where ``engine``'s prefix cache keeps it (a stray write)."""
+    from rdma_kv.harness.kvfill import block_seeds
+
+    block = engine.pool.cached[block_seeds(prompt, BS)[index + 1]]
+    engine.kv[0, block, 0, 0, 0] += 1
+    return block
+
+
+@pytest.mark.parametrize("case", ["partial hit, rest loaded", "full hit", "partial hit, load failed"])
+def test_a_wrong_prefix_hit_block_fails_verification(pair, fabric, case):
+    # Before: only the blocks a load wrote were verified, so a request that
+    # read a corrupted prefix-cache block (or kept it over a failed load)
+    # finished with bad_blocks == [] and the demo printed VERIFIED.
+    a = list(range(1, 3 * BS + 1))  # block aligned: b below can be a full hit
+    b = a if case == "full hit" else a + [7, 7]
+    params = pair.prefill({"a": a, "b": b})
+    assert pair.decode({"a": a}, params)["a"].bad_blocks == []
+    _corrupt_cached(pair.D, a, 1)
+    if case == "partial hit, load failed":
+        fabric.fail_next = 1
+    r = pair.decode({"b": b}, params)["b"]
+    assert r.local_hit_tokens == 3 * BS and r.status.value == "finished", r
+    assert r.load_failed == (case == "partial hit, load failed"), r
+    assert r.bad_blocks == [1], r
+    pair.settle()

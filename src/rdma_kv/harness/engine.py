@@ -139,7 +139,8 @@ class RequestResult:
     load_failed: bool = False
     recomputed_from_block: int | None = None
     bad_blocks: list[int] = dataclasses.field(default_factory=list)
-    """Prompt block indices whose content did not verify after the load."""
+    """Prompt block indices whose content did not verify: loaded blocks and
+    prefix-cache hits (``Engine``'s ``verify``)."""
     kv_transfer_params: dict[str, Any] | None = None
     submitted_at: float = 0.0
     admitted_at: float = 0.0
@@ -238,8 +239,11 @@ class Engine:
     tensor-parallel rank (one by default).
 
     ``connector_kwargs`` go to the connector's constructor (e.g.
-    ``transport_factory`` for a fake transport). ``verify`` checks every
-    loaded block against :mod:`kvfill` in the step its load completes;
+    ``transport_factory`` for a fake transport). ``verify`` checks against
+    :mod:`kvfill` every block a request uses without computing it: the
+    loaded ones and its prefix-cache hits in the step its load completes
+    (the blocks before the first failed one, when a load failed), the hits
+    at admission when nothing loads;
     ``fill=False`` skips writing KV in the fake forward pass (benchmarks).
     ``tp_size`` ranks split ``shape.num_kv_heads`` (the model's); they need a
     fixed ``kv_port`` (rank ``r`` serves ``kv_port + r``).
@@ -444,6 +448,8 @@ class Engine:
             if n_ext and load_async:
                 req.status = Status.LOADING
             else:
+                if hits and self._verifying:
+                    req.result.bad_blocks = self.verify_blocks(req, range(len(hits)))
                 request.num_computed_tokens = num_computed + n_ext
                 req.status = Status.RUNNING
                 compute.append((req, num_computed + n_ext))
@@ -522,10 +528,18 @@ class Engine:
                 self._finish(req, Status.FAILED)
                 return None
             result.recomputed_from_block = bad[0]
+            if self._verifying:  # the blocks kept (hits, and loads before the first failed one)
+                result.bad_blocks = self.verify_blocks(req, range(bad[0]))
             return bad[0] * bs
-        if self.verify:
-            result.bad_blocks = self.verify_blocks(req, range(first_block, len(req.block_ids)))
+        if self._verifying:  # the loaded blocks, and the prefix-cache hits the request reads with them
+            result.bad_blocks = self.verify_blocks(req, range(len(req.block_ids)))
         return req.request.num_prompt_tokens
+
+    @property
+    def _verifying(self) -> bool:
+        """Whether blocks are checked against kvfill: ``verify``, and the
+        forward writes kvfill's KV (else a prefix hit holds zeros)."""
+        return self.verify and self.fill
 
     def _all_ranks(self, kind: str) -> set[str]:
         """Request ids every rank has reported as finished ``kind``."""
