@@ -96,3 +96,16 @@ def test_same_bits_is_bitwise() -> None:
         assert torch.equal(block, torch.zeros((2, 4, 8), dtype=dtype))
         assert not same_bits(block, torch.zeros((2, 4, 7), dtype=dtype))
         assert not same_bits(block, torch.zeros((2, 4, 8), dtype=torch.float64))
+
+
+def test_one_layer_is_that_layer_of_the_whole_block():
+    """fill_block(layer=l), as the harness's forward stores a layer in its turn, writes layer l's slice only."""
+    tokens = list(range(3, 40))
+    whole = torch.zeros(3, 4, 2, 8, 16, dtype=torch.float16)
+    full, valid = expected_block(tokens, 2, 12345, (2, 8, 16), 3, torch.float16)
+    for layer in range(3):
+        one, _ = expected_block(tokens, 2, 12345, (2, 8, 16), 3, torch.float16, layer=layer)
+        assert torch.equal(one[0], full[layer])
+    fill_block(whole, 1, tokens, 2, 12345, 0, layer=1)
+    assert torch.equal(whole[1, 1, :, :valid], full[1, :, :valid])
+    assert not whole[[0, 2]].any() and not whole[:, [0, 2, 3]].any()

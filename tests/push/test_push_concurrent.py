@@ -385,3 +385,31 @@ def test_a_producer_knows_at_most_max_decodes_and_a_forgotten_decode_introduces_
         assert totals["push_decodes_forgotten"] == 5 and totals["push_hellos"] == 7, totals
     finally:
         pair.close()
+
+
+def test_a_layer_pushed_ahead_of_its_save_kv_layer_fails_verification(rng, monkeypatch):
+    """The harness stores each layer's KV in its turn (vLLM's attention
+    hooks: wait_for_layer_load, the layer, save_kv_layer), so a producer that
+    writes a layer before the engine handed it over sends what was in memory
+    then. Before, the harness's forward stored every layer before the first
+    save_kv_layer: a pusher that posted all layers at the first one passed,
+    bit-exact, where vLLM would have sent the later layers unwritten."""
+    from rdma_kv.connector.rdma.pushreg import ConcurrentDispatch
+
+    def write_every_layer(self, layer_name):  # the bug: layers ahead of their save_kv_layer
+        if self._step:
+            for layer in self._geometry.layers:
+                if layer.name not in self._stored:
+                    self._layer_stored(layer.name, overlapped=True)
+
+    monkeypatch.setattr(ConcurrentDispatch, "write_layer", write_every_layer)
+    pair = Pair()
+    try:
+        p_rid, d_rid, tid, prompt = pair.decode_registered(rng)
+        pair.prefill(p_rid, prompt, tid)
+        wait_until(lambda: pair.finished(d_rid), step=pair.pump, what="the decode")
+        r = pair.D.results[d_rid]
+        assert r.status.value == "finished" and not r.load_failed, r.error
+        assert r.bad_blocks == [0, 1, 2, 3], r.bad_blocks  # the whole blocks went out layer-wise; the partial one at the seal
+    finally:
+        pair.close()

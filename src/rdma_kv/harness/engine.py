@@ -21,7 +21,8 @@ every block it loaded from the prompt alone.
    connector offered nothing). ``(n, True)``: park the request until the
    worker reports it in ``finished_recving``.
 3. Every step: ``build_connector_meta`` -> worker ``bind_connector_metadata``
-   -> per layer ``wait_for_layer_load`` / forward / ``save_kv_layer`` ->
+   -> per layer ``wait_for_layer_load`` / that layer's forward (its KV
+   stored) / ``save_kv_layer`` ->
    ``start_load_kv`` -> ``wait_for_save`` -> ``get_finished(finished_ids)``
    -> ``get_block_ids_with_load_errors`` -> ``clear_connector_metadata`` ->
    scheduler ``update_connector_output``. That is vLLM 0.32's order when
@@ -466,11 +467,7 @@ class Engine:
             worker.bind_connector_metadata(meta)
             if self.start_load_first:
                 worker.start_load_kv(None)
-            for name in part.kv_caches:
-                worker.wait_for_layer_load(name)
             self._forward(compute, part)
-            for name in part.kv_caches:
-                worker.save_kv_layer(name, part.kv_caches[name], None)
             if not self.start_load_first:
                 worker.start_load_kv(None)
             worker.wait_for_save()
@@ -564,13 +561,22 @@ class Engine:
         return bad
 
     def _forward(self, compute: Sequence[tuple[_Req, int]], part: _Rank) -> None:
-        """The fake forward pass of one rank: write kvfill's KV of its heads for the computed tokens."""
+        """The fake forward pass of one rank: write kvfill's KV of its heads
+        for the computed tokens, layer by layer in vLLM's order (its attention
+        layers' hooks): ``wait_for_layer_load``, the layer's KV, then
+        ``save_kv_layer``. A layer's KV is not in memory before its turn, so
+        a connector that saved a layer ahead of its ``save_kv_layer`` sends
+        what was there before, as it would in vLLM."""
         bs = self.shape.block_size
-        for req, first in compute:
-            tokens = req.request.prompt_token_ids
-            for i in range(first // bs, len(req.block_ids) if self.fill else 0):
-                fill_block(part.kv, req.block_ids[i], tokens, i, req.seeds[i],
-                           first - i * bs if i == first // bs else 0, part.heads)
+        writes = [(req, i, first - i * bs if i == first // bs else 0)
+                  for req, first in compute
+                  for i in range(first // bs, len(req.block_ids) if self.fill else 0)]
+        for layer, name in enumerate(part.kv_caches):
+            part.worker.wait_for_layer_load(name)
+            for req, i, first_position in writes:
+                fill_block(part.kv, req.block_ids[i], req.request.prompt_token_ids, i, req.seeds[i],
+                           first_position, part.heads, layer)
+            part.worker.save_kv_layer(name, part.kv_caches[name], None)
 
     def _cache_prefixes(self, compute: Sequence[tuple[_Req, int]]) -> None:
         if self.prefix_caching:

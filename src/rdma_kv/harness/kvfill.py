@@ -43,14 +43,15 @@ def block_seeds(tokens: Sequence[int], block_size: int) -> list[int]:
 
 def expected_block(
     tokens: Sequence[int], block_index: int, seed: int, page_shape: tuple[int, ...],
-    num_layers: int, dtype: torch.dtype, heads: range | None = None,
+    num_layers: int, dtype: torch.dtype, heads: range | None = None, layer: int | None = None,
 ) -> tuple[torch.Tensor, int]:
     """``(values, valid)``: the block's KV for every layer, shape
     ``[num_layers, *page_shape]`` with page ``[heads, block_size, 2*head]``,
     and how many leading positions hold tokens (the rest is undefined).
     ``heads``: which of the model's KV heads the page holds (a tensor-parallel
     rank's share; default all of ``page_shape[0]``), so every rank writes the
-    values of the same head that a single engine would.
+    values of the same head that a single engine would. ``layer``: that
+    layer's KV only (shape ``[1, *page_shape]``).
 
     Value at (layer, head, position, column):
     ``(grid * 40503 + layer * 2654435761 + seed + token * 97) % 251``, with
@@ -66,7 +67,10 @@ def expected_block(
     tok = np.zeros(block_size, dtype=np.int64)
     tok[:valid] = np.asarray(tokens[start:start + valid], dtype=np.int64)
     term = torch.from_numpy(((seed % _MOD + (tok % _MOD) * 97) % _MOD).astype(np.int16))
-    values = _place_term(block_size, width, num_layers, heads.start, heads.stop, heads.step) + term.view(1, 1, -1, 1)
+    place = _place_term(block_size, width, num_layers, heads.start, heads.stop, heads.step)
+    if layer is not None:
+        place = place[layer:layer + 1]
+    values = place + term.view(1, 1, -1, 1)
     # values < 2 * 251: (values + 5) >> 8 is 1 exactly where values >= 251
     values.sub_((values + (256 - _MOD)).bitwise_right_shift_(8).mul_(_MOD))
     return values.to(dtype), valid
@@ -86,15 +90,17 @@ def _place_term(block_size: int, width: int, num_layers: int, h0: int, h1: int, 
 
 def fill_block(
     whole: torch.Tensor, block_id: int, tokens: Sequence[int], block_index: int, seed: int,
-    first_position: int = 0, heads: range | None = None,
+    first_position: int = 0, heads: range | None = None, layer: int | None = None,
 ) -> None:
     """Write block ``block_index`` of ``tokens`` into ``block_id`` of the KV
     cache ``whole`` (``[num_layers, num_blocks, heads, block_size, 2*head]``),
-    positions ``first_position`` .. the last token of the block; ``heads`` as
-    in :func:`expected_block`."""
+    positions ``first_position`` .. the last token of the block; ``heads`` and
+    ``layer`` (that layer only, as a forward pass stores them) as in
+    :func:`expected_block`."""
     values, valid = expected_block(tokens, block_index, seed, tuple(whole.shape[2:]),
-                                   whole.shape[0], whole.dtype, heads)
-    whole[:, block_id, :, first_position:valid] = values[:, :, first_position:valid]
+                                   whole.shape[0], whole.dtype, heads, layer)
+    layers = slice(None) if layer is None else slice(layer, layer + 1)
+    whole[layers, block_id, :, first_position:valid] = values[:, :, first_position:valid]
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
