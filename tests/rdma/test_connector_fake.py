@@ -4,6 +4,7 @@ driven by two in-process harness engines (the side channel is real, on
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -359,3 +360,32 @@ def test_a_wrong_prefix_hit_block_fails_verification(pair, fabric, case):
     assert r.load_failed == (case == "partial hit, load failed"), r
     assert r.bad_blocks == [1], r
     pair.settle()
+
+
+def test_a_block_the_load_never_wrote_fails_verification_even_where_it_held_the_same_kv(fabric, monkeypatch):
+    """A fresh block is not what it held before: the harness overwrites
+    blocks as it allocates them, so a block the transfer never wrote fails
+    verification even where its earlier request left the very same KV. (Before,
+    "b" below reused "a"'s partial block; reads that copied nothing verified.)"""
+    import numpy as np
+    from fakes import FakeTransfer
+
+    pair = Pair(fabric, d_shape=dataclasses.replace(SHAPE, num_blocks=3))  # "b" gets "a"'s freed partial block
+    try:
+        prompt = list(range(1, 2 * BS + 3))  # two whole blocks and a partial one
+        params = pair.prefill({"a": prompt, "b": prompt})
+        assert pair.decode({"a": prompt}, params)["a"].bad_blocks == []
+        resolve = FakeTransfer._resolve
+
+        def copy_nothing(self, error=None):  # the fault: reads complete, nothing lands
+            empty = np.zeros(0, np.uint64)
+            self._ops = (empty, empty, empty)
+            resolve(self, error)
+
+        monkeypatch.setattr(FakeTransfer, "_resolve", copy_nothing)
+        r = pair.decode({"b": prompt}, params)["b"]
+        assert r.local_hit_tokens == 2 * BS and r.external_tokens == 2 and not r.load_failed, r
+        assert r.bad_blocks == [2], r
+        pair.settle()
+    finally:
+        pair.close()

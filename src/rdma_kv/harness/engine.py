@@ -94,6 +94,10 @@ __all__ = ["Engine", "ModelShape", "RequestResult", "Status"]
 
 logger = logging.getLogger(__name__)
 
+UNWRITTEN = -1.0
+"""What a block holds once allocated, before a forward pass or a load
+writes it (with ``verify``): never a value of :mod:`kvfill`'s."""
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
@@ -244,7 +248,8 @@ class Engine:
     :mod:`kvfill` every block a request uses without computing it: the
     loaded ones and its prefix-cache hits in the step its load completes
     (the blocks before the first failed one, when a load failed), the hits
-    at admission when nothing loads;
+    at admission when nothing loads; it also fills each block it allocates
+    with :data:`UNWRITTEN`, so a block no load wrote never verifies;
     ``fill=False`` skips writing KV in the fake forward pass (benchmarks).
     ``tp_size`` ranks split ``shape.num_kv_heads`` (the model's); they need a
     fixed ``kv_port`` (rank ``r`` serves ``kv_port + r``).
@@ -439,6 +444,12 @@ class Engine:
                 break  # no room: try again next step
             self.waiting.popleft()
             running += 1
+            if self._verifying:
+                # A fresh block holds no KV yet: what a block that was freed
+                # held before must not verify in place of a load that never
+                # wrote it (the same prompt again leaves the same KV).
+                for part in self.ranks:
+                    part.kv[:, blocks[len(hits):]] = UNWRITTEN
             req.block_ids = blocks
             request.num_computed_tokens = num_computed
             req.result.local_hit_tokens = num_computed
