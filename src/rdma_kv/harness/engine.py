@@ -53,7 +53,7 @@ sending or receiving once *every* rank reported it (as vLLM aggregates
 its workers' outputs); load errors are the union of the ranks'.
 
 Imports the standard library, torch, ``rdma_kv.errors``, ``rdma_kv.connector``
-and ``rdma_kv.harness.kvfill``.
+and ``rdma_kv.harness`` modules ``blocks`` (the block pool) and ``kvfill``.
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ from rdma_kv.connector import (
     SchedulerOutput,
 )
 from rdma_kv.errors import ConfigError
+from rdma_kv.harness.blocks import BlockPool
 from rdma_kv.harness.kvfill import block_seeds, expected_block, fill_block, same_bits
 
 __all__ = ["Engine", "ModelShape", "RequestResult", "Status"]
@@ -167,57 +168,6 @@ class _Req:
     status: Status = Status.WAITING
     scheduled_once: bool = False
     load_reported: bool = False  # its load was in finished_recving (every rank)
-
-
-class _BlockPool:
-    """Free list (LRU) plus a prefix cache of full blocks keyed by their seed chain."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(num_blocks))
-        self.refs = [0] * num_blocks
-        self.cached: dict[int, int] = {}  # chain key -> block id
-        self.key_of: dict[int, int] = {}  # block id -> chain key
-
-    def hits(self, keys: Sequence[int]) -> list[int]:
-        out = []
-        for key in keys:
-            block = self.cached.get(key)
-            if block is None:
-                break
-            out.append(block)
-        return out
-
-    def allocate(self, hits: Sequence[int], count: int) -> list[int] | None:
-        fresh = [b for b in self.free if b not in hits]
-        if len(fresh) < count:
-            return None
-        for block in hits:
-            self.refs[block] += 1
-            self.free.pop(block, None)
-        out = []
-        for block in fresh[:count]:
-            self.free.pop(block)
-            old = self.key_of.pop(block, None)  # evict its cache entry: it is being overwritten
-            if old is not None and self.cached.get(old) == block:
-                del self.cached[old]
-            self.refs[block] = 1
-            out.append(block)
-        return list(hits) + out
-
-    def cache(self, key: int, block: int) -> None:
-        if key not in self.cached:
-            self.cached[key] = block
-            self.key_of[block] = key
-
-    def release(self, blocks: Sequence[int]) -> None:
-        for block in blocks:
-            self.refs[block] -= 1
-            if self.refs[block] == 0:
-                self.free[block] = None  # most recently freed last: evicted last
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free)
 
 
 def shard_heads(rank: int, tp_size: int, num_heads: int) -> range:
@@ -305,7 +255,7 @@ class Engine:
         self.worker = self.ranks[0].worker
         self._reported: dict[str, collections.Counter[str]] = {
             "sending": collections.Counter(), "recving": collections.Counter()}
-        self.pool = _BlockPool(shape.num_blocks)
+        self.pool = BlockPool(shape.num_blocks)
         self.requests: dict[str, _Req] = {}
         self.results: dict[str, RequestResult] = {}
         self.waiting: collections.deque[_Req] = collections.deque()
