@@ -16,15 +16,21 @@ a producer killed before any contact, and one killed after a good load
 (connections up), leave the TP=2 decode recomputing (same output, every
 block back, no hang); a model with one KV head served
 at TP=2 (each rank a replica of it) decodes like plain. A decode in which a
-KV load failed, and said so in its log, is repeated (``decode_undisturbed``).
+KV load failed, and said so in its log, is repeated once the log's warning
+window has passed (``decode_undisturbed``); a producer stopped through the
+control's first attempt leaves the repeated one reading its KV.
 
     .venv-vllm/bin/python -m pytest tests/vllm/test_vllm_hetero_tp.py -q
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +46,8 @@ if str(HERE) not in sys.path:
 from engine_proc import EngineProcess  # noqa: E402
 from netutil import free_base_port  # noqa: E402
 from test_vllm_rdma_pd import CONTROL_PROMPTS, MAX_TOKENS, PD_PROMPTS, prefill, tokens  # noqa: E402
+
+from rdma_kv.connector.rdma.lograte import WINDOW_S  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
@@ -67,6 +75,15 @@ def engine(name: str, model_dir: str, log_dir: Path) -> EngineProcess:
 LOAD_FAILED = re.compile(r"KV load failed|KV load failures")
 """A load failure the decode logged: one line per request (``loads``), or
 the count line once more than five fail per producer per 10 s (``lograte``)."""
+RECOVERED = re.compile(r"Recovered from KV load failure|due to KV load failure")
+"""vLLM's scheduler, each time it recomputes (or fails) requests because the
+connector reported their KV load failed: one line per step, never held back."""
+RETRY_PAUSE_S = WINDOW_S + 1.0
+"""Between attempts: the connector's warning window (``lograte.WINDOW_S``) of
+the failures just seen ends, so those of the next attempt are logged line by
+line again, and the side channel's fail-fast after a failed call
+(``sideclient``, 1 s) is over, so the next attempt does not fail on the last
+one's account."""
 
 
 def decode_undisturbed(decode: EngineProcess, params: Callable[[], list[dict[str, Any]]],
@@ -79,15 +96,26 @@ def decode_undisturbed(decode: EngineProcess, params: Callable[[], list[dict[str
     long enough for a load to pass its bound (docs/reliability.md,
     "Processes without a CPU"). The load then fails, loudly, and the decode
     recomputes: the connector doing its job, but an attempt that says
-    nothing about where the KV came from, so it is repeated. Only a failure
-    the decode logged makes an attempt count as disturbed; the caller checks
-    the outputs of an undisturbed one, so a load that fails silently (or
-    reads the wrong blocks) still fails the test."""
+    nothing about where the KV came from, so it is repeated, after
+    ``RETRY_PAUSE_S``. An attempt counts as disturbed when the decode
+    logged a failure, or vLLM says it recomputed after one. The latter
+    without the former fails the test: each attempt starts in a fresh
+    warning window (the pause; before the first, the module's earlier
+    loads from the producer succeeded), so the connector logs its first
+    failures one per line: a failure reported to vLLM and not logged
+    fails the test. The caller checks the outputs of an undisturbed
+    attempt, so a load that fails without telling vLLM (or reads the
+    wrong blocks) still fails it too."""
     failures: list[str] = []
-    for _ in range(attempts):
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(RETRY_PAUSE_S)
         start = len(decode.log())
         reply = decode.generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params())
-        failures = [line for line in decode.log()[start:].splitlines() if LOAD_FAILED.search(line)]
+        lines = decode.log()[start:].splitlines()
+        failures = [line for line in lines if LOAD_FAILED.search(line)]
+        recovered = [line for line in lines if RECOVERED.search(line)]
+        assert failures or not recovered, f"vLLM recomputed after a KV load failure no worker logged: {recovered}"
         if not failures:
             return tokens(reply)
     pytest.fail(f"a KV load failed in each of {attempts} attempts; the last: {failures[:3]}")
@@ -135,6 +163,48 @@ def test_prefill_tp1_decode_tp2(engines) -> None:
     assert decode_undisturbed(engines["tp2"], lambda: prefill(engines["tp1"])) == engines["plain"]
     # Control: KV computed with other weights, read by both TP=2 ranks.
     control = decode_undisturbed(engines["tp2"], lambda: prefill(engines["other"]))
+    assert all(c != p for c, p in zip(control, engines["plain"])), "the TP=2 decode did not use the KV read"
+
+
+def test_control_survives_a_producer_stalled_through_one_attempt(engines) -> None:
+    """The TP=1 producer (weights B) stopped (SIGSTOP) from its prefill until
+    the TP=2 decode logs the loads failed, as a producer without a CPU on a
+    loaded host (docs/reliability.md, "Processes without a CPU"): the CONFIRMs
+    go unanswered, the loads fail, loudly, and the decode recomputes. The
+    repeated attempt must then read the KV (the control differs from plain):
+    one at once met the side channel still failing fast, its failures held
+    back by the warning window, and passed for undisturbed with the plain
+    output (2026-11-29)."""
+    other, decode = engines["other"], engines["tp2"]
+    stalled = threading.Event()
+
+    def resume_once_failed(start: int) -> None:
+        try:
+            for _ in range(6000):  # 5 min at most: the loads fail within load_timeout_s (30 s)
+                if "KV load failed" in decode.log()[start:]:
+                    stalled.set()
+                    return
+                time.sleep(0.05)
+        finally:
+            os.kill(other.proc.pid, signal.SIGCONT)
+
+    def params() -> list[dict[str, Any]]:
+        made = prefill(other)
+        if watcher.ident is None:  # the first attempt only
+            os.kill(other.proc.pid, signal.SIGSTOP)
+            watcher.start()
+        return made
+
+    # Both ranks connected to the producer first (as after the control above): its stall then
+    # meets the loads' CONFIRMs, not their handshakes.
+    decode.generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=prefill(other))
+    watcher = threading.Thread(target=resume_once_failed, args=(len(decode.log()),), daemon=True)
+    try:
+        control = decode_undisturbed(decode, params)
+    finally:
+        os.kill(other.proc.pid, signal.SIGCONT)
+    watcher.join()
+    assert stalled.is_set(), "the stalled producer failed no load"
     assert all(c != p for c, p in zip(control, engines["plain"])), "the TP=2 decode did not use the KV read"
 
 

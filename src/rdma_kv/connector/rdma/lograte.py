@@ -23,7 +23,11 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["EventSummary", "RateLimitedWarnings"]
+__all__ = ["EventSummary", "RateLimitedWarnings", "WINDOW_S"]
+
+WINDOW_S = 10.0
+"""The default window of both: a key's (a reason's) budget of lines is spent
+per this many seconds."""
 
 
 class RateLimitedWarnings:
@@ -31,7 +35,7 @@ class RateLimitedWarnings:
     used its ``burst`` in the current window; ``flush()`` (called
     periodically, and by ``warn``) reports what each ended window held back."""
 
-    def __init__(self, logger: logging.Logger, what: str, burst: int = 5, window_s: float = 10.0,
+    def __init__(self, logger: logging.Logger, what: str, burst: int = 5, window_s: float = WINDOW_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if burst < 1 or window_s <= 0:
             raise ValueError(f"burst must be >= 1 and window_s > 0, got {burst}, {window_s}")
@@ -75,7 +79,7 @@ class EventSummary:
     sustained flood costs one line per window after its first."""
 
     def __init__(self, logger: logging.Logger, what: str, noun: str, burst: int = 3,
-                 window_s: float = 10.0, top: int = 3, clock: Callable[[], float] = time.monotonic) -> None:
+                 window_s: float = WINDOW_S, top: int = 3, clock: Callable[[], float] = time.monotonic) -> None:
         if burst < 0 or window_s <= 0 or top < 1:
             raise ValueError(f"burst must be >= 0, window_s > 0 and top >= 1, got {burst}, {window_s}, {top}")
         self._logger, self._what, self._noun = logger, what, noun
