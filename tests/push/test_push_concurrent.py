@@ -80,6 +80,13 @@ class Pair:
         wait_until(lambda: self.registered() == 1, step=self.pump, what="the decode's registration")
         return p_rid, d_rid, tid, prompt
 
+    def pushed(self, rng):
+        """One request end to end, decode leg first: its decode's result."""
+        p_rid, d_rid, tid, prompt = self.decode_registered(rng)
+        self.prefill(p_rid, prompt, tid)
+        wait_until(lambda: self.finished(d_rid), step=self.pump, what="the decode")
+        return self.D.results[d_rid]
+
     def registered(self):
         """Registrations the producer holds, not yet resolved."""
         return self.P.worker.worker.resources().get("pushes_running", 0)
@@ -167,10 +174,7 @@ def test_a_registration_before_the_prefill_is_written_layer_by_layer_then_sealed
     out during vLLM's forward passes: every byte was written after them.)"""
     pair = Pair(start_load=start_load)
     try:
-        p_rid, d_rid, tid, prompt = pair.decode_registered(rng)
-        pair.prefill(p_rid, prompt, tid)
-        wait_until(lambda: pair.finished(d_rid), step=pair.pump, what="the decode")
-        r = pair.D.results[d_rid]
+        r = pair.pushed(rng)
         assert r.status.value == "finished" and not r.load_failed and r.bad_blocks == [], (r.error, r.bad_blocks)
         stats = pair.P.worker.get_kv_connector_stats()
         totals = stats["totals"]
@@ -235,10 +239,7 @@ def test_layers_the_engine_never_hands_to_save_kv_layer_are_written_after_the_pa
     monkeypatch.setattr(RdmaConnector, "save_kv_layer", save_kv_layer)
     pair = Pair()
     try:
-        p_rid, d_rid, tid, prompt = pair.decode_registered(rng)
-        pair.prefill(p_rid, prompt, tid)
-        wait_until(lambda: pair.finished(d_rid), step=pair.pump, what="the decode")
-        r = pair.D.results[d_rid]
+        r = pair.pushed(rng)
         assert not r.load_failed and r.bad_blocks == [], (r.error, r.bad_blocks)
         stats = pair.P.worker.get_kv_connector_stats()
         totals = stats["totals"]
@@ -405,10 +406,7 @@ def test_a_layer_pushed_ahead_of_its_save_kv_layer_fails_verification(rng, monke
     monkeypatch.setattr(ConcurrentDispatch, "write_layer", write_every_layer)
     pair = Pair()
     try:
-        p_rid, d_rid, tid, prompt = pair.decode_registered(rng)
-        pair.prefill(p_rid, prompt, tid)
-        wait_until(lambda: pair.finished(d_rid), step=pair.pump, what="the decode")
-        r = pair.D.results[d_rid]
+        r = pair.pushed(rng)
         assert r.status.value == "finished" and not r.load_failed, r.error
         assert r.bad_blocks == [0, 1, 2, 3], r.bad_blocks  # the whole blocks went out layer-wise; the partial one at the seal
     finally:

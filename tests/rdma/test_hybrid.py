@@ -205,6 +205,23 @@ def transfer_config(role, engine_id, **extra):
                             kv_connector_extra_config={"rpc_timeout_s": 1.0, "load_timeout_s": 5.0, **extra})
 
 
+def connectors(mode, **kw):
+    """Scheduler and worker connectors of a producer "P" and a consumer "D" over the hybrid config."""
+    return tuple(RdmaConnector(transfer_config(role, engine, mode=mode), part, hybrid_config(),
+                               **(kw if part is KVConnectorRole.WORKER else {}))
+                 for role, engine in (("kv_producer", "P"), ("kv_consumer", "D"))
+                 for part in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER))
+
+
+def step(sched, work):
+    """One engine step of ``sched``'s metadata on ``work``: (sending, recving)."""
+    work.bind_connector_metadata(sched.build_connector_meta(SchedulerOutput()))
+    work.start_load_kv()
+    sending, recving = work.get_finished(set())
+    work.clear_connector_metadata()
+    return sending, recving
+
+
 def test_scheduler_offers_and_loads_the_window_per_group():
     p = RdmaConnector(transfer_config("kv_producer", "P", side_channel_port=5000),
                       KVConnectorRole.SCHEDULER, hybrid_config())
@@ -241,24 +258,12 @@ def test_hybrid_load_reads_the_window_bit_exact_and_records_the_bytes_skipped(mo
     touches nothing else of the decode's cache."""
     fabric = FakeFabric()
     kw = {"transport_factory": fabric.factory}
-    p_sched = RdmaConnector(transfer_config("kv_producer", "P", mode=mode), KVConnectorRole.SCHEDULER, hybrid_config())
-    p_work = RdmaConnector(transfer_config("kv_producer", "P", mode=mode), KVConnectorRole.WORKER, hybrid_config(),
-                           **kw)
-    d_sched = RdmaConnector(transfer_config("kv_consumer", "D", mode=mode), KVConnectorRole.SCHEDULER, hybrid_config())
-    d_work = RdmaConnector(transfer_config("kv_consumer", "D", mode=mode), KVConnectorRole.WORKER, hybrid_config(),
-                           **kw)
+    p_sched, p_work, d_sched, d_work = connectors(mode, **kw)
     src, dst = kv_caches(fill=1.0), kv_caches()
     try:
         p_work.register_kv_caches(src)
         d_work.register_kv_caches(dst)
         p_sched.set_xfer_handshake_metadata({0: p_work.get_handshake_metadata()})
-
-        def step(sched, work):
-            work.bind_connector_metadata(sched.build_connector_meta(SchedulerOutput()))
-            work.start_load_kv()
-            sending, recving = work.get_finished(set())
-            work.clear_connector_metadata()
-            return sending, recving
 
         prompt = list(range(1, 18))
         prefill = Request("r", prompt, {"do_remote_decode": True})
@@ -340,10 +345,7 @@ def test_a_peer_geometry_that_groups_layers_otherwise_is_refused(mode, monkeypat
         return KVCacheGeometry(geometry.regions, tuple(dataclasses.replace(layer, group=swap[layer.name])
                                                        for layer in geometry.layers))
 
-    p_sched = RdmaConnector(transfer_config("kv_producer", "P", mode=mode), KVConnectorRole.SCHEDULER, hybrid_config())
-    p_work = RdmaConnector(transfer_config("kv_producer", "P", mode=mode), KVConnectorRole.WORKER, hybrid_config())
-    d_sched = RdmaConnector(transfer_config("kv_consumer", "D", mode=mode), KVConnectorRole.SCHEDULER, hybrid_config())
-    d_work = RdmaConnector(transfer_config("kv_consumer", "D", mode=mode), KVConnectorRole.WORKER, hybrid_config())
+    p_sched, p_work, d_sched, d_work = connectors(mode)
     src, dst = kv_caches(fill=1.0), kv_caches()
     # What a peer announces (the producer's handshake reply, the decode's PUSH_HELLO): regrouped.
     announce = wire.GeometryWire.from_geometry
@@ -352,13 +354,6 @@ def test_a_peer_geometry_that_groups_layers_otherwise_is_refused(mode, monkeypat
         p_work.register_kv_caches(src)
         d_work.register_kv_caches(dst)
         p_sched.set_xfer_handshake_metadata({0: p_work.get_handshake_metadata()})
-
-        def step(sched, work):
-            work.bind_connector_metadata(sched.build_connector_meta(SchedulerOutput()))
-            work.start_load_kv()
-            sending, recving = work.get_finished(set())
-            work.clear_connector_metadata()
-            return sending, recving
 
         prompt = list(range(1, 18))
         prefill = Request("r", prompt, {"do_remote_decode": True})
