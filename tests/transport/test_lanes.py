@@ -550,7 +550,7 @@ def test_no_help_round_starts_once_the_agent_is_closing(make_agent):
             assert lib.rk_pump_help(pump, 64) == 0
             pair.b.progress()
         assert not xfer.done(), "a help round progressed the worker of an agent that is closing"
-        state = ffi.new("uint64_t[4]")
+        state = ffi.new("uint64_t[5]")
         lib.rk_pump_state(pump, state)
         assert state[0] == 1  # the test's own hold: no help round left one behind
     finally:

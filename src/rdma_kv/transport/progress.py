@@ -243,7 +243,8 @@ class ProgressDriver:
             return
         try:
             with self.bound():
-                self._lib.rk_await(self._ctx, xfer._slot, xfer.id, self._await_help, nhelp, self._spin_ns,
+                self._lib.rk_await(self._ctx, xfer._slot, xfer.id, self._await_help, nhelp, self.pump is not None,
+                                   self._spin_ns,
                                    max(1, int(block_s * 1e9)))
         finally:
             with self.lock:

@@ -42,10 +42,11 @@ def pump(who: str, handle: Any, now_ns: int) -> str:
     ffi, lib = load()
     if handle is None or handle == ffi.NULL:
         return f"{who}: no pump (progressed by its caller)"
-    out = ffi.new("uint64_t[4]")
+    out = ffi.new("uint64_t[5]")
     lib.rk_pump_state(handle, out)
-    hold, busy, asleep, ran = (int(v) for v in out)
-    doing = (f"held by {hold} poster(s)" if hold else "in progress" if busy
+    hold, busy, asleep, ran, taken = (int(v) for v in out)
+    doing = (f"napping, its worker taken by {taken} blocked caller(s)" if taken
+             else f"held by {hold} poster(s)" if hold else "in progress" if busy
              else "asleep on its fd" if asleep else "spinning")
     since = f"last progressed its worker {(now_ns - ran) / 1e9:.3f} s ago" if ran else "never progressed its worker"
     return f"{who}: pump {doing}, {since}, {thread(int(lib.rk_pump_tid(handle)))}"

@@ -154,7 +154,7 @@ static void rk_ring_push(rk_ctx_t *ctx, uint32_t slot)
     __atomic_store_n(&ctx->done_head, at + 1, __ATOMIC_RELEASE);
 }
 
-static void rk_futex_wake(uint32_t *word)
+void rk_futex_wake(uint32_t *word)
 {
     syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
 }

@@ -33,6 +33,8 @@ uint64_t rk_ctx_stamp(rk_ctx_t *ctx);
 /* Sleep on a futex word while it equals expect, at most timeout_ns (or
  * until woken; spurious returns are the caller's to look again). */
 void rk_futex_wait(uint32_t *word, uint32_t expect, uint64_t timeout_ns);
+/* Wake every thread asleep on a futex word. */
+void rk_futex_wake(uint32_t *word);
 /* Sleep on a slot's state while it equals expect, at most timeout_ns. */
 void rk_slot_sleep(rk_batch_t *b, uint32_t expect, uint64_t timeout_ns);
 

@@ -17,7 +17,10 @@
 #include "shim.h"
 #include "core.h"
 
-enum { RK_AWAIT_NAP_NS = 1000000 }; /* a blocked waiter looks for work to help with at least this often */
+enum {
+    RK_AWAIT_NAP_NS = 1000000,  /* a blocked waiter looks for work to help with at least this often */
+    RK_TAKEN_NAP_NS = 1000000,  /* a pump whose worker a waiter took looks again at least this often */
+};
 
 struct rk_pump {
     ucp_worker_h worker;
@@ -38,6 +41,10 @@ struct rk_pump {
     int asleep;     /* 1 while it sleeps on its worker's event fd */
     uint64_t ran_ns; /* when it last progressed its worker (rk_now_ns) */
     uint64_t kicks; /* bumped by rk_pump_kick: stay awake for spin_ns */
+    uint32_t taken; /* > 0 while a blocked caller does the worker's work for
+                     * the whole of its wait (rk_await): the pump naps on
+                     * this word instead of spinning on its hold */
+    int napping;    /* 1 while it naps on taken */
 };
 
 /* Keep a pump off the CPU the poster runs on (the agent decides which
@@ -87,6 +94,35 @@ uint64_t rk_pump_help(rk_pump_t *pump, uint64_t max_rounds)
     return events;
 }
 
+/* Take the pump's worker for the whole of a wait, if the pump is not
+ * progressing it and the agent is not closing: the caller then progresses
+ * it itself, holding the pump, which naps meanwhile (rk_pump_nap). 1 if
+ * taken; give it back with rk_pump_give. */
+static int rk_pump_take(rk_pump_t *pump)
+{
+    if (!rk_pump_claim(pump)) {
+        rk_pump_hold(pump, -1);
+        return 0;
+    }
+    __atomic_fetch_add(&pump->taken, 1, __ATOMIC_SEQ_CST);
+    return 1;
+}
+
+/* Give a taken worker back; wake the pump if it naps and the caller asks
+ * (its wait goes on without the worker), or the agent has other transfers
+ * in flight than the one just waited for (which counts until it is
+ * settled). A lone request's wait leaves the pump to wake on its own: no
+ * wake-up on the waiter's way out. */
+static void rk_pump_give(rk_pump_t *pump, int wake)
+{
+    __atomic_fetch_sub(&pump->taken, 1, __ATOMIC_SEQ_CST);
+    rk_pump_hold(pump, -1);
+    if (__atomic_load_n(&pump->napping, __ATOMIC_SEQ_CST) &&
+        (wake || __atomic_load_n(&pump->watch->live, __ATOMIC_RELAXED) > 1)) {
+        rk_futex_wake(&pump->taken);
+    }
+}
+
 void rk_pump_kick(rk_pump_t *pump)
 {
     rk_pump_hold(pump, 1);
@@ -108,6 +144,30 @@ static void rk_pump_wake(rk_pump_t *pump)
     }
 }
 
+/* While a blocked caller has taken the worker (rk_pump_take), sleep on
+ * taken rather than spin on the hold for the whole of its wait: on a host
+ * with few CPUs the spin took a CPU from the caller doing the work, or from
+ * a lane copying its part. At most RK_TAKEN_NAP_NS at a time (a stop
+ * request, or work the waiter left, waits no longer); woken early when the
+ * waiter leaves work in flight (rk_pump_give). 1 if it napped. */
+static int rk_pump_nap(rk_pump_t *pump)
+{
+    uint32_t taken = __atomic_load_n(&pump->taken, __ATOMIC_SEQ_CST);
+
+    if (taken == 0) {
+        return 0;
+    }
+    /* Against rk_pump_give: mark napping, then look at taken again; the
+     * giver changes taken, then looks for a napper. */
+    __atomic_store_n(&pump->napping, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&pump->taken, __ATOMIC_SEQ_CST) == taken &&
+        !__atomic_load_n(&pump->stop, __ATOMIC_ACQUIRE)) {
+        rk_futex_wait(&pump->taken, taken, RK_TAKEN_NAP_NS);
+    }
+    __atomic_store_n(&pump->napping, 0, __ATOMIC_SEQ_CST);
+    return 1;
+}
+
 void rk_pump_run(rk_pump_t *pump)
 {
     struct pollfd pfd;
@@ -124,6 +184,9 @@ void rk_pump_run(rk_pump_t *pump)
         if (k != kicks) {               /* work is on its way: stay awake */
             kicks = k;
             last_event = rk_now_ns();
+        }
+        if (__atomic_load_n(&pump->hold, __ATOMIC_ACQUIRE) > 0 && rk_pump_nap(pump)) {
+            continue;               /* a waiter had the worker: progress as before it */
         }
         if (__atomic_load_n(&pump->hold, __ATOMIC_ACQUIRE) > 0) {
             /* The poster is posting this worker's part (microseconds); yield
@@ -227,6 +290,7 @@ void rk_pump_state(rk_pump_t *pump, uint64_t *out)
     out[1] = (uint64_t)__atomic_load_n(&pump->busy, __ATOMIC_ACQUIRE);
     out[2] = (uint64_t)__atomic_load_n(&pump->asleep, __ATOMIC_RELAXED);
     out[3] = __atomic_load_n(&pump->ran_ns, __ATOMIC_RELAXED);
+    out[4] = (uint64_t)__atomic_load_n(&pump->taken, __ATOMIC_ACQUIRE);
 }
 
 /* Completions or notifications published before the marks (done_head,
@@ -336,29 +400,46 @@ int rk_service_wait(rk_ctx_t *ctx, int wake_fd, uint64_t errors_seen, uint64_t d
 }
 
 int rk_await(rk_ctx_t *ctx, uint32_t slot, uint64_t id, rk_pump_t *const *help, uint32_t nhelp,
-             uint64_t spin_ns, uint64_t timeout_ns)
+             uint32_t take_first, uint64_t spin_ns, uint64_t timeout_ns)
 {
     rk_batch_t *b = &ctx->slots[slot];
-    uint32_t expect = (uint32_t)(id << 1), i;
+    uint32_t expect = (uint32_t)(id << 1), i, taken = 0;
     uint64_t start = rk_now_ns(), now = start, last = start, events, nap;
     int done = 1;
 
     __atomic_fetch_add(&ctx->awaiting, 1, __ATOMIC_ACQ_REL);
+    take_first = take_first && nhelp > 0;
     while (__atomic_load_n(&b->state, __ATOMIC_ACQUIRE) == expect) {
         if (now - start >= timeout_ns || __atomic_load_n(&ctx->closing, __ATOMIC_ACQUIRE)) {
             done = 0;
             break;
         }
-        /* Do the work of any pump that is not running (asleep, or runnable
+        if (take_first && !taken) {     /* its pump is in progress: try again next round */
+            taken = rk_pump_take(help[0]);
+        }
+        /* The own worker, taken: progress it as its pump would. The others:
+         * do the work of any pump that is not running (asleep, or runnable
          * but not given a CPU: on a busy host each of a pump's wake-ups can
          * wait a time slice) rather than wait for it. */
-        for (i = 0, events = 0; i < nhelp; ++i) {
+        events = 0;
+        if (taken) {
+            events = rk_progress(help[0]->worker, 64);
+            __atomic_store_n(&help[0]->ran_ns, now, __ATOMIC_RELAXED); /* for the stall report */
+        }
+        for (i = taken; i < nhelp; ++i) {
             events += rk_pump_help(help[i], 64);
         }
         if (events > 0) {
             last = now;
         } else if (now - last < spin_ns) {
             rk_cpu_relax();
+        } else if (taken) {
+            /* Nothing for spin_ns: the rest is in flight (on the wire, or a
+             * lane's part). The own worker goes back to its pump, awake,
+             * which sleeps on the worker's event fd; this caller from here
+             * on sleeps on the slot. */
+            rk_pump_give(help[0], 1);
+            taken = take_first = 0;
         } else {
             /* Nothing to help with for spin_ns: the rest is the pumps' (busy)
              * or in flight. Sleep on the slot, woken by its completion, and
@@ -367,6 +448,9 @@ int rk_await(rk_ctx_t *ctx, uint32_t slot, uint64_t id, rk_pump_t *const *help, 
             rk_slot_sleep(b, expect, nap < RK_AWAIT_NAP_NS ? nap : RK_AWAIT_NAP_NS);
         }
         now = rk_now_ns();
+    }
+    if (taken) {
+        rk_pump_give(help[0], 0);
     }
     __atomic_store_n(&ctx->last_call_ns, rk_now_ns(), __ATOMIC_RELAXED);
     __atomic_fetch_sub(&ctx->awaiting, 1, __ATOMIC_ACQ_REL);

@@ -334,18 +334,25 @@ int rk_pump_tid(const rk_pump_t *pump);
 
 /* What the pump is doing, for a transfer that outlived its deadline:
  * out[0] its hold count, out[1] 1 while in ucp_worker_progress, out[2] 1
- * while asleep on its worker's fd, out[3] when it last progressed its worker
- * (rk_now_ns; 0 before). */
+ * while asleep on its worker's fd, out[3] when it or a waiter that took
+ * its worker last progressed the worker (rk_now_ns; 0 before), out[4] the
+ * callers blocked in rk_await that took its worker (it naps meanwhile). */
 void rk_pump_state(rk_pump_t *pump, uint64_t *out);
 
 /* Block until the transfer `id` in `slot` completed or was abandoned (1),
  * or timeout_ns passed (0). Meanwhile it progresses each of the nhelp
- * pumps' workers that its pump is not progressing (rk_pump_help); once
- * spin_ns pass with nothing to help with, it sleeps on the slot (woken by
- * the completion), looking again every millisecond. Call without the
- * agent's lock. */
+ * pumps' workers that its pump is not progressing (rk_pump_help). With
+ * take_first it takes the first pump's worker (the agent's own) as soon
+ * as that pump is not progressing it, and progresses it while there is
+ * work: that pump naps meanwhile instead of spinning on its hold (on few
+ * CPUs the spin took one from this caller, or from a lane copying its
+ * part). Once spin_ns pass with nothing to do, it gives the worker back
+ * to its pump, awake, and sleeps on the slot (woken by the completion),
+ * looking again every millisecond. A wait that ends with the worker
+ * taken wakes the pump only if other transfers are in flight. Call
+ * without the agent's lock. */
 int rk_await(rk_ctx_t *ctx, uint32_t slot, uint64_t id, rk_pump_t *const *help, uint32_t nhelp,
-             uint64_t spin_ns, uint64_t timeout_ns);
+             uint32_t take_first, uint64_t spin_ns, uint64_t timeout_ns);
 
 /* The service thread's sleep (progress="thread"), without the interpreter
  * lock: on wake_fd (the agent's eventfd, which its pumps write) until
