@@ -93,12 +93,21 @@ class MiniEngine:
         self.worker = KVConnectorFactory.create_connector(
             config, KVConnectorRole.WORKER, self.kv_cache_config
         )
-        self.worker.register_kv_caches(self.kv_caches)
+        self.register(self.kv_caches)
         # Allocation starts at ``first_block`` so two engines use different ids.
         self.free = list(range(first_block, NUM_BLOCKS)) + list(range(first_block))
         self.pending_finished: set[str] = set()
         self.outputs: list[KVConnectorOutput] = []
         self.computed_blocks: dict[str, list[int]] = {}
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Register the worker's KV caches and hand the scheduler the
+        worker's handshake metadata, as an engine does at start-up."""
+        self.kv_caches = dict(kv_caches)
+        self.worker.register_kv_caches(self.kv_caches)
+        handshake = self.worker.get_handshake_metadata()
+        if handshake is not None:
+            self.scheduler.set_xfer_handshake_metadata({0: handshake})
 
     def step(self, scheduler_output: SchedulerOutput, compute: Mapping[str, tuple] = {}) -> tuple:
         meta = self.scheduler.build_connector_meta(scheduler_output)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import traceback
 
 import numpy as np
@@ -175,21 +176,96 @@ def test_a_file_from_another_layout_is_refused(tmp_path, rng):
     assert output.invalid_block_ids == frozenset({1, 2})
 
 
-def test_a_file_saved_in_another_memory_order_is_refused(tmp_path, rng):
-    """NHD and HND blocks have the same sizes and permuted bytes: a loader
-    whose layers are laid out heads-inside-tokens must refuse the saver's
-    heads-outside-tokens files (before: loaded, every byte in the wrong place)."""
-    tokens = _prompt(rng, 2 * BLOCK_SIZE + 1)
-    MiniEngine(storage_config(tmp_path, "kv_producer"), fill_seed=1).prefill(Request("p", tokens))
-    consumer = MiniEngine(storage_config(tmp_path, "kv_consumer"), fill_seed=2)
+def _hnd_caches():
+    """The harness's cache shape with heads inside tokens (HND): the same
+    sizes, every block's bytes permuted."""
     whole = torch.zeros(NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, 2 * HEAD_SIZE,
                         dtype=torch.bfloat16)
-    consumer.kv_caches = {name: whole[i].permute(0, 2, 1, 3) for i, name in enumerate(LAYERS)}
-    consumer.worker.register_kv_caches(consumer.kv_caches)  # same shape and sizes, other order
+    return whole, {name: whole[i].permute(0, 2, 1, 3) for i, name in enumerate(LAYERS)}
+
+
+def test_engines_of_two_layouts_in_one_namespace_keep_apart(tmp_path, rng):
+    """NHD and HND blocks have the same sizes and permuted bytes. Before,
+    both layouts' files had one name per block: the second engine found the
+    first's files, refused every one at load (its layout check) and could
+    never store its own, so the prefix missed there for good (or the two
+    replaced each other's files). Now each layout has its own directory
+    under the namespace: each engine misses the other's files, saves and
+    loads its own, bit-exact."""
+    tokens = _prompt(rng, 2 * BLOCK_SIZE + 1)
+    nhd = MiniEngine(storage_config(tmp_path), fill_seed=1)
+    nhd.prefill(Request("p", tokens))
+    hnd = MiniEngine(storage_config(tmp_path), fill_seed=2)
+    whole, caches = _hnd_caches()
+    hnd.register(caches)  # same shape and sizes, other order
+    assert hnd.worker.directory != nhd.worker.directory
+    assert hnd.scheduler.directory == hnd.worker.directory  # told by the handshake
+    first = hnd.prefill(Request("c", tokens))
+    assert first["num_external"] == 0  # the NHD files are not this layout's
+    assert first["output"].invalid_block_ids == frozenset()
+    assert [len(s.keys) for s in first["meta"].saves] == [2]
+    for engine, name in ((hnd, "c2"), (nhd, "p2")):
+        again = engine.prefill(Request(name, tokens))
+        assert again["num_external"] == 2 * BLOCK_SIZE, name
+        assert again["output"].invalid_block_ids == frozenset(), name
+        _assert_holds_expected(engine, tokens, again["block_ids"], range(2))
+
+
+def test_a_file_saved_in_another_memory_order_is_refused(tmp_path, rng):
+    """The load's layout check stays: a file of the NHD layout put where
+    the HND engine's file of the block belongs is refused, nothing copied."""
+    tokens = _prompt(rng, 2 * BLOCK_SIZE + 1)
+    producer = MiniEngine(storage_config(tmp_path, "kv_producer"), fill_seed=1)
+    producer.prefill(Request("p", tokens))
+    consumer = MiniEngine(storage_config(tmp_path, "kv_consumer"), fill_seed=2)
+    whole, caches = _hnd_caches()
+    consumer.register(caches)
+    for key in chained_block_keys(tokens, BLOCK_SIZE, producer.worker._seed)[:2]:
+        os.makedirs(os.path.dirname(consumer.worker.path_for(key)), exist_ok=True)
+        shutil.copy(producer.worker.path_for(key), consumer.worker.path_for(key))
     loaded = consumer.prefill(Request("c", tokens))
     assert loaded["num_external"] == 2 * BLOCK_SIZE  # the scheduler sees the files
     assert loaded["output"].invalid_block_ids == frozenset(loaded["block_ids"][:2])
     assert not whole.any()  # nothing was copied into the loader's blocks
+
+
+@pytest.mark.parametrize("damage", ["flip_byte", "another_layout"])
+def test_a_file_that_fails_to_load_is_missed_then_replaced(tmp_path, rng, caplog, damage):
+    """A stored file that failed verification stayed: every later request
+    with the prefix was offered it, failed to load it (a warning and a
+    recompute each time) and saved nothing after it, so the prefix missed
+    from that block on for good. Now the failure is reported once: the
+    scheduler offers the block no more, and the next save of the block
+    replaces the file (atomically), so later requests hit again."""
+    tokens = _prompt(rng, 4 * BLOCK_SIZE + 1)
+    MiniEngine(storage_config(tmp_path)).prefill(Request("a", tokens))
+    engine = MiniEngine(storage_config(tmp_path), fill_seed=5, first_block=8)
+    keys = chained_block_keys(tokens, BLOCK_SIZE, engine.scheduler._seed)
+    path = engine.worker.path_for(keys[1])
+    if damage == "flip_byte":
+        data = bytearray(open(path, "rb").read())
+        data[-5] ^= 0xFF
+        open(path, "wb").write(bytes(data))
+    else:  # as saved by an engine whose layout signature differs
+        other = MiniEngine(storage_config(tmp_path / "other"))
+        other.worker._layout_signature = lambda: "[]"
+        other.prefill(Request("o", tokens))
+        shutil.copy(other.worker.path_for(keys[1]), path)
+    first = engine.prefill(Request("b", tokens))
+    assert first["num_external"] == 4 * BLOCK_SIZE
+    assert first["output"].invalid_block_ids == frozenset(first["block_ids"][1:4])
+    second = engine.prefill(Request("c", tokens))
+    assert second["num_external"] == BLOCK_SIZE  # block 1 is not offered again
+    assert second["output"].invalid_block_ids == frozenset()
+    (save,) = second["meta"].saves
+    assert save.keys == (keys[1],) and save.replace == (keys[1],)  # 2 and 3 are fine
+    assert not list(tmp_path.rglob("*.tmp"))
+    third = engine.prefill(Request("d", tokens))
+    assert third["num_external"] == 4 * BLOCK_SIZE
+    assert third["output"].invalid_block_ids == frozenset()
+    _assert_holds_expected(engine, tokens, third["block_ids"], range(4))
+    failures = [r for r in caplog.records if "loading block" in r.getMessage()]
+    assert len(failures) == 1, [r.getMessage() for r in failures]
 
 
 def test_chunked_prefill_saves_once_the_prompt_is_complete(tmp_path, rng):
@@ -238,7 +314,14 @@ def test_config_and_contract_errors(tmp_path):
     sched = create(storage_config(tmp_path), KVConnectorRole.SCHEDULER, kvcc)
     with pytest.raises(NotInitializedError, match="without a preceding get_num_new_matched_tokens"):
         sched.update_state_after_alloc(Request("x", [1] * 9), KVCacheBlocks.of([1, 2, 3]), 8)
+    # Before the worker's handshake metadata the scheduler knows no layout: the cache is off.
+    assert sched.get_num_new_matched_tokens(Request("x", [1] * 9), 0) == (0, False)
+    with pytest.raises(ConfigError, match="expected one worker layout"):
+        sched.set_xfer_handshake_metadata({})
+    with pytest.raises(NotInitializedError, match="no layout yet"):
+        sched.path_for("ab" * 32)
     worker = create(storage_config(tmp_path), KVConnectorRole.WORKER, kvcc)
+    assert worker.get_handshake_metadata() is None
     worker.bind_connector_metadata(StorageConnectorMetadata())
     with pytest.raises(NotInitializedError, match="register_kv_caches"):
         worker._block_views(0)

@@ -19,6 +19,14 @@ loads the longest stored prefix, synchronously in ``start_load_kv``. Files
 are written to a temporary name, fsynced and renamed, so a reader never sees
 a partial file. Nothing is ever evicted: the operator owns the directory.
 
+The files of one namespace sit in a directory per worker layout (a digest of
+the layout signature, which the worker hands the scheduler in its handshake
+metadata), so engines of different layouts (NHD/HND, another block shape)
+that share a namespace never see each other's files. A file that fails to
+load (corrupt, truncated, unreadable) is not offered again by that engine's
+scheduler: its prefix misses there, and the next save of the block replaces
+the file (atomically, like every save).
+
 Extra config: ``storage_path`` (required), ``namespace`` (default
 ``"default"``), ``fsync`` (default true). Host (CPU) KV caches, one KV-cache
 group, one worker per engine (tensor parallel size 1).
@@ -41,7 +49,12 @@ from typing import Any
 
 import numpy as np
 
-from rdma_kv.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from rdma_kv.connector.base import (
+    KVConnectorBase,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 from rdma_kv.connector.config import KVTransferConfig
 from rdma_kv.connector.geometry import (
     KVCacheGeometry,
@@ -53,13 +66,15 @@ from rdma_kv.connector.specs import KVCacheConfig
 from rdma_kv.connector.types import (
     BlockId,
     KVCacheBlocks,
+    KVConnectorOutput,
     Request,
     RequestId,
     SchedulerOutput,
 )
 from rdma_kv.errors import ConfigError, NotInitializedError, SpecError
 
-__all__ = ["BlockTransfer", "StorageConnector", "StorageConnectorMetadata", "chained_block_keys"]
+__all__ = ["BlockTransfer", "StorageConnector", "StorageConnectorMetadata",
+           "StorageHandshakeMetadata", "chained_block_keys"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,18 +98,28 @@ def chained_block_keys(token_ids: Sequence[int], block_size: int, seed: bytes) -
 class BlockTransfer:
     """Blocks of one request to load or save: ``keys[i]`` <-> ``block_ids[i]``.
     A save's ``context`` is every prompt block of its request: the saved
-    blocks' KV was computed over them."""
+    blocks' KV was computed over them; its ``replace`` the keys among
+    ``keys`` whose stored file failed to load (written even though a file
+    exists)."""
 
     request_id: RequestId
     keys: tuple[str, ...]
     block_ids: tuple[BlockId, ...]
     context: tuple[BlockId, ...] = ()
+    replace: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class StorageConnectorMetadata(KVConnectorMetadata):
     loads: tuple[BlockTransfer, ...] = ()
     saves: tuple[BlockTransfer, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """The worker's layout digest: the scheduler's files live under it."""
+
+    layout: str
 
 
 @dataclasses.dataclass
@@ -143,11 +168,17 @@ class StorageConnector(KVConnectorBase):
             sort_keys=True,
         ).encode()
         self._seed = hashlib.sha256(identity).digest()
-        self._root = os.path.join(os.path.abspath(storage_path), self._seed.hex()[:16])
+        self._namespace_root = os.path.join(os.path.abspath(storage_path), self._seed.hex()[:16])
+        # <namespace root>/<layout digest>: set by register_kv_caches (worker)
+        # or set_xfer_handshake_metadata (scheduler)
+        self._root: str | None = None
         # scheduler side
         self._lookups: dict[RequestId, tuple[int, tuple[str, ...]]] = {}
         self._pending_loads: list[BlockTransfer] = []
         self._tracked: dict[RequestId, _Tracked] = {}
+        self._loading: dict[BlockId, tuple[RequestId, int, str]] = {}  # block -> (req, index, key)
+        self._bad_keys: set[str] = set()  # files that failed to load: missed, then replaced
+        self._warned_no_layout = False
         # worker side
         self._geometry: KVCacheGeometry | None = None
         self._memory: list[tuple[np.ndarray, int]] = []
@@ -158,19 +189,37 @@ class StorageConnector(KVConnectorBase):
 
     @property
     def directory(self) -> str:
-        """Where this model's blocks are stored (``storage_path/<namespace digest>``)."""
+        """Where this model's blocks are stored in this engine's layout
+        (``storage_path/<namespace digest>/<layout digest>``)."""
+        if self._root is None:
+            raise NotInitializedError(
+                "StorageConnector has no layout yet: the worker learns it in "
+                "register_kv_caches(), the scheduler from the worker's handshake metadata "
+                "(set_xfer_handshake_metadata)"
+            )
         return self._root
 
     def path_for(self, key: str) -> str:
-        return os.path.join(self._root, key[:2], key + ".safetensors")
+        return os.path.join(self.directory, key[:2], key + ".safetensors")
 
     def _stored_prefix(self, token_ids: Sequence[int], max_blocks: int) -> tuple[str, ...]:
         keys = chained_block_keys(token_ids[: max_blocks * self._block_size], self._block_size,
                                   self._seed)
         hits = 0
-        while hits < len(keys) and os.path.exists(self.path_for(keys[hits])):
+        while (hits < len(keys) and keys[hits] not in self._bad_keys
+               and os.path.exists(self.path_for(keys[hits]))):
             hits += 1
         return tuple(keys[:hits])
+
+    def _has_layout(self) -> bool:
+        """Scheduler side: whether the workers' layout is known (else the
+        cache is off: a warning, once)."""
+        if self._root is None and not self._warned_no_layout:
+            self._warned_no_layout = True
+            logger.warning("StorageConnector: no handshake metadata from the worker yet, so its "
+                           "KV layout (and directory) is unknown: nothing is loaded or saved "
+                           "until set_xfer_handshake_metadata")
+        return self._root is not None
 
     def get_kv_connector_stats(self) -> Mapping[str, Any] | None:
         stats = dict(self._stats)
@@ -186,7 +235,7 @@ class StorageConnector(KVConnectorBase):
         the whole prompt: the last prompt token is always computed, since the
         engine needs its logits."""
         self._lookups.pop(request.request_id, None)
-        if not self.config.is_kv_consumer:
+        if not self.config.is_kv_consumer or not self._has_layout():
             return 0, False
         max_blocks = (request.num_prompt_tokens - 1) // self._block_size
         keys = self._stored_prefix(request.prompt_token_ids, max_blocks)
@@ -245,7 +294,7 @@ class StorageConnector(KVConnectorBase):
                     tracked.block_ids.extend(cached.new_block_ids[0])
             tracked.num_computed_tokens = cached.num_computed_tokens
         saves = []
-        if self.config.is_kv_producer:
+        if self.config.is_kv_producer and self._has_layout():
             for request_id, tracked in self._tracked.items():
                 scheduled = scheduler_output.num_scheduled_tokens.get(request_id, 0)
                 if tracked.saved or not scheduled:
@@ -257,16 +306,36 @@ class StorageConnector(KVConnectorBase):
                 if save.keys:
                     saves.append(save)
         loads, self._pending_loads = tuple(self._pending_loads), []
+        for load in loads:
+            for index, (key, block_id) in enumerate(zip(load.keys, load.block_ids)):
+                self._loading[block_id] = (load.request_id, index, key)
         return StorageConnectorMetadata(loads=loads, saves=tuple(saves))
 
     def _plan_save(self, request_id: RequestId, tracked: _Tracked) -> BlockTransfer:
         keys = chained_block_keys(tracked.prompt_token_ids, self._block_size, self._seed)
         keys = keys[: len(tracked.block_ids)]
-        todo = [i for i, key in enumerate(keys) if not os.path.exists(self.path_for(key))]
+        todo = [i for i, key in enumerate(keys)
+                if key in self._bad_keys or not os.path.exists(self.path_for(key))]
+        replace = tuple(keys[i] for i in todo if keys[i] in self._bad_keys)
+        self._bad_keys.difference_update(replace)  # a save that fails again is learned again
         return BlockTransfer(
             request_id, tuple(keys[i] for i in todo), tuple(tracked.block_ids[i] for i in todo),
-            tuple(tracked.block_ids[: len(keys)]),
+            tuple(tracked.block_ids[: len(keys)]), replace,
         )
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """A block whose load failed names the file that failed: the first
+        failed block of each load (the later ones were not read). That key
+        is not offered again; the next save of its block replaces the file."""
+        first_failed: dict[RequestId, tuple[int, str]] = {}
+        for block_id in connector_output.invalid_block_ids:
+            loading = self._loading.get(block_id)
+            if loading is None:
+                continue  # another connector's load (MultiConnector)
+            request_id, index, key = loading
+            if request_id not in first_failed or index < first_failed[request_id][0]:
+                first_failed[request_id] = (index, key)
+        self._bad_keys.update(key for _, key in first_failed.values())
 
     def request_finished(
         self, request: Request, block_ids: Sequence[BlockId]
@@ -274,7 +343,23 @@ class StorageConnector(KVConnectorBase):
         """Saves finish within the step (``wait_for_save``): free at once."""
         self._tracked.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
+        for block_id in block_ids:
+            loading = self._loading.get(block_id)
+            if loading is not None and loading[0] == request.request_id:
+                del self._loading[block_id]
         return False, None
+
+    def set_xfer_handshake_metadata(
+        self, metadata: Mapping[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        """The workers' layout: where this engine's files are."""
+        layouts = {m.layout for m in metadata.values() if isinstance(m, StorageHandshakeMetadata)}
+        if len(layouts) != 1:
+            raise ConfigError(
+                f"StorageConnector: expected one worker layout in the handshake metadata, got "
+                f"{sorted(layouts)} from ranks {sorted(metadata)} (one worker per engine)"
+            )
+        self._root = os.path.join(self._namespace_root, layouts.pop())
 
     # --- worker side ------------------------------------------------------------
 
@@ -289,6 +374,13 @@ class StorageConnector(KVConnectorBase):
             shift = geometry.regions[layer.region_index].base_address - storage_address(tensor)
             self._memory.append((region_bytes(tensor), shift))
         self._geometry = geometry
+        digest = hashlib.sha256(self._layout_signature().encode()).hexdigest()[:16]
+        self._root = os.path.join(self._namespace_root, digest)
+
+    def get_handshake_metadata(self) -> StorageHandshakeMetadata | None:
+        if self._root is None:
+            return None
+        return StorageHandshakeMetadata(os.path.basename(self._root))
 
     def _require_geometry(self) -> KVCacheGeometry:
         if self._geometry is None:
@@ -354,7 +446,7 @@ class StorageConnector(KVConnectorBase):
                                "failed to load", save.request_id, len(save.keys))
                 continue
             for key, block_id in zip(save.keys, save.block_ids):
-                if os.path.exists(self.path_for(key)):
+                if key not in save.replace and os.path.exists(self.path_for(key)):
                     continue
                 try:
                     self._write_block(key, block_id)
