@@ -6,6 +6,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import subprocess
+import sys
 import traceback
 
 import numpy as np
@@ -470,3 +472,81 @@ def test_a_failed_save_is_logged_and_the_engine_carries_on(tmp_path, rng, monkey
     monkeypatch.undo()
     engine.prefill(Request("b", tokens))  # the next request's save goes through
     assert len(list(tmp_path.rglob("*.safetensors"))) == 3
+
+
+# --- temporary files of interrupted saves ---------------------------------------------
+
+
+def _child_save_stalled(storage_path: str, tokens: list[int], queue) -> None:
+    """Save a prompt, stalling in the first block's fsync (the file written,
+    not yet renamed) until killed: a writer mid-save, then a crash."""
+    try:
+        import time
+
+        import kv_harness as harness
+        from rdma_kv.connector import Request as Req
+
+        def stall(fd):
+            queue.put("writing")
+            time.sleep(600)
+
+        os.fsync = stall
+        engine = harness.MiniEngine(harness.storage_config(storage_path, "kv_producer"))
+        engine.prefill(Req("child", tokens))
+        queue.put("error: the save did not stall")
+    except BaseException:
+        queue.put("error: " + traceback.format_exc())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_crashed_save_leaves_no_temporary_file_but_a_live_one_is_kept(tmp_path, rng):
+    """A save interrupted by a crash left its temporary file for good (never
+    read, never removed). Now a worker removes at start-up the temporary
+    files whose writer is gone, and keeps the one a live writer is writing."""
+    tokens = _prompt(rng, 2 * BLOCK_SIZE + 1)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_save_stalled, args=(str(tmp_path), tokens, queue))
+    child.start()
+    try:
+        assert queue.get(timeout=120) == "writing"
+        (tmp,) = tmp_path.rglob("*.tmp")
+        MiniEngine(storage_config(tmp_path))  # starts while the child writes
+        assert tmp.exists()  # a live writer's file is kept
+    finally:
+        child.kill()  # the crash
+        child.join(timeout=60)
+    assert not child.is_alive()
+    assert list(tmp_path.rglob("*.tmp")) == [tmp]
+    engine = MiniEngine(storage_config(tmp_path))  # the next start-up
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert engine.prefill(Request("a", tokens))["meta"].saves  # the block was never stored
+
+
+def test_temporaries_of_other_hosts_are_removed_once_old(tmp_path):
+    from rdma_kv.connector import storage as storage_module
+
+    engine = MiniEngine(storage_config(tmp_path))
+    tmp_dir = os.path.join(engine.worker.directory, "tmp")
+    os.makedirs(tmp_dir)
+    host, pid_ns = storage_module._owner()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    key = "ab" * 32
+    names = {
+        "other_old": f"{key}.otherhost.1.77.00aa.tmp",
+        "other_recent": f"{key}.otherhost.1.78.00ab.tmp",
+        "here_dead": f"{key}.{host}.{pid_ns}.{dead.pid}.00ac.tmp",
+        "here_live_old": f"{key}.{host}.{pid_ns}.{os.getpid()}.00ad.tmp",
+        "not_ours": "notes.txt",
+    }
+    for label, name in names.items():
+        open(os.path.join(tmp_dir, name), "wb").write(b"x")
+    old = storage_module.STALE_TMP_S + 60
+    for label in ("other_old", "here_live_old"):
+        path = os.path.join(tmp_dir, names[label])
+        os.utime(path, (os.stat(path).st_atime - old, os.stat(path).st_mtime - old))
+    MiniEngine(storage_config(tmp_path))
+    assert sorted(os.listdir(tmp_dir)) == sorted(
+        names[label] for label in ("other_recent", "here_live_old", "not_ours"))
