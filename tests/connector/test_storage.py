@@ -30,6 +30,7 @@ from rdma_kv.connector import (
     CachedRequestData,
     KVCacheBlocks,
     KVConnectorFactory,
+    KVConnectorOutput,
     KVConnectorRole,
     NewRequestData,
     Request,
@@ -550,3 +551,120 @@ def test_temporaries_of_other_hosts_are_removed_once_old(tmp_path):
     MiniEngine(storage_config(tmp_path))
     assert sorted(os.listdir(tmp_dir)) == sorted(
         names[label] for label in ("other_recent", "here_live_old", "not_ours"))
+
+
+# --- asynchronous scheduling -----------------------------------------------------------
+
+
+def _contextual_worker_step(engine, meta, compute=(), finished=frozenset()):
+    """The worker's half of one step (vLLM's execute_model), with a forward
+    pass whose block KV depends on the block before it, like attention:
+    ``compute`` is ``(tokens, block_ids, first, last)`` per request."""
+    worker = engine.worker
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    for layer_index, name in enumerate(LAYERS):
+        worker.wait_for_layer_load(name)
+        for tokens, block_ids, first, last in compute:
+            for i in range(first, last):
+                value = expected_block(tokens, i, layer_index)
+                if i > 0:
+                    value = value + engine.kv_caches[name][block_ids[i - 1]] / 2
+                engine.kv_caches[name][block_ids[i]] = value
+        worker.save_kv_layer(name, engine.kv_caches[name], None)
+    worker.wait_for_save()
+    sending, recving = worker.get_finished(finished)
+    errors = worker.get_block_ids_with_load_errors()
+    worker.clear_connector_metadata()
+    return KVConnectorOutput.of(sending, recving, errors)
+
+
+def _contextual_reference(tokens, num_blocks):
+    blocks = []
+    for i in range(num_blocks):
+        layers = []
+        for layer_index in range(NUM_LAYERS):
+            value = expected_block(tokens, i, layer_index)
+            if i > 0:
+                value = value + blocks[i - 1][layer_index] / 2
+            layers.append(value)
+        blocks.append(layers)
+    return blocks
+
+
+def _admit(engine, request, block_ids):
+    num_external, _ = engine.scheduler.get_num_new_matched_tokens(request, 0)
+    engine.scheduler.update_state_after_alloc(request, KVCacheBlocks.of(block_ids), num_external)
+    return num_external
+
+
+def test_async_scheduling_saves_nothing_of_a_request_whose_load_failed(tmp_path, rng):
+    """vLLM's async scheduling (a batch queue of 2) schedules step N+1
+    before it hears of step N's load errors. A chunked prefill whose load
+    failed in step N had its last chunk, scheduled in N+1, saved in N+1:
+    blocks computed over the failed block's stale bytes, stored as valid
+    files (the worker remembered failed loads for their own step only).
+    Now nothing of that request is saved until it finishes; a later request
+    (on the same, reused blocks) saves the prefix correctly."""
+    short = _prompt(rng, 3 * BLOCK_SIZE + 1)
+    long = short[: 3 * BLOCK_SIZE] + _prompt(rng, 3 * BLOCK_SIZE + 1)  # 6 full blocks
+    store = MiniEngine(storage_config(tmp_path), fill_seed=1)
+    ids = list(range(3, 7))
+    _admit(store, Request("a", short), ids)
+    meta = store.scheduler.build_connector_meta(SchedulerOutput(
+        scheduled_new_reqs=(NewRequestData("a", tuple(short), (tuple(ids),), 0),),
+        num_scheduled_tokens={"a": len(short)}))
+    store.scheduler.update_connector_output(
+        _contextual_worker_step(store, meta, [(short, ids, 0, 3)]))
+    keys = chained_block_keys(long, BLOCK_SIZE, store.worker._seed)
+    assert [os.path.exists(store.worker.path_for(k)) for k in keys] == [True] * 3 + [False] * 3
+
+    engine = MiniEngine(storage_config(tmp_path), fill_seed=3)
+    sched = engine.scheduler
+    read_block = engine.worker._read_block
+    failed = []
+
+    def read_once_failing(key, block_id):
+        if key == keys[1] and not failed:  # a transient I/O error
+            failed.append(block_id)
+            raise OSError(5, "Input/output error")
+        read_block(key, block_id)
+
+    engine.worker._read_block = read_once_failing
+    ids = list(range(10, 17))
+    assert _admit(engine, Request("r", long), ids) == 3 * BLOCK_SIZE
+    # step N: load blocks 0-2, compute block 3 (a chunk)
+    meta_n = sched.build_connector_meta(SchedulerOutput(
+        scheduled_new_reqs=(NewRequestData("r", tuple(long), (tuple(ids),), 3 * BLOCK_SIZE),),
+        num_scheduled_tokens={"r": BLOCK_SIZE}))
+    assert meta_n.saves == ()
+    # step N+1 is scheduled before step N's output comes back: the last chunk, and the save
+    cached = CachedRequestData("r", None, 4 * BLOCK_SIZE)
+    meta_n1 = sched.build_connector_meta(SchedulerOutput(
+        scheduled_cached_reqs=(cached,), num_scheduled_tokens={"r": 2 * BLOCK_SIZE + 1}))
+    assert [s.keys for s in meta_n1.saves] == [tuple(keys[3:])]
+    out_n = _contextual_worker_step(engine, meta_n, [(long, ids, 3, 4)])
+    out_n1 = _contextual_worker_step(engine, meta_n1, [(long, ids, 4, 6)])
+    assert failed and out_n.invalid_block_ids == frozenset(ids[1:3])
+    sched.update_connector_output(out_n)
+    sched.update_connector_output(out_n1)
+    assert not any(os.path.exists(engine.worker.path_for(k)) for k in keys[3:])
+
+    # The request finishes (vLLM recomputed it); the next one gets its blocks.
+    sched.request_finished(Request("r", long), ids)
+    assert _admit(engine, Request("s", long), ids) == BLOCK_SIZE  # block 1 failed: missed
+    meta = sched.build_connector_meta(SchedulerOutput(
+        scheduled_new_reqs=(NewRequestData("s", tuple(long), (tuple(ids),), BLOCK_SIZE),),
+        num_scheduled_tokens={"s": len(long) - BLOCK_SIZE}, finished_req_ids=frozenset({"r"})))
+    out = _contextual_worker_step(engine, meta, [(long, ids, 1, 6)], finished=frozenset({"r"}))
+    assert out.invalid_block_ids == frozenset()
+    assert all(os.path.exists(engine.worker.path_for(k)) for k in keys)
+
+    fresh = MiniEngine(storage_config(tmp_path), fill_seed=4, first_block=16)
+    loaded = fresh.prefill(Request("c", long))
+    assert loaded["num_external"] == 6 * BLOCK_SIZE
+    reference = _contextual_reference(long, 6)
+    for layer_index, name in enumerate(LAYERS):
+        for i in range(6):
+            assert torch.equal(fresh.kv_caches[name][loaded["block_ids"][i]],
+                               reference[i][layer_index]), (name, i)

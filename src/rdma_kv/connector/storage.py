@@ -25,7 +25,10 @@ metadata), so engines of different layouts (NHD/HND, another block shape)
 that share a namespace never see each other's files. A file that fails to
 load (corrupt, truncated, unreadable) is not offered again by that engine's
 scheduler: its prefix misses there, and the next save of the block replaces
-the file (atomically, like every save).
+the file (atomically, like every save). A request with a block whose load
+failed saves nothing until it finishes: the forward passes computed its later
+blocks over the failed block's stale bytes (with asynchronous scheduling, in
+the steps scheduled before the engine heard of the failure too).
 
 Temporary files live in the layout directory's ``tmp/``, named
 ``<key>.<host>.<pid namespace>.<pid>.<random>.tmp``; each worker removes
@@ -148,6 +151,7 @@ class BlockTransfer:
 class StorageConnectorMetadata(KVConnectorMetadata):
     loads: tuple[BlockTransfer, ...] = ()
     saves: tuple[BlockTransfer, ...] = ()
+    finished: frozenset[RequestId] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +222,9 @@ class StorageConnector(KVConnectorBase):
         self._geometry: KVCacheGeometry | None = None
         self._memory: list[tuple[np.ndarray, int]] = []
         self._load_errors: set[BlockId] = set()
-        self._failed_this_step: set[BlockId] = set()
+        # Requests with a failed load, and their failed blocks: nothing computed
+        # over them is saved until the request finishes.
+        self._failed: dict[RequestId, frozenset[BlockId]] = {}
         self._stats = {"blocks_loaded": 0, "blocks_saved": 0, "load_errors": 0,
                        "save_errors": 0}
 
@@ -344,7 +350,8 @@ class StorageConnector(KVConnectorBase):
         for load in loads:
             for index, (key, block_id) in enumerate(zip(load.keys, load.block_ids)):
                 self._loading[block_id] = (load.request_id, index, key)
-        return StorageConnectorMetadata(loads=loads, saves=tuple(saves))
+        return StorageConnectorMetadata(loads=loads, saves=tuple(saves),
+                                        finished=frozenset(scheduler_output.finished_req_ids))
 
     def _plan_save(self, request_id: RequestId, tracked: _Tracked) -> BlockTransfer:
         keys = chained_block_keys(tracked.prompt_token_ids, self._block_size, self._seed)
@@ -439,10 +446,12 @@ class StorageConnector(KVConnectorBase):
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
         """Load this step's blocks, synchronously. A block that cannot be read
         or verified stops its request's load: it and the request's later
-        blocks become load errors (the engine recomputes from there)."""
+        blocks become load errors (the engine recomputes from there), and the
+        request saves nothing until it finishes (``wait_for_save``)."""
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, StorageConnectorMetadata)
-        self._failed_this_step = set()
+        for request_id in metadata.finished:
+            self._failed.pop(request_id, None)
         for load in metadata.loads:
             for index, (key, block_id) in enumerate(zip(load.keys, load.block_ids)):
                 try:
@@ -453,7 +462,9 @@ class StorageConnector(KVConnectorBase):
                         load.request_id, block_id, self.path_for(key), exc,
                     )
                     self._load_errors.update(load.block_ids[index:])
-                    self._failed_this_step.update(load.block_ids[index:])
+                    self._failed[load.request_id] = (
+                        self._failed.get(load.request_id, frozenset())
+                        | frozenset(load.block_ids[index:]))
                     self._stats["load_errors"] += len(load.block_ids) - index
                     break
                 self._stats["blocks_loaded"] += 1
@@ -468,16 +479,22 @@ class StorageConnector(KVConnectorBase):
         happens in ``wait_for_save``, once all layers of the step are written."""
 
     def wait_for_save(self) -> None:
-        """Write the step's saves, except those of a request with a block
-        whose load failed in this step: the forward pass computed them over
-        that block's stale bytes (the engine recomputes them; a later request
-        saves them). A write that fails (disk full, a dead mount) is logged
-        and counted (``save_errors``), and ends that request's saves."""
+        """Write the step's saves, except those of a request whose load
+        failed in this step or an earlier one (until it finishes), and those
+        computed over a block that failed to load for a request not finished:
+        the forward passes computed them over that block's stale bytes (the
+        engine recomputes them; a later request saves them). With
+        asynchronous scheduling the engine schedules the step after a failed
+        load before it hears of the failure, so a step's save can follow
+        another step's failed load. A write that fails (disk full, a dead
+        mount) is logged and counted (``save_errors``), and ends that
+        request's saves."""
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, StorageConnectorMetadata)
-        failed, self._failed_this_step = self._failed_this_step, set()
+        failed_blocks: frozenset[BlockId] = frozenset().union(*self._failed.values())
         for save in metadata.saves:
-            if not failed.isdisjoint(save.context + save.block_ids):
+            if save.request_id in self._failed or not failed_blocks.isdisjoint(
+                    save.context + save.block_ids):
                 logger.warning("request %r: not saving %d block(s) computed over a block that "
                                "failed to load", save.request_id, len(save.keys))
                 continue
