@@ -134,3 +134,63 @@ def test_the_kv_cache_dtype_joins_the_dtype():
     other = compat_info(CONFIG, derive_geometry(kv_first("NHD"), CONFIG), HEADS, "X", kv_cache_dtype="nvfp4")
     assert other.dtype == "float16 (nvfp4)"  # a name the specs do not know is kept as it is
     assert compat("NHD", "X").dtype == "float16"  # none given (vLLM's "auto"): the tensor's dtype alone
+
+
+def test_the_model_is_compared_when_both_sides_name_one():
+    """Two models of one shape had equal records (the record named none);
+    now ``model_id`` joins it, compared only when both sides name one: an
+    engine that names none (outside vLLM: the harness, the demo) is
+    accepted by any peer, as before."""
+    def named(model_id: str) -> wire.CompatInfo:
+        return compat_info(CONFIG, derive_geometry(kv_first("NHD"), CONFIG), HEADS, "X", model_id=model_id)
+
+    diff = named("llama-ft-math@1").mismatches(named("llama-ft-code@1"), mine="producer", theirs="consumer")
+    assert len(diff) == 1 and diff[0].startswith("model_id: producer 'llama-ft-math@1' vs consumer 'llama-ft-code@1'")
+    assert "--served-model-name" in diff[0] and "'model_id'" in diff[0]
+    assert named("m@1").mismatches(named("m@1")) == []
+    assert named("m@1").mismatches(named("")) == [] and named("").mismatches(named("m@1")) == []
+
+
+def test_fp8_scales_are_part_of_the_record():
+    def scaled(scales: str) -> wire.CompatInfo:
+        return compat_info(CONFIG, derive_geometry(kv_first("NHD"), CONFIG), HEADS, "X", kv_cache_dtype="fp8",
+                           kv_cache_scales=scales)
+
+    diff = scaled("k 1.0 v 1.0, 2 layers").mismatches(scaled("sha256 ab, 2 layers"))
+    assert len(diff) == 1 and diff[0].startswith("kv_cache_scales: local 'k 1.0 v 1.0, 2 layers' vs remote")
+    assert scaled("").mismatches(scaled("k 1.0 v 1.0, 2 layers")) != []  # unlike model_id: an unscaled side differs
+
+
+@pytest.mark.parametrize(("p_model", "d_model", "loaded"), [("m-a", "m-b", False), ("m-a", "m-a", True),
+                                                           ("m-a", None, True)])
+def test_engines_of_two_models_do_not_exchange_kv(p_model, d_model, loaded):
+    """End to end over the side channel (fake transport): engines of one
+    shape naming other models refuse each other at the handshake; nothing
+    is read and the decode recomputes. One that names none is not checked."""
+    shape = ModelShape(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, num_blocks=64)
+    fabric = FakeFabric()
+
+    def engine(role, engine_id, model_id):
+        extra = {"rpc_timeout_s": 1.0, "load_timeout_s": 5.0, **({"model_id": model_id} if model_id else {})}
+        config = KVTransferConfig(kv_connector="RdmaKVConnector", kv_role=role, engine_id=engine_id, kv_port=0,
+                                  kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+        return Engine(config, shape, connector_kwargs={"transport_factory": fabric.factory})
+
+    p, d = engine("kv_producer", "P", p_model), engine("kv_consumer", "D", d_model)
+    try:
+        prompt = list(range(1, 20))
+        p.add_request("m", prompt, {"do_remote_decode": True})
+
+        def pump():
+            p.step()
+            d.step()
+
+        wait_until(lambda: "m" in p.results and p.results["m"].status.value == "finished", step=pump, what="prefill")
+        d.add_request("m", prompt, p.results["m"].kv_transfer_params)
+        wait_until(lambda: d.results["m"].status.value in ("finished", "failed"), step=pump, what="decode")
+        assert d.results["m"].status.value == "finished"
+        assert d.results["m"].load_failed is not loaded
+        assert (fabric.reads > 0) is loaded
+    finally:
+        p.shutdown()
+        d.shutdown()

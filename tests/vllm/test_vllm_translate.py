@@ -393,7 +393,9 @@ def _fp8_worker(role: str, engine: str, cache_dtype: str, monkeypatch) -> RdmaKV
                               kv_role=role, engine_id=engine, kv_port=0),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_rank=0),
         model_config=SimpleNamespace(get_total_num_kv_heads=lambda: heads),
-        cache_config=SimpleNamespace(cache_dtype=cache_dtype))
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+        compilation_config=SimpleNamespace(static_forward_context={  # the attention layers' fp8 scales
+            n: SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0) for n in LAYERS}))
     conn = RdmaKVConnector(vllm_config, KVConnectorRole.WORKER, config)
     conn.register_kv_caches({n: torch.zeros(nb, heads, bs, 2 * head, dtype=torch.uint8) for n in LAYERS})
     return conn

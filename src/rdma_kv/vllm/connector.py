@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from rdma_kv.connector.base import KVConnectorRole as Role
 from rdma_kv.connector.types import RequestId, as_block_ids
 from rdma_kv.errors import ConfigError
-from rdma_kv.vllm import translate
+from rdma_kv.vllm import identity, translate
 from rdma_kv.vllm.stats import RdmaKVConnectorStats, RdmaKVPromMetrics
 
 if TYPE_CHECKING:
@@ -112,6 +112,12 @@ def _kv_cache_dtype(vllm_config: Any) -> str:
     return "" if value is None else str(value)
 
 
+def _kv_cache_scales(vllm_config: Any, role: KVConnectorRole) -> str:
+    """An fp8 cache's k/v scales (``identity.kv_cache_scales``), for the
+    compatibility check; empty on the scheduler, which holds no layers."""
+    return identity.kv_cache_scales(vllm_config) if role is KVConnectorRole.WORKER else ""
+
+
 def _attention_backend(vllm_config: Any, role: KVConnectorRole) -> str:
     """The worker's attention backend name(s) (as NixlConnector reads them),
     for the compatibility check; empty on the scheduler, which checks none."""
@@ -143,7 +149,9 @@ class RdmaKVConnector(KVConnectorBase_V1, SupportsHMA):
                                            tp_size=tp_size, dp_rank=dp_rank,
                                            attention_backend=_attention_backend(vllm_config, role),
                                            total_kv_heads=_total_kv_heads(vllm_config),
-                                           kv_cache_dtype=_kv_cache_dtype(vllm_config))
+                                           kv_cache_dtype=_kv_cache_dtype(vllm_config),
+                                           model_id=identity.model_id(vllm_config),
+                                           kv_cache_scales=_kv_cache_scales(vllm_config, role))
         if kv_cache_config is None:
             raise ConfigError("RdmaKVConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
         ours = translate.kv_cache_config(kv_cache_config)

@@ -96,7 +96,8 @@ def check_vllm_fields(raw: Mapping[str, Any]) -> None:
 
 def transfer_config(vllm_kv: Any, *, tp_rank: int = 0, tp_size: int = 1,
                     dp_rank: int = 0, attention_backend: str = "",
-                    total_kv_heads: int = 0, kv_cache_dtype: str = "") -> KVTransferConfig:
+                    total_kv_heads: int = 0, kv_cache_dtype: str = "", model_id: str = "",
+                    kv_cache_scales: str = "") -> KVTransferConfig:
     """Our ``KVTransferConfig`` from vLLM's (``vllm.config.KVTransferConfig``).
 
     vLLM's fields map one to one (``kv_connector``, ``engine_id``,
@@ -107,15 +108,18 @@ def transfer_config(vllm_kv: Any, *, tp_rank: int = 0, tp_size: int = 1,
     from the user; with data parallelism, DP rank ``d`` uses base port
     ``port + d * tp_size`` (rank ``r`` adds ``r``), so ranks never collide.
     ``kv_cache_dtype`` is vLLM's ``cache_config.cache_dtype`` ("auto": none),
-    compared at the handshake (its fp8 formats share one tensor dtype).
+    compared at the handshake (its fp8 formats share one tensor dtype), and
+    so is ``kv_cache_scales`` (``identity.kv_cache_scales``). ``model_id``
+    (``identity.model_id``) is the derived identity of the model, which the
+    operator's ``model_id`` in the extra config overrides.
     """
     extra = dict(getattr(vllm_kv, "kv_connector_extra_config", None) or {})
-    for key in ("tp_rank", "tp_size", "total_kv_heads", "attention_backend", "kv_cache_dtype"):
+    for key in ("tp_rank", "tp_size", "total_kv_heads", "attention_backend", "kv_cache_dtype", "kv_cache_scales"):
         if key in extra:
             raise ConfigError(
                 f"kv_connector_extra_config[{key!r}] is set, but under vLLM the tensor-parallel "
-                "rank and size, the attention backend and the KV-cache dtype come from vLLM's config; "
-                "remove it")
+                "rank and size, the attention backend, the KV-cache dtype and its scales come from "
+                "vLLM's config; remove it")
     host = extra.get("side_channel_host", DEFAULT_HOST)
     if not isinstance(host, str) or not host:
         raise ConfigError(f"kv_connector_extra_config['side_channel_host'] must be a host, got {host!r}")
@@ -129,6 +133,16 @@ def transfer_config(vllm_kv: Any, *, tp_rank: int = 0, tp_size: int = 1,
         extra["attention_backend"] = attention_backend
     if kv_cache_dtype and kv_cache_dtype != "auto":  # likewise: "auto" is the tensor's own dtype
         extra["kv_cache_dtype"] = kv_cache_dtype
+    if kv_cache_scales:
+        extra["kv_cache_scales"] = kv_cache_scales
+    if "model_id" in extra:  # the operator's (one model loaded from paths of different names)
+        given = extra["model_id"]
+        if not isinstance(given, str) or not given.strip():
+            raise ConfigError(f"kv_connector_extra_config['model_id'] must name the model (the same on the "
+                              f"prefill and the decode engines), got {given!r}; remove it to derive it from "
+                              "vLLM's model config")
+    elif model_id:
+        extra["model_id"] = model_id
     device: Any = getattr(vllm_kv, "kv_buffer_device", None) or "cpu"  # KVTransferConfig parses it
     policy: Any = getattr(vllm_kv, "kv_load_failure_policy", None) or "fail"
     return KVTransferConfig(

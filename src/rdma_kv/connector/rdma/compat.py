@@ -38,7 +38,8 @@ def _with_format(dtype: str, kv_cache_dtype: str) -> str:
 
 
 def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, total_kv_heads: int,
-                attention_backend: str = "", transfer_mode: str = "pull", kv_cache_dtype: str = "") -> CompatInfo:
+                attention_backend: str = "", transfer_mode: str = "pull", kv_cache_dtype: str = "",
+                model_id: str = "", kv_cache_scales: str = "") -> CompatInfo:
     """What this engine's KV cache is, for the handshake to compare, in
     terms independent of tensor parallelism: model shape (``total_kv_heads``
     before sharding), dtype, block size, the spec of each KV-cache group
@@ -48,7 +49,9 @@ def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, total
     differ). ``kv_cache_dtype`` (the engine's name for the format of the
     bytes, when the tensor's dtype does not tell it: vLLM's fp8 caches are
     all ``uint8``) joins the dtype, so an ``fp8_e4m3`` and an ``fp8_e5m2``
-    cache differ."""
+    cache differ. ``model_id`` names the model (two models of one shape
+    differ; empty: not known, compared with nothing) and ``kv_cache_scales``
+    a quantized cache's k/v scales (``RdmaSettings``)."""
     specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
     spec = specs[0]
     heads = _rank_heads(spec)
@@ -73,6 +76,8 @@ def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, total
         attention_backend=attention_backend,
         layer_groups=[layer.group for layer in geometry.layers] if len(specs) > 1 else [],
         transfer_mode=transfer_mode,
+        model_id=model_id,
+        kv_cache_scales=kv_cache_scales,
     )
 
 

@@ -97,8 +97,8 @@ class ProducerHandler:
             return wire.Refused("the producer's KV cache is not registered (the engine is asleep, vLLM "
                                 "sleep mode); its KV is gone: compute locally, or retry once it woke up")
         compat = self._compat
-        if request.compat != compat:
-            mismatches = compat.mismatches(request.compat, mine="producer", theirs="consumer")
+        mismatches = compat.mismatches(request.compat, mine="producer", theirs="consumer")
+        if mismatches:
             diff = "; ".join(mismatches)
             if len(diff) > MAX_DIFF_CHARS:  # the Refused reason has a bound on the wire (and logs should too)
                 diff = diff[:MAX_DIFF_CHARS] + f"... ({len(diff)} characters)"

@@ -63,6 +63,10 @@ MAX_RPC_RETRIES = 10
 
 MAX_RPC_THREADS = 256
 
+MAX_RECORD_CHARS = 1024
+"""The longest string the compatibility record carries (``wiregeom.Str``):
+a longer ``model_id`` would be refused by every peer as malformed."""
+
 
 @dataclasses.dataclass(frozen=True)
 class RdmaSettings:
@@ -137,6 +141,21 @@ class RdmaSettings:
     exchange blocks. The vLLM adapter sets it from vLLM's cache config (empty
     for ``auto``: the tensor's dtype is the format); elsewhere, any name both
     sides use."""
+    model_id: str = ""
+    """Which model this engine runs, compared at the handshake: two models of
+    one shape (two fine-tunes of one base, or unrelated models with the same
+    layers and heads) must not exchange KV. Any name both engines of a pair
+    use; empty (the default outside vLLM): not known, and then not compared
+    (a peer naming one is accepted). The vLLM adapter derives it
+    (``rdma_kv.vllm.identity``: the served model name when one is set,
+    else the model path's last component and a digest of its architecture)
+    unless this key is set, which wins: set the same value on both engines
+    when they load one model from paths of different names."""
+    kv_cache_scales: str = ""
+    """A quantized (fp8) KV cache's per-layer k/v scales, or their digest,
+    compared at the handshake: the same fp8 bytes under other scales are
+    other values. The vLLM adapter sets it from the attention layers
+    (refused in vLLM's extra config); empty for an unquantized cache."""
     lanes: int = dataclasses.field(default_factory=default_lanes)
     """UCX workers that carry one request's reads in parallel (``AgentConfig.lanes``):
     each extra lane is a worker, an endpoint per producer and a progress thread.
@@ -213,6 +232,8 @@ class RdmaSettings:
         }
         values["attention_backend"] = get("attention_backend", "", type=str)
         values["kv_cache_dtype"] = get("kv_cache_dtype", "", type=str)
+        values["model_id"] = get("model_id", "", type=str)
+        values["kv_cache_scales"] = get("kv_cache_scales", "", type=str)
         for name in ("auth_secret_env", "auth_secret_file"):
             value = get(name, None, type=str)
             if value is not None and not value.strip():
@@ -259,6 +280,10 @@ class RdmaSettings:
             raise ConfigError(f"tp_rank={self.tp_rank} must be in [0, tp_size={self.tp_size})")
         if self.total_kv_heads < 0:
             raise ConfigError(f"total_kv_heads={self.total_kv_heads} must be >= 0 (0: derived)")
+        for name in ("model_id", "kv_cache_scales"):  # the handshake carries them (wiregeom.Str)
+            if len(getattr(self, name)) > MAX_RECORD_CHARS:
+                raise ConfigError(f"kv_connector_extra_config[{name!r}] has {len(getattr(self, name))} "
+                                  f"characters; at most {MAX_RECORD_CHARS}")
         if self.side_channel_port == 0 and self.tp_size > 1:
             raise ConfigError("side_channel_port 0 (OS-chosen) works only with tp_size 1: "
                               "consumers dial port + rank")

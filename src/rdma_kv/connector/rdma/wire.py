@@ -78,7 +78,7 @@ __all__ = [
     "check_reader",
 ]
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """The side channel's version: both ends must speak the same one. A peer of
 another version is refused with a message naming both versions (a version-1
 producer answers HELLO with ``error``, which the client reports as a version
@@ -136,6 +136,13 @@ refuses as unknown: ``forbid_unknown_fields``):
    producer knows a decode rank by engine id, rank and incarnation, so two
    decode engines given one ``engine_id`` each get their own writes (under
    version 8 the producer wrote both decodes' pushes into one of them).
+10. (2026-11-29) ``CompatInfo`` names the model (``model_id``; compared
+    only when both sides name one) and an fp8 cache's k/v scales
+    (``kv_cache_scales``): two models of one shape, or one model under
+    other fp8 scales, refuse each other at the handshake (under version 9
+    each read the other's KV). A new number, not a field added under 9: a
+    version-9 peer would not compare them, and the safety of a load rests
+    on both ends comparing (the consumer checks the producer's reply too).
 """
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 16 << 20  # agent metadata (worker address + rkeys) plus geometry

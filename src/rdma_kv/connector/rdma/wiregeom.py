@@ -71,15 +71,28 @@ class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     transfer_mode: Str = "pull"
     """``pull`` (the decode reads) or ``push`` (the producer writes): both
     engines must run the same mode."""
+    model_id: Str = ""
+    """Which model's KV this is (``RdmaSettings.model_id``): two models of
+    one shape must not exchange KV. Empty: not known (an engine outside
+    vLLM that names none), compared with nothing."""
+    kv_cache_scales: Str = ""
+    """The per-layer k/v scales of a quantized (fp8) KV cache, or their
+    digest (``RdmaSettings.kv_cache_scales``): the same bytes under other
+    scales are other values. Empty: an unquantized cache, or an engine
+    outside vLLM that names none."""
 
     def compat_hash(self) -> str:
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:32]
 
     def mismatches(self, other: CompatInfo, mine: str = "local", theirs: str = "remote") -> list[str]:
-        """One line per differing field, naming both sides' values."""
+        """One line per differing field, naming both sides' values; no line
+        means the two caches may exchange KV. A ``model_id`` is compared only
+        when both sides name one."""
         out = []
         for name in self.__struct_fields__:
             a, b = getattr(self, name), getattr(other, name)
+            if name == "model_id" and not (a and b):
+                continue
             if a != b:
                 if name == "layouts":
                     first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -91,6 +104,14 @@ class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                 "transferred and the request is computed locally, or fails under "
                                 "kv_load_failure_policy=fail; start both engines with the same "
                                 "--block-size)")
+                elif name == "model_id":
+                    out[-1] += (" (two different models: one would generate from the other's KV; if both "
+                                "engines run one model, loaded from different paths, start both with the "
+                                "same --served-model-name, or set the same kv_connector_extra_config "
+                                "'model_id' on both)")
+                elif name == "kv_cache_scales":
+                    out[-1] += (" (the fp8 KV caches' per-layer k/v scales differ: the same bytes are other "
+                                "values on each side; load both engines' scales from one checkpoint)")
         return out
 
 

@@ -172,7 +172,7 @@ class RdmaWorker:
             rank = rank_info(self._kv_cache_config, s.tp_rank, s.tp_size)
             compat = compat_info(self._kv_cache_config, geometry,
                                  s.total_kv_heads or rank.num_kv_heads * s.tp_size, s.attention_backend, s.mode,
-                                 s.kv_cache_dtype)
+                                 s.kv_cache_dtype, s.model_id, s.kv_cache_scales)
             if self._producer is not None:
                 if self._producer.handler is None:
                     self._producer.start(compat, rank, transport, geometry)

@@ -300,8 +300,9 @@ class PeerDirectory:
             raise HandshakeError(
                 f"expected producer engine {address.engine_id!r} at {client.address}, found "
                 f"{reply.engine_id!r}; the request's kv_transfer_params point at another engine")
-        if reply.compat != compat:
-            diff = "; ".join(compat.mismatches(reply.compat, mine="consumer", theirs="producer"))
+        mismatches = compat.mismatches(reply.compat, mine="consumer", theirs="producer")
+        if mismatches:
+            diff = "; ".join(mismatches)
             raise HandshakeError(f"producer {reply.engine_id!r} has an incompatible KV cache: {diff}")
         expected = wire.RankInfo(peer.rank, address.tp_size, self.plan(address).remote_heads)
         if reply.rank != expected:
