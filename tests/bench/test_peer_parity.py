@@ -135,3 +135,30 @@ def test_nixl_reports_the_ucx_it_runs_on():
     r = nixl_peer.run_backend(TINY, 1)
     assert r.status == "ok", r.reason
     assert r.config["ucx_version"].count(".") == 2 and "libucp" in r.config["ucx_library"]
+
+
+@pytest.mark.ucx
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_the_rdma_kv_warm_up_reaches_every_worker(lanes):
+    """The untimed warm-up wires up every worker the timed reps use: a read
+    of one slot stays on the own worker, so with lanes a striped read
+    follows; before, the lanes' first use fell in the first timed rep."""
+    import numpy as np
+
+    from rdma_kv.transport import Agent, AgentConfig
+
+    cfg = AgentConfig(lanes=lanes, lane_min_bytes=TINY.slot_nbytes, ucx_options={"NET_DEVICES": "lo"})
+    with Agent("warm-target", cfg) as target, Agent("warm-reader", cfg) as reader:
+        bufs = [np.zeros(TINY.num_slots * TINY.slot_nbytes, np.uint8) for _ in range(2)]
+        target.register(bufs[0])
+        reader.register(bufs[1])
+        reader.add_peer(target.metadata())
+        target.add_peer(reader.metadata())
+        local = reader.prep_local(rdmakv_peer.slot_descs(TINY, bufs[1].ctypes.data))
+        remote = reader.prep_remote("warm-target", rdmakv_peer.slot_descs(TINY, bufs[0].ctypes.data))
+        reads = rdmakv_peer.warm_up(reader, local, remote, TINY)
+    used = set()
+    for xfer in reads:
+        ops = xfer.worker_ops or (xfer.ops_posted,)
+        used |= {w for w, n in enumerate(ops) if n}
+    assert len(reads) == lanes and len(used) == lanes, [x.worker_ops for x in reads]

@@ -95,6 +95,24 @@ def target(chan: Channel, start: dict[str, Any]) -> None:
     runner.serve_target(chan, fill, close)
 
 
+def warm_up(agent: Any, local_prep: Any, remote_prep: Any, workload: Workload) -> list[Any]:
+    """Untimed reads that wire up every worker's endpoint and pump: one
+    slot (the own worker: a lone small read stays there), then, with lanes,
+    one read striped over all of them (``lanes * lane_min_bytes``, or every
+    slot if the workload has fewer bytes). A read of one slot alone left the
+    lanes' first use inside the first timed rep. Returns the reads."""
+    zero = np.zeros(1, dtype=np.int64)
+    reads = [agent.read_prepared(local_prep, zero, remote_prep, zero)]
+    reads[0].wait(60)
+    cfg = agent.config
+    if cfg.lanes > 1:
+        n = min(workload.num_slots, -(-cfg.lanes * cfg.lane_min_bytes // workload.slot_nbytes))
+        idx = np.arange(n, dtype=np.int64)
+        reads.append(agent.read_prepared(local_prep, idx, remote_prep, idx))
+        reads[-1].wait(60)
+    return reads
+
+
 def reader(chan: Channel, start: dict[str, Any]) -> None:
     workload = Workload.from_dict(start["workload"])
     options = dict(DEFAULT_OPTIONS, **start["options"])
@@ -108,8 +126,7 @@ def reader(chan: Channel, start: dict[str, Any]) -> None:
     local_prep = agent.prep_local(slot_descs(workload, local.ctypes.data))
     remote_prep = agent.prep_remote(remote, slot_descs(workload, int(peer["address"])))
     prep_list_s = time.perf_counter() - t0
-    zero = np.zeros(1, dtype=np.int64)
-    agent.read_prepared(local_prep, zero, remote_prep, zero).wait(60)  # wire-up, untimed
+    warm_up(agent, local_prep, remote_prep, workload)
 
     def run_rep(rep: int) -> dict[str, Any]:
         p = batch(workload, rep)
