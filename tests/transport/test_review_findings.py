@@ -26,9 +26,8 @@ import numpy as np
 import pytest
 
 from rdma_kv.errors import RegistrationError, TransferError
-from rdma_kv.transport import DescList
 from rdma_kv.transport import agent as agent_mod
-from transport_helpers import TCP, link
+from transport_helpers import hung_peer, link
 
 NBYTES = 1 << 16
 
@@ -44,26 +43,8 @@ def pair(make_agent, **b_config):
 
 
 def test_deregister_is_refused_while_a_failed_read_may_still_land(make_agent):
-    n = 1 << 16
-    target = make_agent("target", progress="poll", ucx_options=TCP, lanes=1)
-    reader = make_agent("reader", ucx_options=TCP, lanes=1, transfer_timeout_s=1.0)
-    theirs, mine = np.full(n, 0xAB, dtype=np.uint8), np.zeros(n, dtype=np.uint8)
-    target.register(theirs)
-    region = reader.register(mine)
-    reader.add_peer(target.metadata())
-    target.add_peer(reader.metadata())
-    loc, rem = DescList([mine.ctypes.data], n), DescList([theirs.ctypes.data], n)
-    first = reader.read("target", loc, rem)
-    end = time.monotonic() + 10
-    while not first.done() and time.monotonic() < end:
-        target.progress()
-    first.wait(1)
-    mine[:] = 0
     # The target stops progressing (a peer that hangs): a read and a flush pass their deadline.
-    stuck = [reader.read("target", loc, rem), reader.flush("target")]
-    for xfer in stuck:
-        with pytest.raises(TransferError):
-            xfer.wait(10)
+    target, reader, region = hung_peer(make_agent)
     assert reader.inflight == 0 and reader._core.inflight.zombies > 0
     with pytest.raises(RegistrationError, match="may still write into local memory"):
         reader.deregister(region)

@@ -18,9 +18,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 
-from rdma_kv.errors import PeerError
-from rdma_kv.transport import XferState
+from rdma_kv.errors import PeerError, TransferError
+from rdma_kv.transport import DescList, XferState
 
 LOOPBACK = {"NET_DEVICES": "lo"}  # UCX would otherwise also use eth0's address for TCP
 TCP = {"TLS": "tcp", "NET_DEVICES": "lo"}
@@ -232,3 +233,30 @@ def prepare_slots(pair: Pair, block: int = 4096):
     buffers, on both sides (local, remote)."""
     slots = np.arange(pair.buf_a.nbytes // block) * block
     return pair.b.prep_local(pair.desc_b(slots, block)), pair.b.prep_remote("a", pair.desc_a(slots, block))
+
+
+HUNG_NBYTES = 1 << 16
+HUNG_WAIT_S = 30.0
+
+
+def hung_peer(make_agent):
+    """A reader (``transfer_timeout_s`` 1 s) whose TCP peer stopped
+    progressing (it polls, and the test stops calling it) while a read and
+    a flush were in flight: both passed their deadline, the peer was failed
+    and its endpoint left open. Returns the target, the reader and the
+    reader's region the read was for."""
+    target = make_agent("target", progress="poll", ucx_options=TCP, lanes=1)
+    reader = make_agent("reader", ucx_options=TCP, lanes=1, transfer_timeout_s=1.0)
+    theirs, mine = np.full(HUNG_NBYTES, 0xAB, dtype=np.uint8), np.zeros(HUNG_NBYTES, dtype=np.uint8)
+    target.register(theirs)
+    region = reader.register(mine)
+    reader.add_peer(target.metadata())
+    target.add_peer(reader.metadata())
+    loc, rem = DescList([mine.ctypes.data], HUNG_NBYTES), DescList([theirs.ctypes.data], HUNG_NBYTES)
+    first = reader.read("target", loc, rem)
+    wait_until(first.done, HUNG_WAIT_S, "a first read", drive=[target])
+    stuck = [reader.read("target", loc, rem), reader.flush("target")]
+    for xfer in stuck:
+        with pytest.raises(TransferError):
+            xfer.wait(HUNG_WAIT_S)
+    return target, reader, region

@@ -79,7 +79,7 @@ from rdma_kv.transport.inflight import OP_GET, OP_PUT, AgentStats, Callbacks, In
 from rdma_kv.transport.lanes import Lanes
 from rdma_kv.transport.memory import MemoryRegion
 from rdma_kv.transport.notifications import Notification, Notifications
-from rdma_kv.transport.peer import Peer
+from rdma_kv.transport.peer import Peer, reap_left_open
 from rdma_kv.transport.peers import PeerTable
 from rdma_kv.transport.posting import Posting
 from rdma_kv.transport.prepared import PreparedLists, RequestParts
@@ -200,10 +200,19 @@ class AgentCore:
             for peer in self.peers.failed_endpoints():
                 self.fail_peer(peer, f"endpoint error {status_name(peer.ep_state.status)}")
             self._errors_seen = errors
+            self.reap_left_open()  # UCX giving up a hung peer fails the flushes that kept its endpoint open
         if look & _LOOK_DUE:
             inflight.expire(self.fail_peer)
         self.peers.close_idle_retired()
         return drained
+
+    def reap_left_open(self) -> None:
+        """Close, on every worker, the endpoints that peers' closes left open
+        while flushes of them were outstanding, once those flushes ended
+        (``peer.reap_left_open``). Caller holds the lock."""
+        reap_left_open(self.worker)
+        for lane in self.lanes:
+            reap_left_open(lane.worker)
 
     def usable_peer(self, name: str) -> Peer:
         """The peer ``name`` if its endpoint on every worker is healthy; else
@@ -427,6 +436,7 @@ class Agent:
             except BaseException:
                 self.remove_peer(md.name)
                 raise
+            core.reap_left_open()
             return md.name
 
     def remove_peer(self, name: str) -> None:
@@ -438,6 +448,7 @@ class Agent:
                 core.fail_peer(peer, "removed by remove_peer()")
             core.peers.retire(peer)
             core.lanes.disconnect(name)
+            core.reap_left_open()
 
     @property
     def peers(self) -> tuple[str, ...]:

@@ -26,10 +26,6 @@ CLOSE_ROUNDS = 200_000
 # How long closing an endpoint waits for its outstanding flushes (Peer.close):
 # microseconds unless the peer hangs (a dead one fails them at once).
 CLOSE_FLUSH_WAIT_S = 0.5
-# Endpoints left open because flushes of them were still outstanding, with
-# their remote keys and state (the flushes' callbacks write it): destroyed
-# with their worker when the agent closes.
-_LEFT_OPEN: list[Any] = []
 _log = logging.getLogger(__name__)
 
 
@@ -117,6 +113,8 @@ class Peer:
         a flushing close of the endpoint. Forced (operations may be in
         flight): the endpoint first, which cancels them, then the keys they
         referenced. The express endpoint likewise, after the first."""
+        if self in self._worker.left_open:  # closed already; reap_left_open ends it
+            return
         if self._eps:
             # No notification goes out from here (a lane's pump may complete
             # a transfer's last part after the close, and its notification
@@ -133,12 +131,14 @@ class Peer:
             left = self._lib.rk_ep_wait_flushes(self._worker.handle, self.ep_state, int(CLOSE_FLUSH_WAIT_S * 1e9))
             if left > 0:  # a hung peer: closing would crash UCX later, leaving it open costs an endpoint
                 _log.warning("peer %r: %d flush(es) of its endpoint still outstanding after %.1f s (the peer "
-                             "hangs?); the endpoint is left open until the agent closes", self.name, left,
-                             CLOSE_FLUSH_WAIT_S)
-                _LEFT_OPEN.append((self.ep_state, list(self._eps)))
-                self._eps.clear()
-                self.ep = None
+                             "hangs?); the endpoint is left open until they end (the peer answers, or UCX "
+                             "gives it up and fails them), then closed", self.name, left, CLOSE_FLUSH_WAIT_S)
+                self._worker.left_open.append(self)
+                self.ep = None  # closed to the agent; its endpoints wait in _eps for reap_left_open
                 return
+        self._teardown(force)
+
+    def _teardown(self, force: bool) -> None:
         for entry in self._eps:
             if force:
                 self._close_ep(entry, force=True)
@@ -165,3 +165,22 @@ class Peer:
         req = lib.ucp_ep_close_nbx(entry[0], param)
         lib.rk_wait_request(self._worker.handle, req, CLOSE_ROUNDS)
         entry[0] = None
+
+
+def reap_left_open(worker: Any) -> int:
+    """Close the endpoints a peer's close left open on ``worker`` (flushes of
+    them were outstanding) whose flushes have all ended since: the peer
+    answered, or UCX gave it up and failed them (its keepalive, an error
+    the agent's look counts). Forced: what was in flight with a peer that
+    hung is cancelled, and UCX hands back the transfers the agent failed
+    (they stop counting against ``deregister``). Returns how many peers'
+    endpoints it closed; the rest wait for a later call. Caller holds the
+    agent's lock."""
+    closed = 0
+    for peer in list(worker.left_open):
+        if int(peer.ep_state.flushing) == 0:
+            worker.left_open.remove(peer)
+            peer._teardown(force=True)
+            _log.info("peer %r: the endpoint left open while flushes of it were outstanding is closed", peer.name)
+            closed += 1
+    return closed
