@@ -254,10 +254,17 @@ def get_json(url: str, timeout_s: float = 10.0) -> Any:
         return json.loads(r.read().decode())
 
 
+METRICS_TIMEOUT_S = 60.0
+"""One ``/metrics`` read's bound. It was 10 s: with load average 116 on the
+2-core host (other test runs beside), a producer's API server answered no
+``/metrics`` within it after a passing router phase, and the 1P1D push test
+failed on the read, not on a count (2026-11-30)."""
+
+
 def metric(base_url: str, name: str, **labels: str) -> float:
     """The sum over the series of ``name`` on ``base_url/metrics`` whose
     labels include ``labels`` (0 when there is none)."""
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=METRICS_TIMEOUT_S) as r:
         text = r.read().decode()
     total = 0.0
     for line in text.splitlines():

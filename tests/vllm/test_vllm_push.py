@@ -85,6 +85,37 @@ the same). A killed producer is still met by its refused connection, not
 by a bound."""
 
 
+CLIENT_TIMEOUT_S = 480.0
+"""A push-mode request's bound at this test's HTTP client (through the
+router, or to the decode with a prefill's params): above
+every bound the decode has of its own for a push-mode load, so that a load
+that stalls ends at the decode, loudly (its "KV load failed" line with the
+reason, the recompute, the counts these tests assert), not at the client
+first. The decode fails a load ``load_timeout_s`` (120 s here) after it
+started, once its push resolved: with the producer answering, within the
+writes' timeout after its RUNNING answer; with the producer not answering,
+``lease_max_s`` + ``read_timeout_s`` (300 + 60 s) after the PUSH
+(docs/rdma-connector.md, "Push mode"); the prefill leg comes before. The
+client's bound used to be ``complete``'s 120 s, no more than the load's
+own: in one fresh-clone CI run (2026-11-29, with another vLLM module
+beside it) the first request through vllm-router timed out at the client
+with nothing in vLLM's logs, because the client gave up first, the router
+dropped the decode leg, vLLM aborted the request, and an aborted load is
+not a failure (loads.py: no "KV load failed" line); what held it was never
+seen. Bounded still: the test's own timeout (900 s) is above this one."""
+
+
+def routed(router: Router, plain: ApiServer, reference: dict[tuple[str, int], str], prompts: list[str],
+           p: ApiServer, d: ApiServer, **kwargs: Any) -> int:
+    """``check_equal`` through ``router`` with ``CLIENT_TIMEOUT_S``; a
+    failure carries the decode's and the producer's log tails."""
+    try:
+        return check_equal(router, plain, reference, prompts, timeout_s=CLIENT_TIMEOUT_S, **kwargs)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n--- {d.name} log tail:\n{d.log()[-3000:]}\n--- {p.name} log tail:\n"
+                             f"{p.log()[-3000:]}") from None
+
+
 def push_config(role: str) -> dict[str, Any]:
     return rdma_config(role, mode="push", **STARVATION_BOUNDS)
 
@@ -243,9 +274,12 @@ def test_push_1p1d_through_vllm_router_equal_plain(servers: dict[str, Any]) -> N
     many = [ROUTER_PROMPTS[i % len(ROUTER_PROMPTS)] for i in range(128)]
     with Router("router-push", servers["log_dir"], prefill=[p.url], decode=[d.url]) as router:
         router.wait_healthy(120)
-        sent = check_equal(router, plain, reference, ROUTER_PROMPTS)
-        sent += check_equal(router, plain, reference, many, in_flight=128)
-        sent += check_equal(router, plain, reference, ROUTER_PROMPTS, stream=True)
+        sent = routed(router, plain, reference, ROUTER_PROMPTS, p, d)
+        sent += routed(router, plain, reference, many, p, d, in_flight=128)
+        sent += routed(router, plain, reference, ROUTER_PROMPTS, p, d, stream=True)
+    # A load that failed and recomputed still equals plain: say why before waiting for counts it left short.
+    assert counts(None, d, before)["load_failed_lines"] == 0, \
+        [line for line in d.log().splitlines() if "KV load failed" in line][-5:]
     wait_producer_counted(p, d, before, "done", sent)
     grew = counts(p, d, before)
     assert grew["pushed_ok"] == sent, d.log()[-3000:]
@@ -261,7 +295,7 @@ def test_push_1p1d_through_vllm_router_equal_plain(servers: dict[str, Any]) -> N
     differ = []
     for prompt in ROUTER_PROMPTS[1:]:  # the 7-token prompt fits in one block: its output may coincide
         params = prefill_params(other, prompt)
-        out = complete(d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+        out = complete(d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params, timeout_s=CLIENT_TIMEOUT_S)
         assert out["status"] == 200, out
         differ.append(out["text"] != expected(plain, reference, prompt))
     assert all(differ), f"a producer with other weights left completions unchanged: {differ}"
@@ -287,9 +321,9 @@ def test_concurrent_dispatch_through_vllm_router_moriio_write_mode(servers: dict
     with Router("router-moriio", servers["log_dir"], prefill=[], decode=[],
                 extra_args=["--kv-connector", "moriio", "--vllm-discovery-address", servers["discovery"]]) as router:
         router.wait_healthy(120)
-        sent = check_equal(router, plain, reference, ROUTER_PROMPTS)
-        sent += check_equal(router, plain, reference, many, in_flight=16)
-        sent += check_equal(router, plain, reference, ROUTER_PROMPTS, stream=True)
+        sent = routed(router, plain, reference, ROUTER_PROMPTS, p, d)
+        sent += routed(router, plain, reference, many, p, d, in_flight=16)
+        sent += routed(router, plain, reference, ROUTER_PROMPTS, p, d, stream=True)
     assert metric(d.url, "rdma_kv_pushed_loads_total", outcome="ok") - before["loads"] == sent, d.log()[-3000:]
     wait_producer_counted(p, d, before, "done", sent)
     grew = counts(p, d, before)
@@ -387,7 +421,7 @@ def test_push_producer_killed_after_the_decode_registered_recomputes(servers: di
     reference: dict[tuple[str, int], str] = {}
     prompt = ROUTER_PROMPTS[2]  # 71 tokens: three blocks
     params = prefill_params(doomed, prompt)
-    out = complete(d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+    out = complete(d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params, timeout_s=CLIENT_TIMEOUT_S)
     assert out["status"] == 200 and out["text"] == expected(plain, reference, prompt), out
     before = counts(None, d)
 
@@ -404,7 +438,7 @@ def test_push_producer_killed_after_the_decode_registered_recomputes(servers: di
     # Every block back, nothing left in flight; and the decode still takes pushes.
     wait_for("the decode to hold nothing", lambda: decode_idle(d), 60, poll_s=0.5)
     params = prefill_params(p, prompt)
-    out = complete(d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+    out = complete(d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params, timeout_s=CLIENT_TIMEOUT_S)
     assert out["status"] == 200 and out["text"] == expected(plain, reference, prompt), out
 
 
@@ -428,7 +462,7 @@ def test_push_decode_aborted_while_registered_producer_writes_nothing(servers: d
     reference: dict[tuple[str, int], str] = {}
     prompt = ROUTER_PROMPTS[2]
     params = prefill_params(p, prompt)  # the producer's address, and a good push first
-    out = complete(d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+    out = complete(d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params, timeout_s=CLIENT_TIMEOUT_S)
     assert out["status"] == 200 and out["text"] == expected(plain, reference, prompt), out
     before = counts(p, d)
     transfer_id, request_id = f"tx-{uuid.uuid4().hex}", router_request_id(params)

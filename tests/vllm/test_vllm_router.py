@@ -126,13 +126,15 @@ def expected(plain: ApiServer, ref: dict[tuple[str, int], str], prompt: str,
 
 
 def check_equal(router: Router | Smg, plain: ApiServer, ref: dict[tuple[str, int], str],
-                prompts: Sequence[str], *, stream: bool = False, in_flight: int = 1) -> int:
+                prompts: Sequence[str], *, stream: bool = False, in_flight: int = 1,
+                timeout_s: float = 120.0) -> int:
     """Send ``prompts`` through ``router`` (``in_flight`` at a time) and
-    assert each completion equals plain. Returns the number sent."""
+    assert each completion equals plain. Returns the number sent.
+    ``timeout_s``: each request's bound at this client (``complete``)."""
     want = [expected(plain, ref, p) for p in prompts]
     with ThreadPoolExecutor(in_flight) as pool:
-        got = list(pool.map(lambda p: complete(router.url, p, max_tokens=MAX_TOKENS, stream=stream),
-                            prompts))
+        got = list(pool.map(lambda p: complete(router.url, p, max_tokens=MAX_TOKENS, stream=stream,
+                                               timeout_s=timeout_s), prompts))
     for i, g in enumerate(got):
         # vllm-router's discovery mode forgets an engine 5 s after its last heartbeat; on a
         # starved host it dropped both engines at once and re-added them within a second
@@ -142,7 +144,7 @@ def check_equal(router: Router | Smg, plain: ApiServer, ref: dict[tuple[str, int
             if not (g["status"] == 503 and "No eligible P/D pair" in (g["error"] or "")):
                 break
             time.sleep(1.0)
-            g = got[i] = complete(router.url, prompts[i], max_tokens=MAX_TOKENS, stream=stream)
+            g = got[i] = complete(router.url, prompts[i], max_tokens=MAX_TOKENS, stream=stream, timeout_s=timeout_s)
     bad = [(i, g) for i, (g, w) in enumerate(zip(got, want)) if g["status"] != 200 or g["text"] != w]
     assert not bad, f"{len(bad)} of {len(prompts)} differ from plain (stream={stream}, " \
                     f"in_flight={in_flight}): {bad[:3]}; expected {want[:3]}"
