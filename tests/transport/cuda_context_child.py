@@ -132,6 +132,7 @@ def callers(cuda: ctypes.CDLL) -> None:
     dst = np.zeros(NBYTES, dtype=np.uint8)
     offsets = np.arange(0, NBYTES, 1 << 20)
     threads = []
+    spares: list[Agent] = []
     a = Agent("a", AgentConfig(ucx_options=options, lanes=3, lane_min_bytes=1 << 20))
     p = Agent("p", AgentConfig(ucx_options=options, progress="poll", lanes=2, lane_min_bytes=1 << 20))
     b = Agent("b", AgentConfig(ucx_options=options, lanes=1))
@@ -166,10 +167,37 @@ def callers(cuda: ctypes.CDLL) -> None:
             for pump in held:
                 lib.rk_pump_hold(pump, -1)
         threads.append(on_thread(cuda, "polls, no context", 0, lambda: read(p)))
-        threads.append(on_thread(cuda, "closes, no context", 0, a.close))
-        threads.append(on_thread(cuda, "closes, another context", OTHER, p.close))
+
+        def close_busy(reader: Agent) -> None:
+            """Close with a read in flight. Without one, a close may progress
+            nothing: UCX completes a flushing endpoint close in place when
+            nothing is outstanding on it, and a polling agent with nothing in
+            flight has nothing else to progress. A polling agent's read stays
+            in flight until a caller settles it (nobody but this caller does),
+            so its close drains it: it progresses its worker, always."""
+            reader.read("b", DescList.from_regions(dst.ctypes.data, offsets, 1 << 20),
+                        DescList.from_regions(src.ctypes.data, offsets, 1 << 20), timeout_s=60.0)
+            reader.close()
+
+        # A pumped agent's read may be settled by its service thread before
+        # the close begins (and its endpoints then close in place): try again
+        # with a fresh agent, as the waits above do.
+        closer = a
+        for tries in range(1, 21):
+            if tries > 1:
+                closer = Agent(f"a{tries}", AgentConfig(ucx_options=options, lanes=3, lane_min_bytes=1 << 20))
+                spares.append(closer)
+                closer.register(dst)
+                closer.add_peer(b.metadata())
+                read(closer)  # every endpoint wired up, as a's
+            out = on_thread(cuda, "closes, no context", 0, lambda: close_busy(closer))
+            if progressed(cuda, out["tid"]):
+                break
+        out["tries"] = tries
+        threads.append(out)
+        threads.append(on_thread(cuda, "closes, another context", OTHER, lambda: close_busy(p)))
     finally:
-        for agent in (a, p, b):
+        for agent in (a, p, *spares, b):
             agent.close()
     print(json.dumps({"ctx": CTX, "callers": threads, "threads": records(cuda)}))
 
