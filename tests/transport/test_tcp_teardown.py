@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -36,15 +38,65 @@ def test_tcp_writes_default_to_active_messages():
     assert DEFAULT_OPTIONS["TCP_PUT_ENABLE"] == "n"
 
 
+def target_close_crash(proc: subprocess.CompletedProcess) -> bool:
+    """The child died of UCX 1.22's crash in the target's close: a segfault
+    whose crashing thread (faulthandler's "Current thread") was in
+    ``Worker.close`` (``ucp_worker_destroy``) under the child's
+    ``close_target``. UCX keeps the target's gracefully closed endpoint to
+    the writer until the worker goes, and it goes on answering the writer's
+    reads, which the writer cancelled when it failed the target; answers
+    still queued there are purged by ``ucp_worker_destroy`` as if they were
+    sends of the user's, and a recycled request's stale memory handles are
+    dereferenced (docs/reliability.md, "Reviews of flaky tests")."""
+    if proc.returncode != -signal.SIGSEGV or "Current thread" not in proc.stderr:
+        return False
+    frames = [line.strip() for line in proc.stderr.split("Current thread", 1)[1].splitlines()
+              if line.strip().startswith("File ")]
+    return bool(frames) and frames[0].endswith("in close") and "transport/ucx.py" in frames[0] and \
+        any(f.endswith("in close_target") for f in frames)
+
+
 def test_a_peer_closing_after_a_deadline_failed_it_does_not_crash_the_writer(rng):
     """One worker, progress thread: the shape that crashed every time. The
     child wires every endpoint up before the peer fails: UCX 1.22 has
     crashes of its own, which this default does not fix, where a peer fails
-    while its endpoints still wire up (docs/reliability.md)."""
-    seed = int(rng.integers(1 << 31))
+    while its endpoints still wire up (docs/reliability.md).
+
+    The writer must never crash. The target may, in one place only, by a
+    UCX bug rdma-kv cannot avoid (``target_close_crash``: about 1 run in 8
+    under load): such a run is run again with another seed (at most 3 runs),
+    and the count is reported as a warning. Any other death fails."""
     env = {k: v for k, v in os.environ.items() if k not in ("UCX_TCP_PUT_ENABLE", "RDMA_KV_TEST_TCP_PUT")}
-    proc = subprocess.run([sys.executable, str(HERE / "tcp_teardown_child.py"), str(ROUNDS), str(seed),
-                           "thread", "1"], cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    crashes = []
+    for _ in range(3):
+        seed = int(rng.integers(1 << 31))
+        proc = subprocess.run([sys.executable, "-X", "faulthandler", str(HERE / "tcp_teardown_child.py"),
+                               str(ROUNDS), str(seed), "thread", "1"], cwd=HERE, env=env, capture_output=True,
+                              text=True, timeout=300)
+        if not target_close_crash(proc):
+            break
+        crashes.append(seed)
+    if crashes:
+        warnings.warn(f"UCX 1.22 segfaulted in the target's close (ucp_worker_destroy purging queued answers) "
+                      f"in {len(crashes)} run(s), seeds {crashes}: docs/reliability.md", stacklevel=1)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
-        f"seed={seed}: the writer exited {proc.returncode} (negative: killed by that signal)\n"
+        f"seed={seed}: the child exited {proc.returncode} (negative: killed by that signal)\n"
         f"stdout: {proc.stdout[-2000:]}\nstderr: {proc.stderr[-4000:]}")
+
+
+def test_a_target_closing_with_an_answer_queued_waits_for_its_reader():
+    """The target of a TCP read closes while its answer still waits in its
+    endpoint's queue, and the reader reads nothing for 3 s. The close waits
+    for it (``peer.CLOSE_WAIT_S``, raised here). Before, it gave up after
+    200,000 progress calls, about 0.3 s, and the worker was destroyed with
+    the answer queued: UCX 1.22 leaked it (3 runs of 3), and with a recycled
+    request it segfaults there (``ucp_request_dt_dereg`` from
+    ``uct_tcp_ep_pending_purge`` in ``ucp_worker_destroy``, as in
+    ``target_close_crash``; docs/reliability.md, "Reviews of flaky tests")."""
+    env = {k: v for k, v in os.environ.items() if k not in ("UCX_TCP_PUT_ENABLE", "UCX_LOG_LEVEL")}
+    proc = subprocess.run([sys.executable, str(HERE / "tcp_close_child.py")], cwd=HERE, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, (
+        f"the child exited {proc.returncode} (negative: killed by that signal)\n"
+        f"stdout: {proc.stdout[-2000:]}\nstderr: {proc.stderr[-4000:]}")
+    assert "was not returned to mpool" not in proc.stdout, f"UCX purged a queued request:\n{proc.stdout[-2000:]}"

@@ -455,10 +455,10 @@ ucs_status_t rk_set_notif_handler(ucp_worker_h worker, uint32_t am_id, rk_ctx_t 
     return ucp_worker_set_am_recv_handler(worker, &p);
 }
 
-ucs_status_t rk_wait_request(ucp_worker_h worker, ucs_status_ptr_t request, uint64_t max_rounds)
+ucs_status_t rk_wait_request(ucp_worker_h worker, ucs_status_ptr_t request, uint64_t timeout_ns)
 {
+    uint64_t start;
     ucs_status_t status;
-    uint64_t i;
 
     if (request == NULL) {
         return UCS_OK;
@@ -466,9 +466,12 @@ ucs_status_t rk_wait_request(ucp_worker_h worker, ucs_status_ptr_t request, uint
     if (UCS_PTR_IS_ERR(request)) {
         return UCS_PTR_STATUS(request);
     }
+    start = rk_now_ns();
     status = ucp_request_check_status(request);
-    for (i = 0; status == UCS_INPROGRESS && i < max_rounds; ++i) {
-        ucp_worker_progress(worker);
+    while (status == UCS_INPROGRESS && rk_now_ns() - start < timeout_ns) {
+        if (ucp_worker_progress(worker) == 0) {
+            rk_cpu_relax();
+        }
         status = ucp_request_check_status(request);
     }
     ucp_request_free(request);

@@ -381,8 +381,11 @@ void rk_wake_waiters(rk_ctx_t *ctx);
 ucs_status_t rk_set_notif_handler(ucp_worker_h worker, uint32_t am_id,
                                   rk_ctx_t *ctx);
 
-/* Progress until request completes or max_rounds, then free it; returns
- * its status (UCS_INPROGRESS if it did not complete in time, in which case
- * it is still freed: UCX releases it on completion). */
+/* Progress until request completes or timeout_ns passes, then free it;
+ * returns its status (UCS_INPROGRESS if it did not complete in time, in
+ * which case it is still freed: UCX releases it on completion). Bounded by
+ * time, not by progress calls: an endpoint's close waits on its peer, and
+ * a peer given no CPU lets a spinning caller run through any count of
+ * rounds in a fraction of a second. */
 ucs_status_t rk_wait_request(ucp_worker_h worker, ucs_status_ptr_t request,
-                             uint64_t max_rounds);
+                             uint64_t timeout_ns);

@@ -1,0 +1,79 @@
+"""Run as a script by test_tcp_teardown.py: a target closes while its answer
+to a peer's read is still queued, and the peer reads only after a while.
+
+Agents ``a`` (the target) and ``b`` (the reader), both polling, peers of
+each other over TCP on ``lo``. ``b`` posts one 64 MiB read of ``a``; ``a``
+answers (TCP has no native get: ``a`` sends the bytes back as messages)
+until its socket is full, so the rest of its answer waits in its
+endpoint's queue. Then ``a`` closes, gracefully, while ``b`` reads nothing
+for ``HOLD_S``; then a thread drives ``b``. ``a``'s endpoint close flushes
+that answer first, so it completes only once ``b`` reads. Before the fix
+the close gave up after 200,000 progress calls (well under ``HOLD_S``),
+and ``a``'s worker was destroyed with the answer still queued: UCX 1.22
+purges it as if it were a send of the user's, reading state such an answer
+never had (a segfault in ``ucp_request_dt_dereg``, or the request leaked:
+"was not returned to mpool ucp_requests"). Prints "ok" at the end; the
+test also reads UCX's warnings on stdout."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import numpy as np
+
+from rdma_kv.transport import Agent, AgentConfig, DescList, XferState
+from rdma_kv.transport import peer as peer_mod
+from transport_helpers import TCP
+
+NBYTES = 64 << 20
+HOLD_S = 3.0  # longer than 200,000 progress calls take (about 0.3 s idle)
+peer_mod.CLOSE_WAIT_S = 120.0  # the close waits for b however loaded the machine: no timing in the test
+
+
+def main() -> None:
+    a = Agent("a", AgentConfig(ucx_options=TCP, progress="poll", lanes=1))
+    b = Agent("b", AgentConfig(ucx_options=TCP, progress="poll", lanes=1))
+    src = np.random.default_rng(1).integers(0, 256, NBYTES, dtype=np.uint8)
+    dst = np.zeros(NBYTES, dtype=np.uint8)
+    a.register(src)
+    b.register(dst)
+    a.add_peer(b.metadata())
+    b.add_peer(a.metadata())
+    whole = np.array([0])
+
+    def read(n: int):
+        return b.read("a", DescList.from_regions(dst.ctypes.data, whole, n),
+                      DescList.from_regions(src.ctypes.data, whole, n), timeout_s=300.0)
+
+    first = read(4096)  # every endpoint wired up
+    end = time.monotonic() + 120.0
+    while not first.done():
+        a.progress()
+        assert time.monotonic() < end, "the warm-up read did not complete"
+    assert first.state is XferState.DONE, first.state
+    big = read(NBYTES)
+    for _ in range(100):  # its request goes out
+        b.progress()
+    answered = time.monotonic() + 0.5
+    while time.monotonic() < answered:  # a answers until its socket is full
+        a.progress()
+    stop = threading.Event()
+
+    def drive() -> None:
+        time.sleep(HOLD_S)
+        while not stop.is_set():
+            b.progress()
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    a.close()  # waits for b to read what it has queued
+    stop.set()
+    driver.join()
+    b.close()
+    print(f"ok (the read {big.state.name})", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
