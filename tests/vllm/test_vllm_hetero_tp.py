@@ -61,11 +61,21 @@ START_S = 400.0  # a TP=2 engine starts in ~1 min here, several on a loaded 2-co
 RPC_BOUNDS = {"connect_timeout_s": 10.0, "rpc_timeout_s": 10.0}
 
 
+MODEL_ID = "tiny-llama"
+"""Every engine of the module names one model (``model_id``), the weights-B
+control producer too: the handshake trusts the operator's word on which
+model an engine runs, and the controls feed a decode KV computed with other
+weights to show it reads the KV it is given. Without it the engines'
+identities derive from their model directories (``llama-a...``,
+``llama-b...``), and the handshake refuses the control as another model."""
+
+
 def config(role: str, port: int = 0, **extra: Any) -> dict[str, Any]:
     policy = extra.pop("kv_load_failure_policy", "fail")
     return {"kv_connector": "RdmaKVConnector", "kv_connector_module_path": "rdma_kv.vllm",
             "kv_role": role, "kv_port": port, "kv_load_failure_policy": policy,
-            "kv_connector_extra_config": {"side_channel_host": "127.0.0.1", **RPC_BOUNDS, **extra}}
+            "kv_connector_extra_config": {"side_channel_host": "127.0.0.1", "model_id": MODEL_ID, **RPC_BOUNDS,
+                                          **extra}}
 
 
 def engine(name: str, model_dir: str, log_dir: Path) -> EngineProcess:
