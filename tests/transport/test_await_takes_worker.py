@@ -4,7 +4,8 @@ instead of spinning on its hold (``rk_await``'s ``take_first``, csrc/pump.c).
 
 On a host with few CPUs the pump's spin took a CPU from the caller doing
 the work, or from a lane copying its part: one notified 2 MiB block as
-shipped spent ~330 us of the own pump's CPU per read (docs/benchmarks.md).
+shipped, other jobs running, spent up to ~360 us of the own pump's CPU per
+read (docs/benchmarks.md, "The shipped blocking path").
 
 The reads here cannot complete until the test lets them: their target
 polls and is progressed only by the test (over TCP a get needs the
