@@ -411,6 +411,22 @@ class _ContextEngine(MiniEngine):
             del self.worker.save_kv_layer
 
 
+def fail_one_read(engine, key: str) -> list:
+    """The engine's worker fails its first read of ``key`` with a transient
+    I/O error; returns the list that gets the failed block id."""
+    read_block = engine.worker._read_block
+    failed: list = []
+
+    def read_once_failing(k, block_id):
+        if k == key and not failed:  # a transient I/O error
+            failed.append(block_id)
+            raise OSError(5, "Input/output error")
+        read_block(k, block_id)
+
+    engine.worker._read_block = read_once_failing
+    return failed
+
+
 def test_blocks_computed_over_a_failed_load_are_not_saved(tmp_path, rng):
     """A synchronous load that fails leaves the block's old bytes in place,
     and the same step's forward pass computes the prompt's later blocks
@@ -426,16 +442,7 @@ def test_blocks_computed_over_a_failed_load_are_not_saved(tmp_path, rng):
     _ContextEngine(storage_config(tmp_path / "cache")).prefill(Request("a", short))
     engine = _ContextEngine(storage_config(tmp_path / "cache"), fill_seed=3, first_block=8)
     keys = chained_block_keys(long, BLOCK_SIZE, engine.worker._seed)
-    read_block = engine.worker._read_block
-    failed = []
-
-    def read_once_failing(key, block_id):
-        if key == keys[1] and not failed:  # a transient I/O error
-            failed.append(block_id)
-            raise OSError(5, "Input/output error")
-        read_block(key, block_id)
-
-    engine.worker._read_block = read_once_failing
+    failed = fail_one_read(engine, keys[1])
     result = engine.prefill(Request("b", long))
     assert result["num_external"] == 3 * BLOCK_SIZE and failed
     assert result["output"].invalid_block_ids == frozenset(result["block_ids"][1:3])
@@ -621,16 +628,7 @@ def test_async_scheduling_saves_nothing_of_a_request_whose_load_failed(tmp_path,
 
     engine = MiniEngine(storage_config(tmp_path), fill_seed=3)
     sched = engine.scheduler
-    read_block = engine.worker._read_block
-    failed = []
-
-    def read_once_failing(key, block_id):
-        if key == keys[1] and not failed:  # a transient I/O error
-            failed.append(block_id)
-            raise OSError(5, "Input/output error")
-        read_block(key, block_id)
-
-    engine.worker._read_block = read_once_failing
+    failed = fail_one_read(engine, keys[1])
     ids = list(range(10, 17))
     assert _admit(engine, Request("r", long), ids) == 3 * BLOCK_SIZE
     # step N: load blocks 0-2, compute block 3 (a chunk)

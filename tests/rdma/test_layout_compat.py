@@ -46,6 +46,20 @@ def compat(order: str, backend: str = "FLASH_ATTN") -> wire.CompatInfo:
     return compat_info(CONFIG, derive_geometry(kv_first(order), CONFIG), HEADS, backend)
 
 
+def prefilled(p: Engine, d: Engine, request_id: str, prompt: list[int]):
+    """Prefill ``prompt`` on ``p`` for a remote decode, stepping both engines
+    until it finished; returns the function that steps both."""
+    p.add_request(request_id, prompt, {"do_remote_decode": True})
+
+    def pump() -> None:
+        p.step()
+        d.step()
+
+    wait_until(lambda: request_id in p.results and p.results[request_id].status.value == "finished", step=pump,
+               what="prefill")
+    return pump
+
+
 def test_nhd_and_hnd_of_one_shape_are_not_compatible():
     nhd, hnd = compat("NHD"), compat("HND")
     assert kv_first("NHD")["layer.0"].shape == kv_first("HND")["layer.0"].shape
@@ -102,13 +116,7 @@ def test_a_mismatched_consumer_recomputes(caplog):
     p, d = engine("kv_producer", "P", "FLASH_ATTN"), engine("kv_consumer", "D", "FLASHINFER")
     try:
         prompt = list(range(1, 20))
-        p.add_request("m", prompt, {"do_remote_decode": True})
-
-        def pump():
-            p.step()
-            d.step()
-
-        wait_until(lambda: "m" in p.results and p.results["m"].status.value == "finished", step=pump, what="prefill")
+        pump = prefilled(p, d, "m", prompt)
         with caplog.at_level(logging.WARNING):
             d.add_request("m", prompt, p.results["m"].kv_transfer_params)
             wait_until(lambda: d.results["m"].status.value in ("finished", "failed"), step=pump, what="decode")
@@ -179,13 +187,7 @@ def test_engines_of_two_models_do_not_exchange_kv(p_model, d_model, loaded):
     p, d = engine("kv_producer", "P", p_model), engine("kv_consumer", "D", d_model)
     try:
         prompt = list(range(1, 20))
-        p.add_request("m", prompt, {"do_remote_decode": True})
-
-        def pump():
-            p.step()
-            d.step()
-
-        wait_until(lambda: "m" in p.results and p.results["m"].status.value == "finished", step=pump, what="prefill")
+        pump = prefilled(p, d, "m", prompt)
         d.add_request("m", prompt, p.results["m"].kv_transfer_params)
         wait_until(lambda: d.results["m"].status.value in ("finished", "failed"), step=pump, what="decode")
         assert d.results["m"].status.value == "finished"
