@@ -533,12 +533,12 @@ def test_a_crashed_save_leaves_no_temporary_file_but_a_live_one_is_kept(tmp_path
 
 
 def test_temporaries_of_other_hosts_are_removed_once_old(tmp_path):
-    from rdma_kv.connector import storage as storage_module
+    from rdma_kv.connector import storefiles
 
     engine = MiniEngine(storage_config(tmp_path))
     tmp_dir = os.path.join(engine.worker.directory, "tmp")
     os.makedirs(tmp_dir)
-    host, pid_ns = storage_module._owner()
+    host, pid_ns = storefiles._owner()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     key = "ab" * 32
@@ -551,7 +551,7 @@ def test_temporaries_of_other_hosts_are_removed_once_old(tmp_path):
     }
     for label, name in names.items():
         open(os.path.join(tmp_dir, name), "wb").write(b"x")
-    old = storage_module.STALE_TMP_S + 60
+    old = storefiles.STALE_TMP_S + 60
     for label in ("other_old", "here_live_old"):
         path = os.path.join(tmp_dir, names[label])
         os.utime(path, (os.stat(path).st_atime - old, os.stat(path).st_mtime - old))

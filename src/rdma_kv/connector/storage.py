@@ -33,7 +33,7 @@ the steps scheduled before the engine heard of the failure too).
 Temporary files live in the layout directory's ``tmp/``, named
 ``<key>.<host>.<pid namespace>.<pid>.<random>.tmp``; each worker removes
 at start-up the ones a dead process left (its pid gone on this host and pid
-namespace, or, from another host, untouched for ``STALE_TMP_S``).
+namespace, or, from another host, untouched for ``STALE_TMP_S``): ``storefiles``, which writes every file.
 
 Extra config: ``storage_path`` (required), ``namespace`` (default
 ``"default"``), ``fsync`` (default true). Host (CPU) KV caches, one KV-cache
@@ -51,9 +51,6 @@ import hashlib
 import json
 import logging
 import os
-import secrets
-import socket
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -73,6 +70,7 @@ from rdma_kv.connector.geometry import (
     storage_address,
 )
 from rdma_kv.connector.specs import KVCacheConfig
+from rdma_kv.connector.storefiles import remove_stale_temporaries, write_atomic
 from rdma_kv.connector.types import (
     BlockId,
     KVCacheBlocks,
@@ -90,36 +88,6 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "rdma-kv-storage/2"  # 2: the layout names each layer's memory order
 _EXTRA_KEYS = ("storage_path", "namespace", "fsync")
-# A temporary file from another host is removed once untouched this long (a
-# writer writes one block and renames it at once; one stalled longer finds
-# its file gone and counts a save error, nothing is damaged).
-STALE_TMP_S = 3600.0
-
-
-def _pid_namespace() -> str:
-    """This process's pid namespace (pids are comparable only within one)."""
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return "0"
-
-
-def _owner() -> tuple[str, str]:
-    """``(host, pid namespace)`` with the host name made safe for a file name."""
-    host = "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname())
-    return host or "host", _pid_namespace()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
-
-
 def chained_block_keys(token_ids: Sequence[int], block_size: int, seed: bytes) -> list[str]:
     """Hex keys of the full blocks of ``token_ids``: key ``i`` is
     ``sha256(key[i-1] || tokens of block i as little-endian int64)``, key
@@ -418,7 +386,7 @@ class StorageConnector(KVConnectorBase):
         self._geometry = geometry
         digest = hashlib.sha256(self._layout_signature().encode()).hexdigest()[:16]
         self._root = os.path.join(self._namespace_root, digest)
-        self._remove_stale_temporaries()
+        remove_stale_temporaries(os.path.join(self.directory, "tmp"))
 
     def get_handshake_metadata(self) -> StorageHandshakeMetadata | None:
         if self._root is None:
@@ -547,63 +515,7 @@ class StorageConnector(KVConnectorBase):
                 "blake2b": digest.hexdigest(),
             },
         )
-        path = self.path_for(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp_dir = os.path.join(self.directory, "tmp")
-        os.makedirs(tmp_dir, exist_ok=True)
-        host, pid_ns = _owner()
-        tmp = os.path.join(
-            tmp_dir, f"{key}.{host}.{pid_ns}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(payload)
-                if self._fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)  # atomic: readers see the old name or the whole file
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-
-    def _remove_stale_temporaries(self) -> None:
-        """Remove the temporary files of saves a crash interrupted: on this
-        host and pid namespace, those whose writer's pid is gone; from
-        another host, those untouched for ``STALE_TMP_S`` (whose pid cannot
-        be checked from here). A live writer's file is never removed here
-        (a reused pid keeps a dead writer's file, which is only space)."""
-        tmp_dir = os.path.join(self.directory, "tmp")
-        try:
-            names = os.listdir(tmp_dir)
-        except FileNotFoundError:
-            return
-        host, pid_ns = _owner()
-        now = time.time()
-        removed = 0
-        for name in names:
-            parts = name.split(".")
-            if len(parts) != 6 or parts[-1] != "tmp" or not parts[3].isdigit():
-                continue  # not ours
-            path = os.path.join(tmp_dir, name)
-            if (parts[1], parts[2]) == (host, pid_ns):
-                stale = not _pid_alive(int(parts[3]))
-            else:
-                try:
-                    stale = now - os.stat(path).st_mtime > STALE_TMP_S
-                except FileNotFoundError:
-                    continue
-            if stale:
-                try:
-                    os.unlink(path)
-                    removed += 1
-                except FileNotFoundError:
-                    pass  # another engine's start-up removed it
-        if removed:
-            logger.info("StorageConnector: removed %d temporary file(s) of interrupted saves "
-                        "from %s", removed, tmp_dir)
+        write_atomic(self.path_for(key), os.path.join(self.directory, "tmp"), key, payload, self._fsync)
 
     def _read_block(self, key: str, block_id: int) -> None:
         from safetensors import safe_open
