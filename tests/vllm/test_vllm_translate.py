@@ -170,6 +170,35 @@ def test_a_ranks_gauge_only_report_is_not_empty_nor_dropped() -> None:
         assert merged.reduce()["leases_held"] == 5
 
 
+def test_an_engine_that_moves_no_kv_logs_no_transfer_line(caplog) -> None:
+    """A worker reports its gauges again every GAUGE_REFRESH_S while its
+    engine steps, transfers or not, so the scheduler's stats are not empty
+    (the test above) and reach vLLM's API server. Its "KV Transfer metrics"
+    logger printed a line of zeros for each such interval ("loads=0, ...,
+    leases_held=2") on an engine serving requests without KV transfers.
+    Such an interval now logs nothing; the next one with a load logs it
+    with the latest gauges."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    from rdma_kv.connector.rdma.stats import WorkerStats
+
+    gauges = WorkerStats(leases_held=2, resources={"leases": 2}, by_rank={0: {"leases_held": 2, "leases": 2}})
+    config = VllmKVTransferConfig(kv_connector="RdmaKVConnector", kv_connector_module_path="rdma_kv.vllm",
+                                  kv_role="kv_both")
+    log = KVConnectorLogging(config)
+    lines: list[str] = []
+    for _ in range(3):  # three refreshes, one logging interval each
+        log.observe(gauges.to_dict())
+        log.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    assert lines == []
+    assert not RdmaKVConnectorStats(data=gauges.to_dict()).is_empty()  # the scheduler still carries them
+    load = {"request_id": "r", "ok": True, "nbytes": 4096, "transfer_s": 0.001, "total_s": 0.002}
+    log.observe({**WorkerStats(leases_held=1, by_rank={0: {"leases_held": 1}}).to_dict(),
+                 "requests": [load], "totals": {"nbytes": 4096}})
+    log.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    assert len(lines) == 1 and "loads=1" in lines[0] and "leases_held=1" in lines[0], lines
+
+
 def test_import_rdma_kv_does_not_import_vllm_nor_start_anything() -> None:
     code = ("import sys, threading, rdma_kv, rdma_kv.connector, rdma_kv.transport\n"
             "assert 'vllm' not in sys.modules\n"

@@ -31,7 +31,7 @@ from rdma_kv.connector.base import KVConnectorRole as Role
 from rdma_kv.connector.types import RequestId, as_block_ids
 from rdma_kv.errors import ConfigError
 from rdma_kv.vllm import identity, translate
-from rdma_kv.vllm.stats import RdmaKVConnectorStats, RdmaKVPromMetrics
+from rdma_kv.vllm.stats import RdmaKVConnectorStats, RdmaKVLoggedStats, RdmaKVPromMetrics
 
 if TYPE_CHECKING:
     from rdma_kv.connector.rdma.connector import RdmaConnector
@@ -172,7 +172,9 @@ class RdmaKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> RdmaKVConnectorStats:
-        return RdmaKVConnectorStats(data=data or {})
+        """What vLLM's API server logs an interval from (only there): see
+        ``RdmaKVLoggedStats``."""
+        return RdmaKVLoggedStats(data=data or {})
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],

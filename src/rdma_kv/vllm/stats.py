@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 if TYPE_CHECKING:
     from rdma_kv.connector.rdma.stats import WorkerStats
 
-__all__ = ["RdmaKVConnectorStats", "RdmaKVPromMetrics"]
+__all__ = ["RdmaKVConnectorStats", "RdmaKVLoggedStats", "RdmaKVPromMetrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +71,13 @@ class RdmaKVConnectorStats(KVConnectorStats):
         """No record, no count and no gauge: a worker's gauge-only report (its
         leases or resources moved) is not empty, else ``aggregate`` and vLLM's
         scheduler would drop that rank's gauges."""
+        return not self.carries_events() and not self._parsed().carries_gauges()
+
+    def carries_events(self) -> bool:
+        """A load, a push or a counted event: what an interval's "KV Transfer
+        metrics" line is for."""
         typed = self._parsed()
-        return (not typed.requests and not typed.pushes and not any(typed.totals.to_dict().values())
-                and not typed.carries_gauges())
+        return bool(typed.requests or typed.pushes or any(typed.totals.to_dict().values()))
 
     def aggregate(self, other: KVConnectorStats) -> RdmaKVConnectorStats:
         """Fold ``other`` (another worker, or a later interval) in with the
@@ -83,7 +87,7 @@ class RdmaKVConnectorStats(KVConnectorStats):
         summed over the ranks."""
         if not isinstance(other, RdmaKVConnectorStats):
             raise TypeError(f"cannot aggregate {type(other).__name__} into RdmaKVConnectorStats")
-        if other.is_empty():
+        if RdmaKVConnectorStats.is_empty(other):
             return self
         from rdma_kv.connector.rdma.stats import WorkerStats, merge
 
@@ -117,6 +121,22 @@ class RdmaKVConnectorStats(KVConnectorStats):
             if written:
                 out["push_overlap"] = round(sum(p.overlapped_nbytes for p in done) / written, 3)
         return out
+
+
+class RdmaKVLoggedStats(RdmaKVConnectorStats):
+    """The stats vLLM's API server rebuilds for its periodic "KV Transfer
+    metrics" line (``build_kv_connector_stats``, which vLLM calls only
+    there, directly or under its MultiConnector). A worker reports its
+    gauges again every ``GAUGE_REFRESH_S`` while its engine steps, with or
+    without transfers; an interval of such reports only is empty here, so
+    an engine that moves no KV logs no line. The scheduler's stats, which
+    carry the gauges to Prometheus, are ``RdmaKVConnectorStats`` and still
+    count them. ``aggregate`` folds into ``self``: the logger's accumulator
+    keeps this type, and the latest gauges reach the next line that has
+    events."""
+
+    def is_empty(self) -> bool:
+        return not self.carries_events()
 
 
 class RdmaKVPromMetrics(KVConnectorPromMetrics):
