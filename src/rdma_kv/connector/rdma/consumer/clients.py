@@ -42,15 +42,29 @@ pool isolates addresses from one another, on either set of threads:
   stranger's place (``_demote``); with none free the call is not tried
   again (it fails, its loads recompute): one attempt, not the call's
   attempts, and the next calls to it are capped.
-- **parked calls are bounded and taken in turn by host**: calls parked for
-  a stranger's place wait per host, and the next to start is taken from
-  the hosts in turn, so the first call to a new producer does not wait
-  behind a host's many ports that never answer (a client naming fresh
-  ports of a host that accepts and never answers, faster than the capped
-  places drain); at most :data:`PARKED_PER_HOST` per host and
-  :data:`PARKED_MAX` in all wait, and a stranger call beyond them is not
-  made: it fails at once, saying so (``CallGuard.refusal``), and its load
-  recomputes, as it would at its deadline.
+- **parked calls are bounded and taken by host, the fewest first**: calls
+  parked for a stranger's place wait per host, and the next to start is
+  the oldest of the host holding the fewest (of those, the first in turn;
+  a host goes last once served), so the first call to a new producer does
+  not wait behind a host's many ports that never answer (a client naming
+  fresh ports of a host that accepts and never answers, faster than the
+  capped places drain): it starts when the next stranger's place frees.
+  At most :data:`PARKED_PER_HOST` per host and :data:`PARKED_MAX` in all
+  wait. A stranger call beyond its host's bound is not made: it fails at
+  once, saying so (``CallGuard.refusal``), and its load recomputes, as it
+  would at its deadline. At the bound in all, a call whose host holds
+  fewer parked calls than the host holding the most takes the place of
+  that host's oldest, which is not made (it fails at once, saying so);
+  only a call whose host holds as many as any is not made itself. Before,
+  a flood on more hosts than ``PARKED_MAX / PARKED_PER_HOST`` had every new
+  producer's first call not made, and its loads recompute, while it
+  lasted. An attacker naming addresses on as many hosts as ``PARKED_MAX``
+  (unroutable addresses whose connects hang are as good as ports that
+  accept and never answer) can still keep each host at one parked call:
+  a new producer's call then waits its turn among theirs and is the
+  oldest to go after about ``PARKED_MAX`` more of their calls, so its load
+  may still recompute; and a new host with many parked calls (the first
+  handshakes of an engine's ranks) goes after hosts holding fewer.
 
 Imports the standard library and the connector's ``sideclient``.
 """
@@ -119,12 +133,27 @@ class _Lane:
         self.nparked += 1
 
     def next_parked(self) -> tuple[Address, Job]:
-        """The first parked call of the host whose turn it is; that host goes last."""
-        host = next(iter(self.parked))
+        """The first parked call of the host holding the fewest (of those,
+        the first in turn); that host goes last."""
+        host = min(self.parked, key=lambda h: len(self.parked[h]))  # (the first of the fewest)
         queue = self.parked.pop(host)
         address, job = queue.popleft()
         if queue:
             self.parked[host] = queue
+        self.nparked -= 1
+        return address, job
+
+    def most_parked(self) -> tuple[str, int]:
+        """The host holding the most parked calls (of those, the first in turn), and how many."""
+        host = max(self.parked, key=lambda h: len(self.parked[h]), default="")  # (the first of the most)
+        return host, len(self.parked.get(host, ()))
+
+    def shed(self, host: str) -> tuple[Address, Job]:
+        """``host``'s oldest parked call, taken out (it keeps its turn)."""
+        queue = self.parked[host]
+        address, job = queue.popleft()
+        if not queue:
+            del self.parked[host]
         self.nparked -= 1
         return address, job
 
@@ -182,19 +211,24 @@ class ClientPool:
     def _dispatch(self, lane: _Lane, address: Address, job: Job) -> bool:
         """Hand ``job``, the next call to ``address``, to the threads, or
         park it while ``lane.limit`` calls to strangers run, or, with too
-        many parked, have it fail at once (lock held)."""
+        many parked, have it, or the oldest parked call of the host holding
+        the most, fail at once (lock held)."""
         stranger = self._stranger(address)
         if stranger and lane.strangers >= lane.limit:
             host = len(lane.parked.get(address[0], ()))
+            if host < PARKED_PER_HOST and lane.nparked >= PARKED_MAX:
+                most, held = lane.most_parked()
+                if host < held:  # that host's oldest makes room (before: a flood on more hosts than
+                    # PARKED_MAX / PARKED_PER_HOST had every new producer's first call not made)
+                    why = _refusal(lane, most, held, f"; the oldest of them is not made, for a call to host "
+                                                     f"{address[0]}, which had {host}")
+                    shed, shed_job = lane.shed(most)
+                    if not self._start(lane, _Place(shed, shed_job, False, why)):
+                        return False  # closing
             if host < PARKED_PER_HOST and lane.nparked < PARKED_MAX:
                 lane.park(address, job)
                 return True
-            refusal = (f"{lane.nparked} calls to producer addresses that have not answered wait for the "
-                       f"{lane.limit} RPC threads they may use (rpc_threads / 2), {host} of them to host "
-                       f"{address[0]} (at most {PARKED_MAX}, {PARKED_PER_HOST} per host); are requests naming "
-                       "producers (kv_transfer_params remote_host / remote_port) that do not answer? This "
-                       "load is computed here instead")
-            return self._start(lane, _Place(address, job, False, refusal))
+            return self._start(lane, _Place(address, job, False, _refusal(lane, address[0], host)))
         return self._start(lane, _Place(address, job, stranger))
 
     def _unpark(self, lane: _Lane) -> None:
@@ -315,6 +349,14 @@ class ClientPool:
     def __len__(self) -> int:
         with self._lock:
             return len(self._clients)
+
+
+def _refusal(lane: _Lane, host: str, parked: int, shed: str = "") -> str:
+    """Why a call to a stranger of ``host`` (which has ``parked`` parked) is not made."""
+    return (f"{lane.nparked} calls to producer addresses that have not answered wait for the {lane.limit} RPC "
+            f"threads they may use (rpc_threads / 2), {parked} of them to host {host} (at most {PARKED_MAX}, "
+            f"{PARKED_PER_HOST} per host){shed}; are requests naming producers (kv_transfer_params remote_host "
+            "/ remote_port) that do not answer? This load is computed here instead")
 
 
 def _logged(fn: Callable[..., Any], *args: Any) -> None:
