@@ -56,8 +56,10 @@ The state machine of one lease (``docs/rdma-connector.md`` draws it):
 
 A call naming a lease whose token does not verify is refused (UNKNOWN) and
 records nothing, so nobody can claim, release or renew a lease they were
-not handed. The token covers the lease's binding (``params.lease_binding``:
-engine, TP size, token count and every group's block ids), so params
+not handed; past ``WRONG_TOKENS_PER_CALL`` of them, the call's other
+leases are answered PENDING unverified. The token covers the lease's
+binding (``params.lease_binding``: engine, TP size, token count and every
+group's block ids), so params
 altered to name other blocks fail too: FORGED when the token is the one this
 table granted (the params were edited), UNKNOWN otherwise. A call before
 this worker knows its epoch answers PENDING.
@@ -115,6 +117,12 @@ one is answered PENDING without being recorded (the caller asks again)."""
 HELD, PENDING, GONE, CLAIMED, UNKNOWN, FORGED = (
     LeaseStatus.HELD, LeaseStatus.PENDING, LeaseStatus.GONE, LeaseStatus.CLAIMED, LeaseStatus.UNKNOWN,
     LeaseStatus.FORGED)
+
+WRONG_TOKENS_PER_CALL = 8
+"""Tokens that do not verify (UNKNOWN, FORGED) a call is answered for; its
+leases after the last are answered PENDING, unverified and unrecorded: each
+token is an HMAC on the side channel's loop thread, and a peer that proved
+nothing made a call of 4,096 made-up tokens cost 4,096."""
 
 PIN_RECHECK_S = 0.1
 """How soon a due lease that a push pins is looked at again."""
@@ -309,26 +317,56 @@ class LeaseTable:
         """``act`` on every call whose token verifies, under the lock. The
         tokens are computed before it is taken (an HMAC each: 4,096 leases
         of made-up tokens took 15 ms under the lock that the engine thread's
-        ``take_done`` and step wait for)."""
-        calls = list(calls)
+        ``take_done`` and step wait for), in order, and only up to the
+        ``WRONG_TOKENS_PER_CALL``-th that does not verify: the leases after
+        it are answered PENDING, unverified (``calls`` may build each
+        :class:`LeaseCall` as it is read: ``producer.WireCalls``)."""
+        if not isinstance(calls, Sequence):
+            calls = list(calls)
         with self._lock:
             epoch, key = self._epoch, self._key
-        tokens = self._tokens(calls, epoch, key)
+        examined, tokens = self._tokens(calls, epoch, key)
         out = []
         with self._lock:
             if (self._epoch, self._key) != (epoch, key):
-                tokens = [None] * len(calls)  # a new epoch meanwhile (sleep, wake): computed here again
-            for call, expected in zip(calls, tokens):
+                tokens = [None] * len(examined)  # a new epoch meanwhile (sleep, wake): computed here again
+            wrong = 0
+            for call, expected in zip(examined, tokens):
+                if wrong == WRONG_TOKENS_PER_CALL:
+                    break  # (only after a new epoch: ``_tokens`` stopped here already otherwise)
                 status = self._verify(call.ref, expected)
-                out.append(act(call) if status is None else status)
+                if status is None:
+                    out.append(act(call))
+                else:
+                    wrong += status is UNKNOWN or status is FORGED
+                    out.append(status)
+            if len(out) < len(calls):
+                self._counts.add("unverified", len(calls) - len(out))
+                out.extend([PENDING] * (len(calls) - len(out)))
         return out
 
     @staticmethod
-    def _tokens(calls: list[LeaseCall], epoch: int | None, key: bytes) -> list[bytes | None]:
-        """The token each call's lease would have under ``epoch``'s ``key``
-        (None where ``_verify`` answers without one). No lock needed."""
-        return [lease_token(key, c.ref.epoch, c.ref.generation, c.ref.request_id, c.ref.binding)
-                if epoch is not None and c.ref.epoch == epoch else None for c in calls]
+    def _tokens(calls: Sequence[LeaseCall], epoch: int | None,
+                key: bytes) -> tuple[list[LeaseCall], list[bytes | None]]:
+        """The calls to examine, in order, up to and with the
+        ``WRONG_TOKENS_PER_CALL``-th whose token does not verify under
+        ``epoch``'s ``key``, and the token each call's lease would have (None
+        where ``_verify`` answers without one). No lock needed."""
+        examined: list[LeaseCall] = []
+        tokens: list[bytes | None] = []
+        wrong = 0
+        for i in range(len(calls)):
+            if wrong == WRONG_TOKENS_PER_CALL:
+                break
+            call = calls[i]
+            ref = call.ref
+            token = None
+            if epoch is not None and ref.epoch == epoch:
+                token = lease_token(key, ref.epoch, ref.generation, ref.request_id, ref.binding)
+                wrong += not hmac.compare_digest(token, ref.token)
+            examined.append(call)
+            tokens.append(token)
+        return examined, tokens
 
     # Each ``_*_one`` sees a verified call, with the lock held, in one of
     # three places: a live lease, an ended one (a generation at or below the

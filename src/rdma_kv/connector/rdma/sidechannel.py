@@ -3,7 +3,8 @@
 Owns the listening socket and every accepted connection. One thread runs a
 ``selectors`` loop (epoll on Linux) over non-blocking sockets: it accepts,
 admits or evicts (``admission``), reads size-limited frames into a
-per-connection buffer, decodes them against the schema (``wire``),
+per-connection buffer (every trusted connection each turn, at most
+``UNTRUSTED_READS_PER_TURN`` untrusted ones, least recently read first), decodes them against the schema (``wire``),
 dispatches to a :class:`Handler` (the worker: handshake and leases) and
 writes the reply. A connection costs a file descriptor and a small record,
 not a thread, so one producer rank serves thousands of consumer ranks; the
@@ -87,6 +88,10 @@ ENFILE) or no memory: the connection stays in the listen queue and the
 listener readable, so accepting again at once would spin the loop (and hold
 the GIL against the engine thread) until a descriptor frees."""
 RECV_BYTES = 65536
+UNTRUSTED_READS_PER_TURN = 4
+"""Untrusted connections read per loop turn (every trusted one is), least
+recently read first: 64 untrusted ones flooding 4,096-lease calls made a
+trusted call wait behind 64 reads (4 MiB) and the calls they completed."""
 
 
 class SideChannelServer:
@@ -154,6 +159,7 @@ class SideChannelServer:
         self._seq = itertools.count()
         self._lease_trust: LeaseTrust[Accepted] = LeaseTrust(handler.live)
         self._next_trust_check = 0.0
+        self._turn = 0  # loop turns that read untrusted connections (``Accepted.read_turn``)
         self._closed = threading.Event()
         self._counts = Tally(SideChannelCounters)  # counted on the loop thread only
         self._lease_replies = LeaseReplies(name, self._counts, self._events,
@@ -180,6 +186,7 @@ class SideChannelServer:
                 if self._closed.is_set():
                     break
                 raise
+            untrusted: list[Accepted] = []
             for key, mask in events:
                 if key.data is None:
                     self._accept_some()
@@ -192,7 +199,11 @@ class SideChannelServer:
                         if not conn.closed and not conn.outbuf:
                             self._serve(conn)  # what arrived while the reply was written
                     if mask & selectors.EVENT_READ and not conn.closed:
-                        self._on_readable(conn)
+                        if conn.trusted:
+                            self._on_readable(conn)
+                        else:
+                            untrusted.append(conn)
+            self._read_untrusted(untrusted)
             now = time.monotonic()
             if self._accept_resume is not None and now >= self._accept_resume:
                 self._accept_resume = None
@@ -205,6 +216,19 @@ class SideChannelServer:
         for conn in list(self._conns.values()):
             self._close(conn)
         self._selector.close()
+
+    def _read_untrusted(self, readable: list[Accepted]) -> None:
+        """Read ``UNTRUSTED_READS_PER_TURN`` of the untrusted connections
+        found readable, those read least recently first; the others stay
+        readable for the next turn."""
+        self._turn += 1
+        if len(readable) > UNTRUSTED_READS_PER_TURN:
+            readable.sort(key=lambda conn: conn.read_turn)
+            del readable[UNTRUSTED_READS_PER_TURN:]
+        for conn in readable:
+            if not conn.closed:  # (evicted for a connection accepted this turn)
+                conn.read_turn = self._turn
+                self._on_readable(conn)
 
     def _accept_some(self) -> None:
         for _ in range(ACCEPTS_PER_TURN):

@@ -81,7 +81,8 @@ class Accepted:
 
     __slots__ = ("sock", "fd", "addr", "source", "phase", "trusted", "inbuf",
                  "outbuf", "closing", "accepted_at", "last_active", "opening_deadline", "handshaken",
-                 "frame_started", "write_started", "due", "requests", "nonce", "hello", "closed", "mask")
+                 "frame_started", "write_started", "due", "requests", "nonce", "hello", "closed", "mask",
+                 "read_turn")
 
     def __init__(self, sock: socket.socket, addr: tuple[Any, ...], now: float, opening_s: float) -> None:
         self.sock, self.fd, self.addr, self.source = sock, sock.fileno(), addr, str(addr[0])
@@ -101,6 +102,7 @@ class Accepted:
         self.hello: wire.Hello | None = None
         self.closed = False
         self.mask = selectors.EVENT_READ
+        self.read_turn = 0  # the server's loop turn that last read it while untrusted (0: none yet)
 
 
 def abort(sock: socket.socket) -> None:

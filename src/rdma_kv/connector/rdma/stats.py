@@ -285,6 +285,9 @@ class LeaseCounters(Counters):
     """One reader of a lease released it (the lease ends with the last)."""
     refused_forged: int = 0
     refused_unknown: int = 0
+    unverified: int = 0
+    """Leases answered PENDING unverified: their call had already presented
+    ``leases.WRONG_TOKENS_PER_CALL`` tokens that do not verify."""
     refused_claimed: int = 0
     refused_readers: int = 0
     """A call under the owner's claim with another reader count."""

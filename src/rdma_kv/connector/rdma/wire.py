@@ -163,7 +163,9 @@ class LeaseStatus(enum.IntEnum):
     unreleased and unexpired, from the grant until this answer."""
     PENDING = 2
     """Granted by the producer's scheduler but not yet shipped to this worker
-    (RENEW, RELEASE), or this worker has not learnt its epoch yet: ask again."""
+    (RENEW, RELEASE), or this worker has not learnt its epoch yet, or not
+    verified: the call had presented ``leases.WRONG_TOKENS_PER_CALL`` tokens
+    that do not verify before this lease. Nothing recorded: ask again."""
     GONE = 3
     """Released or expired (for good: a lease never comes back), or of another
     producer incarnation."""
