@@ -51,7 +51,7 @@ from rdma_kv.transport._lib import load
 from rdma_kv.transport.config import AgentConfig
 from rdma_kv.transport.cuda import CUDA_SUCCESS, Binder, CudaContext, make_current
 from rdma_kv.transport.inflight import Callbacks, InFlight
-from rdma_kv.transport.pump import Pump
+from rdma_kv.transport.pump import STATE_WORDS, Pump
 from rdma_kv.transport.transfer import Transfer, XferState
 from rdma_kv.transport.ucx import Worker
 
@@ -375,7 +375,7 @@ class ProgressDriver:
 
     def _helpers_inside(self) -> int:
         """Threads holding one of the pumps (posts are over once closing: helpers)."""
-        state = self._ffi.new("uint64_t[4]")
+        state = self._ffi.new(f"uint64_t[{STATE_WORDS}]")
         inside = 0
         for pump in self._pumps:
             self._lib.rk_pump_state(pump, state)

@@ -45,6 +45,9 @@ waits seconds for a CPU on a loaded host)."""
 START_POLL_S = 0.0002
 """How often a new pump checks that its thread entered the loop (a few checks at most)."""
 
+STATE_WORDS = 5
+"""What ``rk_pump_state`` writes (shim.h): hold, busy, asleep, ran_ns, taken; its ``out`` holds at least this many."""
+
 PUMP_STOP_S = 30.0
 """How long a stop waits for the pump's loop to return (one progress call and its wake-up; a
 thread given no CPU can take seconds on a loaded host)."""
