@@ -227,6 +227,10 @@ class ConcurrentDispatch:
         granted (producer worker, step metadata): write every registration
         waiting for it; later ones are written when they come."""
         assert send.transfer_id is not None
+        # Registrations past their wait first: their WAITING answer bounded the decode's wait
+        # by it (plus the write timeout), and a decode that cannot reach this side channel
+        # hands its blocks back then; nothing of theirs may be posted after it.
+        self.reap()
         with self._lock:
             self._granted[send.transfer_id] = Granted(send, self._clock())
             while len(self._granted) > MAX_REMEMBERED:
@@ -241,8 +245,11 @@ class ConcurrentDispatch:
         reg = entry.reg
         assert reg is not None
         with self._lock:
-            if entry.state is not WAITING:
-                return  # aborted or expired meanwhile
+            if entry.state is not WAITING or entry.aborted or entry.expired or entry.finishing:
+                # Aborted or expired meanwhile; one with layer-wise writes is still
+                # WAITING while its flush is on the wire, and that flush answers it
+                # (taken here, its whole write went out after the answer: a review).
+                return
             decode = self._introduced_as(reg)
             entry.state = RUNNING  # taken: no second start
             entry.decode = entry.decode or decode
@@ -279,7 +286,16 @@ class ConcurrentDispatch:
                 self._counts.add("refused")
                 self._record(entry)
             return
-        entry.call = call
+        with self._lock:
+            # The decode's abort and the last layer batch may have resolved it while
+            # the lease was pinned (its resolution saw no lease to unpin): the pin is ours.
+            ended = entry.state is not RUNNING or entry.finishing
+            if not ended:
+                entry.call = call
+        if ended:
+            self._leases.unpin(send.lease.generation)
+            self._leases.release([call])
+            return
         done = max(entry.written_upto, first)  # blocks the layer-wise writes covered
         if done > first and tuple(ids[first:done]) != tuple(entry.producer_blocks[first:done]):
             entry.error = "the prefill's blocks changed under its layer-wise writes (preempted)"
@@ -297,7 +313,12 @@ class ConcurrentDispatch:
                 return
             entry.error = str(exc)
             planned = None
-        if done == first and entry.outstanding == 0 and planned is not None:
+        with self._lock:
+            whole = done == first and entry.outstanding == 0 and planned is not None and not entry.finishing
+            if whole:
+                entry.finishing = True  # its write notifies: nothing is posted or flushed after it
+        if whole:
+            assert planned is not None
             self._write(entry, planned, decode.name)  # every block at once, notified after its flush
             return
         # Layer-wise writes went out: write the rest, then a flush that notifies (_finish_layerwise).
@@ -430,7 +451,8 @@ class ConcurrentDispatch:
         assert reg is not None
         with self._lock:
             decode = self._introduced_as(reg)
-            if decode is None or entry.state is not WAITING or entry.aborted or entry.expired or entry.error:
+            if decode is None or entry.state is not WAITING or entry.aborted or entry.expired or entry.error or \
+                    self._clock() >= entry.wait_until:  # past the bound its answer gave (the next reap expires it)
                 return False
         try:
             own, dst = self._tables(decode, None, None)
