@@ -283,8 +283,8 @@ class AgentCore:
             else:
                 driver.close()
                 self.peers.close()
+                self.worker.close()  # drains first: answers to a peer's reads still read registered memory
                 self.memory.close()
-                self.worker.close()
                 self.context.close()
         return callbacks
 

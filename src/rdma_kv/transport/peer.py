@@ -170,8 +170,9 @@ class Peer:
         req = lib.ucp_ep_close_nbx(entry[0], param)
         if lib.rk_wait_request(self._worker.handle, req, int(CLOSE_WAIT_S * 1e9)) == lib.UCS_INPROGRESS:
             # UCX finishes the close later (or with the worker). What the
-            # endpoint still had queued is purged when the worker goes, which
-            # UCX 1.22 can crash on (a target's answers to a peer's reads).
+            # endpoint still has queued, Worker.close drains before the
+            # destroy (bounded too): UCX 1.22 purges it unsafely (a target's
+            # answers to a peer's reads: a leak or a crash).
             _log.warning("peer %r: closing its endpoint did not complete within %.1f s (the peer does not "
                          "read?)", self.name, CLOSE_WAIT_S)
         entry[0] = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -137,6 +138,21 @@ class Context:
         self.handle = None
 
 
+# How long closing a worker progresses it for what its endpoints still have
+# queued to go out: UCX 1.22's ucp_worker_destroy purges such requests as if
+# they were sends of the user's (ucp_request_send_state_ff), and those UCX
+# made itself to answer a peer over TCP, a get's reply and a software put's
+# completion (rma_sw.c: flags 0, send.datatype never set), are then never
+# released (a leak), and a stale datatype of a recycled request sends the
+# purge through memory handles they never had (a segfault in
+# ucp_request_dt_dereg). A gracefully closed endpoint to a connected peer
+# lives on until the destroy and goes on answering, so the endpoints' own
+# closes cannot drain it. Milliseconds with a peer that reads; the bound is
+# for one that reads nothing (docs/reliability.md, "Reviews of the TCP
+# target's close").
+DRAIN_WAIT_S = 2.0
+
+
 class Worker:
     """A UCP worker with an event fd for sleeping progress."""
 
@@ -183,8 +199,38 @@ class Worker:
         if self.handle is not None:
             self._lib.ucp_worker_signal(self.handle)
 
+    def drain(self) -> bool:
+        """Progress until nothing waits to go out on any endpoint (at most
+        ``DRAIN_WAIT_S``); False, logged, if something still did then.
+
+        Done once a worker flush completes in place: UCX does that only when
+        none of the worker's interfaces has anything outstanding
+        (``ucp_worker_flush_check``; over TCP, no endpoint's send buffer
+        holds unsent bytes, which every request in an endpoint's queue
+        waits behind). A flush that has to be waited for progresses the
+        worker, which answers what arrives meanwhile: flush again."""
+        ffi, lib = self._ffi, self._lib
+        param = ffi.new("ucp_request_param_t *")  # no callback: the request is waited for
+        end = time.monotonic() + DRAIN_WAIT_S
+        waited = 0
+        while True:
+            req = lib.ucp_worker_flush_nbx(self.handle, param)
+            if req == ffi.NULL:
+                if waited:
+                    log.debug("worker drained before its destroy after %d flush(es)", waited)
+                return True
+            waited += 1
+            status = lib.rk_wait_request(self.handle, req, max(0, int((end - time.monotonic()) * 1e9)))
+            if status != lib.UCS_OK:
+                log.warning("destroying a UCP worker with something still outstanding on it (%s after %.1f s, "
+                            "%d flush(es)): a peer that does not read, or a connection in progress; UCX purges "
+                            "requests still queued, and can leak or crash on answers to a peer's reads "
+                            "(docs/reliability.md)", status_name(status), DRAIN_WAIT_S, waited)
+                return False
+
     def close(self) -> None:
         if self.handle is not None:
+            self.drain()
             self._lib.ucp_worker_destroy(self.handle)  # with every endpoint still open on it
             self.handle = None
             self.left_open.clear()
