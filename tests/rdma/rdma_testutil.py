@@ -22,6 +22,15 @@ def wait_until(predicate, timeout_s=10.0, step=None, what="condition"):
         time.sleep(0.001)
 
 
+def pump_until(p, d, predicate, what, timeout_s=10.0):
+    """Step engines ``p`` and ``d`` in turn until ``predicate()`` holds."""
+    def pump():
+        p.step()
+        d.step()
+
+    wait_until(predicate, timeout_s=timeout_s, step=pump, what=what)
+
+
 def prefill_then_decode(P, D, prompts, timeout_s=10.0):
     """Prefill ``prompts`` ({request id: token ids}) on engine ``P``, then
     hand each one's params to engine ``D``; step both until every decode

@@ -181,7 +181,8 @@ def params_with(ids):
     return {"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "127.0.0.1",
             "remote_port": 5000, "remote_block_ids": ids, "remote_request_id": "r", "tp_size": 1,
             "remote_lease_epoch": 1, "remote_lease_generation": 1, "remote_lease_token": "ab" * 16,
-            "remote_lease_ttl_s": 30.0, "remote_num_tokens": 17}
+            "remote_lease_ttl_s": 30.0, "remote_num_tokens": 17,
+            "remote_prompt_digest": "cd" * 16}
 
 
 def test_params_flat_for_one_group_nested_for_several():

@@ -16,10 +16,12 @@ from rdma_kv.connector.rdma.params import (
 from rdma_kv.errors import ConfigError
 
 TOKEN = bytes(range(16))
+DIGEST = bytes(range(16, 32))
 
 
 def producer_params(**changes):
-    params = RemotePrefillParams("P", "127.0.0.1", 5000, (3, 4, 9), "req-1", 1, 77, 5, TOKEN, 30.0, 40).to_dict()
+    params = RemotePrefillParams("P", "127.0.0.1", 5000, (3, 4, 9), "req-1", 1, 77, 5, TOKEN, 30.0, 40,
+                                 DIGEST).to_dict()
     params.update(changes)
     return params
 
@@ -30,7 +32,7 @@ def test_round_trip_and_never_mutates():
     parsed = parse_kv_transfer_params(params)
     assert params == before
     assert isinstance(parsed, RemotePrefillParams)
-    binding = lease_binding("P", 1, 40, ((3, 4, 9),))
+    binding = lease_binding("P", 1, 40, ((3, 4, 9),), 1, DIGEST)
     assert parsed.remote_block_ids == ((3, 4, 9),) and parsed.lease == LeaseRef(77, 5, "req-1", TOKEN, binding)
     assert parsed.to_dict() == params  # verbatim forwarding reproduces the same value
 
@@ -42,6 +44,7 @@ def test_round_trip_and_never_mutates():
     {"remote_block_ids": [[3, 4, 9], []]},  # another group structure
     {"remote_block_ids": [[3, 4], [9]]},
     {"remote_num_tokens": 41},
+    {"remote_prompt_digest": "00" * 16},  # another prompt's
     {"remote_engine_id": "P2"},
     {"tp_size": 2},
 ])
@@ -82,6 +85,9 @@ def test_prefill_request_shapes_routers_send():
     ({"remote_lease_ttl_s": 0.99}, "remote_lease_ttl_s"),
     ({"remote_lease_ttl_s": 86400.5}, "remote_lease_ttl_s"),
     ({"remote_lease_token": None}, "remote_lease_token"),
+    # a producer older than protocol 11 names no prompt digest
+    ({"remote_prompt_digest": None}, "remote_prompt_digest"),
+    ({"remote_prompt_digest": "ab" * 15 + "  "}, "remote_prompt_digest"),
     ({"remote_lease_token": "ab" * 15}, "remote_lease_token"),
     ({"remote_lease_token": "zz" * 16}, "remote_lease_token"),
     # 32 characters that bytes.fromhex reads as 15 bytes (it skips blanks):
@@ -107,7 +113,7 @@ def test_bad_fields_are_named(changes, field):
 
 def test_a_token_of_another_length_is_refused_at_construction():
     with pytest.raises(ConfigError, match="a lease token is 16 bytes, got 15"):
-        RemotePrefillParams("P", "127.0.0.1", 5000, (3,), "req-1", 1, 77, 5, TOKEN[:15], 30.0, 40)
+        RemotePrefillParams("P", "127.0.0.1", 5000, (3,), "req-1", 1, 77, 5, TOKEN[:15], 30.0, 40, DIGEST)
 
 
 def test_unknown_keys_and_conflicts():

@@ -10,7 +10,7 @@ import socket
 
 import pytest
 from fakes import FakeFabric
-from rdma_testutil import wait_until
+from rdma_testutil import pump_until, wait_until
 
 from rdma_kv.connector import KVTransferConfig
 from rdma_kv.connector.rdma import wire, wiregeom
@@ -109,7 +109,8 @@ def test_the_connectors_default_lanes_are_the_transports(monkeypatch, cpus):
 def test_params_reject_impossible_block_ids(ids):
     params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "h", "remote_port": 1,
               "remote_block_ids": ids, "remote_request_id": "r", "tp_size": 1, "remote_lease_epoch": 1,
-              "remote_lease_generation": 1, "remote_lease_token": "ab" * 16, "remote_lease_ttl_s": 5, "remote_num_tokens": 1}
+              "remote_lease_generation": 1, "remote_lease_token": "ab" * 16, "remote_lease_ttl_s": 5, "remote_num_tokens": 1,
+              "remote_prompt_digest": "cd" * 16}
     with pytest.raises(ConfigError, match="remote_block_ids"):
         parse_kv_transfer_params(params)
 
@@ -123,13 +124,6 @@ def pair():
     p.shutdown()
     d.shutdown()
 
-
-def pump_until(p, d, predicate, what):
-    def pump():
-        p.step()
-        d.step()
-
-    wait_until(predicate, timeout_s=10, step=pump, what=what)
 
 
 def test_remote_block_ids_beyond_the_producer_cache_are_never_read(pair):

@@ -263,7 +263,8 @@ def test_agent_metadata_non_utf8_is_a_metadata_error():
         agent_metadata.decode(b"\x81\xa5magic\xa1\x80")
 
 
-VALID_PARAMS = RemotePrefillParams("P", "127.0.0.1", 5555, (3, 4, 5), "req", 1, 99, 7, b"t" * 16, 30.0, 40).to_dict()
+VALID_PARAMS = RemotePrefillParams("P", "127.0.0.1", 5555, (3, 4, 5), "req", 1, 99, 7, b"t" * 16, 30.0, 40,
+                                   b"d" * 16).to_dict()
 param_values = st.one_of(json_like, st.lists(st.integers(-5, 2**33), max_size=8),
                          # per-group remote_block_ids (hybrid models), including mixed forms
                          st.lists(st.lists(st.integers(-5, 2**33), max_size=4)

@@ -11,7 +11,10 @@ workers with one OpenMP thread each), shared by the tests of this module:
   weights must change the TP=2 decode's output).
 
 Checks: P2 -> D1 and P1 -> D2 decode exactly like a plain TP=1 engine; the
-control changes every output in both directions (so the KV really crossed);
+controls: KV of other weights changes every output of the TP=2 decode (so
+the KV really crossed), the TP=1 decode counts its loads ok, and refuses
+the params of other prompts of the same lengths (``remote_prompt_digest``,
+protocol 11: before, they loaded and changed every output, silently);
 a producer killed before any contact, and one killed after a good load
 (connections up), leave the TP=2 decode recomputing (same output, every
 block back, no hang); a model with one KV head served
@@ -163,10 +166,19 @@ def test_prefill_tp2_decode_tp1(engines) -> None:
         assert {p["tp_size"] for p in made} == {2}
         return made
 
+    before = engines["tp1"].kv_stats()
     assert decode_undisturbed(engines["tp1"], params) == engines["plain"]
-    # Control: the same decode given the TP=2 producer's params of other prompts of the same lengths.
+    after = engines["tp1"].kv_stats()
+    loaded = after["totals"].get("loads_ok", 0) - (before or {"totals": {}})["totals"].get("loads_ok", 0)
+    assert loaded >= len(PD_PROMPTS), f"the TP=1 decode did not load the KV read: {after['totals']}"
+    # The TP=2 producer's params of other prompts of the same lengths are refused
+    # at admission (protocol 11; before it they loaded and every output changed,
+    # silently): nothing read, computed locally.
+    start = len(engines["tp1"].log())
     control = decode_undisturbed(engines["tp1"], lambda: prefill(engines["tp2"], CONTROL_PROMPTS))
-    assert all(c != p for c, p in zip(control, engines["plain"])), "the TP=1 decode did not use the KV read"
+    assert control == engines["plain"], "params of other prompts changed the outputs: their KV was read"
+    refused = engines["tp1"].log()[start:].count("kv_transfer_params['remote_prompt_digest'] is ")
+    assert refused == len(PD_PROMPTS), refused
 
 
 def test_prefill_tp1_decode_tp2(engines) -> None:

@@ -36,8 +36,10 @@ apply to single-group models only):
   producer's worker by its next step), and has every block back after;
 - every load came by push (``push_loads_done``), none failed, and the
   blocks outside the window were not written (``nbytes_skipped`` > 0);
-- control: params of other prompts of the same lengths change every
-  decode output.
+- control: params of other prompts of the same lengths are refused at
+  admission (``remote_prompt_digest``): nothing pushed, every output
+  computed locally (before protocol 11 they were pushed and changed every
+  output, silently).
 
 Run in the vLLM venv (scripts/install-vllm.sh); skipped elsewhere.
 """
@@ -193,10 +195,17 @@ def test_hybrid_push_matches_plain_with_hma_on(tmp_path_factory: pytest.TempPath
         assert decoded == plain
         assert "KV load failed" not in consumer.log()
 
+        # Params of other prompts of the same lengths (a router mixing
+        # requests' params up) are refused at admission: no push, each prompt
+        # computed locally. (Before protocol 11 their KV was pushed and every
+        # output changed, with no error.)
         control, _ = _push_decode(producer, consumer, _control_params(producer))
-        differ = [c != p for c, p in zip(control, plain)]
-        assert all(differ), f"KV pushed from other prompts left outputs unchanged: {differ}"
-        assert "KV load failed" not in consumer.log()
+        assert control == plain, "params of other prompts changed the outputs: their KV was pushed"
+        after = consumer.kv_stats()
+        assert after is not None and after["totals"]["loads_ok"] == len(PROMPTS), after["totals"]
+        log = consumer.log()
+        assert log.count("kv_transfer_params['remote_prompt_digest'] is ") == len(PROMPTS), log[-2000:]
+        assert "KV load failed" not in log
     finally:
         for engine in (producer, consumer):
             engine.close()

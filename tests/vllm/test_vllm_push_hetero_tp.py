@@ -28,8 +28,10 @@ answered from an early claim).
 - Both directions: every producer block comes back once the decode is
   done (the pushes released the leases).
 - Control, both directions: the same decode given the params of other
-  prompts of the same lengths changes every output (the KV really came
-  over the wire, into the heads the decode computes with).
+  prompts of the same lengths refuses them (``remote_prompt_digest``,
+  protocol 11): nothing pushed, outputs computed locally. (Before, their
+  KV was pushed and changed every output, silently.) That the KV of a push
+  came over the wire is the stats' counts above.
 
 The pull versions of these are ``test_vllm_hetero_tp.py`` (its engines run
 in pull mode: a module of their own, so the two sets never run at once on
@@ -137,10 +139,14 @@ def test_push_prefill_tp2_decode_tp1(engines: dict[str, Any]) -> None:
     assert grew(before, after, "loads_ok") == n, after
     assert grew(before, after, "push_loads_done") == 2 * n, after
     assert grew(before, after, "push_loads_failed") == 0, after
-    # Control: the same decode given the TP=2 producer's params of other prompts of the same lengths.
+    # The TP=2 producer's params of other prompts of the same lengths are
+    # refused at admission (protocol 11; before it their KV was pushed and
+    # every output changed, silently): no push, computed locally.
     control, _ = push_pd(tp2, tp1, CONTROL_PROMPTS)
-    assert all(c != p for c, p in zip(control, engines["plain"])), "the TP=1 decode did not use the KV pushed"
+    assert control == engines["plain"], "params of other prompts changed the outputs: their KV was pushed"
+    assert grew(before, push_stats(tp1), "loads_ok") == n
     assert push_stats(tp1).get("push_loads_failed", 0) == 0
+    assert tp1.log().count("kv_transfer_params['remote_prompt_digest'] is ") == n
     assert "KV load failed" not in tp1.log()
 
 
@@ -164,7 +170,9 @@ def test_push_prefill_tp1_decode_tp2(engines: dict[str, Any]) -> None:
     assert grew(before, after, "push_done") == 2 * n, after
     assert grew(before, after, "push_failed") + grew(before, after, "push_refused") == 0, after
     assert grew(before, after, "push_written_bytes") > 0, after
+    # Params of other prompts: refused at admission, nothing pushed (protocol 11).
     control, _ = push_pd(tp1, tp2, CONTROL_PROMPTS)
-    assert all(c != p for c, p in zip(control, engines["plain"])), "the TP=2 decode did not use the KV pushed"
-    assert grew(before, push_stats(tp1), "push_done") == 4 * n
+    assert control == engines["plain"], "params of other prompts changed the outputs: their KV was pushed"
+    assert tp2.log().count("kv_transfer_params['remote_prompt_digest'] is ") == n
+    assert grew(before, push_stats(tp1), "push_done") == 2 * n
     assert "KV load failed" not in tp2.log()

@@ -7,10 +7,12 @@ compared with a plain run of the same prompts (all submitted together):
 
 - ``test_pd_tokens_match_and_control``: identical for prompts of 7, 37,
   51, 64 and 71 tokens (shorter than a block, partial last blocks, exactly
-  two blocks); then the control: the same decode given the (genuine)
-  params of other prompts of the same lengths changes every output, so the
-  KV really came over the wire (a decode that recomputed would still
-  match); and params edited to name other blocks of a live prefill are
+  two blocks), every load counted ok in the decode's stats (a decode that
+  recomputed would still match); then the control: the same decode given
+  the (genuine) params of other prompts of the same lengths refuses them
+  at admission (``remote_prompt_digest``, protocol 11): nothing is read,
+  every output is computed locally (before, they loaded and changed every
+  output, silently); and params edited to name other blocks of a live prefill are
   refused by the producer (the lease does not cover them): every request
   ends in an error under ``kv_load_failure_policy=fail``, nothing is read
   into an answer.
@@ -127,18 +129,29 @@ def run_match_and_control(plain: list[list[int]], model_dir: str, log_dir: Path,
             # with multiprocessing on takes about that long here.
             consumer.start(rdma_config("kv_consumer"))
             good = prefill(producer)
-            spare = prefill(producer, CONTROL_PROMPTS)  # genuine params of other prompts, for the control
+            spare = prefill(producer, CONTROL_PROMPTS)  # genuine params of other prompts of the same lengths
             # The params go verbatim, as a router forwards them (including the
             # remote_prefill_cached_tokens vLLM adds to them).
             assert tokens(consumer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS,
                                             kv_transfer_params=good)) == plain
             if multiprocessing:
                 return
+            stats = consumer.kv_stats()
+            assert stats is not None and stats["totals"]["loads_ok"] == len(PD_PROMPTS), stats
+            # Genuine params of other prompts of the same lengths (a router
+            # mixing requests' params up) are refused at admission: nothing is
+            # read, each prompt is computed locally. (Before protocol 11 they
+            # loaded, and every output changed with no error: the decode
+            # generated from another prompt's KV. That the loaded bytes decide
+            # the output is tests/vllm/test_vllm_hybrid.py's control.)
             control = tokens(consumer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS,
                                                kv_transfer_params=spare))
-            differ = [c != p for c, p in zip(control, plain)]
-            assert all(differ), f"reading other prompts' KV left outputs unchanged: {differ}"
-            assert "KV load failed" not in consumer.log()
+            assert control == plain, "params of other prompts changed the outputs: their KV was loaded"
+            stats = consumer.kv_stats()
+            assert stats is not None and stats["totals"]["loads_ok"] == len(PD_PROMPTS), stats
+            log = consumer.log()
+            assert log.count("kv_transfer_params['remote_prompt_digest'] is ") == len(PD_PROMPTS), log[-2000:]
+            assert "KV load failed" not in log
             # Params edited to name other blocks (of live leases) are refused, never read into an answer.
             wrong = [{**p, "remote_block_ids": [b + WRONG_BLOCK_OFFSET for b in p["remote_block_ids"]]}
                      for p in prefill(producer)]

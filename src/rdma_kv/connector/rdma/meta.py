@@ -111,6 +111,9 @@ class LoadSpec:
     first_token: int = 0
     num_tokens: int = 0
     """Concurrent dispatch: the prompt's tokens (the producer checks its own)."""
+    prompt_digest: bytes = b""
+    """Concurrent dispatch: ``params.prompt_digest`` of the prompt (the
+    producer writes only the KV of a prefill of this digest)."""
 
     @property
     def concurrent(self) -> bool:
@@ -145,6 +148,9 @@ class SendSpec:
     """Push mode, concurrent dispatch: the router's id of the pair, under
     which the decode registers its blocks (``pusher``)."""
     num_tokens: int = 0
+    prompt_digest: bytes = b""
+    """``params.prompt_digest`` of the prompt whose KV the blocks hold
+    (concurrent dispatch: compared with the registration's)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_ids", as_group_block_ids(self.block_ids))
@@ -163,6 +169,9 @@ class LayerPushSpec:
     block_ids: tuple[int, ...]
     start: int
     end: int
+    prompt_digest: bytes = b""
+    """``params.prompt_digest`` of the prefill's prompt: a registration of
+    another digest gets none of its layers."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,13 +21,15 @@ Imports the standard library, ``rdma_kv.errors`` and the connector's
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import functools
 import hashlib
 import hmac
 import re
 import struct
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rdma_kv.connector.types import BlockId, EngineId, GroupBlockIds, RequestId, as_group_block_ids
@@ -46,7 +48,10 @@ __all__ = [
     "RemotePrefillParams",
     "lease_binding",
     "lease_token",
+    "other_prompt",
     "parse_kv_transfer_params",
+    "PROMPT_DIGEST_BYTES",
+    "prompt_digest",
 ]
 
 # Keys a request's kv_transfer_params may carry: vLLM's P/D keys, then the
@@ -63,7 +68,7 @@ _VLLM_KEYS = (
     "tp_size",
 )
 _RDMA_KEYS = ("remote_lease_epoch", "remote_lease_generation", "remote_lease_token",
-              "remote_lease_ttl_s", "remote_num_tokens", "remote_registration")
+              "remote_lease_ttl_s", "remote_num_tokens", "remote_prompt_digest", "remote_registration")
 # Concurrent dispatch (vllm-router's ``--kv-connector moriio`` WRITE mode, Ray
 # Serve's concurrent handoff): both legs carry the router's ``transfer_id``;
 # the data-parallel and TP keys are informational here.
@@ -78,6 +83,27 @@ _JSON_SAFE_INT = (1 << 53) - 1  # routers written in JS or Go may parse numbers 
 LEASE_TOKEN_BYTES = 16
 _HEX_TOKEN = re.compile(f"[0-9a-fA-F]{{{2 * LEASE_TOKEN_BYTES}}}")
 LEASE_BINDING_BYTES = 16
+PROMPT_DIGEST_BYTES = 16
+_HEX_DIGEST = re.compile(f"[0-9a-fA-F]{{{2 * PROMPT_DIGEST_BYTES}}}")
+
+
+def prompt_digest(token_ids: Sequence[int]) -> bytes:
+    """A digest of the prompt whose KV is handed over: BLAKE2b (16 bytes)
+    of the token count, then every token id as a little-endian int64, so
+    both engines compute it alike whatever their platform. The producer's
+    params carry it (``remote_prompt_digest``, covered by the lease's
+    token) and the decode compares it with its own request's prompt: KV
+    computed for another prompt of the same length (params of another
+    request, a retry's stale ones, a client that changed its prompt) is
+    never loaded. A prompt given as embeddings has no token ids (the vLLM
+    adapter stands zeros in for them): it is bound by its length alone."""
+    ids = array.array("q", token_ids)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    digest = hashlib.blake2b(struct.pack("<Q", len(ids)), digest_size=PROMPT_DIGEST_BYTES,
+                             person=b"rdma-kv prompt 1")
+    digest.update(ids.tobytes())
+    return digest.digest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,17 +123,20 @@ class LeaseRef:
 
 
 def lease_binding(engine_id: str, tp_size: int, num_tokens: int, block_ids: GroupBlockIds,
-                  registration: int = 1) -> bytes:
+                  registration: int = 1, prompt: bytes = b"") -> bytes:
     """A digest of everything a lease lets its holder read: the producer
     engine, its tensor-parallel size, the prompt's token count, the block
-    ids of every KV-cache group, in order, and the registration of the
-    producer's KV cache they index (bumped when it re-registers after sleep). The grant token covers it, so
-    params altered to name other blocks (another request's, or blocks reused
-    since) fail the producer's check at every lease call, CONFIRM included:
-    what was read under them is never used."""
-    digest = hashlib.sha256(b"rdma-kv lease binding 1")
+    ids of every KV-cache group, in order, the registration of the
+    producer's KV cache they index (bumped when it re-registers after sleep)
+    and the digest of the prompt whose KV they hold (:func:`prompt_digest`).
+    The grant token covers it, so params altered to name other blocks
+    (another request's, or blocks reused since), or another prompt, fail the
+    producer's check at every lease call, CONFIRM included: what was read
+    under them is never used."""
+    digest = hashlib.sha256(b"rdma-kv lease binding 2")
     name = engine_id.encode()
-    digest.update(struct.pack(">QQQQQ", len(name), tp_size, num_tokens, registration, len(block_ids)) + name)
+    digest.update(struct.pack(">QQQQQQ", len(name), tp_size, num_tokens, registration, len(block_ids),
+                              len(prompt)) + name + prompt)
     for group in block_ids:
         digest.update(struct.pack(f">Q{len(group)}I", len(group), *group))
     return digest.digest()[:LEASE_BINDING_BYTES]
@@ -205,6 +234,9 @@ class RemotePrefillParams:
     remote_lease_ttl_s: float
     remote_num_tokens: int
     """Prompt tokens whose KV the remote blocks hold."""
+    remote_prompt_digest: bytes
+    """:func:`prompt_digest` of those tokens (the whole prompt): the decode
+    loads only for a prompt of this digest; the lease's token covers it."""
     remote_registration: int = 1
     """The producer's KV-cache registration the block ids index: 1 from its
     start, bumped each time it re-registers (vLLM sleep mode). A consumer
@@ -215,12 +247,14 @@ class RemotePrefillParams:
         object.__setattr__(self, "remote_block_ids", as_group_block_ids(self.remote_block_ids))
         if len(self.remote_lease_token) != LEASE_TOKEN_BYTES:  # the wire refuses any other length
             raise ConfigError(f"a lease token is {LEASE_TOKEN_BYTES} bytes, got {len(self.remote_lease_token)}")
+        if len(self.remote_prompt_digest) != PROMPT_DIGEST_BYTES:
+            raise ConfigError(f"a prompt digest is {PROMPT_DIGEST_BYTES} bytes, got {len(self.remote_prompt_digest)}")
 
     @functools.cached_property
     def binding(self) -> bytes:
         """What these params let their holder read (:func:`lease_binding`)."""
         return lease_binding(self.remote_engine_id, self.tp_size, self.remote_num_tokens,
-                             self.remote_block_ids, self.remote_registration)
+                             self.remote_block_ids, self.remote_registration, self.remote_prompt_digest)
 
     @property
     def lease(self) -> LeaseRef:
@@ -245,6 +279,7 @@ class RemotePrefillParams:
             "remote_lease_token": self.remote_lease_token.hex(),
             "remote_lease_ttl_s": self.remote_lease_ttl_s,
             "remote_num_tokens": self.remote_num_tokens,
+            "remote_prompt_digest": self.remote_prompt_digest.hex(),
             "remote_registration": self.remote_registration,
         }
 
@@ -286,6 +321,19 @@ def _str(params: Mapping[str, Any], field: str, max_len: int = 256) -> str:
     return value
 
 
+def other_prompt(params: RemotePrefillParams, token_ids: Sequence[int]) -> str | None:
+    """Why ``params`` are not loaded for a request of prompt ``token_ids``:
+    they hold the KV of another prompt (None if of this one)."""
+    mine = prompt_digest(token_ids)
+    if hmac.compare_digest(params.remote_prompt_digest, mine):
+        return None
+    return (f"kv_transfer_params['remote_prompt_digest'] is {params.remote_prompt_digest.hex()}, the digest of "
+            f"another {params.remote_num_tokens}-token prompt than this request's ({mine.hex()}): the params hold "
+            f"the KV of another prompt (the prefill of request {params.remote_request_id[:200]!r}), which is not "
+            "loaded. A router must send the decode the same prompt as its prefill, with that prefill's params "
+            "(not another request's, nor ones kept from an earlier attempt)")
+
+
 def _token(params: Mapping[str, Any], field: str) -> bytes:
     value = params.get(field)
     expected = f"{2 * LEASE_TOKEN_BYTES} hex digits (the producer's request_finished output, verbatim)"
@@ -295,6 +343,15 @@ def _token(params: Mapping[str, Any], field: str) -> bytes:
     # travels in (other requests' CONFIRMs with it).
     if not isinstance(value, str) or _HEX_TOKEN.fullmatch(value) is None:
         raise _field_error(field, value, expected)
+    return bytes.fromhex(value)
+
+
+def _digest(params: Mapping[str, Any], field: str) -> bytes:
+    value = params.get(field)
+    if not isinstance(value, str) or _HEX_DIGEST.fullmatch(value) is None:
+        raise _field_error(field, value, f"{2 * PROMPT_DIGEST_BYTES} hex digits (the producer's request_finished "
+                                         "output, verbatim; a producer older than side-channel protocol 11 sends "
+                                         "none: run the same rdma-kv version on both engines)")
     return bytes.fromhex(value)
 
 
@@ -389,6 +446,7 @@ def parse_kv_transfer_params(
         remote_lease_token=_token(params, "remote_lease_token"),
         remote_lease_ttl_s=float(ttl),
         remote_num_tokens=num_tokens,
+        remote_prompt_digest=_digest(params, "remote_prompt_digest"),
         remote_registration=_int(params, "remote_registration", 1, _JSON_SAFE_INT)
         if params.get("remote_registration") is not None else 1,
     )

@@ -253,7 +253,7 @@ class ConcurrentDispatch:
             decode = self._introduced_as(reg)
             entry.state = RUNNING  # taken: no second start
             entry.decode = entry.decode or decode
-        problem = None
+        problem, other_prompt = None, False
         bs = self._block_size
         first = reg.first_token // bs if bs else 0
         ids = send.block_ids[0] if send.block_ids else ()
@@ -265,6 +265,12 @@ class ConcurrentDispatch:
         elif send.num_tokens != reg.num_tokens:
             problem = (f"the prefill under transfer id {reg.transfer_id!r} has {send.num_tokens} prompt tokens, "
                        f"the decode {reg.num_tokens}: a router must send both legs the same prompt")
+        elif reg.prompt_digest != send.prompt_digest:
+            other_prompt = True
+            problem = (f"the prefill under transfer id {reg.transfer_id!r} computed another prompt than the "
+                       f"decode's (prompt digest {send.prompt_digest.hex()} vs {reg.prompt_digest.hex() or 'none'}, "
+                       f"{reg.num_tokens} tokens each): a router must send both legs the same prompt under a "
+                       "transfer id of their own; the decode computes its prompt itself")
         elif first + len(local) > len(ids):
             problem = f"the decode registered {len(local)} blocks from block {first}; the prefill holds {len(ids)}"
         call = LeaseCall(send.lease, claim(reg.transfer_id), reg.reader, reg.readers)
@@ -272,6 +278,11 @@ class ConcurrentDispatch:
             status, lease_blocks = self._leases.pin_for_push(call)
             if status is not wire.LeaseStatus.HELD:
                 problem = f"the prefill's lease is {status.name}"
+        if other_prompt:
+            # No decode of this prefill's prompt registered under its id (the
+            # transfer id serves one decode engine): its lease would only wait
+            # for its expiry, holding the blocks.
+            self._leases.release([call])
         if problem is not None and (entry.written_upto >= 0 or entry.outstanding):
             # Layer-wise writes of it went out: nothing is answered before
             # they are flushed (FAILED then). Answered REFUSED at once, the
@@ -359,8 +370,8 @@ class ConcurrentDispatch:
                     reg = entry.reg if entry is not None else None
                     if entry is None or reg is None or id(entry) in taken or entry.state is not WAITING or \
                             entry.aborted or entry.expired or reg.local_heads is not None or \
-                            reg.remote_heads is not None:
-                        continue
+                            reg.remote_heads is not None or reg.prompt_digest != spec.prompt_digest:
+                        continue  # (another prompt's registration: refused at the grant, none of it written)
                     first, count = reg.first_token // bs, len(reg.local_block_ids[0])
                     if entry.written_upto < 0:
                         entry.written_upto = first

@@ -4,9 +4,10 @@ transfer id (concurrent dispatch) and each step's chunks of them.
 :class:`PushPrefills` remembers, per prefill whose params carry a
 ``transfer_id`` (vllm-router's moriio mode), the id and the blocks the
 prefill holds so far; every step it turns the scheduled chunks of those
-prefills into :class:`meta.LayerPushSpec` records, which the workers use to
-write each layer's complete blocks to the decodes registered under the id
-while the forward pass runs (``pushreg``). Models with one KV-cache group
+prefills into :class:`meta.LayerPushSpec` records (with the digest of the
+prefill's prompt), which the workers use to write each layer's complete
+blocks to the decodes of that prompt registered under the id while the
+forward pass runs (``pushreg``). Models with one KV-cache group
 only (a hybrid model's concurrent push is refused: ``pushreg.register``).
 
 :func:`router_payload` is what this engine registers with such a router's
@@ -21,7 +22,12 @@ from __future__ import annotations
 from typing import Any
 
 from rdma_kv.connector.rdma.meta import LayerPushSpec
-from rdma_kv.connector.rdma.params import RemoteDecodeRequest, format_router_address, parse_kv_transfer_params
+from rdma_kv.connector.rdma.params import (
+    RemoteDecodeRequest,
+    format_router_address,
+    parse_kv_transfer_params,
+    prompt_digest,
+)
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.types import BlockIds, Request, RequestId, SchedulerOutput
 from rdma_kv.errors import ConfigError
@@ -30,11 +36,11 @@ __all__ = ["PushPrefills", "router_payload"]
 
 
 class PushPrefills:
-    """Prefills under a transfer id -> (the id, their blocks so far)."""
+    """Prefills under a transfer id -> (the id, their blocks so far, their prompt's digest)."""
 
     def __init__(self, num_groups: int) -> None:
         self._num_groups = num_groups
-        self._tracked: dict[RequestId, tuple[str, list[int]]] = {}
+        self._tracked: dict[RequestId, tuple[str, list[int], bytes]] = {}
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._tracked
@@ -48,7 +54,7 @@ class PushPrefills:
         except ConfigError:
             return
         if isinstance(parsed, RemoteDecodeRequest) and parsed.transfer_id and self._num_groups == 1:
-            self._tracked[request.request_id] = (parsed.transfer_id, [])
+            self._tracked[request.request_id] = (parsed.transfer_id, [], prompt_digest(request.prompt_token_ids))
 
     def forget(self, request_id: RequestId) -> None:
         self._tracked.pop(request_id, None)
@@ -68,14 +74,14 @@ class PushPrefills:
             tracked = self._tracked.get(rid)
             if tracked is None:
                 continue
-            transfer_id, blocks = tracked
+            transfer_id, blocks, digest = tracked
             if new_blocks:
                 if replace:
                     blocks.clear()
                 blocks.extend(int(b) for b in new_blocks[0])
             count = output.num_scheduled_tokens.get(rid, 0)
             if count > 0:
-                out.append(LayerPushSpec(transfer_id, rid, tuple(blocks), computed, computed + count))
+                out.append(LayerPushSpec(transfer_id, rid, tuple(blocks), computed, computed + count, digest))
         return tuple(out)
 
 

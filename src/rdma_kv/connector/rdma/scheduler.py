@@ -72,7 +72,9 @@ from rdma_kv.connector.rdma.params import (
     RemotePrefillParams,
     lease_binding,
     lease_token,
+    other_prompt,
     parse_kv_transfer_params,
+    prompt_digest,
     router_address,
 )
 from rdma_kv.connector.rdma.discovery import RouterRegistration
@@ -181,6 +183,7 @@ class RdmaScheduler:
         not yet reported in ``finished_recving`` (reads may still land in
         their blocks)."""
         self._pending_connects: dict[PeerAddress, None] = {}  # ordered set, emptied every step
+        self.refused_other_prompt = 0  # params holding another prompt's KV (params.other_prompt)
 
     def _new_epoch(self) -> None:
         """A new lease epoch: the workers end every lease of the old one when
@@ -280,6 +283,10 @@ class RdmaScheduler:
             return (f"kv_transfer_params['remote_num_tokens']={params.remote_num_tokens} but the "
                     f"request's prompt has {request.num_prompt_tokens} tokens; a router must send "
                     "the decode request the same prompt as the prefill")
+        other = other_prompt(params, request.prompt_token_ids)
+        if other is not None:
+            self.refused_other_prompt += 1
+            return other
         if len(params.remote_block_ids) != len(self._specs):
             return (f"kv_transfer_params['remote_block_ids'] has {len(params.remote_block_ids)} "
                     f"KV-cache group(s), this engine has {len(self._specs)}; both engines must "
@@ -405,7 +412,7 @@ class RdmaScheduler:
         self._pending_loads.append(LoadSpec(
             request.request_id, (local,), ((),), concurrent.peer, placeholder, self._settings.lease_ttl_s,
             remote.claim, error, (0,), 1, concurrent.transfer_id, remote.num_computed,
-            request.num_prompt_tokens))
+            request.num_prompt_tokens, prompt_digest(request.prompt_token_ids)))
 
     def _unread_blocks(self, request: Request, num_computed: int, blocks: KVCacheBlocks,
                        group: int) -> BlockIds:
@@ -565,8 +572,9 @@ class RdmaScheduler:
             return False, None
         settings = self._settings
         generation = next(self._generations)
+        digest = prompt_digest(request.prompt_token_ids)
         binding = lease_binding(self._engine_id, settings.tp_size, request.num_prompt_tokens, tuple(offered),
-                                self._registration)
+                                self._registration, digest)
         params = RemotePrefillParams(
             remote_engine_id=self._engine_id,
             remote_host=settings.advertise_host,
@@ -579,11 +587,12 @@ class RdmaScheduler:
             remote_lease_token=lease_token(self._lease_key, self.epoch, generation, rid, binding),
             remote_lease_ttl_s=settings.lease_ttl_s,
             remote_num_tokens=request.num_prompt_tokens,
+            remote_prompt_digest=digest,
             remote_registration=self._registration,
         )
         transfer_id = parsed.transfer_id if settings.mode == "push" else None
         self._pending_sends.append(SendSpec(rid, tuple(held), params.lease, settings.lease_ttl_s, transfer_id,
-                                            request.num_prompt_tokens))
+                                            request.num_prompt_tokens, digest))
         self._held[rid] = (generation, sum(len(ids) for ids in held))
         self._held_blocks += self._held[rid][1]
         return True, params.to_dict()

@@ -78,7 +78,7 @@ __all__ = [
     "check_reader",
 ]
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 """The side channel's version: both ends must speak the same one. A peer of
 another version is refused with a message naming both versions (a version-1
 producer answers HELLO with ``error``, which the client reports as a version
@@ -143,6 +143,16 @@ refuses as unknown: ``forbid_unknown_fields``):
     each read the other's KV). A new number, not a field added under 9: a
     version-9 peer would not compare them, and the safety of a load rests
     on both ends comparing (the consumer checks the producer's reply too).
+11. (2026-11-30) The prompt binds both legs. The params carry
+    ``remote_prompt_digest`` (``params.prompt_digest``: BLAKE2b of the
+    prompt's token ids) and the lease's ``binding`` covers it, so the
+    decode refuses params of another prompt of the same length, and
+    params whose digest was edited answer FORGED. PUSH_REG names the
+    decode's ``prompt_digest``: the producer writes a registration only
+    the KV of a prefill of that digest (REFUSED otherwise, nothing
+    written). A new number: a version-10 producer's params name no digest
+    and its lease bindings differ, and a version-10 producer would write
+    a registration from any prefill under its transfer id.
 """
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 16 << 20  # agent metadata (worker address + rkeys) plus geometry
@@ -326,6 +336,10 @@ PUSH_NOTIFY_PREFIX = b"rdma-kv-push:"
 PushToken = Annotated[bytes, msgspec.Meta(min_length=PUSH_TOKEN_BYTES, max_length=PUSH_TOKEN_BYTES)]
 INCARNATION_BYTES = 8
 Incarnation = Annotated[bytes, msgspec.Meta(min_length=INCARNATION_BYTES, max_length=INCARNATION_BYTES)]
+PROMPT_DIGEST_BYTES = 16
+PromptDigest = Annotated[bytes, msgspec.Meta(max_length=PROMPT_DIGEST_BYTES)]
+"""``params.prompt_digest`` of a decode's prompt (empty: none named, which
+no prefill matches)."""
 """A decode worker's, random, drawn when it starts: which of the decodes
 calling themselves ``engine_id`` rank ``r`` a push is for."""
 BlockIdList = Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_BLOCKS_PER_LAYER)]],
@@ -380,7 +394,9 @@ class PushReg(msgspec.Struct, frozen=True, tag="push_reg", forbid_unknown_fields
     ``transfer_id``, before or after the prefill ran; the producer writes
     them once the prefill under that id finished (its own lease, pinned),
     and notifies ``token``. ``reader``/``readers``: this decode rank, and how
-    many decode ranks register for this producer rank (heterogeneous TP)."""
+    many decode ranks register for this producer rank (heterogeneous TP).
+    ``prompt_digest``: the decode's prompt (``params.prompt_digest``); the
+    producer writes only the KV of a prefill of that prompt."""
 
     version: int
     transfer_id: Str
@@ -396,6 +412,7 @@ class PushReg(msgspec.Struct, frozen=True, tag="push_reg", forbid_unknown_fields
     readers: Readers = 1
     local_heads: HeadsWire | None = None
     remote_heads: HeadsWire | None = None
+    prompt_digest: PromptDigest = b""
 
 
 class PushQuery(msgspec.Struct, frozen=True, tag="push_query", forbid_unknown_fields=True):

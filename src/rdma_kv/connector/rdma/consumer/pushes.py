@@ -187,7 +187,7 @@ class Pushes:
         request = wire.PushReg(wire.PROTOCOL_VERSION, spec.transfer_id, secrets.token_bytes(wire.PUSH_TOKEN_BYTES),
                                self._engine_id, self._settings.tp_rank, self._incarnation, self._registration,
                                spec.first_token, spec.num_tokens, [list(g) for g in spec.local_block_ids],
-                               self._settings.tp_rank, readers, local_heads, remote_heads)
+                               self._settings.tp_rank, readers, local_heads, remote_heads, spec.prompt_digest)
         return self._begin(peer, request, spec.local_block_ids)
 
     def _begin(self, peer: PeerState, request: wire.Push | wire.PushReg,

@@ -1,0 +1,139 @@
+"""The params bind the prompt whose KV they hand over (``remote_prompt_digest``).
+
+A decode request carrying the valid params of another prompt of the same
+length (a router mixing two requests' params up, a retry carrying stale
+ones, a client replaying its params under another prompt) used to load that
+other prompt's KV: the lease token covered the engine, TP size, token count
+and block ids, not the prompt, so every check passed and the decode
+generated from the wrong KV, silently. Harness engines over the fake
+transport; the harness verifies every loaded block against the prompt."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from fakes import FakeFabric
+import rdma_testutil
+
+from rdma_kv.connector import KVTransferConfig
+from rdma_kv.harness.engine import Engine, ModelShape
+
+pytestmark = pytest.mark.timeout(120)
+
+SHAPE = ModelShape(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, num_blocks=64)
+
+
+def engine(fabric, role, engine_id):
+    config = KVTransferConfig(kv_connector="RdmaKVConnector", kv_role=role, engine_id=engine_id, kv_port=0,
+                              kv_ip="127.0.0.1", kv_load_failure_policy="recompute",
+                              kv_connector_extra_config={"rpc_timeout_s": 1.0, "load_timeout_s": 5.0})
+    return Engine(config, SHAPE, connector_kwargs={"transport_factory": fabric.factory})
+
+
+@pytest.fixture
+def pair():
+    fabric = FakeFabric()
+    p, d = engine(fabric, "kv_producer", "P"), engine(fabric, "kv_consumer", "D")
+    yield fabric, p, d
+    p.shutdown()
+    d.shutdown()
+
+
+def pump_until(p, d, predicate, what):
+    rdma_testutil.pump_until(p, d, predicate, what, timeout_s=30)
+
+
+PROMPT_A = list(range(1, 20))
+PROMPT_B = list(range(101, 120))  # same length, other tokens
+PROMPT_C = list(range(201, 220))
+
+
+def prefilled(p, d, prompts):
+    for rid, prompt in prompts.items():
+        p.add_request(rid, prompt, {"do_remote_decode": True})
+    pump_until(p, d, lambda: all(r in p.results and p.results[r].status.value == "finished" for r in prompts),
+               "prefills")
+    return {rid: dict(p.results[rid].kv_transfer_params) for rid in prompts}
+
+
+def decoded(p, d, rid, prompt, params):
+    d.add_request(rid, prompt, params)
+    pump_until(p, d, lambda: rid in d.results and d.results[rid].status.value in ("finished", "failed"), "decode")
+    return d.results[rid]
+
+
+def test_the_params_carry_the_digest_of_the_prompt(pair):
+    from rdma_kv.connector.rdma.params import prompt_digest
+
+    fabric, p, d = pair
+    params = prefilled(p, d, {"a": PROMPT_A})["a"]
+    assert params["remote_prompt_digest"] == prompt_digest(PROMPT_A).hex()
+    assert prompt_digest(PROMPT_A) != prompt_digest(PROMPT_B)
+    assert prompt_digest(PROMPT_A) == prompt_digest(tuple(PROMPT_A))  # of the ids, not of their container
+    assert prompt_digest([1, 2]) != prompt_digest([1, 2, 0])
+
+
+def test_params_of_another_prompt_of_equal_length_are_refused(pair, caplog):
+    """The decode of B given A's genuine params (a mix-up): nothing is read,
+    the request is computed locally, the reason is logged and counted; B's
+    own params still load."""
+    fabric, p, d = pair
+    params = prefilled(p, d, {"a": PROMPT_A, "b": PROMPT_B, "c": PROMPT_C})
+    reads = fabric.reads
+    with caplog.at_level(logging.WARNING):
+        result = decoded(p, d, "b", PROMPT_B, params["a"])
+    assert result.status.value == "finished"
+    assert result.external_tokens == 0, "the decode loaded another prompt's KV"
+    assert result.bad_blocks == []
+    assert fabric.reads == reads, "a read was posted for another prompt's KV"
+    assert d.scheduler.scheduler.refused_other_prompt == 1
+    assert "remote_prompt_digest" in caplog.text and "another 19-token prompt" in caplog.text
+    assert "computing locally" in caplog.text
+
+    # The normal path (a prompt the decode holds no prefix of): its own params load.
+    result = decoded(p, d, "c", PROMPT_C, params["c"])
+    assert result.status.value == "finished" and not result.load_failed
+    assert result.external_tokens == len(PROMPT_C) and result.bad_blocks == []
+    assert fabric.reads > reads
+
+
+def test_a_client_replaying_its_params_under_another_prompt_is_refused(pair):
+    """One request id, one params set, the prompt changed (same length)."""
+    fabric, p, d = pair
+    params = prefilled(p, d, {"r": PROMPT_A})["r"]
+    reads = fabric.reads
+    result = decoded(p, d, "r", PROMPT_B, params)
+    assert result.status.value == "finished" and result.external_tokens == 0 and result.bad_blocks == []
+    assert fabric.reads == reads
+
+
+def test_an_edited_digest_is_refused_by_the_lease_token(pair):
+    """A's params with their digest edited to B's pass the decode's own
+    comparison (the decode's prompt is B) but not the producer's token:
+    every lease call answers FORGED, the load fails and B is recomputed;
+    nothing read is used."""
+    from rdma_kv.connector.rdma.params import prompt_digest
+
+    fabric, p, d = pair
+    params = prefilled(p, d, {"a": PROMPT_A})["a"]
+    params["remote_prompt_digest"] = prompt_digest(PROMPT_B).hex()
+    result = decoded(p, d, "a", PROMPT_B, params)
+    assert result.status.value == "finished"
+    assert result.load_failed and result.recomputed_from_block == 0
+    assert result.bad_blocks == []
+    pump_until(p, d, lambda: p.worker.worker.leases.stats.refused_forged >= 1, "a lease call refused FORGED")
+
+
+def test_params_without_a_digest_are_refused_naming_the_field(pair, caplog):
+    """A producer older than protocol 11 names no digest: refused at parse,
+    computed locally, the message says what to do."""
+    fabric, p, d = pair
+    params = prefilled(p, d, {"a": PROMPT_A})["a"]
+    del params["remote_prompt_digest"]
+    reads = fabric.reads
+    with caplog.at_level(logging.WARNING):
+        result = decoded(p, d, "a", PROMPT_A, params)
+    assert result.status.value == "finished" and result.external_tokens == 0
+    assert fabric.reads == reads
+    assert "remote_prompt_digest" in caplog.text and "protocol 11" in caplog.text
