@@ -17,34 +17,13 @@ list at once, so a grant never takes it (a guard, passes before too).
 
 from __future__ import annotations
 
-import types
 
 from leaseutil import ref
-from test_push_layer_answers import landed, layer_setup
+from test_push_layer_answers import landed, layer_setup, slow_flushes
 from test_pusher import S
 
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.meta import LayerPushSpec, SendSpec
-
-
-def slow_flushes(s):
-    """Every flush takes its round trip: pending until the test completes it."""
-    fabric, orig, flushes = s.fabric, s.p.flush, []
-
-    def slow_flush(peer, notify=None, timeout_s=None):
-        dummy = types.SimpleNamespace(reader=s.p.name, peer=s.p.aliases.get(peer, peer))
-        with fabric.lock:
-            fabric.pending.append(dummy)
-        x = orig(peer, notify=notify, timeout_s=timeout_s)
-        with fabric.lock:
-            fabric.pending.remove(dummy)
-            if x in fabric.pending:
-                fabric.pending.remove(x)
-        flushes.append(x)
-        return x
-
-    s.p.flush = slow_flush
-    return flushes
 
 
 def complete(x):

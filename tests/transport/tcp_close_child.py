@@ -21,11 +21,9 @@ import sys
 import threading
 import time
 
-import numpy as np
-
-from rdma_kv.transport import Agent, AgentConfig, DescList, XferState
+from rdma_kv.transport import Agent, AgentConfig
 from rdma_kv.transport import peer as peer_mod
-from transport_helpers import TCP
+from transport_helpers import TCP, answer_queued
 
 NBYTES = 64 << 20
 HOLD_S = 3.0  # longer than 200,000 progress calls take (about 0.3 s idle)
@@ -35,30 +33,7 @@ peer_mod.CLOSE_WAIT_S = 120.0  # the close waits for b however loaded the machin
 def main() -> None:
     a = Agent("a", AgentConfig(ucx_options=TCP, progress="poll", lanes=1))
     b = Agent("b", AgentConfig(ucx_options=TCP, progress="poll", lanes=1))
-    src = np.random.default_rng(1).integers(0, 256, NBYTES, dtype=np.uint8)
-    dst = np.zeros(NBYTES, dtype=np.uint8)
-    a.register(src)
-    b.register(dst)
-    a.add_peer(b.metadata())
-    b.add_peer(a.metadata())
-    whole = np.array([0])
-
-    def read(n: int):
-        return b.read("a", DescList.from_regions(dst.ctypes.data, whole, n),
-                      DescList.from_regions(src.ctypes.data, whole, n), timeout_s=300.0)
-
-    first = read(4096)  # every endpoint wired up
-    end = time.monotonic() + 120.0
-    while not first.done():
-        a.progress()
-        assert time.monotonic() < end, "the warm-up read did not complete"
-    assert first.state is XferState.DONE, first.state
-    big = read(NBYTES)
-    for _ in range(100):  # its request goes out
-        b.progress()
-    answered = time.monotonic() + 0.5
-    while time.monotonic() < answered:  # a answers until its socket is full
-        a.progress()
+    _, big = answer_queued(a, b, NBYTES)
     stop = threading.Event()
 
     def drive() -> None:

@@ -15,21 +15,18 @@ connected peer until the worker goes, and ``ucp_worker_destroy`` purges
 what it still has queued as if it were sends of the user's: the answer
 leaks ("was not returned to mpool ucp_requests"), or, its request
 recycled, the purge segfaults in ``ucp_request_dt_dereg``. ``Worker.close``
-now drains the worker first (``rk_worker_drain``). Prints "ok" at the end;
+now drains the worker first (``Worker.drain``). Prints "ok" at the end;
 the test also reads UCX's warnings on stdout."""
 
 from __future__ import annotations
 
 import sys
 import threading
-import time
 
-import numpy as np
-
-from rdma_kv.transport import Agent, AgentConfig, DescList, XferState
+from rdma_kv.transport import Agent, AgentConfig
 from rdma_kv.transport import peer as peer_mod
 from rdma_kv.transport import ucx
-from transport_helpers import TCP
+from transport_helpers import TCP, answer_queued
 
 NBYTES = 64 << 20
 peer_mod.CLOSE_WAIT_S = 120.0  # the waits end on b's reading however loaded the machine: no timing in the test
@@ -39,30 +36,8 @@ ucx.DRAIN_WAIT_S = 120.0
 def main() -> None:
     a = Agent("a", AgentConfig(ucx_options=TCP, progress="poll", lanes=1))
     b = Agent("b", AgentConfig(ucx_options=TCP, progress="poll", lanes=1))
-    src = np.random.default_rng(1).integers(0, 256, NBYTES, dtype=np.uint8)
-    dst = np.zeros(NBYTES, dtype=np.uint8)
-    a.register(src)
-    b.register(dst)
-    a.add_peer(b.metadata())
-    b.add_peer(a.metadata())
-    whole = np.array([0])
-
-    def read(n: int):
-        return b.read("a", DescList.from_regions(dst.ctypes.data, whole, n),
-                      DescList.from_regions(src.ctypes.data, whole, n), timeout_s=300.0)
-
-    first = read(4096)  # every endpoint wired up
-    end = time.monotonic() + 120.0
-    while not first.done():
-        a.progress()
-        assert time.monotonic() < end, "the warm-up read did not complete"
-    assert first.state is XferState.DONE, first.state
-    reads = [read(NBYTES)]
-    for _ in range(100):  # its request goes out
-        b.progress()
-    answered = time.monotonic() + 0.5
-    while time.monotonic() < answered:  # a answers until its socket is full
-        a.progress()
+    read, big = answer_queued(a, b, NBYTES)
+    reads = [big]
 
     closing = threading.Event()
     close_ep = peer_mod.Peer._close_ep

@@ -12,25 +12,17 @@ import subprocess
 import sys
 
 import pytest
+from transport_helpers import shared_library
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1] / "bench"))
-from wake_latency import compiler  # noqa: E402  (the repository's one compiler lookup)
 
 
 @pytest.fixture(scope="module")
 def stub_libcuda(tmp_path_factory) -> pathlib.Path:
-    cc = compiler()
-    if not cc:
-        pytest.skip("no C compiler (set CC or install gcc)")
-    out = tmp_path_factory.mktemp("stub-cuda") / "libcuda.so.1"
-    proc = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread",
-                           "-Wl,-soname,libcuda.so.1", str(HERE / "csrc" / "stub_libcuda.c"), "-o", str(out),
-                           "-ldl"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"stub libcuda did not build:\n{proc.stderr}"
-    return out
+    return shared_library(HERE / "csrc" / "stub_libcuda.c", tmp_path_factory.mktemp("stub-cuda") / "libcuda.so.1",
+                          "-pthread", "-Wl,-soname,libcuda.so.1", "-ldl")
 
 
 def run_child(stub: pathlib.Path, *args: str, **env_extra: str) -> dict:

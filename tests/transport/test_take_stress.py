@@ -31,13 +31,11 @@ from rdma_kv.errors import ClosedError, TransferError
 from rdma_kv.transport import DescList, XferState
 from rdma_kv.transport._lib import load
 from transport_child import Child
-from transport_helpers import TCP, collect_notifications, link, pattern, prepare_slots, wait_until
+from transport_helpers import TCP, collect_notifications, link, pattern, prepare_slots, shared_library, wait_until
 
 pytestmark = [pytest.mark.ucx, pytest.mark.timeout(300)]
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1] / "bench"))
-from wake_latency import compiler  # noqa: E402  (the repository's one compiler lookup)
 
 WAIT_S = 60.0
 BLOCK = 4096
@@ -135,6 +133,24 @@ def test_many_takers_with_callbacks_notifications_lanes_and_a_callback_only_user
     given_back(pair.b)
 
 
+def waiting(xfers: list) -> tuple[list[threading.Thread], dict[int, BaseException | None]]:
+    """A started thread per transfer, blocked in its ``wait()``, and what
+    each wait raised (by index; None once it returned)."""
+    raised: dict[int, BaseException | None] = {}
+
+    def waiter(i: int) -> None:
+        try:
+            xfers[i].wait(WAIT_S)
+            raised[i] = None
+        except BaseException as exc:  # noqa: BLE001 -- looked at by the test
+            raised[i] = exc
+
+    threads = [threading.Thread(target=waiter, args=(i,), daemon=True) for i in range(len(xfers))]
+    for thread in threads:
+        thread.start()
+    return threads, raised
+
+
 def blocked_readers(make_agent, n: int, timeout_s: float = WAIT_S, **config):
     """``n`` threads of a pumped ``b`` (spin_s long: a caller keeps the
     worker while it waits) blocked on TCP reads from a polling ``a`` that
@@ -146,18 +162,7 @@ def blocked_readers(make_agent, n: int, timeout_s: float = WAIT_S, **config):
     pump = pair.b._core.driver.pump.handle
     xfers = [pair.b.read_prepared(local, np.arange(i * 8, i * 8 + 8), remote, np.arange(8), timeout_s=timeout_s)
              for i in range(n)]
-    raised: dict[int, BaseException | None] = {}
-
-    def waiter(i: int) -> None:
-        try:
-            xfers[i].wait(WAIT_S)
-            raised[i] = None
-        except BaseException as exc:  # noqa: BLE001 -- looked at by the test
-            raised[i] = exc
-
-    threads = [threading.Thread(target=waiter, args=(i,), daemon=True) for i in range(n)]
-    for thread in threads:
-        thread.start()
+    threads, raised = waiting(xfers)
     if timeout_s == WAIT_S:  # (a short deadline may pass before every caller got a CPU)
         wait_until(lambda: pump_state(pump)[4] == n, WAIT_S, f"{n} blocked callers to take the own worker")
     return pair, xfers, threads, raised
@@ -349,18 +354,7 @@ def test_a_peer_killed_while_callers_hold_the_worker(make_agent):
         assert np.array_equal(local, pattern(1000, nbytes))
         child.stop()
         xfers = [reader.read(child.name, *whole) for _ in range(3)]
-        raised: dict[int, BaseException | None] = {}
-
-        def waiter(i: int) -> None:
-            try:
-                xfers[i].wait(WAIT_S)
-                raised[i] = None
-            except BaseException as exc:  # noqa: BLE001 -- looked at by the test
-                raised[i] = exc
-
-        threads = [threading.Thread(target=waiter, args=(i,), daemon=True) for i in range(3)]
-        for thread in threads:
-            thread.start()
+        threads, raised = waiting(xfers)
         pump = reader._core.driver.pump.handle
         wait_until(lambda: pump_state(pump)[4] >= 1 or all(x.done() for x in xfers), WAIT_S,
                    "a blocked caller to take the reader's worker")
@@ -422,15 +416,8 @@ def test_callers_blocked_on_an_unanswered_read_leave_the_cpus_idle(make_agent, w
 
 @pytest.fixture(scope="module")
 def overlap_probe(tmp_path_factory) -> pathlib.Path:
-    cc = compiler()
-    if not cc:
-        pytest.skip("no C compiler (set CC or install gcc)")
-    out = tmp_path_factory.mktemp("overlap") / "progress_overlap.so"
-    proc = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror",
-                           str(HERE / "csrc" / "progress_overlap.c"), "-o", str(out), "-ldl"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"the probe did not build:\n{proc.stderr}"
-    return out
+    return shared_library(HERE / "csrc" / "progress_overlap.c",
+                          tmp_path_factory.mktemp("overlap") / "progress_overlap.so", "-ldl")
 
 
 @pytest.mark.multiprocess

@@ -57,6 +57,19 @@ def target_close_crash(proc: subprocess.CompletedProcess) -> bool:
         any(f.endswith("in close_target") for f in frames)
 
 
+def run_leak_free(child: str) -> subprocess.CompletedProcess:
+    """Run ``child`` (a script here, UCX's warnings on its stdout): it must
+    exit 0 saying "ok", and UCX may leak no request."""
+    env = {k: v for k, v in os.environ.items() if k not in ("UCX_TCP_PUT_ENABLE", "UCX_LOG_LEVEL")}
+    proc = subprocess.run([sys.executable, str(HERE / child)], cwd=HERE, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, (
+        f"the child exited {proc.returncode} (negative: killed by that signal)\n"
+        f"stdout: {proc.stdout[-2000:]}\nstderr: {proc.stderr[-4000:]}")
+    assert "was not returned to mpool" not in proc.stdout, f"UCX purged a queued request:\n{proc.stdout[-2000:]}"
+    return proc
+
+
 def test_a_peer_closing_after_a_deadline_failed_it_does_not_crash_the_writer(rng):
     """One worker, progress thread: the shape that crashed every time. The
     child wires every endpoint up before the peer fails: UCX 1.22 has
@@ -94,13 +107,7 @@ def test_a_target_closing_with_an_answer_queued_waits_for_its_reader():
     request it segfaults there (``ucp_request_dt_dereg`` from
     ``uct_tcp_ep_pending_purge`` in ``ucp_worker_destroy``, as in
     ``target_close_crash``; docs/reliability.md, "Reviews of flaky tests")."""
-    env = {k: v for k, v in os.environ.items() if k not in ("UCX_TCP_PUT_ENABLE", "UCX_LOG_LEVEL")}
-    proc = subprocess.run([sys.executable, str(HERE / "tcp_close_child.py")], cwd=HERE, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "ok" in proc.stdout, (
-        f"the child exited {proc.returncode} (negative: killed by that signal)\n"
-        f"stdout: {proc.stdout[-2000:]}\nstderr: {proc.stderr[-4000:]}")
-    assert "was not returned to mpool" not in proc.stdout, f"UCX purged a queued request:\n{proc.stdout[-2000:]}"
+    run_leak_free("tcp_close_child.py")
 
 
 def test_a_target_closing_drains_answers_queued_behind_its_endpoints_close():
@@ -113,11 +120,5 @@ def test_a_target_closing_drains_answers_queued_behind_its_endpoints_close():
     the second read failed), and with a recycled request the purge
     segfaults (``target_close_crash``; docs/reliability.md, "Reviews of
     the TCP target's close")."""
-    env = {k: v for k, v in os.environ.items() if k not in ("UCX_TCP_PUT_ENABLE", "UCX_LOG_LEVEL")}
-    proc = subprocess.run([sys.executable, str(HERE / "tcp_drain_child.py")], cwd=HERE, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "ok" in proc.stdout, (
-        f"the child exited {proc.returncode} (negative: killed by that signal)\n"
-        f"stdout: {proc.stdout[-2000:]}\nstderr: {proc.stderr[-4000:]}")
-    assert "was not returned to mpool" not in proc.stdout, f"UCX purged a queued request:\n{proc.stdout[-2000:]}"
+    proc = run_leak_free("tcp_drain_child.py")
     assert "['DONE', 'DONE']" in proc.stdout, proc.stdout[-2000:]

@@ -1,7 +1,7 @@
 """Helpers shared by the transport tests, their fixtures and their child
 processes: transport settings, seeded patterns, bounded waits, notification
 collection, random block plans with their byte model, agent teardown checks
-and a connected pair of agents.
+a connected pair of agents, and a TCP target with an answer queued.
 
 Imports only numpy, the stdlib and rdma_kv, so a spawned child starts fast.
 Every wait here is bounded; polling loops are waits with a deadline, never
@@ -10,6 +10,9 @@ a sleep that hopes the other side is ready.
 
 from __future__ import annotations
 
+import pathlib
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -233,6 +236,51 @@ def prepare_slots(pair: Pair, block: int = 4096):
     buffers, on both sides (local, remote)."""
     slots = np.arange(pair.buf_a.nbytes // block) * block
     return pair.b.prep_local(pair.desc_b(slots, block)), pair.b.prep_remote("a", pair.desc_a(slots, block))
+
+
+def shared_library(source: pathlib.Path, out: pathlib.Path, *flags: str) -> pathlib.Path:
+    """Build the C file ``source`` into the shared library ``out`` (link
+    ``flags`` after it) with the repository's one compiler lookup
+    (``bench/wake_latency.compiler``); the test is skipped without a
+    compiler."""
+    bench = str(pathlib.Path(__file__).resolve().parents[2] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from wake_latency import compiler
+
+    cc = compiler()
+    if not cc:
+        pytest.skip("no C compiler (set CC or install gcc)")
+    proc = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", str(source), "-o",
+                           str(out), *flags], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{source.name} did not build:\n{proc.stderr}"
+    return out
+
+
+def answer_queued(a, b, nbytes: int):
+    """Polling agents ``a`` (the target) and ``b`` (the reader), over TCP,
+    made peers (:func:`link`, ``nbytes`` each) and their endpoints wired up
+    by a first 4 KiB read; then b's read of all of a, which a answers (TCP
+    has no native get: the bytes go back as messages) until its socket is
+    full, so the rest of its answer waits in its endpoint's queue. Returns
+    ``read(n)``, posting b's read of a's first ``n`` bytes, and that big
+    read's transfer."""
+    pair = link(a, b, nbytes)
+    whole = np.array([0])
+
+    def read(n: int):
+        return b.read("a", pair.desc_b(whole, n), pair.desc_a(whole, n), timeout_s=300.0)
+
+    first = read(4096)
+    wait_until(first.done, 120.0, "the warm-up read", drive=[a])
+    assert first.state is XferState.DONE, first.state
+    big = read(nbytes)
+    for _ in range(100):  # its request goes out
+        b.progress()
+    answered = time.monotonic() + 0.5
+    while time.monotonic() < answered:  # a answers until its socket is full
+        a.progress()
+    return read, big
 
 
 HUNG_NBYTES = 1 << 16
