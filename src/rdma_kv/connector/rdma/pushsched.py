@@ -56,8 +56,10 @@ class PushPrefills:
         if isinstance(parsed, RemoteDecodeRequest) and parsed.transfer_id and self._num_groups == 1:
             self._tracked[request.request_id] = (parsed.transfer_id, [], prompt_digest(request.prompt_token_ids))
 
-    def forget(self, request_id: RequestId) -> None:
-        self._tracked.pop(request_id, None)
+    def forget(self, request_id: RequestId) -> bytes | None:
+        """Stop tracking ``request_id``; its prompt's digest, if it was tracked."""
+        tracked = self._tracked.pop(request_id, None)
+        return tracked[2] if tracked is not None else None
 
     def step(self, output: SchedulerOutput) -> tuple[LayerPushSpec, ...]:
         """This step's chunks of the tracked prefills: the blocks each holds

@@ -507,7 +507,7 @@ class RdmaScheduler:
         rid = request.request_id
         groups = as_group_block_ids(block_ids)
         self._bad.discard(rid)
-        self._push_prefills.forget(rid)
+        noted_digest = self._push_prefills.forget(rid)  # (a push prefill's, computed when it was noted)
         self._waiting_for_blocks.discard(rid)
         remote = self._remote.pop(rid, None)
         if remote is not None:
@@ -572,7 +572,7 @@ class RdmaScheduler:
             return False, None
         settings = self._settings
         generation = next(self._generations)
-        digest = prompt_digest(request.prompt_token_ids)
+        digest = noted_digest or prompt_digest(request.prompt_token_ids)
         binding = lease_binding(self._engine_id, settings.tp_size, request.num_prompt_tokens, tuple(offered),
                                 self._registration, digest)
         params = RemotePrefillParams(
