@@ -46,6 +46,12 @@ class PeerError(RdmaKVError, ConnectionError):
     """A peer is unknown, unreachable, or its endpoint failed."""
 
 
+class PeerTimeout(PeerError):
+    """A peer did not answer in time: it accepted and stayed silent, or its
+    address dropped the connect. Stalled or starved of CPU, not known to be
+    gone (a refused or reset connection is a plain :class:`PeerError`)."""
+
+
 class HandshakeError(PeerError):
     """The handshake with a peer failed or was refused."""
 

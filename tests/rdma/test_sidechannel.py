@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -282,6 +283,86 @@ def test_an_attempt_is_bounded_by_connect_and_rpc_timeouts_together():
     finally:
         client.close()
         producer.close()
+
+
+class StallingProducer:
+    """A producer that opens every connection (HELLO -> CHALLENGE) and
+    answers lease calls HELD, except the ones numbered in ``stall``
+    (counted from 1 over all connections): those it reads and never
+    answers, as a producer starved of CPU for a while does."""
+
+    def __init__(self, stall):
+        self.stall, self.calls = set(stall), 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.conns = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn):
+        while True:
+            try:
+                body = framing.recv_frame(conn, 1 << 20, "stalling", deadline=time.monotonic() + 30)
+            except (OSError, PeerError):
+                return
+            if body is None:
+                return
+            request = wire.decode_request(body)
+            if isinstance(request, wire.Hello):
+                reply = wire.Challenge(wire.PROTOCOL_VERSION, request.nonce, False)
+            else:
+                self.calls += 1
+                if self.calls in self.stall:
+                    continue  # read, never answered
+                reply = wire.LeaseReply([wire.LeaseStatus.HELD] * len(request.leases), 5.0)
+            try:
+                framing.send_frame(conn, wire.encode(reply), deadline=time.monotonic() + 10)
+            except OSError:
+                return
+
+    def close(self):
+        for sock in (self.listener, *self.conns):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # (wakes the threads in accept and recv; close does not)
+            sock.close()
+        self.thread.join(10)
+
+
+def test_a_producer_that_answered_gets_every_retry_when_it_stalls():
+    """A producer that answered before and then stalls (a loaded host can
+    leave its side channel unscheduled for seconds) gets the call's
+    ``retries`` + 1 attempts; only a peer that never answered gets one
+    retry. Before, the first timed-out attempt marked the client not
+    answering and the second ended the call as if the producer had never
+    answered: a CONFIRM was given up after 2 of its 3 attempts and the
+    data read discarded (CI: two loaded prefills, 4.1 s)."""
+    producer = StallingProducer(stall={2, 3})
+    client = SideChannelClient("127.0.0.1", producer.port, connect_timeout_s=2.0, rpc_timeout_s=0.3, retries=2)
+    try:
+        assert client.lease_call(renew()).statuses == [wire.LeaseStatus.HELD]  # call 1: answered
+        assert client.lease_call(renew()).statuses == [wire.LeaseStatus.HELD]  # attempts 2, 3 stall; 4 answers
+        assert producer.calls == 4 and client.answering
+    finally:
+        client.close()
+        producer.close()
+    stranger = StallingProducer(stall={1, 2, 3})
+    client = SideChannelClient("127.0.0.1", stranger.port, connect_timeout_s=2.0, rpc_timeout_s=0.3, retries=2)
+    try:
+        with pytest.raises(PeerError, match="unreachable after 2 attempts in .*timed out"):  # never answered
+            client.lease_call(renew())
+        assert stranger.calls == 2
+    finally:
+        client.close()
+        stranger.close()
 
 
 def test_an_urgent_call_waits_for_a_busy_second_connection_within_a_bound():

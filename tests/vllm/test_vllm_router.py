@@ -77,6 +77,17 @@ ROUTER_NO_PAIR_RETRIES = 10
 """A request the router answered 503 "No eligible P/D pair" is sent again, a second apart (check_equal)."""
 START_S = 400.0  # five vLLM servers starting at once on two shared cores
 HEALTH = ["--health-check-interval-secs", "1", "--health-failure-threshold", "2"]
+STARVATION_BOUNDS = {"load_timeout_s": 120.0, "lease_ttl_s": 120.0}
+"""Bounds for tests that assert every load succeeded. On this 2-core host,
+beside four or five vLLM servers that spin between steps, an engine
+process was seen without a CPU for 2-30 s (docs/reliability.md, "Processes
+without a CPU"): a prefill that does not run cannot answer a CONFIRM. The
+decode makes the CONFIRM again until the load's deadline, so a load
+outlives such a gap if ``load_timeout_s`` (30 s by default) does, and the
+lease (``lease_ttl_s``: the producer's clock runs while it has no CPU) too.
+2026-11-30: CI failed ``test_vllm_router_1p1d_and_2p1d_equal_plain`` on a
+4 s gap (the CONFIRM call then gave up after two attempts); reproduced here
+with a 30 s gap, two loaded runs in four."""
 
 
 def rdma_config(role: str, **extra: Any) -> dict[str, Any]:
@@ -159,9 +170,9 @@ def loads(decode: ApiServer, outcome: str) -> float:
 def pd_servers(model_dir: str, log_dir: Path, plain_server: ApiServer
                ) -> Iterator[tuple[ApiServer, ApiServer, ApiServer]]:
     """Two prefills and a decode, shared by the default-tier tests."""
-    servers = (ApiServer("prefill0", model_dir, log_dir, kv_transfer_config=rdma_config("kv_producer")),
-               ApiServer("prefill1", model_dir, log_dir, kv_transfer_config=rdma_config("kv_producer")),
-               ApiServer("decode", model_dir, log_dir, kv_transfer_config=rdma_config("kv_consumer")))
+    servers = tuple(ApiServer(name, model_dir, log_dir, kv_transfer_config=rdma_config(role, **STARVATION_BOUNDS))
+                    for name, role in (("prefill0", "kv_producer"), ("prefill1", "kv_producer"),
+                                       ("decode", "kv_consumer")))
     try:
         start_all(plain_server, *servers)
         yield servers

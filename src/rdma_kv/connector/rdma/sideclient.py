@@ -26,8 +26,11 @@ an address that drops what is sent to it) marks the client not
 ``answering``, which the consumer's pool caps (``consumer.clients``); it
 is retried as any failure is (a producer starved of CPU a while on a
 loaded host answers the next attempt), once only for a peer that never
-answered (a port a client named that accepts and never answers holds a
-capped place for two attempts, not ``retries`` + 1). Any attempt that
+answered before the call (a port a client named that accepts and never
+answers holds a capped place for two attempts, not ``retries`` + 1). A call
+whose last attempt timed out raises :class:`PeerTimeout` (so does the fast
+failure after it): the peer may be stalled, not gone, and a caller whose
+call can be made again later (a CONFIRM) tells the two apart. Any attempt that
 fails at the peer (a timeout, a new connection refused or reset; not the
 way to it down, nor a kept connection the producer closed) marks the client not ``answering`` until one is answered: the
 ranks of a producer engine that just stopped answered before, and their
@@ -61,7 +64,7 @@ from typing import Any
 import msgspec
 
 from rdma_kv.connector.rdma import auth, framing, wire
-from rdma_kv.errors import AuthenticationError, HandshakeError, MetadataError, PeerError
+from rdma_kv.errors import AuthenticationError, HandshakeError, MetadataError, PeerError, PeerTimeout
 
 __all__ = ["HANDSHAKE_TIMEOUT_S", "URGENT_WAIT_S", "CallGuard", "SideChannelClient", "guarded"]
 
@@ -390,6 +393,7 @@ class SideChannelClient:
         last: Exception | None = None
         start = time.monotonic()
         attempts = 0
+        answered_before = self.answering  # (this call's first failure clears it)
         while True:
             if self._closed:
                 raise PeerError(f"side channel client for {self.address} is closed")
@@ -417,15 +421,15 @@ class SideChannelClient:
                 attempts += 1
                 if (fresh or isinstance(exc, TimeoutError)) and not _link_down(exc):  # failed at the peer
                     answered, self.answering = self.answering, False  # (the pool caps the calls to it now)
-                    if isinstance(exc, TimeoutError) and not answered and attempts > 1:
+                    if isinstance(exc, TimeoutError) and not answered_before and attempts > 1:
                         break  # never answered: one retry (a first answer slow once), not a stranger's slot for long
                     guard = _guard(self.host, self.port)
                     why = guard.stopped_answering() if answered and guard and guard.stopped_answering else ""
                     if why:
                         self._down_until = time.monotonic() + self.down_s
                         self._down_reason = f"stopped answering ({exc}); not tried again: {why}"
-                        self._down_error = PeerError
-                        raise PeerError(f"side channel {self.address} {self._down_reason}")
+                        self._down_error = PeerTimeout if isinstance(exc, TimeoutError) else PeerError
+                        raise self._down_error(f"side channel {self.address} {self._down_reason}")
                 if not self._retries or (attempts > self._retries and not (
                         _link_down(exc) and time.monotonic() - start < self._connect_timeout_s)):
                     break
@@ -441,8 +445,8 @@ class SideChannelClient:
             return reply
         self._down_until = time.monotonic() + self.down_s
         self._down_reason = f"unreachable after {attempts} attempts in {time.monotonic() - start:.2g} s: {last}"
-        self._down_error = PeerError
-        raise PeerError(f"side channel {self.address} {self._down_reason}")
+        self._down_error = PeerTimeout if isinstance(last, TimeoutError) else PeerError
+        raise self._down_error(f"side channel {self.address} {self._down_reason}")
 
     def handshake(self, request: wire.Handshake) -> wire.HandshakeReply:
         reply = self.call(request, timeout_s=max(self._rpc_timeout_s, HANDSHAKE_TIMEOUT_S))

@@ -13,9 +13,16 @@ limits on one call require it: ``wire.lease_chunks``). The producer's answer per
 - GONE, CLAIMED, UNKNOWN or FORGED: the data read cannot be trusted; the
   load fails (``lease_rpc.refusal_reason``).
 
-A call that fails fails every load it carried; a producer that is gone
-(``PeerError``) is failed in the peer directory too, so its endpoint and
-keys do not outlive it.
+A call the producer did not answer in time (``PeerTimeout``: stalled or
+starved of CPU a while, as a loaded host leaves a process) is made again
+``CONFIRM_RETRY_S`` later, at a step, until the load's deadline
+(``load_timeout_s``) fails it: the reads landed, and a CONFIRM is
+idempotent (a retried CONFIRM of a lease its first attempt released still
+reads HELD), so a producer that answers late loses nothing. Before, the
+call's attempts (4 s) decided, and a producer stalled that long had every
+load queued to it recompute. Any other failure fails every load the call
+carried; a producer that is gone (``PeerError``) is failed in the peer
+directory too, so its endpoint and keys do not outlive it.
 
 Imports the standard library, ``rdma_kv.errors`` and the connector's
 ``rdma.wire`` and the consumer's ``clients``, ``lease_rpc``, ``peers`` and
@@ -34,11 +41,15 @@ from rdma_kv.connector.rdma.consumer.clients import ClientPool
 from rdma_kv.connector.rdma.consumer.lease_rpc import LeaseCalls, refusal_reason, wired_id
 from rdma_kv.connector.rdma.consumer.peers import PeerDirectory, PeerKey, PeerState
 from rdma_kv.connector.rdma.consumer.records import LoadState, Source, SourceStage
-from rdma_kv.errors import PeerError
+from rdma_kv.errors import PeerError, PeerTimeout
 
-__all__ = ["Confirmations"]
+__all__ = ["CONFIRM_RETRY_S", "Confirmations"]
 
 Queued = tuple[LoadState, Source]
+
+CONFIRM_RETRY_S = 1.0
+"""How long after a CONFIRM the producer did not answer it is made again
+(the client fails fast this long after such a call: ``SideChannelClient.down_s``)."""
 
 
 class Confirmations:
@@ -59,7 +70,9 @@ class Confirmations:
         self._on_confirmed = on_confirmed
         self._queue: dict[PeerKey, list[Queued]] = collections.defaultdict(list)
         self._scheduled: set[PeerKey] = set()
-        self._pending: list[tuple[PeerState, LoadState, Source]] = []
+        self._pending: list[tuple[float, PeerState, LoadState, Source]] = []
+        """Sources to queue again once ``time.monotonic()`` passes their time:
+        answered PENDING (at once), or not answered (``CONFIRM_RETRY_S`` on)."""
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queue.values())
@@ -72,10 +85,17 @@ class Confirmations:
             self._scheduled.add(peer.key)
 
     def retry(self) -> None:
-        """Queue again the sources the producer answered PENDING. Lock held."""
+        """Queue again the sources the producer answered PENDING, and those
+        of a CONFIRM it did not answer once ``CONFIRM_RETRY_S`` passed. Lock held."""
+        now = time.monotonic()
         pending, self._pending = self._pending, []
-        for peer, load, src in pending:
-            if src.stage is SourceStage.CONFIRMING and not load.stage.terminal:
+        for entry in pending:
+            at, peer, load, src = entry
+            if src.stage is not SourceStage.CONFIRMING or load.stage.terminal:
+                continue
+            if at > now:
+                self._pending.append(entry)
+            else:
                 self.queue(peer, load, src)
 
     def clear(self) -> None:
@@ -101,6 +121,15 @@ class Confirmations:
         request = wire.Confirm(wire.PROTOCOL_VERSION, [lease for _, lease in wired], release=True)
         try:
             statuses = self._pool.get(*peer.address.rank_address(peer.rank)).lease_call(request).statuses
+        except PeerTimeout as exc:
+            at = time.monotonic() + CONFIRM_RETRY_S
+            with self._lock:
+                for load, src in batch:
+                    if not load.stage.terminal and src.stage is SourceStage.CONFIRMING:
+                        load.waiting_on = f"the CONFIRM to {peer.address.engine_id!r} rank {peer.rank} is " \
+                                          f"not answered: {exc}"
+                        self._pending.append((at, peer, load, src))
+            return
         except Exception as exc:
             with self._lock:
                 for load, _ in batch:
@@ -118,7 +147,7 @@ class Confirmations:
                 if load.stage.terminal or src.stage is not SourceStage.CONFIRMING:
                     continue
                 if status is wire.LeaseStatus.PENDING:
-                    self._pending.append((peer, load, src))  # re-sent at the next step
+                    self._pending.append((0.0, peer, load, src))  # re-sent at the next step
                     continue
                 src.released = True  # HELD released this reader's share; a refusal holds nothing
                 if status is not wire.LeaseStatus.HELD:

@@ -448,8 +448,9 @@ class RdmaConsumer:
         with self._lock:
             for load in list(self._book.loads.values()):
                 if not load.stage.terminal and load.error is None and now > load.deadline:
+                    waiting = f": {load.waiting_on}" if load.waiting_on else ""
                     self._fail(load, f"not finished within load_timeout_s={self._settings.load_timeout_s} "
-                                     f"(stage {load.stage.value})")
+                                     f"(stage {load.stage.value}){waiting}")
             finished = self._book.report()
             self._confirms.retry()
             renew = self.leases.due(self._book.loads.values(), now)

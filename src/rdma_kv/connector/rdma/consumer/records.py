@@ -103,6 +103,9 @@ class LoadState:
     sources: list[Source] = dataclasses.field(default_factory=list)
     error: str | None = None
     renewed_at: float | None = None
+    waiting_on: str = ""
+    """Why the load is not done yet, when it waits on a producer that does
+    not answer (said when its deadline fails it)."""
     confirm_started: float | None = None
     """``perf_counter()`` when the load entered CONFIRMING (its ``confirm_s`` runs from here)."""
     seen: float = dataclasses.field(default_factory=time.perf_counter)
