@@ -87,7 +87,7 @@ outlives such a gap if ``load_timeout_s`` (30 s by default) does, and the
 lease (``lease_ttl_s``: the producer's clock runs while it has no CPU) too.
 2026-11-30: CI failed ``test_vllm_router_1p1d_and_2p1d_equal_plain`` on a
 4 s gap (the CONFIRM call then gave up after two attempts); reproduced here
-with a 30 s gap, two loaded runs in four."""
+with a 30 s gap, once in three loaded runs."""
 
 
 def rdma_config(role: str, **extra: Any) -> dict[str, Any]:
