@@ -51,6 +51,19 @@ ROUTER_VERSION = "0.1.17"
 
 SERVED_MODEL = "tiny"
 
+HTTP_KEEP_ALIVE_S = 600
+"""How long a server keeps an idle HTTP connection (uvicorn's
+``timeout_keep_alive``, vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``: 5 s by
+default). vllm-router keeps its connections to the engines in a pool and
+reuses an idle one; a server that closes it as the router sends on it
+fails that request: the router answers 500 "Transparent proxy request
+failed: Network error: Prefill request to ... failed: ... connection
+closed before message completed" (test_vllm_push.py's 128 in flight, a
+loaded host, 2026-11-30: 1 of 128, nothing in the engines' logs). With the
+server's bound above the client pool's idle bound (reqwest's default, 90 s;
+vllm-router's own setting not checked), the client closes first and never
+sends on a connection being closed."""
+
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now, outside the ephemeral range (netutil says why)."""
@@ -164,7 +177,8 @@ class ApiServer(_Child):
         self.name, self.port, self.host = name, port or free_port(), host
         self.log_path = Path(log_dir) / f"{name}.log"
         child_env = {**os.environ, **vllm_env(multiprocessing=True), "UCX_NET_DEVICES": "lo",
-                     "PYTHONUNBUFFERED": "1", **(env or {})}
+                     "PYTHONUNBUFFERED": "1", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(HTTP_KEEP_ALIVE_S),
+                     **(env or {})}
         for key in UNSET_ENV:
             child_env.pop(key, None)
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",

@@ -69,7 +69,7 @@ from tiny_model import build_tiny_llama  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 
-STARVATION_BOUNDS = {"load_timeout_s": 120.0, "lease_ttl_s": 120.0, "read_timeout_s": 60.0}
+STARVATION_BOUNDS = {"load_timeout_s": 300.0, "lease_ttl_s": 120.0, "read_timeout_s": 60.0}
 """Five vLLM servers share this 2-core host, each spinning between steps;
 with one busy loop beside them (2026-11-27), a producer's 32 KiB layer
 write missed its deadline (``read_timeout_s``, 10 s by default) in 2 runs
@@ -82,7 +82,25 @@ One such write also expired at 60 s on a quiet machine, not diagnosed
 equals plain, not how fast: the bounds leave room for a starved process,
 and every wait still ends within them (test_vllm_push_hetero_tp.py does
 the same). A killed producer is still met by its refused connection, not
-by a bound."""
+by a bound.
+
+``load_timeout_s`` was 120 s. A decode's load counts from the step that
+starts it, and its PUSH (or PUSH_REG) is one side-channel round trip on
+the decode's RPC thread, the calls to a producer rank one at a time: 128
+in flight through one producer is a queue of up to ~100 PUSHes (the
+decode's KV cache admits that many loads at once). Measured with each
+push traced (2026-11-30, two busy loops and another vLLM module beside):
+all of a load's time was that queue (the producer's answer and its
+notification came within 0.1 s of the PUSH being sent, 183 of 184 by
+notification, none lost), about 47 ms a round trip, and a thread asleep
+in ``select`` woke up to 8-12 s late (idle servers' side-channel loops;
+the decode's RPC thread once sat 8 s with 5 calls queued). A fresh-clone
+CI run beside one busy loop had a median load of 55.5 s (about 0.9 s a
+round trip), so the last of the queue passed 120 s: 1 of 128 loads
+failed here and 3 of 32 in the moriio test (whose WAITING registrations
+were each queried every second, ahead of the new registrations, until
+``Pushes.poll`` kept one query per producer rank). 300 s is well above
+that queue at CI's round trip, and below ``CLIENT_TIMEOUT_S``."""
 
 
 CLIENT_TIMEOUT_S = 480.0
@@ -91,7 +109,7 @@ router, or to the decode with a prefill's params): above
 every bound the decode has of its own for a push-mode load, so that a load
 that stalls ends at the decode, loudly (its "KV load failed" line with the
 reason, the recompute, the counts these tests assert), not at the client
-first. The decode fails a load ``load_timeout_s`` (120 s here) after it
+first. The decode fails a load ``load_timeout_s`` (300 s here) after it
 started, once its push resolved: with the producer answering, within the
 writes' timeout after its RUNNING answer; with the producer not answering,
 ``lease_max_s`` + ``read_timeout_s`` (300 + 60 s) after the PUSH

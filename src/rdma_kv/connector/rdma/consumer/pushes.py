@@ -78,6 +78,10 @@ QUERY_AFTER_S = 1.0
 queried (and again every ``QUERY_EVERY_S``): a lost or late notification,
 or a producer that failed, is found within about a second."""
 QUERY_EVERY_S = 0.5
+"""A push is asked about at most this often; and at most one such query per
+producer rank is queued or in flight at a time (``Pushes.poll``): the
+calls to one rank go one at a time, in order (``clients``), so a query per
+push due queued every PUSH and PUSH_REG behind all of them."""
 PENDING_RETRY_S = 0.05
 """A PUSH answered PENDING (the lease's grant had not reached the
 producer's worker) is sent again after this long."""
@@ -106,6 +110,7 @@ class PushHandle:
     aborting: bool = False
     next_query_at: float = 0.0
     busy: bool = False  # an RPC for it is on an RPC thread
+    probing: bool = False  # that RPC is its rank's one query (``Pushes.poll``)
     resend: bool = False  # answered PENDING (or unknown to a query): the next due time sends the PUSH again
     send_error: str = ""  # why the last call before an answer failed
     error: BaseException | None = None
@@ -159,6 +164,8 @@ class Pushes:
         self._lock = threading.Lock()
         self._running: dict[bytes, PushHandle] = {}
         self._hellos: set[tuple[str, int, int]] = set()  # (host, port, producer registration) introduced to
+        self._probing: set[tuple[str, int]] = set()
+        """Producer ranks with a query queued or in flight (one at a time each: ``poll``)."""
         self._counts = Tally(PushCounters)  # counted under self._lock
         self._local_table = local_table
         """This rank's slot table per head slice (``PeerDirectory.local_table``: one cache for reads and pushes)."""
@@ -276,6 +283,7 @@ class Pushes:
         now = self._clock()
         with self._lock:
             handle.busy = False
+            self._end_probe(handle)
             if handle.done():
                 return
         S = wire.PushState
@@ -349,8 +357,22 @@ class Pushes:
 
     # --- every step (engine thread) ----------------------------------------------------------------
 
+    def _end_probe(self, handle: PushHandle) -> None:
+        """(Under the lock.) ``handle``'s query, if it held its rank's one, is over."""
+        if handle.probing:
+            handle.probing = False
+            self._probing.discard(self._address(handle))
+
     def poll(self) -> None:
-        """Match the producers' notifications; query the pushes due."""
+        """Match the producers' notifications; query the pushes due: a PUSH
+        to send again and an abort at once, a plain query only while its
+        producer rank has none queued or in flight (the one longest due
+        first). Calls to a rank go one at a time, in order (``clients``):
+        with a query per push due, every new PUSH and PUSH_REG to a rank
+        queued behind one query of each of its pushes waiting (WAITING
+        registrations, pushes whose notification is late), a round trip
+        each -- the more pushes wait, the longer the next one waits to be
+        sent. Queries are no fewer: they were sent one at a time anyway."""
         for note in self._local.transport.get_notifications():
             payload = getattr(note, "payload", b"")
             if not payload.startswith(wire.PUSH_NOTIFY_PREFIX):
@@ -364,12 +386,23 @@ class Pushes:
         now = self._clock()
         due = []
         with self._lock:
+            waiting = []
             for token, handle in list(self._running.items()):
                 if handle.done():  # adopted while a call of the Pushes before a sleep was in flight,
                     del self._running[token]  # which resolved it there: nothing to ask
                     continue
                 if not handle.busy and handle.next_query_at and now >= handle.next_query_at:
-                    handle.busy = True
+                    if handle.resend or handle.aborting:
+                        handle.busy = True
+                        due.append(handle)
+                    else:
+                        waiting.append(handle)
+            waiting.sort(key=lambda h: h.next_query_at)
+            for handle in waiting:
+                address = self._address(handle)
+                if address not in self._probing:
+                    self._probing.add(address)
+                    handle.busy = handle.probing = True
                     due.append(handle)
         for handle in due:
             resend, handle.resend = handle.resend, False
@@ -378,6 +411,9 @@ class Pushes:
             # way (an attempt the client gave up on may yet arrive), or stops what it took.
             if not self._pool.submit(self._send if resend and not handle.aborting else self._query, handle,
                                    to=self._address(handle)):
+                with self._lock:
+                    handle.busy = False
+                    self._end_probe(handle)
                 self._resolve(handle, PushFailed("the worker is closing"))
 
     def abort(self, handle: PushHandle) -> None:
