@@ -40,10 +40,12 @@ def prefill(p: EngineProcess, prompts: dict[str, list[int]]) -> dict[str, dict[s
     return {rid: results[rid]["kv_transfer_params"] for rid in prompts}
 
 
-def stalled_loads(rng, load_timeout_s: float, stall_s: float | None) -> dict[str, dict[str, object]]:
+def stalled_loads(rng, load_timeout_s: float, stall_s: float | None
+                  ) -> tuple[dict[str, dict[str, object]], dict[str, object]]:
     """Warm the decode's handshake with the producer, gate its reads, add 6
     loads, stop the producer, let the reads land; continue the producer
-    ``stall_s`` later (None: only after the results). The loads' results."""
+    ``stall_s`` later (None: only after the results). The loads' results,
+    and the decode's counters."""
     with EngineProcess("prefill-s", config("kv_producer", "PS"), SHAPE) as p, \
             EngineProcess("decode-s", config("kv_consumer", "DS", load_timeout_s=load_timeout_s), SHAPE,
                           faults={"gate_reads": True}) as d:
@@ -63,20 +65,23 @@ def stalled_loads(rng, load_timeout_s: float, stall_s: float | None) -> dict[str
             if stall_s is not None:
                 time.sleep(stall_s)
                 os.kill(p.pid, signal.SIGCONT)
-            return d.wait_results(ids[1:], timeout_s=load_timeout_s + 60)
+            results = d.wait_results(ids[1:], timeout_s=load_timeout_s + 60)
+            return results, d.call("stats")["totals"]
         finally:
             os.kill(p.pid, signal.SIGCONT)
 
 
 def test_loads_outlive_a_producer_stalled_longer_than_one_confirm_call(rng):
-    results = stalled_loads(rng, load_timeout_s=60.0, stall_s=STALL_S)
+    results, totals = stalled_loads(rng, load_timeout_s=60.0, stall_s=STALL_S)
+    assert totals["confirms_unanswered"] >= 1, totals  # counted: the CONFIRM was made again
     for rid, r in results.items():
         assert r["status"] == "finished" and not r["load_failed"], (rid, r["error"])
         assert r["bad_blocks"] == [], f"{rid}: blocks {r['bad_blocks']} differ from its producer's"
 
 
 def test_a_producer_that_never_answers_fails_the_loads_at_their_deadline_saying_why(rng, capfd):
-    results = stalled_loads(rng, load_timeout_s=8.0, stall_s=None)
+    results, totals = stalled_loads(rng, load_timeout_s=8.0, stall_s=None)
+    assert totals["confirms_unanswered"] >= 1, totals
     assert all(r["status"] == "failed" and r["load_failed"] for r in results.values()), results
     logged = capfd.readouterr().err  # the decode's warnings (its stderr is this process's; a few per window)
     assert "KV load failed: not finished within load_timeout_s=8.0 (stage confirming): the CONFIRM to 'PS' " \

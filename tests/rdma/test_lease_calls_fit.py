@@ -110,7 +110,8 @@ def confirm_queued(n, rid, client):
 
     leases = LeaseCalls(RdmaSettings("127.0.0.1", "127.0.0.1", 0), None, pool, book, fail)
     confirms = Confirmations(book.lock, pool, Directory(), leases, fail,
-                             lambda load, now: confirmed.append(load.spec.request_id), lambda key: False)
+                             lambda load, now: confirmed.append(load.spec.request_id), lambda key: False,
+                             book.counters)
     peer = PeerState(PEER, 0)
     with book.lock:
         for i in range(n):

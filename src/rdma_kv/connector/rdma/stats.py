@@ -261,6 +261,10 @@ class ConsumerCounters(Counters):
     pin_fallbacks: int = 0
     """Sources CONFIRMed although pinned: the pin was not granted (PENDING,
     the call failed) or the reads landed after it ended."""
+    confirms_unanswered: int = 0
+    """CONFIRM calls a producer did not answer in time (stalled, or starved
+    of CPU): made again ``confirms.CONFIRM_RETRY_S`` later, until the
+    load's deadline."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

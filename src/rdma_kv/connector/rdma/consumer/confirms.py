@@ -25,8 +25,8 @@ carried; a producer that is gone (``PeerError``) is failed in the peer
 directory too, so its endpoint and keys do not outlive it.
 
 Imports the standard library, ``rdma_kv.errors`` and the connector's
-``rdma.wire`` and the consumer's ``clients``, ``lease_rpc``, ``peers`` and
-``records``.
+``rdma.stats`` and ``rdma.wire``, and the consumer's ``clients``, ``lease_rpc``,
+``peers`` and ``records``.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from rdma_kv.connector.rdma.consumer.clients import ClientPool
 from rdma_kv.connector.rdma.consumer.lease_rpc import LeaseCalls, refusal_reason, wired_id
 from rdma_kv.connector.rdma.consumer.peers import PeerDirectory, PeerKey, PeerState
 from rdma_kv.connector.rdma.consumer.records import LoadState, Source, SourceStage
+from rdma_kv.connector.rdma.stats import ConsumerCounters, Tally
 from rdma_kv.errors import PeerError, PeerTimeout
 
 __all__ = ["CONFIRM_RETRY_S", "Confirmations"]
@@ -59,9 +60,11 @@ class Confirmations:
     def __init__(self, lock: threading.RLock, pool: ClientPool, peers: PeerDirectory, leases: LeaseCalls,
                  fail: Callable[[LoadState, str], None],
                  on_confirmed: Callable[[LoadState, float], None],
-                 reading: Callable[[PeerKey], bool]) -> None:
-        """``reading``: whether a read from a producer rank may still land (lock held)."""
+                 reading: Callable[[PeerKey], bool], counters: Tally[ConsumerCounters]) -> None:
+        """``reading``: whether a read from a producer rank may still land
+        (lock held); ``counters``: the consumer's (counted under ``lock``)."""
         self._lock = lock
+        self._counters = counters
         self._reading = reading
         self._pool = pool
         self._peers = peers
@@ -124,6 +127,7 @@ class Confirmations:
         except PeerTimeout as exc:
             at = time.monotonic() + CONFIRM_RETRY_S
             with self._lock:
+                self._counters.add("confirms_unanswered")
                 for load, src in batch:
                     if not load.stage.terminal and src.stage is SourceStage.CONFIRMING:
                         load.waiting_on = f"the CONFIRM to {peer.address.engine_id!r} rank {peer.rank} is " \

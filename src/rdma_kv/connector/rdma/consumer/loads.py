@@ -90,7 +90,7 @@ class RdmaConsumer:
                                    self._handshake_done)
         self.leases = LeaseCalls(settings, self.peers.plan, pool, book, self._fail, self.peers.confirmed)
         self._confirms = Confirmations(self._lock, pool, self.peers, self.leases, self._fail, self._confirmed,
-                                       book.reading_from)
+                                       book.reading_from, book.counters)
         self._pins = Pins(book, pool, self.leases, self._on_pin, self.peers.failed)
         self._asleep: str | None = None  # why loads fail at once (suspend)
         self.pushes = (Pushes(local, engine_id, registration, incarnation, settings, pool, self.peers.failed,
