@@ -17,14 +17,14 @@ import pytest
 
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.consumer.confirms import Confirmations
-from rdma_kv.connector.rdma.consumer.lease_rpc import LeaseCalls
+from rdma_kv.connector.rdma.consumer.lease_rpc import LeaseCalls, call_lease_rpc
 from rdma_kv.connector.rdma.consumer.peers import PeerState
 from rdma_kv.connector.rdma.consumer.records import LoadBook, LoadState, Source, SourceStage
 from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress
 from rdma_kv.connector.rdma.params import LeaseRef
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.topology import Read
-from rdma_kv.errors import MetadataError, PeerError
+from rdma_kv.errors import MetadataError, PeerError, PeerTimeout
 
 PEER = PeerAddress("P", "127.0.0.1", 5000, 1)
 WIDE = "\U0001f600"  # four bytes in UTF-8: one character of the 1,024 an id may have
@@ -146,6 +146,30 @@ def test_a_failed_call_fails_only_the_loads_it_carried():
                                                                            2 * wire.MAX_LEASES_PER_MESSAGE))
     assert all("could not confirm the lease" in why for _, why in failed)
     assert len(gone) == 1  # the producer is failed in the directory (no read from it can still land)
+
+
+def test_a_release_that_times_out_does_not_find_the_producer_gone():
+    """A RELEASE the producer did not answer (``PeerTimeout``: stalled, as
+    a process on a loaded host is for seconds) leaves it in the peer
+    directory; one whose connection was refused finds it gone. Before, any
+    ``PeerError`` failed it: its endpoint and keys dropped, and the next
+    load's handshake met the producer still not answering."""
+
+    class Failing:
+        def __init__(self, exc):
+            self.exc = exc
+
+        def lease_call(self, request, urgent=False):
+            raise self.exc
+
+    ref = LeaseRef(1, 1, "r", b"t" * 16, b"b" * 16)
+    leases = [LoadSpec("d", ((0,),), ((0,),), PEER, ref, 10.0, b"c" * 16).remote_lease]
+    for exc, found_gone in ((PeerTimeout("side channel 127.0.0.1:5000 unreachable after 2 attempts: timed out"),
+                             False),
+                            (PeerError("side channel 127.0.0.1:5000 unreachable after 2 attempts: refused"), True)):
+        gone = []
+        assert call_lease_rpc(Failing(exc), wire.Release, PEER, leases, gone=gone.append) is None
+        assert bool(gone) is found_gone, (exc, gone)
 
 
 def test_a_real_producer_takes_each_call(fabric):

@@ -35,7 +35,7 @@ from rdma_kv.connector.rdma.meta import PeerAddress, RemoteLease
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.rdma.sideclient import SideChannelClient
 from rdma_kv.connector.rdma.topology import RankPlan
-from rdma_kv.errors import ConfigError, PeerError
+from rdma_kv.errors import ConfigError, PeerError, PeerTimeout
 
 __all__ = ["MAX_UNPLANNED_RANKS", "REFUSALS", "LeaseCalls", "LeaseKind", "Refused", "Targeted", "call_lease_rpc",
            "refusal_reason"]
@@ -211,14 +211,17 @@ def call_lease_rpc(client: SideChannelClient, kind: LeaseKind, address: PeerAddr
     """One RENEW or RELEASE; the leases the producer refused (GONE, CLAIMED,
     UNKNOWN, FORGED) with its answers, or None if the call failed (logged at DEBUG:
     the leases expire on their own). ``gone``: called with the reason when the
-    producer was found gone (``PeerError``)."""
+    producer was found gone (a ``PeerError``: its connection refused or reset;
+    not a ``PeerTimeout``, which a producer stalled a while, on a loaded host,
+    gives as well: failing it would drop its endpoint and keys, and the next
+    load would have to handshake with it while it still does not answer)."""
     try:
         reply = client.lease_call(kind(wire.PROTOCOL_VERSION, [r.to_wire() for r in leases]),
                                   urgent=kind is wire.Renew)
     except Exception as exc:
         logger.debug("%s of %d lease(s) with %r failed (the leases expire on their own): %s",
                      kind.__name__, len(leases), address.engine_id, exc)
-        if gone is not None and isinstance(exc, PeerError):
+        if gone is not None and isinstance(exc, PeerError) and not isinstance(exc, PeerTimeout):
             gone(str(exc))
         return None
     return [(r, s) for r, s in zip(leases, reply.statuses) if s in REFUSALS]

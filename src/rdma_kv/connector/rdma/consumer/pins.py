@@ -27,8 +27,9 @@ What the answers mean to the load (``loads`` applies them):
   failed: not pinned; the source is CONFIRMed after its reads, as
   without pins.
 
-A producer found gone by a RELEASE (``PeerError``) is failed in the peer
-directory (``failed``), as a CONFIRM's would be: a load trusted on its
+A producer found gone by a RELEASE (``PeerError``, not ``PeerTimeout``:
+``lease_rpc.call_lease_rpc``) is failed in the peer directory (``failed``),
+as a CONFIRM's would be: a load trusted on its
 pin needs no more calls, so its RELEASE may be the only one to learn it,
 and the endpoint and keys must not outlive the producer. Not while reads
 from it are on the wire, and a failed PIN fails nothing: failing the peer
