@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from faults_util import config, prefill
+
 from rdma_kv.harness.engine import ModelShape
 from rdma_kv.harness.process import EngineProcess
 
@@ -27,17 +29,8 @@ STALL_S = 6.0
 """Longer than one CONFIRM call's attempts, well inside the decode's load_timeout_s."""
 
 
-def config(role: str, engine_id: str, **extra: object) -> dict[str, object]:
-    return {"kv_connector": "RdmaKVConnector", "kv_role": role, "engine_id": engine_id, "kv_port": 0,
-            "kv_load_failure_policy": "fail",
-            "kv_connector_extra_config": {**RPC, "read_timeout_s": 10.0, "read_pin": False, **extra}}
-
-
-def prefill(p: EngineProcess, prompts: dict[str, list[int]]) -> dict[str, dict[str, object]]:
-    for rid, prompt in prompts.items():
-        p.add(rid, prompt, {"do_remote_decode": True})
-    results = p.wait_results(prompts, timeout_s=60)
-    return {rid: results[rid]["kv_transfer_params"] for rid in prompts}
+def stalled_config(role: str, engine_id: str, **extra: object) -> dict[str, object]:
+    return config(role, engine_id, "fail", **RPC, read_timeout_s=10.0, read_pin=False, **extra)
 
 
 def stalled_loads(rng, load_timeout_s: float, stall_s: float | None
@@ -46,8 +39,8 @@ def stalled_loads(rng, load_timeout_s: float, stall_s: float | None
     loads, stop the producer, let the reads land; continue the producer
     ``stall_s`` later (None: only after the results). The loads' results,
     and the decode's counters."""
-    with EngineProcess("prefill-s", config("kv_producer", "PS"), SHAPE) as p, \
-            EngineProcess("decode-s", config("kv_consumer", "DS", load_timeout_s=load_timeout_s), SHAPE,
+    with EngineProcess("prefill-s", stalled_config("kv_producer", "PS"), SHAPE) as p, \
+            EngineProcess("decode-s", stalled_config("kv_consumer", "DS", load_timeout_s=load_timeout_s), SHAPE,
                           faults={"gate_reads": True}) as d:
         prompts = {f"s{i}": rng.integers(1, 999, int(rng.integers(40, 200))).tolist() for i in range(7)}
         params = prefill(p, prompts)
