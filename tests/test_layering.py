@@ -23,7 +23,7 @@ vLLM. The rules, as the code keeps them:
   (the CLI builds on it), except its ``__main__``, which hands over to the CLI.
 - Roles inside the RDMA connector: the consumer's modules
   (``connector/rdma/consumer/``) never import the producer's (``producer``,
-  ``leases``, ``leaserecords``, ``leasepins``, ``tombstones``, ``leaseheap``, ``sidechannel``, ``sidehandler``, ``sideconn``, ``sidetrust``, ``admission``,
+  ``leases``, ``leaserecords``, ``leasetokens``, ``leasepins``, ``tombstones``, ``leaseheap``, ``sidechannel``, ``sidehandler``, ``sideconn``, ``sidetrust``, ``admission``,
   ``pusher``, ``pushreg``, ``pushstate``), nor the producer's the consumer's; only ``worker`` (which routes a step to both) and the modules
   both share (``wire``, ``meta``, ``stats``...) sit between them.
 """
@@ -184,7 +184,8 @@ def test_connector_reaches_the_transport_only_through_its_doors():
 
 CONSUMER = ("rdma_kv.connector.rdma.consumer",)
 PRODUCER = ("rdma_kv.connector.rdma.producer", "rdma_kv.connector.rdma.leases",
-            "rdma_kv.connector.rdma.leaserecords", "rdma_kv.connector.rdma.leasepins",
+            "rdma_kv.connector.rdma.leaserecords", "rdma_kv.connector.rdma.leasetokens",
+            "rdma_kv.connector.rdma.leasepins",
             "rdma_kv.connector.rdma.tombstones", "rdma_kv.connector.rdma.leaseheap",
             "rdma_kv.connector.rdma.sidechannel", "rdma_kv.connector.rdma.sidehandler",
             "rdma_kv.connector.rdma.sideconn",

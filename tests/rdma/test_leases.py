@@ -11,6 +11,7 @@ import pytest
 
 from leaseutil import A, B, C, CLAIMED, EPOCH, FORGED, GONE, HELD, KEY, PENDING, UNKNOWN, Clock, call, rcall, ref, state, table_with
 from rdma_kv.connector.rdma import leases as leases_mod
+from rdma_kv.connector.rdma import leasetokens as leasetokens_mod
 from rdma_kv.connector.rdma import tombstones as tombstones_mod
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.leaseheap import HEAP_SLACK
@@ -468,17 +469,18 @@ def test_tokens_are_checked_without_the_table_lock(monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(leases_mod, "lease_token", token)
+    monkeypatch.setattr(leasetokens_mod, "lease_token", token)  # (where the calls' tokens are computed)
     forged = LeaseRef(EPOCH, 7, "r7", b"x" * 16, b"b" * 16)
     assert table.renew(call(1) + call(2) + [LeaseCall(forged, A)]) == [HELD, HELD, UNKNOWN]
     assert held == [False, False, False]
     # A new epoch between the tokens and the lock: the tokens are dropped, the table answers as it is now.
     held.clear()
-    real_tokens = LeaseTable._tokens
+    real_tokens = leasetokens_mod.expected_tokens
 
     def tokens_then_new_epoch(calls, epoch, key):
         out = real_tokens(calls, epoch, key)
         table.set_epoch(EPOCH + 1, b"k" * 32)
         return out
 
-    monkeypatch.setattr(table, "_tokens", tokens_then_new_epoch)
+    monkeypatch.setattr(leases_mod, "expected_tokens", tokens_then_new_epoch)
     assert table.renew(call(1)) == [GONE]  # the old epoch's lease: the new incarnation does not know it

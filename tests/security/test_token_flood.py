@@ -20,7 +20,7 @@ import pytest
 from leaseutil import EPOCH, HELD, PENDING, UNKNOWN, A, ref, state, table_with
 from rdma_testutil import frame
 
-from rdma_kv.connector.rdma import framing, leases, producer, wire
+from rdma_kv.connector.rdma import framing, leases, leasetokens, producer, wire
 from rdma_kv.connector.rdma.leases import LeaseCall
 from rdma_kv.connector.rdma.params import LeaseRef
 from rdma_kv.connector.rdma.producer import ProducerHandler
@@ -58,7 +58,8 @@ def hmacs(monkeypatch):
         count[0] += 1
         return real(*args)
 
-    monkeypatch.setattr(leases, "lease_token", counted)
+    monkeypatch.setattr(leases, "lease_token", counted)  # under the lock (a new epoch meanwhile)
+    monkeypatch.setattr(leasetokens, "lease_token", counted)  # before it
     return count
 
 
@@ -117,14 +118,14 @@ def test_the_bound_holds_when_the_epoch_changes_between_the_tokens_and_the_lock(
     """A new epoch while the tokens were computed: they are computed again
     under the lock, still only up to the last wrong token."""
     table = table_with(1)
-    real = leases.LeaseTable._tokens
+    real = leasetokens.expected_tokens
 
     def then_new_epoch(calls, epoch, key):
         out = real(calls, epoch, key)
         table.set_epoch(EPOCH + 1, b"n" * 32)
         return out
 
-    monkeypatch.setattr(leases.LeaseTable, "_tokens", staticmethod(then_new_epoch))
+    monkeypatch.setattr(leases, "expected_tokens", then_new_epoch)
     flood = [wire.LeaseWire(EPOCH + 1, 1000 + i, f"x{i}", os.urandom(16), os.urandom(16), A) for i in range(64)]
     statuses = table.renew(WireCalls([*made_up(3), *flood]))
     # Before: the first 3 are checked under the old key (wrong), the flood's (another epoch) not at all;

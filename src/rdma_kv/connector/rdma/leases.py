@@ -84,10 +84,11 @@ Thread-safe (the side-channel threads and the engine thread share it).
 Its records (a call, a lease, a claim, an ending, a tombstone) are
 ``leaserecords``, re-exported here where the producer's modules use them;
 its pins are ``leasepins``, its memory of ended leases ``tombstones`` and
-its reaper's heap ``leaseheap``, each called under its lock.
+its reaper's heap ``leaseheap``, each called under its lock; the tokens a
+call's leases should carry are computed before the lock, by ``leasetokens``.
 
 Imports the standard library and the connector's ``params``, ``types``,
-``rdma.leaserecords``, ``rdma.leasepins``, ``rdma.tombstones``,
+``rdma.leaserecords``, ``rdma.leasetokens``, ``rdma.leasepins``, ``rdma.tombstones``,
 ``rdma.leaseheap``, ``rdma.stats`` (its counters) and ``rdma.wire`` (for ``LeaseStatus``).
 """
 
@@ -102,13 +103,14 @@ from collections.abc import Callable, Iterable, Sequence
 from rdma_kv.connector.rdma.leaseheap import ExpiryHeap
 from rdma_kv.connector.rdma.leasepins import Pins
 from rdma_kv.connector.rdma.leaserecords import Claim, Ending, Lease, LeaseCall
+from rdma_kv.connector.rdma.leasetokens import WRONG_TOKENS_PER_CALL, expected_tokens
 from rdma_kv.connector.rdma.params import LeaseRef, lease_token
 from rdma_kv.connector.rdma.stats import LeaseCounters, Tally
 from rdma_kv.connector.rdma.tombstones import Tombstones
 from rdma_kv.connector.rdma.wire import LeaseStatus
 from rdma_kv.connector.types import BlockId, GroupBlockIds, RequestId, as_group_block_ids
 
-__all__ = ["Ending", "Lease", "LeaseCall", "LeaseTable"]
+__all__ = ["WRONG_TOKENS_PER_CALL", "Ending", "Lease", "LeaseCall", "LeaseTable"]
 
 MAX_EARLY = 1 << 14
 """Claims recorded on leases issued but not yet shipped here. Past this a new
@@ -117,12 +119,6 @@ one is answered PENDING without being recorded (the caller asks again)."""
 HELD, PENDING, GONE, CLAIMED, UNKNOWN, FORGED = (
     LeaseStatus.HELD, LeaseStatus.PENDING, LeaseStatus.GONE, LeaseStatus.CLAIMED, LeaseStatus.UNKNOWN,
     LeaseStatus.FORGED)
-
-WRONG_TOKENS_PER_CALL = 8
-"""Tokens that do not verify (UNKNOWN, FORGED) a call is answered for; its
-leases after the last are answered PENDING, unverified and unrecorded: each
-token is an HMAC on the side channel's loop thread, and a peer that proved
-nothing made a call of 4,096 made-up tokens cost 4,096."""
 
 PIN_RECHECK_S = 0.1
 """How soon a due lease that a push pins is looked at again."""
@@ -203,7 +199,7 @@ class LeaseTable:
     def _verify(self, ref: LeaseRef, expected: bytes | None = None) -> LeaseStatus | None:
         """None when the table may act on ``ref``; else the answer (lock
         held). ``expected``: its token, computed under the current key
-        beforehand (``_tokens``), else here."""
+        beforehand (``leasetokens``), else here."""
         if self._epoch is None:
             return PENDING  # no step metadata yet: nothing is known, nothing is recorded
         if ref.epoch != self._epoch:
@@ -325,7 +321,7 @@ class LeaseTable:
             calls = list(calls)
         with self._lock:
             epoch, key = self._epoch, self._key
-        examined, tokens = self._tokens(calls, epoch, key)
+        examined, tokens = expected_tokens(calls, epoch, key)
         out = []
         with self._lock:
             if (self._epoch, self._key) != (epoch, key):
@@ -333,7 +329,7 @@ class LeaseTable:
             wrong = 0
             for call, expected in zip(examined, tokens):
                 if wrong == WRONG_TOKENS_PER_CALL:
-                    break  # (only after a new epoch: ``_tokens`` stopped here already otherwise)
+                    break  # (only after a new epoch: ``expected_tokens`` stopped here already otherwise)
                 status = self._verify(call.ref, expected)
                 if status is None:
                     out.append(act(call))
@@ -344,29 +340,6 @@ class LeaseTable:
                 self._counts.add("unverified", len(calls) - len(out))
                 out.extend([PENDING] * (len(calls) - len(out)))
         return out
-
-    @staticmethod
-    def _tokens(calls: Sequence[LeaseCall], epoch: int | None,
-                key: bytes) -> tuple[list[LeaseCall], list[bytes | None]]:
-        """The calls to examine, in order, up to and with the
-        ``WRONG_TOKENS_PER_CALL``-th whose token does not verify under
-        ``epoch``'s ``key``, and the token each call's lease would have (None
-        where ``_verify`` answers without one). No lock needed."""
-        examined: list[LeaseCall] = []
-        tokens: list[bytes | None] = []
-        wrong = 0
-        for i in range(len(calls)):
-            if wrong == WRONG_TOKENS_PER_CALL:
-                break
-            call = calls[i]
-            ref = call.ref
-            token = None
-            if epoch is not None and ref.epoch == epoch:
-                token = lease_token(key, ref.epoch, ref.generation, ref.request_id, ref.binding)
-                wrong += not hmac.compare_digest(token, ref.token)
-            examined.append(call)
-            tokens.append(token)
-        return examined, tokens
 
     # Each ``_*_one`` sees a verified call, with the lock held, in one of
     # three places: a live lease, an ended one (a generation at or below the
