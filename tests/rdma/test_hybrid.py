@@ -34,7 +34,7 @@ from rdma_kv.connector.rdma import RdmaConnector
 from rdma_kv.connector.rdma.params import parse_kv_transfer_params
 from rdma_kv.connector.rdma.compat import compat_info
 from rdma_kv.connector.rdma.slots import SlotTable, count_runs
-from rdma_kv.connector.rdma.scheduler import blocks_to_read
+from rdma_kv.connector.rdma.intake import blocks_to_read
 from rdma_kv.errors import ConfigError, DescriptorError
 
 pytestmark = pytest.mark.timeout(60)

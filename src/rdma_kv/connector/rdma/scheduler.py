@@ -31,17 +31,18 @@ Owns the per-request decisions of both roles:
 
 Block ids are handled per KV-cache group (hybrid models): a sliding-window
 group is held, offered and read only from the first block its window still
-needs (``blocks_to_read``, ``KVCacheSpec.num_skipped_blocks``); every other
+needs (``intake.blocks_to_read``, ``KVCacheSpec.num_skipped_blocks``); every other
 group from the first block not computed locally.
 
 Nothing here raises into the engine for bad peer input: bad params make the
-request computed locally (logged, naming the field).
+request computed locally (logged, naming the field). What the params ask
+of this engine's KV cache is checked by ``intake``.
 
 The consumer's per-request record is ``remotes``'; the producer's
 concurrent-dispatch prefills (push mode) are ``pushsched``'s.
 
 Imports the standard library and the connector's ``config``, ``specs``,
-``types``, ``rdma.discovery``, ``rdma.lograte``, ``rdma.meta``,
+``types``, ``rdma.discovery``, ``rdma.intake``, ``rdma.lograte``, ``rdma.meta``,
 ``rdma.params``, ``rdma.pushsched``, ``rdma.remotes`` and
 ``rdma.settings``; never the transport.
 """
@@ -75,13 +76,13 @@ from rdma_kv.connector.rdma.params import (
     other_prompt,
     parse_kv_transfer_params,
     prompt_digest,
-    router_address,
 )
 from rdma_kv.connector.rdma.discovery import RouterRegistration
+from rdma_kv.connector.rdma.intake import blocks_to_read, concurrent_load, remote_blocks_problem
 from rdma_kv.connector.rdma.pushsched import PushPrefills, router_payload
 from rdma_kv.connector.rdma.remotes import Concurrent, Remote, RemoteStage
 from rdma_kv.connector.rdma.settings import RdmaSettings
-from rdma_kv.connector.specs import KVCacheConfig, KVCacheSpec
+from rdma_kv.connector.specs import KVCacheConfig
 from rdma_kv.connector.types import (
     BlockId,
     BlockIds,
@@ -95,43 +96,9 @@ from rdma_kv.connector.types import (
 )
 from rdma_kv.errors import ConfigError
 
-__all__ = ["RdmaScheduler", "RemoteStage", "blocks_to_read"]
+__all__ = ["RdmaScheduler", "RemoteStage"]
 
 logger = logging.getLogger(__name__)
-
-
-def blocks_to_read(spec: KVCacheSpec, num_prompt_tokens: int, num_computed: int,
-                   local_blocks: Sequence[BlockId], remote_blocks: Sequence[BlockId]
-                   ) -> tuple[BlockIds, BlockIds, int] | str:
-    """One KV-cache group's part of a load: ``(local, remote, skipped)``,
-    the blocks to read into and from, and how many of the prompt's blocks
-    are not read because they lie before the group's sliding window; or why
-    the group cannot be loaded.
-
-    ``local_blocks`` are all the request's blocks of the group, from token 0
-    (vLLM's ``get_blocks``: leading placeholders where a window skips).
-    ``remote_blocks`` are the producer's, ending with the block of the last
-    prompt token (``RemotePrefillParams.remote_block_ids``). Blocks before
-    ``num_computed`` (a local prefix hit) are not read either, nor counted
-    as skipped by the window.
-    """
-    bs = spec.block_size
-    if num_computed % bs:
-        return f"num_computed_tokens={num_computed} is not a multiple of block size {bs}"
-    last = -(-num_prompt_tokens // bs)
-    computed = num_computed // bs
-    window = spec.num_skipped_blocks(num_prompt_tokens)
-    first = max(computed, window)
-    if len(local_blocks) < last:
-        return (f"{len(local_blocks)} blocks allocated for a {num_prompt_tokens}-token prompt, "
-                f"{last} needed at block size {bs}")
-    remote = tuple(remote_blocks[:last])
-    offset = last - len(remote)  # the producer's list starts at this block of the prompt
-    if first < last and first < offset:
-        return (f"the producer sent blocks {offset}..{last - 1} of the prompt, but block {first} "
-                "is needed (a producer without the same sliding window, or an old one)")
-    return (tuple(local_blocks[first:last]), remote[first - offset:] if first < last else (),
-            max(0, min(window, last) - computed))
 
 
 class RdmaScheduler:
@@ -251,28 +218,10 @@ class RdmaScheduler:
                 return None
         return parsed
 
-    def _concurrent(self, request: Request, parsed: ConcurrentPrefill) -> Concurrent | None:
-        """A decode dispatched with its prefill: the producer is the one the
-        router named in the request id. ConfigError (computed locally) when
-        this engine cannot take it."""
-        if not self._consumer:
-            raise ConfigError(f"this engine's kv_role is {self._config.kv_role!r}; loading needs "
-                              "kv_consumer or kv_both")
-        if self._settings.mode != "push":
-            raise ConfigError(f"transfer_id {parsed.transfer_id!r} without the producer's params: a router "
-                              "dispatched the decode with its prefill, which needs mode 'push' on both engines "
-                              "(kv_connector_extra_config); this engine runs mode 'pull'")
-        if len(self._specs) != 1:
-            raise ConfigError("concurrent dispatch (a transfer_id without the producer's params) serves "
-                              f"models with one KV-cache group; this engine has {len(self._specs)} (a hybrid "
-                              "model): use a router that dispatches sequentially (its NIXL protocol)")
-        address = router_address(request.request_id)
-        if address is None:
-            raise ConfigError(f"transfer_id {parsed.transfer_id!r} without the producer's params, and the "
-                              f"request id {request.request_id[:200]!r} names no prefill address "
-                              "('___prefill_addr_...___decode_addr_', set by vllm-router's moriio mode)")
-        host, port, engine, tp = address
-        return Concurrent(parsed.transfer_id, PeerAddress(EngineId(engine), host, port, tp))
+    def _concurrent(self, request: Request, parsed: ConcurrentPrefill) -> Concurrent:
+        """A decode dispatched with its prefill (``intake.concurrent_load``)."""
+        return concurrent_load(request.request_id, parsed, consumer=self._consumer, kv_role=self._config.kv_role,
+                               mode=self._settings.mode, num_groups=len(self._specs))
 
     def _check_remote(self, request: Request, params: RemotePrefillParams) -> str | None:
         if not self._consumer:
@@ -287,19 +236,9 @@ class RdmaScheduler:
         if other is not None:
             self.refused_other_prompt += 1
             return other
-        if len(params.remote_block_ids) != len(self._specs):
-            return (f"kv_transfer_params['remote_block_ids'] has {len(params.remote_block_ids)} "
-                    f"KV-cache group(s), this engine has {len(self._specs)}; both engines must "
-                    "run the same model with the same hybrid KV-cache manager setting")
-        for g, (spec, ids) in enumerate(zip(self._specs, params.remote_block_ids)):
-            last = -(-request.num_prompt_tokens // spec.block_size)
-            needed = last - spec.num_skipped_blocks(request.num_prompt_tokens)
-            if len(ids) < needed:
-                where = f" of KV-cache group {g}" if len(self._specs) > 1 else ""
-                return (f"kv_transfer_params['remote_block_ids']{where} has {len(ids)} blocks; the "
-                        f"{request.num_prompt_tokens}-token prompt needs {needed} at block size "
-                        f"{spec.block_size} (a producer with a larger --block-size sends fewer "
-                        "blocks: start both engines with the same --block-size)")
+        problem = remote_blocks_problem(self._specs, request.num_prompt_tokens, params.remote_block_ids)
+        if problem:
+            return problem
         # Differing TP sizes are the workers' to map (``topology``); sizes that
         # cannot share the model's KV heads fail there, as load errors.
         return None
