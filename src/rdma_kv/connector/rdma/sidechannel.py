@@ -41,8 +41,8 @@ altered lease params (FORGED) are logged a few lines per window plus one
 summary line (``lograte.EventSummary``), never one line per connection.
 
 Imports the standard library, msgspec, ``rdma_kv.errors``, ``rdma.admission``,
-``rdma.auth``, ``rdma.framing`` (the length header), ``rdma.lograte``,
-``rdma.sideconn`` (a connection's record, the server's counters),
+``rdma.auth``, ``rdma.lograte``,
+``rdma.sideconn`` (a connection's record, its frames and deadline, the server's counters),
 ``rdma.sidehandler`` (the :class:`Handler` Protocols, re-exported here, and
 what a lease answer means: FORGED/UNKNOWN accounting, trust earned by a held
 lease), ``rdma.sidetrust`` (trust earned by a lease), ``rdma.stats`` and
@@ -63,10 +63,11 @@ from typing import Any
 
 import msgspec
 
-from rdma_kv.connector.rdma import auth, framing, wire
+from rdma_kv.connector.rdma import auth, wire
 from rdma_kv.connector.rdma.admission import Admission, ConnectionLimits
 from rdma_kv.connector.rdma.lograte import EventSummary
-from rdma_kv.connector.rdma.sideconn import EVICTED, REFUSED, Accepted, Phase, SideChannelCounters, abort, bind_advice
+from rdma_kv.connector.rdma.sideconn import (EVICTED, REFUSED, Accepted, FrameTooLarge, Phase, SideChannelCounters,
+                                             abort, bind_advice)
 from rdma_kv.connector.rdma.sidehandler import Handler, LeaseReplies, PushHandler
 from rdma_kv.connector.rdma.sidetrust import LeaseTrust
 from rdma_kv.connector.rdma.stats import Tally
@@ -314,7 +315,11 @@ class SideChannelServer:
         """Serve every whole request buffered, one reply at a time."""
         now = time.monotonic()
         while not conn.closed and not conn.closing and not conn.outbuf:
-            body = self._take_frame(conn)
+            try:
+                body = conn.take_frame()
+            except FrameTooLarge as exc:
+                self._bad(conn, str(exc))
+                break
             if body is None:
                 break
             if conn.frame_started is not None:
@@ -326,21 +331,6 @@ class SideChannelServer:
                 conn.frame_started = now  # a partial frame: it must arrive whole in time
                 self._admission.stall(conn)
             self._reschedule(conn)
-
-    def _take_frame(self, conn: Accepted) -> bytes | None:
-        buf = conn.inbuf
-        if len(buf) < framing.HEADER.size:
-            return None
-        (length,) = framing.HEADER.unpack_from(buf)
-        if length > wire.MAX_REQUEST_BYTES:
-            self._bad(conn, f"side channel request from {conn.addr}: frame of {length} bytes exceeds the "
-                            f"{wire.MAX_REQUEST_BYTES}-byte limit")
-            return None
-        if len(buf) < framing.HEADER.size + length:
-            return None
-        body = bytes(buf[framing.HEADER.size:framing.HEADER.size + length])
-        del buf[:framing.HEADER.size + length]
-        return body
 
     def _on_frame(self, conn: Accepted, body: bytes, now: float) -> None:
         try:
@@ -452,10 +442,7 @@ class SideChannelServer:
     # --- writing ------------------------------------------------------------------------------------
 
     def _send(self, conn: Accepted, message: msgspec.Struct, then_close: bool = False) -> None:
-        payload = wire.encode(message)
-        conn.outbuf += framing.HEADER.pack(len(payload))
-        conn.outbuf += payload
-        conn.closing = conn.closing or then_close
+        conn.queue(wire.encode(message), then_close)
         self._flush(conn)
 
     def _flush(self, conn: Accepted) -> None:
@@ -487,16 +474,7 @@ class SideChannelServer:
     # --- deadlines -----------------------------------------------------------------------------------
 
     def _reschedule(self, conn: Accepted) -> None:
-        if conn.trusted:
-            due = conn.last_active + self._idle_timeout_s
-        elif conn.handshaken:
-            due = conn.last_active + self.limits.handshake_idle_s
-        else:
-            due = conn.opening_deadline
-        if conn.frame_started is not None:
-            due = min(due, conn.frame_started + self._io_timeout_s)
-        if conn.write_started is not None:
-            due = min(due, conn.write_started + self._io_timeout_s)
+        due = conn.deadline(self._idle_timeout_s, self.limits.handshake_idle_s, self._io_timeout_s)
         if due != conn.due:
             conn.due = due
             heapq.heappush(self._deadlines, (due, next(self._seq), conn))

@@ -1,15 +1,16 @@
 """One accepted side-channel connection, and what the server counts.
 
 Owns :class:`Accepted` (an accepted connection's socket, buffers, opening
-:class:`Phase`, trust and deadlines: a small record, not a thread),
+:class:`Phase`, trust and deadlines: a small record, not a thread; it cuts
+its input into frames, frames its replies, and says when it is due),
 :func:`abort` (close with a reset), :func:`bind_advice` (what to change when
 the listener cannot bind) and :class:`SideChannelCounters` (what the server
 did with its connections, with the tables from ``admission``'s refusal and
 eviction reasons to those counters). The server that drives them is
 ``sidechannel``.
 
-Imports the standard library and the connector's ``rdma.stats`` and
-``rdma.wire``.
+Imports the standard library and the connector's ``rdma.framing``,
+``rdma.stats`` and ``rdma.wire``.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import socket
 import struct
 from typing import Any
 
-from rdma_kv.connector.rdma import wire
+from rdma_kv.connector.rdma import framing, wire
 from rdma_kv.connector.rdma.stats import Counters
 
-__all__ = ["EVICTED", "REFUSED", "Accepted", "Phase", "SideChannelCounters", "abort", "bind_advice"]
+__all__ = ["EVICTED", "REFUSED", "Accepted", "FrameTooLarge", "Phase", "SideChannelCounters", "abort", "bind_advice"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -103,6 +104,50 @@ class Accepted:
         self.closed = False
         self.mask = selectors.EVENT_READ
         self.read_turn = 0  # the server's loop turn that last read it while untrusted (0: none yet)
+
+    def take_frame(self) -> bytes | None:
+        """The next whole request frame's body, taken from the input buffer;
+        None until one has arrived whole. ``FrameTooLarge`` when its header
+        announces more than ``wire.MAX_REQUEST_BYTES``."""
+        buf = self.inbuf
+        if len(buf) < framing.HEADER.size:
+            return None
+        (length,) = framing.HEADER.unpack_from(buf)
+        if length > wire.MAX_REQUEST_BYTES:
+            raise FrameTooLarge(f"side channel request from {self.addr}: frame of {length} bytes exceeds the "
+                                f"{wire.MAX_REQUEST_BYTES}-byte limit")
+        if len(buf) < framing.HEADER.size + length:
+            return None
+        body = bytes(buf[framing.HEADER.size:framing.HEADER.size + length])
+        del buf[:framing.HEADER.size + length]
+        return body
+
+    def queue(self, payload: bytes, then_close: bool) -> None:
+        """Frame ``payload`` into the output buffer (the server flushes it)."""
+        self.outbuf += framing.HEADER.pack(len(payload))
+        self.outbuf += payload
+        self.closing = self.closing or then_close
+
+    def deadline(self, idle_s: float, handshake_idle_s: float, io_timeout_s: float) -> float:
+        """When the server closes it unless it acts: idle for ``idle_s`` once
+        trusted, ``handshake_idle_s`` once handshaken, else at the opening's
+        deadline; and within ``io_timeout_s`` of a request frame begun or a
+        reply unread."""
+        if self.trusted:
+            due = self.last_active + idle_s
+        elif self.handshaken:
+            due = self.last_active + handshake_idle_s
+        else:
+            due = self.opening_deadline
+        if self.frame_started is not None:
+            due = min(due, self.frame_started + io_timeout_s)
+        if self.write_started is not None:
+            due = min(due, self.write_started + io_timeout_s)
+        return due
+
+
+class FrameTooLarge(ValueError):
+    """A request frame's header announced more than a request may carry."""
 
 
 def abort(sock: socket.socket) -> None:
