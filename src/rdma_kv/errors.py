@@ -49,7 +49,16 @@ class PeerError(RdmaKVError, ConnectionError):
 class PeerTimeout(PeerError):
     """A peer did not answer in time: it accepted and stayed silent, or its
     address dropped the connect. Stalled or starved of CPU, not known to be
-    gone (a refused or reset connection is a plain :class:`PeerError`)."""
+    gone (a refused or reset connection is a plain :class:`PeerError`).
+
+    ``answered_before``: the peer answered a call of this client before
+    this one, so it is a live producer that stalls, not an address that
+    never answered (a port a request named that accepts and never
+    answers, a host that is not there)."""
+
+    def __init__(self, message: str, *, answered_before: bool = False) -> None:
+        super().__init__(message)
+        self.answered_before = answered_before
 
 
 class HandshakeError(PeerError):

@@ -19,7 +19,7 @@ from rdma_testutil import frame, wait_until
 from rdma_kv.connector.rdma import framing, wire
 from rdma_kv.connector.rdma.sidechannel import ACCEPT_PAUSE_S, SideChannelServer
 from rdma_kv.connector.rdma.sideclient import URGENT_WAIT_S, SideChannelClient
-from rdma_kv.errors import HandshakeError, MetadataError, PeerError
+from rdma_kv.errors import HandshakeError, MetadataError, PeerError, PeerTimeout
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -360,6 +360,35 @@ def test_a_producer_that_answered_gets_every_retry_when_it_stalls():
         with pytest.raises(PeerError, match="unreachable after 2 attempts in .*timed out"):  # never answered
             client.lease_call(renew())
         assert stranger.calls == 2
+    finally:
+        client.close()
+        stranger.close()
+
+
+def test_a_timeout_says_whether_the_producer_answered_this_client_before():
+    """``PeerTimeout.answered_before``: a producer that answered a call of
+    this client, then stalls past a call's attempts, is a live producer (the
+    consumer waits out its HANDSHAKE: ``peers``); so says the fast failure
+    after it. A port that never answered is not."""
+    producer = StallingProducer(stall={2, 3})
+    client = SideChannelClient("127.0.0.1", producer.port, connect_timeout_s=2.0, rpc_timeout_s=0.3, retries=1)
+    try:
+        assert client.lease_call(renew()).statuses == [wire.LeaseStatus.HELD]
+        with pytest.raises(PeerTimeout, match="unreachable after 2 attempts") as stalled:
+            client.lease_call(renew())
+        assert stalled.value.answered_before and not client.answering
+        with pytest.raises(PeerTimeout, match="is down") as down:
+            client.lease_call(renew())
+        assert down.value.answered_before
+    finally:
+        client.close()
+        producer.close()
+    stranger = StallingProducer(stall={1, 2})
+    client = SideChannelClient("127.0.0.1", stranger.port, connect_timeout_s=2.0, rpc_timeout_s=0.3, retries=1)
+    try:
+        with pytest.raises(PeerTimeout) as never:
+            client.lease_call(renew())
+        assert not never.value.answered_before
     finally:
         client.close()
         stranger.close()

@@ -30,7 +30,10 @@ answered before the call (a port a client named that accepts and never
 answers holds a capped place for two attempts, not ``retries`` + 1). A call
 whose last attempt timed out raises :class:`PeerTimeout` (so does the fast
 failure after it): the peer may be stalled, not gone, and a caller whose
-call can be made again later (a CONFIRM) tells the two apart. Any attempt that
+call can be made again later (a CONFIRM) tells the two apart; it says
+whether the peer answered this client before (``answered_before``: a
+producer known live, which a HANDSHAKE waits out, not an address that never
+answered, which fails its loads at once). Any attempt that
 fails at the peer (a timeout, a new connection refused or reset; not the
 way to it down, nor a kept connection the producer closed) marks the client not ``answering`` until one is answered: the
 ranks of a producer engine that just stopped answered before, and their
@@ -242,6 +245,10 @@ class SideChannelClient:
         self.answering = False
         """The last attempt that ended got a reply (False: none yet, or it
         timed out): ``ClientPool`` caps the calls to peers not answering."""
+        self.has_answered = False
+        """A call of this client was answered (never cleared): the peer is a
+        producer that was live, said by a :class:`PeerTimeout` it raises
+        (``answered_before``)."""
 
     @property
     def authenticated(self) -> bool:
@@ -398,7 +405,7 @@ class SideChannelClient:
             if self._closed:
                 raise PeerError(f"side channel client for {self.address} is closed")
             if time.monotonic() < self._down_until:
-                raise self._down_error(f"side channel {self.address} is down: {self._down_reason}")
+                raise self._error(self._down_error, f"side channel {self.address} is down: {self._down_reason}")
             fresh = conn.sock is None  # (a kept connection may have been closed by the producer meanwhile)
             try:
                 if conn.sock is None:
@@ -429,7 +436,7 @@ class SideChannelClient:
                         self._down_until = time.monotonic() + self.down_s
                         self._down_reason = f"stopped answering ({exc}); not tried again: {why}"
                         self._down_error = PeerTimeout if isinstance(exc, TimeoutError) else PeerError
-                        raise self._down_error(f"side channel {self.address} {self._down_reason}")
+                        raise self._error(self._down_error, f"side channel {self.address} {self._down_reason}")
                 if not self._retries or (attempts > self._retries and not (
                         _link_down(exc) and time.monotonic() - start < self._connect_timeout_s)):
                     break
@@ -438,7 +445,7 @@ class SideChannelClient:
             except MetadataError as exc:
                 conn.drop()
                 raise MetadataError(f"malformed reply from {self.address}: {exc}") from None
-            self.answering = True
+            self.answering = self.has_answered = True
             if isinstance(reply, wire.ErrorReply):
                 conn.drop()
                 raise MetadataError(f"{self.address} rejected {type(request).__name__}: {reply.message}")
@@ -446,7 +453,14 @@ class SideChannelClient:
         self._down_until = time.monotonic() + self.down_s
         self._down_reason = f"unreachable after {attempts} attempts in {time.monotonic() - start:.2g} s: {last}"
         self._down_error = PeerTimeout if isinstance(last, TimeoutError) else PeerError
-        raise self._down_error(f"side channel {self.address} {self._down_reason}")
+        raise self._error(self._down_error, f"side channel {self.address} {self._down_reason}")
+
+    def _error(self, kind: type[PeerError], message: str) -> PeerError:
+        """A failed call's ``kind`` of error; a :class:`PeerTimeout` says
+        whether the peer answered this client before (``has_answered``)."""
+        if issubclass(kind, PeerTimeout):
+            return kind(message, answered_before=self.has_answered)
+        return kind(message)
 
     def handshake(self, request: wire.Handshake) -> wire.HandshakeReply:
         reply = self.call(request, timeout_s=max(self._rpc_timeout_s, HANDSHAKE_TIMEOUT_S))
