@@ -265,6 +265,10 @@ class ConsumerCounters(Counters):
     """CONFIRM calls a producer did not answer in time (stalled, or starved
     of CPU): made again ``confirms.CONFIRM_RETRY_S`` later, until the
     load's deadline."""
+    handshakes_unanswered: int = 0
+    """HANDSHAKE calls a producer that answered before did not answer in
+    time (stalled, or starved of CPU): its loads wait, and it is dialled
+    again ``peers.PEER_RETRY_S`` later, until their deadline."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

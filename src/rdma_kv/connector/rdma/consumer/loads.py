@@ -163,7 +163,8 @@ class RdmaConsumer:
     def _handshake_done(self, peer: PeerState, waiting: list[tuple[LoadState, Source]]) -> None:
         """RPC thread: ``peer`` became READY (post its waiting loads, and
         release the producer ranks they only release: the handshake confirmed
-        the TP size) or FAILED (fail them)."""
+        the TP size) or FAILED (fail them). Not called for a peer that became
+        STALLED: its loads wait on (``peers``)."""
         post, release_only = [], []
         with self._lock:
             for load, src in waiting:
@@ -432,8 +433,9 @@ class RdmaConsumer:
 
     def get_finished(self) -> set[RequestId]:
         """The loads finished, aborted ones included (``LoadBook.report``):
-        fails the loads past their deadline, re-queues PENDING confirmations
-        and sends the renewals due."""
+        fails the loads past their deadline, re-queues PENDING and
+        unanswered confirmations, dials the STALLED peers again
+        (``PeerDirectory.redial``) and sends the renewals due."""
         if self.pushes is not None:
             self.pushes.poll()
         elif self._book.loads:
@@ -453,6 +455,7 @@ class RdmaConsumer:
                                      f"(stage {load.stage.value}){waiting}")
             finished = self._book.report()
             self._confirms.retry()
+            self.peers.redial(now)
             renew = self.leases.due(self._book.loads.values(), now)
             idle = self.peers.prune(now, self._book.peer_keys)
         self.peers.remove(idle)

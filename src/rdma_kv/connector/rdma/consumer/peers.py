@@ -14,7 +14,21 @@ Owns, for one consumer rank:
   share checked against the plan, its agent metadata imported into the
   transport) or FAILED. A FAILED peer is forgotten :data:`PEER_RETRY_S`
   after its failure (:meth:`PeerState.forgotten`, the one retry rule): the
-  next load handshakes again. A peer whose producer re-registered its KV
+  next load handshakes again; a load that finds it FAILED before then fails
+  at once. A peer whose HANDSHAKE was not answered in time
+  (``PeerTimeout``) by a producer that answered this rank's client before
+  (``PeerTimeout.answered_before``: stalled, or starved of CPU a while, as
+  a process on a loaded host is for seconds) is STALLED instead: its
+  loads, and the new loads that find it, wait on it as on a CONNECTING
+  peer, each saying why (``LoadState.waiting_on``), and a step dials it
+  again once ``PEER_RETRY_S`` passed (:meth:`PeerDirectory.redial`: a
+  new CONNECTING peer with the loads still waiting; none: it is
+  forgotten), until it answers or their ``load_timeout_s`` fails them.
+  Before, such a peer was FAILED and every load waiting on it recomputed.
+  An address that never answered this rank (a port a request named that
+  accepts and never answers, a host that is not there, a producer met
+  first while it stalls) still fails its loads at once: a decode's loads
+  must not wait ``load_timeout_s`` on an address a client chose. A peer whose producer re-registered its KV
   cache since (sleep mode) is dropped for a new one. A READY peer that no
   load has used for the client pool's ``idle_s`` and that no load in the
   book reads from is forgotten too, its transport peer removed
@@ -25,8 +39,9 @@ Owns, for one consumer rank:
   rank's own per head slice, and each peer's per head slice (whole blocks
   when both sides hold the same heads).
 
-Loads wait on a CONNECTING peer (``PeerState.waiting``); when its handshake
-ends, the directory hands them to ``on_handshake`` without its lock.
+Loads wait on a CONNECTING or STALLED peer (``PeerState.waiting``); when
+its handshake ends (READY or FAILED; not STALLED), the directory hands them
+to ``on_handshake`` without its lock.
 Handshakes run on the RPC threads. Lock discipline: peer state is guarded
 by the consumer's lock (handed in); tables are prepared under a lock of
 their own, never the consumer's, which the transport's completion
@@ -60,14 +75,15 @@ from rdma_kv.connector.rdma.stats import ConsumerCounters, Tally
 from rdma_kv.connector.rdma.topology import RankPlan, Read, plan_ranks
 from rdma_kv.connector.rdma.transport_api import Transport
 from rdma_kv.connector.types import EngineId
-from rdma_kv.errors import HandshakeError
+from rdma_kv.errors import HandshakeError, PeerTimeout
 
 __all__ = ["PEER_RETRY_S", "Connection", "LocalKV", "PeerDirectory", "PeerStage", "PeerState", "Table"]
 
 logger = logging.getLogger(__name__)
 
 PEER_RETRY_S = 1.0
-"""A peer whose handshake or reads failed is not dialled again for this long."""
+"""A peer whose handshake or reads failed is not dialled again for this long
+(nor one whose handshake was not answered: STALLED)."""
 
 Table = tuple[SlotTable, Any]
 """A slot table and its prepared descriptor list (the transport's handle)."""
@@ -94,6 +110,7 @@ class PeerStage(enum.Enum):
     CONNECTING = "connecting"  # handshake in flight; loads wait in PeerState.waiting
     READY = "ready"  # agent metadata imported
     FAILED = "failed"  # not dialled again for PEER_RETRY_S
+    STALLED = "stalled"  # handshake not answered by a producer known live: loads wait, dialled again (redial)
 
 
 @dataclasses.dataclass(eq=False)
@@ -136,6 +153,12 @@ class PeerState:
     """When a load last found it (or a preconnect asked for it): ``prune``'s idle clock."""
     serial: int = dataclasses.field(default_factory=lambda: next(_SERIALS))
     """This dialling's number: a producer rank dialled again is a new ``PeerState``."""
+    stalled_since: float | None = None
+    """When the first HANDSHAKE it did not answer began (the directory's
+    clock), kept by the dialling after it (:meth:`PeerDirectory.redial`)
+    until one is answered; None: none went unanswered."""
+    unanswered: int = 0
+    """HANDSHAKE calls not answered since ``stalled_since``."""
 
     @property
     def key(self) -> PeerKey:
@@ -229,8 +252,10 @@ class PeerDirectory:
         if peer.state is PeerStage.FAILED:
             return f"producer {spec.peer.engine_id!r} rank {rank} is unavailable: {peer.error}"
         peer.used_at = now
-        if peer.state is PeerStage.CONNECTING or peer.connection is None:
+        if peer.state is not PeerStage.READY or peer.connection is None:
             peer.waiting.append((load, src))
+            if peer.stalled_since is not None and peer.error is not None:
+                load.waiting_on = peer.error  # STALLED, or dialled again after it
             return None
         return peer.connection.stale_for(spec.registration, peer) or (peer, peer.connection)
 
@@ -253,10 +278,15 @@ class PeerDirectory:
                     return
                 self._counters.add("preconnects")
 
-    def _connect(self, address: PeerAddress, rank: int) -> PeerState | None:
+    def _connect(self, address: PeerAddress, rank: int, stalled: PeerState | None = None) -> PeerState | None:
         """A new CONNECTING peer, its handshake submitted to the RPC threads
-        (None once they are shut down). Lock held."""
+        (None once they are shut down); ``stalled``: the STALLED peer it
+        dials again, whose waiting loads and stall it takes over. Lock held."""
         peer = PeerState(address, rank, used_at=self._clock())
+        if stalled is not None:
+            peer.waiting, peer.used_at = stalled.waiting, stalled.used_at
+            peer.stalled_since, peer.unanswered = stalled.stalled_since, stalled.unanswered
+            peer.error = stalled.error  # what they wait on, until it answers (cleared then)
         self._peers[peer.key] = peer
         if not self._pool.submit(self._handshake, peer, to=address.rank_address(rank)):
             del self._peers[peer.key]
@@ -266,8 +296,9 @@ class PeerDirectory:
     # --- the handshake (RPC thread) ------------------------------------------------------------
 
     def _handshake(self, peer: PeerState) -> None:
-        """Make ``peer`` READY or FAILED, then hand its waiting loads over."""
-        address, t0 = peer.address, time.perf_counter()
+        """Make ``peer`` READY or FAILED, then hand its waiting loads over;
+        or STALLED (:meth:`_stalled`), its loads left waiting."""
+        address, t0, began = peer.address, time.perf_counter(), self._clock()
         name = None
         try:
             reply = self._ask(peer)
@@ -279,8 +310,15 @@ class PeerDirectory:
             host, port = address.rank_address(peer.rank)
             reason = f"handshake with {host}:{port} failed: {exc}"
             with self._lock:
-                peer.state, peer.error, peer.failed_at = PeerStage.FAILED, reason, self._clock()
-                waiting, peer.waiting = peer.waiting, []
+                stalled = self._stalled(peer, exc, began)
+                if stalled is None:
+                    peer.state, peer.error, peer.failed_at = PeerStage.FAILED, reason, self._clock()
+                    waiting, peer.waiting = peer.waiting, []
+            if stalled is not None:
+                # Its loads wait: said once per stall (then at DEBUG, each time it is dialled again).
+                log, waits = stalled
+                log("producer %r: %s; %d load(s) wait on it", address.engine_id, peer.error, waits)
+                return
             # Said once it holds: a load that starts after the warning finds the peer FAILED.
             logger.warning("producer %r: %s", address.engine_id, reason)
         else:
@@ -289,7 +327,52 @@ class PeerDirectory:
                 peer.connection = Connection(name, geometry, reply.registration, time.perf_counter() - t0)
                 waiting, peer.waiting = peer.waiting, []
                 self._counters.add("handshakes")
+                for load, _ in waiting:
+                    if peer.error is not None and load.waiting_on == peer.error:
+                        load.waiting_on = ""  # answered: no longer what the load waits on
+                peer.error = None  # (carried from a STALLED peer: _connect)
+            if peer.stalled_since is not None:
+                logger.info("producer %r rank %d answered the HANDSHAKE after %.1f s not answering it",
+                            address.engine_id, peer.rank, self._clock() - peer.stalled_since)
         self._on_handshake(peer, waiting)
+
+    def _stalled(self, peer: PeerState, exc: Exception, began: float) -> tuple[Callable[..., None], int] | None:
+        """Make ``peer`` STALLED if its producer did not answer the
+        HANDSHAKE that ``began`` then, and answered this rank before
+        (``PeerTimeout.answered_before``): its loads stay waiting on it,
+        told why. The logger method to say so with and how many loads
+        wait; None if not (it fails). Lock held."""
+        if not (isinstance(exc, PeerTimeout) and exc.answered_before) or self._peers.get(peer.key) is not peer:
+            return None  # (not in the directory: the worker cleared it, the loads failed)
+        now, first = self._clock(), peer.stalled_since is None
+        if peer.stalled_since is None:
+            peer.stalled_since = began
+        peer.unanswered += 1
+        host, port = peer.address.rank_address(peer.rank)
+        # peer.error: what its waiting loads wait on (peer_for and the handshake's end compare it).
+        peer.state, peer.failed_at = PeerStage.STALLED, now
+        peer.error = (f"the HANDSHAKE with {peer.address.engine_id!r} rank {peer.rank} ({host}:{port}) was not "
+                      f"answered for {now - peer.stalled_since:.1f} s ({peer.unanswered} call(s), made again "
+                      f"each {PEER_RETRY_S:g} s; the last: {exc})")
+        peer.waiting = [(load, src) for load, src in peer.waiting if not load.stage.terminal]
+        for load, _ in peer.waiting:
+            load.waiting_on = peer.error
+        self._counters.add("handshakes_unanswered")
+        return (logger.warning if first else logger.debug), len(peer.waiting)
+
+    def redial(self, now: float) -> None:
+        """Dial again each STALLED peer whose ``PEER_RETRY_S`` passed: a new
+        CONNECTING peer that takes over the loads still waiting on it (those
+        that failed meanwhile, at their deadline, dropped); with none left
+        it is forgotten. Lock held (a step: ``RdmaConsumer.get_finished``)."""
+        for key, peer in list(self._peers.items()):
+            if peer.state is not PeerStage.STALLED or now - peer.failed_at < PEER_RETRY_S:
+                continue
+            del self._peers[key]
+            peer.waiting = [(load, src) for load, src in peer.waiting
+                            if not load.stage.terminal and load.error is None]
+            if peer.waiting and self._connect(peer.address, peer.rank, stalled=peer) is None:
+                return  # the RPC threads are shut down: the loads fail at their deadline
 
     def _ask(self, peer: PeerState) -> wire.HandshakeReply:
         """HANDSHAKE with ``peer``; the reply, its engine, KV cache and rank share checked."""
@@ -346,7 +429,8 @@ class PeerDirectory:
         book reads from (``reading()``, asked only when one is idle), so that
         producers that come and go do not accumulate. Returns the transport
         names of the latter, for :meth:`remove` once the lock is released.
-        Lock held."""
+        A STALLED peer is left to :meth:`redial` (it holds no transport
+        peer; with no load waiting on it, that forgets it). Lock held."""
         idle_s, idle = self._pool.idle_s, []
         for key, peer in list(self._peers.items()):
             if peer.forgotten(now):

@@ -105,7 +105,8 @@ class LoadState:
     renewed_at: float | None = None
     waiting_on: str = ""
     """Why the load is not done yet, when it waits on a producer that does
-    not answer (said when its deadline fails it)."""
+    not answer (a CONFIRM, ``confirms``; a HANDSHAKE, ``peers``: STALLED),
+    said when its deadline fails it."""
     confirm_started: float | None = None
     """``perf_counter()`` when the load entered CONFIRMING (its ``confirm_s`` runs from here)."""
     seen: float = dataclasses.field(default_factory=time.perf_counter)
