@@ -34,7 +34,8 @@ from rdma_kv.connector.rdma.consumer.peers import PeerStage
 
 pytestmark = pytest.mark.timeout(120)
 
-# One attempt per call, a short one: a stall outlasts a HANDSHAKE in about a second.
+# One attempt per call, a short one: a stall outlasts a HANDSHAKE in about a second (once the
+# tests shorten HANDSHAKE_TIMEOUT_S, after the first handshake: a slow first answer fails its load).
 FAST = {"rpc_timeout_s": 0.5, "rpc_retries": 0, "connect_timeout_s": 0.5, "load_timeout_s": 90.0}
 
 
@@ -58,12 +59,12 @@ def fail_the_peer(pair: Pair) -> None:
 
 
 def test_loads_wait_out_a_stalled_handshake_and_read_bit_exact(fabric, monkeypatch, caplog):
-    monkeypatch.setattr(sideclient, "HANDSHAKE_TIMEOUT_S", FAST["rpc_timeout_s"])
     pair = Pair(fabric, d_extra=FAST)
     gate, asked = threading.Event(), []
     try:
         first = {"a": list(range(1, 30))}
         assert not pair.decode(first, pair.prefill(first))["a"].load_failed  # the producer answered
+        monkeypatch.setattr(sideclient, "HANDSHAKE_TIMEOUT_S", FAST["rpc_timeout_s"])  # (not the first's)
         handler = pair.P.worker.worker._producer.handler
         real = handler.on_handshake
 
@@ -110,12 +111,12 @@ def test_loads_wait_out_a_stalled_handshake_and_read_bit_exact(fabric, monkeypat
 
 def test_a_producer_that_never_answers_again_fails_the_loads_at_their_deadline_saying_why(fabric, monkeypatch,
                                                                                           caplog):
-    monkeypatch.setattr(sideclient, "HANDSHAKE_TIMEOUT_S", FAST["rpc_timeout_s"])
     pair = Pair(fabric, d_extra={**FAST, "load_timeout_s": 4.0})
     gate = threading.Event()
     try:
         first = {"a": list(range(1, 30))}
         assert not pair.decode(first, pair.prefill(first))["a"].load_failed
+        monkeypatch.setattr(sideclient, "HANDSHAKE_TIMEOUT_S", FAST["rpc_timeout_s"])
         handler = pair.P.worker.worker._producer.handler
         real = handler.on_handshake
 
