@@ -161,3 +161,44 @@ def test_a_load_from_an_address_that_never_answered_fails_at_once(fabric, monkey
     finally:
         tarpit.close()
         pair.close()
+
+
+def test_a_producer_whose_client_was_closed_idle_is_still_known_live(fabric, monkeypatch):
+    """The handshake after an idle spell: the pool closed the client that
+    the producer answered (``ClientPool.prune``, as after ``idle_s``) and
+    makes a new one, which remembers that the address answered; so a
+    producer that stalls then is waited out, not taken for an address that
+    never answered. Before, the new client knew nothing and the load
+    failed at once with the handshake's timeout."""
+    pair = Pair(fabric, d_extra=FAST)
+    gate = threading.Event()
+    try:
+        first = {"a": list(range(1, 30))}
+        assert not pair.decode(first, pair.prefill(first))["a"].load_failed
+        monkeypatch.setattr(sideclient, "HANDSHAKE_TIMEOUT_S", FAST["rpc_timeout_s"])
+        handler = pair.P.worker.worker._producer.handler
+        real = handler.on_handshake
+
+        def stalled(request):
+            gate.wait(60)
+            return real(request)
+
+        handler.on_handshake = stalled
+        fail_the_peer(pair)
+        pool = pair.D.worker.worker._pool
+        assert pool.prune(lambda: set(), now=time.monotonic() + pool.idle_s + 1) == 1  # closed idle
+        prompts = {"i": list(range(40, 70))}
+        params = pair.prefill(prompts)
+        pair.decode(prompts, params, wait=False)
+        wait_until(lambda: unanswered(pair) >= 1 or failed(pair), timeout_s=60, step=pair.pump,
+                   what="a HANDSHAKE unanswered")
+        assert not failed(pair), [pair.D.results[r].error for r in failed(pair)]  # before: failed at once
+        gate.set()
+        results = pair.D.results
+        wait_until(lambda: "i" in results and results["i"].status.value in ("finished", "failed", "aborted"),
+                   timeout_s=60, step=pair.pump, what="the load")
+        assert results["i"].status.value == "finished" and not results["i"].load_failed, results["i"]
+        assert results["i"].bad_blocks == []
+    finally:
+        gate.set()
+        pair.close()

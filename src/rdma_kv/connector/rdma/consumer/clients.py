@@ -4,7 +4,10 @@ first use and closed once idle, and the RPC threads that call them.
 A client holds a socket to one producer rank. Producers come and go (a
 restart with an OS-chosen port is a new address), so a client nobody
 used for ``idle_s`` and that no peer or load refers to is closed and
-forgotten; the next load that needs the address makes a new one.
+forgotten; the next load that needs the address makes a new one, which
+starts knowing whether the address answered before (``has_answered``:
+a producer known live, whose stalled HANDSHAKE the peer directory waits
+out; at most ``ANSWERED_MEMORY`` addresses remembered).
 
 Handshakes, confirmations and lease calls run on the pool's threads
 (:meth:`ClientPool.submit`), never on the engine thread. Renewals have
@@ -82,7 +85,7 @@ from typing import Any
 
 from rdma_kv.connector.rdma.sideclient import CallGuard, SideChannelClient, guarded
 
-__all__ = ["PARKED_MAX", "PARKED_PER_HOST", "ClientPool"]
+__all__ = ["ANSWERED_MEMORY", "PARKED_MAX", "PARKED_PER_HOST", "ClientPool"]
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +166,11 @@ class _Lane:
         self.nparked = 0
 
 
+ANSWERED_MEMORY = 4096
+"""Addresses whose client answered, remembered after the client is closed
+idle (``prune``), at most this many (the oldest forgotten first)."""
+
+
 class ClientPool:
     def __init__(self, make: Callable[[str, int], SideChannelClient], idle_s: float = 120.0,
                  clock: Callable[[], float] = time.monotonic, threads: int = 1,
@@ -170,6 +178,12 @@ class ClientPool:
         self._make, self._idle_s, self._clock = make, idle_s, clock
         self._lock = threading.Lock()
         self._clients: dict[Address, tuple[SideChannelClient, float]] = {}
+        self._answered: collections.OrderedDict[Address, None] = collections.OrderedDict()
+        """Addresses whose client, closed idle since, had answered: the next
+        client made for one starts ``has_answered`` (a producer known live,
+        which a stalled HANDSHAKE waits out: ``peers``), so a decode that
+        handshakes again after an idle spell does not take a producer that
+        stalls for an address that never answered."""
         self._closed = False
         self._calls = _Lane(concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=thread_name),
                             strangers(threads))
@@ -311,7 +325,13 @@ class ClientPool:
             if self._closed:
                 raise RuntimeError("the side-channel client pool is closed")
             entry = self._clients.get((host, port))
-            client = entry[0] if entry is not None else self._make(host, port)
+            if entry is not None:
+                client = entry[0]
+            else:
+                client = self._make(host, port)
+                if (host, port) in self._answered:
+                    del self._answered[(host, port)]
+                    client.has_answered = True  # (its predecessor, closed idle, was answered)
             self._clients[(host, port)] = (client, self._clock())
             return client
 
@@ -328,6 +348,12 @@ class ClientPool:
             idle = [addr for addr, (_, used) in self._clients.items()
                     if now - used >= self._idle_s and addr not in busy]
             dropped = [self._clients.pop(addr)[0] for addr in idle]
+            for addr, client in zip(idle, dropped):
+                if getattr(client, "has_answered", False):
+                    self._answered[addr] = None
+                    self._answered.move_to_end(addr)
+            while len(self._answered) > ANSWERED_MEMORY:
+                self._answered.popitem(last=False)
         for client in dropped:
             client.close()
         return len(dropped)

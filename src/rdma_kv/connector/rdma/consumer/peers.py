@@ -17,7 +17,8 @@ Owns, for one consumer rank:
   next load handshakes again; a load that finds it FAILED before then fails
   at once. A peer whose HANDSHAKE was not answered in time
   (``PeerTimeout``) by a producer that answered this rank's client before
-  (``PeerTimeout.answered_before``: stalled, or starved of CPU a while, as
+  (``PeerTimeout.answered_before``, remembered by the client pool past an
+  idle client's close: stalled, or starved of CPU a while, as
   a process on a loaded host is for seconds) is STALLED instead: its
   loads, and the new loads that find it, wait on it as on a CONNECTING
   peer, each saying why (``LoadState.waiting_on``), and a step dials it
