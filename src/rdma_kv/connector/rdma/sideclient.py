@@ -141,6 +141,12 @@ def _link_down(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in LINK_DOWN
 
 
+def _failure_kind(exc: BaseException | None) -> type[PeerError]:
+    """What a call that failed on ``exc`` raises: :class:`PeerTimeout` for
+    a timeout (the peer may be stalled), else :class:`PeerError`."""
+    return PeerTimeout if isinstance(exc, TimeoutError) else PeerError
+
+
 def _pause(backoff_s: float, retry: int) -> float:
     """The pause before retry ``retry`` (0: the first) of a call."""
     return min(backoff_s * (1 << min(retry, 16)), MAX_BACKOFF_S)
@@ -435,7 +441,7 @@ class SideChannelClient:
                     if why:
                         self._down_until = time.monotonic() + self.down_s
                         self._down_reason = f"stopped answering ({exc}); not tried again: {why}"
-                        self._down_error = PeerTimeout if isinstance(exc, TimeoutError) else PeerError
+                        self._down_error = _failure_kind(exc)
                         raise self._error(self._down_error, f"side channel {self.address} {self._down_reason}")
                 if not self._retries or (attempts > self._retries and not (
                         _link_down(exc) and time.monotonic() - start < self._connect_timeout_s)):
@@ -452,7 +458,7 @@ class SideChannelClient:
             return reply
         self._down_until = time.monotonic() + self.down_s
         self._down_reason = f"unreachable after {attempts} attempts in {time.monotonic() - start:.2g} s: {last}"
-        self._down_error = PeerTimeout if isinstance(last, TimeoutError) else PeerError
+        self._down_error = _failure_kind(last)
         raise self._error(self._down_error, f"side channel {self.address} {self._down_reason}")
 
     def _error(self, kind: type[PeerError], message: str) -> PeerError:
