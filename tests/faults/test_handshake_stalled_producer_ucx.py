@@ -27,8 +27,10 @@ LEASES = {"lease_ttl_s": 120.0}
 
 
 class Unanswered:
-    """The decode's ``handshakes_unanswered`` (its stats are None when
-    nothing changed since the last call: the last count then holds)."""
+    """The decode's ``handshakes_unanswered`` so far: its stats count what
+    happened since the last call (None when nothing did), so the counts
+    are summed. (Taking the last count as the total, as this did first,
+    read 0 after a report that carried other events.)"""
 
     def __init__(self, d: EngineProcess) -> None:
         self.d, self.count = d, 0
@@ -36,7 +38,7 @@ class Unanswered:
     def __call__(self) -> int:
         stats = self.d.call("stats")
         if stats is not None:
-            self.count = int(stats["totals"].get("handshakes_unanswered", 0))
+            self.count += int(stats["totals"].get("handshakes_unanswered", 0))
         return self.count
 
 
