@@ -58,23 +58,40 @@ def fail_the_peer(pair: Pair) -> None:
     wait_until(lambda: old.forgotten(consumer._clock()), timeout_s=30, what="the failed peer forgotten")
 
 
+def stall_handshakes(pair: Pair, monkeypatch, gate: threading.Event, asked: list[float] | None = None) -> None:
+    """A first load the producer answers; then the producer's HANDSHAKE
+    handler blocks until ``gate`` is set (its side channel's thread stops
+    there, as a stopped process does), each call noted in ``asked``, and
+    the first load's peer is failed so that the next load handshakes again.
+    HANDSHAKE_TIMEOUT_S is shortened only now: a slow first answer must not
+    fail the first load."""
+    first = {"a": list(range(1, 30))}
+    assert not pair.decode(first, pair.prefill(first))["a"].load_failed  # the producer answered
+    monkeypatch.setattr(sideclient, "HANDSHAKE_TIMEOUT_S", FAST["rpc_timeout_s"])
+    handler = pair.P.worker.worker._producer.handler
+    real = handler.on_handshake
+
+    def stalled(request):
+        if asked is not None:
+            asked.append(time.monotonic())
+        gate.wait(60)
+        return real(request)
+
+    handler.on_handshake = stalled
+    fail_the_peer(pair)
+
+
+def ended(pair: Pair, rids) -> bool:
+    """Whether every request of ``rids`` has its result."""
+    results = pair.D.results
+    return all(r in results and results[r].status.value in ("finished", "failed", "aborted") for r in rids)
+
+
 def test_loads_wait_out_a_stalled_handshake_and_read_bit_exact(fabric, monkeypatch, caplog):
     pair = Pair(fabric, d_extra=FAST)
     gate, asked = threading.Event(), []
     try:
-        first = {"a": list(range(1, 30))}
-        assert not pair.decode(first, pair.prefill(first))["a"].load_failed  # the producer answered
-        monkeypatch.setattr(sideclient, "HANDSHAKE_TIMEOUT_S", FAST["rpc_timeout_s"])  # (not the first's)
-        handler = pair.P.worker.worker._producer.handler
-        real = handler.on_handshake
-
-        def stalled(request):  # the side channel's thread stops here, as a stopped process does
-            asked.append(time.monotonic())
-            gate.wait(60)
-            return real(request)
-
-        handler.on_handshake = stalled
-        fail_the_peer(pair)
+        stall_handshakes(pair, monkeypatch, gate, asked)
         prompts = {f"s{i}": list(range(40 + 31 * i, 70 + 31 * i)) for i in range(4)}
         params = pair.prefill(prompts)
         with caplog.at_level(logging.WARNING, logger="rdma_kv"):
@@ -93,8 +110,7 @@ def test_loads_wait_out_a_stalled_handshake_and_read_bit_exact(fabric, monkeypat
                        for w in waiting), waiting
             gate.set()
             results = pair.D.results
-            wait_until(lambda: all(r in results and results[r].status.value in ("finished", "failed", "aborted")
-                                   for r in prompts), timeout_s=60, step=pair.pump, what="the loads")
+            wait_until(lambda: ended(pair, prompts), timeout_s=60, step=pair.pump, what="the loads")
         for rid in prompts:
             r = results[rid]
             assert r.status.value == "finished" and not r.load_failed, (rid, r)
@@ -114,18 +130,7 @@ def test_a_producer_that_never_answers_again_fails_the_loads_at_their_deadline_s
     pair = Pair(fabric, d_extra={**FAST, "load_timeout_s": 4.0})
     gate = threading.Event()
     try:
-        first = {"a": list(range(1, 30))}
-        assert not pair.decode(first, pair.prefill(first))["a"].load_failed
-        monkeypatch.setattr(sideclient, "HANDSHAKE_TIMEOUT_S", FAST["rpc_timeout_s"])
-        handler = pair.P.worker.worker._producer.handler
-        real = handler.on_handshake
-
-        def stopped(request):
-            gate.wait(60)
-            return real(request)
-
-        handler.on_handshake = stopped
-        fail_the_peer(pair)
+        stall_handshakes(pair, monkeypatch, gate)
         prompts = {"n": list(range(40, 70))}
         params = pair.prefill(prompts)
         with caplog.at_level(logging.WARNING, logger="rdma_kv"):
@@ -173,30 +178,21 @@ def test_a_producer_whose_client_was_closed_idle_is_still_known_live(fabric, mon
     pair = Pair(fabric, d_extra=FAST)
     gate = threading.Event()
     try:
-        first = {"a": list(range(1, 30))}
-        assert not pair.decode(first, pair.prefill(first))["a"].load_failed
-        monkeypatch.setattr(sideclient, "HANDSHAKE_TIMEOUT_S", FAST["rpc_timeout_s"])
-        handler = pair.P.worker.worker._producer.handler
-        real = handler.on_handshake
-
-        def stalled(request):
-            gate.wait(60)
-            return real(request)
-
-        handler.on_handshake = stalled
-        fail_the_peer(pair)
+        stall_handshakes(pair, monkeypatch, gate)
         pool = pair.D.worker.worker._pool
         assert pool.prune(lambda: set(), now=time.monotonic() + pool.idle_s + 1) == 1  # closed idle
         prompts = {"i": list(range(40, 70))}
         params = pair.prefill(prompts)
+        # The client the load will call, made now, knows the address answered (before: it did not,
+        # unless a lease call happened to be answered first, so the load below could pass without it).
+        assert pool.get(params["i"]["remote_host"], params["i"]["remote_port"]).has_answered
         pair.decode(prompts, params, wait=False)
         wait_until(lambda: unanswered(pair) >= 1 or failed(pair), timeout_s=60, step=pair.pump,
                    what="a HANDSHAKE unanswered")
         assert not failed(pair), [pair.D.results[r].error for r in failed(pair)]  # before: failed at once
         gate.set()
         results = pair.D.results
-        wait_until(lambda: "i" in results and results["i"].status.value in ("finished", "failed", "aborted"),
-                   timeout_s=60, step=pair.pump, what="the load")
+        wait_until(lambda: ended(pair, ["i"]), timeout_s=60, step=pair.pump, what="the load")
         assert results["i"].status.value == "finished" and not results["i"].load_failed, results["i"]
         assert results["i"].bad_blocks == []
     finally:
