@@ -350,8 +350,7 @@ class ClientPool:
             dropped = [self._clients.pop(addr)[0] for addr in idle]
             for addr, client in zip(idle, dropped):
                 if getattr(client, "has_answered", False):
-                    self._answered[addr] = None
-                    self._answered.move_to_end(addr)
+                    self._answered[addr] = None  # (new: get() took it out when it made this client)
             while len(self._answered) > ANSWERED_MEMORY:
                 self._answered.popitem(last=False)
         for client in dropped:
