@@ -304,3 +304,65 @@ def test_a_failing_answer_does_not_stop_the_peers_later_pins(caplog):
             wait_until(lambda: "a bug" in caplog.text, what="the first answer's failure logged")
     wait_until(lambda: answered, what="the second pin answered")
     assert answered == [("second", HELD, 5.0)]
+
+
+
+def test_a_trusted_reads_release_waits_for_send_releases():
+    """The RELEASE after a pin is sent by ``send_releases`` (the consumer's
+    ``get_finished``, once it has reported the load), not from the callback
+    that trusts the reads: sent there, it took the renewal thread and the
+    interpreter lock just as the engine's thread was to report the load
+    (docs/benchmarks.md, "Connector overhead per stage"). One task per
+    peer, whatever the number of releases queued; a peer's next pins take
+    its releases along."""
+    from types import SimpleNamespace
+
+    from rdma_kv.connector.rdma import wire
+    from rdma_kv.connector.rdma.consumer.pins import Pins
+    from rdma_kv.connector.rdma.consumer.records import LoadBook, PinStage
+
+    sent, tasks = [], []
+
+    def lease_call(request, urgent=False):
+        sent.append(request)
+        return wire.LeaseReply([HELD] * len(request.leases), 30.0, 5.0 if isinstance(request, wire.Renew) else 0.0)
+
+    client = SimpleNamespace(lease_call=lease_call)
+    pool = SimpleNamespace(submit_renewal=lambda fn, *a, to=None: tasks.append((fn, a)) or True,
+                           get=lambda host, port: client)
+    from rdma_kv.connector.rdma.meta import PeerAddress, RemoteLease
+
+    address = PeerAddress("P", "h", 1, 1)
+    leases = SimpleNamespace(of=lambda load, src: (0, RemoteLease(address, ref(src.generation), A)))
+    book = LoadBook()
+    pins = Pins(book, pool, leases, on_answer=lambda *a: None, failed=lambda peer, reason: None)
+    peer = SimpleNamespace(key="P0", rank=0, address=SimpleNamespace(engine_id="P", rank_address=lambda r: ("h", 1)))
+
+    def run_tasks():
+        while tasks:
+            fn, args = tasks.pop(0)
+            fn(*args)
+
+    with book.lock:
+        for generation in (1, 2):
+            pins.release(peer, "load", SimpleNamespace(generation=generation, released=False))
+    assert tasks == [] and len(pins) == 2, "a trusted read's RELEASE was sent before the load's report"
+    with book.lock:
+        pins.send_releases()
+        pins.send_releases()  # nothing more due: no second task
+    assert len(tasks) == 1
+    run_tasks()
+    assert [type(r) for r in sent] == [wire.Release] and [ls.generation for ls in sent[0].leases] == [1, 2]
+    assert len(pins) == 0
+
+    # A release queued while the peer has pins to send goes with them, and is not due again.
+    sent.clear()
+    with book.lock:
+        pins.pin(peer, "load", SimpleNamespace(generation=3, pin=PinStage.NONE, pin_sent=0.0))
+        pins.release(peer, "load", SimpleNamespace(generation=4, released=False))
+    pins.flush(peer)
+    run_tasks()
+    assert [type(r) for r in sent] == [wire.Renew, wire.Release]
+    with book.lock:
+        pins.send_releases()
+    assert tasks == []

@@ -454,6 +454,7 @@ class RdmaConsumer:
                     self._fail(load, f"not finished within load_timeout_s={self._settings.load_timeout_s} "
                                      f"(stage {load.stage.value}){waiting}")
             finished = self._book.report()
+            self._pins.send_releases()
             self._confirms.retry()
             self.peers.redial(now)
             renew = self.leases.due(self._book.loads.values(), now)

@@ -11,11 +11,13 @@ reused, and need no CONFIRM round trip after them: the CONFIRM's wait
 becomes the part of the pin's round trip the reads did not hide.
 
 The source's reader is then done with the lease: its RELEASE is queued
-here too and sent after the peer's pending pins, batched, and nobody
-waits for its answer (a lost RELEASE leaves the lease to expire, as any
-lost RELEASE does). One task per producer rank at a time drains both queues,
-pins first, on the pool's renewal threads (``urgent`` on the client: a pin
-never waits behind a slow CONFIRM or handshake).
+here too and sent with the peer's next pins, or once the consumer's
+``get_finished`` has reported the load (:meth:`Pins.send_releases`: off
+the load's critical path), batched, and nobody waits for its answer (a
+lost RELEASE leaves the lease to expire, as any lost RELEASE does). One
+task per producer rank at a time drains both queues, pins first, on the
+pool's renewal threads (``urgent`` on the client: a pin never waits
+behind a slow CONFIRM or handshake).
 
 What the answers mean to the load (``loads`` applies them):
 
@@ -85,6 +87,7 @@ class Pins:
         self._pins: dict[PeerKey, list[tuple[LoadState, Source]]] = collections.defaultdict(list)
         self._releases: dict[PeerKey, list[RemoteLease]] = collections.defaultdict(list)
         self._scheduled: set[PeerKey] = set()
+        self._release_due: dict[PeerKey, PeerState] = {}  # peers with RELEASEs queued and no task for them
 
     def __len__(self) -> int:
         """Pins and post-pin RELEASEs queued, not yet sent (``resources()["pin_queue"]``)."""
@@ -109,10 +112,21 @@ class Pins:
 
     def release(self, peer: PeerState, load: LoadState, src: Source) -> None:
         """``src`` was trusted on its pin: release this reader's share of
-        the lease, after the peer's pending pins. Lock held."""
+        the lease, with the peer's next pins or at :meth:`send_releases`.
+        Lock held."""
         src.released = True
         self._releases[peer.key].append(self._leases.of(load, src)[1])
-        self._schedule(peer)
+        self._release_due[peer.key] = peer
+
+    def send_releases(self) -> None:
+        """Send the RELEASEs queued (the consumer's ``get_finished``, once it
+        has reported its loads: sent the moment a load is trusted, a RELEASE
+        took the renewal thread and the interpreter lock just as the engine's
+        thread was to report that load, 100-300 us later on a small one).
+        Lock held."""
+        due, self._release_due = self._release_due, {}
+        for peer in due.values():
+            self._schedule(peer)  # False: the pool is closed; the leases expire on the producer
 
     def clear(self) -> None:
         """Drop the pins queued (the consumer is being suspended; its loads
@@ -137,6 +151,7 @@ class Pins:
             self._scheduled.discard(peer.key)
             pins = self._pins.pop(peer.key, [])
             releases = self._releases.pop(peer.key, [])
+            self._release_due.pop(peer.key, None)
         try:
             wired = [(queued, self._leases.of(*queued)[1].to_wire()) for queued in pins]
             for chunk in wire.lease_chunks(wired, wired_id):
