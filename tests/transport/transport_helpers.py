@@ -173,12 +173,44 @@ def progress_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith(PROGRESS_THREAD_PREFIX)}
 
 
+@contextmanager
+def polled(agents: list) -> Iterator[None]:
+    """``agents`` (polling ones: ``progress="poll"``) progressed by a thread
+    of their own meanwhile, as their owner would."""
+    if not agents:
+        yield
+        return
+    stop = threading.Event()
+
+    def drive() -> None:
+        while not stop.is_set():
+            for agent in agents:
+                agent.progress()
+            time.sleep(0.0002)
+
+    thread = threading.Thread(target=drive, name="teardown-poller", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10.0)
+
+
 def teardown_problems(agents: list) -> list[str]:
-    """Close ``agents`` and say what each left behind, if anything."""
+    """Close ``agents`` one by one and say what each left behind, if anything.
+
+    The polling agents still open are progressed while another closes (as
+    their owner would be): closing an endpoint waits, at most
+    ``peer.CLOSE_WAIT_S`` per endpoint, for its peer to progress, and a
+    polling peer left undriven made each such close wait it out, 4-8 s per
+    test (about 2 minutes of the transport tests)."""
     problems = []
-    for agent in agents:
+    for i, agent in enumerate(agents):
+        others = [a for a in agents[i + 1:] if a.config.progress == "poll" and not a.closed]
         try:
-            agent.close()
+            with polled(others):
+                agent.close()
         except Exception as exc:  # noqa: BLE001 -- reported, not swallowed
             problems.append(f"{agent.name}: close() raised {exc!r}")
             continue
