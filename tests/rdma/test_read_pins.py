@@ -306,13 +306,12 @@ def test_a_failing_answer_does_not_stop_the_peers_later_pins(caplog):
     assert answered == [("second", HELD, 5.0)]
 
 
-
 def test_a_trusted_reads_release_waits_for_send_releases():
     """The RELEASE after a pin is sent by ``send_releases`` (the consumer's
     ``get_finished``, once it has reported the load), not from the callback
     that trusts the reads: sent there, it took the renewal thread and the
     interpreter lock just as the engine's thread was to report the load
-    (docs/benchmarks.md, "Connector overhead per stage"). One task per
+    (docs/benchmarks.md, "Read pins"). One task per
     peer, whatever the number of releases queued; a peer's next pins take
     its releases along."""
     from types import SimpleNamespace
@@ -320,6 +319,7 @@ def test_a_trusted_reads_release_waits_for_send_releases():
     from rdma_kv.connector.rdma import wire
     from rdma_kv.connector.rdma.consumer.pins import Pins
     from rdma_kv.connector.rdma.consumer.records import LoadBook, PinStage
+    from rdma_kv.connector.rdma.meta import PeerAddress, RemoteLease
 
     sent, tasks = [], []
 
@@ -330,8 +330,6 @@ def test_a_trusted_reads_release_waits_for_send_releases():
     client = SimpleNamespace(lease_call=lease_call)
     pool = SimpleNamespace(submit_renewal=lambda fn, *a, to=None: tasks.append((fn, a)) or True,
                            get=lambda host, port: client)
-    from rdma_kv.connector.rdma.meta import PeerAddress, RemoteLease
-
     address = PeerAddress("P", "h", 1, 1)
     leases = SimpleNamespace(of=lambda load, src: (0, RemoteLease(address, ref(src.generation), A)))
     book = LoadBook()

@@ -188,7 +188,7 @@ def polled(agents: list) -> Iterator[None]:
                 agent.progress()
             time.sleep(0.0002)
 
-    thread = threading.Thread(target=drive, name="teardown-poller", daemon=True)
+    thread = threading.Thread(target=drive, name="poller", daemon=True)
     thread.start()
     try:
         yield
