@@ -85,13 +85,12 @@ class Pins:
         self._leases = leases
         self._on_answer = on_answer
         self._pins: dict[PeerKey, list[tuple[LoadState, Source]]] = collections.defaultdict(list)
-        self._releases: dict[PeerKey, list[RemoteLease]] = collections.defaultdict(list)
+        self._releases: dict[PeerKey, tuple[PeerState, list[RemoteLease]]] = {}  # the peer, its RELEASEs queued
         self._scheduled: set[PeerKey] = set()
-        self._release_due: dict[PeerKey, PeerState] = {}  # peers with RELEASEs queued and no task for them
 
     def __len__(self) -> int:
         """Pins and post-pin RELEASEs queued, not yet sent (``resources()["pin_queue"]``)."""
-        return sum(len(q) for q in self._pins.values()) + sum(len(q) for q in self._releases.values())
+        return sum(len(q) for q in self._pins.values()) + sum(len(q) for _, q in self._releases.values())
 
     def pin(self, peer: PeerState, load: LoadState, src: Source) -> None:
         """``src``'s reads are about to be posted: queue a pin of its lease,
@@ -115,8 +114,7 @@ class Pins:
         the lease, with the peer's next pins or at :meth:`send_releases`.
         Lock held."""
         src.released = True
-        self._releases[peer.key].append(self._leases.of(load, src)[1])
-        self._release_due[peer.key] = peer
+        self._releases.setdefault(peer.key, (peer, []))[1].append(self._leases.of(load, src)[1])
 
     def send_releases(self) -> None:
         """Send the RELEASEs queued (the consumer's ``get_finished``, once it
@@ -124,8 +122,7 @@ class Pins:
         took the renewal thread and the interpreter lock just as the engine's
         thread was to report that load, 100-300 us later on a small one).
         Lock held."""
-        due, self._release_due = self._release_due, {}
-        for peer in due.values():
+        for peer, _ in list(self._releases.values()):
             self._schedule(peer)  # False: the pool is closed; the leases expire on the producer
 
     def clear(self) -> None:
@@ -150,8 +147,7 @@ class Pins:
         with self._lock:
             self._scheduled.discard(peer.key)
             pins = self._pins.pop(peer.key, [])
-            releases = self._releases.pop(peer.key, [])
-            self._release_due.pop(peer.key, None)
+            releases = self._releases.pop(peer.key, (peer, []))[1]
         try:
             wired = [(queued, self._leases.of(*queued)[1].to_wire()) for queued in pins]
             for chunk in wire.lease_chunks(wired, wired_id):
