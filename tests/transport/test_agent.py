@@ -297,7 +297,7 @@ def test_settle_settles_on_the_callers_thread_and_runs_each_callback_once(make_a
         assert calls == [threading.current_thread()]
     pair.b.settle()  # nothing left: a look at the ring, no second callback
     assert len(calls) == 1
-    with polled([pair.a] if progress == "poll" else []):  # its owner drives it (else b's close waits for a)
+    with polled([pair.a]):  # a polling a's owner drives it (else b's close waits for a)
         pair.b.close()
     pair.b.settle()
 

@@ -175,8 +175,10 @@ def progress_threads() -> set[threading.Thread]:
 
 @contextmanager
 def polled(agents: list) -> Iterator[None]:
-    """``agents`` (polling ones: ``progress="poll"``) progressed by a thread
-    of their own meanwhile, as their owner would."""
+    """The polling agents of ``agents`` (``progress="poll"``, still open)
+    progressed by a thread of their own meanwhile, as their owner would;
+    the others have threads of their own."""
+    agents = [a for a in agents if a.config.progress == "poll" and not a.closed]
     if not agents:
         yield
         return
@@ -207,9 +209,8 @@ def teardown_problems(agents: list) -> list[str]:
     test (about 2 minutes of the transport tests)."""
     problems = []
     for i, agent in enumerate(agents):
-        others = [a for a in agents[i + 1:] if a.config.progress == "poll" and not a.closed]
         try:
-            with polled(others):
+            with polled(agents[i + 1:]):
                 agent.close()
         except Exception as exc:  # noqa: BLE001 -- reported, not swallowed
             problems.append(f"{agent.name}: close() raised {exc!r}")
