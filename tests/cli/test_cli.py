@@ -134,3 +134,30 @@ def test_python_dash_m_rdma_kv_is_the_cli():
     out = subprocess.run([sys.executable, "-m", "rdma_kv", "--version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("rdma-kv ")
+
+
+@pytest.mark.parametrize("argv", [
+    ["selftest", "--quick", "--json"],
+    ["bench", "--workloads", "kv-one-block", "--reps", "1", "--no-cma", "--perftest", "none", "--json"],
+    ["bench", "--scale", "concurrency", "--concurrency", "1", "--scale-backends", "rdma-kv", "--reps", "1", "--csv"],
+])
+def test_an_output_path_that_cannot_be_written_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch, argv):
+    """Found by a review of the CLI: ``selftest --json`` (and ``bench
+    --json`` / ``--csv``) into a directory that does not exist, or one not
+    writable, ran every check (minutes for a full selftest or bench), then
+    ended in a FileNotFoundError traceback with exit status 1: the
+    selftest's "a check FAILed", after a summary that said nothing failed.
+    Now a usage error (exit 2) naming the flag and the path, before
+    anything runs."""
+    from rdma_kv import selftest
+    from rdma_kv.bench import baselines, scale
+
+    ran: list[str] = []
+    monkeypatch.setattr(selftest, "run_selftest", lambda *a, **k: ran.append("selftest") or [])
+    monkeypatch.setattr(baselines, "run", lambda *a, **k: ran.append("bench") or [])
+    monkeypatch.setattr(scale, "run_axis", lambda *a, **k: ran.append("scale") or [])
+    path = tmp_path / "no-such-dir" / "out.json"
+    assert main([*argv, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{argv[-1]} {str(path)!r}: cannot write" in err and "Traceback" not in err, err
+    assert ran == [] and not path.parent.exists()

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from rdma_kv import __version__
 from rdma_kv.cli import bench, demo, info, selftest
-from rdma_kv.errors import RdmaKVError
+from rdma_kv.errors import ConfigError, RdmaKVError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +39,25 @@ def pin_loopback() -> None:
     stripe RMA over eth0's address). Set in the CLI -- the application -- never
     in the library, and only when the operator has not chosen devices."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+def check_output(flag: str, path: str | None) -> None:
+    """Refuse, before a run, an output path that cannot be written (a
+    directory that does not exist, no permission, a read-only file system):
+    found after a run, it lost minutes of checks or benchmarks to a
+    traceback. Opens it for appending (nothing truncated) and removes it
+    again if this made it."""
+    if not path:
+        return
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path!r}: cannot write it ({exc.strerror or exc}); "
+                          "give a path in a directory that exists and that you may write") from None
+    if not existed:
+        os.unlink(path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -122,8 +122,10 @@ def parse_kv_shape(text: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rdma_kv.cli import pin_loopback
+    from rdma_kv.cli import check_output, pin_loopback
 
+    for flag, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
+        check_output(flag, path)
     pin_loopback()
     from rdma_kv.bench import baselines, rdmakv_peer
     from rdma_kv.bench.progress import ProgressBar

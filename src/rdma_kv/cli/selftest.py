@@ -46,6 +46,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rdma_kv.cli import check_output
     from rdma_kv.errors import ConfigError
     from rdma_kv.selftest import SelftestOptions, exit_status, render, run_selftest, summary, write_json
 
@@ -53,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--rank {args.rank} must be in [0, --tp-size)")
     if args.timeout is not None and not 0 < args.timeout <= 86400:
         raise ConfigError(f"--timeout must be in (0, 86400] seconds, got {args.timeout}")
+    check_output("--json", args.json)
     settings = None
     if args.config:
         from rdma_kv.cli.info import load_settings
