@@ -172,3 +172,22 @@ def test_a_bad_config_is_refused_before_anything_runs(capsys):
                  '"kv_connector_extra_config": {"ucx_net_devices": 3}}', "--engine", "rdma-kv"]) == 2
     err = capsys.readouterr().err
     assert "ucx_net_devices must be a template string or a map" in err
+
+
+def test_a_transport_ucx_lacks_fails_each_check_on_one_line_naming_it(monkeypatch, capsys):
+    """Found by a review of the CLI: with ``UCX_TLS`` naming a transport
+    the loaded UCX does not have (``rc`` on a UCX without verbs), the
+    producer peer's agent cannot be made, and ``host.read`` and
+    ``host.read-notified`` each printed the peer's whole traceback (20
+    lines apiece) as their "reason": no longer one line per check, and
+    the error itself on the last line of each. Now the reason is one line,
+    ending in UCX's own error."""
+    monkeypatch.setenv("UCX_TLS", "rc")  # the check and producer processes inherit it
+    status = main(["selftest", "--quick", "--timeout", DEADLINE])
+    out = capsys.readouterr().out
+    assert status == 1, out
+    lines = out.splitlines()
+    assert lines[-1].startswith("selftest: ") and all(line[:6] in ("PASS  ", "FAIL  ", "SKIP  ")
+                                                      for line in lines[:-1]), out
+    read = next(line for line in lines if line.startswith("FAIL  host.read "))
+    assert "ucp_init failed" in read and "Traceback" not in out, out

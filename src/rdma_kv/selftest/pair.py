@@ -253,7 +253,7 @@ def run_reads(reads: Sequence[ReadSpec], workload: Workload, sink: Sink, deadlin
         child.chan.send({"type": "close"})
         child.chan.expect("closed", deadline.left())
     except Exception as exc:  # a diagnostic: every read gets its line, whatever broke
-        why = f"{type(exc).__name__}: {exc}"
+        why = one_line(exc)
         for read in pending:  # the first was running; the rest could not run
             check = Check.failed(read.name, why if read is pending[0] else f"not run: {why}")
             checks.append(check)
@@ -264,6 +264,15 @@ def run_reads(reads: Sequence[ReadSpec], workload: Workload, sink: Sink, deadlin
         if child is not None:
             child.close(timeout_s=min(10.0, deadline.left()))
     return Reads(tuple(checks), cuda_context, lanes_made)
+
+
+def one_line(exc: BaseException) -> str:
+    """A check's reason from an exception, on one line: a peer's forwarded
+    traceback (``runner.Channel``: "producer peer failed:" then the
+    traceback) becomes its first line and the error it ended in."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = f"{lines[0]} {lines[-1]}" if len(lines) > 1 else "".join(lines)
+    return f"{type(exc).__name__}: {text}"
 
 
 def _one_read(read: ReadSpec, rep: int, w: Workload, agent: Any, chan: runner.Channel, local: Buffer,
