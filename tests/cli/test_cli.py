@@ -161,3 +161,19 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_anything_runs(t
     err = capsys.readouterr().err
     assert f"{argv[-1]} {str(path)!r}: cannot write" in err and "Traceback" not in err, err
     assert ran == [] and not path.parent.exists()
+
+
+@pytest.mark.parametrize("extra", ["[]", '""', "false", "0"])
+def test_selftest_refuses_an_extra_config_that_is_not_an_object_as_info_does(capsys, monkeypatch, extra):
+    """Found by a review of the CLI: ``kv_connector_extra_config: []`` (or
+    ``""``, ``false``, ``0``) in an rdma-kv config was taken for ``{}`` by
+    ``selftest --config``, which ran every check with the defaults and
+    exited 0, while ``info --config`` rejected the same config (exit 1) and
+    the engine refuses it at startup."""
+    from rdma_kv import selftest
+
+    ran: list[object] = []
+    monkeypatch.setattr(selftest, "run_selftest", lambda *a, **k: ran.append(a) or [])
+    config = '{"kv_connector": "RdmaKVConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": %s}' % extra
+    assert main(["selftest", "--quick", "--config", config]) == 2
+    assert "kv_connector_extra_config must be a JSON object" in capsys.readouterr().err and ran == []

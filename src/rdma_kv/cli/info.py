@@ -224,8 +224,10 @@ def load_settings(text: str, *, engine: str = "auto", tp_rank: int = 0, tp_size:
     raw = _load(text, findings.append)
     if raw is None:
         raise ConfigError(findings[0].message)
-    extra = raw.get("kv_connector_extra_config") or {}
-    if not isinstance(extra, dict):
+    extra = raw.get("kv_connector_extra_config")
+    if extra is None:
+        extra = {}
+    elif not isinstance(extra, dict):  # [], "" or false too: the engine refuses them
         raise ConfigError(f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}")
     devices = extra.get("ucx_net_devices")
     size = tp_size or max(len(devices) if isinstance(devices, dict) else 0, tp_rank + 1)
