@@ -17,7 +17,8 @@ killed when it passes. ``--quick`` moves a few MiB per read (seconds).
 
 Exit status: 0 when nothing FAILed (SKIPs included: the summary line names
 a configured NIC that could not be exercised), 1 when a check FAILed, 2
-when the arguments or the config are wrong (nothing ran).
+when the arguments or the config are wrong, a --json path that cannot be
+written included (nothing ran).
 """
 
 from __future__ import annotations
