@@ -50,18 +50,23 @@ def test_cuda_transports_left_out_of_ucx_tls_are_an_error_on_a_gpu_host(monkeypa
     assert finding.level == "error" and "would be refused at register_kv_caches" in finding.message
 
 
+NO_SUCH_TL = "rdmakvnosuchtl"
+"""A transport name no UCX has: UCX answers it as it answers one this UCX lacks."""
+
+
 def test_an_environment_no_ucp_context_can_be_made_in_is_an_error(monkeypatch):
     """Found by a review of the CLI: with ``UCX_TLS`` naming only a
     transport this UCX lacks (``rc`` on the wheel's UCX), no UCP context
     can be made, so no agent either: an engine started so fails at once.
-    ``rdma-kv info`` said so as a *warning* ("cannot create a UCP context
+    (The test names a transport no UCX has, so that it holds on a host
+    with verbs too.) ``rdma-kv info`` said so as a *warning* ("cannot create a UCP context
     to query memory types"), exit status 2, "warnings only". Now an error
     (exit 1) naming ``UCX_TLS``."""
     from rdma_kv.cli.info import exit_code
 
-    monkeypatch.setenv("UCX_TLS", "rc")
+    monkeypatch.setenv("UCX_TLS", NO_SUCH_TL)
     report = Report(cuda="no CUDA device")
     cuda_memory_support(report)
     (finding,) = report.findings
-    assert finding.level == "error" and "UCX_TLS=rc" in finding.message, finding
+    assert finding.level == "error" and f"UCX_TLS={NO_SUCH_TL}" in finding.message, finding
     assert exit_code(report) == 1

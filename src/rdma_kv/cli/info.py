@@ -153,9 +153,10 @@ def cuda_memory_support(report: Report) -> None:
         # the agent makes its context the same way: an engine started here fails at once
         tls = os.environ.get("UCX_TLS", "all (default)")
         report.cuda_memory = f"unknown (no UCP context: {exc})"
-        report.findings.append(Finding("error", f"cannot create a UCP context with this environment (UCX_TLS={tls}): "
-                                       f"{exc}; an agent made in this environment fails the same way. Name transports and devices this UCX "
-                                       "has in UCX_TLS / UCX_NET_DEVICES (`ucx_info -d` lists them)"))
+        report.findings.append(Finding(
+            "error", f"cannot create a UCP context with this environment (UCX_TLS={tls}): {exc}; an agent made "
+            "in this environment fails the same way. Name transports and devices this UCX has in UCX_TLS / "
+            "UCX_NET_DEVICES (`ucx_info -d` lists them)"))
         return
     report.context_memory_types = [k.value for k in kinds]
     tls = os.environ.get("UCX_TLS", "all (default)")
