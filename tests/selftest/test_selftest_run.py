@@ -21,8 +21,9 @@ import pytest
 
 from rdma_kv.cli import main
 from rdma_kv.selftest import SelftestOptions, Status, run_selftest
-from rdma_kv.selftest.pair import kv_workload
+from rdma_kv.selftest.pair import ReadSpec, kv_workload, run_reads
 from rdma_kv.selftest.run import gpu_driver
+from rdma_kv.selftest.supervise import Collect, Deadline
 from rdma_kv.transport.ucxinfo import VERBS_TRANSPORTS, loaded_ucx, parse_ucx_info, run_ucx_info, ucx_info_binary
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess, pytest.mark.timeout(600)]
@@ -193,3 +194,34 @@ def test_a_transport_ucx_lacks_fails_each_check_on_one_line_naming_it(monkeypatc
                                                       for line in lines[:-1]), out
     read = next(line for line in lines if line.startswith("FAIL  host.read "))
     assert "ucp_init failed" in read and "Traceback" not in out, out
+
+
+def test_a_reader_that_breaks_before_its_reads_tells_the_producer_peer_to_close(monkeypatch):
+    """Found by a review of the CLI: when the reader broke before its reads
+    ended (its agent could not be made, its peer not added), the producer
+    peer was never sent ``close``; it waited for requests until the join's
+    bound (10 s on every failing group: a ``--quick`` selftest with a bad
+    NIC name took 13 s, not 3) and was then terminated. It now exits on
+    its own, having closed its agent."""
+    from rdma_kv.bench import runner
+    from rdma_kv.errors import UCXError
+    from rdma_kv.transport import Agent
+
+    def no_peer(self, blob):
+        raise UCXError("injected: the reader cannot reach the producer")
+
+    monkeypatch.setattr(Agent, "add_peer", no_peer)
+    exits: list[int | None] = []
+    close = runner.Child.close
+
+    def recorded(self, timeout_s):
+        close(self, timeout_s)
+        exits.append(self.process.exitcode)
+
+    monkeypatch.setattr(runner.Child, "close", recorded)
+    sink = Collect()
+    reads = run_reads([ReadSpec("read", "host", "host")], kv_workload(True), sink, Deadline(240), ucx_options={},
+                      lanes=1)
+    (check,) = reads.checks
+    assert check.status is Status.FAIL and "injected" in check.detail, check.detail
+    assert exits == [0], f"the producer peer exited {exits} (negative: terminated by that signal)"

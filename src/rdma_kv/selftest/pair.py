@@ -218,6 +218,7 @@ def run_reads(reads: Sequence[ReadSpec], workload: Workload, sink: Sink, deadlin
     child: runner.Child | None = None
     agent: Any = None
     pending = list(reads)
+    closed = False
     try:
         child = runner.Child(ctx, PRODUCER, "producer peer")
         child.chan.send({"type": "start", "workload": workload.to_dict(), "memories": sorted({r.remote for r in reads}),
@@ -250,6 +251,7 @@ def run_reads(reads: Sequence[ReadSpec], workload: Workload, sink: Sink, deadlin
             pending.remove(read)
             checks.append(check)
             sink.add(check)
+        closed = True
         child.chan.send({"type": "close"})
         child.chan.expect("closed", deadline.left())
     except Exception as exc:  # a diagnostic: every read gets its line, whatever broke
@@ -260,8 +262,14 @@ def run_reads(reads: Sequence[ReadSpec], workload: Workload, sink: Sink, deadlin
             sink.add(check)
     finally:
         if agent is not None:
-            agent.close()
+            agent.close()  # first: it holds the producer's keys
         if child is not None:
+            if not closed:
+                # The reader broke before its reads ended: the producer peer
+                # still waits for requests, and left so it was terminated only
+                # at the join's bound (10 s more on every failing group).
+                with contextlib.suppress(Exception):
+                    child.chan.send({"type": "close"})
             child.close(timeout_s=min(10.0, deadline.left()))
     return Reads(tuple(checks), cuda_context, lanes_made)
 
