@@ -105,6 +105,13 @@ def test_a_missing_file_is_reported_as_missing(tmp_path) -> None:
     assert code == 1 and "not found" in show(report) and "JSON" in show(report)
 
 
+def test_json_text_that_is_not_an_object_is_said_to_be_so() -> None:
+    """Found by a review of the CLI: ``--config '[1, 2]'`` was taken for a
+    file name ("config file '[1, 2]' not found")."""
+    report, code = findings("[1, 2]")
+    assert code == 1 and "config must be a JSON object, got list" in show(report), show(report)
+
+
 def test_a_file_is_read(tmp_path) -> None:
     path = tmp_path / "kv.json"
     path.write_text(vllm(extra={"lanes": 0}))

@@ -250,7 +250,7 @@ def _is_vllm(raw: dict[str, Any], engine: str) -> bool:
 
 
 def _load(text: str, add: Any) -> dict[str, Any] | None:
-    if text.lstrip().startswith("{"):
+    if text.lstrip().startswith(("{", "[")):  # JSON text ("[": said "not a JSON object", not "file not found")
         source, body = "config", text
     else:
         path = Path(text)
