@@ -181,3 +181,50 @@ def test_exit_codes_of_the_command(tmp_path, capsys) -> None:
     assert main(["info", "--config", vllm(kv_buffer_device="cuda")]) == 2
     assert main(["info", "--config", str(tmp_path / "missing.json")]) == 1
     assert "[error] config file" in capsys.readouterr().out
+
+
+# What `ucx_info -d` reported on this kind of host, and an InfiniBand port.
+DEVICES = [{"md": "self", "transport": "self", "device": "memory", "type": "loopback", "memory_types": "host"},
+           {"md": "tcp", "transport": "tcp", "device": "lo", "type": "network", "memory_types": ""},
+           {"md": "mlx5_0", "transport": "rc_mlx5", "device": "mlx5_0:1", "type": "network", "memory_types": "host"}]
+
+
+@pytest.mark.parametrize("text", [
+    # a port of its own: port 0 (OS-chosen) is for one rank only
+    vllm("kv_consumer", extra={"ucx_net_devices": {"0": "mlx5_0:1", "1": "lo"}}, kv_port=14579),
+    json.dumps({**OURS, "kv_role": "kv_consumer", "kv_buffer_device": "cpu",
+                "kv_connector_extra_config": {"ucx_net_devices": {"0": "mlx5_0:1", "1": "lo"}}}),
+], ids=["vllm", "rdma-kv"])
+def test_a_device_map_of_every_rank_is_accepted_and_each_device_found(text: str) -> None:
+    """Found by a review of the CLI: ``info --config`` checked a config as
+    tensor-parallel size 1, so a ``ucx_net_devices`` map of a TP-2 engine's
+    two ranks, which the engine accepts, was an error ("names ranks [0, 1];
+    name every rank 0..0")."""
+    report = Report(cuda="no CUDA device (no GPU driver)", transports=DEVICES)
+    check_config(text, report)
+    assert exit_code(report) == 0, show(report)
+    assert any(f.level == "ok" and "rank 0: mlx5_0:1; ucx_net_devices of rank 1: lo" in f.message
+               for f in report.findings), show(report)
+
+
+@pytest.mark.parametrize("extra, where", [
+    ({"ucx_net_devices": "mlx5_{rank}:1,mlx5_9:1"}, "ucx_net_devices of rank 0 names 'mlx5_9:1'"),
+    ({"ucx_net_devices": {"0": "mlx5_0:1", "1": "mlx5_1:1"}}, "ucx_net_devices of rank 1 names 'mlx5_1:1'"),
+    ({"ucx_options": {"NET_DEVICES": "mlx5_0:2"}}, "ucx_options['NET_DEVICES'] names 'mlx5_0:2'"),
+])
+def test_a_nic_the_loaded_ucx_does_not_report_is_an_error(extra: dict[str, Any], where: str) -> None:
+    """Found by a review of the CLI: a misspelt or absent NIC (``mlx5_99:1``)
+    was "ok": an engine so configured starts, and its reads fail only when
+    they run ("Destination is unreachable"). ``info`` has the device list
+    of ``ucx_info -d``; the selftest already FAILed such a device."""
+    report = Report(cuda="no CUDA device (no GPU driver)", transports=DEVICES)
+    check_config(vllm("kv_consumer", extra=extra, kv_port=14579), report)
+    assert exit_code(report) == 1, show(report)
+    (error,) = [f for f in report.findings if f.level == "error"]
+    assert where in error.message and "network devices: lo, mlx5_0:1" in error.message, error.message
+
+
+def test_nics_are_not_judged_without_a_device_list() -> None:
+    """No ``ucx_info`` (``probe`` warns of it): nothing to compare with."""
+    report, code = findings(vllm("kv_consumer", extra={"ucx_net_devices": "mlx5_{rank}:1"}))
+    assert code == 0 and "NIC" not in show(report), show(report)

@@ -188,10 +188,17 @@ def check_config(text: str, report: Report, *, engine: str = "auto") -> None:
     if raw is None:
         return
     is_vllm = _is_vllm(raw, engine)
+    # A ucx_net_devices map names the engine's ranks: checked as rank 0 of that
+    # many (a map of two was refused for naming more ranks than tp_size 1).
+    extra = raw.get("kv_connector_extra_config")
+    devices = extra.get("ucx_net_devices") if isinstance(extra, dict) else None
+    ranks = len(devices) if isinstance(devices, dict) and devices else 1
     try:
         if is_vllm:
-            config = _vllm_config(raw, add)
+            config = _vllm_config(raw, add, tp_size=ranks)
         else:
+            if isinstance(extra, dict) and ranks > 1 and "tp_size" not in extra:
+                raw = {**raw, "kv_connector_extra_config": {**extra, "tp_size": ranks}}
             config = KVTransferConfig.from_dict(raw)
             if config.kv_connector != "RdmaKVConnector":
                 add(Finding("ok", f"config parses: connector {config.kv_connector} (not rdma-kv's "
@@ -204,6 +211,7 @@ def check_config(text: str, report: Report, *, engine: str = "auto") -> None:
     role = config.kv_role.value if config.kv_role else "none"
     add(Finding("ok", f"config parses as {'vLLM' if is_vllm else 'rdma-kv'} {config.kv_connector} "
                 f"config, the connector accepts its settings: role {role}"))
+    _check_devices(settings, report.transports, add)
     if config.kv_role in (KVRole.PRODUCER, KVRole.BOTH):
         if _check_host(settings, add):
             _check_port(settings, add)
@@ -213,6 +221,36 @@ def check_config(text: str, report: Report, *, engine: str = "auto") -> None:
     if device == "cuda" and not report.cuda.startswith("available"):
         add(Finding("warning", f"kv_buffer_device is cuda but {report.cuda}; rdma-kv registers the "
                     "KV cache where the engine allocates it (host memory here)"))
+
+
+def _check_devices(settings: Any, transports: list[dict[str, str]], add: Any) -> None:
+    """The NICs the config names (``ucx_net_devices`` for each rank, or
+    ``ucx_options['NET_DEVICES']``) against the devices the UCX loaded here
+    reports: a misspelt or absent device leaves an engine's reads without
+    that NIC, and shows only when they fail. Nothing to compare with
+    without ``ucx_info`` (``probe`` says so)."""
+    present = {t["device"] for t in transports}
+    spec = settings.ucx_net_devices
+    if not present or (spec is None and "NET_DEVICES" not in settings.ucx_options):
+        return
+    if spec is None:
+        named = {"ucx_options['NET_DEVICES']": settings.ucx_options["NET_DEVICES"]}
+    elif isinstance(spec, str):
+        named = {f"ucx_net_devices of rank {r}": spec.format(rank=r, local_rank=r) for r in range(settings.tp_size)}
+    else:
+        named = {f"ucx_net_devices of rank {r}": spec[r] for r in sorted(spec)}
+    network = sorted({t["device"] for t in transports if t["type"] == "network" or t["transport"] == "tcp"})
+    bad = 0
+    for where, value in named.items():
+        for device in (d.strip() for d in value.split(",")):
+            if device and device != "all" and device not in present:
+                bad += 1
+                add(Finding("error", f"{where} names {device!r}, but the UCX loaded here reports no such device "
+                            f"(network devices: {', '.join(network) or 'none'}); fix the name (`ucx_info -d` lists "
+                            "them, ports as mlx5_0:1). Checked against this host: run info on the engine's host"))
+    if not bad:
+        add(Finding("ok", f"every NIC the config names is a device of the UCX loaded here "
+                    f"({'; '.join(f'{k}: {v}' for k, v in named.items())})"))
 
 
 def load_settings(text: str, *, engine: str = "auto", tp_rank: int = 0, tp_size: int | None = None) -> Any:
