@@ -194,6 +194,8 @@ def test_a_transport_ucx_lacks_fails_each_check_on_one_line_naming_it(monkeypatc
                                                       for line in lines[:-1]), out
     read = next(line for line in lines if line.startswith("FAIL  host.read "))
     assert "ucp_init failed" in read and "Traceback" not in out, out
+    transports = next(line for line in lines if line.startswith("FAIL  ucx.transports "))
+    assert "TLS=rdmakvnosuchtl" in transports and "ucx_info -d" in transports, transports
 
 
 def test_a_reader_that_breaks_before_its_reads_tells_the_producer_peer_to_close(monkeypatch):

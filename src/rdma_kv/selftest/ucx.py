@@ -74,7 +74,12 @@ def _transports(library: str, settings: RdmaSettings) -> tuple[list[dict[str, st
     try:
         context_types = _context_memory_types(settings)
     except Exception as exc:  # a diagnostic: report it
-        return None, Check.failed(name, f"cannot create a UCP context with the rank's settings: {exc}")
+        options = settings.for_device("cpu").ucx_options
+        asked = ", ".join(f"{key}={options.get(key) or os.environ.get('UCX_' + key) or 'all (default)'}"
+                          for key in ("TLS", "NET_DEVICES"))
+        return None, Check.failed(name, f"cannot create a UCP context with the rank's settings ({asked}): {exc}; "
+                                  "an engine's agent fails the same way: name transports and devices this UCX "
+                                  "has (`ucx_info -d` lists them)")
     tls = os.environ.get("UCX_TLS", "all (default)")
     supports = f"a UCP context made with this environment (UCX_TLS={tls}) supports: {', '.join(context_types)}"
     binary = ucx_info_binary(library)
