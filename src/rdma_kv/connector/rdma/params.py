@@ -285,7 +285,10 @@ class RemotePrefillParams:
 
 
 def _field_error(field: str, value: Any, expected: str) -> ConfigError:
-    shown = repr(value)
+    if isinstance(value, (list, tuple)) and len(value) > 8:  # a client's list: never repr it whole
+        shown = f"{type(value).__name__} of {len(value)} starting {value[:8]!r}"
+    else:
+        shown = repr(value)
     if len(shown) > 80:
         shown = shown[:77] + "..."
     return ConfigError(f"kv_transfer_params[{field!r}] must be {expected}, got {shown}")
@@ -364,11 +367,14 @@ def _flag(params: Mapping[str, Any], field: str) -> bool:
     return value
 
 
-def _block_id_groups(ids: Any) -> GroupBlockIds:
+def _block_id_groups(ids: Any, max_per_group: int) -> GroupBlockIds:
     """``remote_block_ids``: a flat list (one KV-cache group) or a list of
     per-group lists (hybrid models), at most ``MAX_GROUPS`` groups and
     ``MAX_BLOCK_IDS`` ids in all, each in [0, 2**32); one group may be
-    empty (a window that holds no block), not all."""
+    empty (a window that holds no block), not all. No group has more than
+    ``max_per_group`` ids (a block holds at least one token: a producer
+    never offers more blocks than the prompt has tokens), checked before
+    any id is looked at (a million ids take half a second to walk)."""
     expected = (f"a non-empty list of at most {MAX_BLOCK_IDS} block ids, or a list of at most "
                 f"{MAX_GROUPS} such lists (one per KV-cache group)")
     if not isinstance(ids, (list, tuple)) or not ids:
@@ -378,6 +384,11 @@ def _block_id_groups(ids: Any) -> GroupBlockIds:
     if len(groups) > MAX_GROUPS or sum(len(g) if isinstance(g, (list, tuple)) else 1
                                        for g in groups) > MAX_BLOCK_IDS:
         raise _field_error("remote_block_ids", ids, expected)
+    longest = max(len(g) if isinstance(g, (list, tuple)) else 1 for g in groups)
+    if longest > max_per_group:
+        raise _field_error("remote_block_ids", ids, f"at most {max_per_group} block ids per KV-cache group (a "
+                                                    "block holds at least one token of the prompt), not "
+                                                    f"{longest}")
     for group in groups:
         if not isinstance(group, (list, tuple)):
             raise _field_error("remote_block_ids", ids, "a flat list of block ids or a list of lists, "
@@ -391,11 +402,14 @@ def _block_id_groups(ids: Any) -> GroupBlockIds:
 
 
 def parse_kv_transfer_params(
-    params: Mapping[str, Any] | None,
+    params: Mapping[str, Any] | None, *, max_block_ids: int | None = None,
 ) -> RemoteDecodeRequest | RemotePrefillParams | ConcurrentPrefill | None:
     """Parse a request's ``kv_transfer_params``: ``None`` when they ask for
     nothing from this connector, else the typed form. Raises ``ConfigError``
-    naming the field and the valid values; never mutates ``params``."""
+    naming the field and the valid values; never mutates ``params``.
+    ``max_block_ids``: refuse more block ids per KV-cache group than that
+    (the consumer passes its request's prompt length: no producer offers
+    more blocks than tokens, whatever ``remote_num_tokens`` a client wrote)."""
     if params is None:
         return None
     if not isinstance(params, Mapping):  # before len(): any object may arrive here, an int has no len()
@@ -423,7 +437,13 @@ def parse_kv_transfer_params(
         return None
     if transfer_id is not None and params.get("remote_engine_id") is None:
         return ConcurrentPrefill(transfer_id)  # the producer's params never come: it pushes
-    groups = _block_id_groups(params.get("remote_block_ids"))
+    bound = MAX_BLOCK_IDS  # ids per group: no more than the prompt's tokens (checked below, in field order)
+    stated = _whole(params.get("remote_num_tokens"))
+    if isinstance(stated, int) and not isinstance(stated, bool) and stated >= 1:
+        bound = min(bound, stated)
+    if max_block_ids is not None:
+        bound = min(bound, max(1, max_block_ids))
+    groups = _block_id_groups(params.get("remote_block_ids"), bound)
     ttl = params.get("remote_lease_ttl_s")
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not MIN_LEASE_TTL_S <= ttl <= MAX_LEASE_TTL_S:
         raise _field_error("remote_lease_ttl_s", ttl,

@@ -200,7 +200,7 @@ class RdmaScheduler:
         if request.request_id in self._bad:
             return None
         try:
-            parsed = parse_kv_transfer_params(request.kv_transfer_params)
+            parsed = parse_kv_transfer_params(request.kv_transfer_params, max_block_ids=request.num_prompt_tokens)
             if isinstance(parsed, ConcurrentPrefill):
                 return self._concurrent(request, parsed)
         except ConfigError as exc:

@@ -1,0 +1,40 @@
+"""Consumer (decode) side edge cases found by an adversarial review of the
+scheduler against vLLM 0.32's call pattern (no UCX, no sockets)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rdma_kv.connector import FullAttentionSpec, KVCacheConfig, KVConnectorRole, KVTransferConfig, Request
+from rdma_kv.connector import SchedulerOutput
+from rdma_kv.connector.rdma import RdmaConnector
+from rdma_kv.connector.rdma.params import RemotePrefillParams, parse_kv_transfer_params, prompt_digest
+from rdma_kv.errors import ConfigError
+
+BS = 4
+TOKEN = bytes(range(16))
+
+
+def consumer():
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype="float16")
+    config = KVTransferConfig(kv_connector="RdmaKVConnector", kv_role="kv_consumer", engine_id="D", kv_port=0,
+                              kv_connector_extra_config={"side_channel_port": 5000})
+    return RdmaConnector(config, KVConnectorRole.SCHEDULER, KVCacheConfig.uniform(64, ("l0", "l1"), spec))
+
+
+def params_for(prompt, block_ids):
+    return RemotePrefillParams("P", "127.0.0.1", 6000, tuple(block_ids), "p-1", 1, 77, 5, TOKEN, 30.0, len(prompt),
+                               prompt_digest(prompt)).to_dict()
+
+
+def test_more_block_ids_than_prompt_tokens_are_refused_at_the_edge():
+    """A block holds at least one token: a producer never offers more block
+    ids (per KV-cache group) than the prompt has tokens. A client's params
+    with a 10-token prompt and a million ids were walked id by id (about
+    0.5 s of the engine core's thread per parse, twice per request) and then
+    accepted: the load was planned from the first ids."""
+    prompt = list(range(1, 11))
+    with pytest.raises(ConfigError, match="remote_block_ids"):
+        parse_kv_transfer_params(params_for(prompt, range(11)))
+    assert parse_kv_transfer_params(params_for(prompt, range(3))) is not None  # the producer's own: 3 blocks
+
