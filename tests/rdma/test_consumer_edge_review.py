@@ -3,11 +3,14 @@ scheduler against vLLM 0.32's call pattern (no UCX, no sockets)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from rdma_kv.connector import FullAttentionSpec, KVCacheConfig, KVConnectorRole, KVTransferConfig, Request
 from rdma_kv.connector import SchedulerOutput
 from rdma_kv.connector.rdma import RdmaConnector
+from rdma_kv.connector.rdma import scheduler as scheduler_module
 from rdma_kv.connector.rdma.params import RemotePrefillParams, parse_kv_transfer_params, prompt_digest
 from rdma_kv.errors import ConfigError
 
@@ -38,3 +41,24 @@ def test_more_block_ids_than_prompt_tokens_are_refused_at_the_edge():
         parse_kv_transfer_params(params_for(prompt, range(11)))
     assert parse_kv_transfer_params(params_for(prompt, range(3))) is not None  # the producer's own: 3 blocks
 
+
+def test_a_request_refused_at_admission_is_not_parsed_or_released_again_at_its_end(monkeypatch, caplog):
+    """vLLM calls request_finished for every request: one whose params the
+    scheduler already refused (and whose lease it already released) was
+    parsed again (the whole id list, a second warning) and released a
+    second time."""
+    s = consumer()
+    calls = []
+    real = scheduler_module.parse_kv_transfer_params
+    monkeypatch.setattr(scheduler_module, "parse_kv_transfer_params",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    prompt = list(range(1, 11))
+    other = Request("d", prompt[:-1] + [99], params_for(prompt, (3, 4, 5)))  # another prompt's KV
+    with caplog.at_level(logging.WARNING, logger="rdma_kv"):
+        assert s.get_num_new_matched_tokens(other, 0) == (0, False)
+        assert len(s.build_connector_meta(SchedulerOutput()).releases) == 1  # released once, at once
+        assert s.request_finished(other, [7, 8, 9]) == (False, None)
+        assert s.build_connector_meta(SchedulerOutput()).releases == ()
+    assert len(calls) == 1
+    assert len([r for r in caplog.records if "d" in r.getMessage() and r.levelno >= logging.WARNING]) == 1
+    assert s.scheduler.num_tracked() == 0

@@ -445,6 +445,7 @@ class RdmaScheduler:
         sequence is the one group of a single-group engine)."""
         rid = request.request_id
         groups = as_group_block_ids(block_ids)
+        refused = rid in self._bad
         self._bad.discard(rid)
         noted_digest = self._push_prefills.forget(rid)  # (a push prefill's, computed when it was noted)
         self._waiting_for_blocks.discard(rid)
@@ -461,8 +462,12 @@ class RdmaScheduler:
                 self._pending_loads = [s for s in self._pending_loads if s.request_id != rid]
             self._release(remote)
             return False, None
+        if refused:
+            # Its params were refused when the engine asked about it (logged then, and
+            # a lease they named released then): not parsed, logged or released again.
+            return False, None
         try:
-            parsed = parse_kv_transfer_params(request.kv_transfer_params)
+            parsed = parse_kv_transfer_params(request.kv_transfer_params, max_block_ids=request.num_prompt_tokens)
         except ConfigError as exc:
             logger.warning("request %r: invalid kv_transfer_params, not holding its KV: %s", rid, exc)
             return False, None
