@@ -62,3 +62,47 @@ def test_a_request_refused_at_admission_is_not_parsed_or_released_again_at_its_e
     assert len(calls) == 1
     assert len([r for r in caplog.records if "d" in r.getMessage() and r.levelno >= logging.WARNING]) == 1
     assert s.scheduler.num_tracked() == 0
+
+
+def test_children_of_one_request_share_its_params_one_loads_none_fails(fabric):
+    """vLLM runs a request with ``n > 1`` as n child requests ("0_<id>",
+    "1_<id>", ...) that all carry the parent's ``kv_transfer_params``: one
+    lease for several requests. Each loaded under it; the producer lets only
+    the first claim hold the lease, so every other child's load was refused
+    (CLAIMED): a load error, and under kv_load_failure_policy=fail (vLLM's
+    default) an error for the client's request. Now the others wait for the
+    first one's KV and are computed locally (in vLLM from the prefix cache
+    the load filled; the harness engine caches no loaded block in time for
+    them); no lease is released by a child it does not belong to."""
+    from test_connector_fake import Pair
+
+    pair = Pair(fabric, policy="fail")
+    try:
+        prompt = list(range(1, 30))
+        params = pair.prefill({"x": prompt})["x"]
+        children = {f"{i}_x": prompt for i in range(3)}
+        results = pair.decode(children, {rid: params for rid in children})
+        for rid in children:
+            r = results[rid]
+            assert r.status.value == "finished" and not r.load_failed and r.bad_blocks == [], (rid, r)
+        assert sum(1 for rid in children if results[rid].external_tokens) == 1
+        pair.settle()
+        assert pair.P.worker.worker.leases.stats.released == 1
+    finally:
+        pair.close()
+
+
+def test_an_aborted_child_does_not_release_the_lease_its_sibling_loads_under():
+    """A child aborted before the engine asked about it (vLLM: request_finished
+    for a request never seen) released the lease of its params, with a claim
+    of its own: if it reached the producer before the sibling's first call,
+    it ended the sibling's lease and the sibling's load failed."""
+    s = consumer()
+    prompt = list(range(1, 11))
+    params = params_for(prompt, (3, 4, 5))
+    first, second = Request("0_x", prompt, params), Request("1_x", prompt, params)
+    assert s.get_num_new_matched_tokens(first, 0) == (10, True)
+    assert s.get_num_new_matched_tokens(second, 0) == (None, False)  # asked again later
+    assert s.request_finished(second, []) == (False, None)
+    meta = s.build_connector_meta(SchedulerOutput())
+    assert meta.releases == () and [r.claim for r in meta.renewals] == [s.scheduler._remote["0_x"].claim]

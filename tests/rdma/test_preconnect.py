@@ -122,8 +122,12 @@ def test_the_scheduler_names_each_new_requests_producer_once():
     prefill = Request("p", range(1, 9), {"do_remote_decode": True})
     prefill.num_computed_tokens = 8
     _, params = s.request_finished(prefill, [1, 2])
+    other = Request("p2", range(1, 9), {"do_remote_decode": True})  # a second lease of the same producer
+    other.num_computed_tokens = 8
+    _, params2 = s.request_finished(other, [3, 4])
     s.build_connector_meta(SchedulerOutput())
-    first, second = Request("d1", range(1, 9), params), Request("d2", range(1, 9), params)
+    # (two requests with one lease's params: the second waits for the first, test_consumer_edge_review.py)
+    first, second = Request("d1", range(1, 9), params), Request("d2", range(1, 9), params2)
     assert s.get_num_new_matched_tokens(first, 0) == (8, True)
     assert s.get_num_new_matched_tokens(second, 0) == (8, True)
     assert s.build_connector_meta(SchedulerOutput()).connects == (address(params),)  # one per step

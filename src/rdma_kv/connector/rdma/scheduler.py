@@ -150,6 +150,11 @@ class RdmaScheduler:
         not yet reported in ``finished_recving`` (reads may still land in
         their blocks)."""
         self._pending_connects: dict[PeerAddress, None] = {}  # ordered set, emptied every step
+        self._lease_users: dict[tuple[PeerAddress, LeaseRef], RequestId] = {}
+        """The request tracked (``_remote``) that took each lease's params first.
+        vLLM gives every child of a request with ``n > 1`` the parent's
+        ``kv_transfer_params``: one lease, several requests; only the first
+        can load under it (the producer refuses another claim, CLAIMED)."""
         self.refused_other_prompt = 0  # params holding another prompt's KV (params.other_prompt)
 
     def _new_epoch(self) -> None:
@@ -245,7 +250,7 @@ class RdmaScheduler:
 
     # --- consumer: admission -----------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
         if self._producer:
             self._waiting_for_blocks.add(rid)
@@ -256,6 +261,22 @@ class RdmaScheduler:
             parsed = self._parse(request)
             if not isinstance(parsed, (RemotePrefillParams, Concurrent)):
                 return 0, False
+            if isinstance(parsed, RemotePrefillParams):
+                key = (PeerAddress.of(parsed), parsed.lease)
+                other = self._remote.get(self._lease_users.get(key, RequestId("")))
+                if other is not None and other.stage in (RemoteStage.WAITING, RemoteStage.PENDING,
+                                                         RemoteStage.SHIPPED):
+                    # Another request here loads under these very params (vLLM's children of
+                    # one request with n > 1): ask again once its KV is in (a prefix-cache hit).
+                    self._waiting_for_blocks.discard(rid)
+                    return None, False
+                if other is not None:
+                    # The lease is another request's (loaded, or released): a load under it would
+                    # be refused, a load error (under kv_load_failure_policy=fail, an error for
+                    # the request). Computed locally, nothing released: it is not ours.
+                    self._remote[rid] = Remote(parsed, stage=RemoteStage.RELEASED)
+                    return 0, False
+                self._lease_users[key] = rid
             remote = self._remote[rid] = Remote(parsed)
             if rid in self._aborting:
                 # The same id's aborted load is still in the workers' hands:
@@ -450,6 +471,10 @@ class RdmaScheduler:
         noted_digest = self._push_prefills.forget(rid)  # (a push prefill's, computed when it was noted)
         self._waiting_for_blocks.discard(rid)
         remote = self._remote.pop(rid, None)
+        if remote is not None and isinstance(remote.params, RemotePrefillParams):
+            key = (PeerAddress.of(remote.params), remote.params.lease)
+            if self._lease_users.get(key) == rid:
+                del self._lease_users[key]
         if remote is not None:
             if remote.stage is RemoteStage.SHIPPED:
                 # A read may still land in these blocks: the engine holds them
@@ -472,9 +497,12 @@ class RdmaScheduler:
             logger.warning("request %r: invalid kv_transfer_params, not holding its KV: %s", rid, exc)
             return False, None
         if isinstance(parsed, RemotePrefillParams):
-            # Aborted (or rejected) before the engine ever asked us about it:
-            # still tell the producer, or its blocks wait for the lease to expire.
-            self._release(Remote(parsed))
+            key = (PeerAddress.of(parsed), parsed.lease)
+            if key not in self._lease_users:
+                # Aborted (or rejected) before the engine ever asked us about it:
+                # still tell the producer, or its blocks wait for the lease to expire.
+                # (Not a lease another request here took: that one is its to release.)
+                self._release(Remote(parsed))
             return False, None
         if isinstance(parsed, ConcurrentPrefill):
             return False, None  # never registered: the producer's lease ends at its TTL
