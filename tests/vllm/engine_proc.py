@@ -122,11 +122,13 @@ class EngineProcess:
 
     def generate(self, prompts: Sequence[str], *, max_tokens: int = 8,
                  kv_transfer_params: Sequence[Mapping[str, Any] | None] | None = None,
-                 trace: bool = False) -> dict[str, Any]:
+                 trace: bool = False, n: int = 1) -> dict[str, Any]:
         """``trace``: also return ``trace``, the connector calls of this
-        generate() with their times (``connector_trace``; multiprocessing off)."""
+        generate() with their times (``connector_trace``; multiprocessing off).
+        ``n``: samples per prompt (vLLM's parallel sampling: child requests
+        carrying the prompt's params); each output's ``samples`` lists them."""
         return self._call({"op": "generate", "prompts": list(prompts), "max_tokens": max_tokens,
-                           "kv_transfer_params": kv_transfer_params, "trace": trace})
+                           "kv_transfer_params": kv_transfer_params, "trace": trace, "n": n})
 
     def abort_during_load(self, prompts: Sequence[str], kv_transfer_params: Sequence[Mapping[str, Any]],
                           *, settle_s: float = 30.0) -> dict[str, Any]:
@@ -274,7 +276,9 @@ def _generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
     params = command.get("kv_transfer_params") or [None] * len(command["prompts"])
-    sampling = [SamplingParams(temperature=0.0, max_tokens=command["max_tokens"], ignore_eos=True,
+    n = command.get("n", 1)  # vLLM refuses n > 1 with greedy sampling: top_k=1 samples the same tokens
+    sampling = [SamplingParams(temperature=0.0 if n == 1 else 1.0, top_k=1 if n > 1 else 0,
+                               max_tokens=command["max_tokens"], ignore_eos=True, n=n,
                                extra_args=None if p is None else {"kv_transfer_params": p})
                 for p in params]
     tracer = None
@@ -294,7 +298,8 @@ def _generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
         {"request_id": o.request_id, "prompt_token_ids": list(o.prompt_token_ids),
          "token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
          "kv_transfer_params": o.kv_transfer_params, "num_cached_tokens": o.num_cached_tokens,
-         "queued_to_first_token_s": _queued_to_first_token(o), **_timestamps(o, t0)}
+         "queued_to_first_token_s": _queued_to_first_token(o), **_timestamps(o, t0),
+         "samples": [{"token_ids": list(c.token_ids), "finish_reason": c.finish_reason} for c in o.outputs]}
         for o in outputs]}
 
 

@@ -228,5 +228,30 @@ def test_abort_during_load_frees_both_sides_and_serves_on(plain: list[list[int]]
         producer.close()
 
 
+def test_a_decode_with_n_samples_loads_once_and_fails_none(plain: list[list[int]], model_dir: str,
+                                                          log_dir: Path) -> None:
+    """vLLM runs a request with ``n > 1`` as child requests that all carry
+    its ``kv_transfer_params`` (one lease). Each child loaded under it; the
+    producer lets one claim hold a lease, so the other children's loads were
+    refused: under ``kv_load_failure_policy=fail`` (vLLM's default) the
+    client's request ended in an error. Now one child loads, the others
+    wait and take its KV from the decode's prefix cache."""
+    producer = EngineProcess("prefill-n", model_dir, log_dir)
+    try:
+        producer.start(rdma_config("kv_producer"))
+        with EngineProcess("decode-n", model_dir, log_dir) as consumer:
+            consumer.start(rdma_config("kv_consumer"))
+            reply = consumer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=prefill(producer), n=2)
+            samples = [o["samples"] for o in reply["outputs"]]
+            assert [[s["finish_reason"] for s in ss] for ss in samples] == [["length", "length"]] * len(PD_PROMPTS), \
+                (samples, consumer.log()[-3000:])
+            assert [[s["token_ids"] for s in ss] for ss in samples] == [[p, p] for p in plain]
+            assert "KV load failed" not in consumer.log()
+            stats = consumer.kv_stats()
+            assert stats is not None and stats["totals"]["loads_ok"] == len(PD_PROMPTS), stats
+    finally:
+        producer.close()
+
+
 def test_pd_multiprocessing_on(plain: list[list[int]], model_dir: str, log_dir: Path) -> None:
     run_match_and_control(plain, model_dir, log_dir, multiprocessing=True)
