@@ -106,3 +106,25 @@ def test_an_aborted_child_does_not_release_the_lease_its_sibling_loads_under():
     assert s.request_finished(second, []) == (False, None)
     meta = s.build_connector_meta(SchedulerOutput())
     assert meta.releases == () and [r.claim for r in meta.renewals] == [s.scheduler._remote["0_x"].claim]
+
+
+def test_a_child_asked_after_its_sibling_finished_is_computed_locally():
+    """vLLM asks about a waiting request only when a slot is free
+    (``max_num_seqs``): with more children than slots, a child was first
+    asked after the sibling that loaded the lease had finished, loaded
+    under the lease that sibling had released (GONE): a load error, under
+    kv_load_failure_policy=fail an error (found in real vLLM: n=2 of five
+    prompts, max_num_seqs 8, the last two prompts' second samples failed).
+    Another request with the same params (a router's retry, not a sibling)
+    still loads: the producer's answer decides (tests/faults)."""
+    s = consumer()
+    prompt = list(range(1, 11))
+    params = params_for(prompt, (3, 4, 5))
+    first = Request("0_x-abc", prompt, params)
+    assert s.get_num_new_matched_tokens(first, 0) == (10, True)
+    assert s.request_finished(first, []) == (False, None)
+    s.build_connector_meta(SchedulerOutput())
+    assert s.get_num_new_matched_tokens(Request("1_x-abc", prompt, params), 0) == (0, False)
+    assert s.request_finished(Request("1_x-abc", prompt, params), []) == (False, None)
+    assert s.build_connector_meta(SchedulerOutput()).releases == ()
+    assert s.get_num_new_matched_tokens(Request("x-retry", prompt, params), 0) == (10, True)

@@ -49,8 +49,10 @@ Imports the standard library and the connector's ``config``, ``specs``,
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import re
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -99,6 +101,16 @@ from rdma_kv.errors import ConfigError
 __all__ = ["RdmaScheduler", "RemoteStage"]
 
 logger = logging.getLogger(__name__)
+
+_CHILD_ID = re.compile(r"[0-9]+_(.+)", re.DOTALL)
+"""vLLM's id of a child of a request with ``n > 1``: ``<index>_<parent id>``."""
+FINISHED_CHILDREN_KEPT = 4096
+"""Leases of finished child requests remembered for their siblings (``RdmaScheduler._finished_children``)."""
+
+
+def _parent_id(rid: str) -> str | None:
+    match = _CHILD_ID.fullmatch(rid)
+    return match.group(1) if match else None
 
 
 class RdmaScheduler:
@@ -155,6 +167,10 @@ class RdmaScheduler:
         vLLM gives every child of a request with ``n > 1`` the parent's
         ``kv_transfer_params``: one lease, several requests; only the first
         can load under it (the producer refuses another claim, CLAIMED)."""
+        self._finished_children: collections.OrderedDict[tuple[PeerAddress, LeaseRef], str] = \
+            collections.OrderedDict()
+        """The parent id of a child request that took a lease and finished (its
+        siblings may be asked about only then: ``max_num_seqs``); bounded."""
         self.refused_other_prompt = 0  # params holding another prompt's KV (params.other_prompt)
 
     def _new_epoch(self) -> None:
@@ -270,8 +286,11 @@ class RdmaScheduler:
                     # one request with n > 1): ask again once its KV is in (a prefix-cache hit).
                     self._waiting_for_blocks.discard(rid)
                     return None, False
-                if other is not None:
-                    # The lease is another request's (loaded, or released): a load under it would
+                parent = _parent_id(rid)
+                sibling_done = parent is not None and self._finished_children.get(key) == parent
+                if other is not None or sibling_done:
+                    # The lease is another request's (loaded, released, or a sibling's that
+                    # finished before vLLM asked about this one: max_num_seqs): a load under it would
                     # be refused, a load error (under kv_load_failure_policy=fail, an error for
                     # the request). Computed locally, nothing released: it is not ours.
                     self._remote[rid] = Remote(parsed, stage=RemoteStage.RELEASED)
@@ -475,6 +494,11 @@ class RdmaScheduler:
             key = (PeerAddress.of(remote.params), remote.params.lease)
             if self._lease_users.get(key) == rid:
                 del self._lease_users[key]
+                parent = _parent_id(rid)
+                if parent is not None:
+                    self._finished_children[key] = parent
+                    if len(self._finished_children) > FINISHED_CHILDREN_KEPT:
+                        self._finished_children.popitem(last=False)
         if remote is not None:
             if remote.stage is RemoteStage.SHIPPED:
                 # A read may still land in these blocks: the engine holds them
@@ -498,7 +522,8 @@ class RdmaScheduler:
             return False, None
         if isinstance(parsed, RemotePrefillParams):
             key = (PeerAddress.of(parsed), parsed.lease)
-            if key not in self._lease_users:
+            parent = _parent_id(rid)
+            if key not in self._lease_users and (parent is None or self._finished_children.get(key) != parent):
                 # Aborted (or rejected) before the engine ever asked us about it:
                 # still tell the producer, or its blocks wait for the lease to expire.
                 # (Not a lease another request here took: that one is its to release.)
