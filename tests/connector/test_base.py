@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from rdma_kv.connector import (
@@ -200,6 +201,11 @@ def test_request_params_are_a_read_only_copy():
         Request("r", [])
     with pytest.raises(ConfigError, match="request_id"):
         Request("", [1])
+    # Token ids are integers (numpy's too); a float was truncated before, a string parsed.
+    assert Request("r", np.arange(3, dtype=np.int32)).prompt_token_ids == (0, 1, 2)
+    for bad in ([1.5, 2], ["5"]):
+        with pytest.raises(ConfigError, match="prompt token ids must be integers"):
+            Request("r", bad)
 
 
 def test_blocks_and_outputs():
