@@ -411,3 +411,32 @@ def test_a_layer_pushed_ahead_of_its_save_kv_layer_fails_verification(rng, monke
         assert r.bad_blocks == [0, 1, 2, 3], r.bad_blocks  # the whole blocks went out layer-wise; the partial one at the seal
     finally:
         pair.close()
+
+
+def test_children_of_one_decode_request_register_once_and_none_fails(rng):
+    """vLLM runs a request with ``n > 1`` as child requests (``<i>_<id>``)
+    that all carry its ``kv_transfer_params``, here one ``transfer_id``. Each
+    child registered under it; the producer takes one registration per
+    reader at a time, so the others were REFUSED: a load error (under
+    kv_load_failure_policy=fail, an error for the client's request). Now the
+    first child registers and the others wait for its KV, then are computed
+    locally (in vLLM from the prefix cache its load filled), as in pull mode
+    (tests/rdma/test_consumer_edge_review.py)."""
+    pair = Pair()
+    try:
+        p_rid, d_rid, tid = pair.ids()
+        prompt = rng.integers(1, 999, 4 * SHAPE.block_size + 3).tolist()
+        children = [f"{i}_{d_rid}" for i in range(3)]
+        for rid in children:
+            pair.decode(rid, prompt, tid)
+        for _ in range(3):
+            pair.pump()
+        pair.prefill(p_rid, prompt, tid)
+        wait_until(lambda: all(pair.finished(r) for r in children), step=pair.pump, what="the children")
+        for rid in children:
+            r = pair.D.results[rid]
+            assert r.status.value == "finished" and not r.load_failed, (rid, r.error)
+        assert [rid for rid in children if pair.D.results[rid].external_tokens] == children[:1]
+        assert pair.D.results[children[0]].bad_blocks == []
+    finally:
+        pair.close()

@@ -113,6 +113,18 @@ def _parent_id(rid: str) -> str | None:
     return match.group(1) if match else None
 
 
+LoadKey = tuple[PeerAddress, "LeaseRef | str"]
+"""What one load's params name: the producer and the lease (pull), or the
+producer and the ``transfer_id`` it pushes under (push, concurrent
+dispatch). Requests whose params name the same load share one."""
+
+
+def _load_key(params: RemotePrefillParams | Concurrent) -> LoadKey:
+    if isinstance(params, Concurrent):
+        return params.peer, params.transfer_id
+    return PeerAddress.of(params), params.lease
+
+
 class RdmaScheduler:
     """Scheduler-side logic; ``RdmaConnector`` delegates to it."""
 
@@ -162,15 +174,16 @@ class RdmaScheduler:
         not yet reported in ``finished_recving`` (reads may still land in
         their blocks)."""
         self._pending_connects: dict[PeerAddress, None] = {}  # ordered set, emptied every step
-        self._lease_users: dict[tuple[PeerAddress, LeaseRef], RequestId] = {}
-        """The request tracked (``_remote``) that took each lease's params first.
+        self._lease_users: dict[LoadKey, RequestId] = {}
+        """The request tracked (``_remote``) that took each load's params first.
         vLLM gives every child of a request with ``n > 1`` the parent's
-        ``kv_transfer_params``: one lease, several requests; only the first
-        can load under it (the producer refuses another claim, CLAIMED)."""
-        self._finished_children: collections.OrderedDict[tuple[PeerAddress, LeaseRef], str] = \
-            collections.OrderedDict()
-        """The parent id of a child request that took a lease and finished (its
-        siblings may be asked about only then: ``max_num_seqs``); bounded."""
+        ``kv_transfer_params``: one lease (or push ``transfer_id``), several
+        requests; only the first can load under it (the producer refuses
+        another claim, CLAIMED, or another registration, REFUSED)."""
+        self._finished_children: collections.OrderedDict[LoadKey, str] = collections.OrderedDict()
+        """The parent id of a child request that took a load's params and
+        finished (its siblings may be asked about only then:
+        ``max_num_seqs``); bounded."""
         self.refused_other_prompt = 0  # params holding another prompt's KV (params.other_prompt)
 
     def _new_epoch(self) -> None:
@@ -277,25 +290,25 @@ class RdmaScheduler:
             parsed = self._parse(request)
             if not isinstance(parsed, (RemotePrefillParams, Concurrent)):
                 return 0, False
-            if isinstance(parsed, RemotePrefillParams):
-                key = (PeerAddress.of(parsed), parsed.lease)
-                other = self._remote.get(self._lease_users.get(key, RequestId("")))
-                if other is not None and other.stage in (RemoteStage.WAITING, RemoteStage.PENDING,
-                                                         RemoteStage.SHIPPED):
-                    # Another request here loads under these very params (vLLM's children of
-                    # one request with n > 1): ask again once its KV is in (a prefix-cache hit).
-                    self._waiting_for_blocks.discard(rid)
-                    return None, False
-                parent = _parent_id(rid)
-                sibling_done = parent is not None and self._finished_children.get(key) == parent
-                if other is not None or sibling_done:
-                    # The lease is another request's (loaded, released, or a sibling's that
-                    # finished before vLLM asked about this one: max_num_seqs): a load under it would
-                    # be refused, a load error (under kv_load_failure_policy=fail, an error for
-                    # the request). Computed locally, nothing released: it is not ours.
-                    self._remote[rid] = Remote(parsed, stage=RemoteStage.RELEASED)
-                    return 0, False
-                self._lease_users[key] = rid
+            key = _load_key(parsed)
+            other = self._remote.get(self._lease_users.get(key, RequestId("")))
+            if other is not None and other.stage in (RemoteStage.WAITING, RemoteStage.PENDING,
+                                                     RemoteStage.SHIPPED):
+                # Another request here loads under these very params (vLLM's children of
+                # one request with n > 1): ask again once its KV is in (a prefix-cache hit).
+                self._waiting_for_blocks.discard(rid)
+                return None, False
+            parent = _parent_id(rid)
+            sibling_done = parent is not None and self._finished_children.get(key) == parent
+            if other is not None or sibling_done:
+                # The load is another request's (loaded, released, or a sibling's that finished
+                # before vLLM asked about this one: max_num_seqs): a load under it would be
+                # refused (CLAIMED; a push registration, REFUSED), a load error (under
+                # kv_load_failure_policy=fail, an error for the request). Computed locally,
+                # nothing released: it is not ours.
+                self._remote[rid] = Remote(parsed, stage=RemoteStage.RELEASED)
+                return 0, False
+            self._lease_users[key] = rid
             remote = self._remote[rid] = Remote(parsed)
             if rid in self._aborting:
                 # The same id's aborted load is still in the workers' hands:
@@ -490,8 +503,8 @@ class RdmaScheduler:
         noted_digest = self._push_prefills.forget(rid)  # (a push prefill's, computed when it was noted)
         self._waiting_for_blocks.discard(rid)
         remote = self._remote.pop(rid, None)
-        if remote is not None and isinstance(remote.params, RemotePrefillParams):
-            key = (PeerAddress.of(remote.params), remote.params.lease)
+        if remote is not None:
+            key = _load_key(remote.params)
             if self._lease_users.get(key) == rid:
                 del self._lease_users[key]
                 parent = _parent_id(rid)
@@ -521,7 +534,7 @@ class RdmaScheduler:
             logger.warning("request %r: invalid kv_transfer_params, not holding its KV: %s", rid, exc)
             return False, None
         if isinstance(parsed, RemotePrefillParams):
-            key = (PeerAddress.of(parsed), parsed.lease)
+            key = _load_key(parsed)
             parent = _parent_id(rid)
             if key not in self._lease_users and (parent is None or self._finished_children.get(key) != parent):
                 # Aborted (or rejected) before the engine ever asked us about it:
