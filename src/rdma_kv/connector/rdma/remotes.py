@@ -1,23 +1,33 @@
 """The RDMA connector's scheduler, consumer side: its record of a request
 with remote-prefill params (``Remote``) from admission until it finishes,
-its stage (``RemoteStage``), and the push-mode decode whose prefill runs at
-the same time (``Concurrent``: no lease, a router's transfer id).
+its stage (``RemoteStage``), the push-mode decode whose prefill runs at
+the same time (``Concurrent``: no lease, a router's transfer id), and which
+request took each load's params (``LoadOwners``: vLLM's children of a
+request with ``n > 1`` all carry its params).
 
-Imports the standard library and the connector's ``rdma.meta``,
+Imports the standard library and the connector's ``types``, ``rdma.meta``,
 ``rdma.params`` and ``rdma.wire``.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
+import re
 import secrets
 
 from rdma_kv.connector.rdma.meta import PeerAddress, RemoteLease
-from rdma_kv.connector.rdma.params import RemotePrefillParams
+from rdma_kv.connector.rdma.params import LeaseRef, RemotePrefillParams
 from rdma_kv.connector.rdma.wire import CLAIM_BYTES
+from rdma_kv.connector.types import RequestId
 
-__all__ = ["Concurrent", "Remote", "RemoteStage"]
+__all__ = ["Concurrent", "LoadOwners", "Remote", "RemoteStage"]
+
+FINISHED_CHILDREN_KEPT = 4096
+"""Loads of finished child requests remembered for their siblings (``LoadOwners``)."""
+_CHILD_ID = re.compile(r"[0-9]+_(.+)", re.DOTALL)
+"""vLLM's id of a child of a request with ``n > 1``: ``<index>_<parent id>``."""
 
 
 class RemoteStage(enum.Enum):
@@ -66,3 +76,64 @@ class Remote:
         if isinstance(self.params, Concurrent):
             return None
         return RemoteLease(PeerAddress.of(self.params), self.params.lease, self.claim)
+
+
+LoadKey = tuple[PeerAddress, LeaseRef | str]
+"""What one load's params name: the producer and the lease (pull), or the
+producer and the ``transfer_id`` it pushes under (push, concurrent
+dispatch). Requests whose params name the same load share one."""
+
+
+def load_key(params: RemotePrefillParams | Concurrent) -> LoadKey:
+    if isinstance(params, Concurrent):
+        return params.peer, params.transfer_id
+    return PeerAddress.of(params), params.lease
+
+
+def parent_id(rid: str) -> str | None:
+    match = _CHILD_ID.fullmatch(rid)
+    return match.group(1) if match else None
+
+
+class LoadOwners:
+    """Which request took each load's params first. vLLM gives every child
+    of a request with ``n > 1`` the parent's ``kv_transfer_params``: one
+    lease (or push ``transfer_id``), several requests; only the first can
+    load under it (the producer refuses another claim, CLAIMED, or another
+    registration, REFUSED). The others wait while it loads and are then
+    computed locally (``RdmaScheduler.get_num_new_matched_tokens``).
+
+    A finished child's load is remembered with its parent id (the last
+    ``FINISHED_CHILDREN_KEPT``): vLLM may ask about a sibling only after it
+    finished (``max_num_seqs``), when the lease is already released."""
+
+    def __init__(self) -> None:
+        self._owners: dict[LoadKey, RequestId] = {}
+        self._finished: collections.OrderedDict[LoadKey, str] = collections.OrderedDict()
+
+    def owner(self, key: LoadKey) -> RequestId | None:
+        return self._owners.get(key)
+
+    def take(self, key: LoadKey, rid: RequestId) -> None:
+        self._owners[key] = rid
+
+    def sibling_finished(self, key: LoadKey, rid: str) -> bool:
+        """Whether a sibling of child ``rid`` took this load and finished."""
+        parent = parent_id(rid)
+        return parent is not None and self._finished.get(key) == parent
+
+    def taken(self, key: LoadKey, rid: str) -> bool:
+        """Whether the load is another request's here (live, or a finished sibling's)."""
+        return key in self._owners or self.sibling_finished(key, rid)
+
+    def finished(self, key: LoadKey, rid: RequestId) -> None:
+        """``rid`` finished: if it owned the load, it is nobody's now (a
+        child's is remembered for its siblings)."""
+        if self._owners.get(key) != rid:
+            return
+        del self._owners[key]
+        parent = parent_id(rid)
+        if parent is not None:
+            self._finished[key] = parent
+            if len(self._finished) > FINISHED_CHILDREN_KEPT:
+                self._finished.popitem(last=False)

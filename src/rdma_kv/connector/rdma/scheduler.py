@@ -49,10 +49,8 @@ Imports the standard library and the connector's ``config``, ``specs``,
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
-import re
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -82,7 +80,7 @@ from rdma_kv.connector.rdma.params import (
 from rdma_kv.connector.rdma.discovery import RouterRegistration
 from rdma_kv.connector.rdma.intake import blocks_to_read, concurrent_load, remote_blocks_problem
 from rdma_kv.connector.rdma.pushsched import PushPrefills, router_payload
-from rdma_kv.connector.rdma.remotes import Concurrent, Remote, RemoteStage
+from rdma_kv.connector.rdma.remotes import Concurrent, LoadOwners, Remote, RemoteStage, load_key
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.specs import KVCacheConfig
 from rdma_kv.connector.types import (
@@ -101,29 +99,6 @@ from rdma_kv.errors import ConfigError
 __all__ = ["RdmaScheduler", "RemoteStage"]
 
 logger = logging.getLogger(__name__)
-
-_CHILD_ID = re.compile(r"[0-9]+_(.+)", re.DOTALL)
-"""vLLM's id of a child of a request with ``n > 1``: ``<index>_<parent id>``."""
-FINISHED_CHILDREN_KEPT = 4096
-"""Leases of finished child requests remembered for their siblings (``RdmaScheduler._finished_children``)."""
-
-
-def _parent_id(rid: str) -> str | None:
-    match = _CHILD_ID.fullmatch(rid)
-    return match.group(1) if match else None
-
-
-LoadKey = tuple[PeerAddress, "LeaseRef | str"]
-"""What one load's params name: the producer and the lease (pull), or the
-producer and the ``transfer_id`` it pushes under (push, concurrent
-dispatch). Requests whose params name the same load share one."""
-
-
-def _load_key(params: RemotePrefillParams | Concurrent) -> LoadKey:
-    if isinstance(params, Concurrent):
-        return params.peer, params.transfer_id
-    return PeerAddress.of(params), params.lease
-
 
 class RdmaScheduler:
     """Scheduler-side logic; ``RdmaConnector`` delegates to it."""
@@ -174,16 +149,7 @@ class RdmaScheduler:
         not yet reported in ``finished_recving`` (reads may still land in
         their blocks)."""
         self._pending_connects: dict[PeerAddress, None] = {}  # ordered set, emptied every step
-        self._lease_users: dict[LoadKey, RequestId] = {}
-        """The request tracked (``_remote``) that took each load's params first.
-        vLLM gives every child of a request with ``n > 1`` the parent's
-        ``kv_transfer_params``: one lease (or push ``transfer_id``), several
-        requests; only the first can load under it (the producer refuses
-        another claim, CLAIMED, or another registration, REFUSED)."""
-        self._finished_children: collections.OrderedDict[LoadKey, str] = collections.OrderedDict()
-        """The parent id of a child request that took a load's params and
-        finished (its siblings may be asked about only then:
-        ``max_num_seqs``); bounded."""
+        self._owners = LoadOwners()  # which request took each load's params (vLLM's n > 1 children)
         self.refused_other_prompt = 0  # params holding another prompt's KV (params.other_prompt)
 
     def _new_epoch(self) -> None:
@@ -290,17 +256,16 @@ class RdmaScheduler:
             parsed = self._parse(request)
             if not isinstance(parsed, (RemotePrefillParams, Concurrent)):
                 return 0, False
-            key = _load_key(parsed)
-            other = self._remote.get(self._lease_users.get(key, RequestId("")))
+            key = load_key(parsed)
+            owner = self._owners.owner(key)
+            other = self._remote.get(owner) if owner is not None else None
             if other is not None and other.stage in (RemoteStage.WAITING, RemoteStage.PENDING,
                                                      RemoteStage.SHIPPED):
                 # Another request here loads under these very params (vLLM's children of
                 # one request with n > 1): ask again once its KV is in (a prefix-cache hit).
                 self._waiting_for_blocks.discard(rid)
                 return None, False
-            parent = _parent_id(rid)
-            sibling_done = parent is not None and self._finished_children.get(key) == parent
-            if other is not None or sibling_done:
+            if other is not None or self._owners.sibling_finished(key, rid):
                 # The load is another request's (loaded, released, or a sibling's that finished
                 # before vLLM asked about this one: max_num_seqs): a load under it would be
                 # refused (CLAIMED; a push registration, REFUSED), a load error (under
@@ -308,7 +273,7 @@ class RdmaScheduler:
                 # nothing released: it is not ours.
                 self._remote[rid] = Remote(parsed, stage=RemoteStage.RELEASED)
                 return 0, False
-            self._lease_users[key] = rid
+            self._owners.take(key, rid)
             remote = self._remote[rid] = Remote(parsed)
             if rid in self._aborting:
                 # The same id's aborted load is still in the workers' hands:
@@ -504,15 +469,7 @@ class RdmaScheduler:
         self._waiting_for_blocks.discard(rid)
         remote = self._remote.pop(rid, None)
         if remote is not None:
-            key = _load_key(remote.params)
-            if self._lease_users.get(key) == rid:
-                del self._lease_users[key]
-                parent = _parent_id(rid)
-                if parent is not None:
-                    self._finished_children[key] = parent
-                    if len(self._finished_children) > FINISHED_CHILDREN_KEPT:
-                        self._finished_children.popitem(last=False)
-        if remote is not None:
+            self._owners.finished(load_key(remote.params), rid)
             if remote.stage is RemoteStage.SHIPPED:
                 # A read may still land in these blocks: the engine holds them
                 # until every worker reported the load in done_recving, which
@@ -534,9 +491,7 @@ class RdmaScheduler:
             logger.warning("request %r: invalid kv_transfer_params, not holding its KV: %s", rid, exc)
             return False, None
         if isinstance(parsed, RemotePrefillParams):
-            key = _load_key(parsed)
-            parent = _parent_id(rid)
-            if key not in self._lease_users and (parent is None or self._finished_children.get(key) != parent):
+            if not self._owners.taken(load_key(parsed), rid):
                 # Aborted (or rejected) before the engine ever asked us about it:
                 # still tell the producer, or its blocks wait for the lease to expire.
                 # (Not a lease another request here took: that one is its to release.)
