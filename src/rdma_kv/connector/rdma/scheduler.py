@@ -100,6 +100,7 @@ __all__ = ["RdmaScheduler", "RemoteStage"]
 
 logger = logging.getLogger(__name__)
 
+
 class RdmaScheduler:
     """Scheduler-side logic; ``RdmaConnector`` delegates to it."""
 
