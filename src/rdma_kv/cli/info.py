@@ -23,6 +23,7 @@ the worst are warnings.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -35,6 +36,7 @@ from typing import Any
 # parse_ucx_info and ucx_info_binary stay importable from here.
 from rdma_kv.transport.ucxinfo import (  # noqa: F401  (parse_ucx_info: re-exported)
     VERBS_TRANSPORTS,
+    network_devices,
     parse_ucx_info,
     run_ucx_info,
     ucx_info_binary,
@@ -140,6 +142,7 @@ def cuda_memory_support(report: Report) -> None:
     (``ucp_context_attr_t.memory_types``: host, plus the types of the memory
     domains whose transports stayed enabled). Without ``cuda`` there, the
     agent refuses a CUDA KV cache (UCX would map it as host memory)."""
+    tls = os.environ.get("UCX_TLS", "all (default)")
     try:
         from rdma_kv.transport.memory import MemoryKind, kinds_in_mask
         from rdma_kv.transport.ucx import Context
@@ -151,7 +154,6 @@ def cuda_memory_support(report: Report) -> None:
             context.close()
     except Exception as exc:  # a diagnostic: report it, do not crash
         # the agent makes its context the same way: an engine started here fails at once
-        tls = os.environ.get("UCX_TLS", "all (default)")
         report.cuda_memory = f"unknown (no UCP context: {exc})"
         report.findings.append(Finding(
             "error", f"cannot create a UCP context with this environment (UCX_TLS={tls}): {exc}; an agent made "
@@ -159,7 +161,6 @@ def cuda_memory_support(report: Report) -> None:
             "UCX_NET_DEVICES (`ucx_info -d` lists them)"))
         return
     report.context_memory_types = [k.value for k in kinds]
-    tls = os.environ.get("UCX_TLS", "all (default)")
     if MemoryKind.CUDA in kinds:
         report.cuda_memory = f"supported (context memory types: {', '.join(report.context_memory_types)})"
         return
@@ -191,8 +192,7 @@ def check_config(text: str, report: Report, *, engine: str = "auto") -> None:
     # A ucx_net_devices map names the engine's ranks: checked as rank 0 of that
     # many (a map of two was refused for naming more ranks than tp_size 1).
     extra = raw.get("kv_connector_extra_config")
-    devices = extra.get("ucx_net_devices") if isinstance(extra, dict) else None
-    ranks = len(devices) if isinstance(devices, dict) and devices else 1
+    ranks = max(_map_ranks(extra), 1)
     try:
         if is_vllm:
             config = _vllm_config(raw, add, tp_size=ranks)
@@ -235,11 +235,11 @@ def _check_devices(settings: Any, transports: list[dict[str, str]], add: Any) ->
         return
     if spec is None:
         named = {"ucx_options['NET_DEVICES']": settings.ucx_options["NET_DEVICES"]}
-    elif isinstance(spec, str):
-        named = {f"ucx_net_devices of rank {r}": spec.format(rank=r, local_rank=r) for r in range(settings.tp_size)}
-    else:
-        named = {f"ucx_net_devices of rank {r}": spec[r] for r in sorted(spec)}
-    network = sorted({t["device"] for t in transports if t["type"] == "network" or t["transport"] == "tcp"})
+    else:  # each rank's, as its worker resolves them (KV cache on cuda:<rank>)
+        named = {f"ucx_net_devices of rank {r}":
+                 dataclasses.replace(settings, tp_rank=r).for_device(f"cuda:{r}").ucx_options["NET_DEVICES"]
+                 for r in range(settings.tp_size)}
+    network = network_devices(transports)
     bad = 0
     for where, value in named.items():
         for device in (d.strip() for d in value.split(",")):
@@ -272,14 +272,19 @@ def load_settings(text: str, *, engine: str = "auto", tp_rank: int = 0, tp_size:
         extra = {}
     elif not isinstance(extra, dict):  # [], "" or false too: the engine refuses them
         raise ConfigError(f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}")
-    devices = extra.get("ucx_net_devices")
-    size = tp_size or max(len(devices) if isinstance(devices, dict) else 0, tp_rank + 1)
+    size = tp_size or max(_map_ranks(extra), tp_rank + 1)
     if _is_vllm(raw, engine):
         config = _vllm_config(raw, findings.append, tp_rank=tp_rank, tp_size=size)
     else:
         config = KVTransferConfig.from_dict({**raw, "kv_connector_extra_config": {**extra, "tp_rank": tp_rank,
                                                                                    "tp_size": size}})
     return RdmaSettings.from_config(config)
+
+
+def _map_ranks(extra: Any) -> int:
+    """The ranks a ``ucx_net_devices`` map in ``extra`` names (0: no map)."""
+    devices = extra.get("ucx_net_devices") if isinstance(extra, dict) else None
+    return len(devices) if isinstance(devices, dict) else 0
 
 
 def _is_vllm(raw: dict[str, Any], engine: str) -> bool:

@@ -24,7 +24,8 @@ from typing import Any
 
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.selftest.report import Check
-from rdma_kv.transport.ucxinfo import VERBS_TRANSPORTS, by_memory_type, parse_ucx_info, run_ucx_info, ucx_info_binary
+from rdma_kv.transport.ucxinfo import (VERBS_TRANSPORTS, by_memory_type, network_devices, parse_ucx_info, run_ucx_info,
+                                       ucx_info_binary)
 
 __all__ = ["UcxFacts", "nic_targets", "ucx_checks"]
 
@@ -119,7 +120,7 @@ def nic_targets(facts: UcxFacts, settings: RdmaSettings) -> tuple[list[dict[str,
     source = f"ucx_net_devices/NET_DEVICES of rank {settings.tp_rank}"
     if named is None and os.environ.get("UCX_NET_DEVICES", "all") != "all":
         named, source = os.environ["UCX_NET_DEVICES"], "UCX_NET_DEVICES"
-    network = sorted({t["device"] for t in transports if t["type"] == "network" or t["transport"] == "tcp"})
+    network = network_devices(transports)
     if named is None:
         devices = sorted({t["device"] for t in transports if t["transport"] in VERBS_TRANSPORTS})
         if not devices:

@@ -18,7 +18,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LoadedUCX", "by_memory_type", "loaded_ucx", "parse_ucx_info", "run_ucx_info", "ucx_info_binary"]
+__all__ = ["LoadedUCX", "by_memory_type", "loaded_ucx", "network_devices", "parse_ucx_info", "run_ucx_info",
+           "ucx_info_binary"]
 
 # Transports that mean RDMA hardware is usable through UCX.
 VERBS_TRANSPORTS = ("rc_verbs", "rc_mlx5", "ud_verbs", "ud_mlx5", "dc_mlx5", "rc", "ud", "dc")
@@ -91,6 +92,12 @@ def parse_ucx_info(text: str) -> tuple[list[dict[str, str]], set[str]]:
         elif current is not None and (m := re.match(r"Type:\s*(\S+)", line)):
             current["type"] = m.group(1)
     return transports, {t for t in mem_types if t}
+
+
+def network_devices(transports: list[dict[str, str]]) -> list[str]:
+    """The devices of ``parse_ucx_info``'s transports that reach another
+    host (type ``network``, or ``tcp``'s interfaces), sorted."""
+    return sorted({t["device"] for t in transports if t["type"] == "network" or t["transport"] == "tcp"})
 
 
 def by_memory_type(transports: list[dict[str, str]]) -> dict[str, list[str]]:
