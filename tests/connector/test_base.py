@@ -208,12 +208,29 @@ def test_request_params_are_a_read_only_copy():
             Request("r", bad)
 
 
+def test_a_request_with_other_params_shares_its_checked_prompt_and_memo():
+    request = Request("r", [5, 6, 7], {"do_remote_decode": True})
+    request.memo["derived"] = 1
+    request.num_computed_tokens, request.aborted = 3, True
+    request.output_token_ids.append(9)
+    params = {"do_remote_decode": False}
+    again = request.with_params(params)
+    params["do_remote_decode"] = True
+    assert again.prompt_token_ids is request.prompt_token_ids and again.memo is request.memo
+    assert dict(again.kv_transfer_params) == {"do_remote_decode": False}  # a read-only copy
+    assert (again.num_computed_tokens, again.aborted, again.output_token_ids) == (0, False, [])
+    assert dict(request.with_params(None).kv_transfer_params) == {}
+
+
 def test_blocks_and_outputs():
     blocks = KVCacheBlocks.of([3, 4], [7])
     assert blocks.num_groups == 2 and blocks.get_block_ids() == ([3, 4], [7])
     assert KVCacheBlocks.empty(2).get_block_ids() == ([], [])
     with pytest.raises(ConfigError, match=">= 0"):
         KVCacheBlocks.of([-1])
+    with pytest.raises(ConfigError, match=">= 0"):
+        KVCacheBlocks.of([5, 2, -1, 7])  # plain ints are checked in bulk
+    assert KVCacheBlocks.of(np.array([2, 1])).get_block_ids() == ([2, 1],)  # numpy's, one by one
     out = KVConnectorOutput.of(["a"], None, [1, 2])
     assert out.finished_sending == {"a"} and out.invalid_block_ids == {1, 2}
     assert not out.is_empty() and KVConnectorOutput().is_empty()

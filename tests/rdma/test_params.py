@@ -76,6 +76,9 @@ def test_prefill_request_shapes_routers_send():
     ({"remote_block_ids": []}, "remote_block_ids"),
     ({"remote_block_ids": [1, -2]}, "remote_block_ids"),
     ({"remote_block_ids": [1, True]}, "remote_block_ids"),
+    # plain ints are checked in bulk (min, max): both ends of the range still hold
+    ({"remote_block_ids": [1, 1 << 32]}, "remote_block_ids"),
+    ({"remote_block_ids": [[1, 2], [3, -1]]}, "remote_block_ids"),
     ({"remote_engine_id": ""}, "remote_engine_id"),
     ({"remote_lease_generation": None}, "remote_lease_generation"),
     ({"remote_lease_ttl_s": 0}, "remote_lease_ttl_s"),

@@ -97,6 +97,66 @@ def test_a_request_finished_without_an_answer_is_marked_aborted() -> None:
                        "FINISHED_IGNORED": True, "FINISHED_ERROR": True, "FINISHED_REPETITION": False}
 
 
+def _vllm_request(rid: str, prompt: list[int], params: dict | None = None) -> object:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request as VllmRequest
+
+    sampling = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params} if params else None)
+    return VllmRequest(rid, prompt, sampling, None)
+
+
+def test_the_adapter_checks_and_digests_a_prompt_once_across_the_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM asks ``get_num_new_matched_tokens`` at every step a request
+    waits: the adapter's next ``Request`` for the same vLLM request shares
+    the checked prompt and its digest, and reads everything else again."""
+    from rdma_kv.connector.rdma import params as params_mod
+
+    digests = []
+    real = params_mod.prompt_digest
+    monkeypatch.setattr(params_mod, "prompt_digest", lambda ids: digests.append(len(ids)) or real(ids))
+    requests = translate.Requests()
+    vreq = _vllm_request("0-a", list(range(1000)), {"do_remote_prefill": True, "remote_prefill_cached_tokens": 3})
+    first = requests.of(vreq)
+    assert params_mod.request_prompt_digest(first) == real(range(1000))
+    vreq.num_computed_tokens = 16
+    vreq.kv_transfer_params = {"do_remote_prefill": False}
+    again = requests.of(vreq)
+    assert again is not first and again.prompt_token_ids is first.prompt_token_ids
+    assert (again.num_computed_tokens, dict(again.kv_transfer_params)) == (16, {"do_remote_prefill": False})
+    assert params_mod.request_prompt_digest(again) == real(range(1000)) and digests == [1000]
+
+    # A streaming session extends the waiting request's prompt in place: a new prompt, a new digest.
+    vreq.prompt_token_ids.extend([7, 8])
+    vreq.num_prompt_tokens = 1002
+    longer = requests.of(vreq)
+    assert longer.prompt_token_ids[-2:] == (7, 8) and params_mod.request_prompt_digest(longer) == real(
+        list(range(1000)) + [7, 8])
+    assert digests == [1000, 1002]
+
+    # Another vLLM request under the same id (a router's retry with ids not randomized): built anew.
+    other = requests.of(_vllm_request("0-a", [5, 6]))
+    assert other.prompt_token_ids == (5, 6) and params_mod.request_prompt_digest(other) == real([5, 6])
+
+    done = requests.finished(_vllm_request("0-a", [5, 6]))
+    assert done.prompt_token_ids == (5, 6) and len(requests) == 0
+
+
+def test_the_adapter_keeps_a_bounded_number_of_prompt_tokens_and_no_vllm_request_alive() -> None:
+    import gc
+    import weakref
+
+    requests = translate.Requests(kept_tokens=250)
+    vreqs = [_vllm_request(f"r{i}", list(range(100))) for i in range(4)]
+    kept = [requests.of(v) for v in vreqs]
+    assert len(requests) == 2  # 200 tokens kept of 400, the least recently used dropped
+    assert requests.of(vreqs[3]).prompt_token_ids is kept[3].prompt_token_ids
+    assert requests.of(vreqs[0]).prompt_token_ids is not kept[0].prompt_token_ids  # rebuilt
+    gone = weakref.ref(vreqs[1])
+    del vreqs[1]
+    gc.collect()
+    assert gone() is None
+
+
 def test_scheduler_output_struct_of_arrays() -> None:
     out = SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id="a", prompt_token_ids=[1, 2],

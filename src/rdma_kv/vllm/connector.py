@@ -158,6 +158,8 @@ class RdmaKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._connector: RdmaConnector = RdmaConnector(config, _ROLES[role], ours)
         self._per_request_failures = len(ours.kv_cache_groups) > 1
         """Failed loads go to vLLM as ``failed_recving``, not block ids (``get_transfer_results``)."""
+        self._requests = translate.Requests()
+        """Each request's checked prompt, kept between the scheduler hooks."""
 
     @property
     def connector(self) -> RdmaConnector:
@@ -283,12 +285,12 @@ class RdmaKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        return self._connector.get_num_new_matched_tokens(translate.request(request),
+        return self._connector.get_num_new_matched_tokens(self._requests.of(request),
                                                           num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
-        self._connector.update_state_after_alloc(translate.request(request),
+        self._connector.update_state_after_alloc(self._requests.of(request),
                                                  translate.block_ids(blocks), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> RdmaKVConnectorMetadata:
@@ -303,7 +305,7 @@ class RdmaKVConnector(KVConnectorBase_V1, SupportsHMA):
         """``(delay_free, params)``: a prefill that asked ``do_remote_decode``
         is held under a lease and returns the params a router hands verbatim
         to the decode request (``do_remote_prefill: true``, ``remote_*``)."""
-        return self._connector.request_finished(translate.request(request),
+        return self._connector.request_finished(self._requests.finished(request),
                                                 as_block_ids(block_ids))
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
@@ -311,7 +313,7 @@ class RdmaKVConnector(KVConnectorBase_V1, SupportsHMA):
         """``request_finished`` with one block-id list per KV-cache group
         (vLLM's hybrid KV-cache manager; a sliding-window group's list starts
         with null-block placeholders where the window has moved on)."""
-        return self._connector.request_finished_all_groups(translate.request(request),
+        return self._connector.request_finished_all_groups(self._requests.finished(request),
                                                            translate.group_block_ids(block_ids))
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]

@@ -32,7 +32,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rdma_kv.connector.types import BlockId, EngineId, GroupBlockIds, RequestId, as_group_block_ids
+from rdma_kv.connector.types import BlockId, EngineId, GroupBlockIds, Request, RequestId, as_group_block_ids
 from rdma_kv.connector.rdma.settings import MAX_LEASE_TTL_S, MIN_LEASE_TTL_S
 from rdma_kv.errors import ConfigError
 
@@ -49,6 +49,7 @@ __all__ = [
     "lease_binding",
     "lease_token",
     "other_prompt",
+    "request_prompt_digest",
     "parse_kv_transfer_params",
     "PROMPT_DIGEST_BYTES",
     "prompt_digest",
@@ -104,6 +105,16 @@ def prompt_digest(token_ids: Sequence[int]) -> bytes:
                              person=b"rdma-kv prompt 1")
     digest.update(ids.tobytes())
     return digest.digest()
+
+
+def request_prompt_digest(request: Request) -> bytes:
+    """:func:`prompt_digest` of ``request``'s prompt, made once per prompt
+    (kept in ``request.memo``, which an adapter's next ``Request`` for the
+    same engine request shares: ``Request.with_params``)."""
+    digest = request.memo.get("rdma.prompt_digest")
+    if digest is None:
+        digest = request.memo["rdma.prompt_digest"] = prompt_digest(request.prompt_token_ids)
+    return digest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,10 +335,10 @@ def _str(params: Mapping[str, Any], field: str, max_len: int = 256) -> str:
     return value
 
 
-def other_prompt(params: RemotePrefillParams, token_ids: Sequence[int]) -> str | None:
-    """Why ``params`` are not loaded for a request of prompt ``token_ids``:
-    they hold the KV of another prompt (None if of this one)."""
-    mine = prompt_digest(token_ids)
+def other_prompt(params: RemotePrefillParams, request: Request) -> str | None:
+    """Why ``params`` are not loaded for ``request``: they hold the KV of
+    another prompt (None if of this one)."""
+    mine = request_prompt_digest(request)
     if hmac.compare_digest(params.remote_prompt_digest, mine):
         return None
     return (f"kv_transfer_params['remote_prompt_digest'] is {params.remote_prompt_digest.hex()}, the digest of "
@@ -389,16 +400,24 @@ def _block_id_groups(ids: Any, max_per_group: int) -> GroupBlockIds:
         raise _field_error("remote_block_ids", ids, f"at most {max_per_group} block ids per KV-cache group (a "
                                                     "block holds at least one token of the prompt), not "
                                                     f"{longest}")
+    out = []
     for group in groups:
         if not isinstance(group, (list, tuple)):
             raise _field_error("remote_block_ids", ids, "a flat list of block ids or a list of lists, "
                                                         "not a mix of both")
+        if group and frozenset(map(type, group)) == _INTS and 0 <= min(group) and max(group) < 1 << 32:
+            out.append(tuple(group))  # plain ints (JSON's), checked in C
+            continue
         for value in map(_whole, group):
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 32:
                 raise _field_error("remote_block_ids", ids, "integers in [0, 2**32)")
+        out.append(tuple(BlockId(_whole(b)) for b in group))
     if not any(groups):
         raise _field_error("remote_block_ids", ids, expected)
-    return tuple(tuple(BlockId(_whole(b)) for b in group) for group in groups)
+    return tuple(out)
+
+
+_INTS = frozenset((int,))
 
 
 def parse_kv_transfer_params(

@@ -26,7 +26,7 @@ from rdma_kv.connector.rdma.params import (
     RemoteDecodeRequest,
     format_router_address,
     parse_kv_transfer_params,
-    prompt_digest,
+    request_prompt_digest,
 )
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.types import BlockIds, Request, RequestId, SchedulerOutput
@@ -54,7 +54,7 @@ class PushPrefills:
         except ConfigError:
             return
         if isinstance(parsed, RemoteDecodeRequest) and parsed.transfer_id and self._num_groups == 1:
-            self._tracked[request.request_id] = (parsed.transfer_id, [], prompt_digest(request.prompt_token_ids))
+            self._tracked[request.request_id] = (parsed.transfer_id, [], request_prompt_digest(request))
 
     def forget(self, request_id: RequestId) -> bytes | None:
         """Stop tracking ``request_id``; its prompt's digest, if it was tracked."""

@@ -75,7 +75,7 @@ from rdma_kv.connector.rdma.params import (
     lease_token,
     other_prompt,
     parse_kv_transfer_params,
-    prompt_digest,
+    request_prompt_digest,
 )
 from rdma_kv.connector.rdma.discovery import RouterRegistration
 from rdma_kv.connector.rdma.intake import blocks_to_read, concurrent_load, remote_blocks_problem
@@ -233,7 +233,7 @@ class RdmaScheduler:
             return (f"kv_transfer_params['remote_num_tokens']={params.remote_num_tokens} but the "
                     f"request's prompt has {request.num_prompt_tokens} tokens; a router must send "
                     "the decode request the same prompt as the prefill")
-        other = other_prompt(params, request.prompt_token_ids)
+        other = other_prompt(params, request)
         if other is not None:
             self.refused_other_prompt += 1
             return other
@@ -370,7 +370,7 @@ class RdmaScheduler:
         self._pending_loads.append(LoadSpec(
             request.request_id, (local,), ((),), concurrent.peer, placeholder, self._settings.lease_ttl_s,
             remote.claim, error, (0,), 1, concurrent.transfer_id, remote.num_computed,
-            request.num_prompt_tokens, prompt_digest(request.prompt_token_ids)))
+            request.num_prompt_tokens, request_prompt_digest(request)))
 
     def _unread_blocks(self, request: Request, num_computed: int, blocks: KVCacheBlocks,
                        group: int) -> BlockIds:
@@ -538,7 +538,7 @@ class RdmaScheduler:
             return False, None
         settings = self._settings
         generation = next(self._generations)
-        digest = noted_digest or prompt_digest(request.prompt_token_ids)
+        digest = noted_digest or request_prompt_digest(request)
         binding = lease_binding(self._engine_id, settings.tp_size, request.num_prompt_tokens, tuple(offered),
                                 self._registration, digest)
         params = RemotePrefillParams(
