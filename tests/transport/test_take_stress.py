@@ -219,6 +219,41 @@ def test_waits_released_by_the_target_leave_the_worker_to_the_pump(make_agent, n
     assert np.array_equal(pair.buf_b[100 * BLOCK:101 * BLOCK], pair.buf_a[100 * BLOCK:101 * BLOCK])
 
 
+def test_a_completion_published_by_a_taker_reaches_its_callback_while_the_taker_waits(make_agent, monkeypatch):
+    """A caller holds b's worker taken, waiting on a read nobody answers;
+    meanwhile a callback-only read of b's from another peer completes,
+    published by the taker's progress. The taker wakes the service thread,
+    as the pump would have, so the callback runs while the taker still
+    waits. Before, it ran at the end of the taker's wait (or of its slice,
+    ``WAIT_SLICE_S``, 1 s) or at the service thread's next look
+    (``HELP_STALE_NS``, 20 ms; ``SERVICE_SLEEP_S``): all three made 10
+    minutes here, so that only a wake-up runs it before the taker's
+    deadline (WAIT_S)."""
+    from rdma_kv.transport import progress, transfer
+
+    monkeypatch.setattr(progress, "HELP_STALE_NS", 600 * 10**9)
+    monkeypatch.setattr(progress, "SERVICE_SLEEP_S", 600.0)
+    monkeypatch.setattr(transfer, "WAIT_SLICE_S", 600.0)
+    pair, xfers, threads, raised = blocked_readers(make_agent, 1)
+    c = make_agent("c", ucx_options=TCP, lanes=1)
+    buf_c = pattern(3, BLOCK)
+    c.register(buf_c)
+    assert pair.b.add_peer(c.metadata()) == "c" and c.add_peer(pair.b.metadata()) == "b"
+    ran = threading.Event()
+    for i in range(3):  # (a few: each must reach its callback with the taker still there)
+        ran.clear()
+        read = pair.b.read("c", pair.desc_b([BLOCK * (200 + i)], BLOCK), DescList([buf_c.ctypes.data], BLOCK),
+                           timeout_s=WAIT_S)
+        read.add_done_callback(lambda _: ran.set())
+        assert ran.wait(WAIT_S / 4), "a completion published by the taker waited for the taker's own wait to end"
+        assert read.state is XferState.DONE and not xfers[0].done()
+        assert np.array_equal(pair.buf_b[BLOCK * (200 + i):BLOCK * (201 + i)], buf_c)
+    assert pump_state(pair.b._core.driver.pump.handle)[4] == 1  # still taken: the taker did it
+    wait_until(xfers[0].done, WAIT_S, "the blocked read once its target is progressed", drive=[pair.a])
+    threads[0].join(WAIT_S)
+    assert raised[0] is None, raised[0]
+
+
 def test_the_close_hands_rk_pump_state_a_buffer_it_fits(make_agent):
     """``rk_pump_state`` writes five words (taken, since the take): the
     close's count of threads inside a help round handed it four, and it

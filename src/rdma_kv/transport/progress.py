@@ -62,6 +62,9 @@ HELP_STALE_NS = 20_000_000
 that has not done so for this long while transfers are in flight (a healthy pump loops within
 microseconds when busy and every 100 ms when asleep)."""
 
+SERVICE_SLEEP_S = 1.0
+"""The longest the service thread sleeps when nothing wakes it and no deadline comes sooner."""
+
 HELP_IDLE_NS = 100_000_000
 """How often the service thread looks at the pumps while none of the agent's own transfers is in
 flight: it progresses the worker of one that has events waiting and has not progressed it for
@@ -322,7 +325,7 @@ class ProgressDriver:
             inflight.run_callbacks(callbacks)
             if failed:
                 time.sleep(0.1)  # a bug that repeats logs at most ten times a second
-            left = 1.0 if due is None else min(1.0, due - time.monotonic())
+            left = SERVICE_SLEEP_S if due is None else min(SERVICE_SLEEP_S, due - time.monotonic())
             # The pumps a blocked caller helps are the ones this thread helps when stale (none
             # once closing: wake_all empties the list, and the shim checks closing too).
             lib.rk_service_wait(ctx, self._wake.fd, errors, delay_ns, max(1, int(left * 1e9)), self._await_help,

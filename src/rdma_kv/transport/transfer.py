@@ -59,6 +59,9 @@ class XferState(enum.Enum):
 
 _IN_PROGRESS, _DONE, _FAILED = XferState.IN_PROGRESS, XferState.DONE, XferState.FAILED
 
+WAIT_SLICE_S = 1.0
+"""``wait()`` returns to Python at least this often (and settles there), however long it waits."""
+
 
 class Transfer:
     """A batch in flight. Poll ``state`` / ``done()``, block on ``wait()``, or
@@ -166,9 +169,9 @@ class Transfer:
         end = None if timeout_s is None else time.monotonic() + timeout_s
         owner = self._owner
         while self.state is _IN_PROGRESS:
-            # Unbounded waits still return to Python every second: the
+            # Unbounded waits still return to Python every WAIT_SLICE_S: the
             # transfer's own deadline settles it, and Ctrl-C gets through.
-            left = 1.0 if end is None else end - time.monotonic()
+            left = WAIT_SLICE_S if end is None else end - time.monotonic()
             if left <= 0:
                 raise TransferTimeoutError(
                     f"{self.op.value} transfer {self.id} with {self.peer!r} not complete "
@@ -178,7 +181,7 @@ class Transfer:
             if owner.manual_progress:
                 owner.progress_once(left)
             else:
-                owner.block(self, min(left, 1.0))
+                owner.block(self, min(left, WAIT_SLICE_S))
         if self.error is not None:
             raise self.error
         return self

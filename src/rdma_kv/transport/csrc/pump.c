@@ -404,7 +404,7 @@ int rk_await(rk_ctx_t *ctx, uint32_t slot, uint64_t id, rk_pump_t *const *help, 
 {
     rk_batch_t *b = &ctx->slots[slot];
     uint32_t expect = (uint32_t)(id << 1), i, taken = 0;
-    uint64_t start = rk_now_ns(), now = start, last = start, events, nap;
+    uint64_t start = rk_now_ns(), now = start, last = start, events, nap, stamp, seen = rk_ctx_stamp(ctx);
     int done = 1;
 
     __atomic_fetch_add(&ctx->awaiting, 1, __ATOMIC_ACQ_REL);
@@ -425,6 +425,14 @@ int rk_await(rk_ctx_t *ctx, uint32_t slot, uint64_t id, rk_pump_t *const *help, 
         if (taken) {
             events = rk_progress(help[0]->worker, 64);
             __atomic_store_n(&help[0]->ran_ns, now, __ATOMIC_RELAXED); /* for the stall report */
+            /* What the pump does: something else to settle (another transfer's
+             * completion, a notification) wakes whoever settles it; the own
+             * transfer's is settled by this caller as it returns. */
+            stamp = rk_ctx_stamp(ctx);
+            if (stamp != seen && __atomic_load_n(&b->state, __ATOMIC_ACQUIRE) == expect) {
+                seen = stamp;
+                rk_pump_wake(help[0]);
+            }
         }
         for (i = taken; i < nhelp; ++i) {
             events += rk_pump_help(help[i], 64);
