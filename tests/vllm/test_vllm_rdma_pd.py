@@ -99,10 +99,10 @@ def plain(model_dir: str, log_dir: Path) -> list[list[int]]:
     return [o["token_ids"] for o in outputs]
 
 
-def prefill(engine: EngineProcess, prompts: tuple[str, ...] = PD_PROMPTS) -> list[dict[str, Any]]:
+def prefill(engine: EngineProcess, prompts: tuple[str, ...] = PD_PROMPTS, n: int = 1) -> list[dict[str, Any]]:
     """Run the prompts as prefill requests; the params a router would forward."""
     outputs = engine.generate(prompts, max_tokens=1,
-                              kv_transfer_params=[{"do_remote_decode": True}] * len(prompts)
+                              kv_transfer_params=[{"do_remote_decode": True}] * len(prompts), n=n
                               )["outputs"]
     params = [o["kv_transfer_params"] for o in outputs]
     for o, p in zip(outputs, params):
@@ -159,8 +159,14 @@ def run_match_and_control(plain: list[list[int]], model_dir: str, log_dir: Path,
             # error. Now one child loads, the other waits and takes its KV from
             # the decode's prefix cache. (Prompts this decode never computed: a
             # local hit would load nothing; top_k=1, so both samples are equal.)
+            # The prefill runs n = 2 as well: vLLM hands over one child's params;
+            # every child's lease pinned its blocks (the prefix cache shares them)
+            # for lease_ttl_s (30 s) after the decode released the one it read.
+            # Now the children share the first one's lease, and once the decode
+            # has read and released it the producer holds nothing.
+            free = producer.free_blocks(settle_s=10.0)
             reply = consumer.generate(CONTROL_PROMPTS, max_tokens=MAX_TOKENS,
-                                      kv_transfer_params=prefill(producer, CONTROL_PROMPTS), n=2)
+                                      kv_transfer_params=prefill(producer, CONTROL_PROMPTS, n=2), n=2)
             samples = [o["samples"] for o in reply["outputs"]]
             assert [[s["finish_reason"] for s in ss] for ss in samples] == [["length", "length"]] * len(PD_PROMPTS), \
                 (samples, consumer.log()[-3000:])
@@ -168,6 +174,7 @@ def run_match_and_control(plain: list[list[int]], model_dir: str, log_dir: Path,
             assert "KV load failed" not in consumer.log()
             stats = consumer.kv_stats()
             assert stats is not None and stats["totals"]["loads_ok"] == 2 * len(PD_PROMPTS), stats
+            assert producer.free_blocks(settle_s=10.0) == free, "a child's lease kept blocks the decode never reads"
             # Params edited to name other blocks (of live leases) are refused, never read into an answer.
             wrong = [{**p, "remote_block_ids": [b + WRONG_BLOCK_OFFSET for b in p["remote_block_ids"]]}
                      for p in prefill(producer)]

@@ -141,6 +141,30 @@ def test_the_adapter_checks_and_digests_a_prompt_once_across_the_hooks(monkeypat
     assert done.prompt_token_ids == (5, 6) and len(requests) == 0
 
 
+def test_extra_keys_name_what_besides_the_tokens_decides_the_kv() -> None:
+    """What vLLM's prefix cache hashes with each block besides the tokens:
+    two requests that differ only there have other KV (the producer shares
+    a lease among the children of one request only when they are equal)."""
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request as VllmRequest
+
+    plain = translate.request(_vllm_request("0_a", [1, 2, 3]))
+    assert plain.extra_keys == ()
+    lora = VllmRequest("0_b", [1, 2, 3], SamplingParams(max_tokens=1), None,
+                       lora_request=LoRARequest("sql", 1, "/adapters/sql"), cache_salt="tenant-7")
+    keys = translate.request(lora).extra_keys
+    assert keys == (("lora", "sql", "/adapters/sql"), ("cache_salt", "tenant-7"))
+    image = _vllm_request("0_c", [1, 2, 3])
+    image.mm_features = [SimpleNamespace(identifier="img-hash-1", mm_position=SimpleNamespace(offset=1))]
+    assert translate.request(image).extra_keys == (("mm", "img-hash-1", 1),)
+    embeds = SimpleNamespace(**{**vars(_vllm_request("0_d", [1, 2, 3])), "prompt_token_ids": None,
+                                "prompt_embeds": torch.zeros(3, 4)})
+    assert translate.request(embeds).extra_keys != translate.request(embeds).extra_keys  # equal to no other
+    kept = translate.Requests()
+    assert kept.of(lora).extra_keys == keys and kept.of(lora).extra_keys == keys  # kept with the prompt
+
+
 def test_the_adapter_keeps_a_bounded_number_of_prompt_tokens_and_no_vllm_request_alive() -> None:
     import gc
     import weakref

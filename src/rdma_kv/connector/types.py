@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NewType
 
@@ -60,6 +60,11 @@ class Request:
     after its last chunk was scheduled shows all its prompt computed, and a
     producer would hold its KV for a decode that never comes.
 
+    ``extra_keys``: what besides the prompt's token ids decides its KV, as
+    the engine names it (vLLM's LoRA adapter, cache salt, multimodal inputs,
+    prompt embeddings: what its prefix cache hashes with each block); two
+    requests with equal prompts and equal ``extra_keys`` have equal KV.
+
     ``memo`` holds what connectors derive from the id and the prompt alone
     (a digest of the prompt): an adapter that meets the same engine request
     at every hook makes the next ``Request`` with :meth:`with_params`,
@@ -74,6 +79,7 @@ class Request:
         "output_token_ids",
         "num_computed_tokens",
         "aborted",
+        "extra_keys",
         "memo",
     )
 
@@ -82,6 +88,7 @@ class Request:
         request_id: str,
         prompt_token_ids: Iterable[int],
         kv_transfer_params: Mapping[str, Any] | None = None,
+        extra_keys: tuple[Hashable, ...] = (),
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ConfigError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -100,11 +107,12 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.aborted = False
+        self.extra_keys = tuple(extra_keys)
         self.memo: dict[str, Any] = {}
 
     def with_params(self, kv_transfer_params: Mapping[str, Any] | None) -> Request:
-        """A new ``Request`` of this id and prompt (shared, as is ``memo``,
-        not checked again) with ``kv_transfer_params`` copied as at
+        """A new ``Request`` of this id and prompt (shared, as are
+        ``extra_keys`` and ``memo``, not checked again) with ``kv_transfer_params`` copied as at
         creation; the engine's fields start as a new request's."""
         new = object.__new__(Request)
         new.request_id = self.request_id
@@ -113,6 +121,7 @@ class Request:
         new.output_token_ids = []
         new.num_computed_tokens = 0
         new.aborted = False
+        new.extra_keys = self.extra_keys
         new.memo = self.memo
         return new
 

@@ -17,6 +17,7 @@ standard library, ``rdma_kv.errors`` and ``rdma_kv.connector``'s
 from __future__ import annotations
 
 import collections
+import secrets
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -53,6 +54,7 @@ __all__ = [
     "block_ids",
     "check_vllm_fields",
     "connector_output",
+    "extra_keys",
     "group_block_ids",
     "kv_cache_config",
     "kv_cache_spec",
@@ -237,7 +239,28 @@ def request(req: Any) -> Request:
     ids = req.prompt_token_ids
     if ids is None:
         ids = [0] * int(req.num_prompt_tokens)
-    return _engine_fields(Request(str(req.request_id), ids, _params(req)), req)
+    return _engine_fields(Request(str(req.request_id), ids, _params(req), extra_keys(req)), req)
+
+
+def extra_keys(req: Any) -> tuple[Any, ...]:
+    """What besides its token ids decides a vLLM request's KV, as vLLM's
+    prefix cache hashes it with each block (``kv_cache_utils``): the LoRA
+    adapter (name and path), each multimodal input (identifier and
+    position), the cache salt; a prompt given as embeddings is equal to no
+    other request's (its token ids are zeros)."""
+    keys: list[Any] = []
+    lora = getattr(req, "lora_request", None)
+    if lora:
+        keys.append(("lora", str(getattr(lora, "lora_name", "")), str(getattr(lora, "lora_path", ""))))
+    for feature in getattr(req, "mm_features", None) or ():
+        position = getattr(feature, "mm_position", None)
+        keys.append(("mm", str(feature.identifier), getattr(position, "offset", None)))
+    salt = getattr(req, "cache_salt", None)
+    if salt:
+        keys.append(("cache_salt", str(salt)))
+    if getattr(req, "prompt_embeds", None) is not None:
+        keys.append(("prompt_embeds", secrets.token_bytes(16)))
+    return tuple(keys)
 
 
 def _params(req: Any) -> Mapping[str, Any] | None:

@@ -3,7 +3,9 @@ with remote-prefill params (``Remote``) from admission until it finishes,
 its stage (``RemoteStage``), the push-mode decode whose prefill runs at
 the same time (``Concurrent``: no lease, a router's transfer id), and which
 request took each load's params (``LoadOwners``: vLLM's children of a
-request with ``n > 1`` all carry its params).
+request with ``n > 1`` all carry its params). Producer side, the lease the
+first finished child of such a request was granted, which its siblings
+hand over too (``SiblingGrants``).
 
 Imports the standard library and the connector's ``types``, ``rdma.meta``,
 ``rdma.params`` and ``rdma.wire``.
@@ -16,16 +18,19 @@ import dataclasses
 import enum
 import re
 import secrets
+from collections.abc import Callable, Hashable
 
 from rdma_kv.connector.rdma.meta import PeerAddress, RemoteLease
 from rdma_kv.connector.rdma.params import LeaseRef, RemotePrefillParams
 from rdma_kv.connector.rdma.wire import CLAIM_BYTES
 from rdma_kv.connector.types import RequestId
 
-__all__ = ["Concurrent", "LoadOwners", "Remote", "RemoteStage"]
+__all__ = ["Concurrent", "LoadOwners", "Remote", "RemoteStage", "SiblingGrants"]
 
 FINISHED_CHILDREN_KEPT = 4096
 """Loads of finished child requests remembered for their siblings (``LoadOwners``)."""
+SIBLING_GRANTS_KEPT = 4096
+"""Leases of first finished children remembered for their siblings (``SiblingGrants``)."""
 _CHILD_ID = re.compile(r"[0-9]+_(.+)", re.DOTALL)
 """vLLM's id of a child of a request with ``n > 1``: ``<index>_<parent id>``."""
 
@@ -137,3 +142,54 @@ class LoadOwners:
             self._finished[key] = parent
             if len(self._finished) > FINISHED_CHILDREN_KEPT:
                 self._finished.popitem(last=False)
+
+
+SiblingKey = tuple[str, int, bytes, tuple[Hashable, ...]]
+"""A parent request id, its prompt's token count and digest, and the
+request's ``extra_keys`` (what else decides its KV)."""
+
+
+class SiblingGrants:
+    """Producer side: the lease granted to the first finished child of each
+    request with ``n > 1``. vLLM prefills every child (the same prompt, the
+    same LoRA, salt and media: the same KV) and hands a client one child's
+    ``kv_transfer_params`` only, the last to finish's; a lease granted to
+    each child pinned the others' blocks, which their prefix-cache shares
+    with the handed-over one, for ``lease_ttl_s`` after the decode had read
+    and released its own. A later sibling hands over the first child's
+    params instead, and its blocks are freed at once: whichever child's
+    params reach the client, they name one lease.
+
+    Keyed by the parent id (vLLM's child ids are ``<index>_<parent id>``, the
+    parent's with its random suffix), the prompt's length and digest and
+    the request's ``extra_keys``: a request whose id only looks like a
+    sibling's (an engine that does not randomize ids) gets the lease only
+    for the very same KV. Live while its child's lease is held (``live``)."""
+
+    def __init__(self) -> None:
+        self._grants: collections.OrderedDict[SiblingKey, tuple[RequestId, RemotePrefillParams]] = (
+            collections.OrderedDict())
+
+    def __len__(self) -> int:
+        return len(self._grants)
+
+    @staticmethod
+    def key(rid: str, num_tokens: int, digest: bytes, extra_keys: tuple[Hashable, ...]) -> SiblingKey | None:
+        """The key of child ``rid`` (None for a request that is no child)."""
+        parent = parent_id(rid)
+        return None if parent is None else (parent, num_tokens, digest, extra_keys)
+
+    def of(self, key: SiblingKey, live: Callable[[RequestId], bool]) -> RemotePrefillParams | None:
+        """The params of a sibling's lease still ``live`` (a lease that ended is forgotten)."""
+        grant = self._grants.get(key)
+        if grant is None:
+            return None
+        if not live(grant[0]):
+            del self._grants[key]
+            return None
+        return grant[1]
+
+    def granted(self, key: SiblingKey, rid: RequestId, params: RemotePrefillParams) -> None:
+        self._grants[key] = (rid, params)
+        if len(self._grants) > SIBLING_GRANTS_KEPT:
+            self._grants.popitem(last=False)

@@ -80,7 +80,7 @@ from rdma_kv.connector.rdma.params import (
 from rdma_kv.connector.rdma.discovery import RouterRegistration
 from rdma_kv.connector.rdma.intake import blocks_to_read, concurrent_load, remote_blocks_problem
 from rdma_kv.connector.rdma.pushsched import PushPrefills, router_payload
-from rdma_kv.connector.rdma.remotes import Concurrent, LoadOwners, Remote, RemoteStage, load_key
+from rdma_kv.connector.rdma.remotes import Concurrent, LoadOwners, Remote, RemoteStage, SiblingGrants, load_key
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.connector.specs import KVCacheConfig
 from rdma_kv.connector.types import (
@@ -139,6 +139,9 @@ class RdmaScheduler:
         self._reclaim_warnings = RateLimitedWarnings(logger, "lease reclaims", burst=1, window_s=10.0)
         self.reclaimed = 0
         """Leases ended under memory pressure (for stats and tests)."""
+        self._sibling_grants = SiblingGrants()
+        self.shared_with_siblings = 0
+        """Children of requests with n > 1 that handed over a sibling's lease (for stats and tests)."""
         # consumer
         self._remote: dict[RequestId, Remote] = {}
         self._bad: set[RequestId] = set()
@@ -537,8 +540,17 @@ class RdmaScheduler:
                          "set_xfer_handshake_metadata from the workers); not holding its KV", rid)
             return False, None
         settings = self._settings
-        generation = next(self._generations)
         digest = noted_digest or request_prompt_digest(request)
+        sibling = None if settings.mode == "push" else SiblingGrants.key(
+            rid, request.num_prompt_tokens, digest, request.extra_keys)
+        if sibling is not None:
+            shared = self._sibling_grants.of(sibling, lambda owner: owner in self._held)
+            if shared is not None and shared.remote_lease_epoch == self.epoch:
+                # vLLM's child of a request with n > 1: the first finished child's lease, its
+                # blocks (the same KV) held; this child's are freed now (SiblingGrants).
+                self.shared_with_siblings += 1
+                return False, shared.to_dict()
+        generation = next(self._generations)
         binding = lease_binding(self._engine_id, settings.tp_size, request.num_prompt_tokens, tuple(offered),
                                 self._registration, digest)
         params = RemotePrefillParams(
@@ -561,6 +573,8 @@ class RdmaScheduler:
                                             request.num_prompt_tokens, digest))
         self._held[rid] = (generation, sum(len(ids) for ids in held))
         self._held_blocks += self._held[rid][1]
+        if sibling is not None:
+            self._sibling_grants.granted(sibling, rid, params)
         return True, params.to_dict()
 
     # --- introspection --------------------------------------------------------------------------------
