@@ -95,3 +95,51 @@ def test_an_id_that_looks_like_a_siblings_with_other_extra_keys_gets_its_own_lea
     assert finish_with("1_p-1", image, 3) == (False, first[1])  # a genuine sibling: the same inputs
     assert finish_with("2_p-1", (("mm", "img-2", 0),), 6)[0] is True
     assert finish_with("3_p-1", (), 9)[0] is True
+
+
+def test_a_sibling_never_hands_over_an_ended_lease_whose_request_id_holds_another():
+    """The sibling's lease is live only as that very lease (its generation),
+    not as whatever lease its request id holds now: an engine that reuses
+    ids (the harness, vLLM with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION)
+    grants "0_p" a second lease for another prompt after the first ended.
+    A later "1_p" of the first prompt was handed the ended lease's params,
+    its own blocks freed: its decode found nothing to read. Found by an
+    adversarial review."""
+    s = producer()
+    other = PROMPT[:-1] + [99]
+    first = finish(s, "0_p", first_block=0)
+    s.build_connector_meta(SchedulerOutput())
+    s.update_connector_output(KVConnectorOutput.of(["0_p"], None))  # the first lease ended
+    reused = finish(s, "0_p", other, first_block=3)  # the id again, another prompt: its own lease
+    assert reused[0] is True
+    late = finish(s, "1_p", first_block=6)
+    assert late[0] is True and late[1] != first[1]
+    assert parse_kv_transfer_params(late[1]).lease not in (parse_kv_transfer_params(first[1]).lease,
+                                                           parse_kv_transfer_params(reused[1]).lease)
+    assert s.scheduler.shared_with_siblings == 0 and s.scheduler.num_held_blocks() == 6
+
+
+def test_a_grant_is_forgotten_when_its_lease_ends():
+    """Nothing of a lease that ended is kept for siblings that may never
+    come: each grant holds its params (every block id of the prompt), and
+    without this the last SIBLING_GRANTS_KEPT stayed for the life of the
+    engine. Ended by its decode (finished_sending) or reclaimed under
+    memory pressure. Found by an adversarial review."""
+    from test_lease_pressure import Producer
+
+    s = producer()
+    for i in range(5):
+        finish(s, f"0_p-{i}", first_block=3 * i)
+        assert finish(s, f"1_p-{i}", first_block=3 * i)[0] is False
+    assert len(s.scheduler._sibling_grants) == 5
+    s.build_connector_meta(SchedulerOutput())
+    s.update_connector_output(KVConnectorOutput.of([f"0_p-{i}" for i in range(5)], None))
+    assert len(s.scheduler._sibling_grants) == 0
+
+    p = Producer()
+    for i in range(6):
+        p.finish_prefill(f"0_r{i}", 10)
+    assert len(p.s.scheduler._sibling_grants) == 6
+    p.step()
+    assert p.reclaimed(p.step(waiting=["new"])) == ["0_r0", "0_r1", "0_r2"]
+    assert len(p.s.scheduler._sibling_grants) == 3

@@ -164,11 +164,17 @@ class SiblingGrants:
     parent's with its random suffix), the prompt's length and digest and
     the request's ``extra_keys``: a request whose id only looks like a
     sibling's (an engine that does not randomize ids) gets the lease only
-    for the very same KV. Live while its child's lease is held (``live``)."""
+    for the very same KV. Live while its child's lease is held (``live``:
+    that lease, its generation, not whatever lease the child's id holds
+    now; an engine that reuses ids grants one id several). Forgotten when
+    that lease ends (``ended``): the params hold every block id of the
+    prompt, and the siblings that may still come find no lease in it."""
 
     def __init__(self) -> None:
         self._grants: collections.OrderedDict[SiblingKey, tuple[RequestId, RemotePrefillParams]] = (
             collections.OrderedDict())
+        self._keys: dict[RequestId, SiblingKey] = {}
+        """The key of each child's grant, for ``ended``."""
 
     def __len__(self) -> int:
         return len(self._grants)
@@ -179,17 +185,34 @@ class SiblingGrants:
         parent = parent_id(rid)
         return None if parent is None else (parent, num_tokens, digest, extra_keys)
 
-    def of(self, key: SiblingKey, live: Callable[[RequestId], bool]) -> RemotePrefillParams | None:
-        """The params of a sibling's lease still ``live`` (a lease that ended is forgotten)."""
+    def of(self, key: SiblingKey, live: Callable[[RequestId, int], bool]) -> RemotePrefillParams | None:
+        """The params of a sibling's lease still ``live(child id, lease generation)``
+        (a lease that ended is forgotten)."""
         grant = self._grants.get(key)
         if grant is None:
             return None
-        if not live(grant[0]):
-            del self._grants[key]
+        if not live(grant[0], grant[1].remote_lease_generation):
+            self._forget(key)
             return None
         return grant[1]
 
     def granted(self, key: SiblingKey, rid: RequestId, params: RemotePrefillParams) -> None:
+        self.ended(rid)  # (an earlier lease of a reused id: its own no more)
+        self._forget(key)
         self._grants[key] = (rid, params)
+        self._keys[rid] = key
         if len(self._grants) > SIBLING_GRANTS_KEPT:
-            self._grants.popitem(last=False)
+            self._forget(next(iter(self._grants)))
+
+    def ended(self, rid: RequestId) -> None:
+        """The lease granted to child ``rid`` ended (read and released, expired, reclaimed)."""
+        key = self._keys.pop(rid, None)
+        if key is not None:
+            grant = self._grants.get(key)
+            if grant is not None and grant[0] == rid:
+                del self._grants[key]
+
+    def _forget(self, key: SiblingKey) -> None:
+        grant = self._grants.pop(key, None)
+        if grant is not None and self._keys.get(grant[0]) == key:
+            del self._keys[grant[0]]

@@ -439,6 +439,7 @@ class RdmaScheduler:
                 break
             generation, num_blocks = self._held.pop(rid)
             self._held_blocks -= num_blocks
+            self._sibling_grants.ended(rid)
             self._pending_reclaims.append(generation)
             ended, freed = ended + 1, freed + num_blocks
         self.reclaimed += ended
@@ -452,6 +453,7 @@ class RdmaScheduler:
             held = self._held.pop(rid, None)
             if held is not None:
                 self._held_blocks -= held[1]
+                self._sibling_grants.ended(rid)
         for rid in output.finished_recving:
             self._aborting.discard(rid)
             remote = self._remote.get(rid)
@@ -544,7 +546,8 @@ class RdmaScheduler:
         sibling = None if settings.mode == "push" else SiblingGrants.key(
             rid, request.num_prompt_tokens, digest, request.extra_keys)
         if sibling is not None:
-            shared = self._sibling_grants.of(sibling, lambda owner: owner in self._held)
+            shared = self._sibling_grants.of(
+                sibling, lambda owner, generation: self._held.get(owner, (None,))[0] == generation)
             if shared is not None and shared.remote_lease_epoch == self.epoch:
                 # vLLM's child of a request with n > 1: the first finished child's lease, its
                 # blocks (the same KV) held; this child's are freed now (SiblingGrants).
