@@ -220,6 +220,10 @@ def test_a_request_with_other_params_shares_its_checked_prompt_and_memo():
     assert dict(again.kv_transfer_params) == {"do_remote_decode": False}  # a read-only copy
     assert (again.num_computed_tokens, again.aborted, again.output_token_ids) == (0, False, [])
     assert dict(request.with_params(None).kv_transfer_params) == {}
+    keyed = Request("r", [5], extra_keys=(("lora", "sql", "/p"),))
+    assert keyed.with_params(None).extra_keys == (("lora", "sql", "/p"),)
+    with pytest.raises(ConfigError, match="extra_keys must be hashable"):
+        Request("r", [5], extra_keys=(["a list"],))
 
 
 def test_blocks_and_outputs():

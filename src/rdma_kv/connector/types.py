@@ -108,12 +108,17 @@ class Request:
         self.num_computed_tokens = 0
         self.aborted = False
         self.extra_keys = tuple(extra_keys)
+        try:
+            hash(self.extra_keys)  # connectors key state on them
+        except TypeError as exc:
+            raise ConfigError(f"request {request_id!r}: extra_keys must be hashable ({exc})") from None
         self.memo: dict[str, Any] = {}
 
     def with_params(self, kv_transfer_params: Mapping[str, Any] | None) -> Request:
         """A new ``Request`` of this id and prompt (shared, as are
-        ``extra_keys`` and ``memo``, not checked again) with ``kv_transfer_params`` copied as at
-        creation; the engine's fields start as a new request's."""
+        ``extra_keys`` and ``memo``, not checked again) with
+        ``kv_transfer_params`` copied as at creation; the engine's fields
+        start as a new request's."""
         new = object.__new__(Request)
         new.request_id = self.request_id
         new.prompt_token_ids = self.prompt_token_ids
