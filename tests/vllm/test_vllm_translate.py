@@ -175,6 +175,9 @@ def test_the_adapter_keeps_a_bounded_number_of_prompt_tokens_and_no_vllm_request
     assert len(requests) == 2  # 200 tokens kept of 400, the least recently used dropped
     assert requests.of(vreqs[3]).prompt_token_ids is kept[3].prompt_token_ids
     assert requests.of(vreqs[0]).prompt_token_ids is not kept[0].prompt_token_ids  # rebuilt
+    # A request finishing that nothing kept is not kept on its way out: the others stay.
+    assert requests.finished(_vllm_request("r9", list(range(100)))).num_prompt_tokens == 100
+    assert len(requests) == 2 and requests.of(vreqs[3]).prompt_token_ids is kept[3].prompt_token_ids
     gone = weakref.ref(vreqs[1])
     del vreqs[1]
     gc.collect()

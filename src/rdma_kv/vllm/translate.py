@@ -279,6 +279,11 @@ def _engine_fields(ours: Request, req: Any) -> Request:
     return ours
 
 
+def _prompt_size(req: Any) -> int:
+    ids = req.prompt_token_ids
+    return int(req.num_prompt_tokens) if ids is None else len(ids)
+
+
 REQUESTS_KEPT_TOKENS = 1 << 22
 """The most prompt tokens :class:`Requests` keeps checked (~32 MB of tuple)."""
 
@@ -309,13 +314,10 @@ class Requests:
         return len(self._entries)
 
     def of(self, req: Any) -> Request:
-        rid = str(req.request_id)
-        entry = self._entries.get(rid)
-        ids = req.prompt_token_ids
-        size = int(req.num_prompt_tokens) if ids is None else len(ids)
-        if entry is not None and entry[0]() is req and entry[1] == size:
-            self._entries.move_to_end(rid)
-            return _engine_fields(entry[2].with_params(_params(req)), req)
+        kept = self._kept(req)
+        if kept is not None:
+            return kept
+        rid, size = str(req.request_id), _prompt_size(req)
         ours = request(req)
         self._drop(rid)
         try:
@@ -329,10 +331,19 @@ class Requests:
         return ours
 
     def finished(self, req: Any) -> Request:
-        """``of(req)``, the entry then dropped: the request is done."""
-        ours = self.of(req)
+        """``of(req)``, the entry dropped (none made): the request is done."""
+        ours = self._kept(req) or request(req)
         self._drop(str(req.request_id))
         return ours
+
+    def _kept(self, req: Any) -> Request | None:
+        """The next ``Request`` from ``req``'s entry, if it is still ``req``'s."""
+        rid = str(req.request_id)
+        entry = self._entries.get(rid)
+        if entry is None or entry[0]() is not req or entry[1] != _prompt_size(req):
+            return None
+        self._entries.move_to_end(rid)
+        return _engine_fields(entry[2].with_params(_params(req)), req)
 
     def _drop(self, rid: str) -> None:
         entry = self._entries.pop(rid, None)
