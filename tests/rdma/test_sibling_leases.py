@@ -18,9 +18,9 @@ pytestmark = pytest.mark.timeout(60)
 PROMPT = list(range(1, 11))  # 10 tokens: 3 blocks of 4
 
 
-def finish(s, rid, prompt=PROMPT, first_block=0):
+def finish(s, rid, prompt=PROMPT, first_block=0, extra_keys=()):
     """Prefill ``rid`` to its end on producer scheduler ``s``: (delay_free, params)."""
-    request = Request(rid, prompt, {"do_remote_decode": True})
+    request = Request(rid, prompt, {"do_remote_decode": True}, extra_keys=extra_keys)
     request.num_computed_tokens = len(prompt)
     s.get_num_new_matched_tokens(request, 0)
     blocks = list(range(first_block, first_block + -(-len(prompt) // BS)))
@@ -81,20 +81,11 @@ def test_an_id_that_looks_like_a_siblings_with_other_extra_keys_gets_its_own_lea
     request like another's child: the same tokens with another image, LoRA
     adapter or cache salt (``Request.extra_keys``) are other KV."""
     s = producer()
-
-    def finish_with(rid, keys, first_block):
-        request = Request(rid, PROMPT, {"do_remote_decode": True}, extra_keys=keys)
-        request.num_computed_tokens = len(PROMPT)
-        s.get_num_new_matched_tokens(request, 0)
-        blocks = list(range(first_block, first_block + 3))
-        s.update_state_after_alloc(request, KVCacheBlocks.of(blocks), 0)
-        return s.request_finished(request, blocks)
-
     image = (("mm", "img-1", 0),)
-    first = finish_with("0_p-1", image, 0)
-    assert finish_with("1_p-1", image, 3) == (False, first[1])  # a genuine sibling: the same inputs
-    assert finish_with("2_p-1", (("mm", "img-2", 0),), 6)[0] is True
-    assert finish_with("3_p-1", (), 9)[0] is True
+    first = finish(s, "0_p-1", first_block=0, extra_keys=image)
+    assert finish(s, "1_p-1", first_block=3, extra_keys=image) == (False, first[1])  # a genuine sibling
+    assert finish(s, "2_p-1", first_block=6, extra_keys=(("mm", "img-2", 0),))[0] is True
+    assert finish(s, "3_p-1", first_block=9)[0] is True
 
 
 def test_a_sibling_never_hands_over_an_ended_lease_whose_request_id_holds_another():

@@ -153,10 +153,18 @@ class Request:
 _INTS = frozenset((int,))
 
 
+def plain_ints_in(values: Sequence[Any], lo: int, hi: int | None = None) -> bool:
+    """Whether ``values`` (not empty) are all plain ``int``s (no bool, no
+    numpy integer) in ``[lo, hi)``: checked in C, ~30x faster than a Python
+    loop over 2,048 ids. False says only that the one-by-one path must look."""
+    return (bool(values) and frozenset(map(type, values)) == _INTS and min(values) >= lo
+            and (hi is None or max(values) < hi))
+
+
 def _block_ids(values: Iterable[int]) -> BlockIds:
     ids: tuple[Any, ...] = tuple(values)
-    if not ids or (frozenset(map(type, ids)) == _INTS and min(ids) >= 0):
-        return ids  # (plain ints checked in C: ~30x faster than the loop for 2,048 ids)
+    if not ids or plain_ints_in(ids, 0):
+        return ids
     out = []
     for value in ids:
         value = int(value)

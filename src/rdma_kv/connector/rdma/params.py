@@ -32,7 +32,15 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rdma_kv.connector.types import BlockId, EngineId, GroupBlockIds, Request, RequestId, as_group_block_ids
+from rdma_kv.connector.types import (
+    BlockId,
+    EngineId,
+    GroupBlockIds,
+    Request,
+    RequestId,
+    as_group_block_ids,
+    plain_ints_in,
+)
 from rdma_kv.connector.rdma.settings import MAX_LEASE_TTL_S, MIN_LEASE_TTL_S
 from rdma_kv.errors import ConfigError
 
@@ -405,8 +413,8 @@ def _block_id_groups(ids: Any, max_per_group: int) -> GroupBlockIds:
         if not isinstance(group, (list, tuple)):
             raise _field_error("remote_block_ids", ids, "a flat list of block ids or a list of lists, "
                                                         "not a mix of both")
-        if group and frozenset(map(type, group)) == _INTS and 0 <= min(group) and max(group) < 1 << 32:
-            out.append(tuple(group))  # plain ints (JSON's), checked in C
+        if plain_ints_in(group, 0, 1 << 32):
+            out.append(tuple(group))  # plain ints (JSON's)
             continue
         for value in map(_whole, group):
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 32:
@@ -415,9 +423,6 @@ def _block_id_groups(ids: Any, max_per_group: int) -> GroupBlockIds:
     if not any(groups):
         raise _field_error("remote_block_ids", ids, expected)
     return tuple(out)
-
-
-_INTS = frozenset((int,))
 
 
 def parse_kv_transfer_params(
