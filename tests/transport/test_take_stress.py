@@ -425,8 +425,8 @@ def test_callers_blocked_on_an_unanswered_read_leave_the_cpus_idle(make_agent, w
                 make_agent("b", progress="thread", lanes=1, ucx_options=TCP))
     local, remote = prepare_slots(pair, BLOCK)
     # Wired up first: until its peer has answered once, UCX's TCP endpoint keeps its socket's
-    # EPOLLOUT ready and the worker's event fd readable, and the pump polls it in a loop
-    # (bench/experiments/blocked_caller_cpu.py), blocked caller or not.
+    # EPOLLOUT ready and the worker's event fd readable, and the pump dozes (test_pump_doze.py)
+    # instead of sleeping on the fd, as this test waits for it to.
     first = pair.b.read_prepared(local, [100], remote, [100], timeout_s=WAIT_S)
     wait_until(first.done, WAIT_S, "a first read", drive=[pair.a])
     xfers = [pair.b.read_prepared(local, [i], remote, [i], timeout_s=WAIT_S) for i in range(waiters)]

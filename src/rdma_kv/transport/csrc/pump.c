@@ -20,6 +20,9 @@
 enum {
     RK_AWAIT_NAP_NS = 1000000,  /* a blocked waiter looks for work to help with at least this often */
     RK_TAKEN_NAP_NS = 1000000,  /* a pump whose worker a waiter took looks again at least this often */
+    RK_EMPTY_WAKES = 32,        /* its fd woke it this often in a row for nothing: doze instead */
+    RK_DOZE_MIN_NS = 100000,    /* the first doze; each next one twice as long, up to */
+    RK_DOZE_MAX_NS = 5000000,
 };
 
 struct rk_pump {
@@ -45,6 +48,7 @@ struct rk_pump {
                      * the whole of its wait (rk_await): the pump naps on
                      * this word instead of spinning on its hold */
     int napping;    /* 1 while it naps on taken */
+    uint32_t dozing; /* 1 while it dozes (rk_pump_doze): a kick wakes it */
 };
 
 /* Keep a pump off the CPU the poster runs on (the agent decides which
@@ -127,7 +131,10 @@ void rk_pump_kick(rk_pump_t *pump)
 {
     rk_pump_hold(pump, 1);
     rk_pump_steer(pump);
-    __atomic_fetch_add(&pump->kicks, 1, __ATOMIC_RELEASE);
+    __atomic_fetch_add(&pump->kicks, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_exchange_n(&pump->dozing, 0, __ATOMIC_SEQ_CST)) {
+        rk_futex_wake(&pump->dozing);
+    }
     (void)ucp_worker_signal(pump->worker);
 }
 
@@ -168,11 +175,30 @@ static int rk_pump_nap(rk_pump_t *pump)
     return 1;
 }
 
+/* Sleep up to doze_ns instead of on the worker's fd, which keeps waking
+ * the pump with nothing to progress: over TCP, while an endpoint's
+ * connection waits for a peer that has not progressed yet (a peer stopped
+ * or starved of CPU), UCX keeps the socket's EPOLLOUT ready and the pump
+ * looped on it at most of a core. A kick (a post) ends the doze; a
+ * completion that comes meanwhile is seen at its end. */
+static void rk_pump_doze(rk_pump_t *pump, uint64_t kicks, uint64_t doze_ns)
+{
+    /* Against rk_pump_kick: mark dozing, then look at kicks; the kicker
+     * bumps kicks, then takes the mark. */
+    __atomic_store_n(&pump->dozing, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&pump->kicks, __ATOMIC_SEQ_CST) == kicks &&
+        !__atomic_load_n(&pump->stop, __ATOMIC_ACQUIRE)) {
+        rk_futex_wait(&pump->dozing, 1, doze_ns);
+    }
+    __atomic_store_n(&pump->dozing, 0, __ATOMIC_SEQ_CST);
+}
+
 void rk_pump_run(rk_pump_t *pump)
 {
     struct pollfd pfd;
-    uint64_t last_event = 0, kicks = 0, spins = 0, k, stamp, now;
-    unsigned events;
+    uint64_t last_event = 0, kicks = 0, spins = 0, k, stamp, now, doze_ns = RK_DOZE_MIN_NS;
+    unsigned events, empty = 0; /* wakes by the fd in a row that found nothing */
+    int woke = 0, ready;
     uint64_t seen = rk_ctx_stamp(pump->watch);
     ucs_status_t status;
 
@@ -184,6 +210,7 @@ void rk_pump_run(rk_pump_t *pump)
         if (k != kicks) {               /* work is on its way: stay awake */
             kicks = k;
             last_event = rk_now_ns();
+            empty = 0;
         }
         if (__atomic_load_n(&pump->hold, __ATOMIC_ACQUIRE) > 0 && rk_pump_nap(pump)) {
             continue;               /* a waiter had the worker: progress as before it */
@@ -212,7 +239,12 @@ void rk_pump_run(rk_pump_t *pump)
         now = rk_now_ns();
         if (events != 0) {
             last_event = now;
+            empty = 0;
+        } else if (woke) {
+            empty++;
         }
+        woke = 0;
+        doze_ns = empty == 0 ? RK_DOZE_MIN_NS : doze_ns;
         __atomic_store_n(&pump->ran_ns, now, __ATOMIC_RELAXED);
         stamp = rk_ctx_stamp(pump->watch);
         if (stamp != seen) {            /* something to settle */
@@ -234,9 +266,16 @@ void rk_pump_run(rk_pump_t *pump)
         }
         /* 100 ms: the longest a stop request waits if nobody signals. */
         __atomic_store_n(&pump->asleep, 1, __ATOMIC_RELAXED);
-        if (poll(&pfd, 1, 100) < 0 && errno != EINTR) {
+        if (empty >= RK_EMPTY_WAKES) {  /* then only look whether the fd still wakes it */
+            rk_pump_doze(pump, kicks, doze_ns);
+            doze_ns = doze_ns * 2 > RK_DOZE_MAX_NS ? RK_DOZE_MAX_NS : doze_ns * 2;
+        }
+        ready = poll(&pfd, 1, empty >= RK_EMPTY_WAKES ? 0 : 100);
+        if (ready < 0 && errno != EINTR) {
             poll(NULL, 0, 1);
         }
+        woke = ready > 0;
+        empty = ready == 0 ? 0 : empty;     /* the fd quiet again: sleep on it */
         __atomic_store_n(&pump->asleep, 0, __ATOMIC_RELAXED);
     }
 }

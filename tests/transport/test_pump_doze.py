@@ -1,0 +1,53 @@
+"""A pump whose worker's fd keeps waking it with nothing to progress dozes
+(csrc/pump.c: ``rk_pump_doze``) instead of looping on the fd.
+
+Over TCP, until a peer has progressed its side of the connection, UCX keeps
+the endpoint's socket's EPOLLOUT ready, so the worker's event fd stays
+readable and ``poll`` returns at once: a pumped agent whose peer is stopped
+or starved of CPU (a loaded host) spent 27-87 % of a core looping on it
+(``bench/experiments/blocked_caller_cpu.py``), whether or not a read was in
+flight. What must hold: the CPU stays idle while the peer does not
+progress, and once it does, the reads complete. Bounds only, no timed
+assertion.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rdma_kv.transport import XferState
+from test_take_stress import BLOCK, WAIT_S
+from transport_helpers import TCP, link, prepare_slots, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def cpu_share(seconds: float) -> float:
+    """This process's CPU seconds per wall second over ``seconds``."""
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    time.sleep(seconds)
+    return (time.process_time() - cpu0) / (time.monotonic() - wall0)
+
+
+@pytest.mark.parametrize("reading", [True, False], ids=["a-read-in-flight", "peers-only"])
+def test_a_pump_whose_peer_never_progressed_leaves_the_cpu_idle(make_agent, reading):
+    """b (pumped) and a (polling, never progressed: a peer stopped before
+    its first progress); nobody waits in b, so only b's pump runs. Before
+    the doze: 0.99 s of CPU per second here (quiet), either way."""
+    pair = link(make_agent("a", progress="poll", ucx_options=TCP, lanes=1),
+                make_agent("b", progress="thread", lanes=1, ucx_options=TCP))
+    local, remote = prepare_slots(pair, BLOCK)
+    xfer = pair.b.read_prepared(local, [0], remote, [0], timeout_s=WAIT_S) if reading else None
+    time.sleep(0.2)  # past the pump's spin and its first wakes for nothing
+    share = cpu_share(1.0)
+    assert share < 0.25, f"{share:.2f} s of CPU per second while the peer never progressed"
+    # The peer progresses: what was in flight completes, and a new read too.
+    later = pair.b.read_prepared(local, [1], remote, [1], timeout_s=WAIT_S)
+    xfers = [x for x in (xfer, later) if x is not None]
+    wait_until(lambda: all(x.done() for x in xfers), WAIT_S, "the reads once the peer progresses",
+               drive=[pair.a])
+    assert all(x.state is XferState.DONE for x in xfers)
+    read = slice(0 if reading else BLOCK, 2 * BLOCK)
+    assert (pair.buf_b[read] == pair.buf_a[read]).all()
