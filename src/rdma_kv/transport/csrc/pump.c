@@ -132,7 +132,8 @@ void rk_pump_kick(rk_pump_t *pump)
     rk_pump_hold(pump, 1);
     rk_pump_steer(pump);
     __atomic_fetch_add(&pump->kicks, 1, __ATOMIC_SEQ_CST);
-    if (__atomic_exchange_n(&pump->dozing, 0, __ATOMIC_SEQ_CST)) {
+    if (__atomic_load_n(&pump->dozing, __ATOMIC_SEQ_CST) &&    /* (no store on the usual path) */
+        __atomic_exchange_n(&pump->dozing, 0, __ATOMIC_SEQ_CST)) {
         rk_futex_wake(&pump->dozing);
     }
     (void)ucp_worker_signal(pump->worker);
