@@ -13,15 +13,19 @@ assertion.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
 
-from rdma_kv.transport import XferState
-from test_take_stress import BLOCK, WAIT_S
+from rdma_kv.errors import TransferError
+from rdma_kv.transport import XferState, stall
+from test_take_stress import BLOCK, WAIT_S, pump_state
 from transport_helpers import TCP, link, prepare_slots, wait_until
 
 pytestmark = pytest.mark.timeout(120)
+
+ATTEMPTS = 8
 
 
 def cpu_share(seconds: float) -> float:
@@ -51,3 +55,31 @@ def test_a_pump_whose_peer_never_progressed_leaves_the_cpu_idle(make_agent, read
     assert all(x.state is XferState.DONE for x in xfers)
     read = slice(0 if reading else BLOCK, 2 * BLOCK)
     assert (pair.buf_b[read] == pair.buf_a[read]).all()
+
+
+def test_a_deadline_passed_while_the_pump_dozes_says_so(make_agent, caplog):
+    """The stall report of a read to a peer that never progressed names
+    the doze, which points at the peer, not at this host's CPUs. (Whether
+    the fd keeps waking the pump varies from pair to pair: in about one in
+    five, UCX's socket goes quiet and the pump sleeps on its fd, as it
+    should; a new pair is made until one dozes.)"""
+    for attempt in range(ATTEMPTS):
+        pair = link(make_agent(f"a{attempt}", progress="poll", ucx_options=TCP, lanes=1),
+                    make_agent(f"b{attempt}", progress="thread", lanes=1, ucx_options=TCP))
+        local, remote = prepare_slots(pair, BLOCK)
+        pump = pair.b._core.driver.pump.handle
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="rdma_kv.transport"):
+            xfer = pair.b.read_prepared(local, [0], remote, [0], timeout_s=1.0)
+            time.sleep(0.2)
+            dozing = pump_state(pump)[2] == 2
+            if dozing:
+                assert "dozing" in stall.pump("own worker", pump, time.monotonic_ns())
+            with pytest.raises(TransferError):
+                xfer.wait(WAIT_S)
+        if dozing and pump_state(pump)[2] == 2:
+            break
+    else:
+        pytest.fail(f"the pump never dozed in {ATTEMPTS} pairs")
+    report = [r.getMessage() for r in caplog.records if "passed its deadline" in r.getMessage()]
+    assert report and stall.DOZING in report[0], [r.getMessage() for r in caplog.records]

@@ -259,8 +259,8 @@ def link(a, b, nbytes: int = PAIR_NBYTES) -> Pair:
     buf_b = np.zeros(nbytes, dtype=np.uint8)
     a.register(buf_a)
     b.register(buf_b)
-    assert a.add_peer(b.metadata()) == "b"
-    assert b.add_peer(a.metadata()) == "a"
+    assert a.add_peer(b.metadata()) == b.name
+    assert b.add_peer(a.metadata()) == a.name
     return Pair(a, b, buf_a, buf_b)
 
 
@@ -268,7 +268,7 @@ def prepare_slots(pair: Pair, block: int = 4096):
     """b reads a: prepared lists of every ``block``-byte slot of the pair's
     buffers, on both sides (local, remote)."""
     slots = np.arange(pair.buf_a.nbytes // block) * block
-    return pair.b.prep_local(pair.desc_b(slots, block)), pair.b.prep_remote("a", pair.desc_a(slots, block))
+    return pair.b.prep_local(pair.desc_b(slots, block)), pair.b.prep_remote(pair.a.name, pair.desc_a(slots, block))
 
 
 def shared_library(source: pathlib.Path, out: pathlib.Path, *flags: str) -> pathlib.Path:

@@ -46,7 +46,8 @@ START_POLL_S = 0.0002
 """How often a new pump checks that its thread entered the loop (a few checks at most)."""
 
 STATE_WORDS = 5
-"""What ``rk_pump_state`` writes (shim.h): hold, busy, asleep, ran_ns, taken; its ``out`` holds at least this many."""
+"""What ``rk_pump_state`` writes (shim.h): hold, busy, asleep (2: dozing), ran_ns, taken; its ``out`` holds at
+least this many."""
 
 PUMP_STOP_S = 30.0
 """How long a stop waits for the pump's loop to return (one progress call and its wake-up; a

@@ -4,7 +4,8 @@ Read from the shim before the agent fails the peer (which cancels the
 transfer's operations): how many of its operations UCX had not completed,
 whether its notification had gone out, and for each worker it was posted
 on, what that worker's pump was doing (held by a poster, in progress,
-asleep on its worker's fd, or spinning), how long ago it last progressed
+asleep on its worker's fd, dozing because the fd keeps waking it for
+nothing, or spinning), how long ago it last progressed
 the worker, and its thread as the kernel saw it (state, the CPUs it may
 run on, CPU time, time spent runnable but waiting for a CPU). One line
 for the operator's log: it tells a peer that stopped answering from a
@@ -18,6 +19,10 @@ from __future__ import annotations
 from typing import Any
 
 from rdma_kv.transport._lib import load
+
+
+DOZING = ("dozing, its fd waking it with nothing to progress (over TCP: a peer that has not progressed "
+          "its side of the connection since it was made: stopped, or given no CPU)")
 
 
 def describe(batch: Any, pumps: Any, now_ns: int) -> str:
@@ -47,7 +52,7 @@ def pump(who: str, handle: Any, now_ns: int) -> str:
     hold, busy, asleep, ran, taken = (int(v) for v in out)
     doing = (f"napping, its worker taken by {taken} blocked caller(s)" if taken
              else f"held by {hold} poster(s)" if hold else "in progress" if busy
-             else "asleep on its fd" if asleep else "spinning")
+             else DOZING if asleep == 2 else "asleep on its fd" if asleep else "spinning")
     since = f"last progressed its worker {(now_ns - ran) / 1e9:.3f} s ago" if ran else "never progressed its worker"
     return f"{who}: pump {doing}, {since}, {thread(int(lib.rk_pump_tid(handle)))}"
 

@@ -41,7 +41,8 @@ struct rk_pump {
     int hold;       /* > 0: a poster is posting on the worker, or a poller
                      * progresses it (rk_pump_help); keep off it */
     int busy;       /* 1 while the pump's thread is in ucp_worker_progress */
-    int asleep;     /* 1 while it sleeps on its worker's event fd */
+    int asleep;     /* 1 while it sleeps on its worker's event fd, 2 while it
+                     * dozes because the fd keeps waking it for nothing */
     uint64_t ran_ns; /* when it last progressed its worker (rk_now_ns) */
     uint64_t kicks; /* bumped by rk_pump_kick: stay awake for spin_ns */
     uint32_t taken; /* > 0 while a blocked caller does the worker's work for
@@ -266,7 +267,7 @@ void rk_pump_run(rk_pump_t *pump)
             continue;
         }
         /* 100 ms: the longest a stop request waits if nobody signals. */
-        __atomic_store_n(&pump->asleep, 1, __ATOMIC_RELAXED);
+        __atomic_store_n(&pump->asleep, empty >= RK_EMPTY_WAKES ? 2 : 1, __ATOMIC_RELAXED);
         if (empty >= RK_EMPTY_WAKES) {  /* then only look whether the fd still wakes it */
             rk_pump_doze(pump, kicks, doze_ns);
             doze_ns = doze_ns * 2 > RK_DOZE_MAX_NS ? RK_DOZE_MAX_NS : doze_ns * 2;

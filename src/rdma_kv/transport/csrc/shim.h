@@ -334,7 +334,8 @@ int rk_pump_tid(const rk_pump_t *pump);
 
 /* What the pump is doing, for a transfer that outlived its deadline:
  * out[0] its hold count, out[1] 1 while in ucp_worker_progress, out[2] 1
- * while asleep on its worker's fd, out[3] when it or a waiter that took
+ * while asleep on its worker's fd (2 while it dozes instead, the fd waking
+ * it with nothing to progress), out[3] when it or a waiter that took
  * its worker last progressed the worker (rk_now_ns; 0 before), out[4] the
  * callers blocked in rk_await that took its worker (it naps meanwhile). */
 void rk_pump_state(rk_pump_t *pump, uint64_t *out);
