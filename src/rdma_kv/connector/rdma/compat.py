@@ -15,7 +15,7 @@ from rdma_kv.connector.rdma.wire import CompatInfo, RankInfo
 from rdma_kv.connector.specs import AttentionSpec, KVCacheConfig, normalize_dtype
 from rdma_kv.errors import SpecError
 
-__all__ = ["compat_info", "rank_info"]
+__all__ = ["compat_info", "group_heads", "rank_info"]
 
 
 def _rank_heads(spec: object) -> int:
@@ -84,3 +84,9 @@ def compat_info(kv_cache_config: KVCacheConfig, geometry: KVCacheGeometry, total
 def rank_info(kv_cache_config: KVCacheConfig, tp_rank: int, tp_size: int) -> RankInfo:
     """This rank's share of the model, for the handshake."""
     return RankInfo(tp_rank, tp_size, _rank_heads(kv_cache_config.kv_cache_groups[0].kv_cache_spec))
+
+
+def group_heads(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:
+    """KV heads one rank holds in each KV-cache group (1 for MLA): what the
+    rank plan checks before heads are read across different TP sizes."""
+    return tuple(_rank_heads(group.kv_cache_spec) for group in kv_cache_config.kv_cache_groups)

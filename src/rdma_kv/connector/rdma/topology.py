@@ -13,6 +13,14 @@ when ``T > H`` every head is replicated on ``T/H`` consecutive ranks and
 rank ``r`` owns head ``r*H//T``. One of ``H`` and ``T`` must divide the
 other. An MLA cache is not split by head: every rank holds all of it.
 
+The plan is one for every KV-cache group, so between different TP sizes
+every group must shard the model's ``H`` heads: a hybrid model whose
+sliding-window layers have KV heads of their own (MiMo-V2's
+``swa_num_key_value_heads``) would have those read from the wrong ranks.
+The consumer's groups' heads per rank are checked against ``H``; where a
+rank of the smaller TP size holds a single head, a group of fewer heads
+(replicated) looks the same, and a hybrid model is refused there.
+
 The plan for consumer rank ``d``:
 
 - **reads**: for each run of its heads that one producer rank holds, one
@@ -115,11 +123,31 @@ def _reads(d: int, consumer_tp: int, producer_tp: int, num_heads: int, mla: bool
     return tuple(reads)
 
 
+def _check_groups(group_heads: tuple[int, ...], consumer_tp: int, producer_tp: int, num_heads: int) -> None:
+    """Between different TP sizes, every KV-cache group must hold the heads
+    the plan gives a consumer rank, and be known to shard the same heads."""
+    per = max(1, num_heads // consumer_tp)
+    for g, heads in enumerate(group_heads):
+        if heads != per:
+            raise ConfigError(
+                f"KV-cache group {g} holds {heads} KV heads per rank, but the model's {num_heads} KV heads "
+                f"give {per} at tp_size {consumer_tp}: its layers have KV heads of their own, and one rank "
+                f"plan cannot serve them; run prefill and decode at equal tensor-parallel sizes")
+    if len(group_heads) > 1 and num_heads < 2 * min(consumer_tp, producer_tp):
+        raise ConfigError(
+            f"tp_size {min(consumer_tp, producer_tp)} leaves one of the model's {num_heads} KV heads per rank, "
+            f"so it cannot be checked that each of the {len(group_heads)} KV-cache groups shards those heads "
+            "(a group with fewer KV heads of its own is replicated over other ranks, and would be read from "
+            "the wrong ones); a hybrid model is moved between these TP sizes only when they are equal")
+
+
 @functools.lru_cache(maxsize=256)
 def plan_ranks(consumer_rank: int, consumer_tp: int, producer_tp: int, num_heads: int,
-               mla: bool = False) -> RankPlan:
+               mla: bool = False, group_heads: tuple[int, ...] = ()) -> RankPlan:
     """The reads and calls of ``consumer_rank``. Raises :class:`ConfigError`
-    when a TP size cannot shard ``num_heads`` KV heads."""
+    when a TP size cannot shard ``num_heads`` KV heads, or (TP sizes
+    differing) when the consumer's KV-cache groups, holding ``group_heads``
+    KV heads per rank, may not all shard them (module doc)."""
     if num_heads < 1:
         raise ConfigError(f"the model has {num_heads} KV heads; at least 1 is needed")
     if not 0 <= consumer_rank < consumer_tp:
@@ -127,6 +155,8 @@ def plan_ranks(consumer_rank: int, consumer_tp: int, producer_tp: int, num_heads
     if not mla:
         _check(consumer_tp, num_heads, "consumer")
         _check(producer_tp, num_heads, "producer")
+        if consumer_tp != producer_tp:  # (equal sizes: rank r reads rank r's whole blocks)
+            _check_groups(group_heads, consumer_tp, producer_tp, num_heads)
     elif producer_tp < 1:
         raise ConfigError(f"producer tp_size {producer_tp} must be at least 1")
     every = [_reads(d, consumer_tp, producer_tp, num_heads, mla) for d in range(consumer_tp)]

@@ -54,7 +54,7 @@ from typing import Any
 from rdma_kv.connector.config import KVTransferConfig
 from rdma_kv.connector.geometry import derive_geometry
 from rdma_kv.connector.rdma import auth, wire
-from rdma_kv.connector.rdma.compat import compat_info, rank_info
+from rdma_kv.connector.rdma.compat import compat_info, group_heads, rank_info
 from rdma_kv.connector.rdma.consumer import ClientPool, LoadBook, LocalKV, RdmaConsumer
 from rdma_kv.connector.rdma.leases import LeaseTable
 from rdma_kv.connector.rdma.meta import LayerPushSpec, RdmaConnectorMetadata, RdmaHandshakeMetadata, agent_name
@@ -182,7 +182,8 @@ class RdmaWorker:
             transport.close()
             raise
         self._transport, self._compat = transport, compat
-        self._local = LocalKV(transport, geometry, slots, local_prep, compat, rank)
+        self._local = LocalKV(transport, geometry, slots, local_prep, compat, rank,
+                              group_heads(self._kv_cache_config))
         if self._consumes or self._consumer is not None:
             # A new consumer over the new transport; it reports what the one before the sleep
             # left, and asks the producers about the pushes that one left unresolved.

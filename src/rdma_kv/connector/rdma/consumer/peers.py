@@ -105,6 +105,8 @@ class LocalKV:
     """``slots.descs`` prepared with ``transport`` (``prep_local``)."""
     compat: wire.CompatInfo
     rank: wire.RankInfo
+    group_heads: tuple[int, ...] = ()
+    """KV heads per rank of each KV-cache group (1 for MLA): ``plan`` checks them."""
 
 
 class PeerStage(enum.Enum):
@@ -211,7 +213,7 @@ class PeerDirectory:
         ``ConfigError`` when the two TP sizes cannot share the model's heads."""
         compat, rank = self._local.compat, self._local.rank
         return plan_ranks(self._tp_rank, rank.tp_size, address.tp_size, max(1, compat.total_kv_heads),
-                          compat.kv_layout == "MLA")
+                          compat.kv_layout == "MLA", self._local.group_heads)
 
     def __len__(self) -> int:
         return len(self._peers)
