@@ -68,9 +68,12 @@ class HeadSlice:
 
 def _pieces(layer: LayerGeometry, seg: Segment, heads: HeadSlice | None) -> list[tuple[int, int]]:
     """(offset from the segment's block start, length) of the bytes of ``heads`` in one block."""
-    if heads is None or heads.whole:
-        return [(0, seg.block_nbytes)]
     hb = layer.head_nbytes
+    if heads is None or heads.whole and (hb == 0 or seg.block_nbytes % (hb * heads.of)):
+        return [(0, seg.block_nbytes)]
+    # A whole slice is cut per K/V part too: its rows then pair with a peer's
+    # that holds more heads (FlashInfer's [blocks, 2, heads, ...] keeps K and
+    # V of a block in one segment, two parts).
     if hb == 0 or seg.block_nbytes % (hb * heads.of):
         raise DescriptorError(
             f"layer {layer.name!r} ({layer.kv_layout or layer.layout.value}, {layer.memory_order}): a KV "
