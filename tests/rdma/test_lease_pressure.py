@@ -141,3 +141,49 @@ def test_a_prefill_aborted_after_its_last_chunk_was_scheduled_is_not_held():
     assert p.s.request_finished(request, [0, 1, 2]) == (False, None)
     p.finish_prefill("done", 3)  # the same prefill finished with its answer: held (asserted there)
     assert list(p.generation) == ["done"]
+
+
+def test_blocks_two_leases_share_through_the_prefix_cache_count_once():
+    """vLLM's prefix cache hands a prompt's cached blocks to every later
+    request with that prefix (a system prompt): two leases name the same
+    physical blocks, which one reclaim does not free while the other holds
+    them. Each lease's blocks were added up, so six prefills of 10 blocks
+    sharing 9 counted 60 held blocks where 15 are held: a request waiting
+    for blocks reclaimed three leases (their decodes recomputed), freeing 3
+    blocks, with leases holding under a quarter of the cache (found by an
+    adversarial review of the producer side)."""
+    p = Producer()
+    shared = list(range(9))
+    for i in range(6):
+        request = Request(f"r{i}", list(range(1, 10 * BS)) + [100 + i], {"do_remote_decode": True})
+        request.num_computed_tokens = 10 * BS
+        p.s.get_num_new_matched_tokens(request, 9 * BS)
+        blocks = [*shared, 9 + i]
+        p.s.update_state_after_alloc(request, KVCacheBlocks.of(blocks), 0)
+        assert p.s.request_finished(request, blocks)[0] is True
+    assert p.s.scheduler.num_held_blocks() == 15
+    assert p.step(waiting=["new"]).reclaims == ()  # 15 <= 32 = 0.5 x 64: nothing to reclaim
+    # Once every lease naming a shared block ended, it no longer counts.
+    p.s.update_connector_output(KVConnectorOutput.of(finished_sending=[f"r{i}" for i in range(5)]))
+    assert p.s.scheduler.num_held_blocks() == 10
+    p.s.update_connector_output(KVConnectorOutput.of(finished_sending=["r5"]))
+    assert p.s.scheduler.num_held_blocks() == 0
+
+
+def test_a_reclaim_counts_only_the_blocks_no_other_lease_holds():
+    """Over the share, the oldest leases are ended until the blocks leases
+    hold (each once) are down to it: a lease whose blocks another lease
+    also holds frees none of them."""
+    p = Producer(lease_max_share=0.25)  # 16 of 64 blocks
+    shared = list(range(10))
+    for i in range(4):
+        request = Request(f"r{i}", list(range(1, 10 * BS + 1)) + [1000 + i] * (2 * BS + 1), {"do_remote_decode": True})
+        request.num_computed_tokens = 12 * BS + 1
+        p.s.get_num_new_matched_tokens(request, 10 * BS)
+        blocks = [*shared, 10 + 3 * i, 11 + 3 * i, 12 + 3 * i]
+        p.s.update_state_after_alloc(request, KVCacheBlocks.of(blocks), 0)
+        delay, params = p.s.request_finished(request, blocks)
+        p.generation[f"r{i}"] = parse_kv_transfer_params(params).lease.generation
+    assert p.s.scheduler.num_held_blocks() == 10 + 4 * 3  # 22
+    assert p.reclaimed(p.step(waiting=["new"])) == ["r0", "r1"]  # 22 -> 19 -> 16
+    assert p.s.scheduler.num_held_blocks() == 16

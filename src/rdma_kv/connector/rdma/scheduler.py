@@ -49,6 +49,7 @@ Imports the standard library and the connector's ``config``, ``specs``,
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import secrets
@@ -87,6 +88,7 @@ from rdma_kv.connector.types import (
     BlockId,
     BlockIds,
     EngineId,
+    GroupBlockIds,
     KVCacheBlocks,
     KVConnectorOutput,
     Request,
@@ -128,10 +130,12 @@ class RdmaScheduler:
         self._registration = 1  # the workers' KV-cache registration (set_handshake_metadata)
         # producer
         self._pending_sends: list[SendSpec] = []
-        self._held: dict[RequestId, tuple[int, int]] = {}
+        self._held: dict[RequestId, tuple[int, GroupBlockIds]] = {}
         """Leases granted and not yet reported finished: request id ->
-        (generation, blocks held), oldest grant first."""
-        self._held_blocks = 0
+        (generation, the blocks it holds per KV-cache group), oldest grant first."""
+        self._held_refs: collections.Counter[tuple[int, BlockId]] = collections.Counter()
+        """(group, block id) -> the leases holding it: vLLM's prefix cache gives
+        requests with a common prefix the same blocks, which count once."""
         self._waiting_for_blocks: set[RequestId] = set()
         """Asked about this step (``get_num_new_matched_tokens``) and not
         yet given blocks: at ``build_connector_meta``, memory pressure."""
@@ -431,29 +435,40 @@ class RdmaScheduler:
         hold at most ``lease_max_share`` of the KV cache."""
         share = self._settings.lease_max_share
         limit = int(share * self._num_blocks)
-        if share >= 1 or self._held_blocks <= limit:
+        if share >= 1 or len(self._held_refs) <= limit:
             return
         ended, freed = 0, 0
         for rid in list(self._held):
-            if self._held_blocks <= limit:
+            if len(self._held_refs) <= limit:
                 break
-            generation, num_blocks = self._held.pop(rid)
-            self._held_blocks -= num_blocks
-            self._sibling_grants.ended(rid)
+            held = len(self._held_refs)
+            generation = self._unhold(rid)
             self._pending_reclaims.append(generation)
-            ended, freed = ended + 1, freed + num_blocks
+            ended, freed = ended + 1, freed + held - len(self._held_refs)
         self.reclaimed += ended
         self._reclaim_warnings.warn(
             "pressure", "requests wait for KV-cache blocks while leases hold more than lease_max_share=%g "
             "of %d blocks: ended the %d oldest lease(s) (%d blocks); their decodes recompute",
             share, self._num_blocks, ended, freed)
 
+    def _hold(self, rid: RequestId, generation: int, held: GroupBlockIds) -> None:
+        self._held[rid] = (generation, held)
+        self._held_refs.update((g, b) for g, ids in enumerate(held) for b in ids)
+
+    def _unhold(self, rid: RequestId) -> int:
+        """Lease ``rid`` ended (released, expired, reclaimed): its generation."""
+        generation, held = self._held.pop(rid)
+        for key in ((g, b) for g, ids in enumerate(held) for b in ids):
+            self._held_refs[key] -= 1
+            if not self._held_refs[key]:
+                del self._held_refs[key]  # no other lease holds it: freed with this one
+        self._sibling_grants.ended(rid)
+        return generation
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_sending:
-            held = self._held.pop(rid, None)
-            if held is not None:
-                self._held_blocks -= held[1]
-                self._sibling_grants.ended(rid)
+            if rid in self._held:
+                self._unhold(rid)
         for rid in output.finished_recving:
             self._aborting.discard(rid)
             remote = self._remote.get(rid)
@@ -574,8 +589,7 @@ class RdmaScheduler:
         transfer_id = parsed.transfer_id if settings.mode == "push" else None
         self._pending_sends.append(SendSpec(rid, tuple(held), params.lease, settings.lease_ttl_s, transfer_id,
                                             request.num_prompt_tokens, digest))
-        self._held[rid] = (generation, sum(len(ids) for ids in held))
-        self._held_blocks += self._held[rid][1]
+        self._hold(rid, generation, tuple(held))
         if sibling is not None:
             self._sibling_grants.granted(sibling, rid, params)
         return True, params.to_dict()
@@ -587,5 +601,6 @@ class RdmaScheduler:
         return len(self._remote)
 
     def num_held_blocks(self) -> int:
-        """Blocks held under leases granted and not yet reported finished."""
-        return self._held_blocks
+        """Blocks held under leases granted and not yet reported finished
+        (a block several leases hold, once)."""
+        return len(self._held_refs)
