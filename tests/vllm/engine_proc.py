@@ -12,6 +12,8 @@ goes to a log file):
     {"op": "kv_cache_groups"}                     -> {"groups": [spec class name, ...]}
     {"op": "kv_stats"}                            -> {"stats": merged connector stats | null}
                                                      (TP=1 only: its worker runs in the child)
+    {"op": "held_blocks"}                         -> {"held": blocks the producer scheduler counts
+                                                     held under leases} (multiprocessing off)
     {"op": "stop"}                                -> engine shut down, child exits
 
 Parent: :class:`EngineProcess` (``start``, ``generate``, ``kill``,
@@ -181,6 +183,11 @@ class EngineProcess:
         (``rdma_kv.connector.rdma.metrics.merge_stats``); multiprocessing off."""
         return self._call({"op": "kv_stats"})["stats"]
 
+    def held_blocks(self) -> int:
+        """The blocks the producer's connector scheduler counts held under its
+        leases (``RdmaScheduler.num_held_blocks``; multiprocessing off)."""
+        return int(self._call({"op": "held_blocks"})["held"])
+
     def kill(self) -> None:
         """SIGKILL the child and everything it started (its session)."""
         if self.proc.poll() is None:
@@ -255,6 +262,8 @@ def _child(result_fd: int, model_dir: str, multiprocessing: bool) -> None:
             elif op == "kv_cache_groups":
                 groups = _scheduler(llm).kv_cache_config.kv_cache_groups
                 reply({"ok": True, "groups": [type(g.kv_cache_spec).__name__ for g in groups]})
+            elif op == "held_blocks":
+                reply({"ok": True, "held": _scheduler(llm).connector.connector.scheduler.num_held_blocks()})
             elif op == "kv_stats":
                 from rdma_kv.connector.rdma.metrics import merge_stats
 
