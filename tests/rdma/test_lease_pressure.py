@@ -187,3 +187,22 @@ def test_a_reclaim_counts_only_the_blocks_no_other_lease_holds():
     assert p.s.scheduler.num_held_blocks() == 10 + 4 * 3  # 22
     assert p.reclaimed(p.step(waiting=["new"])) == ["r0", "r1"]  # 22 -> 19 -> 16
     assert p.s.scheduler.num_held_blocks() == 16
+
+
+def test_a_request_left_waiting_with_blocks_to_spare_reclaims_nothing():
+    """vLLM asks about a waiting request, then may leave it for the next
+    step for other reasons than memory (the step's token budget with
+    chunked prefill off, the encoder's budget). Each such step ended the
+    oldest leases over the share, with the blocks there (real vLLM:
+    ``tests/vllm/test_vllm_producer_leases.py``). With the engine's free
+    blocks known (vLLM's block pool), only a request needing more blocks
+    than are free is pressure (found by an adversarial review)."""
+    p = Producer()
+    free = [14]
+    p.s.bind_free_blocks(lambda: free[0])
+    for i in range(6):
+        p.finish_prefill(f"r{i}", 10)  # 60 of 64 blocks held (a test's blocks: none is really taken)
+    p.step()
+    assert p.step(waiting=["new"]).reclaims == ()  # 8 tokens: 2 blocks, 14 free
+    free[0] = 1
+    assert p.reclaimed(p.step(waiting=["new"])) == ["r0", "r1", "r2"]  # 2 blocks, 1 free: pressure

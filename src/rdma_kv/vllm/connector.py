@@ -300,6 +300,15 @@ class RdmaKVConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         self._connector.update_connector_output(translate.connector_output(connector_output))
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """vLLM binds its scheduler's block pool: a request vLLM asked about
+        and left waiting is memory pressure (leases reclaimed) only if it
+        needs more blocks than the pool has free. vLLM also leaves requests
+        for the next step with blocks to spare (its token budget with chunked
+        prefill off): a lease was ended for each such step."""
+        super().bind_gpu_block_pool(gpu_block_pool)
+        self._connector.bind_free_blocks(gpu_block_pool.get_num_free_blocks)
+
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         """``(delay_free, params)``: a prefill that asked ``do_remote_decode``

@@ -19,7 +19,7 @@ lazily (only when a worker registers its KV caches).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rdma_kv.connector.base import (
@@ -203,6 +203,12 @@ class RdmaConnector(KVConnectorBase):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler.update_connector_output(connector_output)
+
+    def bind_free_blocks(self, free_blocks: Callable[[], int]) -> None:
+        """Scheduler: how to read the engine's free KV-cache blocks, so that
+        only a request short of blocks counts as memory pressure
+        (``RdmaScheduler.bind_free_blocks``)."""
+        self.scheduler.bind_free_blocks(free_blocks)
 
     def request_finished(self, request: Request, block_ids: Sequence[BlockId]
                          ) -> tuple[bool, dict[str, Any] | None]:

@@ -11,7 +11,8 @@ Owns the per-request decisions of both roles:
   when the consumer releases it or the lease expires. Its token covers
   what the params let a consumer read (``params.lease_binding``).
   **Memory pressure**: when a request the engine asked about this step was
-  not given blocks (it waits for memory) while leases hold more than
+  not given blocks and needs more than are free (it waits for memory:
+  ``bind_free_blocks``) while leases hold more than
   ``lease_max_share`` of the KV cache, the oldest leases beyond that share
   are ended (``reclaims`` in the next step's metadata; their consumers get
   GONE and recompute), so held blocks cannot starve new prefills. Each
@@ -136,9 +137,14 @@ class RdmaScheduler:
         self._held_refs: collections.Counter[tuple[int, BlockId]] = collections.Counter()
         """(group, block id) -> the leases holding it: vLLM's prefix cache gives
         requests with a common prefix the same blocks, which count once."""
-        self._waiting_for_blocks: set[RequestId] = set()
+        self._waiting_for_blocks: dict[RequestId, int] = {}
         """Asked about this step (``get_num_new_matched_tokens``) and not
-        yet given blocks: at ``build_connector_meta``, memory pressure."""
+        yet given blocks, with the blocks each one's tokens fill: at
+        ``build_connector_meta``, memory pressure if one needs more than
+        are free (``bind_free_blocks``)."""
+        self._free_blocks: Callable[[], int] | None = None
+        """The engine's free KV-cache blocks now (None: not known, every
+        request left waiting is taken for pressure)."""
         self._pending_reclaims: list[int] = []
         self._reclaim_warnings = RateLimitedWarnings(logger, "lease reclaims", burst=1, window_s=10.0)
         self.reclaimed = 0
@@ -256,7 +262,9 @@ class RdmaScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
         if self._producer:
-            self._waiting_for_blocks.add(rid)
+            self._waiting_for_blocks[rid] = sum(
+                -(-request.num_tokens // spec.block_size)
+                for spec in self._specs)
             if self._settings.mode == "push" and rid not in self._push_prefills:
                 self._push_prefills.note(request)
         remote = self._remote.get(rid)
@@ -271,7 +279,7 @@ class RdmaScheduler:
                                                      RemoteStage.SHIPPED):
                 # Another request here loads under these very params (vLLM's children of
                 # one request with n > 1): ask again once its KV is in (a prefix-cache hit).
-                self._waiting_for_blocks.discard(rid)
+                self._waiting_for_blocks.pop(rid, None)
                 return None, False
             if other is not None or self._owners.sibling_finished(key, rid):
                 # The load is another request's (loaded, released, or a sibling's that finished
@@ -305,7 +313,7 @@ class RdmaScheduler:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self._waiting_for_blocks.discard(request.request_id)
+        self._waiting_for_blocks.pop(request.request_id, None)
         remote = self._remote.get(request.request_id)
         if remote is None or remote.stage is not RemoteStage.WAITING:
             return
@@ -410,7 +418,8 @@ class RdmaScheduler:
         for remote in due:
             remote.renewed_at = now
         if self._waiting_for_blocks:
-            self._reclaim_under_pressure()
+            if self._short_of_blocks():
+                self._reclaim_under_pressure()
             self._waiting_for_blocks.clear()
         meta = RdmaConnectorMetadata(
             lease_epoch=self.epoch if self._producer else 0,
@@ -429,6 +438,19 @@ class RdmaScheduler:
         self._pending_reclaims = []
         self._pending_connects = {}
         return meta
+
+    def bind_free_blocks(self, free_blocks: Callable[[], int]) -> None:
+        """Learn how to read the engine's free KV-cache blocks (vLLM: its block pool's)."""
+        self._free_blocks = free_blocks
+
+    def _short_of_blocks(self) -> bool:
+        """Whether a request left waiting this step may have waited for memory:
+        it needs more blocks than are free. vLLM also asks about a request it
+        then leaves for the next step for other reasons (the step's token
+        budget with chunked prefill off, the encoder's budget, data-parallel
+        prefill pacing), with blocks to spare: no lease need end for it."""
+        free = self._free_blocks
+        return free is None or max(self._waiting_for_blocks.values()) > free()
 
     def _reclaim_under_pressure(self) -> None:
         """A request waits for blocks: end the oldest leases until leases
@@ -487,7 +509,7 @@ class RdmaScheduler:
         refused = rid in self._bad
         self._bad.discard(rid)
         noted_digest = self._push_prefills.forget(rid)  # (a push prefill's, computed when it was noted)
-        self._waiting_for_blocks.discard(rid)
+        self._waiting_for_blocks.pop(rid, None)
         remote = self._remote.pop(rid, None)
         if remote is not None:
             self._owners.finished(load_key(remote.params), rid)
