@@ -137,3 +137,59 @@ def test_params_without_a_digest_are_refused_naming_the_field(pair, caplog):
     assert result.status.value == "finished" and result.external_tokens == 0
     assert fabric.reads == reads
     assert "remote_prompt_digest" in caplog.text and "protocol 11" in caplog.text
+
+
+IMAGE_1 = (("mm", "img-1", 3),)
+IMAGE_2 = (("mm", "img-2", 3),)
+
+
+@pytest.mark.parametrize("prefill_keys, decode_keys", [
+    (IMAGE_1, IMAGE_2),                                  # the same placeholder tokens, another image
+    ((("lora", "sql"),), (("lora", "chat"),)),           # another adapter
+    ((("cache_salt", "tenant-7"),), ()),                  # the salt dropped
+    ((), (("lora", "sql"),)),                            # an adapter added
+], ids=["image", "adapter", "salt-dropped", "adapter-added"])
+def test_the_same_tokens_with_other_extra_keys_are_refused(pair, prefill_keys, decode_keys, caplog):
+    """What besides the token ids decides the KV (``Request.extra_keys``:
+    an image's identifier, the LoRA adapter, the cache salt) is bound too:
+    the same token ids with another image or adapter hold other KV. Before,
+    the digest covered the ids only and the decode loaded the prefill's KV
+    silently (in a real engine, KV of another image)."""
+    fabric, p, d = pair
+    p.add_request("a", PROMPT_A, {"do_remote_decode": True}, extra_keys=prefill_keys)
+    pump_until(p, d, lambda: "a" in p.results and p.results["a"].status.value == "finished", "prefill")
+    params = dict(p.results["a"].kv_transfer_params)
+    reads = fabric.reads
+    with caplog.at_level(logging.WARNING):
+        d.add_request("a", PROMPT_A, params, extra_keys=decode_keys)
+        pump_until(p, d, lambda: "a" in d.results and d.results["a"].status.value == "finished", "decode")
+    result = d.results["a"]
+    assert result.external_tokens == 0 and fabric.reads == reads, "loaded KV made with other extra keys"
+    assert "another image, LoRA adapter or cache salt" in caplog.text
+
+    # The same keys on both sides: loaded.
+    p.add_request("b", PROMPT_B, {"do_remote_decode": True}, extra_keys=prefill_keys)
+    pump_until(p, d, lambda: "b" in p.results and p.results["b"].status.value == "finished", "prefill b")
+    d.add_request("b", PROMPT_B, dict(p.results["b"].kv_transfer_params), extra_keys=prefill_keys)
+    pump_until(p, d, lambda: "b" in d.results and d.results["b"].status.value == "finished", "decode b")
+    result = d.results["b"]
+    assert result.external_tokens == len(PROMPT_B) and not result.load_failed and result.bad_blocks == []
+    assert fabric.reads > reads
+
+
+def test_a_prompt_without_extra_keys_keeps_the_digest_of_protocol_11():
+    """Requests without extra keys (plain text) digest as they did before
+    the keys were bound, so producers and decodes on either side of that
+    change still load each other's text prompts; with keys, they differ."""
+    import hashlib
+    import struct
+
+    from rdma_kv.connector.rdma.params import prompt_digest
+
+    ids = [7, 1 << 40, 3]
+    before = hashlib.blake2b(struct.pack("<Q", 3), digest_size=16, person=b"rdma-kv prompt 1")
+    before.update(struct.pack("<3q", *ids))
+    assert prompt_digest(ids) == prompt_digest(ids, ()) == before.digest()
+    assert prompt_digest(ids, IMAGE_1) not in (before.digest(), prompt_digest(ids, IMAGE_2))
+    assert prompt_digest(ids, IMAGE_1) == prompt_digest(tuple(ids), [("mm", "img-1", 3)])  # by value
+    assert prompt_digest(ids, (("mm", "img-1", None),)) != prompt_digest(ids, (("mm", "img-1", 0),))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -113,7 +114,7 @@ def test_the_adapter_checks_and_digests_a_prompt_once_across_the_hooks(monkeypat
 
     digests = []
     real = params_mod.prompt_digest
-    monkeypatch.setattr(params_mod, "prompt_digest", lambda ids: digests.append(len(ids)) or real(ids))
+    monkeypatch.setattr(params_mod, "prompt_digest", lambda ids, keys=(): digests.append(len(ids)) or real(ids, keys))
     requests = translate.Requests()
     vreq = _vllm_request("0-a", list(range(1000)), {"do_remote_prefill": True, "remote_prefill_cached_tokens": 3})
     first = requests.of(vreq)
@@ -154,13 +155,17 @@ def test_extra_keys_name_what_besides_the_tokens_decides_the_kv() -> None:
     lora = VllmRequest("0_b", [1, 2, 3], SamplingParams(max_tokens=1), None,
                        lora_request=LoRARequest("sql", 1, "/adapters/sql"), cache_salt="tenant-7")
     keys = translate.request(lora).extra_keys
-    assert keys == (("lora", "sql", "/adapters/sql"), ("cache_salt", "tenant-7"))
+    assert keys == (("lora", "sql"), ("cache_salt", "tenant-7"))  # the adapter by name: paths are per host
     image = _vllm_request("0_c", [1, 2, 3])
     image.mm_features = [SimpleNamespace(identifier="img-hash-1", mm_position=SimpleNamespace(offset=1))]
     assert translate.request(image).extra_keys == (("mm", "img-hash-1", 1),)
-    embeds = SimpleNamespace(**{**vars(_vllm_request("0_d", [1, 2, 3])), "prompt_token_ids": None,
-                                "prompt_embeds": torch.zeros(3, 4)})
-    assert translate.request(embeds).extra_keys != translate.request(embeds).extra_keys  # equal to no other
+    def embeds(rid: str, values: Any) -> Any:
+        return SimpleNamespace(**{**vars(_vllm_request(rid, [1, 2, 3])), "prompt_token_ids": None,
+                                  "prompt_embeds": values})
+    zeros = translate.request(embeds("0_d", torch.zeros(3, 4))).extra_keys
+    assert zeros == translate.request(embeds("1_d", torch.zeros(3, 4))).extra_keys  # equal embeddings
+    assert zeros != translate.request(embeds("0_e", torch.ones(3, 4))).extra_keys
+    assert zeros != translate.request(embeds("0_f", torch.zeros(3, 4, dtype=torch.float16))).extra_keys
     kept = translate.Requests()
     assert kept.of(lora).extra_keys == keys and kept.of(lora).extra_keys == keys  # kept with the prompt
 

@@ -63,7 +63,7 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -282,10 +282,14 @@ class Engine:
     # --- API -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    kv_transfer_params: Mapping[str, Any] | None = None) -> None:
+                    kv_transfer_params: Mapping[str, Any] | None = None,
+                    extra_keys: tuple[Hashable, ...] = ()) -> None:
+        """``extra_keys``: what else would decide the prompt's KV in a real
+        engine (an image, an adapter; ``Request.extra_keys``). The harness
+        fills KV from the token ids alone; the connector binds the keys."""
         if request_id in self.requests:
             raise ConfigError(f"request {request_id!r} is already in the engine")
-        request = Request(request_id, prompt_token_ids, kv_transfer_params)
+        request = Request(request_id, prompt_token_ids, kv_transfer_params, extra_keys)
         result = RequestResult(request_id, num_prompt_tokens=request.num_prompt_tokens,
                                submitted_at=time.perf_counter())
         req = _Req(request, result, block_seeds(request.prompt_token_ids, self.shape.block_size))

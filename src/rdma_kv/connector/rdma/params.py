@@ -32,6 +32,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from rdma_kv.connector.types import (
     BlockId,
     EngineId,
@@ -96,32 +98,45 @@ PROMPT_DIGEST_BYTES = 16
 _HEX_DIGEST = re.compile(f"[0-9a-fA-F]{{{2 * PROMPT_DIGEST_BYTES}}}")
 
 
-def prompt_digest(token_ids: Sequence[int]) -> bytes:
+_EXTRA_KEYS = msgspec.msgpack.Encoder(enc_hook=repr)
+"""Encodes a request's ``extra_keys`` for the digest: tuples of strings,
+numbers, bytes and None as MessagePack, the same on every platform; any
+other object by its ``repr`` (one that names its address then matches
+nothing, and its loads are refused: never a wrong load)."""
+
+
+def prompt_digest(token_ids: Sequence[int], extra_keys: Sequence[Any] = ()) -> bytes:
     """A digest of the prompt whose KV is handed over: BLAKE2b (16 bytes)
     of the token count, then every token id as a little-endian int64, so
-    both engines compute it alike whatever their platform. The producer's
-    params carry it (``remote_prompt_digest``, covered by the lease's
-    token) and the decode compares it with its own request's prompt: KV
-    computed for another prompt of the same length (params of another
-    request, a retry's stale ones, a client that changed its prompt) is
-    never loaded. A prompt given as embeddings has no token ids (the vLLM
-    adapter stands zeros in for them): it is bound by its length alone."""
+    both engines compute it alike whatever their platform, then, if the
+    request has any, its ``extra_keys`` (``Request.extra_keys``: what else
+    decides its KV, such as the LoRA adapter, each image's identifier, the
+    cache salt, a hash of prompt embeddings). The producer's params carry it
+    (``remote_prompt_digest``, covered by the lease's token) and the decode
+    compares it with its own request's: KV computed for another prompt of
+    the same length (params of another request, a retry's stale ones, a
+    client that changed its prompt), or for the same token ids with another
+    image, adapter or salt, is never loaded. A prompt without extra keys
+    has the digest it had before they were bound (2026-12-01)."""
     ids = array.array("q", token_ids)
     if sys.byteorder != "little":
         ids.byteswap()
     digest = hashlib.blake2b(struct.pack("<Q", len(ids)), digest_size=PROMPT_DIGEST_BYTES,
                              person=b"rdma-kv prompt 1")
     digest.update(ids.tobytes())
+    if extra_keys:  # (after the ids, whose length the count fixes: unambiguous)
+        digest.update(_EXTRA_KEYS.encode(tuple(extra_keys)))
     return digest.digest()
 
 
 def request_prompt_digest(request: Request) -> bytes:
-    """:func:`prompt_digest` of ``request``'s prompt, made once per prompt
-    (kept in ``request.memo``, which an adapter's next ``Request`` for the
-    same engine request shares: ``Request.with_params``)."""
+    """:func:`prompt_digest` of ``request``'s prompt and extra keys, made
+    once per prompt (kept in ``request.memo``, which an adapter's next
+    ``Request`` for the same engine request shares: ``Request.with_params``)."""
     digest = request.memo.get("rdma.prompt_digest")
     if digest is None:
-        digest = request.memo["rdma.prompt_digest"] = prompt_digest(request.prompt_token_ids)
+        digest = request.memo["rdma.prompt_digest"] = prompt_digest(request.prompt_token_ids,
+                                                                    request.extra_keys)
     return digest
 
 
@@ -351,9 +366,10 @@ def other_prompt(params: RemotePrefillParams, request: Request) -> str | None:
         return None
     return (f"kv_transfer_params['remote_prompt_digest'] is {params.remote_prompt_digest.hex()}, the digest of "
             f"another {params.remote_num_tokens}-token prompt than this request's ({mine.hex()}): the params hold "
-            f"the KV of another prompt (the prefill of request {params.remote_request_id[:200]!r}), which is not "
-            "loaded. A router must send the decode the same prompt as its prefill, with that prefill's params "
-            "(not another request's, nor ones kept from an earlier attempt)")
+            f"the KV of another prompt, or of these token ids with another image, LoRA adapter or cache salt (the "
+            f"prefill of request {params.remote_request_id[:200]!r}), which is not loaded. A router must send the "
+            "decode the same prompt as its prefill, with that prefill's params (not another request's, nor ones "
+            "kept from an earlier attempt), and both engines must name the LoRA adapter alike")
 
 
 def _token(params: Mapping[str, Any], field: str) -> bytes:

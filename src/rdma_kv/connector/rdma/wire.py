@@ -152,7 +152,12 @@ refuses as unknown: ``forbid_unknown_fields``):
     the KV of a prefill of that digest (REFUSED otherwise, nothing
     written). A new number: a version-10 producer's params name no digest
     and its lease bindings differ, and a version-10 producer would write
-    a registration from any prefill under its transfer id.
+    a registration from any prefill under its transfer id. Later under
+    11 (2026-12-01): the digest covers the request's ``extra_keys`` too
+    (the LoRA adapter, images, cache salt, prompt embeddings), a text
+    prompt's unchanged; a peer from before digests such a request by its
+    token ids alone, so its loads are refused (computed locally), never
+    wrong.
 """
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 16 << 20  # agent metadata (worker address + rkeys) plus geometry
