@@ -124,13 +124,15 @@ class EngineProcess:
 
     def generate(self, prompts: Sequence[str], *, max_tokens: int = 8,
                  kv_transfer_params: Sequence[Mapping[str, Any] | None] | None = None,
-                 trace: bool = False, n: int = 1) -> dict[str, Any]:
+                 trace: bool = False, n: int = 1, cache_salt: str | None = None) -> dict[str, Any]:
         """``trace``: also return ``trace``, the connector calls of this
         generate() with their times (``connector_trace``; multiprocessing off).
         ``n``: samples per prompt (vLLM's parallel sampling: child requests
-        carrying the prompt's params); each output's ``samples`` lists them."""
+        carrying the prompt's params); each output's ``samples`` lists them.
+        ``cache_salt``: every prompt's (vLLM's prefix cache keys on it)."""
         return self._call({"op": "generate", "prompts": list(prompts), "max_tokens": max_tokens,
-                           "kv_transfer_params": kv_transfer_params, "trace": trace, "n": n})
+                           "kv_transfer_params": kv_transfer_params, "trace": trace, "n": n,
+                           "cache_salt": cache_salt})
 
     def abort_during_load(self, prompts: Sequence[str], kv_transfer_params: Sequence[Mapping[str, Any]],
                           *, settle_s: float = 30.0) -> dict[str, Any]:
@@ -296,8 +298,10 @@ def _generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
 
         tracer = ConnectorTrace(_scheduler(llm))
     t0 = time.monotonic()
+    salt = command.get("cache_salt")
+    prompts = command["prompts"] if salt is None else [{"prompt": p, "cache_salt": salt} for p in command["prompts"]]
     try:
-        outputs = llm.generate(command["prompts"], sampling, use_tqdm=False)
+        outputs = llm.generate(prompts, sampling, use_tqdm=False)
     finally:
         if tracer is not None:
             tracer.close()

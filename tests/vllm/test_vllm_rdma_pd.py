@@ -99,11 +99,12 @@ def plain(model_dir: str, log_dir: Path) -> list[list[int]]:
     return [o["token_ids"] for o in outputs]
 
 
-def prefill(engine: EngineProcess, prompts: tuple[str, ...] = PD_PROMPTS, n: int = 1) -> list[dict[str, Any]]:
+def prefill(engine: EngineProcess, prompts: tuple[str, ...] = PD_PROMPTS, n: int = 1,
+            cache_salt: str | None = None) -> list[dict[str, Any]]:
     """Run the prompts as prefill requests; the params a router would forward."""
     outputs = engine.generate(prompts, max_tokens=1,
-                              kv_transfer_params=[{"do_remote_decode": True}] * len(prompts), n=n
-                              )["outputs"]
+                              kv_transfer_params=[{"do_remote_decode": True}] * len(prompts), n=n,
+                              cache_salt=cache_salt)["outputs"]
     params = [o["kv_transfer_params"] for o in outputs]
     for o, p in zip(outputs, params):
         assert p is not None and p["do_remote_prefill"] is True and p["do_remote_decode"] is False
@@ -177,6 +178,21 @@ def run_match_and_control(plain: list[list[int]], model_dir: str, log_dir: Path,
             # (At most 20 s for the decode's RELEASE on a loaded host: still inside the 30 s
             # TTL of the leases granted at the prefill, which a sibling's lease would outlive.)
             assert producer.free_blocks(settle_s=20.0) == free, "a child's lease kept blocks the decode never reads"
+            # A cache salt (vLLM's per-tenant prefix-cache key) is bound with the prompt: the same
+            # salt on both legs loads, another salt is refused at admission and computed locally
+            # (before, the digest covered the token ids only and the other tenant's decode loaded).
+            salted = consumer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS, cache_salt="tenant-a",
+                                       kv_transfer_params=prefill(producer, cache_salt="tenant-a"))
+            assert tokens(salted) == plain
+            stats = consumer.kv_stats()
+            assert stats is not None and stats["totals"]["loads_ok"] == 3 * len(PD_PROMPTS), stats
+            other = consumer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS, cache_salt="tenant-b",
+                                      kv_transfer_params=prefill(producer, cache_salt="tenant-a"))
+            assert tokens(other) == plain
+            stats = consumer.kv_stats()
+            assert stats is not None and stats["totals"]["loads_ok"] == 3 * len(PD_PROMPTS), stats
+            # (the control step's refusals above say the same: another prompt, or another salt)
+            assert consumer.log().count("kv_transfer_params['remote_prompt_digest'] is ") == 2 * len(PD_PROMPTS)
             # Params edited to name other blocks (of live leases) are refused, never read into an answer.
             wrong = [{**p, "remote_block_ids": [b + WRONG_BLOCK_OFFSET for b in p["remote_block_ids"]]}
                      for p in prefill(producer)]
