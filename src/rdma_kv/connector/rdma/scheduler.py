@@ -15,7 +15,8 @@ Owns the per-request decisions of both roles:
   ``bind_free_blocks``) while leases hold more than
   ``lease_max_share`` of the KV cache, the oldest leases beyond that share
   are ended (``reclaims`` in the next step's metadata; their consumers get
-  GONE and recompute), so held blocks cannot starve new prefills. Each
+  GONE and recompute), so held blocks cannot starve new prefills (the
+  leases held and the rule: ``held``). Each
   lease also ends ``lease_max_s`` after its grant whatever its renewals
   (``leases``).
 - **consumer** (``kv_consumer``/``kv_both``): a request whose params say
@@ -39,18 +40,18 @@ Nothing here raises into the engine for bad peer input: bad params make the
 request computed locally (logged, naming the field). What the params ask
 of this engine's KV cache is checked by ``intake``.
 
-The consumer's per-request record is ``remotes``'; the producer's
-concurrent-dispatch prefills (push mode) are ``pushsched``'s.
+The consumer's per-request record is ``remotes``'; the producer's leases
+held are ``held``'s, its concurrent-dispatch prefills (push mode)
+``pushsched``'s.
 
 Imports the standard library and the connector's ``config``, ``specs``,
-``types``, ``rdma.discovery``, ``rdma.intake``, ``rdma.lograte``, ``rdma.meta``,
+``types``, ``rdma.discovery``, ``rdma.held``, ``rdma.intake``, ``rdma.meta``,
 ``rdma.params``, ``rdma.pushsched``, ``rdma.remotes`` and
 ``rdma.settings``; never the transport.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import secrets
@@ -67,7 +68,6 @@ from rdma_kv.connector.rdma.meta import (
     RemoteLease,
     SendSpec,
 )
-from rdma_kv.connector.rdma.lograte import RateLimitedWarnings
 from rdma_kv.connector.rdma.params import (
     ConcurrentPrefill,
     LeaseRef,
@@ -80,6 +80,7 @@ from rdma_kv.connector.rdma.params import (
     request_prompt_digest,
 )
 from rdma_kv.connector.rdma.discovery import RouterRegistration
+from rdma_kv.connector.rdma.held import HeldLeases
 from rdma_kv.connector.rdma.intake import blocks_to_read, concurrent_load, remote_blocks_problem
 from rdma_kv.connector.rdma.pushsched import PushPrefills, router_payload
 from rdma_kv.connector.rdma.remotes import Concurrent, LoadOwners, Remote, RemoteStage, SiblingGrants, load_key
@@ -89,7 +90,6 @@ from rdma_kv.connector.types import (
     BlockId,
     BlockIds,
     EngineId,
-    GroupBlockIds,
     KVCacheBlocks,
     KVConnectorOutput,
     Request,
@@ -131,24 +131,9 @@ class RdmaScheduler:
         self._registration = 1  # the workers' KV-cache registration (set_handshake_metadata)
         # producer
         self._pending_sends: list[SendSpec] = []
-        self._held: dict[RequestId, tuple[int, GroupBlockIds]] = {}
-        """Leases granted and not yet reported finished: request id ->
-        (generation, the blocks it holds per KV-cache group), oldest grant first."""
-        self._held_refs: collections.Counter[tuple[int, BlockId]] = collections.Counter()
-        """(group, block id) -> the leases holding it: vLLM's prefix cache gives
-        requests with a common prefix the same blocks, which count once."""
-        self._waiting_for_blocks: dict[RequestId, int] = {}
-        """Asked about this step (``get_num_new_matched_tokens``) and not
-        yet given blocks, with the blocks each one's tokens fill: at
-        ``build_connector_meta``, memory pressure if one needs more than
-        are free (``bind_free_blocks``)."""
-        self._free_blocks: Callable[[], int] | None = None
-        """The engine's free KV-cache blocks now (None: not known, every
-        request left waiting is taken for pressure)."""
+        self._held = HeldLeases(self._num_blocks, settings.lease_max_share)
+        """Leases granted and not yet reported finished, and memory pressure (``held``)."""
         self._pending_reclaims: list[int] = []
-        self._reclaim_warnings = RateLimitedWarnings(logger, "lease reclaims", burst=1, window_s=10.0)
-        self.reclaimed = 0
-        """Leases ended under memory pressure (for stats and tests)."""
         self._sibling_grants = SiblingGrants()
         self.shared_with_siblings = 0
         """Children of requests with n > 1 that handed over a sibling's lease (for stats and tests)."""
@@ -262,9 +247,7 @@ class RdmaScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
         if self._producer:
-            self._waiting_for_blocks[rid] = sum(
-                -(-request.num_tokens // spec.block_size)
-                for spec in self._specs)
+            self._held.waiting(rid, sum(-(-request.num_tokens // spec.block_size) for spec in self._specs))
             if self._settings.mode == "push" and rid not in self._push_prefills:
                 self._push_prefills.note(request)
         remote = self._remote.get(rid)
@@ -279,7 +262,7 @@ class RdmaScheduler:
                                                      RemoteStage.SHIPPED):
                 # Another request here loads under these very params (vLLM's children of
                 # one request with n > 1): ask again once its KV is in (a prefix-cache hit).
-                self._waiting_for_blocks.pop(rid, None)
+                self._held.given(rid)
                 return None, False
             if other is not None or self._owners.sibling_finished(key, rid):
                 # The load is another request's (loaded, released, or a sibling's that finished
@@ -313,7 +296,7 @@ class RdmaScheduler:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self._waiting_for_blocks.pop(request.request_id, None)
+        self._held.given(request.request_id)
         remote = self._remote.get(request.request_id)
         if remote is None or remote.stage is not RemoteStage.WAITING:
             return
@@ -417,10 +400,9 @@ class RdmaScheduler:
                and self._settings.renewal_due(r.renewed_at, now, r.params.remote_lease_ttl_s)]
         for remote in due:
             remote.renewed_at = now
-        if self._waiting_for_blocks:
-            if self._short_of_blocks():
-                self._reclaim_under_pressure()
-            self._waiting_for_blocks.clear()
+        for rid, generation in self._held.step():  # memory pressure: the oldest leases ended
+            self._sibling_grants.ended(rid)
+            self._pending_reclaims.append(generation)
         meta = RdmaConnectorMetadata(
             lease_epoch=self.epoch if self._producer else 0,
             lease_key=self._lease_key if self._producer else b"",
@@ -440,57 +422,21 @@ class RdmaScheduler:
         return meta
 
     def bind_free_blocks(self, free_blocks: Callable[[], int]) -> None:
-        """Learn how to read the engine's free KV-cache blocks (vLLM: its block pool's)."""
-        self._free_blocks = free_blocks
+        """Learn how to read the engine's free KV-cache blocks (vLLM: its
+        block pool's): a request left waiting is memory pressure only if it
+        needs more (``held``)."""
+        self._held.bind_free_blocks(free_blocks)
 
-    def _short_of_blocks(self) -> bool:
-        """Whether a request left waiting this step may have waited for memory:
-        it needs more blocks than are free. vLLM also asks about a request it
-        then leaves for the next step for other reasons (the step's token
-        budget with chunked prefill off, the encoder's budget, data-parallel
-        prefill pacing), with blocks to spare: no lease need end for it."""
-        free = self._free_blocks
-        return free is None or max(self._waiting_for_blocks.values()) > free()
-
-    def _reclaim_under_pressure(self) -> None:
-        """A request waits for blocks: end the oldest leases until leases
-        hold at most ``lease_max_share`` of the KV cache."""
-        share = self._settings.lease_max_share
-        limit = int(share * self._num_blocks)
-        if share >= 1 or len(self._held_refs) <= limit:
-            return
-        ended, freed = 0, 0
-        for rid in list(self._held):
-            if len(self._held_refs) <= limit:
-                break
-            held = len(self._held_refs)
-            generation = self._unhold(rid)
-            self._pending_reclaims.append(generation)
-            ended, freed = ended + 1, freed + held - len(self._held_refs)
-        self.reclaimed += ended
-        self._reclaim_warnings.warn(
-            "pressure", "requests wait for KV-cache blocks while leases hold more than lease_max_share=%g "
-            "of %d blocks: ended the %d oldest lease(s) (%d blocks); their decodes recompute",
-            share, self._num_blocks, ended, freed)
-
-    def _hold(self, rid: RequestId, generation: int, held: GroupBlockIds) -> None:
-        self._held[rid] = (generation, held)
-        self._held_refs.update((g, b) for g, ids in enumerate(held) for b in ids)
-
-    def _unhold(self, rid: RequestId) -> int:
-        """Lease ``rid`` ended (released, expired, reclaimed): its generation."""
-        generation, held = self._held.pop(rid)
-        for key in ((g, b) for g, ids in enumerate(held) for b in ids):
-            self._held_refs[key] -= 1
-            if not self._held_refs[key]:
-                del self._held_refs[key]  # no other lease holds it: freed with this one
-        self._sibling_grants.ended(rid)
-        return generation
+    @property
+    def reclaimed(self) -> int:
+        """Leases ended under memory pressure (for stats and tests)."""
+        return self._held.reclaimed
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_sending:
             if rid in self._held:
-                self._unhold(rid)
+                self._held.end(rid)
+                self._sibling_grants.ended(rid)
         for rid in output.finished_recving:
             self._aborting.discard(rid)
             remote = self._remote.get(rid)
@@ -509,7 +455,7 @@ class RdmaScheduler:
         refused = rid in self._bad
         self._bad.discard(rid)
         noted_digest = self._push_prefills.forget(rid)  # (a push prefill's, computed when it was noted)
-        self._waiting_for_blocks.pop(rid, None)
+        self._held.given(rid)
         remote = self._remote.pop(rid, None)
         if remote is not None:
             self._owners.finished(load_key(remote.params), rid)
@@ -584,7 +530,7 @@ class RdmaScheduler:
             rid, request.num_prompt_tokens, digest, request.extra_keys)
         if sibling is not None:
             shared = self._sibling_grants.of(
-                sibling, lambda owner, generation: self._held.get(owner, (None,))[0] == generation)
+                sibling, lambda owner, generation: self._held.generation(owner) == generation)
             if shared is not None and shared.remote_lease_epoch == self.epoch:
                 # vLLM's child of a request with n > 1: the first finished child's lease, its
                 # blocks (the same KV) held; this child's are freed now (SiblingGrants).
@@ -611,7 +557,7 @@ class RdmaScheduler:
         transfer_id = parsed.transfer_id if settings.mode == "push" else None
         self._pending_sends.append(SendSpec(rid, tuple(held), params.lease, settings.lease_ttl_s, transfer_id,
                                             request.num_prompt_tokens, digest))
-        self._hold(rid, generation, tuple(held))
+        self._held.hold(rid, generation, tuple(held))
         if sibling is not None:
             self._sibling_grants.granted(sibling, rid, params)
         return True, params.to_dict()
@@ -625,4 +571,4 @@ class RdmaScheduler:
     def num_held_blocks(self) -> int:
         """Blocks held under leases granted and not yet reported finished
         (a block several leases hold, once)."""
-        return len(self._held_refs)
+        return self._held.num_blocks()
