@@ -205,3 +205,27 @@ def test_a_ttl_too_short_for_a_stalled_renew_is_named_once(caplog, ttl_s, rpc_ti
     assert len(lines) == int(warned)
     if warned:
         assert "'P'" in lines[0] and "lease_ttl_s" in lines[0] and "rpc_timeout_s=1" in lines[0]
+
+
+def test_the_ttl_warnings_are_bounded_whatever_engines_the_params_name(caplog):
+    """The engine id and the TTL come from a request's params, which any
+    client of the decode server writes, before any handshake: a client
+    naming a new engine per request grew the warned set and the log by one
+    each (argued by the review of the decode's load state machine)."""
+    from rdma_kv.connector.rdma.consumer import lease_rpc
+    from rdma_kv.connector.rdma.consumer.records import LoadState
+    from rdma_kv.connector.rdma.meta import LoadSpec
+
+    settings = RdmaSettings(side_channel_host="127.0.0.1", advertise_host="127.0.0.1", side_channel_port=0,
+                            rpc_timeout_s=1.0, connect_timeout_s=1.0)
+    calls = LeaseCalls(settings, plan=None, pool=None, book=LoadBook(), fail=None)
+    engines = 600
+    with caplog.at_level("WARNING", logger="rdma_kv.connector.rdma.consumer"):
+        for i in range(engines):
+            spec = LoadSpec(f"r{i}", ((1,),), ((1,),), PeerAddress(EngineId(f"P{i}"), "127.0.0.1", 1, 1), ref(1),
+                            2.0, b"c" * 16)
+            calls.check_ttl(LoadState(spec, 0.0, 0.0))
+    lines = [r for r in caplog.records if "RENEW to a stalled producer" in r.getMessage()]
+    assert len(lines) < engines, "one warning (and one entry kept) per engine the params named"
+    assert len(lines) == lease_rpc.TTL_WARNINGS == len(calls._ttl_warned)
+

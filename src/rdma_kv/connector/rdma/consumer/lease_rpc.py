@@ -57,6 +57,13 @@ REFUSALS = frozenset({wire.LeaseStatus.GONE, wire.LeaseStatus.CLAIMED, wire.Leas
 """Answers that mean the producer holds nothing for this consumer under the lease."""
 
 
+TTL_WARNINGS = 256
+"""Producer engines warned of a TTL too short for a stalled RENEW: the most
+this consumer warns of (the engine id and TTL come from a request's params,
+before any handshake, so a client naming engines at will grew the set, and
+the log, by one per request)."""
+
+
 class LeaseCalls:
     """The RENEW and RELEASE calls of consumer rank ``settings.tp_rank``."""
 
@@ -83,7 +90,7 @@ class LeaseCalls:
         than the lease's margin past the renewal (the TTL the producer set,
         in the params, less ``renew_interval_for`` it). Lock held."""
         ttl, engine = load.spec.lease_ttl_s, load.spec.peer.engine_id
-        if load.spec.concurrent or engine in self._ttl_warned or ttl <= 0:
+        if load.spec.concurrent or engine in self._ttl_warned or ttl <= 0 or len(self._ttl_warned) >= TTL_WARNINGS:
             return
         s = self._settings
         worst = SideChannelClient.urgent_worst_case_s(s.connect_timeout_s, s.rpc_timeout_s, s.rpc_retries)
