@@ -193,3 +193,46 @@ def test_a_prompt_without_extra_keys_keeps_the_digest_of_protocol_11():
     assert prompt_digest(ids, IMAGE_1) not in (before.digest(), prompt_digest(ids, IMAGE_2))
     assert prompt_digest(ids, IMAGE_1) == prompt_digest(tuple(ids), [("mm", "img-1", 3)])  # by value
     assert prompt_digest(ids, (("mm", "img-1", None),)) != prompt_digest(ids, (("mm", "img-1", 0),))
+
+
+def test_an_int_key_beyond_64_bits_is_bound_not_a_crash(pair):
+    """``extra_keys`` may be any hashable values; an int MessagePack cannot
+    hold (a SHA-256 of an adapter as an int) raised OverflowError out of the
+    producer's request_finished (the engine's step) before."""
+    fabric, p, d = pair
+    big = int("f" * 64, 16)
+    keys = (("adapter", big),)
+    p.add_request("a", PROMPT_A, {"do_remote_decode": True}, extra_keys=keys)
+    pump_until(p, d, lambda: "a" in p.results and p.results["a"].status.value == "finished", "prefill")
+    d.add_request("a", PROMPT_A, dict(p.results["a"].kv_transfer_params), extra_keys=keys)
+    pump_until(p, d, lambda: "a" in d.results and d.results["a"].status.value == "finished", "decode")
+    result = d.results["a"]
+    assert result.external_tokens == len(PROMPT_A) and not result.load_failed and result.bad_blocks == []
+
+    from rdma_kv.connector.rdma.params import prompt_digest
+
+    digests = {prompt_digest(PROMPT_A, ((k,),)) for k in (big, big - 1, -big, 1 << 64, str(big), 5)}
+    assert len(digests) == 6
+
+
+def test_a_set_among_the_extra_keys_digests_alike_in_every_process():
+    """A frozenset is hashable, so a valid key; MessagePack wrote its items
+    in iteration order, which for strings follows the process's hash seed:
+    two engines digested one request differently and refused its loads."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from rdma_kv.connector.rdma.params import prompt_digest; "
+            "print(prompt_digest([1, 2], (('tags', frozenset({'a', 'b', 'c', 'd', 'e'})),)).hex())")
+    seen = set()
+    for seed in ("1", "2", "3"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+        seen.add(out.stdout.strip())
+    assert len(seen) == 1, seen
+
+    from rdma_kv.connector.rdma.params import prompt_digest
+
+    assert prompt_digest([1], (frozenset({"a"}),)) != prompt_digest([1], (frozenset({"b"}),))
+    assert prompt_digest([1], (frozenset({"a"}),)) != prompt_digest([1], (("a",),))
