@@ -666,3 +666,22 @@ def test_async_scheduling_saves_nothing_of_a_request_whose_load_failed(tmp_path,
         for i in range(6):
             assert torch.equal(fresh.kv_caches[name][loaded["block_ids"][i]],
                                reference[i][layer_index]), (name, i)
+
+
+def test_blocks_stored_for_other_extra_keys_are_not_loaded(tmp_path, rng):
+    """``Request.extra_keys`` (a LoRA adapter, an image, a cache salt) decide
+    the KV as much as the token ids: blocks a producer stored for the same
+    tokens with other keys are not offered; with the same keys they are. The
+    keys were ignored before: the consumer loaded all five blocks of
+    another adapter's or image's KV."""
+    tokens = _prompt(rng, 5 * BLOCK_SIZE + 2)
+    stored = (("lora", "sql"), ("mm", "img-1", 3))
+    MiniEngine(storage_config(tmp_path, "kv_producer"), fill_seed=1).prefill(
+        Request("p1", tokens, None, stored))
+    consumer = MiniEngine(storage_config(tmp_path, "kv_consumer"), fill_seed=2, first_block=7)
+    for rid, keys in (("other-adapter", (("lora", "chat"), ("mm", "img-1", 3))),
+                      ("other-image", (("lora", "sql"), ("mm", "img-2", 3))), ("no-keys", ())):
+        assert consumer.scheduler.get_num_new_matched_tokens(Request(rid, tokens, None, keys), 0) == (0, False), rid
+    loaded = consumer.prefill(Request("same", tokens, None, stored))
+    assert loaded["num_external"] == 5 * BLOCK_SIZE
+    _assert_holds_expected(consumer, tokens, loaded["block_ids"], range(5))

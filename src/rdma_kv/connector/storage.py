@@ -40,7 +40,8 @@ Extra config: ``storage_path`` (required), ``namespace`` (default
 group, one worker per engine (tensor parallel size 1).
 
 Imports the standard library, numpy, ``rdma_kv.errors`` and the connector's
-``base``, ``config``, ``geometry``, ``specs`` and ``types``; safetensors
+``base``, ``config``, ``extrakeys``, ``geometry``, ``specs`` and
+``types``; safetensors
 lazily (the ``storage`` extra).
 """
 
@@ -63,6 +64,7 @@ from rdma_kv.connector.base import (
     KVConnectorRole,
 )
 from rdma_kv.connector.config import KVTransferConfig
+from rdma_kv.connector.extrakeys import encode_extra_keys
 from rdma_kv.connector.geometry import (
     KVCacheGeometry,
     derive_geometry,
@@ -136,6 +138,8 @@ class _Tracked:
     prompt_token_ids: tuple[int, ...]
     block_ids: list[BlockId]
     num_computed_tokens: int
+    seed: bytes
+    """Its chain's start (``StorageConnector._request_seed``)."""
     saved: bool = False
 
 
@@ -211,9 +215,18 @@ class StorageConnector(KVConnectorBase):
     def path_for(self, key: str) -> str:
         return os.path.join(self.directory, key[:2], key + ".safetensors")
 
-    def _stored_prefix(self, token_ids: Sequence[int], max_blocks: int) -> tuple[str, ...]:
-        keys = chained_block_keys(token_ids[: max_blocks * self._block_size], self._block_size,
-                                  self._seed)
+    def _request_seed(self, extra_keys: Sequence[Any]) -> bytes:
+        """The chain's start for a request: the namespace's, or with
+        ``extra_keys`` (``Request.extra_keys``: a LoRA adapter, images, a
+        cache salt, which decide the KV as much as the tokens) a digest of
+        both, so the same tokens with other keys are other files. A request
+        without keys keeps the keys (and files) it had."""
+        if not extra_keys:
+            return self._seed
+        return hashlib.sha256(self._seed + encode_extra_keys(extra_keys)).digest()
+
+    def _stored_prefix(self, token_ids: Sequence[int], max_blocks: int, seed: bytes) -> tuple[str, ...]:
+        keys = chained_block_keys(token_ids[: max_blocks * self._block_size], self._block_size, seed)
         hits = 0
         while (hits < len(keys) and keys[hits] not in self._bad_keys
                and os.path.exists(self.path_for(keys[hits]))):
@@ -247,7 +260,7 @@ class StorageConnector(KVConnectorBase):
         if not self.config.is_kv_consumer or not self._has_layout():
             return 0, False
         max_blocks = (request.num_prompt_tokens - 1) // self._block_size
-        keys = self._stored_prefix(request.prompt_token_ids, max_blocks)
+        keys = self._stored_prefix(request.prompt_token_ids, max_blocks, self._request_seed(request.extra_keys))
         hit_tokens = len(keys) * self._block_size
         if hit_tokens <= num_computed_tokens:
             return 0, False
@@ -290,7 +303,8 @@ class StorageConnector(KVConnectorBase):
             self._tracked.pop(request_id, None)
         for new in scheduler_output.scheduled_new_reqs:
             self._tracked[new.request_id] = _Tracked(
-                new.prompt_token_ids, list(new.block_ids[0]), new.num_computed_tokens
+                new.prompt_token_ids, list(new.block_ids[0]), new.num_computed_tokens,
+                self._request_seed(new.extra_keys),
             )
         for cached in scheduler_output.scheduled_cached_reqs:
             tracked = self._tracked.get(cached.request_id)
@@ -322,7 +336,7 @@ class StorageConnector(KVConnectorBase):
                                         finished=frozenset(scheduler_output.finished_req_ids))
 
     def _plan_save(self, request_id: RequestId, tracked: _Tracked) -> BlockTransfer:
-        keys = chained_block_keys(tracked.prompt_token_ids, self._block_size, self._seed)
+        keys = chained_block_keys(tracked.prompt_token_ids, self._block_size, tracked.seed)
         keys = keys[: len(tracked.block_ids)]
         todo = [i for i, key in enumerate(keys)
                 if key in self._bad_keys or not os.path.exists(self.path_for(key))]

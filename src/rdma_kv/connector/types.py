@@ -212,12 +212,14 @@ class NewRequestData:
     """All blocks allocated to the request so far, per group."""
     num_computed_tokens: int
     """Tokens already computed before this step (local prefix hits plus loads)."""
+    extra_keys: tuple[Hashable, ...] = ()
+    """The request's ``Request.extra_keys`` (what else decides its KV)."""
 
     @classmethod
     def from_request(cls, request: Request, blocks: KVCacheBlocks) -> NewRequestData:
         return cls(
             request.request_id, request.prompt_token_ids, blocks.blocks,
-            request.num_computed_tokens,
+            request.num_computed_tokens, request.extra_keys,
         )
 
 

@@ -16,7 +16,7 @@ naming the field and what is valid; inner code only sees the frozen
 dataclasses below.
 
 Imports the standard library, ``rdma_kv.errors`` and the connector's
-``types``; never the transport.
+``extrakeys`` and ``types``; never the transport.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import msgspec
-
+from rdma_kv.connector.extrakeys import encode_extra_keys
 from rdma_kv.connector.types import (
     BlockId,
     EngineId,
@@ -98,32 +97,6 @@ PROMPT_DIGEST_BYTES = 16
 _HEX_DIGEST = re.compile(f"[0-9a-fA-F]{{{2 * PROMPT_DIGEST_BYTES}}}")
 
 
-_EXTRA_KEYS = msgspec.msgpack.Encoder(enc_hook=repr)
-"""Encodes a request's ``extra_keys`` for the digest: tuples of strings,
-numbers, bytes and None as MessagePack, the same on every platform; any
-other object by its ``repr`` (one that names its address then matches
-nothing, and its loads are refused: never a wrong load). :func:`_canonical`
-first rewrites what MessagePack cannot hold or would write in a
-process-dependent order."""
-
-
-def _canonical(key: Any) -> Any:
-    """``key`` with each int beyond MessagePack's 64 bits as extension 1
-    (its decimal digits: MessagePack raised OverflowError, out of the
-    engine's step) and each set or frozenset as extension 2 (its items'
-    encodings, sorted: their iteration order follows the process's hash
-    seed, so two engines digested one request differently). Other values
-    are returned as they are, so the digest of any key MessagePack held
-    before is unchanged."""
-    if isinstance(key, tuple | list):
-        return tuple(map(_canonical, key))
-    if isinstance(key, int) and not isinstance(key, bool) and not -(1 << 63) <= key < 1 << 64:
-        return msgspec.msgpack.Ext(1, str(int(key)).encode())
-    if isinstance(key, set | frozenset):
-        return msgspec.msgpack.Ext(2, _EXTRA_KEYS.encode(sorted(_EXTRA_KEYS.encode(_canonical(k)) for k in key)))
-    return key
-
-
 def prompt_digest(token_ids: Sequence[int], extra_keys: Sequence[Any] = ()) -> bytes:
     """A digest of the prompt whose KV is handed over: BLAKE2b (16 bytes)
     of the token count, then every token id as a little-endian int64, so
@@ -144,7 +117,7 @@ def prompt_digest(token_ids: Sequence[int], extra_keys: Sequence[Any] = ()) -> b
                              person=b"rdma-kv prompt 1")
     digest.update(ids.tobytes())
     if extra_keys:  # (after the ids, whose length the count fixes: unambiguous)
-        digest.update(_EXTRA_KEYS.encode(_canonical(tuple(extra_keys))))
+        digest.update(encode_extra_keys(extra_keys))
     return digest.digest()
 
 
