@@ -44,7 +44,7 @@ def test_a_pump_whose_peer_never_progressed_leaves_the_cpu_idle(make_agent, read
                 make_agent("b", progress="thread", lanes=1, ucx_options=TCP))
     local, remote = prepare_slots(pair, BLOCK)
     xfer = pair.b.read_prepared(local, [0], remote, [0], timeout_s=WAIT_S) if reading else None
-    time.sleep(0.2)  # past the pump's spin and its first wakes for nothing
+    time.sleep(0.5)  # past the pump's spin and the 250 ms of wakes for nothing before it dozes
     share = cpu_share(1.0)
     assert share < 0.25, f"{share:.2f} s of CPU per second while the peer never progressed"
     # The peer progresses: what was in flight completes, and a new read too.
@@ -70,8 +70,8 @@ def test_a_deadline_passed_while_the_pump_dozes_says_so(make_agent, caplog):
         pump = pair.b._core.driver.pump.handle
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="rdma_kv.transport"):
-            xfer = pair.b.read_prepared(local, [0], remote, [0], timeout_s=1.0)
-            time.sleep(0.2)
+            xfer = pair.b.read_prepared(local, [0], remote, [0], timeout_s=2.0)
+            time.sleep(0.6)
             dozing = pump_state(pump)[2] == 2
             if dozing:
                 assert "dozing" in stall.pump("own worker", pump, time.monotonic_ns())

@@ -20,9 +20,13 @@
 enum {
     RK_AWAIT_NAP_NS = 1000000,  /* a blocked waiter looks for work to help with at least this often */
     RK_TAKEN_NAP_NS = 1000000,  /* a pump whose worker a waiter took looks again at least this often */
-    RK_EMPTY_WAKES = 32,        /* its fd woke it this often in a row for nothing: doze instead */
+    /* Its fd woke it for nothing (no event) this long in a row: doze instead.
+     * Long, because over TCP a busy endpoint's progress can report no event
+     * for tens of milliseconds while its data moves (up to 100 ms seen here
+     * on a loaded host); short dozes, so a doze taken wrongly costs little. */
+    RK_EMPTY_NS = 250000000,
     RK_DOZE_MIN_NS = 100000,    /* the first doze; each next one twice as long, up to */
-    RK_DOZE_MAX_NS = 5000000,
+    RK_DOZE_MAX_NS = 1000000,
 };
 
 struct rk_pump {
@@ -199,8 +203,9 @@ void rk_pump_run(rk_pump_t *pump)
 {
     struct pollfd pfd;
     uint64_t last_event = 0, kicks = 0, spins = 0, k, stamp, now, doze_ns = RK_DOZE_MIN_NS;
-    unsigned events, empty = 0; /* wakes by the fd in a row that found nothing */
-    int woke = 0, ready;
+    uint64_t empty_since = 0;   /* since when every wake by the fd found nothing (0: not so) */
+    unsigned events;
+    int woke = 0, dozy = 0, ready;
     uint64_t seen = rk_ctx_stamp(pump->watch);
     ucs_status_t status;
 
@@ -212,7 +217,7 @@ void rk_pump_run(rk_pump_t *pump)
         if (k != kicks) {               /* work is on its way: stay awake */
             kicks = k;
             last_event = rk_now_ns();
-            empty = 0;
+            empty_since = 0;
         }
         if (__atomic_load_n(&pump->hold, __ATOMIC_ACQUIRE) > 0 && rk_pump_nap(pump)) {
             continue;               /* a waiter had the worker: progress as before it */
@@ -241,12 +246,13 @@ void rk_pump_run(rk_pump_t *pump)
         now = rk_now_ns();
         if (events != 0) {
             last_event = now;
-            empty = 0;
-        } else if (woke) {
-            empty++;
+            empty_since = 0;
+        } else if (woke && empty_since == 0) {
+            empty_since = now;
         }
         woke = 0;
-        doze_ns = empty == 0 ? RK_DOZE_MIN_NS : doze_ns;
+        dozy = empty_since != 0 && now - empty_since >= RK_EMPTY_NS;
+        doze_ns = dozy ? doze_ns : RK_DOZE_MIN_NS;
         __atomic_store_n(&pump->ran_ns, now, __ATOMIC_RELAXED);
         stamp = rk_ctx_stamp(pump->watch);
         if (stamp != seen) {            /* something to settle */
@@ -267,17 +273,17 @@ void rk_pump_run(rk_pump_t *pump)
             continue;
         }
         /* 100 ms: the longest a stop request waits if nobody signals. */
-        __atomic_store_n(&pump->asleep, empty >= RK_EMPTY_WAKES ? 2 : 1, __ATOMIC_RELAXED);
-        if (empty >= RK_EMPTY_WAKES) {  /* then only look whether the fd still wakes it */
+        __atomic_store_n(&pump->asleep, dozy ? 2 : 1, __ATOMIC_RELAXED);
+        if (dozy) {                     /* then only look whether the fd still wakes it */
             rk_pump_doze(pump, kicks, doze_ns);
             doze_ns = doze_ns * 2 > RK_DOZE_MAX_NS ? RK_DOZE_MAX_NS : doze_ns * 2;
         }
-        ready = poll(&pfd, 1, empty >= RK_EMPTY_WAKES ? 0 : 100);
+        ready = poll(&pfd, 1, dozy ? 0 : 100);
         if (ready < 0 && errno != EINTR) {
             poll(NULL, 0, 1);
         }
         woke = ready > 0;
-        empty = ready == 0 ? 0 : empty;     /* the fd quiet again: sleep on it */
+        empty_since = ready == 0 ? 0 : empty_since;     /* the fd quiet again: sleep on it */
         __atomic_store_n(&pump->asleep, 0, __ATOMIC_RELAXED);
     }
 }
