@@ -49,16 +49,16 @@ PROMPT_B = list(range(101, 120))  # same length, other tokens
 PROMPT_C = list(range(201, 220))
 
 
-def prefilled(p, d, prompts):
+def prefilled(p, d, prompts, extra_keys=()):
     for rid, prompt in prompts.items():
-        p.add_request(rid, prompt, {"do_remote_decode": True})
+        p.add_request(rid, prompt, {"do_remote_decode": True}, extra_keys=extra_keys)
     pump_until(p, d, lambda: all(r in p.results and p.results[r].status.value == "finished" for r in prompts),
                "prefills")
     return {rid: dict(p.results[rid].kv_transfer_params) for rid in prompts}
 
 
-def decoded(p, d, rid, prompt, params):
-    d.add_request(rid, prompt, params)
+def decoded(p, d, rid, prompt, params, extra_keys=()):
+    d.add_request(rid, prompt, params, extra_keys=extra_keys)
     pump_until(p, d, lambda: rid in d.results and d.results[rid].status.value in ("finished", "failed"), "decode")
     return d.results[rid]
 
@@ -156,23 +156,17 @@ def test_the_same_tokens_with_other_extra_keys_are_refused(pair, prefill_keys, d
     the digest covered the ids only and the decode loaded the prefill's KV
     silently (in a real engine, KV of another image)."""
     fabric, p, d = pair
-    p.add_request("a", PROMPT_A, {"do_remote_decode": True}, extra_keys=prefill_keys)
-    pump_until(p, d, lambda: "a" in p.results and p.results["a"].status.value == "finished", "prefill")
-    params = dict(p.results["a"].kv_transfer_params)
+    params = prefilled(p, d, {"a": PROMPT_A}, prefill_keys)["a"]
     reads = fabric.reads
     with caplog.at_level(logging.WARNING):
-        d.add_request("a", PROMPT_A, params, extra_keys=decode_keys)
-        pump_until(p, d, lambda: "a" in d.results and d.results["a"].status.value == "finished", "decode")
-    result = d.results["a"]
+        result = decoded(p, d, "a", PROMPT_A, params, decode_keys)
+    assert result.status.value == "finished"
     assert result.external_tokens == 0 and fabric.reads == reads, "loaded KV made with other extra keys"
     assert "another image, LoRA adapter or cache salt" in caplog.text
 
     # The same keys on both sides: loaded.
-    p.add_request("b", PROMPT_B, {"do_remote_decode": True}, extra_keys=prefill_keys)
-    pump_until(p, d, lambda: "b" in p.results and p.results["b"].status.value == "finished", "prefill b")
-    d.add_request("b", PROMPT_B, dict(p.results["b"].kv_transfer_params), extra_keys=prefill_keys)
-    pump_until(p, d, lambda: "b" in d.results and d.results["b"].status.value == "finished", "decode b")
-    result = d.results["b"]
+    params = prefilled(p, d, {"b": PROMPT_B}, prefill_keys)["b"]
+    result = decoded(p, d, "b", PROMPT_B, params, prefill_keys)
     assert result.external_tokens == len(PROMPT_B) and not result.load_failed and result.bad_blocks == []
     assert fabric.reads > reads
 
@@ -202,11 +196,7 @@ def test_an_int_key_beyond_64_bits_is_bound_not_a_crash(pair):
     fabric, p, d = pair
     big = int("f" * 64, 16)
     keys = (("adapter", big),)
-    p.add_request("a", PROMPT_A, {"do_remote_decode": True}, extra_keys=keys)
-    pump_until(p, d, lambda: "a" in p.results and p.results["a"].status.value == "finished", "prefill")
-    d.add_request("a", PROMPT_A, dict(p.results["a"].kv_transfer_params), extra_keys=keys)
-    pump_until(p, d, lambda: "a" in d.results and d.results["a"].status.value == "finished", "decode")
-    result = d.results["a"]
+    result = decoded(p, d, "a", PROMPT_A, prefilled(p, d, {"a": PROMPT_A}, keys)["a"], keys)
     assert result.external_tokens == len(PROMPT_A) and not result.load_failed and result.bad_blocks == []
 
     from rdma_kv.connector.rdma.params import prompt_digest
