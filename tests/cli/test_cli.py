@@ -116,6 +116,24 @@ def test_info_json_reports_the_loaded_ucx(capsys):
 
 
 @pytest.mark.ucx
+def test_info_tells_warnings_only_from_a_usage_error(capsys):
+    """Found by a review of the CLI: ``info`` exited 2 both for "warnings
+    only" and for a mistyped option (argparse's usage error, 2 for every
+    command), so a script could not tell "deployable with warnings" from "the
+    check never ran". Warnings only is now 3."""
+    warned = json.dumps({"kv_connector": "RdmaKVConnector", "kv_connector_module_path": "rdma_kv.vllm",
+                         "kv_role": "kv_consumer", "kv_buffer_device": "cuda"})
+    code = main(["info", "--config", warned])
+    out = capsys.readouterr().out
+    if "[warning] kv_buffer_device is cuda" not in out:
+        pytest.skip("this host has CUDA: the config has no warning here")
+    assert code == 3 and "[error]" not in out, out
+    with pytest.raises(SystemExit) as exited:
+        main(["info", "--confgi", warned])
+    assert exited.value.code == 2 and "unrecognized arguments: --confgi" in capsys.readouterr().err
+
+
+@pytest.mark.ucx
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_demo_moves_and_verifies_bytes(capsys):

@@ -65,14 +65,14 @@ TABLE: list[tuple[str, str, list[tuple[str, str]], int]] = [
      [("error", "no shared secret is configured")], 1),
     ("0.0.0.0, unauthenticated allowed", vllm(extra={"side_channel_host": "0.0.0.0", "advertise_host": "10.0.0.1",
                                                     "allow_unauthenticated": True}),
-     [("warning", "listens on every interface without a shared secret")], 2),
+     [("warning", "listens on every interface without a shared secret")], 3),
     ("0.0.0.0 with a secret", vllm(extra={"side_channel_host": "0.0.0.0", "advertise_host": "10.0.0.1",
                                          "auth_secret_env": "RDMA_KV_SECRET"}),
      [("ok", "the OS picks a free port")], 0),
     ("vLLM, kv_buffer_device unset (the platform's)", vllm(), [("ok", "")], 0),
     ("vLLM, kv_buffer_device cpu", vllm(kv_buffer_device="cpu"), [("ok", "")], 0),
     ("vLLM, kv_buffer_device cuda without CUDA", vllm(kv_buffer_device="cuda"),
-     [("warning", "kv_buffer_device is cuda but no CUDA device")], 2),
+     [("warning", "kv_buffer_device is cuda but no CUDA device")], 3),
     ("bad role", vllm("kv_wrong"), [("error", "kv_wrong")], 1),
     ("extra config not an object", vllm(extra=["lanes", 2]),  # type: ignore[arg-type]
      [("error", "kv_connector_extra_config must be a JSON object, got list")], 1),
@@ -83,7 +83,7 @@ TABLE: list[tuple[str, str, list[tuple[str, str]], int]] = [
                                                          "kv_connector_extra_config": {
                                                              "advertise_host": "10.0.0.1",
                                                              "allow_unauthenticated": True}}),
-     [("ok", "rdma-kv RdmaKVConnector config"), ("warning", "0.0.0.0 listens on every interface")], 2),
+     [("ok", "rdma-kv RdmaKVConnector config"), ("warning", "0.0.0.0 listens on every interface")], 3),
     ("rdma-kv's own config, another connector", json.dumps({"kv_connector": "StorageConnector",
                                                            "kv_role": "kv_both"}),
      [("ok", "settings are not checked")], 0),
@@ -163,12 +163,12 @@ def test_a_time_wait_port_is_free_for_the_producer() -> None:
 def test_another_vllm_version_is_warned_about(monkeypatch) -> None:
     monkeypatch.setattr(info, "_vllm_version", lambda: "0.33.1")
     report, code = findings(vllm())
-    assert code == 2 and "vLLM 0.33.1 is installed" in show(report)
+    assert code == 3 and "vLLM 0.33.1 is installed" in show(report)
 
 
 def test_engine_option_forces_the_vllm_rules() -> None:
     text = json.dumps({**OURS, "kv_role": "kv_producer", "kv_ip": "127.0.0.1", "kv_port": 0})
-    assert findings(text)[1] == 2  # rdma-kv's own: kv_ip is a field (cuda default warns)
+    assert findings(text)[1] == 3  # rdma-kv's own: kv_ip is a field (cuda default warns)
     report, code = findings(text, engine="vllm")
     assert code == 1 and "has no field(s) ['kv_ip']" in show(report)
 
@@ -178,7 +178,7 @@ def test_exit_codes_of_the_command(tmp_path, capsys) -> None:
     from rdma_kv.cli import main
 
     assert main(["info", "--config", vllm()]) == 0
-    assert main(["info", "--config", vllm(kv_buffer_device="cuda")]) == 2
+    assert main(["info", "--config", vllm(kv_buffer_device="cuda")]) == 3
     assert main(["info", "--config", str(tmp_path / "missing.json")]) == 1
     assert "[error] config file" in capsys.readouterr().out
 

@@ -16,8 +16,11 @@ shared secret gets a warning) and, for roles that listen (``kv_producer``,
 ``kv_both``), its port must be free to bind with the producer's own socket
 options.
 
-Exit status: 0 when every finding is ok, 1 when one is an error, 2 when
-the worst are warnings.
+Exit status: 0 when every finding is ok, 1 when one is an error, 3 when
+the worst are warnings; 2, as for every ``rdma-kv`` command, is a usage
+error (an unknown option), so a script can tell a mistyped command from
+"warnings only". A ``--config`` that cannot be read or parsed is an error
+finding (1).
 """
 
 from __future__ import annotations
@@ -431,6 +434,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def exit_code(report: Report) -> int:
-    """0: no finding worse than ok; 1: an error; 2: warnings only."""
+    """0: no finding worse than ok; 1: an error; 3: warnings only (2 is the
+    command line's usage error)."""
     levels = {f.level for f in report.findings}
-    return 1 if "error" in levels else 2 if "warning" in levels else 0
+    return 1 if "error" in levels else 3 if "warning" in levels else 0
