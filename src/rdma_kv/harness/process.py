@@ -1,4 +1,4 @@
-"""An engine in a child process (multiprocessing ``spawn``), driven over a pipe.
+"""An engine in a child process, driven over a pipe.
 
 Owns :class:`EngineProcess` (parent side) and the child's loop: step the
 engine while it has work, apply commands between steps, send each finished
@@ -21,6 +21,16 @@ the producer's ``read_timeout_s``: a pin holds its lease against expiry,
 so a real expiry comes after it too) and ``scribble_free`` overwrites
 every free block (memory reuse).
 
+Children are forked from a ``multiprocessing`` fork server that imported
+``rdma_kv.harness.engine`` (torch) once (``_context``): a child starts in
+about 1 s instead of the 3 s of a fresh interpreter importing torch, and
+tests and the demo start many. The fork server is a fresh interpreter
+itself (started once per parent, at the first engine), single-threaded
+when it forks, and has not loaded UCX; each child takes the parent's
+environment, working directory, stdout and stderr as they are at its
+start, as a spawned child would (a test that reads the engines' warnings
+from its own stderr still sees them).
+
 Imports the standard library, torch (in the child) and ``rdma_kv.harness.engine``.
 """
 
@@ -29,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing as mp
+from multiprocessing import reduction
 import os
 import signal
 import threading
@@ -140,9 +151,42 @@ class _GatedTransport:
 # --- the child -------------------------------------------------------------------------------
 
 
+def _context() -> Any:
+    """The fork server's context, its preload set before it first starts:
+    only modules that start no thread and load no UCX (whose libraries read
+    part of their configuration from the environment when loaded)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["rdma_kv.harness.engine"])
+    return ctx
+
+
+class _Fd:
+    """One of the parent's file descriptors, handed to a child of the fork
+    server as ``multiprocessing`` hands a ``Pipe`` (``reduction.DupFd``)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return _detach_fd, (reduction.DupFd(self.fd),)
+
+
+def _detach_fd(dup: Any) -> int:
+    return int(dup.detach())
+
+
 def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dict[str, Any],
-           netns: str | None) -> None:
+           netns: str | None, env: dict[str, str], cwd: str, out: int, err: int) -> None:
     try:
+        # The parent's environment, directory and output now, not the fork
+        # server's at its start: UCX reads its configuration from the
+        # environment, and the parent may have redirected its output since.
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        for fd, target in ((out, 1), (err, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
         if netns is not None:
             from rdma_kv.harness.netns import enter
 
@@ -266,20 +310,22 @@ def _result_dict(result: Any) -> dict[str, Any]:
 
 
 class EngineProcess:
-    """A harness engine in a spawned child. Use as a context manager.
-    ``start_timeout_s`` bounds the child's start (a fresh interpreter that
-    imports torch and builds the engine: about 2 s here when quiet; a CI
-    run beside vLLM servers once waited more than 60 s for one)."""
+    """A harness engine in a child process (forked from the fork server,
+    above). Use as a context manager. ``start_timeout_s`` bounds the child's
+    start (a fork that builds the engine: about 1 s here when quiet, 3 s as
+    a fresh interpreter importing torch; a CI run beside vLLM servers once
+    waited more than 60 s for one)."""
 
     def __init__(self, name: str, config: dict[str, Any], shape: ModelShape,
                  faults: dict[str, Any] | None = None, start_timeout_s: float = 180.0,
                  netns: str | None = None) -> None:
         self.name = name
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(target=_child, name=name, daemon=True,
                                  args=(child_conn, dict(config), dataclasses.asdict(shape),
-                                       dict(faults or {}), netns))
+                                       dict(faults or {}), netns, dict(os.environ), os.getcwd(),
+                                       _Fd(1), _Fd(2)))
         self._proc.start()
         child_conn.close()
         self.results: dict[str, dict[str, Any]] = {}
