@@ -22,6 +22,14 @@ that dies or times out raises with the tail of its log. The child has its
 own temporary directory (``tiny_model.PrivateTmp``: vLLM's IPC sockets),
 removed by ``kill()`` and ``close()``.
 
+Children are forked from a ``multiprocessing`` fork server that imported
+vLLM once (``vllm_preload``): a child starts without the ~10 s of
+``import vllm`` a fresh interpreter spends, and the suite starts dozens.
+Each child takes the parent's environment and working directory as they
+are at its start, leads a session of its own, and reads its commands on
+its stdin, as the script it once was (``python engine_proc.py``, still
+runnable) did.
+
 Imports only the standard library and ``tiny_model`` (free to import) at
 module level: vLLM runs in children.
 """
@@ -29,14 +37,19 @@ module level: vLLM runs in children.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from multiprocessing import forkserver
+from multiprocessing import process as mp_process
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -59,20 +72,28 @@ class EngineProcess:
         self.log_path = Path(log_dir) / f"{name}.log"
         self.tmp = PrivateTmp(name)
         read_fd, write_fd = os.pipe()
+        stdin_r, stdin_w = os.pipe()
         child_env = {**os.environ, **(env or {}), "UCX_NET_DEVICES": "lo", **self.tmp.env}
         try:
             with open(self.log_path, "w") as log:
-                self.proc = subprocess.Popen(
-                    [sys.executable, __file__, "--result-fd", str(write_fd), "--model-dir", model_dir,
-                     *(["--multiprocessing"] if multiprocessing else [])],
-                    stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
-                    env=child_env, pass_fds=(write_fd,), start_new_session=True)
+                process = _fork_context().Process(
+                    target=_forked_child, name=name,
+                    args=(_Fd(stdin_r), _Fd(log.fileno()), _Fd(write_fd), child_env, os.getcwd(),
+                          model_dir, multiprocessing))
+                process.start()
+            # Not a daemon (vLLM's own children need that), yet not joined at
+            # this process's exit either: close() and kill() end it, as they
+            # ended the Popen child before.
+            mp_process._children.discard(process)  # type: ignore[attr-defined]
         except BaseException:
-            os.close(read_fd)
+            for fd in (read_fd, stdin_w):
+                os.close(fd)
             self.tmp.remove()
             raise
         finally:
-            os.close(write_fd)
+            for fd in (write_fd, stdin_r):
+                os.close(fd)
+        self.proc = _Forked(process, os.fdopen(stdin_w, "w"))
         self._results = os.fdopen(read_fd)
         self._starting: dict[str, Any] | None = None
         self._stepping: dict[str, Any] | None = None
@@ -195,8 +216,11 @@ class EngineProcess:
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            except ProcessLookupError:  # not yet the leader of its session
+                try:
+                    os.kill(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         self.proc.wait(timeout=30)
         self.tmp.remove()  # the sockets a killed vLLM leaves
 
@@ -218,6 +242,88 @@ class EngineProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# --- the fork server ----------------------------------------------------------------
+
+
+def _fork_context() -> Any:
+    """The fork server, started with ``vllm_preload`` imported. Python 3.11's
+    fork server drops the parent's ``sys.path`` (``forkserver.main`` ignores
+    its ``sys_path``) and skips a preload it cannot import without a word, so
+    it finds ``vllm_preload`` through ``PYTHONPATH``, set while it starts."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["vllm_preload"])  # before the server starts; a no-op after
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), saved]))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+    return ctx
+
+
+class _Fd:
+    """One of the parent's file descriptors, handed to a child of the fork
+    server as ``multiprocessing`` hands a ``Pipe`` (``reduction.DupFd``)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return _detach_fd, (reduction.DupFd(self.fd),)
+
+
+def _detach_fd(dup: Any) -> int:
+    return int(dup.detach())
+
+
+class _Forked:
+    """The part of ``subprocess.Popen`` that EngineProcess and the tests use
+    (``pid``, ``stdin``, ``poll``, ``wait``, ``returncode``), over the
+    ``multiprocessing.Process`` of a forked child."""
+
+    def __init__(self, process: Any, stdin: Any) -> None:
+        self._process, self.stdin, self.pid = process, stdin, int(process.pid)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"engine child {self.pid}", timeout or 0.0)
+        if self.stdin is not None and not self.stdin.closed:
+            try:
+                self.stdin.close()
+            except BrokenPipeError:
+                pass
+        return int(self._process.exitcode)
+
+
+def _forked_child(stdin_fd: int, log_fd: int, result_fd: int, env: dict[str, str], cwd: str,
+                  model_dir: str, multiprocessing: bool) -> None:
+    """The child as the script's ``__main__`` ran it: a session of its own
+    (``kill`` ends vLLM's processes with it), commands on stdin, vLLM's
+    output to the log, the parent's environment and directory."""
+    os.setsid()
+    for fd, target in ((stdin_fd, 0), (log_fd, 1), (log_fd, 2)):
+        os.dup2(fd, target)
+    for fd in (stdin_fd, log_fd):
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    tempfile.tempdir = None  # $TMPDIR is this child's (vLLM's IPC sockets)
+    sys.stdin = open(0, closefd=False)  # multiprocessing gave the child /dev/null
+    _child(result_fd, model_dir, multiprocessing)
 
 
 # --- the child ----------------------------------------------------------------------
