@@ -24,11 +24,16 @@ removed by ``kill()`` and ``close()``.
 
 Children are forked from a ``multiprocessing`` fork server that imported
 vLLM once (``vllm_preload``): a child starts without the ~10 s of
-``import vllm`` a fresh interpreter spends, and the suite starts dozens.
-Each child takes the parent's environment and working directory as they
-are at its start, leads a session of its own, and reads its commands on
-its stdin, as the script it once was (``python engine_proc.py``, still
-runnable) did.
+``import vllm`` a fresh interpreter spends, and the suite starts dozens
+(the first start also waits for the server's import, unbounded). Each
+child takes the parent's environment and working directory as they are at
+its start, leads a session of its own, reads its commands on its stdin and
+runs the exit hooks on its way out, as the script it once was (``python
+engine_proc.py``, still runnable) did. What is read when an interpreter
+starts or when torch and vLLM are imported (``PYTHON*``, OpenMP threads,
+``VLLM_LOGGING_*``, ``HF_*``) is the fork server's: ``tiny_model.vllm_env``
+for every engine; no test sets those per engine. If ``vllm_preload`` cannot
+be imported, each child imports vLLM itself: slower, not different.
 
 Imports only the standard library and ``tiny_model`` (free to import) at
 module level: vLLM runs in children.
@@ -36,6 +41,7 @@ module level: vLLM runs in children.
 
 from __future__ import annotations
 
+import atexit
 import json
 import multiprocessing
 import os
@@ -213,10 +219,11 @@ class EngineProcess:
 
     def kill(self) -> None:
         """SIGKILL the child and everything it started (its session)."""
-        if self.proc.poll() is None:
+        # 255 is also what a live child reads as once the fork server is gone.
+        if self.proc.poll() in (None, 255):
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:  # not yet the leader of its session
+            except ProcessLookupError:  # not yet the leader of its session, or gone
                 try:
                     os.kill(self.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -323,7 +330,14 @@ def _forked_child(stdin_fd: int, log_fd: int, result_fd: int, env: dict[str, str
     os.chdir(cwd)
     tempfile.tempdir = None  # $TMPDIR is this child's (vLLM's IPC sockets)
     sys.stdin = open(0, closefd=False)  # multiprocessing gave the child /dev/null
-    _child(result_fd, model_dir, multiprocessing)
+    try:
+        _child(result_fd, model_dir, multiprocessing)
+    finally:
+        # A forked child leaves through os._exit: run the exit hooks the
+        # script's interpreter ran at its end (vLLM's finalizers stop its
+        # EngineCore, which multiprocessing would otherwise wait for when
+        # stdin ends without a "stop": the parent died).
+        atexit._run_exitfuncs()
 
 
 # --- the child ----------------------------------------------------------------------

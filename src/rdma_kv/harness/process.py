@@ -22,20 +22,26 @@ so a real expiry comes after it too) and ``scribble_free`` overwrites
 every free block (memory reuse).
 
 Children are forked from a ``multiprocessing`` fork server that imported
-``rdma_kv.harness.engine`` (torch) once (``_context``): a child starts in
-about 1 s instead of the 3 s of a fresh interpreter importing torch, and
-tests and the demo start many. The fork server is a fresh interpreter
-itself (started once per parent, at the first engine), single-threaded
-when it forks, and has not loaded UCX; each child takes the parent's
-environment, working directory, stdout and stderr as they are at its
-start, as a spawned child would (a test that reads the engines' warnings
-from its own stderr still sees them).
+``rdma_kv.harness.engine`` (torch) once (``_context``): after the first, a
+child starts in about 1 s instead of the 3 s of a fresh interpreter
+importing torch, and tests start many. The fork server is a fresh
+interpreter itself (started once per parent, at the first engine, whose
+start also waits for its import) and has not loaded UCX. Each child takes
+the parent's environment, working directory, stdout and stderr as they
+are at its start, as a spawned child would (UCX reads its configuration
+from the environment; a test that reads the engines' warnings from its own
+stderr still sees them). What is read when an interpreter starts or when
+torch is imported (``PYTHON*``, OpenMP threads) is the fork server's, as
+it was at the first engine's start. If the preload cannot be imported
+(rdma-kv not installed where the fork server looks), each child imports
+torch itself: slower, not different.
 
 Imports the standard library, torch (in the child) and ``rdma_kv.harness.engine``.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -297,6 +303,11 @@ def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dic
         except Exception:
             pass
         raise
+    finally:
+        # A forked child leaves through os._exit: run the exit hooks a
+        # spawned child's interpreter ran at its end (the finalizers that
+        # close an agent the engine did not shut down, e.g. after an error).
+        atexit._run_exitfuncs()
 
 
 def _result_dict(result: Any) -> dict[str, Any]:
@@ -405,9 +416,14 @@ class EngineProcess:
             time.sleep(0.02)
 
     def kill(self) -> None:
-        """SIGKILL the child (a crash, no cleanup)."""
-        if self._proc.is_alive():
-            os.kill(self.pid, signal.SIGKILL)
+        """SIGKILL the child (a crash, no cleanup). An exit code of 255 is
+        also what a live child reads as once the fork server is gone (its
+        pipe closed), so that child is killed too."""
+        if self._proc.exitcode in (None, 255):
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self._proc.join(10)
 
     def close(self, timeout_s: float = 10.0) -> None:
