@@ -35,8 +35,9 @@ starts or when torch and vLLM are imported (``PYTHON*``, OpenMP threads,
 for every engine; no test sets those per engine. If ``vllm_preload`` cannot
 be imported, each child imports vLLM itself: slower, not different.
 
-Imports only the standard library and ``tiny_model`` (free to import) at
-module level: vLLM runs in children.
+Imports only the standard library, ``tiny_model`` and
+``rdma_kv.harness.forked`` (free to import) at module level: vLLM runs in
+children.
 """
 
 from __future__ import annotations
@@ -49,13 +50,11 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing import forkserver
 from multiprocessing import process as mp_process
-from multiprocessing import reduction
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -64,6 +63,8 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from tiny_model import PrivateTmp  # noqa: E402
+
+from rdma_kv.harness.forked import ParentFd, adopt  # noqa: E402
 
 T = TypeVar("T")
 
@@ -84,7 +85,7 @@ class EngineProcess:
             with open(self.log_path, "w") as log:
                 process = _fork_context().Process(
                     target=_forked_child, name=name,
-                    args=(_Fd(stdin_r), _Fd(log.fileno()), _Fd(write_fd), child_env, os.getcwd(),
+                    args=(ParentFd(stdin_r), ParentFd(log.fileno()), ParentFd(write_fd), child_env, os.getcwd(),
                           model_dir, multiprocessing))
                 process.start()
             # Not a daemon (vLLM's own children need that), yet not joined at
@@ -273,21 +274,6 @@ def _fork_context() -> Any:
     return ctx
 
 
-class _Fd:
-    """One of the parent's file descriptors, handed to a child of the fork
-    server as ``multiprocessing`` hands a ``Pipe`` (``reduction.DupFd``)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __reduce__(self) -> tuple[Any, tuple[Any]]:
-        return _detach_fd, (reduction.DupFd(self.fd),)
-
-
-def _detach_fd(dup: Any) -> int:
-    return int(dup.detach())
-
-
 class _Forked:
     """The part of ``subprocess.Popen`` that EngineProcess and the tests use
     (``pid``, ``stdin``, ``poll``, ``wait``, ``returncode``), over the
@@ -321,14 +307,7 @@ def _forked_child(stdin_fd: int, log_fd: int, result_fd: int, env: dict[str, str
     (``kill`` ends vLLM's processes with it), commands on stdin, vLLM's
     output to the log, the parent's environment and directory."""
     os.setsid()
-    for fd, target in ((stdin_fd, 0), (log_fd, 1), (log_fd, 2)):
-        os.dup2(fd, target)
-    for fd in (stdin_fd, log_fd):
-        os.close(fd)
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    tempfile.tempdir = None  # $TMPDIR is this child's (vLLM's IPC sockets)
+    adopt(env, cwd, {0: stdin_fd, 1: log_fd, 2: log_fd})  # $TMPDIR: this child's (vLLM's IPC sockets)
     sys.stdin = open(0, closefd=False)  # multiprocessing gave the child /dev/null
     try:
         _child(result_fd, model_dir, multiprocessing)

@@ -2,5 +2,5 @@
 
 ``engine`` holds the engine (and, in its docstring, how to embed rdma-kv in
 an engine), ``blocks`` its block pool, ``kvfill`` the deterministic KV content, ``process`` an engine
-in a child process, ``demo`` the prefill -> decode demo. Imports torch.
+in a child process (``forked``: what makes its fork a faithful child), ``demo`` the prefill -> decode demo. Imports torch.
 """

@@ -45,7 +45,6 @@ import atexit
 import dataclasses
 import logging
 import multiprocessing as mp
-from multiprocessing import reduction
 import os
 import signal
 import threading
@@ -54,6 +53,7 @@ import traceback
 from typing import Any
 
 from rdma_kv.harness.engine import ModelShape
+from rdma_kv.harness.forked import ParentFd, adopt
 
 __all__ = ["EngineProcess", "HarnessError"]
 
@@ -166,33 +166,12 @@ def _context() -> Any:
     return ctx
 
 
-class _Fd:
-    """One of the parent's file descriptors, handed to a child of the fork
-    server as ``multiprocessing`` hands a ``Pipe`` (``reduction.DupFd``)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __reduce__(self) -> tuple[Any, tuple[Any]]:
-        return _detach_fd, (reduction.DupFd(self.fd),)
-
-
-def _detach_fd(dup: Any) -> int:
-    return int(dup.detach())
-
-
 def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dict[str, Any],
            netns: str | None, env: dict[str, str], cwd: str, out: int, err: int) -> None:
     try:
         # The parent's environment, directory and output now, not the fork
-        # server's at its start: UCX reads its configuration from the
-        # environment, and the parent may have redirected its output since.
-        os.environ.clear()
-        os.environ.update(env)
-        os.chdir(cwd)
-        for fd, target in ((out, 1), (err, 2)):
-            os.dup2(fd, target)
-            os.close(fd)
+        # server's at its start (the parent may have redirected its output since).
+        adopt(env, cwd, {1: out, 2: err})
         if netns is not None:
             from rdma_kv.harness.netns import enter
 
@@ -336,7 +315,7 @@ class EngineProcess:
         self._proc = ctx.Process(target=_child, name=name, daemon=True,
                                  args=(child_conn, dict(config), dataclasses.asdict(shape),
                                        dict(faults or {}), netns, dict(os.environ), os.getcwd(),
-                                       _Fd(1), _Fd(2)))
+                                       ParentFd(1), ParentFd(2)))
         self._proc.start()
         child_conn.close()
         self.results: dict[str, dict[str, Any]] = {}
