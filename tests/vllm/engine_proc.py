@@ -83,15 +83,9 @@ class EngineProcess:
         child_env = {**os.environ, **(env or {}), "UCX_NET_DEVICES": "lo", **self.tmp.env}
         try:
             with open(self.log_path, "w") as log:
-                process = _fork_context().Process(
-                    target=_forked_child, name=name,
-                    args=(ParentFd(stdin_r), ParentFd(log.fileno()), ParentFd(write_fd), child_env, os.getcwd(),
-                          model_dir, multiprocessing))
-                process.start()
-            # Not a daemon (vLLM's own children need that), yet not joined at
-            # this process's exit either: close() and kill() end it, as they
-            # ended the Popen child before.
-            mp_process._children.discard(process)  # type: ignore[attr-defined]
+                process = fork(_forked_child, name,
+                               (ParentFd(stdin_r), ParentFd(log.fileno()), ParentFd(write_fd), child_env,
+                                os.getcwd(), model_dir, multiprocessing))
         except BaseException:
             for fd in (read_fd, stdin_w):
                 os.close(fd)
@@ -100,7 +94,7 @@ class EngineProcess:
         finally:
             for fd in (write_fd, stdin_r):
                 os.close(fd)
-        self.proc = _Forked(process, os.fdopen(stdin_w, "w"))
+        self.proc = Forked(process, os.fdopen(stdin_w, "w"))
         self._results = os.fdopen(read_fd)
         self._starting: dict[str, Any] | None = None
         self._stepping: dict[str, Any] | None = None
@@ -255,7 +249,7 @@ class EngineProcess:
 # --- the fork server ----------------------------------------------------------------
 
 
-def _fork_context() -> Any:
+def fork_context() -> Any:
     """The fork server, started with ``vllm_preload`` imported. Python 3.11's
     fork server drops the parent's ``sys.path`` (``forkserver.main`` ignores
     its ``sys_path``) and skips a preload it cannot import without a word, so
@@ -274,7 +268,18 @@ def _fork_context() -> Any:
     return ctx
 
 
-class _Forked:
+def fork(target: Callable[..., None], name: str, args: tuple[Any, ...]) -> Any:
+    """A ``multiprocessing.Process`` running ``target(*args)``, forked from
+    the fork server and started. Not a daemon (vLLM's own children need
+    that), yet not joined at this process's exit either: its owner ends it
+    (``kill``, ``close``), as it ended a ``Popen`` child."""
+    process = fork_context().Process(target=target, name=name, args=args)
+    process.start()
+    mp_process._children.discard(process)  # type: ignore[attr-defined]
+    return process
+
+
+class Forked:
     """The part of ``subprocess.Popen`` that EngineProcess and the tests use
     (``pid``, ``stdin``, ``poll``, ``wait``, ``returncode``), over the
     ``multiprocessing.Process`` of a forked child."""
@@ -292,7 +297,7 @@ class _Forked:
     def wait(self, timeout: float | None = None) -> int:
         self._process.join(timeout)
         if self._process.exitcode is None:
-            raise subprocess.TimeoutExpired(f"engine child {self.pid}", timeout or 0.0)
+            raise subprocess.TimeoutExpired(f"forked child {self.pid}", timeout or 0.0)
         if self.stdin is not None and not self.stdin.closed:
             try:
                 self.stdin.close()
