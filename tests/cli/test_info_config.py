@@ -228,3 +228,34 @@ def test_nics_are_not_judged_without_a_device_list() -> None:
     """No ``ucx_info`` (``probe`` warns of it): nothing to compare with."""
     report, code = findings(vllm("kv_consumer", extra={"ucx_net_devices": "mlx5_{rank}:1"}))
     assert code == 0 and "NIC" not in show(report), show(report)
+
+
+@pytest.mark.parametrize("tls, warned", [
+    (None, True),                    # UCX's default: all
+    ("all", True),
+    ("rc,tcp,self", True),
+    ("^cma", True),                  # excludes something else
+    ("rc,sm,self", False),
+    ("^tcp", False),
+    ("^cma, tcp", False),
+])
+def test_push_with_tcp_among_the_transports_is_warned_about(monkeypatch, tls: str | None, warned: bool) -> None:
+    """Push over TCP can abort the decode inside UCX 1.22 (docs/deploy.md,
+    "Push over TCP"): said wherever UCX may pick tcp, from the environment
+    or from the config's own ucx_options, and only in push mode."""
+    for source in ("env", "config"):
+        monkeypatch.delenv("UCX_TLS", raising=False)
+        extra: dict[str, Any] = {"mode": "push"}
+        if tls is not None and source == "env":
+            monkeypatch.setenv("UCX_TLS", tls)
+        elif tls is not None:
+            monkeypatch.setenv("UCX_TLS", "rc,sm,self")  # the config's own TLS wins
+            extra["ucx_options"] = {"TLS": tls}
+        report, code = findings(vllm("kv_consumer", extra=extra))
+        push = [f for f in report.findings if f.message.startswith("mode push")]
+        assert len(push) == 1, show(report)
+        assert push[0].level == ("warning" if warned else "ok"), (source, show(report))
+        assert code == (3 if warned else 0), show(report)
+    monkeypatch.setenv("UCX_TLS", "all")
+    report, code = findings(vllm("kv_consumer", extra={"mode": "pull"}))
+    assert not any(f.message.startswith("mode push") for f in report.findings) and code == 0, show(report)

@@ -215,6 +215,7 @@ def check_config(text: str, report: Report, *, engine: str = "auto") -> None:
     add(Finding("ok", f"config parses as {'vLLM' if is_vllm else 'rdma-kv'} {config.kv_connector} "
                 f"config, the connector accepts its settings: role {role}"))
     _check_devices(settings, report.transports, add)
+    _check_push_over_tcp(settings, add)
     if config.kv_role in (KVRole.PRODUCER, KVRole.BOTH):
         if _check_host(settings, add):
             _check_port(settings, add)
@@ -254,6 +255,40 @@ def _check_devices(settings: Any, transports: list[dict[str, str]], add: Any) ->
     if not bad:
         add(Finding("ok", f"every NIC the config names is a device of the UCX loaded here "
                     f"({'; '.join(f'{k}: {v}' for k, v in named.items())})"))
+
+
+def tcp_enabled(tls: str) -> bool:
+    """Whether a ``UCX_TLS`` value lets UCX use ``tcp``: ``all`` (UCX's
+    default) or a list naming it, or an exclusion list (``^...``) that does
+    not exclude it."""
+    tls = tls.strip()
+    if tls.startswith("^"):
+        return "tcp" not in {t.strip() for t in tls[1:].split(",")}
+    return bool({"all", "tcp"} & {t.strip() for t in tls.split(",")})
+
+
+def _check_push_over_tcp(settings: Any, add: Any) -> None:
+    """Push mode where UCX may carry the writes over TCP. A decode that
+    reaches its producer over TCP takes software-emulated PUTs, and the
+    acknowledgement UCX 1.22 sends for each aborts the decode's process
+    (``ucs_fatal``) when the producer died with writes still in the
+    socket (docs/reliability.md, "Not fixed, seen in the vLLM push
+    tests"): a crash path no setting of ours closes. Said here, where an
+    operator checks a config, as a warning only: where UCX has RDMA, or
+    shared memory between processes of one host, it carries the writes
+    there and TCP none."""
+    if settings.mode != "push":
+        return
+    where = "ucx_options['TLS']" if "TLS" in settings.ucx_options else "UCX_TLS"
+    tls = settings.ucx_options.get("TLS", os.environ.get("UCX_TLS"))
+    shown = f"{where}={tls}" if tls is not None else "UCX_TLS unset: all, UCX's default"
+    if tcp_enabled(tls or "all"):
+        add(Finding("warning", f"mode push with tcp among UCX's transports ({shown}): a decode that reaches "
+                    "its producer over TCP (no RDMA between the hosts) can abort inside UCX 1.22 if the producer "
+                    "dies while its writes cross (docs/deploy.md, \"Push over TCP\"); where the hosts have "
+                    "RDMA, keep tcp out of UCX_TLS, and over TCP alone prefer mode pull"))
+    else:
+        add(Finding("ok", f"mode push: tcp is not among UCX's transports ({shown}), so no write crosses TCP"))
 
 
 def load_settings(text: str, *, engine: str = "auto", tp_rank: int = 0, tp_size: int | None = None) -> Any:
