@@ -235,9 +235,14 @@ def test_nics_are_not_judged_without_a_device_list() -> None:
     ("all", True),
     ("rc,tcp,self", True),
     ("^cma", True),                  # excludes something else
+    ("^tcp:aux", True),              # tcp stays a transport for data
+    ("^cma, tcp", True),             # UCX strips no spaces: " tcp" is no name, tcp stays
     ("rc,sm,self", False),
     ("^tcp", False),
-    ("^cma, tcp", False),
+    ("tcp:aux", False),              # wire-up only
+    ("rc, tcp", False),              # " tcp" again: no tcp
+    ("rc,all", False),               # all is a keyword only alone
+    ("", False),                     # nothing allowed
 ])
 def test_push_with_tcp_among_the_transports_is_warned_about(monkeypatch, tls: str | None, warned: bool) -> None:
     """Push over TCP can abort the decode inside UCX 1.22 (docs/deploy.md,
@@ -256,6 +261,10 @@ def test_push_with_tcp_among_the_transports_is_warned_about(monkeypatch, tls: st
         assert len(push) == 1, show(report)
         assert push[0].level == ("warning" if warned else "ok"), (source, show(report))
         assert code == (3 if warned else 0), show(report)
+    # The config's own TLS wins over the environment's, both ways.
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    report, code = findings(vllm("kv_consumer", extra={"mode": "push", "ucx_options": {"TLS": "rc,sm,self"}}))
+    assert code == 0 and any(f.message.startswith("mode push: tcp is not") for f in report.findings), show(report)
     monkeypatch.setenv("UCX_TLS", "all")
     report, code = findings(vllm("kv_consumer", extra={"mode": "pull"}))
     assert not any(f.message.startswith("mode push") for f in report.findings) and code == 0, show(report)

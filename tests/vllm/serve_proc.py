@@ -11,10 +11,14 @@ the online P/D tests and ``bench/router_pd.py``.
   imported once, ``vllm_preload``) and runs the module as ``python -m``
   would (``runpy``, ``__main__``, the same ``sys.argv``), with the parent's
   environment, directory and a log for its output: 7-10 s less per start
-  (27-29 s to healthy against 36-37 s, three starts each, quiet host). Its EngineCore and worker are spawned by vLLM as always (the
-  CPU platform forces ``spawn``). A server in a network namespace still
-  runs under ``ip netns exec`` (a new interpreter), which also remounts
-  ``/sys`` for the namespace.
+  (27-29 s to healthy against 36-37 s, three starts each, quiet host). Its
+  EngineCore and worker are spawned by vLLM as always (the CPU platform
+  forces ``spawn``). What an interpreter reads as it starts (``PYTHON*``
+  such as ``PYTHONWARNINGS``/``PYTHONHASHSEED``, ``-W``/``-X``, the
+  ``sys.path`` that spawn passes on) is the fork server's, started by the
+  test process: no test sets those per server. A server in a network
+  namespace still runs under ``ip netns exec`` (a new interpreter), which
+  also remounts ``/sys`` for the namespace.
 - :class:`Router`: the ``vllm-router`` command of the PyPI wheel
   (``vllm-router==0.1.17``, installed by ``scripts/install-vllm.sh``) in
   ``--vllm-pd-disaggregation`` mode.
@@ -38,6 +42,7 @@ from __future__ import annotations
 import atexit
 import http.client
 import json
+import multiprocessing
 import os
 import runpy
 import signal
@@ -149,11 +154,16 @@ class _Child:
         self.tmp.remove()  # the sockets a killed vLLM leaves
 
     def _signal(self, sig: int) -> None:
-        # 255 is also what a live forked child reads as once the fork server is gone.
-        if self.proc.poll() in (None, 255):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:  # a forked child not yet the leader of its session, or gone
+        """``sig`` to the child's process group (vLLM's EngineCore and worker
+        with it), also once the child has exited: what it left in its group
+        (or a forked child that reads as 255, its fork server gone) is met.
+        The child itself alone only while it runs and leads no group yet (a
+        forked child before its ``setsid``): never a pid already reaped."""
+        running = self.proc.poll() is None
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:  # the group is empty, or not yet made
+            if running:
                 try:
                     os.kill(self.proc.pid, sig)
                 except ProcessLookupError:
@@ -303,8 +313,11 @@ def _run_module(log_fd: int, env: dict[str, str], cwd: str, module: str, args: l
     os.setsid()
     devnull = os.open(os.devnull, os.O_RDONLY)
     adopt(env, cwd, {0: devnull, 1: log_fd, 2: log_fd})
-    for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(write_through=True)  # type: ignore[union-attr]  # PYTHONUNBUFFERED=1
+    for stream in (sys.stdout, sys.stderr):  # as PYTHONUNBUFFERED=1 would have them, near enough: per line
+        stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[union-attr]
+    # The fork server's child has the start method set to forkserver (Process._bootstrap):
+    # unset, as in a fresh interpreter (vLLM sets its own, without force).
+    multiprocessing.set_start_method(None, force=True)
     sys.argv = [module, *args]  # run_module sets argv[0] to the module's file
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
