@@ -257,7 +257,7 @@ def _check_devices(settings: Any, transports: list[dict[str, str]], add: Any) ->
                     f"({'; '.join(f'{k}: {v}' for k, v in named.items())})"))
 
 
-def tcp_enabled(tls: str) -> bool:
+def _tcp_enabled(tls: str) -> bool:
     """Whether a ``UCX_TLS`` value lets UCX carry data over ``tcp``, read as
     UCX reads it (split on commas, names compared exactly, no spaces
     stripped): ``all`` alone (UCX's default), a list naming ``tcp`` (not
@@ -283,7 +283,7 @@ def _check_push_over_tcp(settings: Any, add: Any) -> None:
     where = "ucx_options['TLS']" if "TLS" in settings.ucx_options else "UCX_TLS"
     tls = settings.ucx_options.get("TLS", os.environ.get("UCX_TLS"))
     shown = f"{where}={tls}" if tls is not None else "UCX_TLS unset: all, UCX's default"
-    if tcp_enabled("all" if tls is None else tls):
+    if _tcp_enabled("all" if tls is None else tls):
         add(Finding("warning", f"mode push with tcp among UCX's transports ({shown}): a decode that reaches "
                     "its producer over TCP (no RDMA between the hosts) can abort inside UCX 1.22 if the producer "
                     "dies while its writes cross (docs/deploy.md, \"Push over TCP\"); where the hosts have "
