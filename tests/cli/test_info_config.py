@@ -224,6 +224,30 @@ def test_a_nic_the_loaded_ucx_does_not_report_is_an_error(extra: dict[str, Any],
     assert where in error.message and "network devices: lo, mlx5_0:1" in error.message, error.message
 
 
+@pytest.mark.parametrize("devices", ["mlx5_0", "^mlx5_0:1", "mlx5_[0-1]:1", "all", "lo,mlx5_0"])
+def test_nic_names_ucx_accepts_are_not_errors(devices: str) -> None:
+    """UCX matches an HCA named without its port (``mlx5_0`` for
+    ``mlx5_0:1``), reads ``^`` as "all but these" and expands ranges: such
+    a config worked in the engine, and info called it an error."""
+    report = Report(cuda="no CUDA device (no GPU driver)", transports=DEVICES)
+    check_config(vllm("kv_consumer", extra={"ucx_options": {"NET_DEVICES": devices}}, kv_port=14579), report)
+    assert exit_code(report) == 0, show(report)
+    assert any(f.level == "ok" and f"ucx_options['NET_DEVICES']: {devices}" in f.message
+               for f in report.findings), show(report)
+
+
+@pytest.mark.parametrize("devices, named", [("^mlx5_9:1", "'mlx5_9:1'"), ("lo, mlx5_0:1", "' mlx5_0:1'"),
+                                            ("mlx5", "'mlx5'")])
+def test_nic_names_ucx_does_not_match_are_errors(devices: str, named: str) -> None:
+    """An excluded name that is no device excludes nothing; UCX strips no
+    spaces; a base name matches only up to the port's colon."""
+    report = Report(cuda="no CUDA device (no GPU driver)", transports=DEVICES)
+    check_config(vllm("kv_consumer", extra={"ucx_options": {"NET_DEVICES": devices}}, kv_port=14579), report)
+    assert exit_code(report) == 1, show(report)
+    (error,) = [f for f in report.findings if f.level == "error"]
+    assert f"names {named}" in error.message, error.message
+
+
 def test_nics_are_not_judged_without_a_device_list() -> None:
     """No ``ucx_info`` (``probe`` warns of it): nothing to compare with."""
     report, code = findings(vllm("kv_consumer", extra={"ucx_net_devices": "mlx5_{rank}:1"}))
@@ -268,3 +292,40 @@ def test_push_with_tcp_among_the_transports_is_warned_about(monkeypatch, tls: st
     monkeypatch.setenv("UCX_TLS", "all")
     report, code = findings(vllm("kv_consumer", extra={"mode": "pull"}))
     assert not any(f.message.startswith("mode push") for f in report.findings) and code == 0, show(report)
+
+
+@pytest.mark.parametrize("extra, env, warned", [
+    ({}, None, True),                                              # NET_DEVICES unset: all, lo among them
+    ({"ucx_options": {"NET_DEVICES": "mlx5_0:1"}}, None, False),   # an HCA port only: tcp has no device
+    ({"ucx_options": {"NET_DEVICES": "mlx5_0"}}, None, False),     # the HCA by its base name
+    ({"ucx_options": {"NET_DEVICES": "lo"}}, None, True),
+    ({"ucx_options": {"NET_DEVICES": "mlx5_0:1,lo"}}, None, True),
+    ({"ucx_options": {"NET_DEVICES": "^mlx5_0:1"}}, None, True),  # excludes the HCA: lo stays
+    ({"ucx_options": {"NET_DEVICES": "^lo"}}, None, False),
+    ({"ucx_options": {"NET_DEVICES": "all"}}, None, True),
+    ({"ucx_options": {"NET_DEVICES": "mlx5_[0-1]:1"}}, None, True),  # a range: not evaluated, so warned
+    ({}, "mlx5_0:1", False),                                       # UCX_NET_DEVICES
+    ({"ucx_options": {"NET_DEVICES": "lo"}}, "mlx5_0:1", True),   # the config's own wins
+    ({"ucx_options": {"NET_DEVICES": "mlx5_0:1"}}, "lo", False),
+    ({"ucx_net_devices": "mlx5_{rank}:1"}, "lo", False),          # each rank's, over the environment's
+    ({"ucx_net_devices": {"0": "mlx5_0:1", "1": "lo"}}, None, True),  # rank 1 has lo
+])
+def test_push_is_not_warned_about_where_net_devices_leave_tcp_no_device(
+        monkeypatch, extra: dict[str, Any], env: str | None, warned: bool) -> None:
+    """With ``ucx_info``'s device list, tcp among the transports counts only
+    where NET_DEVICES leaves it a device of this host, read as UCX reads it
+    (exact name or an HCA's base name; ``^`` excludes): an InfiniBand
+    cluster's config that names only HCA ports sends no write over TCP, and
+    a warning there would be a false alarm."""
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    if env is not None:
+        monkeypatch.setenv("UCX_NET_DEVICES", env)
+    report = Report(cuda="no CUDA device (no GPU driver)", transports=DEVICES)
+    check_config(vllm("kv_consumer", extra={"mode": "push", **extra}, kv_port=14579), report)
+    push = [f for f in report.findings if f.message.startswith("mode push")]
+    assert len(push) == 1, show(report)
+    assert push[0].level == ("warning" if warned else "ok"), show(report)
+    assert exit_code(report) == (3 if warned else 0), show(report)
+    assert "this host's TCP devices: lo" in push[0].message if not warned else "leaves it lo" in push[0].message, \
+        show(report)

@@ -215,7 +215,7 @@ def check_config(text: str, report: Report, *, engine: str = "auto") -> None:
     add(Finding("ok", f"config parses as {'vLLM' if is_vllm else 'rdma-kv'} {config.kv_connector} "
                 f"config, the connector accepts its settings: role {role}"))
     _check_devices(settings, report.transports, add)
-    _check_push_over_tcp(settings, add)
+    _check_push_over_tcp(settings, report.transports, add)
     if config.kv_role in (KVRole.PRODUCER, KVRole.BOTH):
         if _check_host(settings, add):
             _check_port(settings, add)
@@ -231,23 +231,23 @@ def _check_devices(settings: Any, transports: list[dict[str, str]], add: Any) ->
     """The NICs the config names (``ucx_net_devices`` for each rank, or
     ``ucx_options['NET_DEVICES']``) against the devices the UCX loaded here
     reports: a misspelt or absent device leaves an engine's reads without
-    that NIC, and shows only when they fail. Nothing to compare with
-    without ``ucx_info`` (``probe`` says so)."""
+    that NIC, and shows only when they fail. Names as UCX reads them: a
+    device, or an HCA without its port (``mlx5_0``); ``^`` excludes the
+    names that follow; a range (``mlx5_[0-3]:1``) is not checked. Nothing
+    to compare with without ``ucx_info`` (``probe`` says so)."""
     present = {t["device"] for t in transports}
     spec = settings.ucx_net_devices
     if not present or (spec is None and "NET_DEVICES" not in settings.ucx_options):
         return
-    if spec is None:
-        named = {"ucx_options['NET_DEVICES']": settings.ucx_options["NET_DEVICES"]}
-    else:  # each rank's, as its worker resolves them (KV cache on cuda:<rank>)
-        named = {f"ucx_net_devices of rank {r}":
-                 dataclasses.replace(settings, tp_rank=r).for_device(f"cuda:{r}").ucx_options["NET_DEVICES"]
-                 for r in range(settings.tp_size)}
+    named = _net_devices(settings)
     network = network_devices(transports)
     bad = 0
+    bases = {d.partition(":")[0] for d in present if ":" in d}  # an HCA named without its port
     for where, value in named.items():
-        for device in (d.strip() for d in value.split(",")):
-            if device and device != "all" and device not in present:
+        if value == "all":
+            continue
+        for device in value.removeprefix("^").split(","):  # UCX strips no spaces: " lo" names no device
+            if device and "[" not in device and device not in present and device not in bases:
                 bad += 1
                 add(Finding("error", f"{where} names {device!r}, but the UCX loaded here reports no such device "
                             f"(network devices: {', '.join(network) or 'none'}); fix the name (`ucx_info -d` lists "
@@ -268,7 +268,37 @@ def _tcp_enabled(tls: str) -> bool:
     return tls == "all" or "tcp" in tls.split(",")
 
 
-def _check_push_over_tcp(settings: Any, add: Any) -> None:
+def _allows_device(devices: str, device: str) -> bool:
+    """Whether a ``NET_DEVICES`` value lets UCX use network device
+    ``device``, read as UCX 1.22 reads it (``ucp_is_resource_in_device_list``):
+    ``all`` alone; a list naming the device or its base name (``mlx5_0``
+    for ``mlx5_0:1``); or an exclusion list (``^...``) naming neither. A
+    value with a range (``mlx5_[0-3]``) is taken to allow it: not
+    evaluated here."""
+    negate = devices.startswith("^")
+    names = (devices[1:] if negate else devices).split(",")
+    if devices == "all" or any("[" in name for name in names):
+        return True
+    named = device in names or (":" in device and device.partition(":")[0] in names)
+    return not named if negate else named
+
+
+def _net_devices(settings: Any) -> dict[str, str]:
+    """Each rank's ``NET_DEVICES``, named by where it comes from: the
+    config's ``ucx_net_devices`` (per rank) or ``ucx_options``, else
+    ``UCX_NET_DEVICES``, else ``all`` (UCX's default)."""
+    if settings.ucx_net_devices is not None:  # as each rank's worker resolves them (KV cache on cuda:<rank>)
+        return {f"ucx_net_devices of rank {r}":
+                dataclasses.replace(settings, tp_rank=r).for_device(f"cuda:{r}").ucx_options["NET_DEVICES"]
+                for r in range(settings.tp_size)}
+    if "NET_DEVICES" in settings.ucx_options:
+        return {"ucx_options['NET_DEVICES']": settings.ucx_options["NET_DEVICES"]}
+    if "UCX_NET_DEVICES" in os.environ:
+        return {"UCX_NET_DEVICES": os.environ["UCX_NET_DEVICES"]}
+    return {"NET_DEVICES (unset: UCX's default)": "all"}
+
+
+def _check_push_over_tcp(settings: Any, transports: list[dict[str, str]], add: Any) -> None:
     """Push mode where UCX may carry the writes over TCP. A decode that
     reaches its producer over TCP takes software-emulated PUTs, and the
     acknowledgement UCX 1.22 sends for each aborts the decode's process
@@ -277,19 +307,32 @@ def _check_push_over_tcp(settings: Any, add: Any) -> None:
     tests"): a crash path no setting of ours closes. Said here, where an
     operator checks a config, as a warning only: where UCX has RDMA, or
     shared memory between processes of one host, it carries the writes
-    there and TCP none."""
+    there and TCP none. With ``ucx_info``'s device list (``transports``),
+    tcp counts only where ``NET_DEVICES`` leaves it a device of this host
+    (a list of HCA ports, as on an InfiniBand cluster, leaves it none)."""
     if settings.mode != "push":
         return
     where = "ucx_options['TLS']" if "TLS" in settings.ucx_options else "UCX_TLS"
     tls = settings.ucx_options.get("TLS", os.environ.get("UCX_TLS"))
     shown = f"{where}={tls}" if tls is not None else "UCX_TLS unset: all, UCX's default"
-    if _tcp_enabled("all" if tls is None else tls):
-        add(Finding("warning", f"mode push with tcp among UCX's transports ({shown}): a decode that reaches "
-                    "its producer over TCP (no RDMA between the hosts) can abort inside UCX 1.22 if the producer "
-                    "dies while its writes cross (docs/deploy.md, \"Push over TCP\"); where the hosts have "
-                    "RDMA, keep tcp out of UCX_TLS, and over TCP alone prefer mode pull"))
-    else:
+    if not _tcp_enabled("all" if tls is None else tls):
         add(Finding("ok", f"mode push: tcp is not among UCX's transports ({shown}), so no write crosses TCP"))
+        return
+    if transports:  # this host's UCX lists its devices: which of tcp's each rank may use
+        tcp = sorted({t["device"] for t in transports if t["transport"] == "tcp"})
+        ranks = _net_devices(settings)
+        used = {name: [d for d in tcp if _allows_device(value, d)] for name, value in ranks.items()}
+        named = "; ".join(f"{name}={value}" for name, value in ranks.items())
+        if not any(used.values()):
+            add(Finding("ok", f"mode push: tcp is among UCX's transports ({shown}), but no rank has a TCP device "
+                        f"({named}; this host's TCP devices: {', '.join(tcp) or 'none'}), so no write crosses TCP"))
+            return
+        shown += f"; {named} leaves it {', '.join(sorted({d for ds in used.values() for d in ds}))}"
+    add(Finding("warning", f"mode push with tcp among UCX's transports ({shown}): a decode that reaches "
+                "its producer over TCP (no RDMA between the hosts) can abort inside UCX 1.22 if the producer "
+                "dies while its writes cross (docs/deploy.md, \"Push over TCP\"); where the hosts have "
+                "RDMA, keep tcp out of UCX_TLS (or name only HCA ports in NET_DEVICES), and over TCP alone "
+                "prefer mode pull"))
 
 
 def load_settings(text: str, *, engine: str = "auto", tp_rank: int = 0, tp_size: int | None = None) -> Any:
