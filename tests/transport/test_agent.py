@@ -897,6 +897,27 @@ def test_cuda_ipc_get_zero_copy_is_asked_for_and_skipped_where_ucx_has_no_cuda_m
     assert "CUDA_IPC_ENABLE_GET_ZCOPY" not in ucx.effective_options({})
 
 
+def test_the_setting_a_context_takes_is_named_in_one_place(monkeypatch):
+    """``ucx_setting``: what the diagnostics (info, the selftest, a
+    memory-type mismatch) name as the context's value of a UCX setting,
+    in the order the context applies them: its options, rdma-kv's default
+    unless the environment sets it, the environment, else UCX's default."""
+    from rdma_kv.transport.ucx import ucx_setting
+
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    monkeypatch.delenv("UCX_RNDV_THRESH", raising=False)
+    assert ucx_setting({}, "TLS") is None and ucx_setting(None, "TLS") is None
+    monkeypatch.setenv("UCX_TLS", "")
+    assert ucx_setting({}, "TLS") == ""  # set, if empty: not UCX's default
+    monkeypatch.setenv("UCX_TLS", "rc,sm,self")
+    assert ucx_setting({}, "TLS") == "rc,sm,self"
+    assert ucx_setting({"TLS": "tcp"}, "TLS") == "tcp"
+    assert ucx_setting({}, "RNDV_THRESH") == "inf"  # rdma-kv's default
+    monkeypatch.setenv("UCX_RNDV_THRESH", "8k")
+    assert ucx_setting({}, "RNDV_THRESH") == "8k"
+    assert ucx_setting({"RNDV_THRESH": "16k"}, "RNDV_THRESH") == "16k"
+
+
 def test_read_and_write_say_what_they_take(pair):
     """Lists of (address, length) are not descriptors: a TypeError naming
     DescList, not an AttributeError from inside the post."""

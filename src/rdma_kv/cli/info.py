@@ -37,6 +37,7 @@ from typing import Any
 
 # ucx_info parsing lives with the transport (the selftest reads it too);
 # parse_ucx_info and ucx_info_binary stay importable from here.
+from rdma_kv.transport.ucx import ucx_setting
 from rdma_kv.transport.ucxinfo import (  # noqa: F401  (parse_ucx_info: re-exported)
     VERBS_TRANSPORTS,
     network_devices,
@@ -145,7 +146,7 @@ def cuda_memory_support(report: Report) -> None:
     (``ucp_context_attr_t.memory_types``: host, plus the types of the memory
     domains whose transports stayed enabled). Without ``cuda`` there, the
     agent refuses a CUDA KV cache (UCX would map it as host memory)."""
-    tls = os.environ.get("UCX_TLS", "all (default)")
+    tls = ucx_setting(None, "TLS") or "all (default)"
     try:
         from rdma_kv.transport.memory import MemoryKind, kinds_in_mask
         from rdma_kv.transport.ucx import Context
@@ -291,11 +292,9 @@ def _net_devices(settings: Any) -> dict[str, str]:
         return {f"ucx_net_devices of rank {r}":
                 dataclasses.replace(settings, tp_rank=r).for_device(f"cuda:{r}").ucx_options["NET_DEVICES"]
                 for r in range(settings.tp_size)}
-    if "NET_DEVICES" in settings.ucx_options:
-        return {"ucx_options['NET_DEVICES']": settings.ucx_options["NET_DEVICES"]}
-    if "UCX_NET_DEVICES" in os.environ:
-        return {"UCX_NET_DEVICES": os.environ["UCX_NET_DEVICES"]}
-    return {"NET_DEVICES (unset: UCX's default)": "all"}
+    devices = ucx_setting(settings.ucx_options, "NET_DEVICES")
+    where = "ucx_options['NET_DEVICES']" if "NET_DEVICES" in settings.ucx_options else "UCX_NET_DEVICES"
+    return {where: devices} if devices is not None else {"NET_DEVICES (unset: UCX's default)": "all"}
 
 
 def _check_push_over_tcp(settings: Any, transports: list[dict[str, str]], add: Any) -> None:
@@ -313,7 +312,7 @@ def _check_push_over_tcp(settings: Any, transports: list[dict[str, str]], add: A
     if settings.mode != "push":
         return
     where = "ucx_options['TLS']" if "TLS" in settings.ucx_options else "UCX_TLS"
-    tls = settings.ucx_options.get("TLS", os.environ.get("UCX_TLS"))
+    tls = ucx_setting(settings.ucx_options, "TLS")
     shown = f"{where}={tls}" if tls is not None else "UCX_TLS unset: all, UCX's default"
     if not _tcp_enabled("all" if tls is None else tls):
         add(Finding("ok", f"mode push: tcp is not among UCX's transports ({shown}), so no write crosses TCP"))

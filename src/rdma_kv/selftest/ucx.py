@@ -72,17 +72,18 @@ def _context_memory_types(settings: RdmaSettings) -> list[str]:
 def _transports(library: str, settings: RdmaSettings) -> tuple[list[dict[str, str]] | None, Check]:
     """``ucx_info -d``'s transports (None when it cannot run) and the check."""
     name = "ucx.transports"
+    from rdma_kv.transport.ucx import ucx_setting
+
+    options = settings.for_device("cpu").ucx_options
     try:
         context_types = _context_memory_types(settings)
     except Exception as exc:  # a diagnostic: report it
-        options = settings.for_device("cpu").ucx_options
-        asked = ", ".join(f"{key}={options.get(key) or os.environ.get('UCX_' + key) or 'all (default)'}"
-                          for key in ("TLS", "NET_DEVICES"))
+        asked = ", ".join(f"{key}={ucx_setting(options, key) or 'all (default)'}" for key in ("TLS", "NET_DEVICES"))
         return None, Check.failed(name, f"cannot create a UCP context with the rank's settings ({asked}): {exc}; "
                                   "an engine's agent fails the same way: name transports and devices this UCX "
                                   "has (`ucx_info -d` lists them)")
-    tls = os.environ.get("UCX_TLS", "all (default)")
-    supports = f"a UCP context made with this environment (UCX_TLS={tls}) supports: {', '.join(context_types)}"
+    tls = f"{'ucx_options TLS' if 'TLS' in options else 'UCX_TLS'}={ucx_setting(options, 'TLS') or 'all (default)'}"
+    supports = f"a UCP context made with this environment ({tls}) supports: {', '.join(context_types)}"
     binary = ucx_info_binary(library)
     if binary is None:
         return None, Check.skipped(name, f"no ucx_info for the loaded UCX: transports not listed; {supports}",

@@ -87,7 +87,7 @@ from rdma_kv.transport.progress import ProgressDriver, Wake
 from rdma_kv.transport.registry import MemoryRegistry
 from rdma_kv.transport.route import Epoch, RouteBuilder
 from rdma_kv.transport.transfer import Transfer, XferOp
-from rdma_kv.transport.ucx import Context, Worker
+from rdma_kv.transport.ucx import Context, Worker, ucx_setting
 
 log = logging.getLogger("rdma_kv.transport.agent")
 
@@ -124,7 +124,7 @@ class AgentCore:
             self.inflight = InFlight(name, cfg, self)
             self.notifications = Notifications(name, self.inflight.ctx, self.worker, cfg)
             self.epoch = epoch = Epoch()
-            self.memory = MemoryRegistry(self.context, f"agent {name!r}", cfg.ucx_options.get("TLS", ""),
+            self.memory = MemoryRegistry(self.context, f"agent {name!r}", ucx_setting(cfg.ucx_options, "TLS"),
                                          epoch.move)
             self.peers = PeerTable(name, self.worker, self.inflight.ctx, epoch.move, cfg.express)
             # The creator's CUDA context (None without CUDA): every pump makes

@@ -16,7 +16,6 @@ May import: numpy, rdma_kv.errors, rdma_kv.transport._lib, .descriptors,
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -41,11 +40,11 @@ class MemoryRegistry:
     """Regions mapped into one UCP context for one agent (``owner`` names it
     in errors). ``stale`` is called whenever the mapped set changes."""
 
-    def __init__(self, context: Context, owner: str, tls: str, stale: Callable[[], None]) -> None:
+    def __init__(self, context: Context, owner: str, tls: str | None, stale: Callable[[], None]) -> None:
         self._ffi, self._lib = load()
         self._context = context
         self._owner = owner
-        self._tls = tls  # UCX_TLS as configured, for the error of a memory-type mismatch
+        self._tls = tls  # the context's UCX_TLS (None: UCX's default), for the error of a memory-type mismatch
         self._stale = stale
         self._regions: list[MemoryRegion] = []
         self.table = RegionTable([], owner)
@@ -104,7 +103,7 @@ class MemoryRegistry:
             check_status(lib.ucp_mem_query(memh, attr), "ucp_mem_query")
             ucx_kind = kind_from_ucs(attr.mem_type)
             if kind is not None and not same_memory(kind, ucx_kind):
-                tls = self._tls or os.environ.get("UCX_TLS") or "all (default)"
+                tls = "all (default)" if self._tls is None else self._tls
                 raise mismatch_error(base, nbytes, kind, ucx_kind, kinds_in_mask(self._context.memory_types()), tls)
             buf = ffi.new("void **")
             size = ffi.new("size_t *")

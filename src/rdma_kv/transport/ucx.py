@@ -66,6 +66,14 @@ def effective_options(options: Mapping[str, str] | None) -> dict[str, str]:
     return merged
 
 
+def ucx_setting(options: Mapping[str, str] | None, key: str) -> str | None:
+    """The value of UCX setting ``key`` (no ``UCX_`` prefix, as ``TLS``) in
+    a ``Context(options)``: ``options``' own, else rdma-kv's default where
+    the environment sets none, else ``UCX_<key>``; None where UCX's own
+    default holds (``all`` for ``TLS`` and ``NET_DEVICES``)."""
+    return effective_options(options).get(key, os.environ.get(f"UCX_{key}"))
+
+
 class Context:
     """A UCP context with RMA, active messages and wakeup.
 
