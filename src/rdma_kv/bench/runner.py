@@ -126,6 +126,11 @@ class Child:
         self._conn = parent_conn
 
     def close(self, timeout_s: float) -> None:
+        """Reap the child: at most ``timeout_s`` for it to exit, then
+        terminate, then kill. The runner's end of its pipe closes first: a
+        child still waiting for a command (its peer failed) reads the end of
+        the pipe and exits at once, where it waited out ``timeout_s``."""
+        self._conn.close()
         if self.process.is_alive():
             self.process.join(timeout_s)
         if self.process.is_alive():
@@ -134,7 +139,6 @@ class Child:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
-        self._conn.close()
 
 
 def run_pair(
