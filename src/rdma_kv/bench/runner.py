@@ -26,6 +26,8 @@ from __future__ import annotations
 import importlib
 import json
 import multiprocessing as mp
+import os
+import socket
 import time
 import traceback
 from typing import Any
@@ -127,10 +129,16 @@ class Child:
 
     def close(self, timeout_s: float) -> None:
         """Reap the child: at most ``timeout_s`` for it to exit, then
-        terminate, then kill. The runner's end of its pipe closes first: a
-        child still waiting for a command (its peer failed) reads the end of
-        the pipe and exits at once, where it waited out ``timeout_s``."""
-        self._conn.close()
+        terminate, then kill. The runner stops writing to its pipe first
+        (the duplex pipe is a socket pair: shut down for writing, still open
+        for reading): a child still waiting for a command (its peer failed)
+        reads the end of the pipe and exits at once, where it waited out
+        ``timeout_s``, and a child told to close can still answer."""
+        try:
+            with socket.socket(fileno=os.dup(self._conn.fileno())) as end:
+                end.shutdown(socket.SHUT_WR)
+        except OSError:  # closed already, or the child's end is gone
+            pass
         if self.process.is_alive():
             self.process.join(timeout_s)
         if self.process.is_alive():
@@ -139,6 +147,7 @@ class Child:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
+        self._conn.close()
 
 
 def run_pair(
