@@ -237,15 +237,25 @@ def test_nic_names_ucx_accepts_are_not_errors(devices: str) -> None:
 
 
 @pytest.mark.parametrize("devices, named", [("^mlx5_9:1", "'mlx5_9:1'"), ("lo, mlx5_0:1", "' mlx5_0:1'"),
-                                            ("mlx5", "'mlx5'")])
+                                            ("mlx5", "'mlx5'"), ("mlx5_[1-3]:1", "'mlx5_[1-3]:1'")])
 def test_nic_names_ucx_does_not_match_are_errors(devices: str, named: str) -> None:
     """An excluded name that is no device excludes nothing; UCX strips no
-    spaces; a base name matches only up to the port's colon."""
+    spaces; a base name matches only up to the port's colon; a range that
+    spans no device of this host (mlx5_1:1..mlx5_3:1) is named as written."""
     report = Report(cuda="no CUDA device (no GPU driver)", transports=DEVICES)
     check_config(vllm("kv_consumer", extra={"ucx_options": {"NET_DEVICES": devices}}, kv_port=14579), report)
     assert exit_code(report) == 1, show(report)
     (error,) = [f for f in report.findings if f.level == "error"]
     assert f"names {named}" in error.message, error.message
+
+
+def test_all_among_other_devices_is_an_error() -> None:
+    """UCX refuses ``all,lo`` (Invalid parameter): no engine so configured starts."""
+    report = Report(cuda="no CUDA device (no GPU driver)", transports=DEVICES)
+    check_config(vllm("kv_consumer", extra={"ucx_options": {"NET_DEVICES": "all,lo"}}, kv_port=14579), report)
+    assert exit_code(report) == 1, show(report)
+    (error,) = [f for f in report.findings if f.level == "error"]
+    assert "ucx_options['NET_DEVICES']: 'all,lo': 'all' must stand alone" in error.message, error.message
 
 
 def test_nics_are_not_judged_without_a_device_list() -> None:
@@ -303,7 +313,7 @@ def test_push_with_tcp_among_the_transports_is_warned_about(monkeypatch, tls: st
     ({"ucx_options": {"NET_DEVICES": "^mlx5_0:1"}}, None, True),  # excludes the HCA: lo stays
     ({"ucx_options": {"NET_DEVICES": "^lo"}}, None, False),
     ({"ucx_options": {"NET_DEVICES": "all"}}, None, True),
-    ({"ucx_options": {"NET_DEVICES": "mlx5_[0-1]:1"}}, None, True),  # a range: not evaluated, so warned
+    ({"ucx_options": {"NET_DEVICES": "mlx5_[0-1]:1"}}, None, False),  # a range of HCA ports: tcp has none
     ({}, "mlx5_0:1", False),                                       # UCX_NET_DEVICES
     ({"ucx_options": {"NET_DEVICES": "lo"}}, "mlx5_0:1", True),   # the config's own wins
     ({"ucx_options": {"NET_DEVICES": "mlx5_0:1"}}, "lo", False),

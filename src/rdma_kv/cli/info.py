@@ -39,6 +39,7 @@ from typing import Any
 # parse_ucx_info and ucx_info_binary stay importable from here.
 from rdma_kv.transport.ucx import ucx_setting
 from rdma_kv.transport.ucxinfo import (  # noqa: F401  (parse_ucx_info: re-exported)
+    DeviceList,
     VERBS_TRANSPORTS,
     network_devices,
     parse_ucx_info,
@@ -232,10 +233,12 @@ def _check_devices(settings: Any, transports: list[dict[str, str]], add: Any) ->
     """The NICs the config names (``ucx_net_devices`` for each rank, or
     ``ucx_options['NET_DEVICES']``) against the devices the UCX loaded here
     reports: a misspelt or absent device leaves an engine's reads without
-    that NIC, and shows only when they fail. Names as UCX reads them: a
-    device, or an HCA without its port (``mlx5_0``); ``^`` excludes the
-    names that follow; a range (``mlx5_[0-3]:1``) is not checked. Nothing
-    to compare with without ``ucx_info`` (``probe`` says so)."""
+    that NIC, and shows only when they fail. Names as UCX reads them
+    (``DeviceList``): a device, or an HCA without its port (``mlx5_0``);
+    ``^`` excludes the names that follow; a range (``mlx5_[0-3]:1``) must
+    span at least one device (a cluster-wide range may span more than one
+    host has). Nothing to compare with without ``ucx_info`` (``probe``
+    says so)."""
     present = {t["device"] for t in transports}
     spec = settings.ucx_net_devices
     if not present or (spec is None and "NET_DEVICES" not in settings.ucx_options):
@@ -243,16 +246,18 @@ def _check_devices(settings: Any, transports: list[dict[str, str]], add: Any) ->
     named = _net_devices(settings)
     network = network_devices(transports)
     bad = 0
-    bases = {d.partition(":")[0] for d in present if ":" in d}  # an HCA named without its port
     for where, value in named.items():
-        if value == "all":
+        try:
+            unmatched = DeviceList.parse(value).unmatched(present)
+        except ValueError as exc:
+            bad += 1
+            add(Finding("error", f"{where}: {exc}; name the devices, or give all alone"))
             continue
-        for device in value.removeprefix("^").split(","):  # UCX strips no spaces: " lo" names no device
-            if device and "[" not in device and device not in present and device not in bases:
-                bad += 1
-                add(Finding("error", f"{where} names {device!r}, but the UCX loaded here reports no such device "
-                            f"(network devices: {', '.join(network) or 'none'}); fix the name (`ucx_info -d` lists "
-                            "them, ports as mlx5_0:1). Checked against this host: run info on the engine's host"))
+        for device in unmatched:  # UCX strips no spaces: " lo" names no device
+            bad += 1
+            add(Finding("error", f"{where} names {device!r}, but the UCX loaded here reports no such device "
+                        f"(network devices: {', '.join(network) or 'none'}); fix the name (`ucx_info -d` lists "
+                        "them, ports as mlx5_0:1). Checked against this host: run info on the engine's host"))
     if not bad:
         add(Finding("ok", f"every NIC the config names is a device of the UCX loaded here "
                     f"({'; '.join(f'{k}: {v}' for k, v in named.items())})"))
@@ -269,21 +274,6 @@ def _tcp_enabled(tls: str) -> bool:
     return tls == "all" or "tcp" in tls.split(",")
 
 
-def _allows_device(devices: str, device: str) -> bool:
-    """Whether a ``NET_DEVICES`` value lets UCX use network device
-    ``device``, read as UCX 1.22 reads it (``ucp_is_resource_in_device_list``):
-    ``all`` alone; a list naming the device or its base name (``mlx5_0``
-    for ``mlx5_0:1``); or an exclusion list (``^...``) naming neither. A
-    value with a range (``mlx5_[0-3]``) is taken to allow it: not
-    evaluated here."""
-    negate = devices.startswith("^")
-    names = (devices[1:] if negate else devices).split(",")
-    if devices == "all" or any("[" in name for name in names):
-        return True
-    named = device in names or (":" in device and device.partition(":")[0] in names)
-    return not named if negate else named
-
-
 def _net_devices(settings: Any) -> dict[str, str]:
     """Each rank's ``NET_DEVICES``, named by where it comes from: the
     config's ``ucx_net_devices`` (per rank) or ``ucx_options``, else
@@ -295,6 +285,16 @@ def _net_devices(settings: Any) -> dict[str, str]:
     devices = ucx_setting(settings.ucx_options, "NET_DEVICES")
     where = "ucx_options['NET_DEVICES']" if "NET_DEVICES" in settings.ucx_options else "UCX_NET_DEVICES"
     return {where: devices} if devices is not None else {"NET_DEVICES (unset: UCX's default)": "all"}
+
+
+def _allows(devices: str, device: str) -> bool:
+    """Whether a ``NET_DEVICES`` value lets UCX use ``device``; a value UCX
+    refuses allows nothing (the engine would not start; ``_check_devices``
+    says so)."""
+    try:
+        return DeviceList.parse(devices).allows(device)
+    except ValueError:
+        return False
 
 
 def _check_push_over_tcp(settings: Any, transports: list[dict[str, str]], add: Any) -> None:
@@ -320,7 +320,7 @@ def _check_push_over_tcp(settings: Any, transports: list[dict[str, str]], add: A
     if transports:  # this host's UCX lists its devices: which of tcp's each rank may use
         tcp = sorted({t["device"] for t in transports if t["transport"] == "tcp"})
         ranks = _net_devices(settings)
-        used = {name: [d for d in tcp if _allows_device(value, d)] for name, value in ranks.items()}
+        used = {name: [d for d in tcp if _allows(value, d)] for name, value in ranks.items()}
         named = "; ".join(f"{name}={value}" for name, value in ranks.items())
         if not any(used.values()):
             add(Finding("ok", f"mode push: tcp is among UCX's transports ({shown}), but no rank has a TCP device "

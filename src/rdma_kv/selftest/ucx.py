@@ -24,8 +24,8 @@ from typing import Any
 
 from rdma_kv.connector.rdma.settings import RdmaSettings
 from rdma_kv.selftest.report import Check
-from rdma_kv.transport.ucxinfo import (VERBS_TRANSPORTS, by_memory_type, network_devices, parse_ucx_info, run_ucx_info,
-                                       ucx_info_binary)
+from rdma_kv.transport.ucxinfo import (VERBS_TRANSPORTS, DeviceList, by_memory_type, network_devices, parse_ucx_info,
+                                      run_ucx_info, ucx_info_binary)
 
 __all__ = ["UcxFacts", "nic_targets", "ucx_checks"]
 
@@ -111,38 +111,51 @@ def _transports(library: str, settings: RdmaSettings) -> tuple[list[dict[str, st
 def nic_targets(facts: UcxFacts, settings: RdmaSettings) -> tuple[list[dict[str, str]], list[Check]]:
     """The devices to read through, each with the TLS that keeps the read on
     it, and the checks already decided (unknown devices FAIL; nothing to
-    check SKIPs). The devices are the rank's ``ucx_net_devices`` (its KV
-    cache on ``cuda:<rank>``), else ``NET_DEVICES`` from its ``ucx_options``
-    or ``UCX_NET_DEVICES``, else every device with a verbs transport."""
+    check SKIPs). The devices are those the rank's ``NET_DEVICES`` allows,
+    read as UCX reads it (``DeviceList``: ``mlx5_0`` is each of its ports,
+    ``^`` excludes, ranges expand): its ``ucx_net_devices`` (its KV cache
+    on ``cuda:<rank>``), else ``NET_DEVICES`` from its ``ucx_options`` or
+    ``UCX_NET_DEVICES``; a list that excludes, or none (``all``), leaves
+    every device with a verbs transport that it does not exclude."""
     transports = facts.transports
     if transports is None:
         return [], [Check.skipped("nic", "no device list from ucx_info (see ucx.transports): NICs not checked")]
     named = settings.for_device(f"cuda:{settings.tp_rank}").ucx_options.get("NET_DEVICES")
     source = f"ucx_net_devices/NET_DEVICES of rank {settings.tp_rank}"
-    if named is None and os.environ.get("UCX_NET_DEVICES", "all") != "all":
+    if named is None and "UCX_NET_DEVICES" in os.environ:
         named, source = os.environ["UCX_NET_DEVICES"], "UCX_NET_DEVICES"
     network = network_devices(transports)
-    if named is None:
-        devices = sorted({t["device"] for t in transports if t["transport"] in VERBS_TRANSPORTS})
-        if not devices:
+    try:
+        allowed = DeviceList.parse("all" if named is None else named)
+    except ValueError as exc:
+        return [], [Check.failed("nic", f"{source}: {exc}; name the devices, or give all alone", source=source)]
+    present = sorted({t["device"] for t in transports})
+    unknown = allowed.unmatched(present)
+    if allowed.every or allowed.negate:
+        verbs = sorted({t["device"] for t in transports if t["transport"] in VERBS_TRANSPORTS})
+        devices = [d for d in verbs if allowed.allows(d)]
+        if not devices and not unknown:
             ib = sorted(p.name for p in IB_CLASS.iterdir()) if IB_CLASS.is_dir() else []
-            return [], [Check.skipped("nic", "no RDMA NIC: UCX reports no rc/ud/dc transport on any device "
-                                      f"({IB_CLASS}: {', '.join(ib) or 'none'}), and no ucx_net_devices is "
-                                      f"configured (--config); network devices UCX reports: {', '.join(network)}")]
-        source = "every device with a verbs transport"
+            kept = f" that {source}={named} leaves" if allowed.negate else ""
+            return [], [Check.skipped("nic", f"no RDMA NIC{kept}: UCX reports no rc/ud/dc transport on "
+                                      f"{'such a' if allowed.negate else 'any'} device ({IB_CLASS}: "
+                                      f"{', '.join(ib) or 'none'}), and no ucx_net_devices is configured "
+                                      f"(--config); network devices UCX reports: {', '.join(network)}")]
+        if allowed.every:
+            source = "every device with a verbs transport"
     else:
-        devices = [d.strip() for d in named.split(",") if d.strip()]
+        devices = [d for d in present if allowed.allows(d)]
     targets, decided = [], []
+    for token in unknown:
+        decided.append(Check.failed(f"nic:{token}", f"{source} names {token!r}, but UCX reports no such device "
+                                    f"(network devices: {', '.join(network) or 'none'}); fix the device name "
+                                    "(`ucx_info -d` lists them, ports as mlx5_0:1)", source=source))
     for device in devices:
         names = sorted({t["transport"] for t in transports if t["device"] == device})
         tls = ",".join(kind for kind in ("rc", "ud", "dc") if any(n.startswith(kind) for n in names))
         if not tls and "tcp" in names:
             tls = "tcp"
-        if not names:
-            decided.append(Check.failed(f"nic:{device}", f"{source} names {device!r}, but UCX reports no such device "
-                                        f"(network devices: {', '.join(network) or 'none'}); fix the device name "
-                                        "(`ucx_info -d` lists them, ports as mlx5_0:1)", source=source))
-        elif not tls:
+        if not tls:
             decided.append(Check.failed(f"nic:{device}", f"{source} names {device!r}, which is no network device "
                                         f"(its transports: {', '.join(names)})", source=source))
         else:

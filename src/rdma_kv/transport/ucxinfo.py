@@ -18,13 +18,70 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LoadedUCX", "by_memory_type", "loaded_ucx", "network_devices", "parse_ucx_info", "run_ucx_info",
+__all__ = ["DeviceList", "LoadedUCX", "by_memory_type", "loaded_ucx", "network_devices", "parse_ucx_info", "run_ucx_info",
            "ucx_info_binary"]
 
 # Transports that mean RDMA hardware is usable through UCX.
 VERBS_TRANSPORTS = ("rc_verbs", "rc_mlx5", "ud_verbs", "ud_mlx5", "dc_mlx5", "rc", "ud", "dc")
 
 UCX_INFO_TIMEOUT_S = 60.0
+
+# One numeric range in a device name (UCX 1.22's ucs_config_array_expand_range).
+_RANGE = re.compile(r"^([^][]*)\[([0-9]+)-([0-9]+)\]([^][]*)$")
+
+
+@dataclass(frozen=True)
+class DeviceList:
+    """A ``NET_DEVICES`` value as UCX 1.22 reads it
+    (``ucs_config_sscanf_allow_list_with_ranges``, then
+    ``ucp_is_resource_in_device_list``): a leading ``^`` excludes the names
+    that follow; names are split on commas, empty ones dropped, no spaces
+    stripped; a name with one numeric range (``mlx5_[0-3]:1``) stands for
+    each name it spans; ``all`` as the first name means every device (with
+    or without ``^``) and must stand alone (UCX refuses ``all,lo``; a later
+    ``all`` is only a name). A device matches a name by its full name or,
+    for a port, its base name (``mlx5_0`` matches ``mlx5_0:1``)."""
+
+    every: bool
+    negate: bool
+    tokens: tuple[str, ...]  # as written, ranges unexpanded
+
+    @classmethod
+    def parse(cls, value: str) -> "DeviceList":
+        """ValueError for what UCX refuses (``all`` first among others)."""
+        negate = value.startswith("^")
+        tokens = tuple(t for t in value[negate:].split(",") if t)
+        if tokens and tokens[0] == "all":
+            if len(tokens) > 1:
+                raise ValueError(f"{value!r}: 'all' must stand alone (UCX refuses the value: Invalid parameter)")
+            return cls(True, False, ())
+        return cls(False, negate, tokens)
+
+    @staticmethod
+    def expand(token: str) -> list[str]:
+        """The names one token stands for (itself, or its range's names, at
+        most 128: UCX keeps no more names than that in a list)."""
+        m = _RANGE.match(token)
+        if m is None or int(m.group(2)) > int(m.group(3)):
+            return [token]
+        first, last = int(m.group(2)), min(int(m.group(3)), int(m.group(2)) + 127)
+        return [f"{m.group(1)}{i}{m.group(4)}" for i in range(first, last + 1)]
+
+    @staticmethod
+    def matches(name: str, device: str) -> bool:
+        return device == name or (":" in device and device.partition(":")[0] == name)
+
+    def allows(self, device: str) -> bool:
+        """Whether UCX may use network device ``device`` under this list."""
+        if self.every:
+            return True
+        named = any(self.matches(n, device) for t in self.tokens for n in self.expand(t))
+        return not named if self.negate else named
+
+    def unmatched(self, devices: list[str] | set[str]) -> list[str]:
+        """The tokens that name none of ``devices`` (a range: none of its
+        names), as written: a misspelt or absent device."""
+        return [t for t in self.tokens if not any(self.matches(n, d) for n in self.expand(t) for d in devices)]
 
 
 @dataclass(frozen=True)
