@@ -78,6 +78,7 @@ def test_an_exclusion_that_leaves_no_verbs_device_skips() -> None:
     targets, decided = nic_targets(FACTS, settings({"ucx_options": {"NET_DEVICES": "^mlx5_0,mlx5_1"}}))
     assert targets == [] and [(c.name, c.status) for c in decided] == [("nic", Status.SKIP)]
     assert decided[0].detail.startswith("no RDMA NIC that ucx_net_devices/NET_DEVICES of rank 0=^mlx5_0,mlx5_1 leaves")
+    assert "no ucx_net_devices is configured" not in decided[0].detail  # it is: it excludes every HCA
 
 
 def test_a_device_with_no_network_transport_fails() -> None:

@@ -136,11 +136,13 @@ def nic_targets(facts: UcxFacts, settings: RdmaSettings) -> tuple[list[dict[str,
         devices = [d for d in verbs if allowed.allows(d)]
         if not devices and not unknown:
             ib = sorted(p.name for p in IB_CLASS.iterdir()) if IB_CLASS.is_dir() else []
-            kept = f" that {source}={named} leaves" if allowed.negate else ""
-            return [], [Check.skipped("nic", f"no RDMA NIC{kept}: UCX reports no rc/ud/dc transport on "
-                                      f"{'such a' if allowed.negate else 'any'} device ({IB_CLASS}: "
-                                      f"{', '.join(ib) or 'none'}), and no ucx_net_devices is configured "
-                                      f"(--config); network devices UCX reports: {', '.join(network)}")]
+            if allowed.negate:
+                why = f"no RDMA NIC that {source}={named} leaves: UCX reports no rc/ud/dc transport on such a device"
+            else:
+                why = "no RDMA NIC: UCX reports no rc/ud/dc transport on any device"
+            unset = "" if allowed.negate else ", and no ucx_net_devices is configured (--config)"
+            return [], [Check.skipped("nic", f"{why} ({IB_CLASS}: {', '.join(ib) or 'none'}){unset}; "
+                                      f"network devices UCX reports: {', '.join(network)}")]
         if allowed.every:
             source = "every device with a verbs transport"
     else:

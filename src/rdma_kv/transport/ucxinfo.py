@@ -18,8 +18,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DeviceList", "LoadedUCX", "by_memory_type", "loaded_ucx", "network_devices", "parse_ucx_info", "run_ucx_info",
-           "ucx_info_binary"]
+__all__ = ["DeviceList", "LoadedUCX", "by_memory_type", "loaded_ucx", "network_devices", "parse_ucx_info",
+           "run_ucx_info", "ucx_info_binary"]
 
 # Transports that mean RDMA hardware is usable through UCX.
 VERBS_TRANSPORTS = ("rc_verbs", "rc_mlx5", "ud_verbs", "ud_mlx5", "dc_mlx5", "rc", "ud", "dc")
@@ -62,10 +62,12 @@ class DeviceList:
         """The names one token stands for (itself, or its range's names, at
         most 128: UCX keeps no more names than that in a list)."""
         m = _RANGE.match(token)
-        if m is None or int(m.group(2)) > int(m.group(3)):
+        if m is None:
             return [token]
-        first, last = int(m.group(2)), min(int(m.group(3)), int(m.group(2)) + 127)
-        return [f"{m.group(1)}{i}{m.group(4)}" for i in range(first, last + 1)]
+        first, last = int(m.group(2)), int(m.group(3))
+        if first > last:
+            return [token]
+        return [f"{m.group(1)}{i}{m.group(4)}" for i in range(first, min(last, first + 127) + 1)]
 
     @staticmethod
     def matches(name: str, device: str) -> bool:
