@@ -12,8 +12,9 @@ the producer, then, in alternating order:
   ``LoadRecord`` (``get_kv_connector_stats``) gives the stages:
   ``start_s`` (the step's metadata bound -> first read posted; ``plan_s``
   in it), ``transfer_s`` (posted -> last read completed; ``post_s`` in it),
-  ``finish_s`` (completed -> reported; ``confirm_s`` in it: the wait for
-  the read pin's answer, or the CONFIRM round trip) and ``total_s``;
+  ``finish_s`` (completed -> reported; ``confirm_s`` in it: the held
+  words' read, the wait for the read pin's answer, or the CONFIRM round
+  trip) and ``total_s``;
 - **raw**: ``Agent.read_prepared`` of the same producer blocks, on the
   same two agents (the connector's, kept by the transport factory) and
   over the same endpoint, with ``wait()``: call -> completion.
@@ -28,11 +29,14 @@ heads, head 32, block 32, fp32: 16 KiB per layer per block); ``8b``, a
 Llama-3-8B-like one (32 layers, 8 KV heads, head 128, block 16, fp16:
 64 KiB per layer per block).
 
-``--read-pin off`` runs the decode with ``read_pin: false`` (a CONFIRM after
-every read, as before protocol 7) for an A/B against the default.
+``--held-words off`` runs both engines with ``held_words: false`` (the
+producer publishes no held words, so the decode pins its reads, as before
+protocol 12); ``--read-pin off`` runs the decode with ``read_pin: false``
+(then, without held words, a CONFIRM after every read, as before protocol
+7): A/Bs against the default.
 
     .venv/bin/python bench/connector_overhead.py [--reps 30] [--geometry tiny,8b] [--tokens 128]
-        [--read-pin on|off] [--json OUT]
+        [--held-words on|off] [--read-pin on|off] [--json OUT]
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ class Raw:
 
 
 def run_geometry(name: str, shape: ModelShape, tokens: int, reps: int, idle_s: float,
-                 seed: int, read_pin: bool = True) -> dict[str, Any]:
+                 seed: int, read_pin: bool = True, held_words: bool = True) -> dict[str, Any]:
     agents: dict[str, Agent] = {}
 
     def keep(agent_name: str, settings: RdmaSettings) -> Any:
@@ -108,9 +112,10 @@ def run_geometry(name: str, shape: ModelShape, tokens: int, reps: int, idle_s: f
         return transport
 
     kw = {"transport_factory": keep}
-    P = Engine(config(KVRole.PRODUCER, f"ovh-{name}-P"), shape, connector_kwargs=kw, fill=False, verify=False)
-    D = Engine(config(KVRole.CONSUMER, f"ovh-{name}-D", read_pin=read_pin), shape, connector_kwargs=kw,
+    P = Engine(config(KVRole.PRODUCER, f"ovh-{name}-P", held_words=held_words), shape, connector_kwargs=kw,
                fill=False, verify=False)
+    D = Engine(config(KVRole.CONSUMER, f"ovh-{name}-D", read_pin=read_pin, held_words=held_words), shape,
+               connector_kwargs=kw, fill=False, verify=False)
     rng = np.random.default_rng(seed)
     rows: list[dict[str, float]] = []
     raw: Raw | None = None
@@ -160,7 +165,8 @@ def run_geometry(name: str, shape: ModelShape, tokens: int, reps: int, idle_s: f
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     med["wait_s"] = statistics.median(r["finish_s"] - r["confirm_s"] for r in rows)
     ratios = [r["total_s"] / r["raw_s"] for r in rows]
-    return {"geometry": name, "read_pin": read_pin, "shape": shape.__dict__, "tokens": tokens,
+    return {"geometry": name, "read_pin": read_pin, "held_words": held_words, "shape": shape.__dict__,
+            "tokens": tokens,
             "blocks": -(-tokens // shape.block_size),
             "reps": reps, "medians": med, "ratio_total_raw": med["total_s"] / med["raw_s"],
             "ratio_transfer_raw": med["transfer_s"] / med["raw_s"],
@@ -184,7 +190,8 @@ def report(result: dict[str, Any]) -> str:
     m, us = result["medians"], 1e6
     mib = m["nbytes"] / 2**20
     lines = [
-        f"{result['geometry']} (read pin {'on' if result['read_pin'] else 'off'}): {result['tokens']} tokens = "
+        f"{result['geometry']} (held words {'on' if result.get('held_words', False) else 'off'}, "
+        f"read pin {'on' if result['read_pin'] else 'off'}): {result['tokens']} tokens = "
         f"{result['blocks']} blocks, {mib:.3g} MiB; "
         f"{result['reps']} reps, medians in us",
         f"  raw read_prepared + wait     {m['raw_s'] * us:9.1f}   ({m['raw_ops']:.0f} ops, "
@@ -195,7 +202,7 @@ def report(result: dict[str, Any]) -> str:
         f"    start  (bind -> post)      {m['start_s'] * us:9.1f}   (plan {m['plan_s'] * us:.1f})",
         f"    transfer (post -> done)    {m['transfer_s'] * us:9.1f}   (post loop {m['post_s'] * us:.1f}; "
         f"x{result['ratio_transfer_raw']:.2f} raw; {m['ops']:.0f} ops)",
-        f"    finish (done -> reported)  {m['finish_s'] * us:9.1f}   (pin or CONFIRM {m['confirm_s'] * us:.1f}, "
+        f"    finish (done -> reported)  {m['finish_s'] * us:9.1f}   (words, pin or CONFIRM {m['confirm_s'] * us:.1f}, "
         f"the rest {m['wait_s'] * us:.1f})",
     ]
     return "\n".join(lines)
@@ -210,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--read-pin", choices=("on", "off"), default="on",
                     help="the decode's read_pin (default on, as shipped; off: CONFIRM after every read)")
+    ap.add_argument("--held-words", choices=("on", "off"), default="on",
+                    help="both engines' held_words (default on, as shipped; off: the decode pins, or CONFIRMs)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     names = [g for g in args.geometry.split(",") if g]
@@ -218,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown geometry {unknown}; valid: {sorted(GEOMETRIES)}")
     load_before = os.getloadavg()
     results = [run_geometry(g, GEOMETRIES[g], args.tokens, args.reps, args.idle_s, args.seed,
-                            read_pin=args.read_pin == "on") for g in names]
+                            read_pin=args.read_pin == "on", held_words=args.held_words == "on") for g in names]
     load_after = os.getloadavg()
     for result in results:
         print(report(result))

@@ -62,19 +62,40 @@ class FakeCudaTensor:
         return FakeCudaTensor(self._host[index], self.device.index)
 
 
+def load_ffi():
+    from rdma_kv.transport._lib import load
+
+    return load()[0]
+
+
 class QueryAnswers:
     """The agent's cffi library, except that ``ucp_mem_query`` reports
-    ``mem_type`` (a ``ucs_memory_type_t`` name). Counts unmaps."""
+    ``mem_type`` (a ``ucs_memory_type_t`` name): for every mapping, or, with
+    ``within=(base, nbytes)``, for the mappings that start in that range
+    (the KV cache; the connector's own host arrays, its held words and
+    their scratch, keep UCX's answer). Counts unmaps."""
 
-    def __init__(self, lib, mem_type: str) -> None:
+    def __init__(self, lib, mem_type: str, within: tuple[int, int] | None = None) -> None:
         self._lib, self._mem_type, self.unmapped = lib, mem_type, 0
+        self._within = within
+        self._inside: set[int] = set()
 
     def __getattr__(self, name):
         return getattr(self._lib, name)
 
+    def ucp_mem_map(self, context, params, memh_p):
+        status = self._lib.ucp_mem_map(context, params, memh_p)
+        if self._within is not None:
+            ffi = load_ffi()
+            base, nbytes = self._within
+            if base <= int(ffi.cast("uintptr_t", params.address)) < base + nbytes:
+                self._inside.add(int(ffi.cast("uintptr_t", memh_p[0])))
+        return status
+
     def ucp_mem_query(self, memh, attr):
         status = self._lib.ucp_mem_query(memh, attr)
-        attr.mem_type = getattr(self._lib, f"UCS_MEMORY_TYPE_{self._mem_type}")
+        if self._within is None or int(load_ffi().cast("uintptr_t", memh)) in self._inside:
+            attr.mem_type = getattr(self._lib, f"UCS_MEMORY_TYPE_{self._mem_type}")
         return status
 
     def ucp_mem_unmap(self, context, memh):

@@ -5,7 +5,11 @@ verified once it answers. A producer that never answers fails them at the
 deadline, saying why. Before, the CONFIRM call's attempts decided (two in
 4 s at the defaults): CI saw six loads of two stalled prefills recompute
 (``could not confirm the lease ... unreachable after 2 attempts in 4.1 s:
-timed out``). Engines in two processes, KV over UCX loopback."""
+timed out``). Engines in two processes, KV over UCX loopback.
+
+With held words (protocol 12, the default), the same stopped producer
+does not delay the loads at all: the words are read one-sided after the
+data, like the data, and vouch for it (no CONFIRM is made)."""
 
 from __future__ import annotations
 
@@ -29,18 +33,19 @@ STALL_S = 6.0
 """Longer than one CONFIRM call's attempts, well inside the decode's load_timeout_s."""
 
 
-def stalled_config(role: str, engine_id: str, **extra: object) -> dict[str, object]:
-    return config(role, engine_id, "fail", **RPC, read_timeout_s=10.0, read_pin=False, **extra)
+def stalled_config(role: str, engine_id: str, words: bool = False, **extra: object) -> dict[str, object]:
+    # The CONFIRM path: no pins, and (unless ``words``) a producer that publishes no held words.
+    return config(role, engine_id, "fail", **RPC, read_timeout_s=10.0, read_pin=False, held_words=words, **extra)
 
 
-def stalled_loads(rng, load_timeout_s: float, stall_s: float | None
+def stalled_loads(rng, load_timeout_s: float, stall_s: float | None, words: bool = False
                   ) -> tuple[dict[str, dict[str, object]], dict[str, object]]:
     """Warm the decode's handshake with the producer, gate its reads, add 6
     loads, stop the producer, let the reads land; continue the producer
     ``stall_s`` later (None: only after the results). The loads' results,
     and the decode's counters."""
-    with EngineProcess("prefill-s", stalled_config("kv_producer", "PS"), SHAPE) as p, \
-            EngineProcess("decode-s", stalled_config("kv_consumer", "DS", load_timeout_s=load_timeout_s), SHAPE,
+    with EngineProcess("prefill-s", stalled_config("kv_producer", "PS", words), SHAPE) as p, \
+            EngineProcess("decode-s", stalled_config("kv_consumer", "DS", words, load_timeout_s=load_timeout_s), SHAPE,
                           faults={"gate_reads": True}) as d:
         prompts = {f"s{i}": rng.integers(1, 999, int(rng.integers(40, 200))).tolist() for i in range(7)}
         params = prefill(p, prompts)
@@ -79,3 +84,13 @@ def test_a_producer_that_never_answers_fails_the_loads_at_their_deadline_saying_
     logged = capfd.readouterr().err  # the decode's warnings (its stderr is this process's; a few per window)
     assert "KV load failed: not finished within load_timeout_s=8.0 (stage confirming): the CONFIRM to 'PS' " \
            "rank 0 is not answered: side channel" in logged, logged[-3000:]
+
+
+def test_held_words_vouch_for_reads_while_the_producer_is_stopped(rng):
+    # The producer stays stopped until every load is reported: nothing of it runs.
+    results, totals = stalled_loads(rng, load_timeout_s=8.0, stall_s=None, words=True)
+    assert totals["words_trusted"] == 7, totals  # (the warm load too)
+    assert "confirms_unanswered" not in totals and "words_fallbacks" not in totals, totals
+    for rid, r in results.items():
+        assert r["status"] == "finished" and not r["load_failed"], (rid, r["error"])
+        assert r["bad_blocks"] == [], f"{rid}: blocks {r['bad_blocks']} differ from its producer's"

@@ -122,7 +122,11 @@ def dup_after_release(race, rng, same_engine):
 
 
 def dup_concurrent(race, rng):
-    """A router retry while the first load is in flight: exactly one wins."""
+    """A router retry while the first load is in flight: one load at least
+    is verified, none accepts other bytes. The first claim owns the lease
+    (renewals, releases); the other engine's load is verified too when its
+    held words, read after its data, still named the lease (it read the
+    same KV while the lease held it), else it is a load error."""
     (rid, prompt), = race.prompts(rng).items()
     params = prefill(race.p, {rid: prompt})[rid]
     first, second = (race.d1, race.d2) if rng.random() < 0.5 else (race.d2, race.d1)
@@ -131,7 +135,7 @@ def dup_concurrent(race, rng):
         time.sleep(float(rng.random()) * 0.05)
     second.add(rid, prompt, params)
     outcomes = [check_loaded(rid, d.wait_results([rid], timeout_s=30)[rid]) for d in (first, second)]
-    assert sorted(outcomes) == ["load_error", "verified"], outcomes
+    assert "verified" in outcomes, outcomes  # (check_loaded: a verified load's bytes are the producer's)
     return outcomes
 
 

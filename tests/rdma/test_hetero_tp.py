@@ -233,8 +233,9 @@ def test_a_producer_rank_read_by_two_decode_ranks_keeps_its_blocks_until_both_co
         dep.D.add_request("r0", prompt["r0"], dep.P.results["r0"].kv_transfer_params)
         wait_until(lambda: len(fabric.pending) == 2, step=dep.pump, what="both ranks' reads posted")
         first, second = (r.worker.worker for r in dep.D.ranks)
-        fabric.release_all(reader=first.agent_name)
-        wait_until(lambda: first.num_inflight() == 0, step=dep.pump, what="rank 0 confirmed its share")
+        # Rank 0's reads land, then its held words' read (posted after them): released as they come.
+        wait_until(lambda: (fabric.release_all(reader=first.agent_name), first.num_inflight() == 0)[1],
+                   step=dep.pump, what="rank 0 confirmed its share")
         for _ in range(20):
             dep.pump()
         assert "r0" in dep.P.held, "the producer handed back blocks a decode rank is still reading"

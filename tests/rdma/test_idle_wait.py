@@ -7,6 +7,7 @@ and released by the test."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from fakes import FakeFabric
@@ -25,6 +26,18 @@ SHAPE = ModelShape(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, num_
 def config(role: str, engine_id: str, **extra) -> KVTransferConfig:
     return KVTransferConfig(kv_connector="RdmaKVConnector", kv_role=role, engine_id=engine_id, kv_port=0,
                             kv_connector_extra_config={"rpc_timeout_s": 2.0, "load_timeout_s": 20.0, **extra})
+
+
+def admit_with_reads_held(P: Engine, D: Engine, fabric: FakeFabric, rng) -> None:
+    """Handshake with a warm load, prefill "r" and ship its grant (and held
+    words), then hold the fake's reads and hand "r" to the decode."""
+    prefill_then_decode(P, D, {"warm": rng.integers(1, 999, 9).tolist()})
+    prompt = rng.integers(1, 999, 13).tolist()
+    P.add_request("r", prompt, {"do_remote_decode": True})
+    P.run(until=lambda: P.results.get("r") is not None and P.results["r"].status.value == "finished")
+    P.step()  # ships the lease grant to the producer's worker
+    fabric.hold = True
+    D.add_request("r", prompt, P.results["r"].kv_transfer_params)
 
 
 @pytest.mark.parametrize("value", [-0.001, 1.5, float("nan")])
@@ -56,13 +69,7 @@ def test_an_idle_step_reports_a_load_that_finishes_while_it_waits(rng):
     P = Engine(config("kv_producer", "P"), SHAPE, connector_kwargs=kw)
     D = Engine(config("kv_consumer", "D", idle_wait_s=1.0), SHAPE, connector_kwargs=kw)
     try:
-        prefill_then_decode(P, D, {"warm": rng.integers(1, 999, 9).tolist()})  # the handshake
-        prompt = rng.integers(1, 999, 13).tolist()
-        P.add_request("r", prompt, {"do_remote_decode": True})
-        P.run(until=lambda: P.results.get("r") is not None and P.results["r"].status.value == "finished")
-        P.step()  # ships the lease grant to the producer's worker
-        fabric.hold = True
-        D.add_request("r", prompt, P.results["r"].kv_transfer_params)
+        admit_with_reads_held(P, D, fabric, rng)
 
         def release() -> None:
             wait_until(lambda: bool(fabric.pending), 10.0, what="the read posted")
@@ -74,6 +81,46 @@ def test_an_idle_step_reports_a_load_that_finishes_while_it_waits(rng):
         out = D.step()  # admits "r", posts its reads, and waits in get_finished
         releaser.join(10)
         assert "r" in out.finished_recving, "the step that posted the load did not wait for it"
+        D.run(until=lambda: D.results["r"].status.value == "finished")
+        assert not D.results["r"].load_failed and D.results["r"].bad_blocks == []
+    finally:
+        P.shutdown()
+        D.shutdown()
+
+
+def test_an_idle_step_waits_once_more_for_held_words_posted_as_its_time_ran_out(rng, monkeypatch):
+    """The reads land, and their held words' read is posted, while the idle
+    step waits; the words' read lands only after ``idle_wait_s`` (0.5 s,
+    released at 0.7 s): the step waits for it (once, at most
+    ``WORDS_GRACE_S`` more, here 0.5 s) and reports the load, rather than
+    leaving it to the next step."""
+    from rdma_kv.connector.rdma.consumer import words
+
+    monkeypatch.setattr(words, "WORDS_GRACE_S", 5.0)  # the grace is then idle_wait_s (it is at most that)
+    fabric = FakeFabric()
+    kw = {"transport_factory": fabric.factory}
+    P = Engine(config("kv_producer", "P"), SHAPE, connector_kwargs=kw)
+    D = Engine(config("kv_consumer", "D", idle_wait_s=0.5), SHAPE, connector_kwargs=kw)
+    try:
+        admit_with_reads_held(P, D, fabric, rng)
+        released, began = threading.Event(), time.perf_counter()
+
+        def release() -> None:
+            wait_until(lambda: bool(fabric.pending), 10.0, what="the reads posted")
+            fabric.release_all()  # the data lands; its held words' read is posted (and held)
+            wait_until(lambda: bool(fabric.pending), 10.0, what="the held words' read posted")
+            time.sleep(max(0.0, began + 0.7 - time.perf_counter()))  # idle_wait_s is over; its grace is not
+            released.set()
+            fabric.hold = False
+            fabric.release_all()
+
+        releaser = threading.Thread(target=release, daemon=True)
+        releaser.start()
+        out = D.step()
+        releaser.join(10)
+        assert released.is_set()
+        assert "r" in out.finished_recving, "the idle step did not wait for the held words' read"
+        assert not D.results.get("r") or not D.results["r"].load_failed
         D.run(until=lambda: D.results["r"].status.value == "finished")
         assert not D.results["r"].load_failed and D.results["r"].bad_blocks == []
     finally:

@@ -1,7 +1,8 @@
 """A property-based model of the whole life of the producer's leases
 (hypothesis' rule-based state machine): no interleaving of grants,
 claims, reads, read pins, confirms, retries, renewals, releases, expiry and
-restarts may confirm a read of reused blocks, or vouch for one by a pin."""
+restarts may confirm a read of reused blocks, or vouch for one by a pin
+or by its held words."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import dataclasses
 
 from leaseutil import CLAIMED, EPOCH, FORGED, GONE, HELD, KEY, PENDING, UNKNOWN, Clock, binding, state
+from rdma_kv.connector.rdma.heldwords import HeldWords, word_tag
 from rdma_kv.connector.rdma.leases import LeaseCall, LeaseTable
 from rdma_kv.connector.rdma.params import LeaseRef, lease_token
 
@@ -35,7 +37,10 @@ class LeaseModel(RuleBasedStateMachine):
     sent after its read (its read's end). A read pin (protocol 7) answered
     HELD with ``pinned_s`` vouches for a read that ended before the pin's
     sending plus ``pinned_s`` (the consumer's rule, without its margin):
-    none of its blocks was freed before that read ended. Release: an ended lease's blocks
+    none of its blocks was freed before that read ended. Held words
+    (protocol 12) read after a rank's read ended vouch for it only if none
+    of its blocks was freed before then, and never for params pointed at
+    other blocks. Release: an ended lease's blocks
     are handed back before its expiry only once every counted rank of its
     owner has released it, so no rank still reading loses them. Ownership: at
     most one claim ever gets HELD for a lease. A forged call, a genuine token
@@ -52,6 +57,8 @@ class LeaseModel(RuleBasedStateMachine):
         self.table = LeaseTable(self.clock, max_s=self.MAX)
         self.epoch, self.key = EPOCH, KEY
         self.table.set_epoch(self.epoch, self.key)
+        self.words = HeldWords(1 << 12)
+        self.table.attach_words(self.words)
         self.generation = 0
         self.issued = []  # refs, in generation order
         self.shipped = 0  # how many of ``issued`` were granted
@@ -211,6 +218,33 @@ class LeaseModel(RuleBasedStateMachine):
             never_freed = (0,) * len(s["read_at"])
             assert s["read_at"] == self._versions(req["ref"]) == never_freed, (
                 f"a pin of {req['ref']} vouched for rank {rank}'s read of blocks freed before it ended")
+
+    def _words_name(self, ref, blocks):
+        """What the consumer's word check says: every block's word names ``ref``'s tag."""
+        tag = word_tag(ref.token, ref.binding)
+        return all(bytes(self.words.array[b]) == tag for b in blocks)
+
+    @precondition(lambda self: any(s["read_at"] is not None for r in self.requests for s in r["ranks"].values()))
+    @rule(data=st.data())
+    def trust_on_words(self, data):
+        """A rank's read ends now, then it reads its blocks' held words:
+        if each names its lease, the consumer trusts the read (whoever's
+        claim, any rank: the words speak for the blocks, not the owner)."""
+        req, rank = self._pick(data, read=True)
+        s = req["ranks"][rank]
+        if self._words_name(req["ref"], self.blocks[req["ref"]]):
+            never_freed = (0,) * len(s["read_at"])
+            assert s["read_at"] == self._versions(req["ref"]) == never_freed, (
+                f"held words vouched for rank {rank}'s read of {req['ref']}, whose blocks were freed before it ended")
+
+    @precondition(lambda self: len(self.issued) >= 2)
+    @rule(data=st.data())
+    def forged_ids_words(self, data):
+        """Genuine params pointed at another lease's blocks: the tag the
+        consumer computes (its token, the edited binding) names none of them."""
+        mine, other = data.draw(st.permutations(self.issued))[:2]
+        edited = dataclasses.replace(mine, binding=other.binding)
+        assert not self._words_name(edited, self.blocks[other]), "held words vouched for params edited to other blocks"
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())

@@ -2,7 +2,12 @@
 sleep waiting for them, and the consumer trusting reads that landed within
 their pin -- or CONFIRMing them when they did not, so an expiry is still
 never silent. The fake transport's reads copy when they are released
-(``FakeFabric.hold``), so a block reused under a held read would show."""
+(``FakeFabric.hold``), so a block reused under a held read would show.
+
+The consumers here read producers that publish no held words
+(``held_words: false``, :data:`NO_WORDS`): pins are what such a producer's
+consumers use, and what a consumer falls back to is the CONFIRM
+(``tests/rdma/test_held_words.py`` covers the words)."""
 
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ from rdma_testutil import wait_until
 from test_connector_fake import Pair
 
 pytestmark = pytest.mark.timeout(60)
+
+NO_WORDS = {"held_words": False}
 
 
 # --- the lease table ----------------------------------------------------------------------------
@@ -185,7 +192,7 @@ def totals(engine):
 
 
 def test_reads_within_their_pin_are_trusted_without_a_confirm(fabric):
-    pair = Pair(fabric)
+    pair = Pair(fabric, p_extra=NO_WORDS)
     try:
         prompts = {f"q{i}": list(range(i * 50 + 1, i * 50 + 41)) for i in range(4)}
         params = pair.prefill(prompts)
@@ -201,7 +208,7 @@ def test_reads_within_their_pin_are_trusted_without_a_confirm(fabric):
 
 
 def test_read_pin_off_confirms_every_read(fabric):
-    pair = Pair(fabric, d_extra={"read_pin": False})
+    pair = Pair(fabric, p_extra=NO_WORDS, d_extra={"read_pin": False})
     try:
         prompt = list(range(1, 41))
         params = pair.prefill({"x": prompt})
@@ -233,7 +240,7 @@ def land(pair, fabric):
 
 
 def test_reclaim_passes_over_a_lease_read_under_its_pin(fabric):
-    pair = Pair(fabric)
+    pair = Pair(fabric, p_extra=NO_WORDS)
     try:
         leases = read_held_and_pinned(pair, fabric)
         generation = leases.leases()[0].ref.generation
@@ -252,7 +259,7 @@ def test_reads_landing_after_their_pin_are_confirmed(fabric, expire):
     # The producer pins for its read_timeout_s (0.3 s here); the reads land
     # after that, so the consumer CONFIRMs. If the lease expired meanwhile
     # (and its blocks were freed), that CONFIRM says GONE: a load error.
-    pair = Pair(fabric, p_extra={"lease_ttl_s": 60.0, "read_timeout_s": 0.3})
+    pair = Pair(fabric, p_extra={"lease_ttl_s": 60.0, "read_timeout_s": 0.3, **NO_WORDS})
     try:
         leases = read_held_and_pinned(pair, fabric)
         time.sleep(0.35)  # past the pin: its end is a fact of the clock, not of timing

@@ -26,12 +26,15 @@ def fake_kv(index: int = 0) -> FakeCudaTensor:
     return FakeCudaTensor(torch.zeros(3, 2, 8, 16, 2, 8, dtype=torch.float16), index)
 
 
-def answering(mem_type: str | None, made: list):
-    """The real agent; its ucp_mem_query answers ``mem_type`` (None: UCX's own answer)."""
+def answering(mem_type: str | None, made: list, kv: FakeCudaTensor | None = None):
+    """The real agent; its ucp_mem_query answers ``mem_type`` (None: UCX's
+    own answer) for every mapping, or (``kv``) for the KV cache's only."""
+    within = None if kv is None else (kv.untyped_storage().data_ptr(), kv.untyped_storage().nbytes())
+
     def factory(name, settings):
         agent = agent_transport(name, settings)
         if mem_type is not None:
-            agent._core.memory._lib = QueryAnswers(agent._core.memory._lib, mem_type)
+            agent._core.memory._lib = QueryAnswers(agent._core.memory._lib, mem_type, within)
         made.append(agent)
         return agent
     return factory
@@ -50,7 +53,8 @@ def test_cuda_memory_mapped_as_host_is_a_reported_fail(mem_type):
 
 def test_cuda_memory_that_mem_query_calls_cuda_passes_with_its_figures():
     made: list = []
-    check = register_check("cuda:2.register", fake_kv(2), default_settings(), answering("CUDA", made))
+    kv = fake_kv(2)
+    check = register_check("cuda:2.register", kv, default_settings(), answering("CUDA", made, kv))
     assert check.status is Status.PASS, check.detail
     assert "registered through the connector's register_kv_caches: 1 region(s), ucp_mem_query says cuda" in check.detail
     assert check.figures["memory_types"] == ["cuda"] and check.figures["regions"] == 1
@@ -62,7 +66,8 @@ def test_the_ranks_nic_reaches_the_registering_agent():
     import dataclasses
 
     settings = dataclasses.replace(default_settings(), ucx_net_devices="lo")
-    check = register_check("cuda:0.register", fake_kv(), settings, answering("CUDA", []))
+    kv = fake_kv()
+    check = register_check("cuda:0.register", kv, settings, answering("CUDA", [], kv))
     assert check.status is Status.PASS and check.figures["net_devices"] == "lo"
 
 

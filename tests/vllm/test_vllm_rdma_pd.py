@@ -139,6 +139,11 @@ def run_match_and_control(plain: list[list[int]], model_dir: str, log_dir: Path,
                 return
             stats = consumer.kv_stats()
             assert stats is not None and stats["totals"]["loads_ok"] == len(PD_PROMPTS), stats
+            # The producer publishes held words (the default): loads whose grant had reached its
+            # worker are vouched for by them, with no PIN (a later grant's load is CONFIRMed).
+            totals = stats["totals"]
+            assert totals.get("words_trusted", 0) >= 1 and totals.get("pin_rpcs", 0) == 0, totals
+            assert totals.get("words_trusted", 0) + totals.get("words_fallbacks", 0) == len(PD_PROMPTS), totals
             # Genuine params of other prompts of the same lengths (a router
             # mixing requests' params up) are refused at admission: nothing is
             # read, each prompt is computed locally. (Before protocol 11 they

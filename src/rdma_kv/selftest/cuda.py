@@ -102,7 +102,9 @@ def register_check(name: str, whole: Any, settings: RdmaSettings,
                         kv_config, recording)
     try:
         worker.register_kv_caches(caches)
-        regions = list(made[-1].regions)
+        # The KV cache's registrations (the worker also registers host arrays of its own: held words).
+        base = whole.untyped_storage().data_ptr()
+        regions = [r for r in made[-1].regions if r.base < base + nbytes and base < r.base + r.nbytes]
         options = dict(made[-1].config.ucx_options) if hasattr(made[-1], "config") else {}
     except Exception as exc:  # report, never raise: this is a diagnostic
         return Check.failed(name, f"the connector's register_kv_caches refused {what}: {type(exc).__name__}: {exc}")

@@ -86,10 +86,13 @@ Its records (a call, a lease, a claim, an ending, a tombstone) are
 its pins are ``leasepins``, its memory of ended leases ``tombstones`` and
 its reaper's heap ``leaseheap``, each called under its lock; the tokens a
 call's leases should carry are computed before the lock, by ``leasetokens``.
+The held words (``heldwords``), when attached, name each live lease in its
+blocks' words: written at the grant, taken out at the ending, before the
+request can reach ``done_sending``.
 
 Imports the standard library and the connector's ``params``, ``types``,
 ``rdma.leaserecords``, ``rdma.leasetokens``, ``rdma.leasepins``, ``rdma.tombstones``,
-``rdma.leaseheap``, ``rdma.stats`` (its counters) and ``rdma.wire`` (for ``LeaseStatus``).
+``rdma.leaseheap``, ``rdma.heldwords``, ``rdma.stats`` (its counters) and ``rdma.wire`` (for ``LeaseStatus``).
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from rdma_kv.connector.rdma.heldwords import HeldWords
 from rdma_kv.connector.rdma.leaseheap import ExpiryHeap
 from rdma_kv.connector.rdma.leasepins import Pins
 from rdma_kv.connector.rdma.leaserecords import Claim, Ending, Lease, LeaseCall
@@ -150,6 +154,18 @@ class LeaseTable:
         self._early: dict[int, Claim] = {}
         self._pins = Pins()
         self._counts = Tally(LeaseCounters)
+        self._words: HeldWords | None = None
+
+    def attach_words(self, words: HeldWords | None) -> None:
+        """Keep ``words`` (``heldwords``) in step with the live leases from
+        now on: each live lease's tag written into its blocks' words, and
+        taken out before its request goes to ``done_sending``."""
+        with self._lock:
+            if words is not None:
+                words.clear()
+                for lease in self._leases.values():
+                    words.hold_lease(lease.ref.token, lease.ref.binding, lease.block_ids)
+            self._words = words
 
     # --- grants (from the producer scheduler, through step metadata) -------------
 
@@ -159,6 +175,8 @@ class LeaseTable:
         with self._lock:
             if self._epoch == epoch:
                 return
+            if self._words is not None:
+                self._words.clear()  # before their blocks go back (done_sending)
             for lease in self._leases.values():
                 self._done.add(lease.ref.request_id)
                 self._counts.add(Ending.EPOCH.value)
@@ -193,6 +211,8 @@ class LeaseTable:
                           claim=early)
             self._leases[ref.generation] = lease
             self._heap.push(lease.expires_at, ref.generation)
+            if self._words is not None:
+                self._words.hold_lease(ref.token, ref.binding, groups)
 
     # --- consumer calls ----------------------------------------------------------------
 
@@ -451,6 +471,8 @@ class LeaseTable:
     def _end(self, generation: int, how: Ending) -> None:
         lease = self._leases.pop(generation)
         self._pins.ended(generation)
+        if self._words is not None:
+            self._words.drop_lease(lease.ref.token, lease.ref.binding, lease.block_ids)  # before the blocks go back
         self._done.add(lease.ref.request_id)
         self._bury(generation, how, lease.claim)
         self._heap.compact(self._leases)  # entries of leases that ended before their expiry
@@ -578,3 +600,4 @@ class LeaseTable:
         with self._lock:
             return [dataclasses.replace(lease, claim=lease.claim and lease.claim.copy())
                     for lease in self._leases.values()]
+

@@ -21,7 +21,7 @@ does its own locking. Authentication happens before any of this, in
 ``sidechannel``.
 
 Imports the standard library, the connector's ``geometry`` and ``types``,
-and its ``rdma`` modules ``auth``, ``fences``, ``wire``, ``leases``, ``meta``, ``pusher``,
+and its ``rdma`` modules ``auth``, ``fences``, ``heldwords``, ``wire``, ``leases``, ``meta``, ``pusher``,
 ``settings``, ``sidechannel``, ``stats`` and ``transport_api``. Never the consumer's modules
 (``rdma.consumer``) or ``worker``.
 """
@@ -35,6 +35,7 @@ from typing import overload
 
 from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma import auth, fences, wire
+from rdma_kv.connector.rdma.heldwords import HeldWords
 from rdma_kv.connector.rdma.leases import Ending, LeaseCall, LeaseTable
 from rdma_kv.connector.rdma.lograte import EventSummary
 from rdma_kv.connector.rdma.meta import LayerPushSpec, SendSpec
@@ -68,6 +69,8 @@ class ProducerHandler:
         self._agent_metadata: Callable[[], bytes] | None = agent_metadata
         self._geometry = geometry
         self.registration = 1
+        self.words: wire.RegionWire | None = None
+        """Where this rank's held words are (``heldwords``), published in the handshake reply."""
         self.pusher: PushWriter | None = None
         """Push mode's writer (None in pull mode, and while asleep)."""
         self._refusals = EventSummary(logger, f"producer {engine_id!r}", "handshakes refused")
@@ -112,7 +115,7 @@ class ProducerHandler:
             return wire.Refused(f"incompatible KV caches ({diff}); {hint}")
         return wire.HandshakeReply(
             wire.PROTOCOL_VERSION, self._engine_id, self._rank, compat, compat.compat_hash(),
-            agent_metadata(), wire.GeometryWire.from_geometry(self._geometry), self.registration)
+            agent_metadata(), wire.GeometryWire.from_geometry(self._geometry), self.registration, self.words)
 
     def on_renew(self, request: wire.Renew) -> wire.LeaseReply:
         if request.pin:
@@ -203,6 +206,8 @@ class RdmaProducer:
         self._settings = settings
         self._secret = secret
         self.leases = LeaseTable(clock, max_s=settings.lease_max_s, pin_s=settings.read_timeout_s)
+        self.words: HeldWords | None = None
+        """Pull mode with ``held_words``: the words the lease table keeps (``heldwords``)."""
         self.handler: ProducerHandler | None = None
         self._block_size = 0
         self.server: SideChannelServer | None = None
@@ -214,6 +219,7 @@ class RdmaProducer:
         s = self._settings
         handler = ProducerHandler(self._engine_id, rank, s.lease_ttl_s, self.leases, compat,
                                   transport.metadata, geometry)
+        handler.words = self._register_words(transport, geometry)
         self._block_size = compat.block_size
         handler.pusher = self._new_pusher(transport, geometry)
         port = s.side_channel_port
@@ -296,7 +302,19 @@ class RdmaProducer:
     def resume(self, transport: Transport, geometry: KVCacheGeometry, registration: int) -> None:
         self.leases.open_pins()
         if self.handler is not None:
+            self.handler.words = self._register_words(transport, geometry)
             self.handler.resume(transport.metadata, geometry, registration, self._new_pusher(transport, geometry))
+
+    def _register_words(self, transport: Transport, geometry: KVCacheGeometry) -> wire.RegionWire | None:
+        """Register this rank's held words with ``transport`` (pull mode,
+        ``held_words``), kept by the lease table from now on; where they are."""
+        if self._settings.mode != "pull" or not self._settings.held_words:
+            return None
+        if self.words is None or self.words.num_blocks != geometry.num_blocks:
+            self.words = HeldWords(geometry.num_blocks)
+        transport.register((self.words.address, self.words.nbytes), memory_type="host")
+        self.leases.attach_words(self.words)
+        return wire.RegionWire(self.words.address, self.words.nbytes)
 
     def _new_pusher(self, transport: Transport, geometry: KVCacheGeometry) -> PushWriter | None:
         if self._settings.mode != "push":

@@ -180,12 +180,20 @@ class RdmaSettings:
     router_http_address: str | None = None
     """``host:port`` of this engine's OpenAI server, where the router sends requests."""
     read_pin: bool = True
-    """Pull mode: pin each source's lease as its reads are posted (a RENEW
+    """Pull mode, reading a producer that publishes no held words
+    (``held_words``): pin each source's lease as its reads are posted (a RENEW
     with ``pin``, answered during the reads) and trust reads that land
     within the pin without a CONFIRM round trip after them; the lease is
     then released by a RELEASE nobody waits for. ``false``: CONFIRM after
     every read (one round trip more per load). Reads that land after their
     pin ended, or whose pin was not granted, are CONFIRMed either way."""
+    held_words: bool = True
+    """Pull mode. Producer: publish a 16-byte word per block naming the
+    live lease that holds it (``heldwords``, registered with the KV cache).
+    Consumer: when the producer publishes them, read its blocks' words after
+    the data (one small RMA get, no producer CPU) and trust the data when
+    every word names its lease, without a PIN or a CONFIRM; anything else
+    is CONFIRMed. ``false``: neither (``read_pin`` decides)."""
     express: bool = False
     """Give every endpoint to a peer an express twin for reads and writes too
     small to stripe (``AgentConfig.express``): a small load's reads then do
@@ -244,6 +252,7 @@ class RdmaSettings:
         values["mode"] = get("mode", "pull", type=str)
         values["push_layerwise"] = get("push_layerwise", True, type=bool)
         values["read_pin"] = get("read_pin", True, type=bool)
+        values["held_words"] = get("held_words", True, type=bool)
         values["express"] = get("express", False, type=bool)
         for name in ("router_discovery_address", "router_http_address"):
             values[name] = get(name, None, type=str)

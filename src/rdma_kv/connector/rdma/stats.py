@@ -261,6 +261,13 @@ class ConsumerCounters(Counters):
     pin_fallbacks: int = 0
     """Sources CONFIRMed although pinned: the pin was not granted (PENDING,
     the call failed) or the reads landed after it ended."""
+    words_trusted: int = 0
+    """Sources whose held words, read after their data, all named their
+    lease (``heldwords``): trusted without a PIN or a CONFIRM."""
+    words_fallbacks: int = 0
+    """Sources CONFIRMed although their producer publishes held words: a
+    word named no lease or another (not granted yet, ended, a block shared
+    by two leases, edited params) or the words could not be read."""
     confirms_unanswered: int = 0
     """CONFIRM calls a producer did not answer in time (stalled, or starved
     of CPU): made again ``confirms.CONFIRM_RETRY_S`` later, until the

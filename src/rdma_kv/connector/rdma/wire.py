@@ -34,6 +34,7 @@ from rdma_kv.connector.rdma.wiregeom import (
     U64,
     CompatInfo,
     GeometryWire,
+    RegionWire,
     Str,
 )
 from rdma_kv.errors import MetadataError
@@ -69,6 +70,7 @@ __all__ = [
     "LeaseWire",
     "RankInfo",
     "Refused",
+    "RegionWire",
     "Release",
     "Renew",
     "MAX_BLOCKS_PER_LAYER",
@@ -78,7 +80,7 @@ __all__ = [
     "check_reader",
 ]
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 """The side channel's version: both ends must speak the same one. A peer of
 another version is refused with a message naming both versions (a version-1
 producer answers HELLO with ``error``, which the client reports as a version
@@ -158,6 +160,14 @@ refuses as unknown: ``forbid_unknown_fields``):
     prompt's unchanged; a peer from before digests such a request by its
     token ids alone, so its loads are refused (computed locally), never
     wrong.
+12. (2026-12-02) Held words (``heldwords``): the handshake reply names
+    the producer rank's ``words`` (``[base_address, nbytes]``: 16 bytes
+    per block, in the memory its agent metadata registers), each naming
+    the live lease that holds the block. A consumer reads its blocks'
+    words after its data and trusts the data without a PIN or CONFIRM
+    when every word names its lease. A new number: a version-11 consumer
+    refuses the field (``forbid_unknown_fields``), and a version-11
+    producer writes no words.
 """
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 16 << 20  # agent metadata (worker address + rkeys) plus geometry
@@ -460,6 +470,9 @@ class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_ok", forbid_unk
     registration: Annotated[int, msgspec.Meta(ge=1)] = 1
     """The producer's KV-cache registration this metadata is of (bumped when
     it re-registers after sleep): params naming another are not read."""
+    words: RegionWire | None = None
+    """The producer rank's held words (``heldwords``; 16 bytes per block,
+    registered with its agent), None when it publishes none."""
 
 
 class LeaseReply(msgspec.Struct, frozen=True, tag="lease", forbid_unknown_fields=True):

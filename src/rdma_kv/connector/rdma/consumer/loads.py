@@ -5,17 +5,21 @@ Owns :class:`RdmaConsumer`. A load goes HANDSHAKE -> READING -> CONFIRMING
 per producer rank it reads (the rank plan, ``peers``). One source's reads
 are one ``read_prepared`` call (vectorised index math plus one C loop), on
 the engine thread when the peer is ready, else on the RPC thread that ended
-the handshake. Its lease is pinned as they are posted (``pins``, unless
-``read_pin`` is off). Completion arrives on the transport's progress
-thread; the source is then trusted on its pin if its reads landed within
-it, else confirmed (``confirms``); the load is DONE once all are.
+the handshake. When its producer publishes held words (``heldwords``), the
+source's blocks' words are read once its reads completed (``words``) and
+vouch for it if each names its lease; otherwise its lease is pinned as they
+are posted (``pins``, unless ``read_pin`` is off). Completion arrives on
+the transport's progress thread; the source is then trusted on its words,
+or on its pin if its reads landed within it, else confirmed
+(``confirms``); the load is DONE once all are.
 
 Guarantees, and where they are kept:
 
 - ``done_recving`` without load errors only after the producer vouched
-  that the lease was held during the whole read: a pin granted before the
-  reads landed and lasting past that (``pins``), or a CONFIRM after them
-  (``confirms``).
+  that the lease was held during the whole read: its held words read
+  after the reads completed, each naming the lease (``words``), a pin
+  granted before the reads landed and lasting past that (``pins``), or a
+  CONFIRM after them (``confirms``).
 - A failed, unconfirmed, refused or unreachable load is reported in
   ``done_recving`` *and* its blocks in ``take_load_errors``, in the same
   step (``records.LoadBook``); the deadlines (read: the transport's
@@ -36,7 +40,8 @@ Load-failure warnings are rate-limited per producer (``lograte``).
 Imports the standard library, ``rdma_kv.errors``, the connector's
 ``types`` and its ``rdma`` modules ``meta``, ``settings``, ``slots``,
 ``lograte``, ``transport_api``, ``wire`` and the consumer's ``clients``,
-``confirms``, ``lease_rpc``, ``peers``, ``pins``, ``pushes`` and ``records``. Never the producer's modules.
+``confirms``, ``lease_rpc``, ``peers``, ``pins``, ``pushes``, ``records`` and ``words``, and
+numpy and ``rdma.heldwords``. Never the producer's modules.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
+
+import numpy as np
 
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.consumer.clients import ClientPool
@@ -55,6 +62,9 @@ from rdma_kv.connector.rdma.consumer.pins import PIN_MARGIN_S, Pins
 from rdma_kv.connector.rdma.consumer.pushes import PushHandle, Pushes
 from rdma_kv.connector.rdma.consumer.records import (LoadBook, LoadStage, LoadState, PinStage, Source,
                                                      SourceStage)
+from rdma_kv.connector.rdma.consumer import words as words_module
+from rdma_kv.connector.rdma.consumer.words import WordChecks
+from rdma_kv.connector.rdma.heldwords import word_tag
 from rdma_kv.connector.rdma.lograte import RateLimitedWarnings
 from rdma_kv.connector.rdma.meta import LoadSpec, PeerAddress, RemoteLease
 from rdma_kv.connector.rdma.settings import RdmaSettings
@@ -92,6 +102,9 @@ class RdmaConsumer:
         self._confirms = Confirmations(self._lock, pool, self.peers, self.leases, self._fail, self._confirmed,
                                        book.reading_from, book.counters)
         self._pins = Pins(book, pool, self.leases, self._on_pin, self.peers.failed)
+        self._words = (WordChecks(local.transport) if settings.mode != "push" and settings.held_words
+                       else None)
+        """Pull mode with ``held_words``: reads a source's held words after its data (``words``)."""
         self._asleep: str | None = None  # why loads fail at once (suspend)
         self.pushes = (Pushes(local, engine_id, registration, incarnation, settings, pool, self.peers.failed,
                               self.peers.local_table, clock)
@@ -204,7 +217,9 @@ class RdmaConsumer:
             src.stage, src.resolved = SourceStage.READING, False
             if load.stage is HANDSHAKE:
                 load.stage = READING
-            pin = self.pushes is None and self._settings.read_pin
+            # Held words vouch for the reads one-sided, after them: no pin (docs/benchmarks.md, "Held words").
+            words = self.pushes is None and self._words is not None and connection.words is not None
+            pin = self.pushes is None and self._settings.read_pin and not words
             if pin:
                 self._pins.pin(peer, load, src)
         if self.pushes is not None:
@@ -217,6 +232,8 @@ class RdmaConsumer:
             (local, local_prep), (remote, remote_prep) = self.peers.tables(self.peers.plan(spec.peer), read,
                                                                            connection)
             pairs = BlockPairs.of(spec.local_block_ids, spec.remote_block_ids)
+            if words:
+                src.words_ids = np.concatenate(pairs.remote) if pairs.remote else np.zeros(0, np.int64)
             local_slots, remote_slots = pairs.slots(local, remote)
             xfer = self._local.transport.read_prepared(local_prep, local_slots, remote_prep, remote_slots,
                                                        timeout_s=self._settings.read_timeout_s)
@@ -315,6 +332,7 @@ class RdmaConsumer:
         """Transport progress thread: one source's reads completed or failed."""
         failed = xfer.error is not None
         landed = time.perf_counter()
+        check = None
         with self._lock:
             load.measures = load.measures.add(nbytes=xfer.nbytes, num_descs=xfer.num_descs,
                                               ops_posted=xfer.ops_posted).at_least(transfer_s=xfer.elapsed_s)
@@ -334,15 +352,53 @@ class RdmaConsumer:
                     if load.all_confirming:
                         load.stage = CONFIRMING
                         load.confirm_started = landed
-                    self._trust_or_confirm(load, src, peer)
+                    pinned = src.pin is PinStage.HELD and landed <= src.pin_until
+                    if src.words_ids is not None and peer.connection is not None and not pinned:
+                        check, src.words_ids, src.words_pending = (peer.connection, src.words_ids), None, True
+                    else:
+                        self._trust_or_confirm(load, src, peer)
         if failed:
             self.peers.failed(peer, str(xfer.error))
+        elif check is not None:
+            self._check_words(load, src, peer, *check)
+
+    def _check_words(self, load: LoadState, src: Source, peer: PeerState, connection: Connection,
+                     block_ids: np.ndarray) -> None:
+        """``src``'s reads landed, and no pin vouches for them yet: read its
+        blocks' held words, which vouch for them if each names its lease
+        (``words``); else its pin's answer or a CONFIRM decides. Called
+        without the lock (this calls the transport)."""
+        assert self._words is not None
+        tag = word_tag(load.spec.lease.token, load.spec.lease.binding)
+        xfer = self._words.check(connection, block_ids, tag, self._settings.read_timeout_s,
+                                 functools.partial(self._on_words, load, src, peer))
+        if xfer is None:
+            self._on_words(load, src, peer, False)
+        else:
+            src.words_read = xfer  # (an idle step waits on it: wait_idle)
+
+    def _on_words(self, load: LoadState, src: Source, peer: PeerState, vouched: bool) -> None:
+        """Any thread: ``src``'s held words were read (``vouched``: each
+        named its lease), or could not be."""
+        with self._lock:
+            src.words_pending = False
+            if load.stage.terminal or src.stage is not SourceStage.CONFIRMING or load.error is not None \
+                    or load.aborted:
+                return  # failed, aborted, or vouched for by its pin meanwhile (its reads had landed)
+            if not vouched:
+                self._book.counters.add("words_fallbacks")
+                self._trust_or_confirm(load, src, peer)  # its pin's answer, or a CONFIRM
+                return
+            src.stage = SourceStage.CONFIRMED
+            self._book.counters.add("words_trusted")
+            self._pins.release(peer, load, src)  # sent after the report (get_finished), as a pin's
+            if load.all_confirmed:
+                self._confirmed(load, time.perf_counter())
 
     def _trust_or_confirm(self, load: LoadState, src: Source, peer: PeerState) -> None:
         """``src``'s reads landed, and its load is live: trust them on its
-        pin, or CONFIRM them (lock held)."""
-        if src.pin is PinStage.SENT:
-            return  # its pin's answer decides (_on_pin)
+        pin, wait for its pin's answer or its held words, or CONFIRM them
+        (lock held)."""
         if src.pin is PinStage.HELD and src.landed_at <= src.pin_until:
             # Held from the grant until the pin's answer, and pinned from
             # there past the moment the reads landed: nobody reused the blocks.
@@ -352,6 +408,8 @@ class RdmaConsumer:
             if load.all_confirmed:
                 self._confirmed(load, time.perf_counter())
             return
+        if src.pin is PinStage.SENT or src.words_pending:
+            return  # the first of its pin's answer (_on_pin) and its held words (_on_words) decides
         if src.pin is not PinStage.NONE:
             self._book.counters.add("pin_fallbacks")
         self._confirms.queue(peer, load, src)
@@ -469,13 +527,16 @@ class RdmaConsumer:
         """An idle step (nothing computes in it): wait, at most ``timeout_s``,
         until a load in flight is finished -- first on its reads, on this
         thread (``wait``: it copies for a lane whose pump has no CPU yet,
-        and settles the read here, which queues its CONFIRM), then on its
+        and settles the read here, which reads its held words or queues its
+        CONFIRM), then on its held words' read, the same way, or its
         CONFIRM -- so that the ``get_finished`` that follows reports it.
+        A held words' read posted when the time is up is waited for up to
+        ``words.WORDS_GRACE_S`` more, once (else the next step reports it).
         Returns at once when nothing is reading or confirming (handshakes
         are not waited for). Pull mode only. Never raises."""
         if self.pushes is not None:
             return
-        end = time.perf_counter() + timeout_s
+        end, graced = time.perf_counter() + timeout_s, False
         while True:
             with self._lock:
                 if self._book.num_unreported:
@@ -483,16 +544,22 @@ class RdmaConsumer:
                 active = [ld for ld in self._book.loads.values() if ld.stage in (READING, CONFIRMING)]
                 reading = [src.transfer for ld in active for src in ld.sources
                            if src.stage is SourceStage.READING and src.transfer is not None]
-            left = end - time.perf_counter()
+                words = [src.words_read for ld in active for src in ld.sources
+                         if src.stage is SourceStage.CONFIRMING and src.words_read is not None
+                         and not src.words_read.done()]
+            now = time.perf_counter()
+            if words and not reading and now >= end and not graced:
+                end, graced = now + min(timeout_s, words_module.WORDS_GRACE_S), True
+            left = end - now
             if not active or left <= 0:
                 return
-            if reading:
+            if reading or words:
                 try:
-                    reading[0].wait(left)
+                    (reading or words)[0].wait(left)
                 except Exception:  # failed (its callback fails the load) or not done in time
                     pass
-            elif not self._book.wait_finished(left):
-                return
+            else:  # confirming: a load's end wakes it (then reported); at the time, look once more
+                self._book.wait_finished(left)
 
     def _addresses_in_use(self) -> set[tuple[str, int]]:
         with self._lock:

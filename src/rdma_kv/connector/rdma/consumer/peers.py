@@ -50,7 +50,7 @@ callbacks take (holding it here deadlocked a load with two sources).
 
 Imports the standard library, ``rdma_kv.errors`` and the
 connector's ``geometry``, ``types`` and ``rdma`` modules ``wire``, ``meta``,
-``slots``, ``topology``, ``transport_api``, ``stats``, ``sideclient``,
+``heldwords``, ``slots``, ``topology``, ``transport_api``, ``stats``, ``sideclient``,
 ``auth``, ``settings`` and the consumer's ``records`` and ``clients``.
 """
 
@@ -70,6 +70,7 @@ from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.consumer.clients import ClientPool
 from rdma_kv.connector.rdma.consumer.records import LoadState, Source
+from rdma_kv.connector.rdma.heldwords import checked_words
 from rdma_kv.connector.rdma.meta import PeerAddress, agent_name
 from rdma_kv.connector.rdma.slots import HeadSlice, SlotTable
 from rdma_kv.connector.rdma.stats import ConsumerCounters, Tally
@@ -128,6 +129,10 @@ class Connection:
     handshake_s: float
     tables: dict[HeadSlice | None, Table] = dataclasses.field(default_factory=dict)
     """Its slot tables, per head slice read (None: whole blocks); the directory's."""
+    words: wire.RegionWire | None = None
+    """The producer rank's held words (``heldwords``), None when it publishes none."""
+    words_table: Any = None
+    """``words`` prepared with the transport (``words.WordChecks``, on first use)."""
 
     def stale_for(self, registration: int, peer: PeerState) -> str | None:
         """Why a load of params issued under ``registration`` must not read
@@ -327,7 +332,8 @@ class PeerDirectory:
         else:
             with self._lock:
                 peer.state = PeerStage.READY
-                peer.connection = Connection(name, geometry, reply.registration, time.perf_counter() - t0)
+                peer.connection = Connection(name, geometry, reply.registration, time.perf_counter() - t0,
+                                             words=checked_words(reply.words, geometry.num_blocks))
                 waiting, peer.waiting = peer.waiting, []
                 self._counters.add("handshakes")
                 for load, _ in waiting:

@@ -25,6 +25,7 @@ import dataclasses
 import enum
 import threading
 import time
+from typing import Any
 
 from rdma_kv.connector.rdma.meta import LoadSpec, RemoteLease
 from rdma_kv.connector.rdma.stats import ConsumerCounters, LoadMeasures, LoadRecord, LoadStats, Tally, Totals
@@ -91,6 +92,14 @@ class Source:
     on the pin (``pin_sent`` plus the time granted, less a margin)."""
     landed_at: float = 0.0
     """``perf_counter()`` when its reads were seen to land (0: not yet)."""
+    words_ids: Any = None
+    """The producer's block ids it reads (an int64 array), when their held
+    words are to vouch for it after its reads (``words``); None: pin or CONFIRM."""
+    words_read: TransferHandle | None = None
+    """The read of its held words, once posted."""
+    words_pending: bool = False
+    """Its held words are being read: they vouch for it, or its pin's
+    answer does if that comes first; a CONFIRM waits for both."""
 
 
 @dataclasses.dataclass(eq=False)
