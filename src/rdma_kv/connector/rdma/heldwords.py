@@ -132,22 +132,16 @@ class HeldWords:
         if not ids.size:
             return
         named = (self.array[ids] == word).all(axis=1)
-        shared = [b for b in ids.tolist() if b in self._others]
-        if shared:
-            alone = np.fromiter((b not in self._others for b in ids.tolist()), dtype=bool, count=ids.size)
-            self.array[ids[named & alone]] = 0
-            for b, names in zip(ids.tolist(), named.tolist()):
-                others = self._others.get(b)
-                if others is None:
-                    continue
-                if names:  # hand the word to another live holder: it holds the block too
-                    self.array[b] = np.frombuffer(others.pop(), dtype=np.uint8)
-                elif tag in others:
-                    others.remove(tag)
-                if not others:
-                    del self._others[b]
-        else:
-            self.array[ids[named]] = 0
+        shared = np.fromiter((b in self._others for b in ids.tolist()), dtype=bool, count=ids.size)
+        self.array[ids[named & ~shared]] = 0
+        for b, names in zip(ids[shared].tolist(), named[shared].tolist()):
+            others = self._others[b]
+            if names:  # hand the word to another live holder (one store): it holds the block too
+                self.array[b] = np.frombuffer(others.pop(), dtype=np.uint8)
+            elif tag in others:
+                others.remove(tag)
+            if not others:
+                del self._others[b]
 
     def clear(self) -> None:
         """Every lease ended (a new epoch, sleep)."""

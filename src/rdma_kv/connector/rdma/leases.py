@@ -600,4 +600,3 @@ class LeaseTable:
         with self._lock:
             return [dataclasses.replace(lease, claim=lease.claim and lease.claim.copy())
                     for lease in self._leases.values()]
-

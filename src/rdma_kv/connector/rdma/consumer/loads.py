@@ -218,7 +218,7 @@ class RdmaConsumer:
             if load.stage is HANDSHAKE:
                 load.stage = READING
             # Held words vouch for the reads one-sided, after them: no pin (docs/benchmarks.md, "Held words").
-            words = self.pushes is None and self._words is not None and connection.words is not None
+            words = self._words is not None and connection.words is not None  # (None in push mode)
             pin = self.pushes is None and self._settings.read_pin and not words
             if pin:
                 self._pins.pin(peer, load, src)
@@ -352,9 +352,8 @@ class RdmaConsumer:
                     if load.all_confirming:
                         load.stage = CONFIRMING
                         load.confirm_started = landed
-                    pinned = src.pin is PinStage.HELD and landed <= src.pin_until
-                    if src.words_ids is not None and peer.connection is not None and not pinned:
-                        check, src.words_ids, src.words_pending = (peer.connection, src.words_ids), None, True
+                    if src.words_ids is not None and peer.connection is not None:  # (then it was not pinned)
+                        check, src.words_ids = (peer.connection, src.words_ids), None
                     else:
                         self._trust_or_confirm(load, src, peer)
         if failed:
@@ -364,10 +363,9 @@ class RdmaConsumer:
 
     def _check_words(self, load: LoadState, src: Source, peer: PeerState, connection: Connection,
                      block_ids: np.ndarray) -> None:
-        """``src``'s reads landed, and no pin vouches for them yet: read its
-        blocks' held words, which vouch for them if each names its lease
-        (``words``); else its pin's answer or a CONFIRM decides. Called
-        without the lock (this calls the transport)."""
+        """``src``'s reads landed: read its blocks' held words, which vouch
+        for them if each names its lease (``words``); else a CONFIRM
+        decides. Called without the lock (this calls the transport)."""
         assert self._words is not None
         tag = word_tag(load.spec.lease.token, load.spec.lease.binding)
         xfer = self._words.check(connection, block_ids, tag, self._settings.read_timeout_s,
@@ -381,13 +379,12 @@ class RdmaConsumer:
         """Any thread: ``src``'s held words were read (``vouched``: each
         named its lease), or could not be."""
         with self._lock:
-            src.words_pending = False
             if load.stage.terminal or src.stage is not SourceStage.CONFIRMING or load.error is not None \
                     or load.aborted:
-                return  # failed, aborted, or vouched for by its pin meanwhile (its reads had landed)
+                return  # failed or aborted meanwhile (its reads had landed)
             if not vouched:
                 self._book.counters.add("words_fallbacks")
-                self._trust_or_confirm(load, src, peer)  # its pin's answer, or a CONFIRM
+                self._confirms.queue(peer, load, src)  # (a source whose words are read was not pinned)
                 return
             src.stage = SourceStage.CONFIRMED
             self._book.counters.add("words_trusted")
@@ -397,8 +394,9 @@ class RdmaConsumer:
 
     def _trust_or_confirm(self, load: LoadState, src: Source, peer: PeerState) -> None:
         """``src``'s reads landed, and its load is live: trust them on its
-        pin, wait for its pin's answer or its held words, or CONFIRM them
-        (lock held)."""
+        pin, or CONFIRM them (lock held)."""
+        if src.pin is PinStage.SENT:
+            return  # its pin's answer decides (_on_pin)
         if src.pin is PinStage.HELD and src.landed_at <= src.pin_until:
             # Held from the grant until the pin's answer, and pinned from
             # there past the moment the reads landed: nobody reused the blocks.
@@ -408,8 +406,6 @@ class RdmaConsumer:
             if load.all_confirmed:
                 self._confirmed(load, time.perf_counter())
             return
-        if src.pin is PinStage.SENT or src.words_pending:
-            return  # the first of its pin's answer (_on_pin) and its held words (_on_words) decides
         if src.pin is not PinStage.NONE:
             self._book.counters.add("pin_fallbacks")
         self._confirms.queue(peer, load, src)

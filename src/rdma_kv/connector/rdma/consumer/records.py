@@ -97,9 +97,6 @@ class Source:
     words are to vouch for it after its reads (``words``); None: pin or CONFIRM."""
     words_read: TransferHandle | None = None
     """The read of its held words, once posted."""
-    words_pending: bool = False
-    """Its held words are being read: they vouch for it, or its pin's
-    answer does if that comes first; a CONFIRM waits for both."""
 
 
 @dataclasses.dataclass(eq=False)
