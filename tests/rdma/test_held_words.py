@@ -13,6 +13,8 @@ producer's process stopped: ``tests/faults/test_confirm_stalled_producer.py``.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from leaseutil import EPOCH, KEY, Clock, call, ref
 from rdma_testutil import wait_until
@@ -137,6 +139,16 @@ WORDS_ONLY = {"read_pin": False}
 publishes held words is never pinned: the words, or a CONFIRM, decide)."""
 
 
+@contextlib.contextmanager
+def pair_and_events(fabric, **kw):
+    """A producer and a decode on the fake transport (``Pair``), and the decode's event counters."""
+    pair = Pair(fabric, **kw)
+    try:
+        yield pair, Events(pair.D.worker.worker)
+    finally:
+        pair.close()
+
+
 def lease_stats(pair):
     return pair.P.worker.worker.leases.stats
 
@@ -144,9 +156,7 @@ def lease_stats(pair):
 @pytest.mark.parametrize("read_pin", [False, True], ids=["pins-off", "pins-on"])
 def test_reads_vouched_for_by_their_words_need_no_pin_and_no_confirm(fabric, read_pin):
     # A producer that publishes held words is never pinned, whatever read_pin says.
-    pair = Pair(fabric, d_extra={"read_pin": read_pin})
-    try:
-        events = Events(pair.D.worker.worker)
+    with pair_and_events(fabric, d_extra={"read_pin": read_pin}) as (pair, events):
         prompts = {f"q{i}": list(range(i * 50 + 1, i * 50 + 41)) for i in range(4)}
         params = pair.prefill(prompts)
         results = pair.decode(prompts, params)
@@ -158,27 +168,19 @@ def test_reads_vouched_for_by_their_words_need_no_pin_and_no_confirm(fabric, rea
         pair.settle()  # released by the RELEASE after the report
         consumer = pair.D.worker.worker._consumer
         assert consumer._words.free == consumer._words._array.shape[0]  # every check gave its slots back
-    finally:
-        pair.close()
 
 
 def test_a_producer_that_publishes_no_words_is_pinned_as_before(fabric):
-    pair = Pair(fabric, p_extra={"held_words": False})
-    try:
-        events = Events(pair.D.worker.worker)
+    with pair_and_events(fabric, p_extra={"held_words": False}) as (pair, events):
         prompt = list(range(1, 41))
         r = pair.decode({"x": prompt}, pair.prefill({"x": prompt}))["x"]
         assert not r.load_failed and r.bad_blocks == []
         assert events["words_trusted"] == 0 and events["pin_rpcs"] == 1
         pair.settle()
-    finally:
-        pair.close()
 
 
 def test_params_pointed_at_another_request_s_blocks_find_its_words_and_are_refused(fabric):
-    pair = Pair(fabric)
-    try:
-        events = Events(pair.D.worker.worker)
+    with pair_and_events(fabric) as (pair, events):
         victim, attacker = list(range(1, 41)), list(range(101, 141))
         params = pair.prefill({"v": victim, "a": attacker})
         forged = {**params["a"], "remote_block_ids": params["v"]["remote_block_ids"]}
@@ -190,16 +192,12 @@ def test_params_pointed_at_another_request_s_blocks_find_its_words_and_are_refus
         assert not honest.load_failed and honest.bad_blocks == []
         pair.P.worker.worker.leases.expire(now=float("inf"))  # the attacker's own lease was never released
         pair.settle()
-    finally:
-        pair.close()
 
 
 def test_a_lease_that_ended_under_the_reads_is_a_load_error_though_the_reads_succeeded(fabric):
     # Words only: the forced expiry below would break a pin's promise (a
     # pinned lease ends only when its pin does; tests/rdma/test_read_pins.py).
-    pair = Pair(fabric, p_extra={"lease_ttl_s": 60.0}, d_extra=WORDS_ONLY)
-    try:
-        events = Events(pair.D.worker.worker)
+    with pair_and_events(fabric, p_extra={"lease_ttl_s": 60.0}, d_extra=WORDS_ONLY) as (pair, events):
         prompt = list(range(1, 41))
         params = pair.prefill({"x": prompt})
         fabric.hold = True
@@ -215,14 +213,10 @@ def test_a_lease_that_ended_under_the_reads_is_a_load_error_though_the_reads_suc
         assert pair.D.results["x"].load_failed, "reads of a lease that ended under them were accepted"
         assert events["words_fallbacks"] == 1 and events["words_trusted"] == 0
         pair.settle()
-    finally:
-        pair.close()
 
 
 def test_a_word_read_that_fails_falls_back_to_the_confirm(fabric, monkeypatch):
-    pair = Pair(fabric, d_extra=WORDS_ONLY)
-    try:
-        events = Events(pair.D.worker.worker)
+    with pair_and_events(fabric, d_extra=WORDS_ONLY) as (pair, events):
         consumer = pair.D.worker.worker._consumer
         checks = consumer._words
         real = checks.check
@@ -238,14 +232,10 @@ def test_a_word_read_that_fails_falls_back_to_the_confirm(fabric, monkeypatch):
         assert events["words_fallbacks"] == 1 and lease_stats(pair).confirmed == 1
         pair.settle()
         assert checks.free == checks._array.shape[0]
-    finally:
-        pair.close()
 
 
 def test_the_words_scratch_full_falls_back_to_the_confirm(fabric):
-    pair = Pair(fabric, d_extra=WORDS_ONLY)
-    try:
-        events = Events(pair.D.worker.worker)
+    with pair_and_events(fabric, d_extra=WORDS_ONLY) as (pair, events):
         checks = pair.D.worker.worker._consumer._words
         taken = checks._free[:]
         checks._free.clear()
@@ -255,16 +245,12 @@ def test_the_words_scratch_full_falls_back_to_the_confirm(fabric):
         assert events["words_fallbacks"] == 1 and lease_stats(pair).confirmed == 1
         checks._free.extend(taken)
         pair.settle()
-    finally:
-        pair.close()
 
 
 def test_a_block_two_leases_hold_names_one_and_the_other_lease_s_load_is_confirmed(fabric):
     # b's prompt starts with a's full blocks: the producer's prefix cache gives
     # both leases those blocks, whose words name a's lease (the first holder).
-    pair = Pair(fabric)
-    try:
-        events = Events(pair.D.worker.worker)
+    with pair_and_events(fabric) as (pair, events):
         a = list(range(1, 3 * BS + 1))
         b = a + [7, 7, 7]
         params = pair.prefill({"a": a})
@@ -278,5 +264,3 @@ def test_a_block_two_leases_hold_names_one_and_the_other_lease_s_load_is_confirm
         # (a's lease: never loaded here; once it ends, the shared words pass to b's, the other holder.)
         pair.P.worker.worker.leases.expire(now=float("inf"))
         pair.settle()
-    finally:
-        pair.close()

@@ -6,8 +6,10 @@ and released by the test."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from fakes import FakeFabric
@@ -28,16 +30,27 @@ def config(role: str, engine_id: str, **extra) -> KVTransferConfig:
                             kv_connector_extra_config={"rpc_timeout_s": 2.0, "load_timeout_s": 20.0, **extra})
 
 
-def admit_with_reads_held(P: Engine, D: Engine, fabric: FakeFabric, rng) -> None:
-    """Handshake with a warm load, prefill "r" and ship its grant (and held
+@contextlib.contextmanager
+def admitted_with_reads_held(rng, idle_wait_s: float) -> Iterator[tuple[FakeFabric, Engine, Engine]]:
+    """A producer and a decode (``idle_wait_s``) on the fake transport:
+    handshake with a warm load, prefill "r" and ship its grant (and held
     words), then hold the fake's reads and hand "r" to the decode."""
-    prefill_then_decode(P, D, {"warm": rng.integers(1, 999, 9).tolist()})
-    prompt = rng.integers(1, 999, 13).tolist()
-    P.add_request("r", prompt, {"do_remote_decode": True})
-    P.run(until=lambda: P.results.get("r") is not None and P.results["r"].status.value == "finished")
-    P.step()  # ships the lease grant to the producer's worker
-    fabric.hold = True
-    D.add_request("r", prompt, P.results["r"].kv_transfer_params)
+    fabric = FakeFabric()
+    kw = {"transport_factory": fabric.factory}
+    P = Engine(config("kv_producer", "P"), SHAPE, connector_kwargs=kw)
+    D = Engine(config("kv_consumer", "D", idle_wait_s=idle_wait_s), SHAPE, connector_kwargs=kw)
+    try:
+        prefill_then_decode(P, D, {"warm": rng.integers(1, 999, 9).tolist()})
+        prompt = rng.integers(1, 999, 13).tolist()
+        P.add_request("r", prompt, {"do_remote_decode": True})
+        P.run(until=lambda: P.results.get("r") is not None and P.results["r"].status.value == "finished")
+        P.step()  # ships the lease grant to the producer's worker
+        fabric.hold = True
+        D.add_request("r", prompt, P.results["r"].kv_transfer_params)
+        yield fabric, P, D
+    finally:
+        P.shutdown()
+        D.shutdown()
 
 
 @pytest.mark.parametrize("value", [-0.001, 1.5, float("nan")])
@@ -64,12 +77,7 @@ def test_an_idle_step_reports_a_load_that_finishes_while_it_waits(rng):
     a long ``idle_wait_s`` the very step that admitted the request and
     posted its reads reports the load: the reads were waited for, and the
     CONFIRM answered, within that step's ``get_finished``."""
-    fabric = FakeFabric()
-    kw = {"transport_factory": fabric.factory}
-    P = Engine(config("kv_producer", "P"), SHAPE, connector_kwargs=kw)
-    D = Engine(config("kv_consumer", "D", idle_wait_s=1.0), SHAPE, connector_kwargs=kw)
-    try:
-        admit_with_reads_held(P, D, fabric, rng)
+    with admitted_with_reads_held(rng, idle_wait_s=1.0) as (fabric, P, D):
 
         def release() -> None:
             wait_until(lambda: bool(fabric.pending), 10.0, what="the read posted")
@@ -83,9 +91,6 @@ def test_an_idle_step_reports_a_load_that_finishes_while_it_waits(rng):
         assert "r" in out.finished_recving, "the step that posted the load did not wait for it"
         D.run(until=lambda: D.results["r"].status.value == "finished")
         assert not D.results["r"].load_failed and D.results["r"].bad_blocks == []
-    finally:
-        P.shutdown()
-        D.shutdown()
 
 
 def test_an_idle_step_waits_once_more_for_held_words_posted_as_its_time_ran_out(rng, monkeypatch):
@@ -97,12 +102,7 @@ def test_an_idle_step_waits_once_more_for_held_words_posted_as_its_time_ran_out(
     from rdma_kv.connector.rdma.consumer import words
 
     monkeypatch.setattr(words, "WORDS_GRACE_S", 5.0)  # the grace is then idle_wait_s (it is at most that)
-    fabric = FakeFabric()
-    kw = {"transport_factory": fabric.factory}
-    P = Engine(config("kv_producer", "P"), SHAPE, connector_kwargs=kw)
-    D = Engine(config("kv_consumer", "D", idle_wait_s=0.5), SHAPE, connector_kwargs=kw)
-    try:
-        admit_with_reads_held(P, D, fabric, rng)
+    with admitted_with_reads_held(rng, idle_wait_s=0.5) as (fabric, P, D):
         released, began = threading.Event(), time.perf_counter()
 
         def release() -> None:
@@ -123,6 +123,3 @@ def test_an_idle_step_waits_once_more_for_held_words_posted_as_its_time_ran_out(
         assert not D.results.get("r") or not D.results["r"].load_failed
         D.run(until=lambda: D.results["r"].status.value == "finished")
         assert not D.results["r"].load_failed and D.results["r"].bad_blocks == []
-    finally:
-        P.shutdown()
-        D.shutdown()
