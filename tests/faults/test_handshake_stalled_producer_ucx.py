@@ -10,6 +10,7 @@ Engines in two processes, KV over UCX loopback."""
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 
@@ -18,7 +19,7 @@ import pytest
 from faults_util import prefill
 from test_confirm_stalled_producer import SHAPE, stalled_config
 
-from rdma_kv.harness.process import EngineProcess
+from rdma_kv.harness.process import EngineProcess, HarnessError
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -33,13 +34,19 @@ class Unanswered:
     read 0 after a report that carried other events.)"""
 
     def __init__(self, d: EngineProcess) -> None:
-        self.d, self.count = d, 0
+        self.d, self.totals = d, collections.Counter[str]()
 
     def __call__(self) -> int:
         stats = self.d.call("stats")
         if stats is not None:
-            self.count += int(stats["totals"].get("handshakes_unanswered", 0))
-        return self.count
+            self.totals.update({k: v for k, v in stats["totals"].items() if isinstance(v, int) and v})
+        return self.totals["handshakes_unanswered"]
+
+    def why(self) -> str:
+        """What the decode holds and counted meanwhile (a failure's message:
+        where its loads wait, its peers, clients and calls queued)."""
+        return (f"decode status {self.d.call('status')}; its loads {self.d.call('loads')}; its counters "
+                f"since the stop {dict(self.totals)}")
 
 
 def ended(d: EngineProcess, ids: list[str]) -> bool:
@@ -67,7 +74,10 @@ def test_loads_outlive_a_producer_stalled_at_the_handshake_after_its_wake(rng):
             for rid in ids[1:]:
                 d.add(rid, prompts[rid], params[rid])
             # Not answered once (a call's attempts, ~15 s at HANDSHAKE_TIMEOUT_S): before, every load failed here.
-            d.wait_status(lambda s: unanswered() >= 1 or ended(d, ids[1:]), timeout_s=90)
+            try:
+                d.wait_status(lambda s: unanswered() >= 1 or ended(d, ids[1:]), timeout_s=90)
+            except HarnessError as exc:
+                raise AssertionError(f"{exc}; {unanswered.why()}") from None
             assert not ended(d, ids[1:]), {rid: d.results[rid]["error"] for rid in ids[1:] if rid in d.results}
             assert unanswered() >= 1
             os.kill(p.pid, signal.SIGCONT)

@@ -262,6 +262,12 @@ def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dic
                         "inflight_loads": inner.num_inflight() if inner else 0,
                         "resources": inner.resources() if inner else {},
                     }))
+                elif op == "loads":  # where each load in flight is, and what it waits on (a failure's message)
+                    book = engine.worker.worker._book
+                    with book.lock:
+                        conn.send(("reply", {rid: {"stage": load.stage.name, "waiting_on": load.waiting_on,
+                                                   "error": load.error}
+                                             for rid, load in book.loads.items()}))
                 elif op == "stats":
                     conn.send(("reply", engine.worker.get_kv_connector_stats()))
                 elif op == "shutdown":
