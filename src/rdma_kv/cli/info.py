@@ -37,7 +37,7 @@ from typing import Any
 
 # ucx_info parsing lives with the transport (the selftest reads it too);
 # parse_ucx_info and ucx_info_binary stay importable from here.
-from rdma_kv.transport.ucx import ucx_setting
+from rdma_kv.transport.ucx import ucx_setting, ucx_setting_source
 from rdma_kv.transport.ucxinfo import (  # noqa: F401  (parse_ucx_info: re-exported)
     DeviceList,
     VERBS_TRANSPORTS,
@@ -283,7 +283,7 @@ def _net_devices(settings: Any) -> dict[str, str]:
                 dataclasses.replace(settings, tp_rank=r).for_device(f"cuda:{r}").ucx_options["NET_DEVICES"]
                 for r in range(settings.tp_size)}
     devices = ucx_setting(settings.ucx_options, "NET_DEVICES")
-    where = "ucx_options['NET_DEVICES']" if "NET_DEVICES" in settings.ucx_options else "UCX_NET_DEVICES"
+    where = ucx_setting_source(settings.ucx_options, "NET_DEVICES")
     return {where: devices} if devices is not None else {"NET_DEVICES (unset: UCX's default)": "all"}
 
 
@@ -311,9 +311,9 @@ def _check_push_over_tcp(settings: Any, transports: list[dict[str, str]], add: A
     (a list of HCA ports, as on an InfiniBand cluster, leaves it none)."""
     if settings.mode != "push":
         return
-    where = "ucx_options['TLS']" if "TLS" in settings.ucx_options else "UCX_TLS"
     tls = ucx_setting(settings.ucx_options, "TLS")
-    shown = f"{where}={tls}" if tls is not None else "UCX_TLS unset: all, UCX's default"
+    shown = (f"{ucx_setting_source(settings.ucx_options, 'TLS')}={tls}" if tls is not None
+             else "UCX_TLS unset: all, UCX's default")
     if not _tcp_enabled("all" if tls is None else tls):
         add(Finding("ok", f"mode push: tcp is not among UCX's transports ({shown}), so no write crosses TCP"))
         return

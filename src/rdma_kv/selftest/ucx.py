@@ -72,7 +72,7 @@ def _context_memory_types(settings: RdmaSettings) -> list[str]:
 def _transports(library: str, settings: RdmaSettings) -> tuple[list[dict[str, str]] | None, Check]:
     """``ucx_info -d``'s transports (None when it cannot run) and the check."""
     name = "ucx.transports"
-    from rdma_kv.transport.ucx import ucx_setting
+    from rdma_kv.transport.ucx import ucx_setting, ucx_setting_source
 
     options = settings.for_device("cpu").ucx_options
     try:
@@ -82,7 +82,7 @@ def _transports(library: str, settings: RdmaSettings) -> tuple[list[dict[str, st
         return None, Check.failed(name, f"cannot create a UCP context with the rank's settings ({asked}): {exc}; "
                                   "an engine's agent fails the same way: name transports and devices this UCX "
                                   "has (`ucx_info -d` lists them)")
-    tls = f"{'ucx_options TLS' if 'TLS' in options else 'UCX_TLS'}={ucx_setting(options, 'TLS') or 'all (default)'}"
+    tls = f"{ucx_setting_source(options, 'TLS')}={ucx_setting(options, 'TLS') or 'all'}"
     supports = f"a UCP context made with this environment ({tls}) supports: {', '.join(context_types)}"
     binary = ucx_info_binary(library)
     if binary is None:

@@ -49,7 +49,7 @@ def make_ffi() -> FFI:
     ffi.cdef(shim_h)
     ffi.set_source(
         "rdma_kv.transport._ucp",
-        '#include <ucp/api/ucp.h>\n#include "shim.h"\n',
+        '#include <stdio.h>\n#include <stdlib.h>\n#include <ucp/api/ucp.h>\n#include "shim.h"\n',
         # setuptools wants sources relative to the project root (cwd).
         sources=[os.path.relpath(CSRC / name) for name in ("core.c", "post.c", "pump.c")],
         include_dirs=[str(CSRC)],

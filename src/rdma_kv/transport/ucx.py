@@ -66,12 +66,95 @@ def effective_options(options: Mapping[str, str] | None) -> dict[str, str]:
     return merged
 
 
+NOT_SET = ("TLS", "NET_DEVICES")
+"""Settings whose UCX default is ``all`` (every transport, every device):
+``ucx_setting`` says None for them when that holds."""
+
+
+def ucx_config(options: Mapping[str, str] | None = None) -> dict[str, str]:
+    """UCX's settings (no ``UCX_`` prefix) as a ``Context(options)`` reads
+    them, from UCX itself (``ucp_config_print``): its defaults, then its
+    configuration files (``ucx.conf``: the installation's, the one in
+    ``UCX_CONFIG_DIR``, the current directory's), then ``UCX_*`` variables,
+    then rdma-kv's defaults and ``options`` (``effective_options``). Reading
+    ``os.environ`` alone missed ``ucx.conf``: `rdma-kv info` said
+    "UCX_TLS unset: all" for a host whose ucx.conf names ``tcp``."""
+    ffi, lib = load()
+    config, _ = _read_config(ffi, lib, options)
+    text, size = ffi.new("char **"), ffi.new("size_t *")
+    try:
+        stream = lib.open_memstream(text, size)
+        if stream == ffi.NULL:
+            raise OSError(ffi.errno, "open_memstream failed")
+        lib.ucp_config_print(config, stream, ffi.NULL, lib.UCS_CONFIG_PRINT_CONFIG)
+        lib.fclose(stream)
+        printed = ffi.string(text[0], size[0]).decode(errors="replace")
+    finally:
+        lib.ucp_config_release(config)
+        if text[0] != ffi.NULL:
+            lib.free(text[0])
+    settings = {}
+    for line in printed.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.startswith("UCX_"):
+            settings[key[4:]] = value
+    return settings
+
+
 def ucx_setting(options: Mapping[str, str] | None, key: str) -> str | None:
     """The value of UCX setting ``key`` (no ``UCX_`` prefix, as ``TLS``) in
-    a ``Context(options)``: ``options``' own, else rdma-kv's default where
-    the environment sets none, else ``UCX_<key>``; None where UCX's own
-    default holds (``all`` for ``TLS`` and ``NET_DEVICES``)."""
-    return effective_options(options).get(key, os.environ.get(f"UCX_{key}"))
+    a ``Context(options)``: ``options``' own, rdma-kv's default unless the
+    environment sets it, the environment's, as written; else as UCX reads
+    it (``ucx_config``: a configuration file, UCX's default); None where
+    UCX's default ``all`` holds unset (``TLS``, ``NET_DEVICES``) or UCX has no
+    such setting."""
+    # As written: options', rdma-kv's default the environment leaves, the environment's (UCX prints them expanded).
+    value = effective_options(options).get(key, os.environ.get(f"UCX_{key}"))
+    if value is not None:
+        return value
+    value = ucx_config(options).get(key)
+    return None if value is None or (key in NOT_SET and value == "all") else value
+
+
+def ucx_setting_source(options: Mapping[str, str] | None, key: str) -> str:
+    """Where a ``Context(options)``'s ``key`` comes from, for messages:
+    ``ucx_options['KEY']``, ``UCX_KEY`` (the environment), rdma-kv's
+    default, a UCX configuration file, or UCX's default."""
+    if key in (options or {}):
+        return f"ucx_options[{key!r}]"
+    if f"UCX_{key}" in os.environ:
+        return f"UCX_{key}"
+    if key in DEFAULT_OPTIONS:
+        return f"rdma-kv's default {key}"
+    if key in NOT_SET and ucx_setting(options, key) is not None:
+        return f"UCX_{key} of a UCX configuration file (ucx.conf)"
+    return f"UCX_{key} unset (UCX's default)"
+
+
+def _read_config(ffi: Any, lib: Any, options: Mapping[str, str] | None) -> tuple[Any, list[str]]:
+    """A ``ucp_config_t`` as UCX reads it, with ``effective_options(options)``
+    applied, and the rdma-kv defaults this UCX rejected (its version, or a
+    module it was built without: UCX's own default stays). The caller
+    releases it (``ucp_config_release``)."""
+    config_p = ffi.new("ucp_config_t **")
+    check_status(lib.ucp_config_read(ffi.NULL, ffi.NULL, config_p), "ucp_config_read")
+    config, skipped = config_p[0], []
+    try:
+        for key, value in effective_options(options).items():
+            status = lib.ucp_config_modify(config, key.encode(), str(value).encode())
+            if status != lib.UCS_OK and key not in (options or {}):
+                log.debug("UCX default %s=%s not applied: %s", key, value, status_name(status))
+                skipped.append(key)
+            elif status != lib.UCS_OK:
+                raise ConfigError(
+                    f"UCX option {key}={value!r} rejected: {status_name(status)}; "
+                    "options are UCX settings without the UCX_ prefix "
+                    "(see `ucx_info -c` for the valid names and values)"
+                )
+    except BaseException:
+        lib.ucp_config_release(config)
+        raise
+    return config, skipped
 
 
 class Context:
@@ -81,31 +164,18 @@ class Context:
     (``{"TLS": "tcp", "NET_DEVICES": "mlx5_0:1"}``); they are applied to this
     context only, never to the process environment. ``UCX_*`` environment
     variables apply underneath, as everywhere in UCX, and take precedence
-    over rdma-kv's ``DEFAULT_OPTIONS``.
+    over rdma-kv's ``DEFAULT_OPTIONS``. UCX's configuration files
+    (``ucx.conf``) apply under both: a ``DEFAULT_OPTIONS`` key a ucx.conf
+    sets gets rdma-kv's value (UCX does not say which file set what; set
+    it in ``UCX_*`` or ``options`` to keep it; ``docs/deploy.md`` section 2).
     """
 
     def __init__(self, options: Mapping[str, str] | None = None, name: str = "rdma-kv",
                  shared_workers: bool = False) -> None:
         ffi, lib = load()
         self._ffi, self._lib = ffi, lib
-        self.skipped_defaults: list[str] = []  # DEFAULT_OPTIONS keys this UCX rejected
-        config_p = ffi.new("ucp_config_t **")
-        check_status(lib.ucp_config_read(ffi.NULL, ffi.NULL, config_p), "ucp_config_read")
-        config = config_p[0]
+        config, self.skipped_defaults = _read_config(ffi, lib, options)  # (defaults this UCX rejected)
         try:
-            for key, value in effective_options(options).items():
-                status = lib.ucp_config_modify(config, key.encode(), str(value).encode())
-                if status != lib.UCS_OK and key not in (options or {}):
-                    # A default this UCX does not know (its version, or a
-                    # module it was built without): UCX's own default stays.
-                    log.debug("UCX default %s=%s not applied: %s", key, value, status_name(status))
-                    self.skipped_defaults.append(key)
-                elif status != lib.UCS_OK:
-                    raise ConfigError(
-                        f"UCX option {key}={value!r} rejected: {status_name(status)}; "
-                        "options are UCX settings without the UCX_ prefix "
-                        "(see `ucx_info -c` for the valid names and values)"
-                    )
             params = ffi.new("ucp_params_t *")
             params.field_mask = lib.UCP_PARAM_FIELD_FEATURES | lib.UCP_PARAM_FIELD_NAME
             params.features = lib.UCP_FEATURE_RMA | lib.UCP_FEATURE_AM | lib.UCP_FEATURE_WAKEUP
