@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from faults_util import config, prefill
+from faults_util import config, prefill, stop
 
 from rdma_kv.harness.engine import ModelShape
 from rdma_kv.harness.process import EngineProcess
@@ -57,7 +57,7 @@ def stalled_loads(rng, load_timeout_s: float, stall_s: float | None, words: bool
         for rid in ids[1:]:
             d.add(rid, prompts[rid], params[rid])
         d.wait_status(lambda s: s["inflight_loads"] == 6, timeout_s=30)
-        os.kill(p.pid, signal.SIGSTOP)
+        stop(p.pid)  # (every thread stopped, not only the stop queued)
         try:
             d.open_gate()  # the reads land (shared memory: the stopped producer's CPU is not needed)
             if stall_s is not None:

@@ -16,7 +16,7 @@ import signal
 
 import pytest
 
-from faults_util import prefill
+from faults_util import prefill, stop
 from test_confirm_stalled_producer import SHAPE, stalled_config
 
 from rdma_kv.harness.process import EngineProcess, HarnessError
@@ -69,7 +69,7 @@ def test_loads_outlive_a_producer_stalled_at_the_handshake_after_its_wake(rng):
         p.call("wake_up")  # registered again: the next load handshakes again
         params = prefill(p, {rid: prompts[rid] for rid in ids[1:]})
         unanswered = Unanswered(d)
-        os.kill(p.pid, signal.SIGSTOP)
+        stop(p.pid)  # (every thread stopped, not only the stop queued)
         try:
             for rid in ids[1:]:
                 d.add(rid, prompts[rid], params[rid])
