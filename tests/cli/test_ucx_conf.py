@@ -30,9 +30,10 @@ config = {"kv_connector": "RdmaKVConnector", "kv_role": "kv_consumer", "kv_port"
 check_config(json.dumps(config), report)
 context = Context(options)
 context.close()
+read = ucx_config(options)
 print(json.dumps({
     "tls": ucx_setting(options, "TLS"), "source": ucx_setting_source(options, "TLS"),
-    "rndv": ucx_config(options)["RNDV_THRESH"], "rails": ucx_config(options)["MAX_RMA_RAILS"],
+    "rndv": read["RNDV_THRESH"], "rails": read["MAX_RMA_RAILS"],
     "push": [f.message for f in report.findings if f.message.startswith("mode push")],
 }))
 """
@@ -77,7 +78,7 @@ def test_without_a_file_the_default_holds_and_rdma_kv_defaults_apply(tmp_path) -
 
 
 def test_rdma_kv_defaults_replace_a_file_value_unless_the_environment_sets_it(conf_dir) -> None:
-    """Said in docs/configuration.md: UCX does not say which file set what,
+    """Said in docs/deploy.md, section 2: UCX does not say which file set what,
     so a ucx.conf value of one of rdma-kv's defaults is replaced; the
     environment (or ucx_options) keeps it."""
     assert probe(conf_dir)["rails"] == "2"

@@ -60,6 +60,7 @@ May import: numpy, rdma_kv.errors, the other rdma_kv.transport modules.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -124,8 +125,8 @@ class AgentCore:
             self.inflight = InFlight(name, cfg, self)
             self.notifications = Notifications(name, self.inflight.ctx, self.worker, cfg)
             self.epoch = epoch = Epoch()
-            self.memory = MemoryRegistry(self.context, f"agent {name!r}", ucx_setting(cfg.ucx_options, "TLS"),
-                                         epoch.move)
+            self.memory = MemoryRegistry(self.context, f"agent {name!r}",
+                                         functools.partial(ucx_setting, cfg.ucx_options, "TLS"), epoch.move)
             self.peers = PeerTable(name, self.worker, self.inflight.ctx, epoch.move, cfg.express)
             # The creator's CUDA context (None without CUDA): every pump makes
             # it current before it progresses (cuda.py).

@@ -40,11 +40,14 @@ class MemoryRegistry:
     """Regions mapped into one UCP context for one agent (``owner`` names it
     in errors). ``stale`` is called whenever the mapped set changes."""
 
-    def __init__(self, context: Context, owner: str, tls: str | None, stale: Callable[[], None]) -> None:
+    def __init__(self, context: Context, owner: str, tls: Callable[[], str | None],
+                 stale: Callable[[], None]) -> None:
         self._ffi, self._lib = load()
         self._context = context
         self._owner = owner
-        self._tls = tls  # the context's UCX_TLS (None: UCX's default), for the error of a memory-type mismatch
+        # The context's UCX_TLS (None: UCX's default), for the error of a memory-type
+        # mismatch: asked only then (reading UCX's configuration files is not free).
+        self._tls = tls
         self._stale = stale
         self._regions: list[MemoryRegion] = []
         self.table = RegionTable([], owner)
@@ -103,7 +106,7 @@ class MemoryRegistry:
             check_status(lib.ucp_mem_query(memh, attr), "ucp_mem_query")
             ucx_kind = kind_from_ucs(attr.mem_type)
             if kind is not None and not same_memory(kind, ucx_kind):
-                tls = "all (default)" if self._tls is None else self._tls
+                tls = self._tls() or "all (default)"
                 raise mismatch_error(base, nbytes, kind, ucx_kind, kinds_in_mask(self._context.memory_types()), tls)
             buf = ffi.new("void **")
             size = ffi.new("size_t *")
