@@ -9,7 +9,7 @@ May import: numpy, msgspec, cffi (through _lib), rdma_kv.errors.
 """
 
 from rdma_kv.transport.agent import Agent, AgentConfig, AgentStats, Notification
-from rdma_kv.transport.descriptors import DescList, PreparedDescList, PreparedList, coalesce
+from rdma_kv.transport.descriptors import ChainedRead, DescList, PreparedDescList, PreparedList, coalesce
 from rdma_kv.transport.memory import MemoryKind, MemoryRegion
 from rdma_kv.transport.transfer import Transfer, XferOp, XferState
 
@@ -17,6 +17,7 @@ __all__ = [
     "Agent",
     "AgentConfig",
     "AgentStats",
+    "ChainedRead",
     "DescList",
     "MemoryKind",
     "MemoryRegion",

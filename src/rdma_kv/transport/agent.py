@@ -75,7 +75,7 @@ from rdma_kv.transport import stall
 from rdma_kv.transport._lib import load, status_name
 from rdma_kv.transport.config import AgentConfig
 from rdma_kv.transport.cuda import creator_context
-from rdma_kv.transport.descriptors import DescList, PreparedList, new_generation
+from rdma_kv.transport.descriptors import ChainedRead, DescList, PreparedList, new_generation
 from rdma_kv.transport.inflight import OP_GET, OP_PUT, AgentStats, Callbacks, InFlight
 from rdma_kv.transport.lanes import Lanes
 from rdma_kv.transport.memory import MemoryRegion
@@ -489,9 +489,12 @@ class Agent:
 
     def read_prepared(self, local: PreparedList, local_index: Any, remote: PreparedList,
                       remote_index: Any, *, notify: bytes | None = None,
-                      timeout_s: float | None = None) -> Transfer:
-        """Read ``remote[remote_index]`` into ``local[local_index]``."""
-        return self._prepared.transfer(_READ, OP_GET, local, local_index, remote, remote_index, notify, timeout_s)
+                      timeout_s: float | None = None, then: ChainedRead | None = None) -> Transfer:
+        """Read ``remote[remote_index]`` into ``local[local_index]``; with
+        ``then``, a second read of the same peer posted once this one
+        landed (``ChainedRead``), which the transfer includes."""
+        return self._prepared.transfer(_READ, OP_GET, local, local_index, remote, remote_index, notify, timeout_s,
+                                       then)
 
     def write_prepared(self, local: PreparedList, local_index: Any, remote: PreparedList,
                        remote_index: Any, *, notify: bytes | None = None,

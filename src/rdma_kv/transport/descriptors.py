@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -157,6 +157,25 @@ class PreparedList:
     def take(self, index: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         idx = self.index(index)
         return self.descs.addrs[idx], self.descs.lengths[idx], self.regions[idx]
+
+
+class ChainedRead(NamedTuple):
+    """A read to post once another has landed: ``read_prepared(...,
+    then=ChainedRead(local, local_index, remote, remote_index))`` reads
+    ``remote[remote_index]`` into ``local[local_index]`` (both prepared
+    lists, ``remote`` of the same peer) as soon as every operation of that
+    transfer completed without error, posted by the shim on the thread
+    that completed the last one, and the transfer completes when this read
+    does. The pattern of a read vouched for after it landed (a version or
+    ownership word read behind the data): the second read starts a wire
+    round trip after the first ends, with no Python between them.
+    ``Transfer.chained`` says whether it was posted. (A named tuple: made
+    per request, often with the caches cold.)"""
+
+    local: PreparedList
+    local_index: Any
+    remote: PreparedList
+    remote_index: Any
 
 
 # The name before the transport's re-cut (issue 28); one object, two names

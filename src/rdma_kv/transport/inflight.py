@@ -61,7 +61,7 @@ class AgentStats:
 # Mirrors of csrc/shim.h's enums (checked against the shim in InFlight()).
 OP_GET, OP_PUT, OP_FLUSH = 0, 1, 2
 IDX_L32, IDX_R32, LIST, NOTIFY = 1, 2, 4, 8
-SUBMIT_STALE, SUBMIT_PEER_FAILED, SUBMIT_BAD_PAIR, SUBMIT_FULL, SUBMIT_NOTIF_SIZE = -1, -2, -3, -4, -5
+SUBMIT_STALE, SUBMIT_PEER_FAILED, SUBMIT_BAD_PAIR, SUBMIT_FULL, SUBMIT_NOTIF_SIZE, SUBMIT_BAD_THEN = -1, -2, -3, -4, -5, -6
 OPCODE = {XferOp.READ: OP_GET, XferOp.WRITE: OP_PUT, XferOp.FLUSH: OP_FLUSH}
 
 
@@ -76,9 +76,10 @@ class InFlight:
         ffi, lib = load()
         assert (lib.RK_OP_GET, lib.RK_OP_PUT, lib.RK_OP_FLUSH, lib.RK_IDX_L32, lib.RK_IDX_R32, lib.RK_LIST,
                 lib.RK_NOTIFY, lib.RK_SUBMIT_STALE, lib.RK_SUBMIT_PEER_FAILED, lib.RK_SUBMIT_BAD_PAIR,
-                lib.RK_SUBMIT_FULL, lib.RK_SUBMIT_NOTIF_SIZE) == (
+                lib.RK_SUBMIT_FULL, lib.RK_SUBMIT_NOTIF_SIZE, lib.RK_SUBMIT_BAD_THEN) == (
             OP_GET, OP_PUT, OP_FLUSH, IDX_L32, IDX_R32, LIST, NOTIFY, SUBMIT_STALE, SUBMIT_PEER_FAILED,
-            SUBMIT_BAD_PAIR, SUBMIT_FULL, SUBMIT_NOTIF_SIZE), "inflight.py's constants differ from csrc/shim.h"
+            SUBMIT_BAD_PAIR, SUBMIT_FULL, SUBMIT_NOTIF_SIZE, SUBMIT_BAD_THEN), \
+            "inflight.py's constants differ from csrc/shim.h"
         self._null = ffi.NULL
         self._unpack = ffi.unpack
         self.rk_submit = lib.rk_submit
@@ -97,9 +98,10 @@ class InFlight:
         self.ctx.timeout_ns = int(cfg.transfer_timeout_s * 1e9)
         self._table: list[Transfer | None] = [None] * n
         # slot -> what the shim may still read when UCX completes it late: the
-        # notification's bytes, and the peer (its endpoint state: the
-        # completion enters it to send the notification), kept alive until then
-        self._zombies: dict[int, tuple[bytes | None, Any]] = {}
+        # notification's bytes, the peer (its endpoint state: the completion
+        # enters it to send the notification or post the chained read) and
+        # the chained read's record, arrays and route, kept alive until then
+        self._zombies: dict[int, tuple[bytes | None, Any, Any]] = {}
         self._drained = ffi.new("uint64_t[]", 2 * n)  # rk_drain: (slot | status, completed at) pairs
         self._expired = ffi.new("uint32_t[]", _EXPIRED_MAX)
         self.out = ffi.new("uint64_t[]", 9 + 16)  # rk_submit's out: 9 fields + one per worker (MAX_LANES)
@@ -109,9 +111,11 @@ class InFlight:
     # ------------------------------------------------------------------ submit
 
     def submit(self, route: Route, op: XferOp, code: int, n: int, local: Any, remote: Any, llen: Any, rlen: Any,
-               flags: int, notify: bytes | None, timeout_s: float | None) -> Transfer | int:
+               flags: int, notify: bytes | None, timeout_s: float | None,
+               then: tuple[Any, ...] | None = None) -> Transfer | int:
         """The one submit path: ``rk_submit`` on ``route`` (see csrc/shim.h for
-        the arguments), then ``track``. Returns the negative RK_SUBMIT_* code
+        the arguments; ``then``: a chained read's record first, then what it
+        needs kept alive), then ``track``. Returns the negative RK_SUBMIT_* code
         of a request the route could not post (stale route, failed peer, a
         bad pair: nothing was posted). ``code`` is ``op``'s OP_* (an enum's
         hash is a Python call: the caller knows it). The prepared path makes
@@ -121,13 +125,16 @@ class InFlight:
         slot = self.rk_submit(route.c, code, n, local, remote, llen, rlen,
                               flags if notify is None else flags | NOTIFY, notify or self._null,
                               0 if notify is None else len(notify),
-                              0 if timeout_s is None else max(1, int(timeout_s * 1e9)), self.out)
-        return self.track(slot, route, op, n, notify)
+                              0 if timeout_s is None else max(1, int(timeout_s * 1e9)),
+                              self._null if then is None else then[0], self.out)
+        return self.track(slot, route, op, n, notify, then)
 
-    def track(self, slot: int, route: Route, op: XferOp, n: int, notify: bytes | None) -> Transfer | int:
+    def track(self, slot: int, route: Route, op: XferOp, n: int, notify: bytes | None,
+              then: Any = None) -> Transfer | int:
         """The ``Transfer`` of what ``rk_submit`` just posted in ``slot`` (its
         record is in ``out``), or the negative code of a refusal; raises when
-        the table is full or the notification too long."""
+        the table is full or the notification too long. ``then``: what a
+        chained read's C record needs kept alive (prepared.py)."""
         if slot < 0:
             if slot == SUBMIT_FULL or slot == SUBMIT_NOTIF_SIZE:
                 self._refuse(slot, notify)
@@ -135,6 +142,8 @@ class InFlight:
         out = self.out
         rec = self._unpack(out, 9)
         xfer = Transfer(self._owner, slot, op, route.peer, n, rec, notify)
+        if then is not None:
+            xfer._then = then
         if rec[3] > 1:
             xfer.worker_ops = tuple(self._unpack(out + 9, rec[3]))
         self._table[slot] = xfer
@@ -185,6 +194,8 @@ class InFlight:
                     self._zombies.pop(slot, None)
                     continue
                 table[slot] = None
+                if xfer._then is not None:  # (the slot is reused only by a submit: under this lock)
+                    xfer.chained = bool(self._slots[slot].then_sent)
                 drained.append((xfer, v >> 32, pairs[i + 1] * 1e-9))
             for xfer, status, finished in drained:
                 try:
@@ -208,7 +219,9 @@ class InFlight:
         """Settle ``xfer`` before UCX completed it: its slot becomes a zombie."""
         self._lib.rk_abandon(self.ctx, xfer._slot)
         self._table[xfer._slot] = None
-        self._zombies[xfer._slot] = (xfer._notify, xfer._peer)
+        self._zombies[xfer._slot] = (xfer._notify, xfer._peer, xfer._then)
+        if xfer._then is not None:
+            xfer.chained = bool(self._slots[xfer._slot].then_sent)
         self._settle(xfer, error, time.perf_counter())
 
     def expire(self, fail_peer: FailPeer) -> None:

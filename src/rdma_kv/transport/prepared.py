@@ -32,12 +32,12 @@ import numpy as np
 
 from rdma_kv.errors import ClosedError, DescriptorError, PeerError
 from rdma_kv.transport._lib import load
-from rdma_kv.transport.descriptors import INT32, DescList, PreparedList, as_index, pair_indices
-from rdma_kv.transport.inflight import NOTIFY, SUBMIT_BAD_PAIR, SUBMIT_PEER_FAILED, InFlight
+from rdma_kv.transport.descriptors import INT32, ChainedRead, DescList, PreparedList, as_index, pair_indices
+from rdma_kv.transport.inflight import NOTIFY, OP_GET, SUBMIT_BAD_PAIR, SUBMIT_BAD_THEN, SUBMIT_PEER_FAILED, InFlight
 from rdma_kv.transport.peer import Peer
 from rdma_kv.transport.peers import PeerTable
 from rdma_kv.transport.registry import MemoryRegistry
-from rdma_kv.transport.route import RouteBuilder
+from rdma_kv.transport.route import Route, RouteBuilder
 from rdma_kv.transport.transfer import Transfer, XferOp
 
 
@@ -86,9 +86,11 @@ class PreparedLists:
     # --------------------------------------------------------------- transfers
 
     def transfer(self, op: XferOp, code: int, local: PreparedList, local_index: Any, remote: PreparedList,
-                 remote_index: Any, notify: bytes | None, timeout_s: float | None) -> Transfer:
+                 remote_index: Any, notify: bytes | None, timeout_s: float | None,
+                 then: ChainedRead | None = None) -> Transfer:
         """``remote[remote_index]`` to or from ``local[local_index]`` (``code``:
-        ``op``'s OP_*): one C call on a current route, else the checked path.
+        ``op``'s OP_*), and a read's chained read ``then``: one C call on a
+        current route, else the checked path.
 
         Written for a cold cache, where each new kind of step costs
         microseconds (a page of numpy's, cffi's or the interpreter's own code
@@ -126,18 +128,22 @@ class PreparedLists:
                     lbuf, rbuf = self._from_buffer(li), self._from_buffer(ri)
                 # InFlight.submit, inlined (one frame fewer, cold): rk_submit, then track.
                 null = self._null
+                chain = null if then is None else self._chain(then, code, route)
                 slot = inflight.rk_submit(route.c, code, n, lbuf, rbuf, null, null,
                                           flags if notify is None else flags | NOTIFY, notify or null,
                                           0 if notify is None else len(notify),
-                                          0 if timeout_s is None else max(1, int(timeout_s * 1e9)), inflight.out)
-                x = inflight.track(slot, route, op, n, notify)
+                                          0 if timeout_s is None else max(1, int(timeout_s * 1e9)),
+                                          null if then is None else chain[0], inflight.out)
+                x = inflight.track(slot, route, op, n, notify, None if then is None else chain)
                 if isinstance(x, Transfer):
                     return x
+                if x == SUBMIT_BAD_THEN and then is not None:
+                    self._bad_then(then, chain)
             # No route for this pair yet, a stale one (the agent's peers or
             # regions changed, or it closed), a failed peer, a bad pair.
             li, ri = as_index(li), as_index(ri)
             return self._checked(op, code, local, li, local_index, remote, ri, remote_index,
-                                 (li.dtype is INT32) | (ri.dtype is INT32) << 1, notify, timeout_s)
+                                 (li.dtype is INT32) | (ri.dtype is INT32) << 1, notify, timeout_s, then)
         finally:
             due = inflight.take_due()  # what the post settled: its callbacks run without the lock
             lock.release()
@@ -146,7 +152,7 @@ class PreparedLists:
 
     def _checked(self, op: XferOp, code: int, local: PreparedList, li: Any, local_index: Any, remote: PreparedList,
                  ri: Any, remote_index: Any, flags: int, notify: bytes | None,
-                 timeout_s: float | None) -> Transfer:
+                 timeout_s: float | None, then: ChainedRead | None = None) -> Transfer:
         """Every check with its precise error; builds the pair's route and
         submits on it. Caller holds the lock."""
         if local.peer is not None or remote.peer is None:
@@ -166,10 +172,14 @@ class PreparedLists:
             )
         route = self._routes.prepared(local, remote, p)
         object.__setattr__(remote, "route", route)
+        chain = None if then is None else self._chain(then, code, route)
         x = self._inflight.submit(route, op, code, len(li), self._from_buffer(li), self._from_buffer(ri), self._null, self._null,
-                                  flags, notify, timeout_s)
+                                  flags, notify, timeout_s, chain)
         if isinstance(x, Transfer):
             return x
+        if x == SUBMIT_BAD_THEN:
+            assert then is not None and chain is not None
+            self._bad_then(then, chain)
         if x == SUBMIT_BAD_PAIR:
             pair_indices(local, local_index, remote, remote_index)  # raises the precise error
             raise DescriptorError(f"descriptor pair {self._inflight.bad_pair} of {len(li)} failed the range "
@@ -178,3 +188,45 @@ class PreparedLists:
             self._usable(remote.peer)
             raise PeerError(f"peer {remote.peer!r} failed; re-import its metadata with add_peer() once it is back")
         raise AssertionError(f"rk_submit refused a route built just now (code {x})")
+
+    # ----------------------------------------------------------- chained reads
+
+    def _chain(self, then: ChainedRead, code: int, route: Route) -> tuple[Any, ...]:
+        """The C record of ``then``, the read chained behind a read on
+        ``route``, and what keeps it alive (its arrays and its own route,
+        kept on ``then.remote`` as a transfer's is). Caller holds the lock."""
+        if code != OP_GET:
+            raise DescriptorError("a chained read follows a read only: pass then= to read_prepared()")
+        if type(then) is not ChainedRead:
+            raise TypeError(f"then= takes a ChainedRead, got {type(then).__name__}")
+        tl, local_index, tr, remote_index = then
+        r = tr.route
+        if r is None or r.local is not tl or r.builder is not self._routes or r.c.built_at != r.c.epoch[0]:
+            if tr.peer != route.peer.name or tl.peer is not None:
+                raise DescriptorError(f"a chained read reads from the same peer ({route.peer.name!r}) into a "
+                                      f"local list: its remote list is for {tr.peer!r}")
+            if tl.generation != self._registry.generation or tl.c_tables is None:
+                raise DescriptorError("the chained read's local list was not made by prep_local() of agent "
+                                      f"{self._name!r} or predates a deregister(); prepare it again")
+            if tr.generation != route.peer.generation or tr.c_tables is None:
+                raise DescriptorError(f"the chained read's remote list is for an earlier incarnation of "
+                                      f"{tr.peer!r} or not from prep_remote(); prepare it again")
+            r = self._routes.prepared(tl, tr, route.peer)
+            object.__setattr__(tr, "route", r)
+        li, ri = as_index(local_index), as_index(remote_index)
+        n = li.shape[0]
+        if n != ri.shape[0]:
+            raise DescriptorError(f"the chained read's descriptors must pair up: {n} local vs {ri.shape[0]} remote")
+        rec = self._ffi.new("rk_then_t *")
+        rec.route, rec.l, rec.r = r.c, (lbuf := self._from_buffer(li)), (rbuf := self._from_buffer(ri))
+        rec.n, rec.flags = n, (li.dtype is INT32) | (ri.dtype is INT32) << 1
+        return rec, r, li, ri, lbuf, rbuf
+
+    def _bad_then(self, then: ChainedRead, chain: tuple[Any, ...]) -> None:
+        """Raise what the shim's refusal of a chained read means."""
+        n, at = int(chain[0].n), self._inflight.bad_pair
+        if at > n:  # (_chain checked the peer and the route: another incarnation of it, meanwhile)
+            raise PeerError(f"the chained read's peer {then.remote.peer!r} is not the read's any more; "
+                            "prepare its lists again")
+        pair_indices(then.local, then.local_index, then.remote, then.remote_index)  # raises the precise error
+        raise DescriptorError(f"the chained read's descriptor pair {at} of {n} failed the range check")

@@ -89,8 +89,14 @@ class Transfer:
     settled: float | None = None
     error: TransferError | None = None
     worker_ops: tuple[int, ...] | None = None
+    chained: bool | None = None
+    """With a chained read (``read_prepared(then=...)``): True once it was
+    posted, the transfer's own reads all completed (a failure is then the
+    chained read's); False if they did not (failed, cancelled or timed
+    out first). None without one."""
     _callbacks: list[Callback] | None = None
     _expired = False
+    _then: Any = None  # a chained read's C record, arrays and route: alive until UCX hands the slot back
 
     def __init__(self, owner: Owner, slot: int, op: XferOp, peer: Any, num_descs: int, rec: list[int],
                  notify: bytes | None) -> None:
@@ -140,6 +146,7 @@ class Transfer:
         self.error = error
         self.state = _FAILED if error is not None else _DONE
         self._notify = None
+        self._then = None
         callbacks, self._callbacks = self._callbacks, None
         return callbacks
 

@@ -203,7 +203,7 @@ static void rk_publish(rk_batch_t *b)
  * either rk_ep_quiesce sees the announcement and waits for the send, or
  * this sees the close coming and does not send (both sequentially
  * consistent). */
-static int rk_ep_enter(rk_ep_state_t *st)
+int rk_ep_enter(rk_ep_state_t *st)
 {
     __atomic_fetch_add(&st->sending, 1, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&st->closing, __ATOMIC_SEQ_CST)) {
@@ -227,6 +227,16 @@ static void rk_batch_complete(rk_batch_t *b)
     rk_ctx_t *ctx = b->ctx;
     ucs_status_ptr_t r;
 
+    if (b->then != NULL && !b->then_sent && b->status == UCS_OK) {
+        /* Its chained read: the batch completes once that does (through
+         * this function again, then_sent set), here or on the thread that
+         * progresses it. Not for an abandoned batch, nor on an endpoint
+         * being closed (as a notification, below). */
+        if (!__atomic_load_n(&b->abandoned, __ATOMIC_ACQUIRE) && b->chain(b)) {
+            return;
+        }
+        b->status = UCS_ERR_CANCELED;
+    }
     if (b->status == UCS_OK && b->has_notif && !b->notif_sent &&
         (__atomic_load_n(&b->abandoned, __ATOMIC_ACQUIRE) || !rk_ep_enter(b->peer))) {
         /* An abandoned batch's peer may be gone: its endpoint closed, its

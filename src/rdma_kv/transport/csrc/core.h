@@ -35,6 +35,10 @@ uint64_t rk_ctx_stamp(rk_ctx_t *ctx);
 void rk_futex_wait(uint32_t *word, uint32_t expect, uint64_t timeout_ns);
 /* Wake every thread asleep on a futex word. */
 void rk_futex_wake(uint32_t *word);
+/* Announce a send on an endpoint (st: its state), then look whether it is
+ * closing: 0 (and nothing announced) if it is; else 1, and the caller
+ * takes the announcement back (st->sending) once its call returned. */
+int rk_ep_enter(rk_ep_state_t *st);
 /* Sleep on a slot's state while it equals expect, at most timeout_ns. */
 void rk_slot_sleep(rk_batch_t *b, uint32_t expect, uint64_t timeout_ns);
 

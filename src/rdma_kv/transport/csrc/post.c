@@ -7,6 +7,8 @@
  * shim.h; uses core.c and pump.c through core.h. */
 
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <ucp/api/ucp.h>
 #include "shim.h"
 #include "core.h"
@@ -385,9 +387,75 @@ static uint64_t rk_post(rk_batch_t *b, const rk_route_t *r, rk_req_t *q, int op,
     return b->posted;
 }
 
+/* rk_batch_t.chain: post the batch's chained read (rk_then_t), whole,
+ * on worker w: the one that carried the batch when it went whole (the
+ * thread that completed it is progressing that worker now, or is its
+ * poster), else the own worker. Called by rk_batch_complete, on whichever
+ * thread completed the batch's last operation. A worker's pump is kicked
+ * as for a post, unless this is the pump's own thread (held instead:
+ * never steered off its own CPU); a worker without one is signalled.
+ * 0 if the peer's endpoint on w is being closed: nothing posted. */
+static int rk_chain(rk_batch_t *b)
+{
+    const rk_then_t *t = b->then;
+    const rk_route_t *r = t->route;
+    rk_req_t q = {r, t->l, t->r, NULL, NULL, t->flags & (RK_IDX_L32 | RK_IDX_R32), 0, 0};
+    uint32_t w = b->nparts == 1 ? b->top : 0;
+    rk_ep_state_t *st = r->ep_states[w];
+    rk_pump_t *pump = r->pumps != NULL ? r->pumps[w] : NULL;
+    uint64_t wops[17];
+    rk_poster_t ps;
+
+    if (!rk_ep_enter(st)) {
+        return 0;
+    }
+    b->then_sent = 1;
+    ps.b = b;
+    ps.r = r;
+    ps.eps = rk_express(r, RK_OP_GET, t->nbytes) ? r->xeps : r->eps;
+    ps.rkeys = rk_express(r, RK_OP_GET, t->nbytes) ? r->xrkeys : r->rkeys;
+    ps.op = RK_OP_GET;
+    ps.wops = wops;
+    ps.released = 0;
+    wops[w] = 0;
+    if (pump != NULL && rk_pump_tid(pump) == (int)syscall(SYS_gettid)) {
+        rk_pump_hold(pump, 1);          /* released by rk_stream once posted */
+    } else if (pump != NULL) {
+        rk_pump_kick(pump);
+    }
+    rk_batch_begin(b, &ps.p, r->memhs);
+    if (!rk_stream(&ps, &q, t->n, w, 1, t->nbytes) && ps.released == 0 && pump != NULL) {
+        rk_pump_hold(pump, -1);
+    }
+    if (pump == NULL) {
+        (void)ucp_worker_signal(r->workers[w]);
+    }
+    /* Posted: UCX holds its operations, and a close of the endpoint from
+     * here on cancels them. Left before the guard: once the batch
+     * completes, its slot may be reused. */
+    __atomic_fetch_sub(&st->sending, 1, __ATOMIC_RELEASE);
+    rk_batch_dec(b);                    /* the guard: it may complete now */
+    return 1;
+}
+
+/* The chained read's checks: a READ's, on a current route of the same
+ * peer, every pair in range; n + 1 when the first two fail, else the
+ * position of the first pair that fails, or t->n when all pass. */
+static uint64_t rk_then_check(const rk_route_t *r, int op, rk_then_t *t)
+{
+    rk_req_t q = {t->route, t->l, t->r, NULL, NULL, t->flags & (RK_IDX_L32 | RK_IDX_R32), 0, 0};
+
+    if (op != RK_OP_GET || *t->route->epoch != t->route->built_at || t->route->ctx != r->ctx ||
+        t->route->ep_states[0] != r->ep_states[0]) {
+        return t->n + 1;
+    }
+    return rk_check(&q, t->n, &t->nbytes);
+}
+
 int64_t rk_submit(const rk_route_t *r, int op, uint64_t n, const void *l, const void *rsel,
                   const void *llen, const void *rlen, uint32_t flags,
-                  const char *notif, uint64_t notif_len, uint64_t timeout_ns, uint64_t *out)
+                  const char *notif, uint64_t notif_len, uint64_t timeout_ns, rk_then_t *then,
+                  uint64_t *out)
 {
     rk_req_t q = {r, l, rsel, (const uint64_t *)llen, (const uint64_t *)rlen, flags, 0, 0};
     rk_ctx_t *ctx = r->ctx;
@@ -410,6 +478,10 @@ int64_t rk_submit(const rk_route_t *r, int op, uint64_t n, const void *l, const 
     if (ok != n) {
         out[0] = ok;
         return RK_SUBMIT_BAD_PAIR;
+    }
+    if (then != NULL && (ok = rk_then_check(r, op, then)) != then->n) {
+        out[0] = ok;
+        return RK_SUBMIT_BAD_THEN;
     }
     b = rk_slot_take(ctx);
     if (b == NULL) {
@@ -439,6 +511,9 @@ int64_t rk_submit(const rk_route_t *r, int op, uint64_t n, const void *l, const 
     b->notif_sent = 0;
     b->notif_data = notif;
     b->notif_len = notif_len;
+    b->then = then;
+    b->then_sent = 0;
+    b->chain = rk_chain;
     b->top = top;
     b->nparts = nparts;
     b->share = nbytes / nparts;

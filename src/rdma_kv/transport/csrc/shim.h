@@ -37,6 +37,28 @@ typedef struct rk_flush_ref {
     rk_ep_state_t *st;
 } rk_flush_ref_t;
 
+struct rk_route;
+
+/* A chained read (rk_submit's then): once every operation of a READ
+ * completed without error, n more GETs of the same peer, posted by the
+ * thread that completed the last one -- on the worker that carried the
+ * read when it went whole (its progress goes on right after), else on the
+ * own worker, whose pump is kicked -- on the peer's endpoint there (its
+ * express one when the route has it and the read is small): local slot
+ * l[i] of route's local list from remote slot r[i] of its remote list
+ * (int64, or int32 per RK_IDX_*). The transfer completes when they do.
+ * For a read that must be vouched for after it landed: one more round
+ * trip of the wire, none of Python. Caller-owned, and with its route and
+ * arrays alive until the slot is drained. */
+typedef struct rk_then {
+    const struct rk_route *route;
+    const void *l;
+    const void *r;
+    uint64_t n;
+    uint32_t flags;
+    uint64_t nbytes;         /* set by rk_submit */
+} rk_then_t;
+
 /* One transfer in flight: a slot of the agent's slab. */
 typedef struct rk_batch {
     uint64_t id;             /* the transfer's id (never 0 while in use) */
@@ -58,6 +80,11 @@ typedef struct rk_batch {
     uint32_t nparts;
     uint64_t share;          /* the bytes it queued on each of them (rk_ctx_t.queued) */
     uint64_t done_ns;        /* CLOCK_MONOTONIC when it was published complete */
+    const rk_then_t *then;   /* its chained read, NULL if none */
+    int32_t then_sent;       /* 1 once the chained read was handed to UCX: the
+                              * batch's own operations all completed */
+    int (*chain)(struct rk_batch *b); /* posts then (post.c's; core.c calls it):
+                                       * 0 if its endpoint is closing (nothing posted) */
     uint32_t nflushes;       /* flushes posted for it (flushes[0..nflushes)) */
     rk_flush_ref_t flushes[34]; /* at most one per endpoint: 17 workers, 2 endpoints each */
 } rk_batch_t;
@@ -151,7 +178,9 @@ enum {
     RK_SUBMIT_PEER_FAILED = -2,  /* an endpoint of the peer failed */
     RK_SUBMIT_BAD_PAIR = -3,     /* out[0]: the first pair that failed its check */
     RK_SUBMIT_FULL = -4,         /* no free slot: nslots transfers in flight */
-    RK_SUBMIT_NOTIF_SIZE = -5    /* the notification is longer than notif_max */
+    RK_SUBMIT_NOTIF_SIZE = -5,   /* the notification is longer than notif_max */
+    RK_SUBMIT_BAD_THEN = -6      /* the chained read: out[0] its first pair that failed its check
+                                  * (n + 1: not a READ, or another peer or a stale route) */
 };
 
 void rk_ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t status);
@@ -243,8 +272,12 @@ typedef struct rk_route {
  * pump held off its worker and kicked before, released after. A WRITE
  * with RK_NOTIFY, and RK_OP_FLUSH (n = 0, every worker), add an endpoint
  * flush per endpoint used, counted as operations. Completion of the last
- * operation (on any thread) sends the notification on the own worker's
- * endpoint, then publishes the slot on the completion ring.
+ * operation (on any thread) posts the chained read (then), and once that
+ * completed sends the notification on the own worker's endpoint, then
+ * publishes the slot on the completion ring.
+ *
+ * then (NULL: none; a READ's only) is checked here like the request and
+ * posted once the request completed (rk_then_t).
  *
  * Returns the slot (>= 0), or a negative RK_SUBMIT_* with nothing posted.
  * out[0] the id, [1] the bytes, [2] the operations, [3] the workers used,
@@ -253,7 +286,8 @@ typedef struct rk_route {
  * completion ring, [9 + w] the operations on worker w. */
 int64_t rk_submit(const rk_route_t *route, int op, uint64_t n, const void *l, const void *r,
                   const void *llen, const void *rlen, uint32_t flags,
-                  const char *notif, uint64_t notif_len, uint64_t timeout_ns, uint64_t *out);
+                  const char *notif, uint64_t notif_len, uint64_t timeout_ns, rk_then_t *then,
+                  uint64_t *out);
 
 /* Move up to max finished slots off the completion ring and free them;
  * out[2i] = slot | (uint32_t)status << 32, out[2i + 1] = its done_ns (out
