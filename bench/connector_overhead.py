@@ -11,10 +11,11 @@ the producer, then, in alternating order:
   requests wait for remote KV (``--idle-s``: a sleep between steps); its
   ``LoadRecord`` (``get_kv_connector_stats``) gives the stages:
   ``start_s`` (the step's metadata bound -> first read posted; ``plan_s``
-  in it), ``transfer_s`` (posted -> last read completed; ``post_s`` in it),
-  ``finish_s`` (completed -> reported; ``confirm_s`` in it: the held
-  words' read, the wait for the read pin's answer, or the CONFIRM round
-  trip) and ``total_s``;
+  in it), ``transfer_s`` (posted -> last read completed, with the held
+  words' read chained behind the data; ``post_s`` in it), ``finish_s``
+  (completed -> reported; ``confirm_s`` in it: the check of the held
+  words, the wait for the read pin's answer, or the CONFIRM round trip)
+  and ``total_s``;
 - **raw**: ``Agent.read_prepared`` of the same producer blocks, on the
   same two agents (the connector's, kept by the transport factory) and
   over the same endpoint, with ``wait()``: call -> completion.

@@ -2,11 +2,13 @@
 run with the consumer's word path timed at each hop (it wraps private
 methods of ``consumer.loads.RdmaConsumer`` and ``consumer.words.WordChecks``).
 
-Hops, per load (medians): the data read's settling -> ``_check_words``
-(the load's bookkeeping under the lock), -> ``WordChecks.check`` (the tag),
--> the words' read posted (unique ids, slots, zeroing, ``read_prepared``),
--> its completion callback (the wire and the wake), -> the load confirmed
-(the compare and ``_on_words``). ``--spin-s`` makes the agents with that
+Since the words' read is chained behind the data in the shim (2026-12-02),
+a load's check has three hops in Python, medians per load: its words
+prepared (``WordChecks.prepare``: unique ids, slots, zeroing, the chained
+read's lists) before the post; then, after the shim completed the data
+and the words' read behind it (``Transfer.finished``), -> the completion
+callback (the wake and the settle), -> the load confirmed (the compare and
+``_vouch``). ``--spin-s`` makes the agents with that
 ``AgentConfig.spin_s`` (the pumps' spin after their last event) instead of
 the default, to A/B it.
 
@@ -25,8 +27,7 @@ from typing import Any
 
 from rdma_kv.connector.rdma.consumer import loads, words
 
-HOPS = [("settled", "check_words"), ("check_words", "check"), ("check", "posted"), ("posted", "landed"),
-        ("landed", "confirmed")]
+HOPS = [("prepare", "prepared"), ("finished", "settled"), ("settled", "confirmed")]
 
 
 def main() -> None:
@@ -36,34 +37,25 @@ def main() -> None:
     ap.add_argument("--spin-s", type=float, default=None)
     args = ap.parse_args()
     rows: list[dict[str, float]] = []
-    now: dict[str, float] = {}
-    on_read_done, check_words, check = (loads.RdmaConsumer._on_read_done, loads.RdmaConsumer._check_words,
-                                        words.WordChecks.check)
+    prep: dict[str, float] = {}
+    on_read_done, prepare = loads.RdmaConsumer._on_read_done, words.WordChecks.prepare
 
-    def timed_on_read_done(self: Any, *a: Any, **k: Any) -> Any:
-        now["settled"] = time.perf_counter()
-        return on_read_done(self, *a, **k)
+    def timed_prepare(self: Any, *a: Any, **k: Any) -> Any:
+        prep["prepare"] = time.perf_counter()
+        check = prepare(self, *a, **k)
+        prep["prepared"] = time.perf_counter()
+        return check
 
-    def timed_check_words(self: Any, *a: Any, **k: Any) -> Any:
-        now["check_words"] = time.perf_counter()
-        return check_words(self, *a, **k)
-
-    def timed_check(self: Any, connection: Any, block_ids: Any, tag: bytes, timeout_s: float, done: Any) -> Any:
-        now["check"] = time.perf_counter()
-
-        def landed(ok: bool) -> None:
-            now["landed"] = time.perf_counter()
-            done(ok)
-            now["confirmed"] = time.perf_counter()
-            rows.append(dict(now))
-
-        xfer = check(self, connection, block_ids, tag, timeout_s, landed)
-        now["posted"] = time.perf_counter()
-        return xfer
+    def timed_on_read_done(self: Any, load: Any, src: Any, peer: Any, xfer: Any) -> Any:
+        row = dict(prep, settled=time.perf_counter())
+        chained = src.words is not None
+        out = on_read_done(self, load, src, peer, xfer)
+        if chained and xfer.finished is not None:
+            rows.append(dict(row, finished=xfer.finished, confirmed=time.perf_counter()))
+        return out
 
     loads.RdmaConsumer._on_read_done = timed_on_read_done  # type: ignore[method-assign]
-    loads.RdmaConsumer._check_words = timed_check_words  # type: ignore[method-assign]
-    words.WordChecks.check = timed_check  # type: ignore[method-assign]
+    words.WordChecks.prepare = timed_prepare  # type: ignore[method-assign]
     if args.spin_s is not None:
         import rdma_kv.connector.rdma as rdma
         from rdma_kv.transport import Agent, AgentConfig

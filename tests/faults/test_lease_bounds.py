@@ -36,7 +36,7 @@ def test_a_lease_renewed_past_its_lifetime_ends_and_the_load_recomputes(rng):
             EngineProcess("decode-lb", d_cfg, SHAPE, faults={"gate_reads": True}) as d:
         prompt = rng.integers(1, 999, 10 * BS).tolist()
         params = prefill(p, {"long": prompt})
-        d.close_gate()
+        d.close_gate(before_post=True)  # the reads themselves held: a completion already includes their held words' read
         try:
             d.add("long", prompt, params["long"])
             d.wait_status(lambda s: "long" in s["loading_ids"], timeout_s=20)

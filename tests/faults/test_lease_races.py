@@ -229,7 +229,7 @@ def expiry_mid_read(race, rng):
     (rid, prompt), = race.prompts(rng).items()
     params = prefill(race.p, {rid: prompt})[rid]
     d = race.d1 if rng.random() < 0.5 else race.d2
-    d.close_gate()
+    d.close_gate(before_post=True)  # the reads themselves held: a completion already includes their held words' read
     try:
         d.add(rid, prompt, params)
         d.wait_status(lambda s: rid in s["loading_ids"], timeout_s=10)

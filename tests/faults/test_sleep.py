@@ -40,7 +40,7 @@ def test_a_producer_sleeping_under_reads_fails_them_and_serves_its_new_registrat
         racing_params = prefill(p, racing)
         kept = prompts(rng, "k", 1)  # prefilled before the sleep, loaded after the wake
         kept_params = prefill(p, kept)
-        d.close_gate()
+        d.close_gate(before_post=True)  # the reads themselves held: a completion already includes their held words' read
         try:
             for rid, prompt in racing.items():
                 d.add(rid, prompt, racing_params[rid])

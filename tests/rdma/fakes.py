@@ -5,7 +5,7 @@ process that "read" with ``ctypes.memmove``. Implements
 Scripting: ``FakeFabric.hold = True`` keeps transfers pending until
 ``release_all()``; ``kill(name)`` fails that agent's pending transfers and
 makes later reads from it fail (a dead peer); ``fail_next`` fails the next
-read; ``on_prep(agent_name)``, when set, runs inside ``prep_local`` and
+read, ``fail_chained`` the next chained read (its read landed); ``on_prep(agent_name)``, when set, runs inside ``prep_local`` and
 ``prep_remote`` (where the real transport takes its own lock).
 """
 
@@ -37,6 +37,8 @@ class FakeTransfer:
         self._callbacks = []
         self._lock = threading.Lock()
         self._resolved = threading.Event()
+        self.chained = None  # with a chained read: True once posted (the read landed), False if it was not
+        self._then = None  # the chained read's (laddr, raddr, lengths), until it is posted
 
     @property
     def started(self):
@@ -71,6 +73,21 @@ class FakeTransfer:
                 laddr, raddr, lengths = self._ops
                 for d, s, n in zip(laddr.tolist(), raddr.tolist(), lengths.tolist()):
                     ctypes.memmove(d, s, n)
+            if self._then is not None:  # the read landed: its chained read goes out (held too, if the fabric holds)
+                self.chained = error is None
+                if error is None:
+                    self._ops, self._then = self._then, None
+                    if self._fabric.fail_chained:
+                        self._fabric.fail_chained -= 1
+                        error = TransferError("fake: injected chained read failure", status="UCS_ERR_IO_ERROR")
+                    elif self._fabric.hold:
+                        with self._fabric.lock:
+                            self._fabric.pending.append(self)
+                        return
+                    else:
+                        laddr, raddr, lengths = self._ops
+                        for d, s, n in zip(laddr.tolist(), raddr.tolist(), lengths.tolist()):
+                            ctypes.memmove(d, s, n)
             self.error = error
             self._finished = time.perf_counter()
             callbacks, self._callbacks = self._callbacks, []
@@ -88,8 +105,10 @@ class FakeFabric:
         self.hold = False
         self.pending = []
         self.fail_next = 0
+        self.fail_chained = 0
         self.on_prep = None
         self.reads = 0
+        self.chained = 0  # reads posted with a chained read (the held words')
         self.writes = 0
         self.lock = threading.Lock()
 
@@ -180,27 +199,43 @@ class FakeTransport:
             raise PeerError(f"fake: unknown peer {peer!r}")
         return FakePrep(descs, self.aliases[peer])
 
-    def read_prepared(self, local, local_index, remote, remote_index, *, notify=None, timeout_s=None):
+    def read_prepared(self, local, local_index, remote, remote_index, *, notify=None, timeout_s=None, then=None):
+        """A read; with ``then`` (a ``ChainedRead`` of the same peer), its
+        chained read, copied once the read landed (held again while the
+        fabric holds: a test decides when each lands)."""
         self.fabric.reads += 1
-        return self._post(local, local_index, remote, remote_index, write=False)
+        chained = None
+        if then is not None:
+            self.fabric.chained += 1
+            if then.remote.peer != remote.peer:
+                raise DescriptorError("fake: a chained read reads from the same peer")
+            chained = self._ops(then.local, then.local_index, then.remote, then.remote_index, write=False)
+        return self._post(local, local_index, remote, remote_index, write=False, then=chained)
 
-    def _post(self, local, local_index, remote, remote_index, write, notify=None):
-        """A read copies remote -> local; a write local -> remote, then notifies the peer."""
-        fabric = self.fabric
-        if self.closed:
-            raise PeerError("fake: closed")
-        if remote.peer in fabric.dead:
-            raise PeerError(f"fake: peer {remote.peer!r} failed")
-        li, ri = np.asarray(local_index), np.asarray(remote_index)
+    @staticmethod
+    def _ops(local, local_index, remote, remote_index, write):
+        """(destinations, sources, lengths), merged."""
+        li, ri = np.asarray(local_index, dtype=np.int64), np.asarray(remote_index, dtype=np.int64)
         laddr, lens = local.descs.addrs[li], local.descs.lengths[li]
         raddr = remote.descs.addrs[ri]
         if not np.array_equal(lens, remote.descs.lengths[ri]):
             raise DescriptorError("fake: lengths differ")
         zeros = np.zeros(len(li), dtype=np.uint32)
         dst, src = (raddr, laddr) if write else (laddr, raddr)
-        merged = coalesce(dst, src, lens, zeros, zeros)
+        return coalesce(dst, src, lens, zeros, zeros)
+
+    def _post(self, local, local_index, remote, remote_index, write, notify=None, then=None):
+        """A read copies remote -> local; a write local -> remote, then notifies the peer."""
+        fabric = self.fabric
+        if self.closed:
+            raise PeerError("fake: closed")
+        if remote.peer in fabric.dead:
+            raise PeerError(f"fake: peer {remote.peer!r} failed")
+        merged = self._ops(local, local_index, remote, remote_index, write)
         xfer = FakeTransfer(fabric, remote.peer, merged[0], merged[1], merged[2], len(merged[0]))
         xfer.reader = self.name
+        if then is not None:
+            xfer._then = then[:3]
         if notify is not None:
             target = fabric.agents[remote.peer]
             xfer.notify = lambda: target.inbox.append(FakeNotification(self.name, bytes(notify)))

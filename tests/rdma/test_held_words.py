@@ -219,21 +219,15 @@ def test_a_lease_that_ended_under_the_reads_is_a_load_error_though_the_reads_suc
         pair.settle()
 
 
-def test_a_word_read_that_fails_falls_back_to_the_confirm(fabric, monkeypatch):
+def test_a_word_read_that_fails_falls_back_to_the_confirm(fabric):
     with pair_and_events(fabric, d_extra=WORDS_ONLY) as (pair, events):
-        consumer = pair.D.worker.worker._consumer
-        checks = consumer._words
-        real = checks.check
-
-        def failing(connection, block_ids, tag, timeout_s, done):
-            fabric.fail_next = 1  # the words' read fails on the wire
-            return real(connection, block_ids, tag, timeout_s, done)
-
-        monkeypatch.setattr(checks, "check", failing)
+        checks = pair.D.worker.worker._consumer._words
+        fabric.fail_chained = 1  # the data lands, the words' read chained behind it fails on the wire
         prompt = list(range(1, 41))
         r = pair.decode({"x": prompt}, pair.prefill({"x": prompt}))["x"]
         assert not r.load_failed and r.bad_blocks == []  # CONFIRMed HELD
         assert events["words_fallbacks"] == 1 and lease_stats(pair).confirmed == 1
+        assert fabric.fail_chained == 0
         pair.settle()
         assert checks.free == checks._array.shape[0]
 

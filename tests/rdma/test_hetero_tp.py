@@ -283,6 +283,8 @@ def test_an_abort_between_two_decode_ranks_reports_frees_the_blocks_once_both_ar
         dep.D.add_request("r0", prompt, dep.P.results["r0"].kv_transfer_params)
         wait_until(lambda: len(fabric.pending) == 2, step=dep.pump, what="both ranks' reads posted")
         first, second = (r.worker.worker for r in dep.D.ranks)
+        fabric.release_all(reader=first.agent_name)  # rank 0's reads land; their held words' read goes out
+        wait_until(lambda: len(fabric.pending) == 2, step=dep.pump, what="rank 0's held words' read posted")
         fabric.release_all(reader=first.agent_name)
         wait_until(lambda: dep.D._reported["recving"].get("r0") == 1, step=dep.pump,
                    what="one rank reported its load")

@@ -131,14 +131,17 @@ def test_lease_expiry_during_reads_is_a_load_error(engines):
     p, d = engines
     prompt = list(range(5, 300))
     params = prefill(p, {"lx": prompt})
-    d.close_gate()
+    # The reads are held before they are posted (a read's completion already
+    # includes its held words' read, chained behind the data in the shim):
+    # the lease expires and its blocks are reused, then the reads go out and
+    # read the reused blocks; their words name no lease, the consumer
+    # CONFIRMs them and learns it (had a pin been posted, it would hold the
+    # lease against expiry and expire_leases wait for it: the same end).
+    d.close_gate(before_post=True)
     try:
         d.add("lx", prompt, params["lx"])
         d.wait_status(lambda s: "lx" in s["loading_ids"], timeout_s=10)
         p.wait_status(lambda s: s["leases"] == 1, timeout_s=10)  # the grant reached the worker
-        # The reads were pinned as they were posted; a pin holds the lease
-        # against expiry, so the expiry (expire_leases waits for the pin)
-        # comes after it: the consumer CONFIRMs the reads, and learns it.
         assert p.call("expire_leases") == 1
         p.wait_status(lambda s: s["held"] == 0, timeout_s=10)  # the producer freed the blocks
         p.call("scribble_free")  # ... and reused them

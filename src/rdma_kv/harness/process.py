@@ -12,7 +12,10 @@ Fault injection for tests (``faults``): ``gate_writes`` holds a push's
 writes before they are posted (push mode, on the producer) until
 ``open_gate()``; ``gate_reads`` holds read
 completions until ``open_gate()`` (so a test can act "while the reads are in
-flight" deterministically); ``idle_until_request`` does not step the
+flight" deterministically), or, closed with ``close_gate(before_post=True)``,
+the reads themselves before they are posted (a test acts before the
+producer's blocks are read: a read's completion already includes the held
+words' read chained behind it); ``idle_until_request`` does not step the
 engine before its first request, as vLLM does not (its workers know no
 lease epoch until then); the ``expire_leases`` command ends every lease
 as its expiry would (after one step, which ships the grants of the
@@ -68,12 +71,13 @@ class HarnessError(RuntimeError):
 class _Gate:
     def __init__(self) -> None:
         self.open = True
+        self.before_post = False  # closed: reads are held before they are posted, not their completions
         self.lock = threading.Lock()
         self.held: list[tuple[Any, Any]] = []
 
-    def set(self, is_open: bool) -> None:
+    def set(self, is_open: bool, before_post: bool = False) -> None:
         with self.lock:
-            self.open = is_open
+            self.open, self.before_post = is_open, before_post and not is_open
             held, self.held = (self.held, []) if is_open else ([], self.held)
         for fn, handle in held:
             fn(handle)
@@ -97,15 +101,22 @@ class _GatedHandle:
         self._inner.add_done_callback(gated)
 
 
-class _DeferredWrite:
-    """A push's writes held before they are posted (``gate_writes``): the
-    producer answered RUNNING, nothing is on the wire yet, no notification."""
+class _Deferred:
+    """A transfer held before it is posted: a push's writes (``gate_writes``:
+    the producer answered RUNNING, nothing is on the wire yet, no
+    notification), or reads (``gate_reads``, closed ``before_post``). Until
+    it is posted it reads as a transfer that started when it was asked for
+    and moved nothing; a post refused when the gate opens (the peer went
+    meanwhile) fails it with that error, as a refused post would have."""
 
     def __init__(self, post: Any, gate: _Gate) -> None:
         self._post = post
         self._inner: Any = None
+        self._error: BaseException | None = None
+        self._asked = time.perf_counter()
         self._callbacks: list[Any] = []
         self._lock = threading.Lock()
+        self._resolved = threading.Event()  # posted, or refused
         with gate.lock:
             if not gate.open:
                 gate.held.append((lambda _: self._start(), self))
@@ -113,9 +124,18 @@ class _DeferredWrite:
         self._start()
 
     def _start(self) -> None:
-        inner = self._post()
+        try:
+            inner = self._post()
+        except Exception as exc:
+            with self._lock:
+                self._error, callbacks, self._callbacks = exc, self._callbacks, []
+            self._resolved.set()
+            for fn in callbacks:
+                fn(self)
+            return
         with self._lock:
             self._inner, callbacks, self._callbacks = inner, self._callbacks, []
+        self._resolved.set()
         for fn in callbacks:
             inner.add_done_callback(lambda _, fn=fn: fn(self))
 
@@ -125,14 +145,34 @@ class _DeferredWrite:
             return 0 if name in ("nbytes", "num_descs", "ops_posted", "post_s", "elapsed_s") else None
         return getattr(inner, name)
 
+    @property
+    def started(self) -> float:
+        return self._asked if self._inner is None else float(self._inner.started)
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error if self._inner is None else self._inner.error
+
     def done(self) -> bool:
-        return self._inner is not None and self._inner.done()
+        return self._error is not None or (self._inner is not None and self._inner.done())
+
+    def wait(self, timeout_s: float | None = None) -> Any:
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        if not self._resolved.wait(timeout_s):
+            raise TimeoutError(f"a transfer held by the gate was not posted within {timeout_s} s")
+        if self._error is not None:
+            raise self._error
+        self._inner.wait(None if end is None else max(0.0, end - time.monotonic()))
+        return self
 
     def add_done_callback(self, fn: Any) -> None:
         with self._lock:
-            if self._inner is None:
+            if self._inner is None and self._error is None:
                 self._callbacks.append(fn)
                 return
+        if self._inner is None:
+            fn(self)
+            return
         self._inner.add_done_callback(lambda _: fn(self))
 
 
@@ -145,13 +185,15 @@ class _GatedTransport:
         return getattr(self._inner, name)
 
     def read_prepared(self, *args: Any, **kwargs: Any) -> Any:
+        if self._reads and self._gate.before_post:
+            return _Deferred(lambda: self._inner.read_prepared(*args, **kwargs), self._gate)
         xfer = self._inner.read_prepared(*args, **kwargs)
         return _GatedHandle(xfer, self._gate) if self._reads else xfer
 
     def write_prepared(self, *args: Any, **kwargs: Any) -> Any:
         if not self._writes:
             return self._inner.write_prepared(*args, **kwargs)
-        return _DeferredWrite(lambda: self._inner.write_prepared(*args, **kwargs), self._gate)
+        return _Deferred(lambda: self._inner.write_prepared(*args, **kwargs), self._gate)
 
 
 # --- the child -------------------------------------------------------------------------------
@@ -213,7 +255,7 @@ def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dic
                 elif op == "abort":
                     engine.abort_request(msg[1])
                 elif op == "gate":
-                    gate.set(msg[1])
+                    gate.set(*msg[1:])
                     conn.send(("reply", True))
                 elif op == "expire_leases":
                     engine.step()  # ships the grants of prefills that finished in the last step
@@ -364,8 +406,11 @@ class EngineProcess:
     def open_gate(self) -> None:
         self.call("gate", True)
 
-    def close_gate(self) -> None:
-        self.call("gate", False)
+    def close_gate(self, before_post: bool = False) -> None:
+        """Hold read completions (``gate_reads``) and push writes
+        (``gate_writes``) until :meth:`open_gate`; ``before_post``: hold the
+        reads before they are posted instead."""
+        self.call("gate", False, before_post)
 
     def pump(self, timeout_s: float = 0.0) -> None:
         """Take in the results that arrived (waiting at most ``timeout_s``)."""

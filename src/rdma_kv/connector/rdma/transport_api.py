@@ -7,7 +7,8 @@ process with ``memmove``. Nothing here imports UCX.
 
 Also the connector's one door to the transport package at import time:
 it re-exports :class:`DescList` (plain numpy; the slot tables in
-``slots`` are built from it). ``tests/test_layering.py`` keeps every
+``slots`` are built from it) and :class:`ChainedRead` (the held words'
+read, chained behind a source's reads). ``tests/test_layering.py`` keeps every
 other connector module off ``rdma_kv.transport`` (``connector.agent_transport``
 builds the real ``Agent``, lazily).
 
@@ -19,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from rdma_kv.transport.descriptors import DescList, PreparedList
+from rdma_kv.transport.descriptors import ChainedRead, DescList, PreparedList
 
-__all__ = ["DescList", "PreparedList", "TransferHandle", "Transport", "TransportFactory"]
+__all__ = ["ChainedRead", "DescList", "PreparedList", "TransferHandle", "Transport", "TransportFactory"]
 
 
 @runtime_checkable
@@ -31,6 +32,9 @@ class TransferHandle(Protocol):
     @property
     def error(self) -> BaseException | None:
         """The failure once the transfer failed; None while running or after success."""
+    @property
+    def chained(self) -> bool | None:
+        """With a chained read: True once it was posted (the reads landed), False if not; else None."""
     @property
     def ops_posted(self) -> int: ...
 
@@ -93,10 +97,12 @@ class Transport(Protocol):
         *,
         notify: bytes | None = None,
         timeout_s: float | None = None,
+        then: ChainedRead | None = None,
     ) -> TransferHandle:
         """Read ``remote[remote_index]`` into ``local[local_index]``; descriptors
         contiguous on both sides are merged into one operation. Fails (never
-        hangs) within ``timeout_s`` when the peer dies."""
+        hangs) within ``timeout_s`` when the peer dies. ``then``: a read of
+        the same peer posted once this one landed, which it includes."""
 
     def write_prepared(
         self,

@@ -77,6 +77,8 @@ __all__ = ["RdmaConsumer"]
 
 logger = logging.getLogger(__name__)
 
+_NO_IDS = np.zeros(0, np.int64)
+
 HANDSHAKE, READING, CONFIRMING, DONE, FAILED = (
     LoadStage.HANDSHAKE, LoadStage.READING, LoadStage.CONFIRMING, LoadStage.DONE, LoadStage.FAILED)
 
@@ -225,19 +227,27 @@ class RdmaConsumer:
         if self.pushes is not None:
             self._push(load, src, peer)
             return
-        t0 = time.perf_counter()
+        t0, check = time.perf_counter(), None
         try:
             # Not under the lock: preparing tables calls the transport, whose
             # completion callbacks take it (lock order, module docstring).
             (local, local_prep), (remote, remote_prep) = self.peers.tables(self.peers.plan(spec.peer), read,
                                                                            connection)
             pairs = BlockPairs.of(spec.local_block_ids, spec.remote_block_ids)
-            if words:
-                src.words_ids = np.concatenate(pairs.remote) if pairs.remote else np.zeros(0, np.int64)
+            if words:  # their read chained behind the data's (words)
+                assert self._words is not None
+                ids = pairs.remote[0] if len(pairs.remote) == 1 else np.concatenate(pairs.remote or [_NO_IDS])
+                check = self._words.prepare(connection, ids, word_tag(spec.lease.token, spec.lease.binding))
+                if check is None:
+                    self._book.counters.add("words_fallbacks")  # (it is CONFIRMed once its reads land)
             local_slots, remote_slots = pairs.slots(local, remote)
             xfer = self._local.transport.read_prepared(local_prep, local_slots, remote_prep, remote_slots,
-                                                       timeout_s=self._settings.read_timeout_s)
+                                                       timeout_s=self._settings.read_timeout_s,
+                                                       then=None if check is None else check.then)
         except Exception as exc:
+            if check is not None:
+                assert self._words is not None
+                self._words.verify(check, landed=False)  # (nothing was posted: its slots are free again)
             with self._lock:
                 src.resolved = True
                 self._fail(load, f"posting reads from {spec.peer.engine_id!r} rank {read.rank} failed: {exc}")
@@ -247,6 +257,7 @@ class RdmaConsumer:
                 self.peers.failed(peer, str(exc))
             return
         src.transfer = xfer
+        src.words = check
         try:
             runs, skipped = pairs.runs(local), local.skipped_nbytes(spec.num_skipped_blocks)
             with self._lock:
@@ -329,15 +340,23 @@ class RdmaConsumer:
                     self.pushes.abort(src.transfer)
 
     def _on_read_done(self, load: LoadState, src: Source, peer: PeerState, xfer: TransferHandle) -> None:
-        """Transport progress thread: one source's reads completed or failed."""
+        """Transport progress thread: one source's reads completed or failed,
+        with the read of their held words chained behind them, if any: the
+        words vouch for the data (``vouched``) or not (False: then a CONFIRM
+        decides, as when the words' read alone failed)."""
         failed = xfer.error is not None
         landed = time.perf_counter()
-        check = None
+        vouched = None
+        if src.words is not None:
+            assert self._words is not None
+            vouched = self._words.verify(src.words, landed=not failed)
+            failed = failed and not xfer.chained  # (chained: the reads landed, their words' read failed)
         with self._lock:
             load.measures = load.measures.add(nbytes=xfer.nbytes, num_descs=xfer.num_descs,
                                               ops_posted=xfer.ops_posted).at_least(transfer_s=xfer.elapsed_s)
             load.read_done(xfer.started + xfer.elapsed_s)
             src.resolved = True
+            src.words = None
             if failed:
                 self._fail(load, f"reads from {load.spec.peer.engine_id!r} rank {src.read.rank} "
                                  f"failed: {xfer.error}")
@@ -352,45 +371,26 @@ class RdmaConsumer:
                     if load.all_confirming:
                         load.stage = CONFIRMING
                         load.confirm_started = landed
-                    if src.words_ids is not None and peer.connection is not None:  # (then it was not pinned)
-                        check, src.words_ids = (peer.connection, src.words_ids), None
+                    if vouched is not None:  # (then it was not pinned)
+                        self._vouch(load, src, peer, vouched)
                     else:
                         self._trust_or_confirm(load, src, peer)
         if failed:
             self.peers.failed(peer, str(xfer.error))
-        elif check is not None:
-            self._check_words(load, src, peer, *check)
 
-    def _check_words(self, load: LoadState, src: Source, peer: PeerState, connection: Connection,
-                     block_ids: np.ndarray) -> None:
-        """``src``'s reads landed: read its blocks' held words, which vouch
-        for them if each names its lease (``words``); else a CONFIRM
-        decides. Called without the lock (this calls the transport)."""
-        assert self._words is not None
-        tag = word_tag(load.spec.lease.token, load.spec.lease.binding)
-        xfer = self._words.check(connection, block_ids, tag, self._settings.read_timeout_s,
-                                 functools.partial(self._on_words, load, src, peer))
-        if xfer is None:
-            self._on_words(load, src, peer, False)
-        else:
-            src.words_read = xfer  # (an idle step waits on it: wait_idle)
-
-    def _on_words(self, load: LoadState, src: Source, peer: PeerState, vouched: bool) -> None:
-        """Any thread: ``src``'s held words were read (``vouched``: each
-        named its lease), or could not be."""
-        with self._lock:
-            if load.stage.terminal or src.stage is not SourceStage.CONFIRMING or load.error is not None \
-                    or load.aborted:
-                return  # failed or aborted meanwhile (its reads had landed)
-            if not vouched:
-                self._book.counters.add("words_fallbacks")
-                self._confirms.queue(peer, load, src)  # (a source whose words are read was not pinned)
-                return
-            src.stage = SourceStage.CONFIRMED
-            self._book.counters.add("words_trusted")
-            self._pins.release(peer, load, src)  # sent after the report (get_finished), as a pin's
-            if load.all_confirmed:
-                self._confirmed(load, time.perf_counter())
+    def _vouch(self, load: LoadState, src: Source, peer: PeerState, vouched: bool) -> None:
+        """``src``'s reads landed, its load is live, and its held words were
+        read behind them: trusted if each named its lease (``vouched``),
+        else CONFIRMed (lock held)."""
+        if not vouched:
+            self._book.counters.add("words_fallbacks")
+            self._confirms.queue(peer, load, src)  # (a source whose words are read was not pinned)
+            return
+        src.stage = SourceStage.CONFIRMED
+        self._book.counters.add("words_trusted")
+        self._pins.release(peer, load, src)  # sent after the report (get_finished), as a pin's
+        if load.all_confirmed:
+            self._confirmed(load, time.perf_counter())
 
     def _trust_or_confirm(self, load: LoadState, src: Source, peer: PeerState) -> None:
         """``src``'s reads landed, and its load is live: trust them on its
@@ -523,11 +523,12 @@ class RdmaConsumer:
         """An idle step (nothing computes in it): wait, at most ``timeout_s``,
         until a load in flight is finished -- first on its reads, on this
         thread (``wait``: it copies for a lane whose pump has no CPU yet,
-        and settles the read here, which reads its held words or queues its
-        CONFIRM), then on its held words' read, the same way, or its
-        CONFIRM -- so that the ``get_finished`` that follows reports it.
-        A held words' read posted when the time is up is waited for up to
-        ``words.WORDS_GRACE_S`` more, once (else the next step reports it).
+        and settles the read here, which checks the held words read behind
+        it or queues its CONFIRM), then on its CONFIRM -- so that the
+        ``get_finished`` that follows reports it. Reads with their held
+        words' read chained behind them still in flight when the time is up
+        are waited for up to ``words.WORDS_GRACE_S`` more, once (else the
+        next step reports them).
         Returns at once when nothing is reading or confirming (handshakes
         are not waited for). Pull mode only. Never raises."""
         if self.pushes is not None:
@@ -538,20 +539,19 @@ class RdmaConsumer:
                 if self._book.num_unreported:
                     return
                 active = [ld for ld in self._book.loads.values() if ld.stage in (READING, CONFIRMING)]
-                reading = [src.transfer for ld in active for src in ld.sources
+                sources = [src for ld in active for src in ld.sources
                            if src.stage is SourceStage.READING and src.transfer is not None]
-                words = [src.words_read for ld in active for src in ld.sources
-                         if src.stage is SourceStage.CONFIRMING and src.words_read is not None
-                         and not src.words_read.done()]
+                reading = [src.transfer for src in sources if src.transfer is not None]
+                chained = any(src.words is not None for src in sources)
             now = time.perf_counter()
-            if words and not reading and now >= end and not graced:
+            if now >= end and not graced and chained:
                 end, graced = now + min(timeout_s, words_module.WORDS_GRACE_S), True
             left = end - now
             if not active or left <= 0:
                 return
-            if reading or words:
+            if reading:
                 try:
-                    (reading or words)[0].wait(left)
+                    reading[0].wait(left)
                 except Exception:  # failed (its callback fails the load) or not done in time
                     pass
             else:  # confirming: a load's end wakes it (then reported); at the time, look once more

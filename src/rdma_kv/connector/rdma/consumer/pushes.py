@@ -105,6 +105,7 @@ class PushHandle:
     """Past this, with no answer, no write can land (module docstring)."""
     ops_posted: int = 0
     post_s: float = 0.0
+    chained: bool | None = None  # (a push chains no read)
     answered: bool = False
     """The producer answered the PUSH (it knows the token, or refused it)."""
     aborting: bool = False

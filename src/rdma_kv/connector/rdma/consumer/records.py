@@ -92,11 +92,9 @@ class Source:
     on the pin (``pin_sent`` plus the time granted, less a margin)."""
     landed_at: float = 0.0
     """``perf_counter()`` when its reads were seen to land (0: not yet)."""
-    words_ids: Any = None
-    """The producer's block ids it reads (an int64 array), when their held
-    words are to vouch for it after its reads (``words``); None: pin or CONFIRM."""
-    words_read: TransferHandle | None = None
-    """The read of its held words, once posted."""
+    words: Any = None
+    """Its held words' read, chained behind its reads (``words.WordCheck``),
+    when the words are to vouch for them; None: a pin or a CONFIRM."""
 
 
 @dataclasses.dataclass(eq=False)
