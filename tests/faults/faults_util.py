@@ -1,12 +1,8 @@
 """Shared pieces of the fault and soak tests: engine configs, the model
-shape, prefill/settle helpers, resource snapshots for leak checks, and a
-stop that has taken effect."""
+shape, prefill/settle helpers, resource snapshots for leak checks (a stop that
+has taken effect: ``tests/procstop.py``)."""
 
 from __future__ import annotations
-
-import os
-import signal
-import time
 
 from rdma_kv.harness.engine import ModelShape
 
@@ -52,29 +48,3 @@ def check_loaded(rid, r):
     return "verified"
 
 
-def stop(pid: int, timeout_s: float = 10.0) -> None:
-    """SIGSTOP process ``pid`` and return once every thread of it is
-    stopped. ``kill`` returns with the stop only queued: the group stop
-    begins when one thread of the process takes the signal, and until then
-    its other threads run on. On a loaded host that is milliseconds: a
-    producer answered a HANDSHAKE sent 2 ms after the kill (the test pinned
-    to one CPU beside a busy loop; its threads all reached state T 2.6 ms
-    after it), and the loads meant to meet a stopped producer read and
-    waited on their CONFIRM instead."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        running = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    state = f.read().rpartition(")")[2].split()[0]
-            except FileNotFoundError:
-                continue  # the thread ended meanwhile
-            if state not in ("T", "t", "Z", "X"):
-                running.append((tid, state))
-        if not running:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"process {pid}: threads {running} not stopped {timeout_s} s after SIGSTOP")
-        time.sleep(0.0005)

@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-from faults_util import config, prefill, stop
+from faults_util import config, prefill
+from procstop import stop
 
 from rdma_kv.harness.engine import ModelShape
 from rdma_kv.harness.process import EngineProcess

@@ -16,7 +16,8 @@ import signal
 
 import pytest
 
-from faults_util import prefill, stop
+from faults_util import prefill
+from procstop import stop
 from test_confirm_stalled_producer import SHAPE, stalled_config
 
 from rdma_kv.harness.process import EngineProcess, HarnessError

@@ -48,6 +48,7 @@ if str(HERE) not in sys.path:
 
 from engine_proc import EngineProcess  # noqa: E402
 from netutil import free_base_port  # noqa: E402
+from procstop import stop  # noqa: E402
 from test_vllm_rdma_pd import CONTROL_PROMPTS, MAX_TOKENS, PD_PROMPTS, prefill, tokens  # noqa: E402
 
 from rdma_kv.connector.rdma.lograte import WINDOW_S  # noqa: E402
@@ -213,7 +214,7 @@ def test_control_survives_a_producer_stalled_through_one_attempt(engines) -> Non
     def params() -> list[dict[str, Any]]:
         made = prefill(other)
         if watcher.ident is None:  # the first attempt only
-            os.kill(other.proc.pid, signal.SIGSTOP)
+            stop(other.proc.pid)  # (returns once every thread of it is stopped)
             watcher.start()
         return made
 

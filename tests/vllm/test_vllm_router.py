@@ -63,6 +63,7 @@ from serve_proc import (  # noqa: E402
     worker_healthy,
 )
 from tiny_model import PROMPTS, build_tiny_llama  # noqa: E402
+from procstop import stop_group  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -305,7 +306,7 @@ def test_prefill_killed_decode_recomputes(model_dir: str, log_dir: Path, plain_s
 
 
 def _freeze(server: ApiServer) -> None:
-    os.killpg(server.proc.pid, signal.SIGSTOP)
+    stop_group(server.proc.pid)  # (returns once every thread of the group is stopped)
 
 
 def _thaw(server: ApiServer) -> None:
