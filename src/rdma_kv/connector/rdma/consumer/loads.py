@@ -238,8 +238,6 @@ class RdmaConsumer:
                 assert self._words is not None
                 ids = pairs.remote[0] if len(pairs.remote) == 1 else np.concatenate(pairs.remote or [_NO_IDS])
                 check = self._words.prepare(connection, ids, word_tag(spec.lease.token, spec.lease.binding))
-                if check is None:
-                    self._book.counters.add("words_fallbacks")  # (it is CONFIRMed once its reads land)
             local_slots, remote_slots = pairs.slots(local, remote)
             xfer = self._local.transport.read_prepared(local_prep, local_slots, remote_prep, remote_slots,
                                                        timeout_s=self._settings.read_timeout_s,
@@ -261,6 +259,8 @@ class RdmaConsumer:
         try:
             runs, skipped = pairs.runs(local), local.skipped_nbytes(spec.num_skipped_blocks)
             with self._lock:
+                if words and check is None:  # no word check could be made: CONFIRMed once its reads land
+                    self._book.counters.add("words_fallbacks")  # (the counters are the lock's)
                 load.posting(xfer.started)
                 load.measures = load.measures.with_(num_blocks=pairs.num_blocks).add(
                     block_runs=runs, nbytes_skipped=skipped, plan_s=max(0.0, xfer.started - t0),
