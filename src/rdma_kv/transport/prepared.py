@@ -159,17 +159,9 @@ class PreparedLists:
             raise DescriptorError("pass a list from prep_local() as local and one from prep_remote() as remote")
         if self._inflight.closed:
             raise ClosedError(f"agent {self._name!r} is closed")
-        if local.generation != self._registry.generation or local.c_tables is None:
-            raise DescriptorError(
-                f"local prepared list was not made by prep_local() of agent {self._name!r} or predates "
-                "a deregister(); prepare it again"
-            )
+        self._check_local(local, "local prepared list")
         p = self._usable(remote.peer)
-        if remote.generation != p.generation or remote.c_tables is None:
-            raise DescriptorError(
-                f"remote prepared list was not made by prep_remote() of agent {self._name!r} or is for an "
-                f"earlier incarnation of {remote.peer!r}; prepare it again"
-            )
+        self._check_remote(remote, p, "remote prepared list")
         route = self._routes.prepared(local, remote, p)
         object.__setattr__(remote, "route", route)
         chain = None if then is None else self._chain(then, code, route)
@@ -189,6 +181,22 @@ class PreparedLists:
             raise PeerError(f"peer {remote.peer!r} failed; re-import its metadata with add_peer() once it is back")
         raise AssertionError(f"rk_submit refused a route built just now (code {x})")
 
+    def _check_local(self, local: PreparedList, what: str) -> None:
+        """``local`` (named ``what`` in the error) is this agent's and current."""
+        if local.generation != self._registry.generation or local.c_tables is None:
+            raise DescriptorError(
+                f"{what} was not made by prep_local() of agent {self._name!r} or predates "
+                "a deregister(); prepare it again"
+            )
+
+    def _check_remote(self, remote: PreparedList, peer: Peer, what: str) -> None:
+        """``remote`` (named ``what`` in the error) is this agent's, for ``peer`` as it is now."""
+        if remote.generation != peer.generation or remote.c_tables is None:
+            raise DescriptorError(
+                f"{what} was not made by prep_remote() of agent {self._name!r} or is for an "
+                f"earlier incarnation of {remote.peer!r}; prepare it again"
+            )
+
     # ----------------------------------------------------------- chained reads
 
     def _chain(self, then: ChainedRead, code: int, route: Route) -> tuple[Any, ...]:
@@ -205,12 +213,8 @@ class PreparedLists:
             if tr.peer != route.peer.name or tl.peer is not None:
                 raise DescriptorError(f"a chained read reads from the same peer ({route.peer.name!r}) into a "
                                       f"local list: its remote list is for {tr.peer!r}")
-            if tl.generation != self._registry.generation or tl.c_tables is None:
-                raise DescriptorError("the chained read's local list was not made by prep_local() of agent "
-                                      f"{self._name!r} or predates a deregister(); prepare it again")
-            if tr.generation != route.peer.generation or tr.c_tables is None:
-                raise DescriptorError(f"the chained read's remote list is for an earlier incarnation of "
-                                      f"{tr.peer!r} or not from prep_remote(); prepare it again")
+            self._check_local(tl, "the chained read's local list")
+            self._check_remote(tr, route.peer, "the chained read's remote list")
             r = self._routes.prepared(tl, tr, route.peer)
             object.__setattr__(tr, "route", r)
         li, ri = as_index(local_index), as_index(remote_index)
