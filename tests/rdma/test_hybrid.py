@@ -33,7 +33,7 @@ from rdma_kv.connector.geometry import derive_geometry
 from rdma_kv.connector.rdma import RdmaConnector
 from rdma_kv.connector.rdma.params import parse_kv_transfer_params
 from rdma_kv.connector.rdma.compat import compat_info
-from rdma_kv.connector.rdma.slots import SlotTable, count_runs
+from rdma_kv.connector.rdma.slots import BlockPairs, SlotTable, count_runs
 from rdma_kv.connector.rdma.intake import blocks_to_read
 from rdma_kv.errors import ConfigError, DescriptorError
 
@@ -385,3 +385,18 @@ def test_a_peer_geometry_that_groups_layers_otherwise_is_refused(mode, monkeypat
     finally:
         p_work.shutdown()
         d_work.shutdown()
+
+
+def test_runs_and_skipped_bytes_count_each_groups_rows():
+    """A read's runs are per row of the group whose ids it takes (rows per
+    group kept on the table), and bytes a window skipped are per group."""
+    slots = SlotTable(derive_geometry(kv_caches(), hybrid_config()))
+    assert slots.group_rows.tolist() == [2, 1]
+    sliding_l, sliding_r = np.array([7, 8]), np.array([1, 2])  # one run
+    full_l, full_r = np.array([3, 4, 5, 6]), np.array([9, 10, 0, 1])  # two runs
+    pairs = BlockPairs.of((sliding_l, full_l), (sliding_r, full_r))
+    assert pairs.runs(slots) == 2 * 1 + 1 * 2
+    assert count_runs((sliding_l, full_l), (sliding_r, full_r), slots) == 4
+    page = FULL.page_size_bytes
+    assert slots.skipped_nbytes([0, 0]) == slots.skipped_nbytes(()) == 0
+    assert slots.skipped_nbytes([3, 0]) == 3 * 2 * page and slots.skipped_nbytes((1, 2)) == 2 * page + 2 * page

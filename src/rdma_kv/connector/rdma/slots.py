@@ -119,6 +119,8 @@ class SlotTable:
         self.group_nbytes = np.bincount(self.row_group, weights=self.row_nbytes,
                                         minlength=self.num_groups).astype(np.int64)
         """Bytes of one block id of each group, over the group's layers."""
+        self.group_rows = np.bincount(self.row_group, minlength=self.num_groups)
+        """Rows of each group (a run of block ids is one operation per row)."""
 
     @property
     def num_rows(self) -> int:
@@ -179,9 +181,9 @@ class SlotTable:
     def skipped_nbytes(self, num_skipped_blocks: Sequence[int]) -> int:
         """Bytes of ``num_skipped_blocks[g]`` blocks of each group ``g`` (blocks
         a sliding window kept from being read)."""
-        counts = np.asarray(num_skipped_blocks, dtype=np.int64)
-        if counts.size == 0:
+        if not any(num_skipped_blocks):  # (every layer attends to the whole prompt: the usual case)
             return 0
+        counts = np.asarray(num_skipped_blocks, dtype=np.int64)
         return int((counts * self.group_nbytes[: counts.size]).sum())
 
 
@@ -223,7 +225,9 @@ def count_runs(local_ids: GroupIds, remote_ids: GroupIds, rows: int | SlotTable)
 
 def _runs(local: Sequence[np.ndarray], remote: Sequence[np.ndarray], rows: int | SlotTable) -> int:
     if isinstance(rows, SlotTable):
-        per_group = np.bincount(rows.row_group, minlength=len(local))
+        per_group = rows.group_rows
+        if len(per_group) < len(local):  # (more groups of ids than the table has: none of their rows)
+            per_group = np.bincount(rows.row_group, minlength=len(local))
     else:
         per_group = np.full(len(local), rows)
     total = 0

@@ -99,21 +99,30 @@ class LoadMeasures:
     def add(self, **values: float) -> LoadMeasures:
         """These measures with the named ones summed into (counts and costs
         of a load's sources)."""
-        changes: dict[str, Any] = {name: (getattr(self, name) or 0) + value for name, value in values.items()}
-        return dataclasses.replace(self, **changes)
+        return self._evolve({name: (getattr(self, name) or 0) + value for name, value in values.items()})
 
     def at_least(self, **values: float) -> LoadMeasures:
         """These measures keeping the largest value of each named one (times
         of sources that run side by side)."""
-        changes: dict[str, Any] = {
-            name: value if getattr(self, name) is None else max(getattr(self, name), value)
-            for name, value in values.items()}
-        return dataclasses.replace(self, **changes)
+        return self._evolve({name: value if getattr(self, name) is None else max(getattr(self, name), value)
+                             for name, value in values.items()})
 
     def with_(self, **values: float) -> LoadMeasures:
         """These measures with the named ones set."""
-        changes: dict[str, Any] = values
-        return dataclasses.replace(self, **changes)
+        return self._evolve(values)
+
+    def _evolve(self, changes: dict[str, Any]) -> LoadMeasures:
+        """``dataclasses.replace(self, **changes)`` for these measures only
+        (never a subclass: ``LoadRecord`` is made once, by ``of``), without
+        its walk of every field's metadata: a load replaces its measures
+        about ten times, on the engine's thread and in completion callbacks,
+        and ``replace`` cost 3-4 us a time (``bench/step_cost.py``)."""
+        if type(self) is not LoadMeasures or not changes.keys() <= _MEASURE_SET:
+            return dataclasses.replace(self, **changes)  # (its TypeError names a wrong field)
+        new = object.__new__(LoadMeasures)
+        for name in MEASURES:
+            _set(new, name, changes[name] if name in changes else getattr(self, name))
+        return new
 
     def measured(self) -> dict[str, Any]:
         """The measures taken so far, by name."""
@@ -122,6 +131,8 @@ class LoadMeasures:
 
 MEASURES = tuple(f.name for f in dataclasses.fields(LoadMeasures))
 """The names of a load's measures."""
+_MEASURE_SET = frozenset(MEASURES)
+_set = object.__setattr__  # (a frozen dataclass sets its fields so in __init__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -81,6 +81,9 @@ class LeaseCalls:
         self._book = book
         self._fail = fail
         self._ttl_warned: set[str] = set()  # producer engines whose TTL was found too short for a RENEW
+        self._renew_worst_s = SideChannelClient.urgent_worst_case_s(
+            settings.connect_timeout_s, settings.rpc_timeout_s, settings.rpc_retries)
+        """The longest a RENEW to a stalled producer can take (``check_ttl``): fixed by the settings."""
 
     def check_ttl(self, load: LoadState) -> None:
         """Warn, once per producer engine, when a RENEW that meets a stalled
@@ -92,8 +95,7 @@ class LeaseCalls:
         ttl, engine = load.spec.lease_ttl_s, load.spec.peer.engine_id
         if load.spec.concurrent or engine in self._ttl_warned or ttl <= 0 or len(self._ttl_warned) >= TTL_WARNINGS:
             return
-        s = self._settings
-        worst = SideChannelClient.urgent_worst_case_s(s.connect_timeout_s, s.rpc_timeout_s, s.rpc_retries)
+        s, worst = self._settings, self._renew_worst_s
         margin = ttl - s.renew_interval_for(ttl)
         if worst > margin:
             self._ttl_warned.add(engine)

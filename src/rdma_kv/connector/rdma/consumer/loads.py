@@ -121,8 +121,10 @@ class RdmaConsumer:
         (``perf_counter()``; None: now). Never raises."""
         if seen is None:
             seen = time.perf_counter()
-        self.leases.release(t for lease in releases for t in self.leases.targets(lease))
-        self.leases.renew(t for lease in renewals for t in self.leases.targets(lease))
+        if releases:  # (most steps carry none: no call)
+            self.leases.release(t for lease in releases for t in self.leases.targets(lease))
+        if renewals:
+            self.leases.renew(t for lease in renewals for t in self.leases.targets(lease))
         for rid in aborts:
             self._abort(rid)
         for spec in loads:
