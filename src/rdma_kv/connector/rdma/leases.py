@@ -1,94 +1,34 @@
 """The producer's lease table: which delayed blocks are held, for whom, until when.
 
-Owns leases (request id -> block ids, epoch and generation, owner, the
-consumer ranks that read it and which of them released it, expiry), the
-answers to a consumer's RENEW / CONFIRM / RELEASE, and the request ids
-``get_finished`` reports in ``done_sending`` (the only way a lease's blocks
-go back to the engine).
+Owns leases (request id -> block ids, epoch and generation, the owner's
+claim and how many consumer ranks read it, expiry and lifetime), the
+answers to a consumer's RENEW / CONFIRM / RELEASE and its read pins, and
+the request ids ``get_finished`` reports in ``done_sending`` (the only way
+a lease's blocks go back to the engine).
 
-Readers. One consumer engine may read a producer rank from several of its
-tensor-parallel ranks (heterogeneous tensor parallelism: with prefill TP=1
-and decode TP=2, both decode ranks read producer rank 0). They share the
-engine's claim; each call also names its ``reader`` (the consumer rank) and
-``readers`` (how many consumer ranks read this producer rank under the
-lease). The lease ends on release only when ``readers`` distinct readers
-have released it, so no rank's release hands back blocks another rank is
-still reading. ``readers=1`` (the default) is the single-reader lease.
-
-What HELD means. A CONFIRM answers HELD to a reader only if the lease's
-blocks were held, unreleased and unexpired, from its grant until this
-answer; a consumer rank that posted its reads after it was handed the lease
-and confirms after they completed therefore read blocks no one reused. Once
-a lease ends (all its readers released, expired, or its epoch replaced) it
-never comes back: every later CONFIRM or RENEW answers GONE, whoever asks,
-except the retries this table recognises: a reader whose CONFIRM with
-``release`` answered HELD while the lease lived, asking again under the
-same claim and reader count (its reads completed before that first CONFIRM
-was sent).
-
-The state machine of one lease (``docs/rdma-connector.md`` draws it):
-
-- *issued*: the producer scheduler's ``request_finished`` created it (epoch,
-  generation, request id and a token, ``params.lease_token``) and the engine
-  holds its blocks (``delay_free``). Its grant reaches this table only with
-  the engine's next step, which may be long coming (vLLM stops stepping
-  when no request is left), so a lease whose token verifies under the
-  epoch's key and whose generation this table has not seen is known to be
-  held: its blocks can only leave through this table's ``done_sending``.
-- *granted*: in the table, unclaimed; the TTL runs from the grant.
-- *claimed*: the first RENEW, CONFIRM or RELEASE that names it with a valid
-  token records the caller's claim key and ``readers`` as its owner (a
-  claim may arrive while the lease is only issued; the grant then keeps
-  it). From then on only calls with the owner's claim and the same
-  ``readers`` may act on it; any other gets CLAIMED and changes nothing. A
-  router that retries the same params on another decode engine, or an
-  engine that loads them twice, is refused instead of reading blocks the
-  first loader may already have released. Any reader of the owner may
-  renew it (for all). A RELEASE, or a CONFIRM with ``release``, by reader
-  ``r`` marks ``r`` released (a repeat changes nothing); the lease lives on
-  until ``readers`` distinct readers have.
-- *ended*: released by all its readers, expired (no renewal within the
-  TTL), or ended by a new epoch. A tombstone remembers how, the owner's
-  claim and reader count, and the readers whose CONFIRM released it while
-  it lived (bounded; a generation this table has seen but no longer
-  remembers is GONE too). A lease released before its grant arrived ends
-  when the grant does.
-
-A call naming a lease whose token does not verify is refused (UNKNOWN) and
-records nothing, so nobody can claim, release or renew a lease they were
-not handed; past ``WRONG_TOKENS_PER_CALL`` of them, the call's other
-leases are answered PENDING unverified. The token covers the lease's
-binding (``params.lease_binding``: engine, TP size, token count and every
-group's block ids), so params
-altered to name other blocks fail too: FORGED when the token is the one this
-table granted (the params were edited), UNKNOWN otherwise. A call before
-this worker knows its epoch answers PENDING.
-
-Pins. A RENEW with ``pin`` also pins each lease it answers HELD for the
-consumer's reads, for at most ``pin_s``; a push pins its lease until the
-push resolves (``pin_for_push``). What each kind holds off, and the
-records of both (``Pins``), are ``leasepins``.
-
-Bounded lifetime. Renewals push a lease's expiry back, but never past
-``max_s`` after its grant: then it ends (LIFETIME) whatever its owner asks,
-so a consumer that renews forever (a decode whose request waits long for
-admission) cannot hold the producer's blocks forever. The scheduler may
-also end leases early (``reclaim``: memory pressure, ``scheduler``); both
-are GONE to every later call, as any ending is.
-
-The reaper pops a heap of (expiry, generation) (``leaseheap``) and
-re-checks the live expiry on pop, so renewals in any order are handled;
-the heap stays O(live leases), whatever the release rate.
+The guarantee: a CONFIRM answers HELD only to the lease's owner, and only
+if its blocks were held, unreleased and unexpired, from its grant until
+the answer; a lease that ended never comes back (GONE to every later call,
+whoever asks), except to the retried CONFIRM of a reader whose first
+CONFIRM released it while it lived. The rules behind it are specified in
+``docs/rdma-connector.md``, "Leases and validate-after-read": the states
+of one lease (issued, granted, claimed, ended) and the answer to every call
+in each, readers (heterogeneous TP), tokens (UNKNOWN, FORGED,
+``WRONG_TOKENS_PER_CALL``), read pins and a push's pin, the lifetime bound
+(``max_s``) and ``reclaim``, and what an ended lease leaves behind. The
+tests hold this table to that text (``tests/rdma/test_leases*.py``,
+``tests/faults/test_lease_*.py``, ``tests/security/``).
 
 Thread-safe (the side-channel threads and the engine thread share it).
 Its records (a call, a lease, a claim, an ending, a tombstone) are
 ``leaserecords``, re-exported here where the producer's modules use them;
 its pins are ``leasepins``, its memory of ended leases ``tombstones`` and
-its reaper's heap ``leaseheap``, each called under its lock; the tokens a
-call's leases should carry are computed before the lock, by ``leasetokens``.
-The held words (``heldwords``), when attached, name each live lease in its
-blocks' words: written at the grant, taken out at the ending, before the
-request can reach ``done_sending``.
+its reaper's heap of (expiry, generation), re-checked on pop so that
+renewals in any order are handled, ``leaseheap``, each called under its
+lock; the tokens a call's leases should carry are computed before the
+lock, by ``leasetokens``. The held words (``heldwords``), when attached,
+name each live lease in its blocks' words: written at the grant, taken out
+at the ending, before the request can reach ``done_sending``.
 
 Imports the standard library and the connector's ``params``, ``types``,
 ``rdma.leaserecords``, ``rdma.leasetokens``, ``rdma.leasepins``, ``rdma.tombstones``,
