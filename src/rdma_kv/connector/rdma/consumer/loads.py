@@ -6,9 +6,10 @@ per producer rank it reads (the rank plan, ``peers``). One source's reads
 are one ``read_prepared`` call (vectorised index math plus one C loop), on
 the engine thread when the peer is ready, else on the RPC thread that ended
 the handshake. When its producer publishes held words (``heldwords``), the
-source's blocks' words are read once its reads completed (``words``) and
-vouch for it if each names its lease; otherwise its lease is pinned as they
-are posted (``pins``, unless ``read_pin`` is off). Completion arrives on
+read of the source's blocks' words is chained behind its reads (the shim
+posts it once they completed, ``words``) and vouches for it if each names
+its lease; otherwise its lease is pinned as they are posted (``pins``,
+unless ``read_pin`` is off). Completion arrives on
 the transport's progress thread; the source is then trusted on its words,
 or on its pin if its reads landed within it, else confirmed
 (``confirms``); the load is DONE once all are.
