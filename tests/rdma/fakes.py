@@ -5,7 +5,9 @@ process that "read" with ``ctypes.memmove``. Implements
 Scripting: ``FakeFabric.hold = True`` keeps transfers pending until
 ``release_all()``; ``kill(name)`` fails that agent's pending transfers and
 makes later reads from it fail (a dead peer); ``fail_next`` fails the next
-read, ``fail_chained`` the next chained read (its read landed); ``on_prep(agent_name)``, when set, runs inside ``prep_local`` and
+read, ``fail_chained`` the next chained read (its read landed), ``abandon_next``
+the next read as abandoned (nothing landed; its data and chained read land
+at ``land_late()``); ``on_prep(agent_name)``, when set, runs inside ``prep_local`` and
 ``prep_remote`` (where the real transport takes its own lock).
 """
 
@@ -38,6 +40,7 @@ class FakeTransfer:
         self._lock = threading.Lock()
         self._resolved = threading.Event()
         self.chained = None  # with a chained read: True once posted (the read landed), False if it was not
+        self.abandoned = False  # failed before it completed (abandon_next): it may still land
         self._then = None  # the chained read's (laddr, raddr, lengths), until it is posted
 
     @property
@@ -64,6 +67,16 @@ class FakeTransfer:
                 self._callbacks.append(fn)
                 return
         fn(self)
+
+    def _abandon(self):
+        """Fail it now, as the transport does at a deadline UCX did not
+        cancel: nothing landed yet, its data and chained read stay on the
+        fabric (``FakeFabric.land_late``)."""
+        with self._lock:
+            late, self._ops, self._then = (self._ops, self._then), (np.zeros(0, np.uint64),) * 3, None
+            self.abandoned, self.chained = True, (False if late[1] is not None else None)
+        self._fabric.late.append(late)
+        self._resolve(TransferError("fake: abandoned at its deadline", status="UCS_ERR_TIMED_OUT"))
 
     def _resolve(self, error=None):
         with self._lock:
@@ -106,6 +119,8 @@ class FakeFabric:
         self.pending = []
         self.fail_next = 0
         self.fail_chained = 0
+        self.abandon_next = 0
+        self.late = []  # abandoned reads' (data, chained read) ops, landing only at land_late()
         self.on_prep = None
         self.reads = 0
         self.chained = 0  # reads posted with a chained read (the held words')
@@ -116,6 +131,14 @@ class FakeFabric:
         agent = FakeTransport(name, self)
         self.agents[name] = agent
         return agent
+
+    def land_late(self):
+        """What abandoned reads still had on the wire lands now: their data,
+        then their chained reads (as UCX may complete a zombie's)."""
+        late, self.late = self.late, []
+        for ops in (op for data, then in late for op in (data, then) if op is not None):
+            for d, s, n in zip(*(a.tolist() for a in ops)):
+                ctypes.memmove(d, s, n)
 
     def release_all(self, error=None, reader=None):
         """Resolve the held transfers (only those posted by agent ``reader``, if given)."""
@@ -243,6 +266,9 @@ class FakeTransport:
             fabric.fail_next -= 1
             xfer._resolve(TransferError(f"fake: injected {'write' if write else 'read'} failure",
                                         status="UCS_ERR_IO_ERROR"))
+        elif fabric.abandon_next and not write:
+            fabric.abandon_next -= 1
+            xfer._abandon()
         elif fabric.hold:
             with fabric.lock:
                 fabric.pending.append(xfer)

@@ -21,6 +21,7 @@ from rdma_testutil import wait_until
 from test_connector_fake import BS, Pair
 from test_preconnect import Events
 
+from rdma_kv.connector.rdma.consumer.words import CHUNK
 from rdma_kv.connector.rdma.heldwords import WORD_BYTES, HeldWords, checked_words, word_tag
 from rdma_kv.connector.rdma.leases import LeaseTable
 from rdma_kv.connector.rdma.wire import RegionWire
@@ -230,6 +231,28 @@ def test_a_word_read_that_fails_falls_back_to_the_confirm(fabric):
         assert fabric.fail_chained == 0
         pair.settle()
         assert checks.free == checks._array.shape[0]
+
+
+def test_an_abandoned_read_s_word_slots_are_never_given_to_another_check(fabric):
+    """A read abandoned at its deadline (UCX did not cancel it) may still
+    land, its chained words' read too: its word slots stay out of use, so
+    those words can never be compared as a later check's. A read that failed
+    in the transport (above: nothing lands later) gives its slots back."""
+    with pair_and_events(fabric, d_extra=WORDS_ONLY) as (pair, events):
+        checks = pair.D.worker.worker._consumer._words
+        full, next_chunk = checks._array.shape[0], checks._free[-1]  # (prepare takes the last free chunk)
+        fabric.abandon_next = 1
+        prompt = list(range(1, 41))
+        params = pair.prefill({"x": prompt})
+        r = pair.decode({"x": prompt}, params)["x"]
+        assert r.load_failed  # (its peer is failed too: a read that passed its deadline)
+        assert checks.quarantined == CHUNK and checks.free == full - CHUNK
+        assert pair.D.worker.worker.resources()["word_slots_quarantined"] == CHUNK
+        assert next_chunk not in checks._free
+        assert len(fabric.late) == 1 and fabric.late[0][1] is not None  # its data and chained read, on the wire
+        fabric.land_late()  # they land now, into slots no check will be given
+        pair.settle()
+        assert events["words_trusted"] == 0
 
 
 def test_the_words_scratch_full_falls_back_to_the_confirm(fabric):

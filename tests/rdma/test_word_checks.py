@@ -111,3 +111,22 @@ def test_the_remote_words_prepared_once_a_failure_holds_nothing():
     checks = WordChecks(Refusing(), capacity=4 * CHUNK)
     assert checks.prepare(connection(), np.arange(3, dtype=np.int64), TAG) is None
     assert checks.free == 4 * CHUNK
+
+
+def test_slots_whose_read_may_land_later_are_never_given_out_again():
+    """A check whose transfer was abandoned keeps its slots out of use: the
+    late words of its lease could pass for a later check's of the same tag."""
+    checks = WordChecks(Lists(), capacity=4 * CHUNK)
+    conn = connection()
+    gone = checks.prepare(conn, np.arange(CHUNK + 1, dtype=np.int64), TAG)  # two chunks
+    assert not checks.verify(gone, landed=False, may_land_later=True)
+    assert checks.quarantined == 2 * CHUNK and checks.free == 2 * CHUNK
+    kept = set(np.asarray(gone.then.local_index).tolist())
+    later = [checks.prepare(conn, np.arange(1, dtype=np.int64), TAG) for _ in range(2)]
+    assert all(c is not None for c in later) and checks.free == 0
+    assert checks.prepare(conn, np.arange(1, dtype=np.int64), TAG) is None  # (then: CONFIRMed)
+    assert not kept & {s for c in later for s in np.asarray(c.then.local_index).tolist()}
+    for c in later:
+        land(checks, c.then, TAG)
+        assert checks.verify(c, landed=True, may_land_later=True)  # (landed: nothing is still coming)
+    assert checks.free == 2 * CHUNK and checks.quarantined == 2 * CHUNK

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.ucx, pytest.mark.timeout(120)]
 
 
 def test_left_open_until_the_peer_answers_then_closed_at_the_next_peer_change(make_agent):
-    target, reader, region = hung_peer(make_agent)
+    target, reader, region, _ = hung_peer(make_agent)
     worker = reader._core.worker
     assert [p.name for p in worker.left_open] == ["target"], "the hung peer's endpoint was left open"
     peer = worker.left_open[0]
@@ -37,7 +37,7 @@ def test_left_open_until_the_peer_answers_then_closed_at_the_next_peer_change(ma
 
 
 def test_left_open_until_the_peer_dies_then_closed_by_the_endpoint_error(make_agent):
-    target, reader, region = hung_peer(make_agent)
+    target, reader, region, _ = hung_peer(make_agent)
     worker = reader._core.worker
     assert [p.name for p in worker.left_open] == ["target"], "the hung peer's endpoint was left open"
     target.close()  # the hung peer's process goes: its connection resets, UCX fails the endpoint

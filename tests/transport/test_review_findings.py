@@ -44,8 +44,9 @@ def pair(make_agent, **b_config):
 
 def test_deregister_is_refused_while_a_failed_read_may_still_land(make_agent):
     # The target stops progressing (a peer that hangs): a read and a flush pass their deadline.
-    target, reader, region = hung_peer(make_agent)
+    target, reader, region, stuck = hung_peer(make_agent)
     assert reader.inflight == 0 and reader._core.inflight.zombies > 0
+    assert all(x.abandoned for x in stuck), "failed while UCX holds them: they say they may still land"
     with pytest.raises(RegistrationError, match="may still write into local memory"):
         reader.deregister(region)
     end = time.monotonic() + 2

@@ -324,8 +324,8 @@ def hung_peer(make_agent):
     """A reader (``transfer_timeout_s`` 1 s) whose TCP peer stopped
     progressing (it polls, and the test stops calling it) while a read and
     a flush were in flight: both passed their deadline, the peer was failed
-    and its endpoint left open. Returns the target, the reader and the
-    reader's region the read was for."""
+    and its endpoint left open. Returns the target, the reader, the
+    reader's region the read was for, and the two failed transfers."""
     target = make_agent("target", progress="poll", ucx_options=TCP, lanes=1)
     reader = make_agent("reader", ucx_options=TCP, lanes=1, transfer_timeout_s=1.0)
     theirs, mine = np.full(HUNG_NBYTES, 0xAB, dtype=np.uint8), np.zeros(HUNG_NBYTES, dtype=np.uint8)
@@ -340,4 +340,4 @@ def hung_peer(make_agent):
     for xfer in stuck:
         with pytest.raises(TransferError):
             xfer.wait(HUNG_WAIT_S)
-    return target, reader, region
+    return target, reader, region, stuck

@@ -218,6 +218,7 @@ class InFlight:
     def abandon(self, xfer: Transfer, error: TransferError) -> None:
         """Settle ``xfer`` before UCX completed it: its slot becomes a zombie."""
         self._lib.rk_abandon(self.ctx, xfer._slot)
+        xfer.abandoned = True
         self._table[xfer._slot] = None
         self._zombies[xfer._slot] = (xfer._notify, xfer._peer, xfer._then)
         if xfer._then is not None:

@@ -94,6 +94,12 @@ class Transfer:
     posted, the transfer's own reads all completed (a failure is then the
     chained read's); False if they did not (failed, cancelled or timed
     out first). None without one."""
+    abandoned = False
+    """Failed before the shim completed it (its deadline passed and UCX did
+    not cancel it when the peer's endpoint closed, or the agent closed):
+    UCX may still write its local buffers, a chained read's included, until
+    it hands the slot back. False for every transfer the shim completed,
+    failed ones included: nothing of those lands later."""
     _callbacks: list[Callback] | None = None
     _expired = False
     _then: Any = None  # a chained read's C record, arrays and route: alive until UCX hands the slot back

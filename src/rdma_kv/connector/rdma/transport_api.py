@@ -36,6 +36,9 @@ class TransferHandle(Protocol):
     def chained(self) -> bool | None:
         """With a chained read: True once it was posted (the reads landed), False if not; else None."""
     @property
+    def abandoned(self) -> bool:
+        """Failed before the transport completed it: its reads, a chained read's too, may still land."""
+    @property
     def ops_posted(self) -> int: ...
 
     @property

@@ -374,7 +374,8 @@ class RdmaWorker:
         when the transport exposes them, registered regions, transport peers
         (endpoints) and transfers in flight. Every key is present whatever
         the role (0 for the part a worker does not have)."""
-        out = {"inflight_loads": 0, "peers": 0, "clients": 0, "unreported": 0, "confirm_queue": 0, "pin_queue": 0}
+        out = {"inflight_loads": 0, "peers": 0, "clients": 0, "unreported": 0, "confirm_queue": 0, "pin_queue": 0,
+               "word_slots_quarantined": 0}
         if self._consumer is not None:
             out.update(self._consumer.resources())
         out.update(self._producer.resources() if self._producer is not None

@@ -352,7 +352,7 @@ class RdmaConsumer:
         vouched = None
         if src.words is not None:
             assert self._words is not None
-            vouched = self._words.verify(src.words, landed=not failed)
+            vouched = self._words.verify(src.words, landed=not failed, may_land_later=xfer.abandoned)
             failed = failed and not xfer.chained  # (chained: the reads landed, their words' read failed)
         with self._lock:
             load.measures = load.measures.add(nbytes=xfer.nbytes, num_descs=xfer.num_descs,
@@ -569,7 +569,8 @@ class RdmaConsumer:
         with self._lock:
             out = {"inflight_loads": len(self._book.loads), "peers": len(self.peers),
                    "clients": len(self._pool), "unreported": self._book.num_unreported,
-                   "confirm_queue": len(self._confirms), "pin_queue": len(self._pins)}
+                   "confirm_queue": len(self._confirms), "pin_queue": len(self._pins),
+                   "word_slots_quarantined": self._words.quarantined if self._words is not None else 0}
         if self.pushes is not None:
             out["pushes_running"] = self.pushes.running()
         return out

@@ -106,6 +106,7 @@ class PushHandle:
     ops_posted: int = 0
     post_s: float = 0.0
     chained: bool | None = None  # (a push chains no read)
+    abandoned = False  # (a push resolves once none of its writes can land)
     answered: bool = False
     """The producer answered the PUSH (it knows the token, or refused it)."""
     aborting: bool = False

@@ -83,6 +83,9 @@ class WordChecks:
         self._slots = np.arange(capacity, dtype=np.int64).reshape(-1, CHUNK)  # chunk -> its slots
         self._lock = threading.Lock()
         self._free = list(range(capacity // CHUNK - 1, -1, -1))  # free chunks
+        self.quarantined = 0
+        """Word slots never given back: their check's transfer failed while
+        its chained read could still land in them (``verify``)."""
 
     @property
     def free(self) -> int:
@@ -126,12 +129,28 @@ class WordChecks:
             self._array[local] = 0
         return WordCheck(chunks, local, tag * n, ChainedRead(self._local, local, remote, block_ids))
 
-    def verify(self, check: WordCheck, landed: bool) -> bool:
+    def verify(self, check: WordCheck, landed: bool, may_land_later: bool = False) -> bool:
         """Whether the words ``check`` read each name its tag (False unless
-        they ``landed``); its slots are free again."""
+        they ``landed``); its slots are free again, unless ``may_land_later``.
+
+        ``may_land_later``: the transfer it was chained behind failed without
+        completing in the transport (``TransferHandle.abandoned``: at its
+        deadline, UCX did not cancel it; or a close), so its chained read
+        may be on the wire, or be posted in the instant the abandon races
+        the completion, and land later. Its slots are then
+        kept out of use for good (``quarantined``): given to a later check,
+        those late words would be compared as that check's, and a later
+        check of the same lease (another producer rank's source of the
+        load, posted once its handshake ends) expects the same tag. Failed
+        transfers are rare and a slot is 16 bytes; with none free, sources
+        are CONFIRMed."""
         chunks = check.chunks
         if not landed:
             ok = False
+            if may_land_later:  # (only a read that did not land may land later)
+                with self._lock:
+                    self.quarantined += len(chunks) * CHUNK
+                return False
         elif len(chunks) == 1:
             first = chunks[0] * CHUNK
             ok = self._array[first:first + len(check.local)].tobytes() == check.expected
