@@ -222,22 +222,37 @@ def main(argv: list[str] | None = None) -> int:
                     help="both engines' held_words (default on, as shipped; off: the decode pins, or CONFIRMs)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
-    names = [g for g in args.geometry.split(",") if g]
-    unknown = sorted(set(names) - set(GEOMETRIES))
+    names = geometry_names(ap, args.geometry, GEOMETRIES)
+    run_and_report(lambda g: run_geometry(g, GEOMETRIES[g], args.tokens, args.reps, args.idle_s, args.seed,
+                                          read_pin=args.read_pin == "on", held_words=args.held_words == "on"),
+                   names, report, args.json, idle_s=args.idle_s)
+    return 0
+
+
+def geometry_names(ap: argparse.ArgumentParser, text: str, geometries: dict[str, ModelShape]) -> list[str]:
+    """``--geometry``'s comma list, each one of ``geometries`` (else the parser's error)."""
+    names = [g for g in text.split(",") if g]
+    unknown = sorted(set(names) - set(geometries))
     if unknown:
-        ap.error(f"unknown geometry {unknown}; valid: {sorted(GEOMETRIES)}")
+        ap.error(f"unknown geometry {unknown}; valid: {sorted(geometries)}")
+    return names
+
+
+def run_and_report(run: Callable[[str], dict[str, Any]], names: list[str], report: Callable[[dict[str, Any]], str],
+                   json_path: str | None, **extra: Any) -> None:
+    """``run`` each geometry of ``names``, print each ``report`` and the load
+    average before and after, and write the results to ``json_path`` (with
+    the command line, the load average and ``extra``)."""
     load_before = os.getloadavg()
-    results = [run_geometry(g, GEOMETRIES[g], args.tokens, args.reps, args.idle_s, args.seed,
-                            read_pin=args.read_pin == "on", held_words=args.held_words == "on") for g in names]
+    results = [run(g) for g in names]
     load_after = os.getloadavg()
     for result in results:
         print(report(result))
     print(f"load average: {load_before[0]:.2f} before, {load_after[0]:.2f} after ({os.cpu_count()} CPUs)")
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump({"argv": sys.argv[1:], "load_average": {"before": load_before, "after": load_after},
-                       "idle_s": args.idle_s, "results": results}, f, indent=1)
-    return 0
+                       **extra, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

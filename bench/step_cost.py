@@ -39,8 +39,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import os
+import dataclasses
 import statistics
 import sys
 import time
@@ -49,15 +48,12 @@ from typing import Any
 
 import numpy as np
 
+import connector_overhead  # (bench/, beside this file: its geometries and its command line's ending)
 from rdma_kv.connector import KVRole, KVTransferConfig
-from rdma_kv.harness.engine import Engine, ModelShape
+from rdma_kv.harness.engine import Engine
 
-GEOMETRIES = {  # as bench/connector_overhead.py, with room for 64 prompts of 128 tokens
-    "tiny": ModelShape(num_layers=2, num_kv_heads=2, head_size=32, block_size=32, num_blocks=600,
-                       dtype="float32"),
-    "8b": ModelShape(num_layers=32, num_kv_heads=8, head_size=128, block_size=16, num_blocks=600,
-                     dtype="float16"),
-}
+GEOMETRIES = {name: dataclasses.replace(shape, num_blocks=600)  # room for 64 prompts of 128 tokens
+              for name, shape in connector_overhead.GEOMETRIES.items()}
 SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                    "update_connector_output", "request_finished")
 WORKER_HOOKS = ("bind_connector_metadata", "start_load_kv", "wait_for_save", "get_finished",
@@ -205,23 +201,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="the decode's idle_wait_s (default 0.002, as shipped)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
-    names = [g for g in args.geometry.split(",") if g]
-    unknown = sorted(set(names) - set(GEOMETRIES))
-    if unknown:
-        ap.error(f"unknown geometry {unknown}; valid: {sorted(GEOMETRIES)}")
+    names = connector_overhead.geometry_names(ap, args.geometry, GEOMETRIES)
     batches = [int(b) for b in args.batch.split(",") if b]
     if not batches or min(batches) < 1:
         ap.error("--batch takes positive integers")
-    load_before = os.getloadavg()
-    results = [run_geometry(g, batches, args.tokens, args.reps, args.seed, args.idle_wait_s) for g in names]
-    load_after = os.getloadavg()
-    for result in results:
-        print(report(result))
-    print(f"load average: {load_before[0]:.2f} before, {load_after[0]:.2f} after ({os.cpu_count()} CPUs)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"argv": sys.argv[1:], "load_average": {"before": load_before, "after": load_after},
-                       "results": results}, f, indent=1)
+    connector_overhead.run_and_report(
+        lambda g: run_geometry(g, batches, args.tokens, args.reps, args.seed, args.idle_wait_s),
+        names, report, args.json)
     return 0
 
 
