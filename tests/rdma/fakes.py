@@ -24,6 +24,13 @@ from rdma_kv.errors import DescriptorError, PeerError, TransferError
 from rdma_kv.transport.descriptors import DescList, coalesce
 
 
+def _copy(ops):
+    """What the fabric's reads and writes do: each (destination, source, length) copied."""
+    laddr, raddr, lengths = ops
+    for d, s, n in zip(laddr.tolist(), raddr.tolist(), lengths.tolist()):
+        ctypes.memmove(d, s, n)
+
+
 class FakeTransfer:
     def __init__(self, fabric, peer, laddr, raddr, lengths, ops):
         self._fabric = fabric
@@ -73,7 +80,7 @@ class FakeTransfer:
         cancel: nothing landed yet, its data and chained read stay on the
         fabric (``FakeFabric.land_late``)."""
         with self._lock:
-            late, self._ops, self._then = (self._ops, self._then), (np.zeros(0, np.uint64),) * 3, None
+            late, self._then = (self._ops, self._then), None  # (a failed resolve copies nothing)
             self.abandoned, self.chained = True, (False if late[1] is not None else None)
         self._fabric.late.append(late)
         self._resolve(TransferError("fake: abandoned at its deadline", status="UCS_ERR_TIMED_OUT"))
@@ -83,9 +90,7 @@ class FakeTransfer:
             if self._finished is not None:
                 return
             if error is None:
-                laddr, raddr, lengths = self._ops
-                for d, s, n in zip(laddr.tolist(), raddr.tolist(), lengths.tolist()):
-                    ctypes.memmove(d, s, n)
+                _copy(self._ops)
             if self._then is not None:  # the read landed: its chained read goes out (held too, if the fabric holds)
                 self.chained = error is None
                 if error is None:
@@ -98,9 +103,7 @@ class FakeTransfer:
                             self._fabric.pending.append(self)
                         return
                     else:
-                        laddr, raddr, lengths = self._ops
-                        for d, s, n in zip(laddr.tolist(), raddr.tolist(), lengths.tolist()):
-                            ctypes.memmove(d, s, n)
+                        _copy(self._ops)
             self.error = error
             self._finished = time.perf_counter()
             callbacks, self._callbacks = self._callbacks, []
@@ -136,9 +139,10 @@ class FakeFabric:
         """What abandoned reads still had on the wire lands now: their data,
         then their chained reads (as UCX may complete a zombie's)."""
         late, self.late = self.late, []
-        for ops in (op for data, then in late for op in (data, then) if op is not None):
-            for d, s, n in zip(*(a.tolist() for a in ops)):
-                ctypes.memmove(d, s, n)
+        for data, then in late:
+            _copy(data)
+            if then is not None:
+                _copy(then)
 
     def release_all(self, error=None, reader=None):
         """Resolve the held transfers (only those posted by agent ``reader``, if given)."""
