@@ -215,6 +215,12 @@ class AgentCore:
         for lane in self.lanes:
             reap_left_open(lane.worker)
 
+    def left_open(self, name: str) -> bool:
+        """Whether an endpoint to ``name`` waits, left open, for its flushes
+        to end on some worker. Caller holds the lock."""
+        workers = [self.worker, *(lane.worker for lane in self.lanes)]
+        return any(peer.name == name for worker in workers for peer in worker.left_open)
+
     def usable_peer(self, name: str) -> Peer:
         """The peer ``name`` if its endpoint on every worker is healthy; else
         PeerError (a lane's endpoint that failed fails the peer everywhere)."""
@@ -440,16 +446,33 @@ class Agent:
             core.reap_left_open()
             return md.name
 
-    def remove_peer(self, name: str) -> None:
+    def remove_peer(self, name: str, *, fence: bool = False) -> bool:
+        """Forget peer ``name`` and close its endpoints on every worker:
+        gracefully (a flush, then a goodbye) when nothing is in flight with
+        it, else forced (its transfers fail). Returns False when an endpoint
+        had to be left open (a flush of it outstanding), else True.
+
+        A graceful close is no fence against the peer's own writes into this
+        agent's memory: over TCP, UCX keeps the connection the peer's
+        endpoint writes through, and what it queued there goes on landing
+        after the close returned (64 MiB abandoned by a writer whose
+        deadline passed: 4.2 MiB had landed when the close returned, the
+        rest landed after; ``tests/transport/test_fence.py``). ``fence``
+        force-closes every endpoint, even with nothing in flight: no write
+        of the peer's lands here after this returns True (verified over
+        TCP; on RDMA a forced close destroys the RC queue pair the writes
+        target, argued; docs/reliability.md, "A fence against a peer's
+        writes")."""
         core = self._core
         with core.driver.bound(), core.lock:  # closing its endpoints progresses the workers
             core.require_open()
             peer = core.peers.pop(name)
-            if peer.inflight:
-                core.fail_peer(peer, "removed by remove_peer()")
+            if peer.inflight or fence:
+                core.fail_peer(peer, "fenced by remove_peer()" if fence else "removed by remove_peer()")
             core.peers.retire(peer)
             core.lanes.disconnect(name)
             core.reap_left_open()
+            return not core.left_open(name)
 
     @property
     def peers(self) -> tuple[str, ...]:

@@ -84,7 +84,9 @@ class Transport(Protocol):
         """Import a peer's metadata under ``name`` (else the metadata's own);
         returns the name (replacing an older incarnation of that name)."""
 
-    def remove_peer(self, name: str) -> None: ...
+    def remove_peer(self, name: str, *, fence: bool = False) -> bool:
+        """Close the endpoints to ``name``; ``fence``: forced, so that no
+        write of the peer's lands here after this returns True."""
 
     def prep_local(self, descs: DescList) -> PreparedList:
         """Check local descriptors once; reads then address them by index."""

@@ -1,0 +1,85 @@
+"""A fence against a peer's writes: ``Agent.remove_peer(name, fence=True)``.
+
+A writer's transfer that passed its deadline while its target hung fails
+on the writer's side, but UCX may still hold it (a flush of the endpoint
+outstanding: the transport *abandons* it, ``Transfer.abandoned``), its
+bytes queued in UCX and the kernel. When the target runs again, its worker
+applies them. Push mode's decode hands a failed push's blocks back to its
+engine; before that it must make sure nothing more of the producer's lands
+there. A graceful close of its endpoints is no such fence: over TCP, UCX
+keeps the connection the writer's own endpoint writes through, and the
+rest of the write went on landing after the close returned (64 MiB: 4.2 MiB
+had landed when it returned, all of it 3 s later). A forced close is.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from transport_helpers import TCP, wait_until
+
+from rdma_kv.errors import TransferError
+from rdma_kv.transport import DescList
+
+pytestmark = [pytest.mark.ucx]
+
+NBYTES = 32 << 20  # big enough that the writer is still sending when the target runs again
+FILL = 0xAB
+
+
+def abandoned_write(make_agent):
+    """A target (polling; the test progresses it) and a writer (its progress
+    thread, deadline 1 s) whose notified write of ``NBYTES`` failed at its
+    deadline while the target did not progress: the writer's transport
+    abandoned it (the flush behind it outstanding). Returns the target, its
+    buffer (zeros: nothing landed yet) and the failed transfer."""
+    target = make_agent("target", progress="poll", ucx_options=TCP, lanes=1)
+    writer = make_agent("writer", ucx_options=TCP, lanes=1, transfer_timeout_s=1.0)
+    theirs, mine = np.zeros(NBYTES, dtype=np.uint8), np.full(NBYTES, FILL, dtype=np.uint8)
+    target.register(theirs)
+    writer.register(mine)
+    writer.add_peer(target.metadata())
+    target.add_peer(writer.metadata())
+    loc, rem = DescList([mine.ctypes.data], NBYTES), DescList([theirs.ctypes.data], NBYTES)
+    first = writer.write("target", loc, rem)  # both endpoints wired up
+    wait_until(first.done, 30.0, "a first write", drive=[target])
+    theirs[:] = 0
+    stuck = writer.write("target", loc, rem, notify=b"push-token")
+    with pytest.raises(TransferError, match="deadline"):
+        stuck.wait(30.0)
+    assert stuck.abandoned, "the writer's transport says the write may still land"
+    assert not theirs.any()
+    return target, theirs, stuck
+
+
+def landed(buf: np.ndarray) -> int:
+    return int(np.count_nonzero(buf == FILL))
+
+
+def progress_for(agent, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        agent.progress()
+        time.sleep(0.001)
+
+
+def test_a_fenced_writer_lands_nothing_after_the_fence(make_agent):
+    target, theirs, _ = abandoned_write(make_agent)
+    target.progress()  # the target runs again: the writer's queued bytes begin to arrive
+    assert target.remove_peer("writer", fence=True) is True
+    at_fence = landed(theirs)
+    progress_for(target, 1.0)
+    assert landed(theirs) == at_fence, (
+        f"{landed(theirs) - at_fence} bytes of the writer's abandoned write landed after the fence returned")
+    assert at_fence < NBYTES, "all of it landed before the fence: this run shows nothing"
+
+
+def test_without_the_fence_the_abandoned_write_lands_after_the_writer_failed_it(make_agent):
+    """The hazard the fence is for: the write the writer failed lands whole
+    in the target's memory, its endpoint to the writer closed gracefully."""
+    target, theirs, _ = abandoned_write(make_agent)
+    assert target.remove_peer("writer") is True
+    wait_until(lambda: landed(theirs) == NBYTES, 30.0, f"the rest of the write (landed {landed(theirs)})",
+               drive=[target])
