@@ -139,3 +139,31 @@ def test_a_push_whose_producer_stops_answering_after_running_fails_at_its_bound_
     assert handle.done() and "unreachable since the push" in str(handle.error), handle.error
     assert "this decode's progress threads: own worker: pump asleep" in str(handle.error)
     assert pushes.take_counters().unreachable == 1
+    # A write the producer's transport abandoned may still land when the network heals: fenced first.
+    assert len(failed) == 1 and "unreachable past a push's bound" in failed[0], failed
+
+
+def test_a_failed_push_fences_the_producer_before_its_blocks_go_back():
+    """FAILED (the producer's write batch passed its deadline: its
+    transport may have abandoned it, the bytes still queued) resolves the
+    push only after the producer was fenced (``PeerDirectory.failed``
+    force-closes its endpoints: tests/transport/test_fence.py), answered
+    first or not. An ABORTED push (every write completed) is not fenced."""
+    for script in ([wire.PushReply(S.RUNNING, "", 10.0), wire.PushReply(S.FAILED, "writes failed: deadline")],
+                   [wire.PushReply(S.FAILED, "writes failed: deadline")]):
+        client = Client(*script)
+        pushes, clock, request, peer, failed = setup(client)
+        order, resolve = [], pushes._resolve
+        pushes._peer_failed = lambda p, why: order.append(("fenced", why))
+        pushes._resolve = lambda h, error: (order.append(("resolved", str(error))), resolve(h, error))
+        handle = pushes._begin(peer, request, [[40, 41]])
+        step(pushes, clock, 2.0)
+        assert handle.done() and "push failed: writes failed" in str(handle.error), handle.error
+        assert order == [("fenced", "a push from it failed: writes failed: deadline"),
+                         ("resolved", "push failed: writes failed: deadline")], order
+    client = Client(wire.PushReply(S.RUNNING, "", 10.0), wire.PushReply(S.ABORTED, "aborted by the decode"))
+    pushes, clock, request, peer, failed = setup(client)
+    handle = pushes._begin(peer, request, [[40, 41]])
+    pushes.abort(handle)
+    step(pushes, clock, 2.0)
+    assert handle.done() and "aborted" in str(handle.error) and not failed

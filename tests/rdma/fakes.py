@@ -181,6 +181,7 @@ class FakeTransport:
         self.memory_types = []  # register()'s memory_type, per region
         self.peers = {}
         self.aliases = {}
+        self.fenced = []  # remove_peer(name, fence=True) calls, by name
         self.closed = False
         self.wedge = False  # a test sets it to stand for a close that left the memory registered
         self.inbox = []  # notifications received (push mode)
@@ -204,8 +205,11 @@ class FakeTransport:
         self.aliases[name] = md["name"]  # the agent behind the name it was imported under
         return name
 
-    def remove_peer(self, name):
+    def remove_peer(self, name, *, fence=False):
         self.peers.pop(name, None)
+        if fence:
+            self.fenced.append(name)
+        return True
 
     @staticmethod
     def _check(descs, regions, what):

@@ -47,6 +47,7 @@ def test_a_producer_no_load_uses_is_forgotten_and_a_later_load_handshakes_again(
         step_at(pair, now + idle_s + 1)
         after = worker.resources()
         assert after["peers"] == 0 and after["clients"] == 0 and len(transport.peers) == 0
+        assert transport.fenced == [], "an idle producer is closed gracefully, not fenced"
         assert consumer._book.counters.snapshot().peers_forgotten == 1
         # The producer is still there: the next load handshakes again, and reads right.
         consumer._clock = consumer._pool._clock = time.perf_counter
@@ -103,16 +104,17 @@ def test_a_late_removal_of_a_failed_peer_leaves_its_successor_alone(fabric):
         (old,) = directory._peers.values()
         stalled: list[str] = []
         real_remove = directory._remove
-        directory._remove = stalled.append  # the failing thread stalls before its removal
+        # the failing thread stalls before its removal (fenced: the peer failed)
+        directory._remove = lambda name, fence=False: stalled.append((name, fence))
         directory.failed(old, "injected: reads failed")
         directory._remove = real_remove
-        assert stalled == [old.connection.name]
+        assert stalled == [(old.connection.name, True)]
         consumer._clock = lambda: time.perf_counter() + PEER_RETRY_S + 1
         second = {"b": list(range(40, 70))}
         assert not pair.decode(second, pair.prefill(second))["b"].load_failed  # dialled again
         (new,) = directory._peers.values()
         assert new is not old and new.connection.name in transport.peers
-        real_remove(stalled[0])  # the stalled thread goes on
+        real_remove(*stalled[0])  # the stalled thread goes on
         assert new.connection.name in transport.peers
         third = {"c": list(range(80, 110))}
         result = pair.decode(third, pair.prefill(third))["c"]

@@ -413,24 +413,34 @@ class PeerDirectory:
         del self._peers[peer.key]
         peer.state, peer.error = PeerStage.FAILED, "re-registered"
         if peer.connection is not None:
-            self._remove(peer.connection.name)
+            self._remove(peer.connection.name, fence=True)
 
     def failed(self, peer: PeerState, reason: str) -> None:
-        """``peer``'s reads or confirmation failed: it is FAILED (dialled again
-        after ``PEER_RETRY_S``) and its transport peer removed (a restarted
-        producer has a new agent). Called without the lock held."""
+        """``peer``'s reads, confirmation or push failed: it is FAILED (dialled
+        again after ``PEER_RETRY_S``) and its transport peer removed, fenced
+        (a restarted producer has a new agent; in push mode no write of the
+        producer's may land once its blocks go back: ``_remove``). Called
+        without the lock held."""
         with self._lock:
             if self._peers.get(peer.key) is not peer or peer.state is not PeerStage.READY:
                 return
             peer.state, peer.error, peer.failed_at = PeerStage.FAILED, reason, self._clock()
         if peer.connection is not None:
-            self._remove(peer.connection.name)
+            self._remove(peer.connection.name, fence=True)
 
-    def _remove(self, name: str) -> None:
+    def _remove(self, name: str, fence: bool = False) -> None:
+        """Remove transport peer ``name``. ``fence`` (a failed peer): its
+        endpoints force-closed, so that nothing it still sends is applied
+        here afterwards -- a graceful close is no fence against the
+        producer's own writes (``Agent.remove_peer``), and push mode hands a
+        failed push's blocks back right after this."""
         try:
-            self._local.transport.remove_peer(name)
+            closed = self._local.transport.remove_peer(name, fence=fence)
         except Exception:
-            pass  # already gone (the transport failed it itself, or closed)
+            return  # already gone (the transport failed it itself, or closed)
+        if fence and closed is False:
+            logger.warning("the endpoint to %r is left open (a flush of it outstanding): writes it still "
+                           "carries could land until the flush ends", name)
 
     def prune(self, now: float, reading: Callable[[], set[PeerKey]]) -> list[str]:
         """Forget the peers :meth:`PeerState.forgotten`, and the READY ones

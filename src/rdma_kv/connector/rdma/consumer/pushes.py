@@ -15,11 +15,13 @@ or hand them back to its engine) only then:
   it after flushing every endpoint that carried a write: the data landed),
   or its answer DONE to a query;
 - failure, nothing can land: the producer answered REFUSED or PENDING
-  past the load's deadline (nothing was posted), FAILED or ABORTED (every
-  write it posted resolved; it posts none again; after FAILED the decode
-  also drops its endpoints to the producer, for transports whose writes
-  its own worker applies), UNKNOWN to a query after it had answered the
-  PUSH (forgotten long after it resolved), or UNKNOWN to an abort of a PUSH
+  past the load's deadline (nothing was posted), ABORTED (every write it
+  posted completed; it posts none again), FAILED or UNKNOWN to a query
+  after it had answered the PUSH (forgotten long after it resolved) --
+  these two with the producer *fenced* first (its endpoints force-closed:
+  a failed batch may have been abandoned by the producer's transport, its
+  bytes still queued there or in the kernel, and a graceful close is no
+  fence against them, ``Agent.remove_peer``) --, or UNKNOWN to an abort of a PUSH
   it never answered: the producer remembers that abort, so an attempt of
   the PUSH still on its way (one the client gave up on, answered too late)
   is refused when it arrives;
@@ -27,13 +29,14 @@ or hand them back to its engine) only then:
   a producer slow to answer) sends it again, under the same token, so an
   earlier attempt arriving too is answered, not taken twice;
 - failure, the producer is gone: its side channel refuses connections
-  (no process listens: none writes; its endpoints went with it) -- the
-  transport peer is dropped first;
+  (no process listens: none posts; what its kernel still sends is
+  fenced off) -- the producer is fenced first;
 - failure, unreachable: no answer at all, until ``lease_max_s`` plus the
   write timeout after the PUSH was sent (the lease ended by then on the
   producer's own clock, and it posts no write for an ended lease; a write
-  posted before had its timeout). The blocks stay out of the engine until
-  then; the bound is documented (docs/rdma-connector.md, "Push mode").
+  posted before had its timeout, and one its transport abandoned is fenced
+  off: the producer is fenced first). The blocks stay out of the engine
+  until then; the bound is documented (docs/rdma-connector.md, "Push mode").
 
 A load that fails or is aborted while its push runs asks the producer to
 abort (PUSH_QUERY with ``abort``) and waits for one of the above.
@@ -301,6 +304,9 @@ class Pushes:
                 return
             if now >= handle.hard_deadline:
                 self._count("unreachable")
+                # Past the bound no write *posted within its timeout* lands; one the producer's transport
+                # abandoned (a flush outstanding to this decode) may still, when the network heals: fenced.
+                self._peer_failed(handle.peer, f"unreachable past a push's bound ({exc})")
                 self._resolve(handle, PushFailed(
                     f"producer rank {handle.peer.rank} unreachable since the push ({exc}); past the push's "
                     "bound (lease_max_s + read_timeout_s, or the writes' timeout after a RUNNING answer) no "
@@ -345,14 +351,15 @@ class Pushes:
                 self._counts.add("resent")
                 handle.resend, handle.next_query_at = True, now + QUERY_EVERY_S
         else:  # REFUSED, FAILED, ABORTED, UNKNOWN after an answer (forgotten long after it resolved)
-            if state in (S.FAILED, S.UNKNOWN) and handle.answered:
-                # The producer's transport cancelled a posted batch, or it no
-                # longer knows a push it said was under way (it forgot it, or
-                # went to sleep and closed its transport). Where the decode's
-                # own worker applies writes (TCP's software emulation of PUT),
-                # bytes already received could still be applied; over RDMA a
-                # closed endpoint takes no more writes: drop the endpoints to
-                # this producer before the blocks go back.
+            if state is S.FAILED or state is S.UNKNOWN and handle.answered:
+                # The producer's transport failed a posted batch (its deadline
+                # passed: the writes may be abandoned, still queued in UCX or
+                # the kernel), or it no longer knows a push it said was under
+                # way (it forgot it, or went to sleep and closed its
+                # transport). What it still sends would be applied by this
+                # decode's worker (TCP) or land in its memory (RDMA) after the
+                # blocks went back: fence the producer first (its endpoints
+                # force-closed: a graceful close is no fence, Agent.remove_peer).
                 self._peer_failed(handle.peer, f"a push from it {'failed' if state is S.FAILED else 'was forgotten'}: "
                                                f"{reply.detail}")
             self._resolve(handle, PushFailed(f"push {state.value}: {reply.detail}"))
