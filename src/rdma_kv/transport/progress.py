@@ -63,7 +63,8 @@ that has not done so for this long while transfers are in flight (a healthy pump
 microseconds when busy and every 100 ms when asleep)."""
 
 SERVICE_SLEEP_S = 1.0
-"""The longest the service thread sleeps when nothing wakes it and no deadline comes sooner."""
+"""The longest the service thread sleeps when nothing wakes it and no deadline comes sooner (a
+deadline posted during the sleep is seen at its next look at the pumps: ``rk_service_wait``)."""
 
 HELP_IDLE_NS = 100_000_000
 """How often the service thread looks at the pumps while none of the agent's own transfers is in

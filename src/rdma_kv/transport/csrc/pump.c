@@ -402,7 +402,7 @@ int rk_service_wait(rk_ctx_t *ctx, int wake_fd, uint64_t errors_seen, uint64_t d
                     rk_pump_t *const *help, uint32_t nhelp, uint64_t stale_ns, uint64_t idle_ns)
 {
     struct pollfd pfd = {.fd = wake_fd, .events = POLLIN};
-    uint64_t start = rk_now_ns(), now = start, done_mark, notif_mark, value, wait_ns, look_ns;
+    uint64_t start = rk_now_ns(), now = start, done_mark, notif_mark, value, wait_ns, look_ns, live, due;
 
     for (;;) {
         if (__atomic_load_n(&ctx->ep_errors, __ATOMIC_ACQUIRE) != errors_seen) {
@@ -427,12 +427,23 @@ int rk_service_wait(rk_ctx_t *ctx, int wake_fd, uint64_t errors_seen, uint64_t d
         if (__atomic_load_n(&ctx->closing, __ATOMIC_ACQUIRE) || now - start >= timeout_ns) {
             return 0;
         }
+        /* A deadline due: of a transfer posted after this wait began, with
+         * a timeout shorter than the wait (its caller computed timeout_ns
+         * from the deadlines it knew). */
+        live = __atomic_load_n(&ctx->live, __ATOMIC_RELAXED);
+        due = __atomic_load_n(&ctx->next_deadline_ns, __ATOMIC_RELAXED);
+        if (live > 0 && now >= due) {
+            return 1;
+        }
         wait_ns = timeout_ns - (now - start);
         /* Look at the pumps every stale_ns while transfers are in flight,
-         * every idle_ns otherwise. */
-        look_ns = __atomic_load_n(&ctx->live, __ATOMIC_RELAXED) > 0 ? stale_ns : idle_ns;
+         * every idle_ns otherwise; and at the next deadline. */
+        look_ns = live > 0 ? stale_ns : idle_ns;
         if (nhelp > 0 && wait_ns > look_ns) {
             wait_ns = look_ns;
+        }
+        if (live > 0 && due - now < wait_ns) {
+            wait_ns = due - now;
         }
         if (poll(&pfd, 1, (int)((wait_ns + 999999u) / 1000000u)) > 0) {
             /* Non-blocking eventfd: EAGAIN if another read took it. */

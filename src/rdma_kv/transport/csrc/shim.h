@@ -392,8 +392,10 @@ int rk_await(rk_ctx_t *ctx, uint32_t slot, uint64_t id, rk_pump_t *const *help, 
 /* The service thread's sleep (progress="thread"), without the interpreter
  * lock: on wake_fd (the agent's eventfd, which its pumps write) until
  * something is unsettled -- completions or notifications on the rings, or
- * ep_errors != errors_seen -- and no caller is about to settle it: 1; or
- * until timeout_ns pass or the agent is closing: 0. A caller is about
+ * ep_errors != errors_seen -- and no caller is about to settle it, or a
+ * transfer's deadline is due (one posted during the wait may have a
+ * shorter timeout than the wait: seen at the next look): 1; or until
+ * timeout_ns pass or the agent is closing: 0. A caller is about
  * while one is in rk_await, or posted or left rk_await within delay_ns;
  * then what is unsettled is left to it for at most delay_ns. An endpoint
  * error returns at once. It also looks at the nhelp pumps, every stale_ns
