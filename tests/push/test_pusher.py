@@ -247,6 +247,21 @@ def test_a_re_registration_while_a_write_is_being_prepared_writes_nothing():
     assert s.fabric.writes == 0 and not any(s.dst[n].any() for n in s.dst)
 
 
+def test_an_abandoned_write_batch_is_answered_failed_saying_its_bytes_may_still_arrive():
+    """The transport failed the batch at its deadline but still holds it
+    (``Transfer.abandoned``): FAILED, never DONE, and the answer says the
+    bytes may still arrive -- they do (``land_late``), which is why the
+    decode fences the producer before its blocks go back (pushes.py,
+    tests/transport/test_fence.py)."""
+    s = Setup()
+    s.fabric.abandon_next = 1
+    reply = s.writer.push(s.push(1, [40, 41]))
+    assert reply.state is S.FAILED and "abandoned by the producer's transport" in reply.detail, reply
+    assert not any(s.dst[n].any() for n in s.dst)
+    s.fabric.land_late()
+    assert written(s, [40, 41], [10, 11]), "the fake lands an abandoned write late, as UCX may"
+
+
 def test_a_decode_forgotten_after_a_failed_write_has_its_peer_removed():
     """A failed write makes the producer forget the decode (its endpoint may
     be dead); a restarted decode comes back as a new incarnation under a new

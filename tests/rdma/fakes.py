@@ -6,7 +6,7 @@ Scripting: ``FakeFabric.hold = True`` keeps transfers pending until
 ``release_all()``; ``kill(name)`` fails that agent's pending transfers and
 makes later reads from it fail (a dead peer); ``fail_next`` fails the next
 read, ``fail_chained`` the next chained read (its read landed), ``abandon_next``
-the next read as abandoned (nothing landed; its data and chained read land
+the next read or write as abandoned (nothing landed; its data and chained read land
 at ``land_late()``); ``on_prep(agent_name)``, when set, runs inside ``prep_local`` and
 ``prep_remote`` (where the real transport takes its own lock).
 """
@@ -274,7 +274,7 @@ class FakeTransport:
             fabric.fail_next -= 1
             xfer._resolve(TransferError(f"fake: injected {'write' if write else 'read'} failure",
                                         status="UCS_ERR_IO_ERROR"))
-        elif fabric.abandon_next and not write:
+        elif fabric.abandon_next:
             fabric.abandon_next -= 1
             xfer._abandon()
         elif fabric.hold:

@@ -300,6 +300,11 @@ class PushWriter(ConcurrentDispatch):
         the lease (its blocks go back to the engine)."""
         failure = error if error is not None else (None if xfer is None or xfer.error is None
                                                   else f"writes failed: {xfer.error}")
+        if failure is not None and xfer is not None and xfer.abandoned:
+            # Failed at its deadline while UCX still held it (a flush to the decode outstanding):
+            # its bytes may still arrive. The decode fences this producer before its blocks go back.
+            failure += (" (abandoned by the producer's transport, its bytes possibly still on their way: "
+                        "the decode fences this producer before the blocks go back)")
         with self._lock:
             if entry.state not in (RUNNING, WAITING):
                 return  # resolved already
