@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import pytest
 
 from rdma_kv.connector.config import KVTransferConfig
 from rdma_kv.connector.rdma import wire

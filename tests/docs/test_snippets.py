@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from snippets import Block, ROOT, all_blocks, snippet
+from snippets import Block, all_blocks, snippet
 
 RUN_HERE = ("readme-transport", "readme-info", "deploy-info", "deploy-selftest")
 RUN_IN_VLLM = ("vllm-offline/decode.py", "vllm-offline/prefill.py", "vllm-offline/run",

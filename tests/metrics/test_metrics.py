@@ -13,7 +13,7 @@ import pytest
 from rdma_kv.connector.rdma import metrics
 from rdma_kv.connector.rdma.metrics import Histogram, TransferMetrics, merge_stats, record_values
 from rdma_kv.connector.rdma.stats import (GAUGE_REFRESH_S, GAUGE_STALE_S, MAX_RECORDS, LoadMeasures, LoadRecord,
-                                          LoadStats, Totals, WorkerStats, merge)
+                                          LoadStats, WorkerStats, merge)
 from rdma_kv.connector.rdma.statsparse import parse_totals, parse_worker_stats
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "rdma_kv"

@@ -18,7 +18,6 @@ from leaseutil import ref
 from test_push_layer_answers import landed, layer_setup
 from test_pusher import S
 
-from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.meta import LayerPushSpec, SendSpec
 
 WAIT_S, WRITE_S = 30.0, 5.0  # layer_setup's writer

@@ -15,7 +15,7 @@ from netutil import free_base_port
 from rdma_testutil import prefill_then_decode, wait_until
 
 from rdma_kv.connector import KVTransferConfig
-from rdma_kv.connector.rdma.stats import LoadRecord, WorkerStats
+from rdma_kv.connector.rdma.stats import LoadRecord
 from rdma_kv.connector.rdma.statsparse import parse_load_record, parse_worker_stats
 from rdma_kv.harness.engine import Engine, ModelShape
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
-import os
 import sys
 import threading
 import time

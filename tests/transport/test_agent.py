@@ -128,7 +128,7 @@ def test_unsupported_objects_are_rejected_before_touching_ucx(make_agent):
 
 @pytest.mark.parametrize("op", [XferOp.READ, XferOp.WRITE])
 def test_random_blocks_bit_exact(pair: Pair, rng, op):
-    a, b = pair.a, pair.b
+    b = pair.b
     pair.buf_b[:] = rng.integers(0, 256, PAIR_NBYTES, dtype=np.uint8)
     for _ in range(25):
         block, local_off, remote_off = random_blocks(rng, PAIR_NBYTES, PAIR_NBYTES)
@@ -166,7 +166,7 @@ def test_contiguous_descriptors_coalesce_into_one_op_with_the_same_bytes(pair: P
 
 
 def test_prepared_lists_by_index(pair: Pair, rng):
-    a, b = pair.a, pair.b
+    b = pair.b
     block, nslots = 4096, PAIR_NBYTES // 4096
     slots = np.arange(nslots) * block
     local = b.prep_local(pair.desc_b(slots, block))
