@@ -28,14 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import time
 
 import pytest
-from faults_util import SHAPE, check_loaded, config, idle, prefill
+from faults_util import SHAPE, check_loaded, idle, prefill, veth_link, wire_engine
 
-from rdma_kv.harness import netns
-from rdma_kv.harness.process import EngineProcess
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
@@ -54,21 +51,13 @@ RECOVERY_BOUND_S = 10.0
 
 @pytest.fixture
 def link():
-    why = netns.unavailable()
-    if why:
-        pytest.skip(f"partition tests need network namespaces: {why}")
-    with netns.VethLink(f"rk{os.getpid() % 10**6}", "10.213.7") as veth:
+    with veth_link("rk", "10.213.7") as veth:
         yield veth
 
 
 def engine(link, side, name, role, read_timeout_s=READ_TIMEOUT_S, load_timeout_s=LOAD_TIMEOUT_S, **extra):
-    cfg = config(role, name, read_timeout_s=read_timeout_s, load_timeout_s=load_timeout_s,
-                 lease_ttl_s=LEASE_TTL_S, **extra)
-    cfg["kv_ip"] = link.addr[side]
-    # A producer off loopback needs a secret or this flag; the namespaces are this test's own.
-    cfg["kv_connector_extra_config"]["allow_unauthenticated"] = True
-    cfg["kv_connector_extra_config"]["ucx_options"] = {"TLS": "tcp", "NET_DEVICES": link.dev[side]}
-    return EngineProcess(name, cfg, SHAPE, netns=link.ns[side])
+    return wire_engine(link, side, name, role, read_timeout_s=read_timeout_s, load_timeout_s=load_timeout_s,
+                       lease_ttl_s=LEASE_TTL_S, **extra)
 
 
 TOKENS = 320  # 20 blocks of 32 KiB each (4 layers, K and V): 640 KiB a request

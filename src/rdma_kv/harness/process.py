@@ -21,8 +21,9 @@ lease epoch until then); the ``expire_leases`` command ends every lease
 as its expiry would (after one step, which ships the grants of the
 prefills that just finished; and once no read pin holds a lease, at most
 the producer's ``read_timeout_s``: a pin holds its lease against expiry,
-so a real expiry comes after it too) and ``scribble_free`` overwrites
-every free block (memory reuse).
+so a real expiry comes after it too), ``scribble_free`` overwrites
+every free block (memory reuse) and ``unscribbled`` names the free blocks
+written since (by nothing, if every transfer into them ended).
 
 Children are forked from a ``multiprocessing`` fork server that imported
 ``rdma_kv.harness.engine`` (torch) once (``_context``): after the first, a
@@ -287,6 +288,10 @@ def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dic
                     free = list(engine.pool.free)
                     engine.kv[:, free] = 7
                     conn.send(("reply", len(free)))
+                elif op == "unscribbled":  # free blocks written since scribble_free (nothing may write them)
+                    free = list(engine.pool.free)
+                    changed = (engine.kv[:, free] != 7).flatten(2).any(2).any(0)
+                    conn.send(("reply", [b for b, c in zip(free, changed.tolist()) if c]))
                 elif op == "status":
                     inner = getattr(engine.worker, "worker", None)
                     # Reads first: blocks are freed only in step(), never while
