@@ -61,6 +61,9 @@ from rdma_kv.harness.forked import ParentFd, adopt
 
 __all__ = ["EngineProcess", "HarnessError"]
 
+SCRIBBLE = 7
+"""What ``scribble_free`` writes into every free block (and ``unscribbled`` looks for)."""
+
 
 class HarnessError(RuntimeError):
     """The child engine failed, or did not answer in time."""
@@ -286,11 +289,11 @@ def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dic
                     conn.send(("reply", engine.worker.worker.leases.stats.counts()))
                 elif op == "scribble_free":
                     free = list(engine.pool.free)
-                    engine.kv[:, free] = 7
+                    engine.kv[:, free] = SCRIBBLE
                     conn.send(("reply", len(free)))
                 elif op == "unscribbled":  # free blocks written since scribble_free (nothing may write them)
                     free = list(engine.pool.free)
-                    changed = (engine.kv[:, free] != 7).flatten(2).any(2).any(0)
+                    changed = (engine.kv[:, free] != SCRIBBLE).flatten(2).any(2).any(0)
                     conn.send(("reply", [b for b, c in zip(free, changed.tolist()) if c]))
                 elif op == "status":
                     inner = getattr(engine.worker, "worker", None)
