@@ -967,10 +967,10 @@ class VanishingDevice:
 ])
 def test_an_agent_is_made_again_when_a_device_vanished_while_ucx_opened_it(make_agent, monkeypatch, caplog,
                                                                             fails, status, made):
-    import rdma_kv.transport.agent as agent_module
+    import rdma_kv.transport.agentcore as agentcore
 
     worker = VanishingDevice(fails, status)
-    monkeypatch.setattr(agent_module, "Worker", worker)
+    monkeypatch.setattr(agentcore, "Worker", worker)
     if made:
         a, b = make_agent("a"), make_agent("b")
         src, buf = np.full(4096, 7, np.uint8), np.zeros(4096, np.uint8)

@@ -27,7 +27,7 @@ import pytest
 
 from rdma_kv.errors import TransferError
 from rdma_kv.transport import Agent, AgentConfig, DescList
-from rdma_kv.transport import agent as agent_mod
+from rdma_kv.transport import agentcore
 from rdma_kv.transport import progress
 from transport_helpers import LOOPBACK, pumps_held, wait_until
 
@@ -102,7 +102,7 @@ def test_a_caller_descheduled_on_its_way_into_the_shim_keeps_the_pumps_alive(mak
     waiter.join(10.0)
     assert not waiter.is_alive()
     assert frees == [], f"pumps freed while a caller was still on its way into the shim (blocked: {frees})"
-    assert core in agent_mod._WEDGED and reader.wedged()  # (the worker refuses a sleep then)
+    assert core in agentcore.WEDGED and reader.wedged()  # (the worker refuses a sleep then)
     assert "1 blocked caller(s) and no service thread still in the shim after their bounds" in caplog.text
     assert "closed with 1 thread(s) still in the shim past the close's bounds" in caplog.text
     assert len(outcome) == 1  # it returned (done or closed): it did not hang or crash
