@@ -49,6 +49,7 @@ if str(HERE) not in sys.path:
 from engine_proc import EngineProcess  # noqa: E402
 from netutil import free_base_port  # noqa: E402
 from procstop import stop  # noqa: E402
+from tiny_model import build_tiny_llama  # noqa: E402
 from test_vllm_rdma_pd import CONTROL_PROMPTS, MAX_TOKENS, PD_PROMPTS, prefill, tokens  # noqa: E402
 
 from rdma_kv.connector.rdma.lograte import WINDOW_S  # noqa: E402
@@ -144,17 +145,23 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def engines(dirs: dict[str, Any]):
     started: dict[str, EngineProcess] = {}
+    # The models are built here, once, so that the engines (started together:
+    # their start-ups overlap) never write one model dir at once.
+    build_tiny_llama(dirs["a"], **MODEL)
+    build_tiny_llama(dirs["b"], **MODEL, seed=1)
     try:
         started["tp1"] = engine("tp1", dirs["a"], dirs["logs"])
-        started["tp1"].start(config("kv_both", kv_load_failure_policy="recompute"), model=MODEL)
+        started["tp1"].begin_start(config("kv_both", kv_load_failure_policy="recompute"), model=MODEL)
+        started["tp2"] = engine("tp2", dirs["a"], dirs["logs"])
+        started["tp2"].begin_start(config("kv_both", free_base_port(2), kv_load_failure_policy="recompute"),
+                                   model=MODEL, **TP2)
+        started["other"] = engine("other", dirs["b"], dirs["logs"])
+        started["other"].begin_start(config("kv_producer"), model={**MODEL, "seed": 1})
+        for proc in started.values():
+            proc.wait_started()
         # Requests without kv_transfer_params are plain ones: the reference
         # (prefix caching is off, so they leave nothing behind).
         reference = tokens(started["tp1"].generate(PD_PROMPTS, max_tokens=MAX_TOKENS))
-        started["tp2"] = engine("tp2", dirs["a"], dirs["logs"])
-        started["tp2"].start(config("kv_both", free_base_port(2), kv_load_failure_policy="recompute"),
-                             model=MODEL, **TP2)
-        started["other"] = engine("other", dirs["b"], dirs["logs"])
-        started["other"].start(config("kv_producer"), model={**MODEL, "seed": 1})
         yield {"plain": reference, **started}
     finally:
         for proc in started.values():
@@ -272,12 +279,15 @@ def test_one_kv_head_replicated_on_both_decode_ranks(dirs) -> None:
     a replica of the head and reads it from the TP=1 producer."""
     model, logs = {"heads": 4, "kv_heads": 1}, dirs["logs"]
     path = str(Path(dirs["a"]).parent / "llama-1kv")
+    build_tiny_llama(path, **model)  # here, before the two engines start together
     producer = engine("prefill-1kv", path, logs)
     try:
-        producer.start(config("kv_producer"), model=model)
-        reference = tokens(producer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS))  # plain requests
         with engine("decode-1kv-tp2", path, logs) as consumer:
-            consumer.start(config("kv_consumer", free_base_port(2)), model=model, **TP2)
+            producer.begin_start(config("kv_producer"), model=model)
+            consumer.begin_start(config("kv_consumer", free_base_port(2)), model=model, **TP2)
+            producer.wait_started()
+            consumer.wait_started()
+            reference = tokens(producer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS))  # plain requests
             assert decode_undisturbed(consumer, lambda: prefill(producer)) == reference
     finally:
         producer.close()

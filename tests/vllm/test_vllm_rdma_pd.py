@@ -48,7 +48,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from engine_proc import EngineProcess  # noqa: E402
-from tiny_model import BLOCK_SIZE, PROMPTS  # noqa: E402
+from tiny_model import BLOCK_SIZE, PROMPTS, build_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -77,9 +77,19 @@ def rdma_config(role: str, **extra: Any) -> dict[str, Any]:
             "kv_connector_extra_config": {"side_channel_host": "127.0.0.1", **extra}}
 
 
+def start_together(*engines: tuple[EngineProcess, dict[str, Any]]) -> None:
+    """Start engines at once, each with its kv_transfer_config: their
+    start-ups overlap."""
+    for engine, kv_config in engines:
+        engine.begin_start(kv_config)
+    for engine, _ in engines:
+        engine.wait_started()
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(tmp_path_factory.mktemp("tiny-llama"))
+    """Built here, once: engines started together never write it at once."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")
@@ -122,13 +132,12 @@ def run_match_and_control(plain: list[list[int]], model_dir: str, log_dir: Path,
     tag = "mp" if multiprocessing else "inproc"
     producer = EngineProcess(f"prefill-{tag}", model_dir, log_dir, multiprocessing=multiprocessing)
     try:
-        producer.start(rdma_config("kv_producer"))
         with EngineProcess(f"decode-{tag}", model_dir, log_dir,
                            multiprocessing=multiprocessing) as consumer:
             # Both instances up before the first prefill, as in a deployment: a
             # lease unclaimed for lease_ttl_s (30 s) expires, and an engine start
-            # with multiprocessing on takes about that long here.
-            consumer.start(rdma_config("kv_consumer"))
+            # with multiprocessing on takes about that long here. (Started together.)
+            start_together((producer, rdma_config("kv_producer")), (consumer, rdma_config("kv_consumer")))
             good = prefill(producer)
             spare = prefill(producer, CONTROL_PROMPTS)  # genuine params of other prompts of the same lengths
             # The params go verbatim, as a router forwards them (including the
@@ -223,23 +232,24 @@ def test_pd_tokens_match_and_control(plain: list[list[int]], model_dir: str,
 def test_producer_killed_recompute_and_fail(plain: list[list[int]], model_dir: str,
                                             log_dir: Path) -> None:
     producer = EngineProcess("prefill-killed", model_dir, log_dir)
-    try:
-        producer.start(rdma_config("kv_producer"))
-        params = prefill(producer)
-    finally:
-        producer.kill()  # SIGKILL, before any decode read
-    port = params[0]["remote_port"]
+    with EngineProcess("decode-recompute", model_dir, log_dir) as recompute, \
+            EngineProcess("decode-fail", model_dir, log_dir) as fail:
+        try:
+            start_together((producer, rdma_config("kv_producer")),
+                           (recompute, rdma_config("kv_consumer", kv_load_failure_policy="recompute",
+                                                   connect_timeout_s=1.0, rpc_retries=1)),
+                           (fail, rdma_config("kv_consumer", kv_load_failure_policy="fail",
+                                              connect_timeout_s=1.0, rpc_retries=1)))
+            params = prefill(producer)
+        finally:
+            producer.kill()  # SIGKILL, before any decode read
+        port = params[0]["remote_port"]
 
-    with EngineProcess("decode-recompute", model_dir, log_dir) as consumer:
-        consumer.start(rdma_config("kv_consumer", kv_load_failure_policy="recompute",
-                                   connect_timeout_s=1.0, rpc_retries=1))
-        reply = consumer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+        reply = recompute.generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)
         assert tokens(reply) == plain
-        assert f"handshake with 127.0.0.1:{port} failed" in consumer.log()
+        assert f"handshake with 127.0.0.1:{port} failed" in recompute.log()
 
-    with EngineProcess("decode-fail", model_dir, log_dir) as consumer:
-        consumer.start(rdma_config("kv_consumer", kv_load_failure_policy="fail",
-                                   connect_timeout_s=1.0, rpc_retries=1))
+        consumer = fail
         reply = consumer.generate(PD_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)
         reasons = [o["finish_reason"] for o in reply["outputs"]]
         assert reasons == ["error"] * len(PD_PROMPTS), reasons
@@ -256,9 +266,8 @@ def test_abort_during_load_frees_both_sides_and_serves_on(plain: list[list[int]]
     the prompts bit-for-bit like the plain run."""
     producer = EngineProcess("prefill-abort", model_dir, log_dir)
     try:
-        producer.start(rdma_config("kv_producer"))
         with EngineProcess("decode-abort", model_dir, log_dir) as consumer:
-            consumer.start(rdma_config("kv_consumer"))
+            start_together((producer, rdma_config("kv_producer")), (consumer, rdma_config("kv_consumer")))
             idle = producer.free_blocks()
             doomed = prefill(producer)
             assert producer.free_blocks() < idle, "the producer did not hold the prefilled blocks"
