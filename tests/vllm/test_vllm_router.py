@@ -336,11 +336,16 @@ def test_same_params_on_two_decodes_at_once(
         plain_server: ApiServer, reference: dict[tuple[str, int], str],
         one_prefill_two_decodes: tuple[ApiServer, ApiServer, ApiServer]) -> None:
     """A router that resends a decode leg while the first attempt still
-    runs: the same params reach two decodes at once. The lease's first claim
-    wins, the other load is refused (CLAIMED, or GONE if the winner already
-    released) and recomputed: both completions equal plain, exactly one load
-    read the KV."""
+    runs: the same params reach two decodes at once. The producer publishes
+    held words (the default since protocol 12), so a duplicate whose reads
+    were vouched for by the words before it made any lease call loads the
+    same KV, correctly (docs/rdma-connector.md, "Claims"); one that reads
+    after the owner's release, or calls first under the other claim, is
+    refused (GONE or CLAIMED) and recomputed. Either way both completions
+    equal plain, every load resolved, at least one read the KV, and a
+    refusal says why."""
     p, d0, d1 = one_prefill_two_decodes
+    both = 0
     for prompt in ROUTER_PROMPTS:
         want = expected(plain_server, reference, prompt)
         before = [(loads(d, "ok"), loads(d, "failed")) for d in (d0, d1)]
@@ -351,10 +356,14 @@ def test_same_params_on_two_decodes_at_once(
         after = [(loads(d, "ok"), loads(d, "failed")) for d in (d0, d1)]
         ok = sum(a[0] - b[0] for a, b in zip(after, before))
         failed = sum(a[1] - b[1] for a, b in zip(after, before))
-        assert (ok, failed) == (1, 1), (prompt, before, after)
-        loser = d0 if after[0][1] > before[0][1] else d1
-        reason = last_load_failure(loser)
-        assert "another consumer claimed it first" in reason or "no longer holds lease" in reason, reason
+        assert ok >= 1 and ok + failed == 2, (prompt, before, after)
+        both += ok == 2
+        for d, a, b in zip((d0, d1), after, before):
+            if a[1] > b[1]:
+                reason = last_load_failure(d)
+                assert "another consumer claimed it first" in reason or "no longer holds lease" in reason, reason
+    print(f"same params on two decodes at once: both loaded (vouched by the words) for {both} of "
+          f"{len(ROUTER_PROMPTS)} prompts, one refused for the others")
 
 
 def _kill_decode_mid_request(router: Router, decodes: Sequence[ApiServer], prompt: str,
