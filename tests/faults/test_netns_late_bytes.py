@@ -64,8 +64,15 @@ def link():
         yield veth
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
-def test_a_transfer_failed_mid_wire_lands_nothing_in_the_blocks_given_back(rng, link, mode):
+@pytest.mark.parametrize("mode, redial", [("push", False), ("pull", False), ("push", True)],
+                         ids=["push", "pull", "push-dialled-again"])
+def test_a_transfer_failed_mid_wire_lands_nothing_in_the_blocks_given_back(rng, link, mode, redial):
+    """``push-dialled-again``: before the failed push, the decode forgot the
+    producer as idle (its endpoint closed gracefully) and dialled it again.
+    Until protocol 13 the decode did not introduce itself again, the
+    producer kept writing on the endpoint it had made for the first dial,
+    which the decode's fence of its new endpoint does not close, and the
+    held bytes landed in the freed blocks."""
     def engine(side, name, role, **extra):
         return wire_engine(link, side, name, role, mode=mode, lease_ttl_s=30.0, read_timeout_s=DEADLINE_S,
                            **extra)
@@ -75,6 +82,11 @@ def test_a_transfer_failed_mid_wire_lands_nothing_in_the_blocks_given_back(rng, 
         warm = {"warm": rng.integers(1, 999, TOKENS).tolist()}
         d.add("warm", warm["warm"], prefill(p, warm)["warm"])
         assert check_loaded("warm", d.wait_results(warm, timeout_s=60)["warm"]) == "verified"
+        if redial:
+            assert d.call("forget_idle_peers") == 1
+            again = {"again": rng.integers(1, 999, TOKENS).tolist()}
+            d.add("again", again["again"], prefill(p, again)["again"])  # dialled again: a new endpoint
+            assert check_loaded("again", d.wait_results(again, timeout_s=60)["again"]) == "verified"
 
         prompt = {"held": rng.integers(1, 999, TOKENS).tolist()}
         params = prefill(p, prompt)["held"]

@@ -354,7 +354,11 @@ def test_a_producer_knows_at_most_max_decodes_and_a_forgotten_decode_introduces_
     a megabyte of it) for ever: 60 introductions took the producer from 234
     to 376 MB. Past MAX_DECODES (2 here) a new one replaces the least
     recently used decode with no push under way; that decode, pushed to
-    again, is told to introduce itself and does, and its load succeeds."""
+    again, is told to introduce itself. It does not on the same link (the
+    producer's new endpoint would pair with none of its own, out of reach
+    of its fence: protocol 13): that load is refused and recomputed, the
+    decode fences the link, and the next load dials the producer again,
+    introduces itself, and reads."""
     monkeypatch.setattr(pusher_module, "MAX_DECODES", 2)
     pair = Pair()
     try:
@@ -381,7 +385,18 @@ def test_a_producer_knows_at_most_max_decodes_and_a_forgotten_decode_introduces_
         finally:
             client.close()
         assert ("decode-1", 0, pair.D.worker.worker._incarnation) not in writer._decodes
-        serve("the forgotten decode")  # refused with 'introduce', it says PUSH_HELLO again
+        p_rid, d_rid, tid = pair.ids()  # the forgotten decode: refused with 'introduce', recomputed
+        prompt = rng.integers(1, 999, 3 * SHAPE.block_size + 1).tolist()
+        pair.decode(d_rid, prompt, tid)
+        pair.prefill(p_rid, prompt, tid)
+        wait_until(lambda: pair.finished(d_rid), step=pair.pump, what="the forgotten decode")
+        r = pair.D.results[d_rid]
+        assert r.load_failed and r.recomputed_from_block == 0 and r.bad_blocks == [], (r.error, r.bad_blocks)
+        assert pair.D.worker.worker._local.transport.fenced, "the link the producer forgot was not fenced"
+        from rdma_kv.connector.rdma.consumer import peers as peers_module
+
+        monkeypatch.setattr(peers_module, "PEER_RETRY_S", 0.0)  # the decode dials the producer again at once
+        serve("the forgotten decode, dialled again")  # introduces itself on the new link
         totals = producer_push_totals(pair)
         assert totals["push_decodes_forgotten"] == 5 and totals["push_hellos"] == 7, totals
     finally:

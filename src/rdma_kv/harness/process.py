@@ -23,7 +23,9 @@ prefills that just finished; and once no read pin holds a lease, at most
 the producer's ``read_timeout_s``: a pin holds its lease against expiry,
 so a real expiry comes after it too), ``scribble_free`` overwrites
 every free block (memory reuse) and ``unscribbled`` names the free blocks
-written since (by nothing, if every transfer into them ended).
+written since (by nothing, if every transfer into them ended);
+``forget_idle_peers`` prunes a decode's producer ranks as if each had gone
+unused for ``idle_s`` (no load reading from it).
 
 Children are forked from a ``multiprocessing`` fork server that imported
 ``rdma_kv.harness.engine`` (torch) once (``_context``): after the first, a
@@ -295,6 +297,12 @@ def _child(conn: Any, config: dict[str, Any], shape: dict[str, Any], faults: dic
                     free = list(engine.pool.free)
                     changed = (engine.kv[:, free] != SCRIBBLE).flatten(2).any(2).any(0)
                     conn.send(("reply", [b for b, c in zip(free, changed.tolist()) if c]))
+                elif op == "forget_idle_peers":  # as if every producer rank had gone unused for idle_s
+                    consumer = engine.worker.worker._consumer
+                    with consumer._lock:
+                        names = consumer.peers.prune(float("inf"), consumer._book.peer_keys)
+                    consumer.peers.remove(names)
+                    conn.send(("reply", len(names)))
                 elif op == "status":
                     inner = getattr(engine.worker, "worker", None)
                     # Reads first: blocks are freed only in step(), never while

@@ -126,13 +126,17 @@ class PushWriter(ConcurrentDispatch):
         geometry = request.geometry.to_geometry()
         with self._lock:
             old = self._decodes.get(key)
-            if old is not None and old.registration == request.registration:
+            if old is not None and old.registration == request.registration and old.link == request.link:
                 return wire.PushReply(DONE, "known")
             if old is not None:
                 # A new registration of this decode (it slept and woke): the
-                # old one's block ids mean nothing in the new cache. Retired
-                # before its peer is replaced, so that nothing prepares a write
-                # for it from here on (``_tables`` checks again once prepared).
+                # old one's block ids mean nothing in the new cache. Or a new
+                # link: the decode dialled this rank again, and only an
+                # endpoint made afresh pairs with its new one, which is what
+                # its fence closes (wire.py, version 13). Retired before its
+                # peer is replaced (its transfers in flight fail), so that
+                # nothing prepares a write for it from here on (``_tables``
+                # checks again once prepared).
                 del self._decodes[old.key]
                 room: str | wire.PushReply | None = None
             else:
@@ -149,7 +153,7 @@ class PushWriter(ConcurrentDispatch):
         # one's peer, even under the same engine id.
         name = self._transport.add_peer(request.agent_metadata, name=decode_name(key))
         with self._lock:
-            self._decodes[key] = Decode(name, geometry, request.registration, key)
+            self._decodes[key] = Decode(name, geometry, request.registration, key, request.link)
             self._counts.add("hellos")
         return wire.PushReply(DONE, "introduced")
 

@@ -63,6 +63,7 @@ class Decode:
     geometry: KVCacheGeometry
     registration: int
     key: DecodeKey
+    link: str = ""  # the decode's transport peer for this rank when it introduced itself (wire.PushHello)
     tables: dict[HeadSlice | None, tuple[SlotTable, PreparedList]] = dataclasses.field(default_factory=dict)
 
 

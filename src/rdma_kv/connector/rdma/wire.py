@@ -80,7 +80,7 @@ __all__ = [
     "check_reader",
 ]
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 """The side channel's version: both ends must speak the same one. A peer of
 another version is refused with a message naming both versions (a version-1
 producer answers HELLO with ``error``, which the client reports as a version
@@ -168,6 +168,18 @@ refuses as unknown: ``forbid_unknown_fields``):
     when every word names its lease. A new number: a version-11 consumer
     refuses the field (``forbid_unknown_fields``), and a version-11
     producer writes no words.
+13. (2026-12-03) PUSH_HELLO names the decode's ``link``: the transport
+    peer (one per handshake) under which the decode imported this
+    producer rank. The decode introduces itself once per link, and the
+    producer imports the decode afresh when the link is new. UCX pairs the
+    producer's endpoint to the decode with the decode's endpoint to the
+    producer by the order in which each side made them, and the decode's
+    fence (a forced close of its endpoint) stops the producer's writes
+    only through that pairing: under version 12 a decode that dialled the
+    producer again (after an idle prune) skipped the hello, the producer
+    kept writing on its first endpoint, and a fence of the new one let an
+    abandoned write land in blocks already handed back. A new number: a
+    version-12 producer refuses the field, and would not import afresh.
 """
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 16 << 20  # agent metadata (worker address + rkeys) plus geometry
@@ -382,6 +394,9 @@ class PushHello(msgspec.Struct, frozen=True, tag="push_hello", forbid_unknown_fi
     registration: Annotated[int, msgspec.Meta(ge=1)]
     agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_REQUEST_BYTES // 2)]
     geometry: GeometryWire
+    link: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    """The decode's transport peer for this producer rank (new at each
+    handshake): a new one is imported afresh (version 13)."""
 
 
 class Push(msgspec.Struct, frozen=True, tag="push", forbid_unknown_fields=True):

@@ -88,6 +88,9 @@ push due queued every PUSH and PUSH_REG behind all of them."""
 PENDING_RETRY_S = 0.05
 """A PUSH answered PENDING (the lease's grant had not reached the
 producer's worker) is sent again after this long."""
+MAX_HELLOS = 4096
+"""Links remembered as introduced (``Pushes._hellos``); about one per
+producer rank dialled, so far more than are live at once."""
 
 
 class PushFailed(Exception):
@@ -168,7 +171,10 @@ class Pushes:
         self._clock = clock
         self._lock = threading.Lock()
         self._running: dict[bytes, PushHandle] = {}
-        self._hellos: set[tuple[str, int, int]] = set()  # (host, port, producer registration) introduced to
+        self._hellos: dict[str, None] = {}
+        """The links (transport peers, one per handshake) this decode introduced
+        itself under, oldest first (at most ``MAX_HELLOS``: one forgotten too
+        early is introduced again, "known")."""
         self._probing: set[tuple[str, int]] = set()
         """Producer ranks with a query queued or in flight (one at a time each: ``poll``)."""
         self._counts = Tally(PushCounters)  # counted under self._lock
@@ -229,11 +235,16 @@ class Pushes:
     def _client(self, handle: PushHandle) -> Any:
         return self._pool.get(*self._address(handle))
 
-    def _hello(self, handle: PushHandle, client: Any, again: bool = False) -> None:
+    def _hello(self, handle: PushHandle, client: Any) -> None:
+        """Introduce this decode's KV cache to the producer rank once per link:
+        the transport peer this decode made for it at the handshake. The
+        producer imports the decode afresh for a new link, so that its
+        endpoint to this decode is made after ours and UCX pairs the two:
+        our fence (a forced close of ours) stops its writes only through
+        that pairing (wire.py, version 13)."""
         connection = handle.peer.connection
-        registration = connection.registration if connection is not None else 0
-        key = (client.host, client.port, registration)
-        if key in self._hellos and not again:
+        link = connection.name if connection is not None else ""
+        if link in self._hellos:
             return
         if not (client.authenticated or self._settings.allow_unauthenticated or is_loopback(client.host)):
             # A PUSH_HELLO carries this worker's address and the remote keys of its whole KV
@@ -249,11 +260,14 @@ class Pushes:
         local = self._local
         reply = client.call(wire.PushHello(wire.PROTOCOL_VERSION, self._engine_id, local.rank, self._incarnation,
                                            self._registration, local.transport.metadata(),
-                                           wire.GeometryWire.from_geometry(local.geometry)))
+                                           wire.GeometryWire.from_geometry(local.geometry), link))
         if not isinstance(reply, wire.PushReply) or reply.state is not wire.PushState.DONE:
             detail = reply.detail if isinstance(reply, wire.PushReply) else getattr(reply, "reason", repr(reply))
             raise PushFailed(f"producer {client.address} refused this decode's KV cache: {detail}")
-        self._hellos.add(key)
+        with self._lock:
+            self._hellos[link] = None
+            if len(self._hellos) > MAX_HELLOS:
+                del self._hellos[next(iter(self._hellos))]
 
     def _send(self, handle: PushHandle) -> None:
         """PUSH ``handle`` (its producer rank's RPC thread)."""
@@ -263,8 +277,12 @@ class Pushes:
             reply = client.call(handle.request, timeout_s=self._settings.rpc_timeout_s)
             if isinstance(reply, wire.PushReply) and reply.state is wire.PushState.REFUSED \
                     and "PUSH_HELLO" in reply.detail:
-                self._hello(handle, client, again=True)  # the producer forgot us (it re-registered)
-                reply = client.call(handle.request, timeout_s=self._settings.rpc_timeout_s)
+                # The producer forgot this decode (it made room for others, or forgot it after a
+                # push it failed). Introducing ourselves again on this link would give it a new
+                # endpoint that none of ours pairs with, and our fence would no longer reach its
+                # writes: fence this link instead, and the next load dials it afresh (this one is
+                # refused, nothing was written: recomputed).
+                self._peer_failed(handle.peer, f"it forgot this decode's KV cache: {reply.detail}")
         except PushFailed as exc:
             self._after(handle, None, exc)
             return
