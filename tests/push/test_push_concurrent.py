@@ -455,3 +455,36 @@ def test_children_of_one_decode_request_register_once_and_none_fails(rng):
         assert pair.D.results[children[0]].bad_blocks == []
     finally:
         pair.close()
+
+
+def test_every_link_is_introduced_at_its_handshake_with_or_without_a_push(rng):
+    """The decode's fence closes its own endpoint to a producer rank, which
+    stops the producer's writes only through UCX's pairing of the two sides'
+    endpoints by count (docs/reliability.md, "The fence and UCX's endpoint
+    pairing"). A link made at a handshake and never introduced (its load
+    aborted before the push) put the decode's count ahead for good. Now the
+    handshake introduces the decode on each new link, before any push, and
+    a second handshake (the producer dialled again) introduces it again."""
+    from rdma_kv.connector.rdma.meta import PeerAddress
+
+    pair = Pair()
+    try:
+        consumer = pair.D.worker.worker._consumer
+        writer = pair.P.worker.worker.side_channel_handler.pusher
+        address = PeerAddress("prefill-1", "127.0.0.1", pair.P.worker.worker.side_channel_port, 1)
+        links: list[str] = []
+        for _ in range(2):
+            with consumer._lock:
+                peer = consumer.peers._connect(address, 0)  # a dial, as a load's admission makes one; no push
+            assert peer is not None
+            wait_until(lambda: peer.state.value != "connecting", step=pair.pump, what="the handshake")
+            assert peer.state.value == "ready", peer.error
+            (decode,) = writer._decodes.values()  # introduced, on this link, with no push sent
+            assert decode.link == peer.connection.name and decode.link not in links
+            links.append(decode.link)
+            assert not writer._pushes and pair.registered() == 0  # (nothing pushed nor registered)
+            with consumer._lock:  # forgotten as idle: the next dial makes a new link
+                names = consumer.peers.prune(float("inf"), set)
+            consumer.peers.remove(names)
+    finally:
+        pair.close()

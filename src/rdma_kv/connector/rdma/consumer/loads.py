@@ -113,6 +113,8 @@ class RdmaConsumer:
                               self.peers.local_table, clock)
                        if settings.mode == "push" else None)
         """Push mode: the producer writes each source (``pushes``); None in pull mode."""
+        if self.pushes is not None:
+            self.peers.introduce = self.pushes.introduce  # no link without an introduction
 
     # --- every step ------------------------------------------------------------------------------
 

@@ -209,6 +209,9 @@ class PeerDirectory:
         self._counters = counters
         self._clock = clock
         self._on_handshake = on_handshake
+        self.introduce: Callable[[PeerState, str], None] | None = None
+        """Push mode: the handshake's last step (``Pushes.introduce``), once
+        the transport peer is made; its failure fails the handshake."""
         self._peers: dict[PeerKey, PeerState] = {}
         self._tables_lock = threading.Lock()
         self._local_tables: dict[HeadSlice | None, Table] = {None: (local.slots, local.prepared)}
@@ -312,9 +315,11 @@ class PeerDirectory:
             reply = self._ask(peer)
             geometry = reply.geometry.to_geometry()
             name = self._local.transport.add_peer(reply.agent_metadata, name=peer.transport_name)
+            if self.introduce is not None:
+                self.introduce(peer, name)
         except Exception as exc:
             if name is not None:
-                self._remove(name)
+                self._remove(name, fence=self.introduce is not None)
             host, port = address.rank_address(peer.rank)
             reason = f"handshake with {host}:{port} failed: {exc}"
             with self._lock:

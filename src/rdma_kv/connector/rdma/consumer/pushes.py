@@ -235,15 +235,21 @@ class Pushes:
     def _client(self, handle: PushHandle) -> Any:
         return self._pool.get(*self._address(handle))
 
-    def _hello(self, handle: PushHandle, client: Any) -> None:
+    def introduce(self, peer: PeerState, link: str) -> None:
+        """The handshake's step in push mode (its RPC thread, once the
+        transport peer ``link`` is made): introduce this decode to the
+        producer rank on it, so that no link stays without an introduction
+        (the two sides' counts of endpoints to each other stay equal, which
+        the fence needs: ``_hello``). Raises what refused it."""
+        self._hello(link, self._pool.get(*peer.address.rank_address(peer.rank)))
+
+    def _hello(self, link: str, client: Any) -> None:
         """Introduce this decode's KV cache to the producer rank once per link:
         the transport peer this decode made for it at the handshake. The
         producer imports the decode afresh for a new link, so that its
         endpoint to this decode is made after ours and UCX pairs the two:
         our fence (a forced close of ours) stops its writes only through
         that pairing (wire.py, version 13)."""
-        connection = handle.peer.connection
-        link = connection.name if connection is not None else ""
         if link in self._hellos:
             return
         if not (client.authenticated or self._settings.allow_unauthenticated or is_loopback(client.host)):
@@ -273,7 +279,8 @@ class Pushes:
         """PUSH ``handle`` (its producer rank's RPC thread)."""
         try:
             client = self._client(handle)
-            self._hello(handle, client)
+            connection = handle.peer.connection
+            self._hello(connection.name if connection is not None else "", client)
             reply = client.call(handle.request, timeout_s=self._settings.rpc_timeout_s)
             if isinstance(reply, wire.PushReply) and reply.state is wire.PushState.REFUSED \
                     and "PUSH_HELLO" in reply.detail:
