@@ -167,3 +167,34 @@ def test_a_failed_push_fences_the_producer_before_its_blocks_go_back():
     pushes.abort(handle)
     step(pushes, clock, 2.0)
     assert handle.done() and "aborted" in str(handle.error) and not failed
+
+
+def test_a_push_that_got_no_answer_and_is_then_refused_fences_the_producer_first():
+    """A PUSH with no answer may have been taken, its writes posted, by a
+    producer that then went to sleep (its transport closed) and forgot it:
+    the query says UNKNOWN (the PUSH is sent again) and the PUSH again
+    REFUSED. That answer says nothing of the first attempt's writes, so the
+    producer is fenced before the push resolves (found by a review; before,
+    it resolved with no fence)."""
+    client = Client(TimeoutError("no answer"), wire.PushReply(S.UNKNOWN, "no push of this token"),
+                    wire.PushReply(S.REFUSED, "this producer is asleep"))
+    pushes, clock, request, peer, failed = setup(client)
+    order, resolve = [], pushes._resolve
+    pushes._peer_failed = lambda p, why: order.append(("fenced", why))
+    pushes._resolve = lambda h, error: (order.append(("resolved", str(error))), resolve(h, error))
+    handle = pushes._begin(peer, request, [[40, 41]])
+    step(pushes, clock)  # the query: UNKNOWN, sent again
+    step(pushes, clock)  # the PUSH again: REFUSED
+    assert handle.done() and "asleep" in str(handle.error), handle.error
+    assert kinds(client) == ["Push", "PushQuery", "Push"]
+    assert [kind for kind, _ in order] == ["fenced", "resolved"], order
+    assert "got no answer (TimeoutError: no answer), then refused" in order[0][1], order
+
+
+def test_a_push_refused_at_once_is_not_fenced():
+    """REFUSED with every PUSH answered: nothing was posted, nothing fenced."""
+    client = Client(wire.PushReply(S.REFUSED, "the lease is gone"))
+    pushes, clock, request, peer, failed = setup(client)
+    handle = pushes._begin(peer, request, [[40, 41]])
+    assert handle.done() and "the lease is gone" in str(handle.error)
+    assert not failed

@@ -376,7 +376,11 @@ class Pushes:
                 self._counts.add("resent")
                 handle.resend, handle.next_query_at = True, now + QUERY_EVERY_S
         else:  # REFUSED, FAILED, ABORTED, UNKNOWN after an answer (forgotten long after it resolved)
-            if state is S.FAILED or state is S.UNKNOWN and handle.answered:
+            # A PUSH of it that got no answer may have been taken, and its writes posted, by a
+            # producer that then forgot it (asleep: its transport closed); whatever ends the push
+            # now, except ABORTED (every write completed), says nothing of those writes.
+            unseen = state is not S.ABORTED and bool(handle.send_error)
+            if state is S.FAILED or state is S.UNKNOWN and handle.answered or unseen:
                 # The producer's transport failed a posted batch (its deadline
                 # passed: the writes may be abandoned, still queued in UCX or
                 # the kernel), or it no longer knows a push it said was under
@@ -385,8 +389,9 @@ class Pushes:
                 # decode's worker (TCP) or land in its memory (RDMA) after the
                 # blocks went back: fence the producer first (its endpoints
                 # force-closed: a graceful close is no fence, Agent.remove_peer).
-                self._peer_failed(handle.peer, f"a push from it {'failed' if state is S.FAILED else 'was forgotten'}: "
-                                               f"{reply.detail}")
+                what = ("failed" if state is S.FAILED else "was forgotten" if handle.answered
+                        else f"got no answer ({handle.send_error}), then {state.value}")
+                self._peer_failed(handle.peer, f"a push from it {what}: {reply.detail}")
             self._resolve(handle, PushFailed(f"push {state.value}: {reply.detail}"))
 
     # --- every step (engine thread) ----------------------------------------------------------------
