@@ -62,7 +62,6 @@ def setup(client):
     failed = []
     pushes = Pushes(local, "D", 1, b"i" * 8, settings, Pool(client), lambda peer, why: failed.append(why),
                     lambda heads: (table, None), clock=clock)
-    pushes._hellos[""] = None  # introduced already (on the link of a peer without a connection)
     peer = SimpleNamespace(address=SimpleNamespace(rank_address=lambda rank: (Client.host, Client.port)),
                            rank=0, connection=None)
     lease = RemoteLease(PeerAddress("P", "127.0.0.1", 1, 1), ref(1), b"A" * 16).to_wire()

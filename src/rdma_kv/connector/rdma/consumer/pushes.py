@@ -88,9 +88,6 @@ push due queued every PUSH and PUSH_REG behind all of them."""
 PENDING_RETRY_S = 0.05
 """A PUSH answered PENDING (the lease's grant had not reached the
 producer's worker) is sent again after this long."""
-MAX_HELLOS = 4096
-"""Links remembered as introduced (``Pushes._hellos``); about one per
-producer rank dialled, so far more than are live at once."""
 
 
 class PushFailed(Exception):
@@ -171,10 +168,6 @@ class Pushes:
         self._clock = clock
         self._lock = threading.Lock()
         self._running: dict[bytes, PushHandle] = {}
-        self._hellos: dict[str, None] = {}
-        """The links (transport peers, one per handshake) this decode introduced
-        itself under, oldest first (at most ``MAX_HELLOS``: one forgotten too
-        early is introduced again, "known")."""
         self._probing: set[tuple[str, int]] = set()
         """Producer ranks with a query queued or in flight (one at a time each: ``poll``)."""
         self._counts = Tally(PushCounters)  # counted under self._lock
@@ -244,14 +237,13 @@ class Pushes:
         self._hello(link, self._pool.get(*peer.address.rank_address(peer.rank)))
 
     def _hello(self, link: str, client: Any) -> None:
-        """Introduce this decode's KV cache to the producer rank once per link:
-        the transport peer this decode made for it at the handshake. The
-        producer imports the decode afresh for a new link, so that its
+        """Introduce this decode's KV cache to the producer rank on ``link``:
+        the transport peer this decode made for it at the handshake (each
+        handshake makes a new one, and introduces it once: ``introduce``).
+        The producer imports the decode afresh for a new link, so that its
         endpoint to this decode is made after ours and UCX pairs the two:
         our fence (a forced close of ours) stops its writes only through
         that pairing (wire.py, version 13)."""
-        if link in self._hellos:
-            return
         if not (client.authenticated or self._settings.allow_unauthenticated or is_loopback(client.host)):
             # A PUSH_HELLO carries this worker's address and the remote keys of its whole KV
             # cache, writable; without a secret the producer is whoever answers at an address
@@ -270,17 +262,11 @@ class Pushes:
         if not isinstance(reply, wire.PushReply) or reply.state is not wire.PushState.DONE:
             detail = reply.detail if isinstance(reply, wire.PushReply) else getattr(reply, "reason", repr(reply))
             raise PushFailed(f"producer {client.address} refused this decode's KV cache: {detail}")
-        with self._lock:
-            self._hellos[link] = None
-            if len(self._hellos) > MAX_HELLOS:
-                del self._hellos[next(iter(self._hellos))]
 
     def _send(self, handle: PushHandle) -> None:
         """PUSH ``handle`` (its producer rank's RPC thread)."""
         try:
-            client = self._client(handle)
-            connection = handle.peer.connection
-            self._hello(connection.name if connection is not None else "", client)
+            client = self._client(handle)  # (introduced on this link at its handshake)
             reply = client.call(handle.request, timeout_s=self._settings.rpc_timeout_s)
             if isinstance(reply, wire.PushReply) and reply.state is wire.PushState.REFUSED \
                     and "PUSH_HELLO" in reply.detail:
