@@ -46,8 +46,10 @@ DEADLINE_S = 2.0
 """``read_timeout_s`` on both sides: the deadline of the producer's writes
 (push) and of the decode's reads (pull)."""
 TOKENS = 320
-"""20 blocks of 32 KiB: 640 KiB of KV."""
-KV_BYTES = TOKENS // SHAPE.block_size * SHAPE.block_nbytes
+"""20 blocks of 32 KiB: 640 KiB of KV, written whole by one worker."""
+STRIPED_TOKENS = 1280
+"""80 blocks: 2.5 MiB, which the producer's transport stripes over its two
+workers (parts of at least ``lane_min_bytes``, 1 MiB)."""
 HOLD_MBIT = 0.008
 HOLD_BURST = 128 << 10
 """The producer's end during the transfer: its first 128 KiB of data cross
@@ -64,9 +66,11 @@ def link():
         yield veth
 
 
-@pytest.mark.parametrize("mode, redial", [("push", False), ("pull", False), ("push", True)],
-                         ids=["push", "pull", "push-dialled-again"])
-def test_a_transfer_failed_mid_wire_lands_nothing_in_the_blocks_given_back(rng, link, mode, redial):
+@pytest.mark.parametrize("mode, redial, tokens",
+                         [("push", False, TOKENS), ("pull", False, TOKENS), ("push", True, TOKENS),
+                          ("push", False, STRIPED_TOKENS)],
+                         ids=["push", "pull", "push-dialled-again", "push-striped"])
+def test_a_transfer_failed_mid_wire_lands_nothing_in_the_blocks_given_back(rng, link, mode, redial, tokens):
     """``push-dialled-again``: before the failed push, the decode forgot the
     producer as idle (its endpoint closed gracefully) and dialled it again.
     Until protocol 13 the decode did not introduce itself again, the
@@ -79,6 +83,7 @@ def test_a_transfer_failed_mid_wire_lands_nothing_in_the_blocks_given_back(rng, 
 
     with engine(PRODUCER, "P", "kv_producer") as p, engine(DECODE, "D", "kv_consumer", load_timeout_s=30.0) as d:
         # A first transfer, unthrottled: both sides' endpoints are up.
+        kv_bytes = tokens // SHAPE.block_size * SHAPE.block_nbytes
         warm = {"warm": rng.integers(1, 999, TOKENS).tolist()}
         d.add("warm", warm["warm"], prefill(p, warm)["warm"])
         assert check_loaded("warm", d.wait_results(warm, timeout_s=60)["warm"]) == "verified"
@@ -88,7 +93,7 @@ def test_a_transfer_failed_mid_wire_lands_nothing_in_the_blocks_given_back(rng, 
             d.add("again", again["again"], prefill(p, again)["again"])  # dialled again: a new endpoint
             assert check_loaded("again", d.wait_results(again, timeout_s=60)["again"]) == "verified"
 
-        prompt = {"held": rng.integers(1, 999, TOKENS).tolist()}
+        prompt = {"held": rng.integers(1, 999, tokens).tolist()}
         params = prefill(p, prompt)["held"]
         link.throttle(PRODUCER, HOLD_MBIT, exempt_ports=(p.info["port"],), burst=f"{HOLD_BURST >> 10}kb")
         sent0 = link.limited_bytes(PRODUCER)
@@ -101,8 +106,8 @@ def test_a_transfer_failed_mid_wire_lands_nothing_in_the_blocks_given_back(rng, 
             # freed its blocks.
             assert check_loaded("held", result) == "load_error", result
             assert result["recomputed_from_block"] == 0, result
-            assert 0 < crossed < KV_BYTES - HELD_BYTES, (
-                f"{crossed} bytes of the {KV_BYTES}-byte transfer crossed before it failed: the test needs its "
+            assert 0 < crossed < kv_bytes - HELD_BYTES, (
+                f"{crossed} bytes of the {kv_bytes}-byte transfer crossed before it failed: the test needs its "
                 "data on the wire, most of it held")
             d.wait_status(idle(), timeout_s=15)
             stats = d.call("stats")

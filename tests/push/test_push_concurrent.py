@@ -481,6 +481,9 @@ def test_every_link_is_introduced_at_its_handshake_with_or_without_a_push(rng):
             assert peer.state.value == "ready", peer.error
             (decode,) = writer._decodes.values()  # introduced, on this link, with no push sent
             assert decode.link == peer.connection.name and decode.link not in links
+            # Both imports ``paired``: one endpoint each, the only one the producer writes through,
+            # and the one the decode's fence closes (a lane's would pair with none of the decode's).
+            assert consumer._local.transport.paired[decode.link] and writer._transport.paired[decode.name]
             links.append(decode.link)
             assert not writer._pushes and pair.registered() == 0  # (nothing pushed nor registered)
             with consumer._lock:  # forgotten as idle: the next dial makes a new link

@@ -181,6 +181,7 @@ class FakeTransport:
         self.memory_types = []  # register()'s memory_type, per region
         self.peers = {}
         self.aliases = {}
+        self.paired = {}  # name -> imported ``paired`` (one endpoint, no lanes: what a fence needs)
         self.fenced = []  # remove_peer(name, fence=True) calls, by name
         self.closed = False
         self.wedge = False  # a test sets it to stand for a close that left the memory registered
@@ -196,13 +197,14 @@ class FakeTransport:
     def metadata(self):
         return msgspec.msgpack.encode({"name": self.name, "regions": self.regions})
 
-    def add_peer(self, blob, *, name=None):
+    def add_peer(self, blob, *, name=None, paired=False):
         md = msgspec.msgpack.decode(blob)
         if md["name"] not in self.fabric.agents:
             raise PeerError(f"fake: unknown agent {md['name']!r}")
         name = md["name"] if name is None else name
         self.peers[name] = [tuple(r) for r in md["regions"]]
         self.aliases[name] = md["name"]  # the agent behind the name it was imported under
+        self.paired[name] = paired
         return name
 
     def remove_peer(self, name, *, fence=False):

@@ -41,6 +41,7 @@ def test_a_producer_no_load_uses_is_forgotten_and_a_later_load_handshakes_again(
         transport = consumer._local.transport
         before = worker.resources()
         assert before["peers"] == 1 and before["clients"] == 1 and len(transport.peers) == 1
+        assert not any(transport.paired.values()), "pull mode's reads keep every lane (nothing to pair)"
         now = time.perf_counter()
         step_at(pair, now + idle_s / 2)  # used recently: kept
         assert worker.resources()["peers"] == 1 and len(transport.peers) == 1

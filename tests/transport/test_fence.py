@@ -9,7 +9,11 @@ engine; before that it must make sure nothing more of the producer's lands
 there. A graceful close of its endpoints is no such fence: over TCP, UCX
 keeps the connection the writer's own endpoint writes through, and the
 rest of the write went on landing after the close returned (64 MiB: 4.2 MiB
-had landed when it returned, all of it 3 s later). A forced close is.
+had landed when it returned, all of it 3 s later). A forced close is, of
+the connection UCX paired with the target's endpoint: the writer's
+endpoint on its own worker, when both sides imported each other
+``paired`` (``Agent.add_peer``). A lane's endpoint pairs with none of the
+target's, and what it carries lands after any fence of the target's.
 """
 
 from __future__ import annotations
@@ -29,19 +33,21 @@ NBYTES = 32 << 20  # big enough that the writer is still sending when the target
 FILL = 0xAB
 
 
-def abandoned_write(make_agent):
+def abandoned_write(make_agent, lanes=1, paired=False):
     """A target (polling; the test progresses it) and a writer (its progress
     thread, deadline 1 s) whose notified write of ``NBYTES`` failed at its
     deadline while the target did not progress: the writer's transport
     abandoned it (the flush behind it outstanding). Returns the target, its
-    buffer (zeros: nothing landed yet) and the failed transfer."""
-    target = make_agent("target", progress="poll", ucx_options=TCP, lanes=1)
-    writer = make_agent("writer", ucx_options=TCP, lanes=1, transfer_timeout_s=1.0)
+    buffer (zeros: nothing landed yet) and the failed transfer. ``lanes``:
+    both agents' (the target's with express twins too); ``paired``: both
+    imports (the writer's, and the target's that its fence closes)."""
+    target = make_agent("target", progress="poll", ucx_options=TCP, lanes=lanes, express=lanes > 1)
+    writer = make_agent("writer", ucx_options=TCP, lanes=lanes, transfer_timeout_s=1.0)
     theirs, mine = np.zeros(NBYTES, dtype=np.uint8), np.full(NBYTES, FILL, dtype=np.uint8)
     target.register(theirs)
     writer.register(mine)
-    writer.add_peer(target.metadata())
-    target.add_peer(writer.metadata())
+    writer.add_peer(target.metadata(), paired=paired)
+    target.add_peer(writer.metadata(), paired=paired)
     loc, rem = DescList([mine.ctypes.data], NBYTES), DescList([theirs.ctypes.data], NBYTES)
     first = writer.write("target", loc, rem)  # both endpoints wired up
     wait_until(first.done, 30.0, "a first write", drive=[target])
@@ -83,3 +89,27 @@ def test_without_the_fence_the_abandoned_write_lands_after_the_writer_failed_it(
     assert target.remove_peer("writer") is True
     wait_until(lambda: landed(theirs) == NBYTES, 30.0, f"the rest of the write (landed {landed(theirs)})",
                drive=[target])
+
+
+@pytest.mark.parametrize("paired", [True, False], ids=["paired", "unpaired"])
+def test_a_writer_with_lanes_is_fenced_only_through_paired_imports(make_agent, paired):
+    """Two workers on each side (the default on two CPUs), the target's
+    endpoints with express twins. ``paired`` (as push mode imports both
+    ways): the writer's 32 MiB go on its own worker's one endpoint, which
+    UCX pairs with the target's, and the fence stops them. Unpaired, the
+    writer stripes the write over its lane too, whose endpoint pairs with
+    none of the target's: the fence returns True and the lane's half (16
+    MiB) lands after it, as it did in a decode's freed blocks (80 of 80,
+    ``tests/faults/test_netns_late_bytes.py``'s push-striped, before the
+    connector imported ``paired``)."""
+    target, theirs, _ = abandoned_write(make_agent, lanes=2, paired=paired)
+    assert target.remove_peer("writer", fence=True) is True
+    at_fence = landed(theirs)
+    assert at_fence < NBYTES // 2, "half of it landed before the fence: this run shows nothing"
+    if paired:
+        progress_for(target, 1.0)
+        assert landed(theirs) == at_fence, (
+            f"{landed(theirs) - at_fence} bytes of the writer's abandoned write landed after the fence returned")
+    else:
+        wait_until(lambda: landed(theirs) >= NBYTES // 2, 30.0,
+                   f"the lane's part of the write, after the fence (landed {landed(theirs)})", drive=[target])

@@ -114,13 +114,26 @@ class Agent:
             core.require_open()
             return core.peers.export(core.memory.infos())
 
-    def add_peer(self, blob: bytes, *, name: str | None = None) -> str:
+    def add_peer(self, blob: bytes, *, name: str | None = None, paired: bool = False) -> str:
         """Import a peer's metadata; returns its name: ``name``, else the one
         the metadata gives. Importing a name again replaces the peer (a
         restarted peer has a new worker address): its transfers in flight
         fail, prepared lists for it must be prepared again. A caller that
         knows whom it dialled passes ``name``, so that no peer's metadata
-        can replace another's by naming it."""
+        can replace another's by naming it.
+
+        ``paired``: one endpoint to the peer, on this agent's own worker
+        only (none on the lanes, no express twin), so every transfer with
+        it goes through that one. UCX pairs the n-th endpoint one worker
+        makes to another with the n-th the other makes back (one
+        connection); when two agents import each other this way, each
+        import of one matched by one of the other, what the peer's
+        ``remove_peer(fence=True)`` closes is the connection this agent's
+        writes to it cross. A lane's endpoint (or
+        an express twin) pairs with none of the peer's, and no fence of the
+        peer's reaches what it carries (docs/reliability.md, "The fence
+        and UCX's endpoint pairing"): import a peer that fences this agent's
+        writes ``paired``."""
         core = self._core
         md = core.peers.decode(blob, name)
         with core.lock:
@@ -130,9 +143,11 @@ class Agent:
             if old is not None:
                 core.fail_peer(old, "replaced by newly imported metadata")
                 core.peers.retire(old)
-            core.peers.connect(md, generation)
+            core.lanes.disconnect(md.name)  # (an earlier import's lane endpoints, if it had them)
+            core.peers.connect(md, generation, paired)
             try:
-                core.lanes.connect(md, generation)
+                if not paired:
+                    core.lanes.connect(md, generation)
             except BaseException:
                 self.remove_peer(md.name)
                 raise

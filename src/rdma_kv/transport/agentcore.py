@@ -195,7 +195,7 @@ class AgentCore:
         PeerError (a lane's endpoint that failed fails the peer everywhere)."""
         peer = self.peers.usable(name)
         if len(self.lanes):
-            reason = self.lanes.problem(name)
+            reason = self.lanes.problem(peer)
             if reason is not None:
                 self.fail_peer(peer, reason)
                 raise PeerError(f"peer {name!r} failed ({reason}); re-import its metadata with add_peer() "

@@ -56,7 +56,11 @@ Rules:
   route to a force-closed one must not be used.
 - Lanes have no lock: the agent calls them under its own (agent.py has the
   lock order). Their pumps take none of Python's locks.
-- Peers are connected on, and disconnected from, every lane with the agent.
+- Peers are connected on, and disconnected from, every lane with the agent,
+  except one imported ``paired`` (``Agent.add_peer``): on the agent's own
+  worker only, so that its one endpoint, which UCX pairs with the
+  peer's matching endpoint to this agent, carries all of it (a peer's
+  fence needs that).
   The agent's ``close`` lets what is in flight finish (every worker
   progresses it), then fails the rest, then closes the lanes (pumps,
   endpoints, workers) before it unmaps the memory and destroys the context.
@@ -219,8 +223,12 @@ class Lanes:
         for lane in self._lanes:
             lane.fail(name, reason)
 
-    def problem(self, name: str) -> str | None:
-        """Why a lane's endpoint to ``name`` is unusable, or None if every lane's is healthy."""
+    def problem(self, p: Peer) -> str | None:
+        """Why a lane's endpoint to ``p`` is unusable, or None if every lane's
+        is healthy (or it has none: a paired peer)."""
+        if p.paired:
+            return None
+        name = p.name
         for i, lane in enumerate(self._lanes, 1):
             lp = lane.peers.get(name)
             if lp is not None and lp.healthy:
@@ -230,8 +238,9 @@ class Lanes:
         return None
 
     def endpoints(self, p: Peer) -> list[Peer]:
-        """``p`` then its endpoint on every lane: worker order of a stripe."""
-        return [p] + [lane.peers[p.name] for lane in self._lanes]
+        """``p`` then its endpoint on every lane: worker order of a stripe
+        (``p`` alone when paired)."""
+        return [p] if p.paired else [p] + [lane.peers[p.name] for lane in self._lanes]
 
     @property
     def pumps(self) -> tuple[Any, ...]:
@@ -243,10 +252,11 @@ class Lanes:
         """``p``'s endpoint, remote keys, worker, pump and endpoint state on the
         agent's worker ``own``, then on each lane's, as C arrays: made at the
         first route to ``p`` and kept with the peer (re-importing a peer
-        makes a new one). The caller has checked ``problem(p.name)``."""
+        makes a new one). The caller has checked ``problem(p)``."""
         if p.paths is None:
-            p.paths = Paths(self.endpoints(p), [own] + [lane.worker for lane in self._lanes],
-                            [own_pump] + [lane.pump for lane in self._lanes])
+            lanes = [] if p.paired else self._lanes
+            p.paths = Paths(self.endpoints(p), [own] + [lane.worker for lane in lanes],
+                            [own_pump] + [lane.pump for lane in lanes])
         paths: Paths = p.paths
         return paths
 

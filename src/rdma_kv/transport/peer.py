@@ -42,12 +42,13 @@ class Peer:
     the one ``ep_state`` and are closed together."""
 
     def __init__(self, worker: Any, md: AgentMetadata, generation: int, ctx: Any = None,
-                 express: bool = False) -> None:
+                 express: bool = False, paired: bool = False) -> None:
         ffi, lib = load()
         self._ffi, self._lib = ffi, lib
         self._worker = worker
         self.name = md.name
         self.generation = generation
+        self.paired = paired  # the agent's own worker only: no lane has an endpoint to it (Agent.add_peer)
         self.worker_address = md.worker_address
         self.ucx_version = md.ucx_version
         self.failure: str | None = None

@@ -78,10 +78,12 @@ class PeerTable:
             self._stale()
         return peer
 
-    def connect(self, md: wire.AgentMetadata, generation: int) -> Peer:
-        """Connect the peer ``md`` describes (its name must not be in the table)."""
+    def connect(self, md: wire.AgentMetadata, generation: int, paired: bool = False) -> Peer:
+        """Connect the peer ``md`` describes (its name must not be in the
+        table); ``paired``: one endpoint, no express twin (``Agent.add_peer``)."""
         self._stale()
-        peer = self._peers[md.name] = Peer(self._worker, md, generation, self._ctx, self._express)
+        peer = self._peers[md.name] = Peer(self._worker, md, generation, self._ctx,
+                                           self._express and not paired, paired)
         return peer
 
     def pop(self, name: str) -> Peer:

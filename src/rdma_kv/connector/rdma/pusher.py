@@ -151,7 +151,12 @@ class PushWriter(ConcurrentDispatch):
         # incarnation; a new registration of it replaces the old), not by its
         # metadata's own name: another decode's metadata cannot replace this
         # one's peer, even under the same engine id.
-        name = self._transport.add_peer(request.agent_metadata, name=decode_name(key))
+        # ``paired``: every write to the decode on this one endpoint (none striped onto a
+        # lane's), which UCX pairs with the decode's endpoint for this link, the one its
+        # fence closes. A lane's endpoint pairs with none of the decode's: a striped write
+        # abandoned by this side landed in 80 of 80 blocks the decode had fenced and freed
+        # (test_netns_late_bytes.py's push-striped).
+        name = self._transport.add_peer(request.agent_metadata, name=decode_name(key), paired=True)
         with self._lock:
             self._decodes[key] = Decode(name, geometry, request.registration, key, request.link)
             self._counts.add("hellos")

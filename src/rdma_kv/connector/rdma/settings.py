@@ -159,7 +159,10 @@ class RdmaSettings:
     lanes: int = dataclasses.field(default_factory=default_lanes)
     """UCX workers that carry one request's reads in parallel (``AgentConfig.lanes``):
     each extra lane is a worker, an endpoint per producer and a progress thread.
-    Default: the transport's, ``min(allowed CPUs, 2)``; 1 keeps every read on one worker."""
+    Default: the transport's, ``min(allowed CPUs, 2)``; 1 keeps every read on one worker.
+    Push mode's writes to a decode take one worker whatever this says (both sides import
+    each other ``paired``: the decode's fence needs the producer's writes on the endpoint
+    UCX pairs with its own)."""
     auth_secret_env: str | None = None
     """*Name* of an environment variable holding the side channel's shared
     secret (the value itself never goes into the config). Wins over the file

@@ -80,9 +80,11 @@ class Transport(Protocol):
     def metadata(self) -> bytes:
         """What a peer passes to ``add_peer`` (after every ``register``)."""
 
-    def add_peer(self, blob: bytes, *, name: str | None = None) -> str:
+    def add_peer(self, blob: bytes, *, name: str | None = None, paired: bool = False) -> str:
         """Import a peer's metadata under ``name`` (else the metadata's own);
-        returns the name (replacing an older incarnation of that name)."""
+        returns the name (replacing an older incarnation of that name).
+        ``paired``: one endpoint, on the transport's own worker, that every
+        transfer with the peer takes (what a peer's fence of this one needs)."""
 
     def remove_peer(self, name: str, *, fence: bool = False) -> bool:
         """Close the endpoints to ``name``; ``fence``: forced, so that no

@@ -314,7 +314,11 @@ class PeerDirectory:
         try:
             reply = self._ask(peer)
             geometry = reply.geometry.to_geometry()
-            name = self._local.transport.add_peer(reply.agent_metadata, name=peer.transport_name)
+            # Push mode: one endpoint, on the transport's own worker (``paired``), as the
+            # producer imports this decode, so that UCX pairs the two and the fence closes
+            # the connection the producer's writes cross.
+            name = self._local.transport.add_peer(reply.agent_metadata, name=peer.transport_name,
+                                                  paired=self.introduce is not None)
             if self.introduce is not None:
                 self.introduce(peer, name)
         except Exception as exc:
