@@ -33,21 +33,29 @@ NBYTES = 32 << 20  # big enough that the writer is still sending when the target
 FILL = 0xAB
 
 
-def abandoned_write(make_agent, lanes=1, paired=False):
+def abandoned_write(make_agent, lanes=1, paired=False, dials=1, ordinal=False):
     """A target (polling; the test progresses it) and a writer (its progress
     thread, deadline 1 s) whose notified write of ``NBYTES`` failed at its
     deadline while the target did not progress: the writer's transport
     abandoned it (the flush behind it outstanding). Returns the target, its
-    buffer (zeros: nothing landed yet) and the failed transfer. ``lanes``:
-    both agents' (the target's with express twins too); ``paired``: both
-    imports (the writer's, and the target's that its fence closes)."""
+    buffer (zeros: nothing landed yet) and the name the target imported the
+    writer under. ``lanes``: both agents' (the target's with express twins
+    too); ``paired``: both imports (the writer's, and the target's that its
+    fence closes); ``dials``: the target imports the writer this many
+    times, fencing each import but the last, the writer it once (with the
+    target's last ``ordinal`` when asked)."""
     target = make_agent("target", progress="poll", ucx_options=TCP, lanes=lanes, express=lanes > 1)
     writer = make_agent("writer", ucx_options=TCP, lanes=lanes, transfer_timeout_s=1.0)
     theirs, mine = np.zeros(NBYTES, dtype=np.uint8), np.full(NBYTES, FILL, dtype=np.uint8)
     target.register(theirs)
     writer.register(mine)
-    writer.add_peer(target.metadata(), paired=paired)
-    target.add_peer(writer.metadata(), paired=paired)
+    link = ""
+    for dial in range(1, dials + 1):
+        if dial > 1:
+            progress_for(target, 0.2)
+            assert target.remove_peer(link, fence=True) is True
+        link = target.add_peer(writer.metadata(), name=f"writer#{dial}" if dials > 1 else None, paired=paired)
+    writer.add_peer(target.metadata(), paired=paired, ordinal=target.ordinal(link) if ordinal else None)
     loc, rem = DescList([mine.ctypes.data], NBYTES), DescList([theirs.ctypes.data], NBYTES)
     first = writer.write("target", loc, rem)  # both endpoints wired up
     wait_until(first.done, 30.0, "a first write", drive=[target])
@@ -57,7 +65,23 @@ def abandoned_write(make_agent, lanes=1, paired=False):
         stuck.wait(30.0)
     assert stuck.abandoned, "the writer's transport says the write may still land"
     assert not theirs.any()
-    return target, theirs, stuck
+    return target, theirs, link
+
+
+def fence(target, theirs, link, holds: bool, lands: int = NBYTES) -> None:
+    """Fence ``link`` on ``target``. ``holds``: nothing of the abandoned write
+    lands after the fence returned; else (the hazard) at least ``lands``
+    bytes of it in all, after a fence that returned True all the same."""
+    assert target.remove_peer(link, fence=True) is True
+    at_fence = landed(theirs)
+    assert at_fence < NBYTES // 2, "half of it landed before the fence: this run shows nothing"
+    if holds:
+        progress_for(target, 1.0)
+        assert landed(theirs) == at_fence, (
+            f"{landed(theirs) - at_fence} bytes of the writer's abandoned write landed after the fence returned")
+    else:
+        wait_until(lambda: landed(theirs) >= lands, 30.0, f"the write, after the fence (landed {landed(theirs)})",
+                   drive=[target])
 
 
 def landed(buf: np.ndarray) -> int:
@@ -72,9 +96,9 @@ def progress_for(agent, seconds: float) -> None:
 
 
 def test_a_fenced_writer_lands_nothing_after_the_fence(make_agent):
-    target, theirs, _ = abandoned_write(make_agent)
+    target, theirs, link = abandoned_write(make_agent)
     target.progress()  # the target runs again: the writer's queued bytes begin to arrive
-    assert target.remove_peer("writer", fence=True) is True
+    assert target.remove_peer(link, fence=True) is True
     at_fence = landed(theirs)
     progress_for(target, 1.0)
     assert landed(theirs) == at_fence, (
@@ -85,8 +109,8 @@ def test_a_fenced_writer_lands_nothing_after_the_fence(make_agent):
 def test_without_the_fence_the_abandoned_write_lands_after_the_writer_failed_it(make_agent):
     """The hazard the fence is for: the write the writer failed lands whole
     in the target's memory, its endpoint to the writer closed gracefully."""
-    target, theirs, _ = abandoned_write(make_agent)
-    assert target.remove_peer("writer") is True
+    target, theirs, link = abandoned_write(make_agent)
+    assert target.remove_peer(link) is True
     wait_until(lambda: landed(theirs) == NBYTES, 30.0, f"the rest of the write (landed {landed(theirs)})",
                drive=[target])
 
@@ -102,14 +126,43 @@ def test_a_writer_with_lanes_is_fenced_only_through_paired_imports(make_agent, p
     MiB) lands after it, as it did in a decode's freed blocks (80 of 80,
     ``tests/faults/test_netns_late_bytes.py``'s push-striped, before the
     connector imported ``paired``)."""
-    target, theirs, _ = abandoned_write(make_agent, lanes=2, paired=paired)
-    assert target.remove_peer("writer", fence=True) is True
-    at_fence = landed(theirs)
-    assert at_fence < NBYTES // 2, "half of it landed before the fence: this run shows nothing"
-    if paired:
-        progress_for(target, 1.0)
-        assert landed(theirs) == at_fence, (
-            f"{landed(theirs) - at_fence} bytes of the writer's abandoned write landed after the fence returned")
-    else:
-        wait_until(lambda: landed(theirs) >= NBYTES // 2, 30.0,
-                   f"the lane's part of the write, after the fence (landed {landed(theirs)})", drive=[target])
+    target, theirs, link = abandoned_write(make_agent, lanes=2, paired=paired)
+    fence(target, theirs, link, holds=paired, lands=NBYTES // 2)
+
+
+@pytest.mark.parametrize("ordinal", [True, False], ids=["ordinal", "no-ordinal"])
+def test_a_link_the_writer_never_imported_is_made_up_by_the_ordinal(make_agent, ordinal):
+    """The target dials the writer twice (``paired``), fencing the first
+    link, but the writer imports it only once, for the second: an
+    introduction whose answer was lost, not knowing whether it was
+    imported. The writer's one endpoint is its first to the target, the
+    target's current one its second. With the target's ``ordinal`` the
+    writer makes and closes one endpoint first, and its import pairs with
+    the target's second: the fence stops the abandoned write. Without it,
+    the import pairs with the target's first (closed), and all 32 MiB land
+    after a fence that returned True."""
+    target, theirs, link = abandoned_write(make_agent, lanes=2, paired=True, dials=2, ordinal=ordinal)
+    assert link == "writer#2" and target.ordinal(link) == 2
+    fence(target, theirs, link, holds=ordinal)
+
+
+def test_an_ordinal_the_worker_passed_already_imports_nothing(make_agent):
+    """A stale introduction (its endpoint number below what this worker made
+    already) is refused and replaces nothing; an ordinal needs ``paired``."""
+    from rdma_kv.errors import ConfigError, PeerError
+
+    a = make_agent("a", ucx_options=TCP, lanes=2)
+    b = make_agent("b", ucx_options=TCP, lanes=2)
+    assert a.add_peer(b.metadata(), paired=True, ordinal=3) == "b"
+    assert a.ordinal("b") == 3  # two made up first
+    with pytest.raises(PeerError, match="made 3 to it already"):
+        a.add_peer(b.metadata(), paired=True, ordinal=3)
+    assert a.peers == ("b",) and a.ordinal("b") == 3  # the import it has stays
+    a.add_peer(b.metadata(), name="b2", paired=True)
+    assert a.ordinal("b2") == 4
+    with pytest.raises(PeerError, match="at most 64"):
+        a.add_peer(b.metadata(), name="b3", paired=True, ordinal=100)
+    with pytest.raises(ConfigError, match="paired=True"):
+        a.add_peer(b.metadata(), name="b3", ordinal=5)
+    a.add_peer(b.metadata(), name="b4")  # unpaired: its lane's endpoint is another worker's
+    assert a.ordinal("b4") == 5

@@ -114,7 +114,8 @@ class Agent:
             core.require_open()
             return core.peers.export(core.memory.infos())
 
-    def add_peer(self, blob: bytes, *, name: str | None = None, paired: bool = False) -> str:
+    def add_peer(self, blob: bytes, *, name: str | None = None, paired: bool = False,
+                 ordinal: int | None = None) -> str:
         """Import a peer's metadata; returns its name: ``name``, else the one
         the metadata gives. Importing a name again replaces the peer (a
         restarted peer has a new worker address): its transfers in flight
@@ -133,11 +134,26 @@ class Agent:
         an express twin) pairs with none of the peer's, and no fence of the
         peer's reaches what it carries (docs/reliability.md, "The fence
         and UCX's endpoint pairing"): import a peer that fences this agent's
-        writes ``paired``."""
+        writes ``paired``.
+
+        ``ordinal`` (with ``paired``): the number the peer's own endpoint to
+        this agent has among those its worker made to this agent's
+        (``Agent.ordinal`` on the peer's side). This import's endpoint is
+        made the same number among this worker's to the peer's: the ones
+        missing are made and closed first, so that a link of the peer's that
+        this agent never imported (an introduction whose answer was lost;
+        the peer cannot know whether it was imported) does not leave the
+        counts, and the pairing, out of step for good. PeerError (nothing
+        imported, nothing replaced) when this worker made that many already."""
+        if ordinal is not None and (not paired or ordinal < 1):
+            raise ConfigError(f"add_peer: ordinal={ordinal!r} needs paired=True and a number from 1")
         core = self._core
         md = core.peers.decode(blob, name)
         with core.lock:
             core.require_open()
+            if ordinal is not None:
+                with core.driver.bound():  # closing the endpoints it makes up progresses the worker
+                    core.peers.step_to(md, ordinal)
             generation = new_generation()
             old = core.peers.discard(md.name)
             if old is not None:
@@ -185,6 +201,17 @@ class Agent:
     @property
     def peers(self) -> tuple[str, ...]:
         return self._core.peers.names
+
+    def ordinal(self, name: str) -> int:
+        """The number peer ``name``'s endpoint on this agent's own worker has
+        among the endpoints that worker made to the peer's worker (1 for the
+        first; UCX pairs it with the peer's endpoint of the same number to
+        this worker). What the peer passes to ``add_peer(..., ordinal=)``
+        when it imports this agent ``paired``."""
+        core = self._core
+        with core.lock:
+            core.require_open()
+            return core.peers.get(name).ordinal
 
     # ------------------------------------------------------------- descriptors
 

@@ -49,6 +49,7 @@ class Peer:
         self.name = md.name
         self.generation = generation
         self.paired = paired  # the agent's own worker only: no lane has an endpoint to it (Agent.add_peer)
+        self.ordinal = 0  # its first endpoint's number among the worker's to the peer's worker (Worker.count_endpoint)
         self.worker_address = md.worker_address
         self.ucx_version = md.ucx_version
         self.failure: str | None = None
@@ -89,6 +90,9 @@ class Peer:
         check_status(lib.ucp_ep_create(self._worker.handle, params, ep), f"ucp_ep_create to {md.name!r}")
         entry = [ep[0], ffi.new("ucp_rkey_h[]", max(1, len(md.regions))), 0]
         self._eps.append(entry)
+        n = self._worker.count_endpoint(md.worker_address)
+        if len(self._eps) == 1:
+            self.ordinal = n
         for i, region in enumerate(md.regions):
             status = lib.ucp_ep_rkey_unpack(entry[0], region.rkey, entry[1] + i)
             if status != lib.UCS_OK:
@@ -177,6 +181,16 @@ class Peer:
             _log.warning("peer %r: closing its endpoint did not complete within %.1f s (the peer does not "
                          "read?)", self.name, CLOSE_WAIT_S)
         entry[0] = None
+
+
+def pad_endpoints(worker: Any, md: AgentMetadata, count: int) -> None:
+    """Make ``count`` endpoints to ``md``'s worker and force-close each: what
+    brings ``worker``'s count of endpoints to it up to the peer's, so that the
+    next one made pairs with the peer's of the same number (Agent.add_peer's
+    ``ordinal``). One made where the peer's was closed pairs with that one's
+    remains, or with none; closed at once, it carries nothing."""
+    for _ in range(count):
+        Peer(worker, md, 0).close(force=True)
 
 
 def reap_left_open(worker: Any) -> int:

@@ -27,11 +27,16 @@ import msgspec
 from rdma_kv.errors import PeerError
 from rdma_kv.transport import metadata as wire
 from rdma_kv.transport._lib import status_name, ucx_version
-from rdma_kv.transport.peer import Peer
+from rdma_kv.transport.peer import Peer, pad_endpoints
 from rdma_kv.transport.ucx import Worker
 
 # The agent's logger: operators filter the transport's lines by it.
 log = logging.getLogger("rdma_kv.transport.agent")
+
+# The most endpoints one import may make and close to catch up with the
+# peer's count (PeerTable.step_to): each is one of the peer's links this
+# worker never imported (an introduction whose answer was lost).
+MAX_PAD = 64
 
 
 class PeerTable:
@@ -77,6 +82,27 @@ class PeerTable:
         if peer is not None:
             self._stale()
         return peer
+
+    def step_to(self, md: wire.AgentMetadata, ordinal: int) -> int:
+        """Bring the worker's count of endpoints to ``md``'s worker to
+        ``ordinal - 1``, so that the next one made is its ``ordinal``-th:
+        the one UCX pairs with the peer's ``ordinal``-th to this worker. Makes
+        and force-closes the missing ones (returns how many). PeerError when
+        this worker made ``ordinal`` or more already (the peer's count is
+        behind: a stale introduction), or more than ``MAX_PAD`` are missing."""
+        made = self._worker.endpoints_made(md.worker_address)
+        missing = ordinal - 1 - made
+        if missing < 0:
+            raise PeerError(f"peer {md.name!r}: endpoint {ordinal} asked for, but this worker made {made} to it "
+                            "already (an introduction older than the last one imported?); not imported")
+        if missing > MAX_PAD:
+            raise PeerError(f"peer {md.name!r}: endpoint {ordinal} asked for, {missing} more than this worker "
+                            f"made to it (at most {MAX_PAD} are made up); not imported")
+        if missing:
+            pad_endpoints(self._worker, md, missing)
+            log.info("peer %s: %d endpoint(s) made and closed so that the next pairs with its endpoint %d",
+                     md.name, missing, ordinal)
+        return missing
 
     def connect(self, md: wire.AgentMetadata, generation: int, paired: bool = False) -> Peer:
         """Connect the peer ``md`` describes (its name must not be in the

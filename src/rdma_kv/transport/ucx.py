@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -231,6 +232,11 @@ class Context:
 DRAIN_WAIT_S = 2.0
 
 
+# Remote workers a worker keeps its count of endpoints to (Worker.count_endpoint):
+# one per peer incarnation it connected to; this many leave ~a few MiB.
+MAX_COUNTED_WORKERS = 65536
+
+
 class Worker:
     """A UCP worker with an event fd for sleeping progress."""
 
@@ -260,6 +266,27 @@ class Worker:
         # Endpoints a peer's close left open while flushes of them were
         # outstanding (peer.py: closed once those end, else with the worker).
         self.left_open: list[Any] = []
+        # How many endpoints this worker made to each remote worker (by its
+        # address): UCX numbers them so, and pairs the n-th with the n-th the
+        # remote worker makes back (``count_endpoint``).
+        self._made: OrderedDict[bytes, int] = OrderedDict()
+
+    def count_endpoint(self, address: bytes) -> int:
+        """Count one more endpoint made to the worker at ``address``; returns
+        its number (1 for the first). UCX numbers a worker's endpoints to one
+        remote worker in the order they are made (``ucp_ep_create``: its
+        connection sequence number) and pairs the n-th with the remote's n-th
+        to this worker: one connection. The least recently counted of more
+        than ``MAX_COUNTED_WORKERS`` remote workers is forgotten."""
+        n = self._made.pop(address, 0) + 1
+        self._made[address] = n
+        if len(self._made) > MAX_COUNTED_WORKERS:
+            self._made.popitem(last=False)
+        return n
+
+    def endpoints_made(self, address: bytes) -> int:
+        """How many endpoints this worker made to the worker at ``address``."""
+        return self._made.get(address, 0)
 
     def progress(self, max_rounds: int = 1024) -> int:
         return int(self._lib.rk_progress(self.handle, max_rounds))
