@@ -7,6 +7,7 @@ engines in this process over the fake transport; every block verified."""
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 import uuid
@@ -374,12 +375,14 @@ def test_a_producer_knows_at_most_max_decodes_and_a_forgotten_decode_introduces_
         serve("the first decode")
         writer = pair.P.worker.worker.side_channel_handler.pusher
         local = pair.D.worker.worker._local  # other decode ranks' introductions, as one peer may make them
-        metadata, geometry = local.transport.metadata(), wire.GeometryWire.from_geometry(local.geometry)
+        geometry = wire.GeometryWire.from_geometry(local.geometry)
         client = SideChannelClient("127.0.0.1", pair.P.worker.worker.side_channel_port, rpc_timeout_s=5.0, retries=0)
         try:
             for i in range(5):
+                other = pair.fabric.factory(f"other-{i}")  # a worker of its own
+                other.regions = list(local.transport.regions)
                 reply = client.call(wire.PushHello(wire.PROTOCOL_VERSION, f"other-{i}", wire.RankInfo(0, 1, 1),
-                                                   b"i" * 8, 1, metadata, geometry))
+                                                   b"i" * 8, 1, other.metadata(), geometry, f"other-{i}", 1))
                 assert isinstance(reply, wire.PushReply) and reply.state is wire.PushState.DONE, reply
                 assert len(writer._decodes) == 2
         finally:
@@ -489,5 +492,76 @@ def test_every_link_is_introduced_at_its_handshake_with_or_without_a_push(rng):
             with consumer._lock:  # forgotten as idle: the next dial makes a new link
                 names = consumer.peers.prune(float("inf"), set)
             consumer.peers.remove(names)
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("taken", [True, False], ids=["taken", "never-arrived"])
+def test_an_introduction_whose_answer_was_lost_is_made_up_at_the_next_link(monkeypatch, taken):
+    """The decode's introduction on its first link got no answer: the
+    producer took it (imported the decode) or it never arrived; the decode
+    cannot tell. It fences that link and dials again, and its next
+    introduction names the new link's endpoint number (2): the producer
+    makes its import that number, making up the first when it never
+    imported it, so the two sides' endpoints stay paired (protocol 14;
+    before, the never-arrived case left the producer's import paired with
+    the decode's fenced first endpoint, and every later fence missed)."""
+    from rdma_kv.connector.rdma.consumer import peers as peers_module
+    from rdma_kv.connector.rdma.meta import PeerAddress
+    from rdma_kv.errors import PeerError
+
+    lose = [True]
+    real_call = SideChannelClient.call
+
+    def call(self, request, *args, **kwargs):
+        if isinstance(request, wire.PushHello) and lose[0]:
+            lose[0] = False
+            if taken:
+                real_call(self, request, *args, **kwargs)
+            raise PeerError("side channel: no answer (the test lost it)")
+        return real_call(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(SideChannelClient, "call", call)
+    monkeypatch.setattr(peers_module, "PEER_RETRY_S", 0.0)
+    pair = Pair()
+    try:
+        consumer = pair.D.worker.worker._consumer
+        writer = pair.P.worker.worker.side_channel_handler.pusher
+        transport = consumer._local.transport
+        address = PeerAddress("prefill-1", "127.0.0.1", pair.P.worker.worker.side_channel_port, 1)
+        for attempt in range(2):
+            with consumer._lock:
+                peer = consumer.peers._connect(address, 0)
+            assert peer is not None
+            wait_until(lambda: peer.state.value != "connecting", step=pair.pump, what="the handshake")
+            if attempt == 0:
+                assert peer.state.value == "failed" and "no answer" in peer.error, peer.error
+                assert len(transport.fenced) == 1, "the link whose introduction got no answer is fenced"
+        assert peer.state.value == "ready", peer.error
+        link = peer.connection.name
+        (decode,) = writer._decodes.values()
+        assert decode.link == link and transport.ordinal(link) == 2 and decode.ordinal == 2
+        assert writer._transport.ordinal(decode.name) == 2  # paired with the decode's second endpoint
+        assert writer._transport.padded == (0 if taken else 1)
+    finally:
+        pair.close()
+
+
+def test_an_introduction_older_than_the_imported_link_is_refused_and_replaces_nothing():
+    """A PUSH_HELLO delayed past a newer one of the same decode (another
+    connection) names a lower endpoint number: the producer refuses it and
+    keeps the newer link, which its import pairs with."""
+    pair = Pair()
+    try:
+        writer = pair.P.worker.worker.side_channel_handler.pusher
+        local = pair.D.worker.worker._local
+        hello = functools.partial(wire.PushHello, wire.PROTOCOL_VERSION, "decode-x", wire.RankInfo(0, 1, 1),
+                                  b"x" * 8, 1, local.transport.metadata(),
+                                  wire.GeometryWire.from_geometry(local.geometry))
+        assert writer.hello(hello("link-b", 2)).state is wire.PushState.DONE
+        reply = writer.hello(hello("link-a", 1))
+        assert reply.state is wire.PushState.REFUSED and "out of date" in reply.detail, reply
+        (decode,) = writer._decodes.values()
+        assert decode.link == "link-b" and decode.ordinal == 2
     finally:
         pair.close()

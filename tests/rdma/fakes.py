@@ -182,6 +182,9 @@ class FakeTransport:
         self.peers = {}
         self.aliases = {}
         self.paired = {}  # name -> imported ``paired`` (one endpoint, no lanes: what a fence needs)
+        self.made = {}  # worker -> endpoints made to it (Agent.ordinal's count), by the peer transport's id
+        self.ordinals = {}  # name -> its endpoint's number
+        self.padded = 0  # endpoints made up by ``ordinal``
         self.fenced = []  # remove_peer(name, fence=True) calls, by name
         self.closed = False
         self.wedge = False  # a test sets it to stand for a close that left the memory registered
@@ -195,17 +198,29 @@ class FakeTransport:
         return (base, nbytes)
 
     def metadata(self):
-        return msgspec.msgpack.encode({"name": self.name, "regions": self.regions})
+        # ``worker``: this transport's identity, as a UCX worker's address (a new one per transport)
+        return msgspec.msgpack.encode({"name": self.name, "regions": self.regions, "worker": id(self)})
 
-    def add_peer(self, blob, *, name=None, paired=False):
+    def add_peer(self, blob, *, name=None, paired=False, ordinal=None):
         md = msgspec.msgpack.decode(blob)
         if md["name"] not in self.fabric.agents:
             raise PeerError(f"fake: unknown agent {md['name']!r}")
         name = md["name"] if name is None else name
+        made = self.made.get(md["worker"], 0)  # endpoints "made" to that worker, as a UCX worker counts them
+        if ordinal is not None:
+            if ordinal <= made:
+                raise PeerError(f"fake: endpoint {ordinal} asked for, made {made} to it already")
+            self.padded += ordinal - 1 - made
+            made = ordinal - 1
+        self.made[md["worker"]] = made + 1
+        self.ordinals[name] = made + 1
         self.peers[name] = [tuple(r) for r in md["regions"]]
         self.aliases[name] = md["name"]  # the agent behind the name it was imported under
         self.paired[name] = paired
         return name
+
+    def ordinal(self, name):
+        return self.ordinals[name]
 
     def remove_peer(self, name, *, fence=False):
         self.peers.pop(name, None)

@@ -147,6 +147,19 @@ class ProducerHandler:
         return self._to_pusher(request, lambda p: p.query(request))
 
     def _to_pusher(self, request: object, act: Callable[[PushWriter], wire.PushReply]) -> wire.PushReply:
+        """``act``'s answer, naming the life it was given in (``registration``:
+        this one; 0 asleep, no transport): a decode that got no answer to a
+        PUSH cannot trust another life's "never taken" (``wire.PushReply``)."""
+        life = self._life()
+        reply = self._push_answer(request, act)
+        if self._life() != life:  # it slept or woke meanwhile: which life answered is not known
+            life = 0
+        return wire.PushReply(reply.state, reply.detail, reply.writes_end_within_s, life)
+
+    def _life(self) -> int:
+        return self.registration if self.pusher is not None else 0
+
+    def _push_answer(self, request: object, act: Callable[[PushWriter], wire.PushReply]) -> wire.PushReply:
         pusher, query = self.pusher, isinstance(request, wire.PushQuery)
         if pusher is None:  # pull mode, or asleep: nothing is written (a query: nothing was)
             return wire.PushReply(wire.PushState.UNKNOWN if query else wire.PushState.REFUSED, self._not_pushing())

@@ -37,7 +37,7 @@ the records both halves keep are ``pushstate``'s.
 
 Runs on the side channel's loop thread (posting does not block) and the
 transport's progress thread (completions). Imports numpy, the standard
-library, the connector's ``geometry``, and its ``rdma`` modules
+library, ``rdma_kv.errors``, the connector's ``geometry``, and its ``rdma`` modules
 ``fences``, ``leases``, ``meta``, ``pushreg``, ``pushstate``, ``slots``, ``stats``,
 ``transport_api`` and ``wire``. Never the consumer's modules.
 """
@@ -80,6 +80,7 @@ from rdma_kv.connector.rdma.pushstate import (
 from rdma_kv.connector.rdma.slots import HeadSlice, SlotTable
 from rdma_kv.connector.rdma.stats import MAX_RECORDS, PushCounters, PushRecord, Tally
 from rdma_kv.connector.rdma.transport_api import PreparedList, TransferHandle, Transport
+from rdma_kv.errors import PeerError
 
 __all__ = ["PUSH_NOTIFY_PREFIX", "PushWriter"]
 
@@ -128,6 +129,12 @@ class PushWriter(ConcurrentDispatch):
             old = self._decodes.get(key)
             if old is not None and old.registration == request.registration and old.link == request.link:
                 return wire.PushReply(DONE, "known")
+            if old is not None and request.ordinal and old.ordinal >= request.ordinal:
+                # An introduction older than the link imported (delayed on another
+                # connection): importing it would pair with none of the decode's live
+                # endpoints. Nothing is replaced.
+                return wire.PushReply(REFUSED, f"PUSH_HELLO out of date: link endpoint {request.ordinal}, "
+                                               f"this rank imported the decode's endpoint {old.ordinal}")
             if old is not None:
                 # A new registration of this decode (it slept and woke): the
                 # old one's block ids mean nothing in the new cache. Or a new
@@ -156,9 +163,16 @@ class PushWriter(ConcurrentDispatch):
         # fence closes. A lane's endpoint pairs with none of the decode's: a striped write
         # abandoned by this side landed in 80 of 80 blocks the decode had fenced and freed
         # (test_netns_late_bytes.py's push-striped).
-        name = self._transport.add_peer(request.agent_metadata, name=decode_name(key), paired=True)
+        # ``ordinal``: this import is made the decode's link's number among this worker's
+        # endpoints to the decode's (links it never imported are made up), so the two pair
+        # even after an introduction whose answer the decode never got.
+        try:
+            name = self._transport.add_peer(request.agent_metadata, name=decode_name(key), paired=True,
+                                            ordinal=request.ordinal or None)
+        except PeerError as exc:
+            return wire.PushReply(REFUSED, f"PUSH_HELLO not imported: {exc}")
         with self._lock:
-            self._decodes[key] = Decode(name, geometry, request.registration, key, request.link)
+            self._decodes[key] = Decode(name, geometry, request.registration, key, request.link, request.ordinal)
             self._counts.add("hellos")
         return wire.PushReply(DONE, "introduced")
 

@@ -64,6 +64,7 @@ class Decode:
     registration: int
     key: DecodeKey
     link: str = ""  # the decode's transport peer for this rank when it introduced itself (wire.PushHello)
+    ordinal: int = 0  # that link's endpoint number at the decode (wire.PushHello.ordinal)
     tables: dict[HeadSlice | None, tuple[SlotTable, PreparedList]] = dataclasses.field(default_factory=dict)
 
 

@@ -80,11 +80,19 @@ class Transport(Protocol):
     def metadata(self) -> bytes:
         """What a peer passes to ``add_peer`` (after every ``register``)."""
 
-    def add_peer(self, blob: bytes, *, name: str | None = None, paired: bool = False) -> str:
+    def add_peer(self, blob: bytes, *, name: str | None = None, paired: bool = False,
+                 ordinal: int | None = None) -> str:
         """Import a peer's metadata under ``name`` (else the metadata's own);
         returns the name (replacing an older incarnation of that name).
         ``paired``: one endpoint, on the transport's own worker, that every
-        transfer with the peer takes (what a peer's fence of this one needs)."""
+        transfer with the peer takes (what a peer's fence of this one needs);
+        ``ordinal``: made the peer's ``ordinal(...)``-th to it, endpoints
+        missing made and closed first (PeerError, nothing imported, when
+        this transport made as many already)."""
+
+    def ordinal(self, name: str) -> int:
+        """The number of ``name``'s endpoint among those this transport's own
+        worker made to that peer's worker (1 for the first)."""
 
     def remove_peer(self, name: str, *, fence: bool = False) -> bool:
         """Close the endpoints to ``name``; ``fence``: forced, so that no

@@ -80,7 +80,7 @@ __all__ = [
     "check_reader",
 ]
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 """The side channel's version: both ends must speak the same one. A peer of
 another version is refused with a message naming both versions (a version-1
 producer answers HELLO with ``error``, which the client reports as a version
@@ -180,6 +180,21 @@ refuses as unknown: ``forbid_unknown_fields``):
     kept writing on its first endpoint, and a fence of the new one let an
     abandoned write land in blocks already handed back. A new number: a
     version-12 producer refuses the field, and would not import afresh.
+14. (2026-12-03) PUSH_HELLO names the link's ``ordinal``: the number the
+    decode's endpoint for the link has among those its worker made to the
+    producer rank's worker. The producer imports the decode with that
+    number (``Agent.add_peer(..., ordinal=)``: endpoints it never made,
+    links of the decode's it never imported, are made and closed first),
+    and refuses a hello whose number it passed already (a stale one). An
+    introduction whose answer was lost left the decode not knowing
+    whether the producer had imported it; when it had not, the two
+    counts stayed one apart and every later fence missed. And a push
+    answer names the producer's ``registration`` (0 asleep): an abort of
+    a PUSH that got no answer, answered "never taken" by a producer in
+    another life than the one the decode dialled, is fenced. Both sides'
+    imports are ``paired`` (one endpoint, the transport's own worker)
+    since the same day, without a new number. A new number: a version-13
+    producer refuses the field.
 """
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 16 << 20  # agent metadata (worker address + rkeys) plus geometry
@@ -397,6 +412,10 @@ class PushHello(msgspec.Struct, frozen=True, tag="push_hello", forbid_unknown_fi
     link: Annotated[str, msgspec.Meta(max_length=256)] = ""
     """The decode's transport peer for this producer rank (new at each
     handshake): a new one is imported afresh (version 13)."""
+    ordinal: Annotated[int, msgspec.Meta(ge=0, le=1 << 32)] = 0
+    """The number of ``link``'s endpoint among those the decode's worker made
+    to this producer rank's worker (``Agent.ordinal``; 0: not counted): the
+    producer's import is made the same number (version 14)."""
 
 
 class Push(msgspec.Struct, frozen=True, tag="push", forbid_unknown_fields=True):
@@ -542,6 +561,11 @@ class PushReply(msgspec.Struct, frozen=True, tag="push_state", forbid_unknown_fi
     writes_end_within_s: float = 0.0
     """While ``running``: no write of this push lands later than this many
     seconds after the answer (the producer's transfer timeout)."""
+    registration: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """The producer's KV-cache registration when it answered (version 14):
+    the life of its transport, a new one at each wake from sleep; 0 while
+    it has none (asleep). A push the producer may have taken in another
+    life is not known to this one."""
 
 
 Reply = Union[Challenge, AuthOk, HandshakeReply, LeaseReply, Refused, ErrorReply, PushReply]

@@ -118,6 +118,7 @@ class PushHandle:
     probing: bool = False  # that RPC is its rank's one query (``Pushes.poll``)
     resend: bool = False  # answered PENDING (or unknown to a query): the next due time sends the PUSH again
     send_error: str = ""  # why the last call before an answer failed
+    registration: int = 0  # the producer's registration (the life of its transport) this push was sent to
     error: BaseException | None = None
     _done: bool = False
     _finished_at: float | None = None
@@ -211,7 +212,8 @@ class Pushes:
         ndescs = int(counts[table.row_group].sum()) if len(counts) == table.num_groups else 0
         now = self._clock()
         handle = PushHandle(request.token, peer, request, nbytes, ndescs, time.perf_counter(),
-                            hard_deadline=now + self._settings.lease_max_s + self._settings.read_timeout_s)
+                            hard_deadline=now + self._settings.lease_max_s + self._settings.read_timeout_s,
+                            registration=peer.connection.registration if peer.connection is not None else 0)
         with self._lock:
             self._running[request.token] = handle
             handle.busy = True
@@ -240,10 +242,11 @@ class Pushes:
         """Introduce this decode's KV cache to the producer rank on ``link``:
         the transport peer this decode made for it at the handshake (each
         handshake makes a new one, and introduces it once: ``introduce``).
-        The producer imports the decode afresh for a new link, so that its
-        endpoint to this decode is made after ours and UCX pairs the two:
-        our fence (a forced close of ours) stops its writes only through
-        that pairing (wire.py, version 13)."""
+        The producer imports the decode afresh for a new link, its endpoint
+        made the same number as ours for the link among each side's to the
+        other (``ordinal``), so that UCX pairs the two: our fence (a forced
+        close of ours) stops its writes only through that pairing (wire.py,
+        versions 13 and 14)."""
         if not (client.authenticated or self._settings.allow_unauthenticated or is_loopback(client.host)):
             # A PUSH_HELLO carries this worker's address and the remote keys of its whole KV
             # cache, writable; without a secret the producer is whoever answers at an address
@@ -258,7 +261,8 @@ class Pushes:
         local = self._local
         reply = client.call(wire.PushHello(wire.PROTOCOL_VERSION, self._engine_id, local.rank, self._incarnation,
                                            self._registration, local.transport.metadata(),
-                                           wire.GeometryWire.from_geometry(local.geometry), link))
+                                           wire.GeometryWire.from_geometry(local.geometry), link,
+                                           local.transport.ordinal(link)))
         if not isinstance(reply, wire.PushReply) or reply.state is not wire.PushState.DONE:
             detail = reply.detail if isinstance(reply, wire.PushReply) else getattr(reply, "reason", repr(reply))
             raise PushFailed(f"producer {client.address} refused this decode's KV cache: {detail}")
@@ -353,6 +357,13 @@ class Pushes:
             # An abort of a PUSH the producer never took: it remembered the abort, so an
             # attempt of the PUSH still on its way writes nothing.
             why = f"; the PUSH got no answer: {handle.send_error}" if handle.send_error else ""
+            if handle.send_error and reply.registration != handle.registration:
+                # ... in this life of its transport. An attempt that got no answer may have been
+                # taken, its writes posted, by the life the push was sent to, which then went to
+                # sleep (its transport closed; what it queued may still land): fenced first.
+                self._peer_failed(handle.peer, f"an aborted push got no answer from its life "
+                                               f"(registration {handle.registration}), and the producer "
+                                               f"now answers from {reply.registration or 'sleep'}")
             self._resolve(handle, PushFailed(f"aborted before the producer took the push ({reply.detail}){why}"))
         elif state is S.UNKNOWN and not handle.answered:
             # A query after a PUSH that got no answer (a producer slow to answer: its side
