@@ -109,18 +109,19 @@ def test_an_aborted_push_that_got_no_answer_asks_the_producer_before_giving_up()
     assert kinds(client) == ["Push", "abort"]
 
 
-@pytest.mark.parametrize("life, fenced", [(1, False), (2, True), (0, True)], ids=["same-life", "woke", "asleep"])
+@pytest.mark.parametrize("life, fenced", [(b"L1", False), (b"L2", True), (b"", True)],
+                         ids=["same-life", "woke-or-restarted", "asleep"])
 def test_an_aborted_push_that_got_no_answer_is_fenced_when_another_life_answers(life, fenced):
     """The PUSH got no answer; the abort is answered "never taken". From
-    the life of the producer's transport the push was sent to
-    (registration 1), that holds: nothing posted, nothing fenced. From
-    another (it woke: 2; it sleeps: 0) it says nothing of what the first
-    life took and posted before its transport closed: the producer is
-    fenced before the push resolves (found by a review in stop 66; fenced
-    since protocol 14, whose answers name the life)."""
+    the life of the producer's transport the push was sent to, that holds:
+    nothing posted, nothing fenced. From another (it woke, or its process
+    restarted; asleep: none) it says nothing of what the first life took
+    and posted before its transport closed: the producer is fenced before
+    the push resolves (found by a review in stop 66; fenced since protocol
+    14, whose answers name the life)."""
     client = Client(TimeoutError("no answer"), wire.PushReply(S.UNKNOWN, "no push of this token", 0.0, life))
     pushes, clock, request, peer, failed = setup(client)
-    peer.connection = SimpleNamespace(registration=1)
+    peer.connection = SimpleNamespace(life=b"L1")
     order, resolve = [], pushes._resolve
     pushes._peer_failed = lambda p, why: order.append(("fenced", why))
     pushes._resolve = lambda h, error: (order.append(("resolved", str(error))), resolve(h, error))
@@ -130,7 +131,7 @@ def test_an_aborted_push_that_got_no_answer_is_fenced_when_another_life_answers(
     assert handle.done() and "aborted before the producer took the push" in str(handle.error)
     assert [kind for kind, _ in order] == (["fenced", "resolved"] if fenced else ["resolved"]), order
     if fenced:
-        assert "registration 1" in order[0][1], order
+        assert "life 4c31" in order[0][1], order
 
 
 def test_a_push_answered_pending_then_aborted_asks_the_producer_before_giving_up():

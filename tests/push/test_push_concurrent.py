@@ -88,6 +88,17 @@ class Pair:
         wait_until(lambda: self.finished(d_rid), step=self.pump, what="the decode")
         return self.D.results[d_rid]
 
+    def writer(self):
+        return self.P.worker.worker.side_channel_handler.pusher
+
+    def hello_of(self, engine_id):
+        """A PUSH_HELLO of decode ``engine_id`` (this pair's decode's KV cache),
+        to be given its link and that link's endpoint ordinal."""
+        local = self.D.worker.worker._local
+        return functools.partial(wire.PushHello, wire.PROTOCOL_VERSION, engine_id, wire.RankInfo(0, 1, 1),
+                                 b"x" * 8, 1, local.transport.metadata(),
+                                 wire.GeometryWire.from_geometry(local.geometry))
+
     def registered(self):
         """Registrations the producer holds, not yet resolved."""
         return self.P.worker.worker.resources().get("pushes_running", 0)
@@ -547,17 +558,69 @@ def test_an_introduction_whose_answer_was_lost_is_made_up_at_the_next_link(monke
         pair.close()
 
 
+def test_a_registration_sent_on_a_link_the_producer_no_longer_imports_writes_nothing(rng):
+    """A PUSH_REG waits for its prefill; meanwhile the decode introduces
+    itself on another link (it dialled the producer rank again), and the
+    producer's import of it is now that link's. The registration names the
+    link it was sent on, which the decode fences if it fails: the producer
+    writes it over no other link (before, it wrote it over the new import,
+    out of reach of that fence: found by a review). Nothing is written, the
+    load fails and the request recomputes."""
+    pair = Pair()
+    try:
+        p_rid, d_rid, tid, prompt = pair.decode_registered(rng)
+        writer = pair.P.worker.worker.side_channel_handler.pusher
+        (decode,) = writer._decodes.values()
+        worker = pair.D.worker.worker
+        local = worker._local
+        reply = writer.hello(wire.PushHello(wire.PROTOCOL_VERSION, "decode-1", local.rank, worker._incarnation,
+                                            decode.registration, local.transport.metadata(),
+                                            wire.GeometryWire.from_geometry(local.geometry), "another-link",
+                                            decode.ordinal + 1))
+        assert reply.state is wire.PushState.DONE, reply
+        writes = pair.fabric.writes
+        pair.prefill(p_rid, prompt, tid)
+        wait_until(lambda: pair.finished(d_rid), step=pair.pump, what="the decode")
+        r = pair.D.results[d_rid]
+        assert r.load_failed and r.recomputed_from_block == 0 and r.bad_blocks == [], (r.error, r.bad_blocks)
+        assert pair.fabric.writes == writes, "the registration was written over another link's import"
+    finally:
+        pair.close()
+
+
+def test_a_new_link_the_transport_refuses_to_import_leaves_no_import_of_the_old_one(monkeypatch):
+    """The decode introduces a new link (its old one is closed on its side)
+    and the transport refuses the import (the endpoints missing are more
+    than it makes up at once, UCX numbers no more, or a failed create left
+    the count unknown): the answer says why, and the old link's import goes
+    too, rather than stay in the transport with no decode record."""
+    from rdma_kv.errors import PeerError
+
+    pair = Pair()
+    try:
+        writer, hello = pair.writer(), pair.hello_of("decode-x")
+        assert writer.hello(hello("link-a", 1)).state is wire.PushState.DONE
+        (decode,) = writer._decodes.values()
+        assert decode.name in writer._transport.peers
+
+        def refuse(*args, **kwargs):
+            raise PeerError("70 more than this worker had made to it; 64 made up now, 6 left: introduce again")
+
+        monkeypatch.setattr(writer._transport, "add_peer", refuse)
+        reply = writer.hello(hello("link-b", 71))
+        assert reply.state is wire.PushState.REFUSED and "introduce again" in reply.detail, reply
+        assert not writer._decodes and decode.name not in writer._transport.peers
+    finally:
+        pair.close()
+
+
 def test_an_introduction_older_than_the_imported_link_is_refused_and_replaces_nothing():
     """A PUSH_HELLO delayed past a newer one of the same decode (another
     connection) names a lower endpoint number: the producer refuses it and
     keeps the newer link, which its import pairs with."""
     pair = Pair()
     try:
-        writer = pair.P.worker.worker.side_channel_handler.pusher
-        local = pair.D.worker.worker._local
-        hello = functools.partial(wire.PushHello, wire.PROTOCOL_VERSION, "decode-x", wire.RankInfo(0, 1, 1),
-                                  b"x" * 8, 1, local.transport.metadata(),
-                                  wire.GeometryWire.from_geometry(local.geometry))
+        writer, hello = pair.writer(), pair.hello_of("decode-x")
         assert writer.hello(hello("link-b", 2)).state is wire.PushState.DONE
         reply = writer.hello(hello("link-a", 1))
         assert reply.state is wire.PushState.REFUSED and "out of date" in reply.detail, reply

@@ -57,7 +57,7 @@ def abandoned_write(make_agent, lanes=1, paired=False, dials=1, ordinal=False):
         link = target.add_peer(writer.metadata(), name=f"writer#{dial}" if dials > 1 else None, paired=paired)
     writer.add_peer(target.metadata(), paired=paired, ordinal=target.ordinal(link) if ordinal else None)
     loc, rem = DescList([mine.ctypes.data], NBYTES), DescList([theirs.ctypes.data], NBYTES)
-    first = writer.write("target", loc, rem)  # both endpoints wired up
+    first = writer.write("target", loc, rem, timeout_s=60.0)  # both endpoints wired up (a loaded host: no 1 s)
     wait_until(first.done, 30.0, "a first write", drive=[target])
     theirs[:] = 0
     stuck = writer.write("target", loc, rem, notify=b"push-token")
@@ -160,9 +160,52 @@ def test_an_ordinal_the_worker_passed_already_imports_nothing(make_agent):
     assert a.peers == ("b",) and a.ordinal("b") == 3  # the import it has stays
     a.add_peer(b.metadata(), name="b2", paired=True)
     assert a.ordinal("b2") == 4
-    with pytest.raises(PeerError, match="at most 64"):
-        a.add_peer(b.metadata(), name="b3", paired=True, ordinal=100)
     with pytest.raises(ConfigError, match="paired=True"):
         a.add_peer(b.metadata(), name="b3", ordinal=5)
     a.add_peer(b.metadata(), name="b4")  # unpaired: its lane's endpoint is another worker's
     assert a.ordinal("b4") == 5
+
+
+def test_a_paired_import_past_what_ucx_pairs_or_after_a_failed_create_is_refused(make_agent, monkeypatch):
+    """UCX numbers a worker's endpoints to another in 16 bits and pairs none
+    from 0xFFFF on; a failed ``ucp_ep_create`` may or may not have taken a
+    number. Either way a ``paired`` import could pair with nothing the
+    peer's fence closes: refused (an unpaired one is not)."""
+    from rdma_kv.errors import PeerError
+    from rdma_kv.transport import peers as peers_module
+    from rdma_kv.transport import ucx
+
+    a = make_agent("a", ucx_options=TCP, lanes=1)
+    b = make_agent("b", ucx_options=TCP, lanes=1)
+    monkeypatch.setattr(peers_module, "MAX_PAIRED_ENDPOINTS", 3)
+    a.add_peer(b.metadata(), name="b1", paired=True, ordinal=3)
+    with pytest.raises(PeerError, match="UCX pairs at most 3"):
+        a.add_peer(b.metadata(), name="b2", paired=True)
+    a.add_peer(b.metadata(), name="b3")  # unpaired: allowed
+    worker = a._core.worker
+    worker.lose_count(ucx_address(b))
+    assert worker.endpoints_made(ucx_address(b)) == -1
+    monkeypatch.setattr(peers_module, "MAX_PAIRED_ENDPOINTS", ucx.MAX_PAIRED_ENDPOINTS)
+    with pytest.raises(PeerError, match="failed to be made"):
+        a.add_peer(b.metadata(), name="b4", paired=True)
+    assert set(a.peers) == {"b1", "b3"}
+
+
+def ucx_address(agent) -> bytes:
+    from rdma_kv.transport import metadata as wire
+
+    return wire.decode(agent.metadata()).worker_address
+
+
+def test_more_endpoints_missing_than_one_import_makes_up_are_made_up_over_several(make_agent, monkeypatch):
+    from rdma_kv.errors import PeerError
+    from rdma_kv.transport import peers as peers_module
+
+    monkeypatch.setattr(peers_module, "MAX_PAD", 4)
+    a = make_agent("a", ucx_options=TCP, lanes=1)
+    b = make_agent("b", ucx_options=TCP, lanes=1)
+    with pytest.raises(PeerError, match="4 made up now, 5 left: introduce again"):
+        a.add_peer(b.metadata(), paired=True, ordinal=10)
+    with pytest.raises(PeerError, match="4 made up now, 1 left"):
+        a.add_peer(b.metadata(), paired=True, ordinal=10)
+    assert a.add_peer(b.metadata(), paired=True, ordinal=10) == "b" and a.ordinal("b") == 10

@@ -144,16 +144,20 @@ class Agent:
         this agent never imported (an introduction whose answer was lost;
         the peer cannot know whether it was imported) does not leave the
         counts, and the pairing, out of step for good. PeerError (nothing
-        imported, nothing replaced) when this worker made that many already."""
+        imported, nothing replaced) when this worker made that many already,
+        when more than ``peers.MAX_PAD`` are missing (that many are made up:
+        import again), and for any ``paired`` import when UCX pairs no more
+        endpoints between the two workers (65,535) or a failed
+        ``ucp_ep_create`` to the peer's worker left the count unknown."""
         if ordinal is not None and (not paired or ordinal < 1):
             raise ConfigError(f"add_peer: ordinal={ordinal!r} needs paired=True and a number from 1")
         core = self._core
         md = core.peers.decode(blob, name)
         with core.lock:
             core.require_open()
-            if ordinal is not None:
+            if paired:
                 with core.driver.bound():  # closing the endpoints it makes up progresses the worker
-                    core.peers.step_to(md, ordinal)
+                    core.peers.pair(md, ordinal)
             generation = new_generation()
             old = core.peers.discard(md.name)
             if old is not None:

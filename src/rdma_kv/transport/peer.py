@@ -87,7 +87,10 @@ class Peer:
         params.err_handler.cb = lib.rk_ep_error_cb
         params.err_handler.arg = self.ep_state
         ep = ffi.new("ucp_ep_h *")
-        check_status(lib.ucp_ep_create(self._worker.handle, params, ep), f"ucp_ep_create to {md.name!r}")
+        status = lib.ucp_ep_create(self._worker.handle, params, ep)
+        if status != lib.UCS_OK:
+            self._worker.lose_count(md.worker_address)  # (it may have taken a sequence number)
+        check_status(status, f"ucp_ep_create to {md.name!r}")
         entry = [ep[0], ffi.new("ucp_rkey_h[]", max(1, len(md.regions))), 0]
         self._eps.append(entry)
         n = self._worker.count_endpoint(md.worker_address)

@@ -28,7 +28,7 @@ from rdma_kv.errors import PeerError
 from rdma_kv.transport import metadata as wire
 from rdma_kv.transport._lib import status_name, ucx_version
 from rdma_kv.transport.peer import Peer, pad_endpoints
-from rdma_kv.transport.ucx import Worker
+from rdma_kv.transport.ucx import MAX_PAIRED_ENDPOINTS, Worker
 
 # The agent's logger: operators filter the transport's lines by it.
 log = logging.getLogger("rdma_kv.transport.agent")
@@ -83,26 +83,42 @@ class PeerTable:
             self._stale()
         return peer
 
-    def step_to(self, md: wire.AgentMetadata, ordinal: int) -> int:
-        """Bring the worker's count of endpoints to ``md``'s worker to
-        ``ordinal - 1``, so that the next one made is its ``ordinal``-th:
-        the one UCX pairs with the peer's ``ordinal``-th to this worker. Makes
-        and force-closes the missing ones (returns how many). PeerError when
-        this worker made ``ordinal`` or more already (the peer's count is
-        behind: a stale introduction), or more than ``MAX_PAD`` are missing."""
+    def pair(self, md: wire.AgentMetadata, ordinal: int | None) -> int:
+        """Before a ``paired`` import of ``md``: check that the endpoint it
+        makes will be paired by UCX, and with ``ordinal`` make it that
+        number among this worker's to ``md``'s worker (the one UCX pairs
+        with the peer's ``ordinal``-th to this worker), making and
+        force-closing the missing ones first, at most ``MAX_PAD`` per call
+        (returns how many). PeerError, with nothing imported, when this
+        worker made ``ordinal`` or more already (the peer's count is behind:
+        a stale introduction), when more are missing than one call makes up
+        (those it made count: introduce again), when UCX numbers no more
+        endpoints between the two workers, or when a failed
+        ``ucp_ep_create`` left the count unknown."""
         made = self._worker.endpoints_made(md.worker_address)
-        missing = ordinal - 1 - made
+        if made < 0:
+            raise PeerError(f"peer {md.name!r}: an endpoint to its worker failed to be made, and whether UCX "
+                            "numbered it is not known, so no endpoint to it can be paired with the peer's; "
+                            "restart either side (a new worker) to push between them again")
+        target = made + 1 if ordinal is None else ordinal
+        if target > MAX_PAIRED_ENDPOINTS:
+            raise PeerError(f"peer {md.name!r}: this worker made {made} endpoints to its worker, and UCX pairs "
+                            f"at most {MAX_PAIRED_ENDPOINTS} between two workers; restart either side (a new "
+                            "worker) to push between them again")
+        missing = target - 1 - made
         if missing < 0:
             raise PeerError(f"peer {md.name!r}: endpoint {ordinal} asked for, but this worker made {made} to it "
                             "already (an introduction older than the last one imported?); not imported")
-        if missing > MAX_PAD:
-            raise PeerError(f"peer {md.name!r}: endpoint {ordinal} asked for, {missing} more than this worker "
-                            f"made to it (at most {MAX_PAD} are made up); not imported")
-        if missing:
-            pad_endpoints(self._worker, md, missing)
+        pad = min(missing, MAX_PAD)
+        if pad:
+            pad_endpoints(self._worker, md, pad)
             log.info("peer %s: %d endpoint(s) made and closed so that the next pairs with its endpoint %d",
-                     md.name, missing, ordinal)
-        return missing
+                     md.name, pad, target)
+        if pad < missing:
+            raise PeerError(f"peer {md.name!r}: endpoint {ordinal} asked for, {missing} more than this worker "
+                            f"had made to it; {pad} made up now, {missing - pad} left: introduce again; "
+                            "not imported")
+        return pad
 
     def connect(self, md: wire.AgentMetadata, generation: int, paired: bool = False) -> Peer:
         """Connect the peer ``md`` describes (its name must not be in the

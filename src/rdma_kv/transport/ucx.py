@@ -235,6 +235,9 @@ DRAIN_WAIT_S = 2.0
 # Remote workers a worker keeps its count of endpoints to (Worker.count_endpoint):
 # one per peer incarnation it connected to; this many leave ~a few MiB.
 MAX_COUNTED_WORKERS = 65536
+# The most endpoints from one worker to another that UCX pairs: its sequence
+# numbers are 16 bits, and from 0xFFFF on it matches none (ucp_ep_match.h).
+MAX_PAIRED_ENDPOINTS = 0xFFFF
 
 
 class Worker:
@@ -273,19 +276,29 @@ class Worker:
 
     def count_endpoint(self, address: bytes) -> int:
         """Count one more endpoint made to the worker at ``address``; returns
-        its number (1 for the first). UCX numbers a worker's endpoints to one
-        remote worker in the order they are made (``ucp_ep_create``: its
-        connection sequence number) and pairs the n-th with the remote's n-th
-        to this worker: one connection. The least recently counted of more
-        than ``MAX_COUNTED_WORKERS`` remote workers is forgotten."""
-        n = self._made.pop(address, 0) + 1
+        its number (1 for the first; -1 once the count is not known). UCX
+        numbers a worker's endpoints to one remote worker in the order they
+        are made (``ucp_ep_create``: its connection sequence number, 16 bits)
+        and pairs the n-th with the remote's n-th to this worker: one
+        connection. The least recently counted of more than
+        ``MAX_COUNTED_WORKERS`` remote workers is forgotten."""
+        n = self._made.pop(address, 0)
+        n = n + 1 if n >= 0 else -1
         self._made[address] = n
         if len(self._made) > MAX_COUNTED_WORKERS:
             self._made.popitem(last=False)
         return n
 
+    def lose_count(self, address: bytes) -> None:
+        """A ``ucp_ep_create`` to ``address`` failed: UCX may have taken a
+        sequence number for it or not, so this worker's count of endpoints to
+        that worker, and the pairing it stands for, is no longer known."""
+        self._made.pop(address, None)
+        self._made[address] = -1
+
     def endpoints_made(self, address: bytes) -> int:
-        """How many endpoints this worker made to the worker at ``address``."""
+        """How many endpoints this worker made to the worker at ``address``
+        (-1: not known since a ``ucp_ep_create`` to it failed)."""
         return self._made.get(address, 0)
 
     def progress(self, max_rounds: int = 1024) -> int:

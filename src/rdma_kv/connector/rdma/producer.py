@@ -29,6 +29,7 @@ and its ``rdma`` modules ``auth``, ``fences``, ``heldwords``, ``wire``, ``leases
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import overload
@@ -69,6 +70,8 @@ class ProducerHandler:
         self._agent_metadata: Callable[[], bytes] | None = agent_metadata
         self._geometry = geometry
         self.registration = 1
+        self.life = secrets.token_bytes(wire.INCARNATION_BYTES)
+        """The life of the transport (a new one at each wake), as push answers name it (``wire.PushReply``)."""
         self.words: wire.RegionWire | None = None
         """Where this rank's held words are (``heldwords``), published in the handshake reply."""
         self.pusher: PushWriter | None = None
@@ -92,6 +95,7 @@ class ProducerHandler:
                pusher: PushWriter | None = None) -> None:
         """Registered again (a new transport, new remote keys)."""
         self._geometry, self.registration = geometry, registration
+        self.life = secrets.token_bytes(wire.INCARNATION_BYTES)
         self._agent_metadata = agent_metadata
         self.pusher = pusher
 
@@ -115,7 +119,8 @@ class ProducerHandler:
             return wire.Refused(f"incompatible KV caches ({diff}); {hint}")
         return wire.HandshakeReply(
             wire.PROTOCOL_VERSION, self._engine_id, self._rank, compat, compat.compat_hash(),
-            agent_metadata(), wire.GeometryWire.from_geometry(self._geometry), self.registration, self.words)
+            agent_metadata(), wire.GeometryWire.from_geometry(self._geometry), self.registration, self.words,
+            self.life)
 
     def on_renew(self, request: wire.Renew) -> wire.LeaseReply:
         if request.pin:
@@ -147,17 +152,17 @@ class ProducerHandler:
         return self._to_pusher(request, lambda p: p.query(request))
 
     def _to_pusher(self, request: object, act: Callable[[PushWriter], wire.PushReply]) -> wire.PushReply:
-        """``act``'s answer, naming the life it was given in (``registration``:
-        this one; 0 asleep, no transport): a decode that got no answer to a
-        PUSH cannot trust another life's "never taken" (``wire.PushReply``)."""
+        """``act``'s answer, naming the life of the transport it was given in
+        (empty asleep, no transport): a decode that got no answer to a PUSH
+        cannot trust another life's "never taken" (``wire.PushReply``)."""
         life = self._life()
         reply = self._push_answer(request, act)
         if self._life() != life:  # it slept or woke meanwhile: which life answered is not known
-            life = 0
+            life = b""
         return wire.PushReply(reply.state, reply.detail, reply.writes_end_within_s, life)
 
-    def _life(self) -> int:
-        return self.registration if self.pusher is not None else 0
+    def _life(self) -> bytes:
+        return self.life if self.pusher is not None else b""
 
     def _push_answer(self, request: object, act: Callable[[PushWriter], wire.PushReply]) -> wire.PushReply:
         pusher, query = self.pusher, isinstance(request, wire.PushQuery)

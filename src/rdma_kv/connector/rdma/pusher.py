@@ -170,6 +170,11 @@ class PushWriter(ConcurrentDispatch):
             name = self._transport.add_peer(request.agent_metadata, name=decode_name(key), paired=True,
                                             ordinal=request.ordinal or None)
         except PeerError as exc:
+            if old is not None:  # the decode's old link is closed on its side: its import goes too
+                try:
+                    self._transport.remove_peer(old.name)
+                except PeerError:
+                    pass
             return wire.PushReply(REFUSED, f"PUSH_HELLO not imported: {exc}")
         with self._lock:
             self._decodes[key] = Decode(name, geometry, request.registration, key, request.link, request.ordinal)

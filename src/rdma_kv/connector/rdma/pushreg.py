@@ -90,9 +90,15 @@ class ConcurrentDispatch:
 
     def _introduced_as(self, reg: wire.Push | wire.PushReg) -> Decode | None:
         """The decode ``reg`` names blocks of, under the lock: None when unknown,
-        or once it re-registered its KV cache (the blocks named are of the old one)."""
+        once it re-registered its KV cache (the blocks named are of the old
+        one), or once it introduced itself on another link than ``reg``'s: this
+        rank's import of it is then the new link's, and a write over it would
+        be out of reach of the fence the decode applies when ``reg`` fails
+        (it fences the link ``reg`` was sent on)."""
         decode = self._decodes.get(decode_key(reg))
-        return decode if decode is not None and decode.registration == reg.registration else None
+        if decode is None or decode.registration != reg.registration or reg.link and reg.link != decode.link:
+            return None
+        return decode
 
     def _init_concurrent(self) -> None:
         self._waiting: dict[str, list[bytes]] = collections.defaultdict(list)  # transfer id -> tokens

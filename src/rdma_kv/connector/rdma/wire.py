@@ -188,10 +188,13 @@ refuses as unknown: ``forbid_unknown_fields``):
     and refuses a hello whose number it passed already (a stale one). An
     introduction whose answer was lost left the decode not knowing
     whether the producer had imported it; when it had not, the two
-    counts stayed one apart and every later fence missed. And a push
-    answer names the producer's ``registration`` (0 asleep): an abort of
-    a PUSH that got no answer, answered "never taken" by a producer in
-    another life than the one the decode dialled, is fenced. Both sides'
+    counts stayed one apart and every later fence missed. PUSH and
+    PUSH_REG name the ``link`` they are sent on, and the producer writes
+    them only over its import for that link. The handshake reply and every
+    push answer name the ``life`` of the producer's transport (8 random
+    bytes per worker start and per wake; empty asleep): an abort of a PUSH
+    that got no answer, answered "never taken" by another life than the
+    one the decode dialled, is fenced. Both sides'
     imports are ``paired`` (one endpoint, the transport's own worker)
     since the same day, without a new number. A new number: a version-13
     producer refuses the field.
@@ -435,6 +438,10 @@ class Push(msgspec.Struct, frozen=True, tag="push", forbid_unknown_fields=True):
     remote_block_ids: GroupIdLists
     local_heads: HeadsWire | None = None
     remote_heads: HeadsWire | None = None
+    link: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    """The decode's link this push is sent on (``PushHello.link``): the
+    producer writes it only over its import for that link, the one the
+    decode fences if the push fails (version 14; empty: any)."""
 
 
 class PushReg(msgspec.Struct, frozen=True, tag="push_reg", forbid_unknown_fields=True):
@@ -462,6 +469,8 @@ class PushReg(msgspec.Struct, frozen=True, tag="push_reg", forbid_unknown_fields
     local_heads: HeadsWire | None = None
     remote_heads: HeadsWire | None = None
     prompt_digest: PromptDigest = b""
+    link: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    """As ``Push.link``."""
 
 
 class PushQuery(msgspec.Struct, frozen=True, tag="push_query", forbid_unknown_fields=True):
@@ -507,6 +516,8 @@ class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_ok", forbid_unk
     words: RegionWire | None = None
     """The producer rank's held words (``heldwords``; 16 bytes per block,
     registered with its agent), None when it publishes none."""
+    life: Annotated[bytes, msgspec.Meta(max_length=16)] = b""
+    """The life of the producer rank's transport (``PushReply.life``; version 14)."""
 
 
 class LeaseReply(msgspec.Struct, frozen=True, tag="lease", forbid_unknown_fields=True):
@@ -561,11 +572,12 @@ class PushReply(msgspec.Struct, frozen=True, tag="push_state", forbid_unknown_fi
     writes_end_within_s: float = 0.0
     """While ``running``: no write of this push lands later than this many
     seconds after the answer (the producer's transfer timeout)."""
-    registration: Annotated[int, msgspec.Meta(ge=0)] = 0
-    """The producer's KV-cache registration when it answered (version 14):
-    the life of its transport, a new one at each wake from sleep; 0 while
-    it has none (asleep). A push the producer may have taken in another
-    life is not known to this one."""
+    life: Annotated[bytes, msgspec.Meta(max_length=16)] = b""
+    """The life of the producer rank's transport that answered (version 14):
+    8 random bytes drawn when the worker starts and at each wake from
+    sleep, as in its handshake reply; empty while it has none (asleep). A
+    push the producer may have taken in another life is not known to this
+    one."""
 
 
 Reply = Union[Challenge, AuthOk, HandshakeReply, LeaseReply, Refused, ErrorReply, PushReply]

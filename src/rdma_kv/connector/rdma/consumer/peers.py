@@ -133,6 +133,8 @@ class Connection:
     """The producer rank's held words (``heldwords``), None when it publishes none."""
     words_table: Any = None
     """``words`` prepared with the transport (``words.WordChecks``, on first use)."""
+    life: bytes = b""
+    """The life of the producer rank's transport it answered from (``wire.PushReply.life``)."""
 
     def stale_for(self, registration: int, peer: PeerState) -> str | None:
         """Why a load of params issued under ``registration`` must not read
@@ -342,7 +344,8 @@ class PeerDirectory:
             with self._lock:
                 peer.state = PeerStage.READY
                 peer.connection = Connection(name, geometry, reply.registration, time.perf_counter() - t0,
-                                             words=checked_words(reply.words, geometry.num_blocks))
+                                             words=checked_words(reply.words, geometry.num_blocks),
+                                             life=reply.life)
                 waiting, peer.waiting = peer.waiting, []
                 self._counters.add("handshakes")
                 for load, _ in waiting:

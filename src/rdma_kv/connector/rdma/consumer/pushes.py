@@ -118,7 +118,7 @@ class PushHandle:
     probing: bool = False  # that RPC is its rank's one query (``Pushes.poll``)
     resend: bool = False  # answered PENDING (or unknown to a query): the next due time sends the PUSH again
     send_error: str = ""  # why the last call before an answer failed
-    registration: int = 0  # the producer's registration (the life of its transport) this push was sent to
+    life: bytes = b""  # the life of the producer's transport this push was sent to (wire.PushReply.life)
     error: BaseException | None = None
     _done: bool = False
     _finished_at: float | None = None
@@ -188,7 +188,7 @@ class Pushes:
         request = wire.Push(wire.PROTOCOL_VERSION, lease.to_wire(), secrets.token_bytes(wire.PUSH_TOKEN_BYTES),
                             self._engine_id, self._settings.tp_rank, self._incarnation, self._registration,
                             [list(g) for g in local_block_ids], [list(g) for g in remote_block_ids],
-                            local_heads, remote_heads)
+                            local_heads, remote_heads, _link(peer))
         return self._begin(peer, request, local_block_ids)
 
     def register(self, peer: PeerState, plan: RankPlan, read: Read, readers: int, spec: LoadSpec) -> PushHandle:
@@ -199,7 +199,8 @@ class Pushes:
         request = wire.PushReg(wire.PROTOCOL_VERSION, spec.transfer_id, secrets.token_bytes(wire.PUSH_TOKEN_BYTES),
                                self._engine_id, self._settings.tp_rank, self._incarnation, self._registration,
                                spec.first_token, spec.num_tokens, [list(g) for g in spec.local_block_ids],
-                               self._settings.tp_rank, readers, local_heads, remote_heads, spec.prompt_digest)
+                               self._settings.tp_rank, readers, local_heads, remote_heads, spec.prompt_digest,
+                               _link(peer))
         return self._begin(peer, request, spec.local_block_ids)
 
     def _begin(self, peer: PeerState, request: wire.Push | wire.PushReg,
@@ -213,7 +214,7 @@ class Pushes:
         now = self._clock()
         handle = PushHandle(request.token, peer, request, nbytes, ndescs, time.perf_counter(),
                             hard_deadline=now + self._settings.lease_max_s + self._settings.read_timeout_s,
-                            registration=peer.connection.registration if peer.connection is not None else 0)
+                            life=peer.connection.life if peer.connection is not None else b"")
         with self._lock:
             self._running[request.token] = handle
             handle.busy = True
@@ -357,13 +358,13 @@ class Pushes:
             # An abort of a PUSH the producer never took: it remembered the abort, so an
             # attempt of the PUSH still on its way writes nothing.
             why = f"; the PUSH got no answer: {handle.send_error}" if handle.send_error else ""
-            if handle.send_error and reply.registration != handle.registration:
+            if handle.send_error and (not reply.life or reply.life != handle.life):
                 # ... in this life of its transport. An attempt that got no answer may have been
                 # taken, its writes posted, by the life the push was sent to, which then went to
-                # sleep (its transport closed; what it queued may still land): fenced first.
-                self._peer_failed(handle.peer, f"an aborted push got no answer from its life "
-                                               f"(registration {handle.registration}), and the producer "
-                                               f"now answers from {reply.registration or 'sleep'}")
+                # sleep or died (its transport closed; what it queued may still land): fenced first.
+                self._peer_failed(handle.peer, f"an aborted push got no answer from the producer's transport "
+                                               f"it was sent to (life {handle.life.hex() or '?'}), and the "
+                                               f"producer now answers from {reply.life.hex() or 'sleep'}")
             self._resolve(handle, PushFailed(f"aborted before the producer took the push ({reply.detail}){why}"))
         elif state is S.UNKNOWN and not handle.answered:
             # A query after a PUSH that got no answer (a producer slow to answer: its side
@@ -521,6 +522,12 @@ def _refused_connection(exc: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return isinstance(exc, PeerError) and "refused" in str(exc).lower() and "connect" in str(exc).lower()
+
+
+def _link(peer: PeerState) -> str:
+    """The link a push to ``peer`` goes on (the producer writes it over its
+    import for that link only: ``wire.Push.link``)."""
+    return peer.connection.name if peer.connection is not None else ""
 
 
 def _heads(plan: RankPlan, read: Read) -> tuple[wire.HeadsWire | None, wire.HeadsWire | None]:
