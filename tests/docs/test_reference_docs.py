@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from rdma_kv.connector.config import KVTransferConfig
-from rdma_kv.connector.rdma import wire
+from rdma_kv.connector.rdma import versions, wire
 from rdma_kv.connector.rdma.settings import EXTRA_KEYS, USER_KEYS, RdmaSettings
 from rdma_kv.transport.ucx import DEFAULT_OPTIONS
 
@@ -208,8 +208,8 @@ def test_the_documented_protocol_version_is_the_wires() -> None:
     text = _text("docs/rdma-connector.md")
     assert f"## Side channel wire protocol (version {wire.PROTOCOL_VERSION})" in text
     assert f"version {wire.PROTOCOL_VERSION} (this release)" in text
-    # and wire.py's history (PROTOCOL_VERSION's docstring) has an entry for it
-    assert re.search(rf"^{wire.PROTOCOL_VERSION}\. \(", Path(wire.__file__).read_text(), re.M)
+    # and versions.py's history (PROTOCOL_VERSION's docstring) has an entry for it
+    assert re.search(rf"^{wire.PROTOCOL_VERSION}\. \(", Path(versions.__file__).read_text(), re.M)
 
 
 # --- modules and names ----------------------------------------------------------------------

@@ -140,7 +140,7 @@ class PushWriter(ConcurrentDispatch):
                 # old one's block ids mean nothing in the new cache. Or a new
                 # link: the decode dialled this rank again, and only an
                 # endpoint made afresh pairs with its new one, which is what
-                # its fence closes (wire.py, version 13). Retired before its
+                # its fence closes (versions.py, 13 and 14). Retired before its
                 # peer is replaced (its transfers in flight fail), so that
                 # nothing prepares a write for it from here on (``_tables``
                 # checks again once prepared).

@@ -246,8 +246,8 @@ class Pushes:
         The producer imports the decode afresh for a new link, its endpoint
         made the same number as ours for the link among each side's to the
         other (``ordinal``), so that UCX pairs the two: our fence (a forced
-        close of ours) stops its writes only through that pairing (wire.py,
-        versions 13 and 14)."""
+        close of ours) stops its writes only through that pairing (versions.py:
+        13 and 14)."""
         if not (client.authenticated or self._settings.allow_unauthenticated or is_loopback(client.host)):
             # A PUSH_HELLO carries this worker's address and the remote keys of its whole KV
             # cache, writable; without a secret the producer is whoever answers at an address
