@@ -163,7 +163,8 @@ class Agent:
             if old is not None:
                 core.fail_peer(old, "replaced by newly imported metadata")
                 core.peers.retire(old)
-            core.lanes.disconnect(md.name)  # (an earlier import's lane endpoints, if it had them)
+            if paired:  # (an earlier import's lane endpoints go; an unpaired one's replace them)
+                core.lanes.disconnect(md.name)
             core.peers.connect(md, generation, paired)
             try:
                 if not paired:

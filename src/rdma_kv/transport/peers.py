@@ -34,7 +34,7 @@ from rdma_kv.transport.ucx import MAX_PAIRED_ENDPOINTS, Worker
 log = logging.getLogger("rdma_kv.transport.agent")
 
 # The most endpoints one import may make and close to catch up with the
-# peer's count (PeerTable.step_to): each is one of the peer's links this
+# peer's count (PeerTable.pair): each is one of the peer's links this
 # worker never imported (an introduction whose answer was lost).
 MAX_PAD = 64
 

@@ -20,7 +20,7 @@ the lease table; in push mode PUSH_HELLO, PUSH and PUSH_QUERY go to the
 does its own locking. Authentication happens before any of this, in
 ``sidechannel``.
 
-Imports the standard library, the connector's ``geometry`` and ``types``,
+Imports the standard library, msgspec, the connector's ``geometry`` and ``types``,
 and its ``rdma`` modules ``auth``, ``fences``, ``heldwords``, ``wire``, ``leases``, ``meta``, ``pusher``,
 ``settings``, ``sidechannel``, ``stats`` and ``transport_api``. Never the consumer's modules
 (``rdma.consumer``) or ``worker``.
@@ -33,6 +33,8 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import overload
+
+import msgspec
 
 from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma import auth, fences, wire
@@ -159,7 +161,7 @@ class ProducerHandler:
         reply = self._push_answer(request, act)
         if self._life() != life:  # it slept or woke meanwhile: which life answered is not known
             life = b""
-        return wire.PushReply(reply.state, reply.detail, reply.writes_end_within_s, life)
+        return msgspec.structs.replace(reply, life=life)
 
     def _life(self) -> bytes:
         return self.life if self.pusher is not None else b""
