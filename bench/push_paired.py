@@ -47,7 +47,12 @@ def _decode(conn: Any, shm_name: str) -> None:
             pool = np.ndarray(POOL_BLOCKS * BLOCK_BYTES, np.uint8, shm.buf)
             agent.register(pool)
             conn.send((agent.metadata(), pool.ctypes.data))  # (the segment's address in this process)
+            # A decode takes its notifications as it goes (the connector does,
+            # every step): left in the ring, the notified writes would fill it.
+            while not conn.poll(0.05):
+                agent.get_notifications()
             conn.recv()  # stop
+            agent.get_notifications()
     finally:
         shm.close()
 
