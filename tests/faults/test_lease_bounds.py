@@ -26,11 +26,11 @@ pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess, pytest.mark.timeout(180
 
 
 def test_a_lease_renewed_past_its_lifetime_ends_and_the_load_recomputes(rng):
-    # TTL 4 s, renewed every third of it while the reads are held: without
+    # TTL 6 s, renewed every third of it while the reads are held: without
     # the bound the lease lives as long as the gate stays closed. (A TTL of
     # 1 s ended the lease as expired, not at its lifetime, whenever a loaded
-    # host delayed one renewal by 0.7 s.)
-    p_cfg = config("kv_producer", "PLB", lease_ttl_s=4.0, lease_max_s=10.0)
+    # host delayed one renewal by 0.7 s; 4 s left 2.7 s.)
+    p_cfg = config("kv_producer", "PLB", lease_ttl_s=6.0, lease_max_s=15.0)
     d_cfg = config("kv_consumer", "DLB", load_timeout_s=120.0, read_timeout_s=120.0)
     with EngineProcess("prefill-lb", p_cfg, SHAPE) as p, \
             EngineProcess("decode-lb", d_cfg, SHAPE, faults={"gate_reads": True}) as d:

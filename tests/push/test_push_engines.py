@@ -13,7 +13,7 @@ from rdma_kv.harness.process import EngineProcess
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
-from test_integration import SHAPE, assert_loaded_bit_exact, prefill, settle, twin_waves  # noqa: E402  (tests/rdma: the pull tests' engines)
+from test_integration import ROOMY, SHAPE, assert_loaded_bit_exact, prefill, settle, twin_waves  # noqa: E402  (tests/rdma: the pull tests' engines)
 from test_integration import config as pull_config  # noqa: E402
 from rdma_testutil import wait_until  # noqa: E402
 
@@ -25,8 +25,8 @@ def config(role, engine_id, mode="push", **extra):
 
 
 def test_push_many_requests_bit_exact(rng):
-    with EngineProcess("prefill", config("kv_producer", "P"), SHAPE) as p, \
-            EngineProcess("decode", config("kv_consumer", "D"), SHAPE) as d:
+    with EngineProcess("prefill", config("kv_producer", "P", **ROOMY), SHAPE) as p, \
+            EngineProcess("decode", config("kv_consumer", "D", **ROOMY), SHAPE) as d:
         prompts = {f"q{i}": rng.integers(1, 999, int(rng.integers(1, 600))).tolist() for i in range(24)}
         params = prefill(p, prompts)
         for rid, prompt in prompts.items():
@@ -42,9 +42,9 @@ def test_two_decodes_given_one_engine_id_each_load_their_own_blocks(rng):
     pushes wrote into the first decode's blocks (which the first's own
     requests held), while its own loads waited for notifications that went
     to the first. Now the producer knows each decode by its incarnation."""
-    with EngineProcess("prefill", config("kv_producer", "P"), SHAPE) as p, \
-            EngineProcess("decode-a", config("kv_consumer", "D"), SHAPE) as a, \
-            EngineProcess("decode-b", config("kv_consumer", "D"), SHAPE) as b:
+    with EngineProcess("prefill", config("kv_producer", "P", **ROOMY), SHAPE) as p, \
+            EngineProcess("decode-a", config("kv_consumer", "D", **ROOMY), SHAPE) as a, \
+            EngineProcess("decode-b", config("kv_consumer", "D", **ROOMY), SHAPE) as b:
         twin_waves(rng, {"a": p, "b": p}, {"a": a, "b": b})
         settle(p, a)
         settle(p, b)

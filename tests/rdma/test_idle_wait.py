@@ -95,21 +95,21 @@ def test_an_idle_step_reports_a_load_that_finishes_while_it_waits(rng):
 
 def test_an_idle_step_waits_once_more_for_held_words_posted_as_its_time_ran_out(rng, monkeypatch):
     """The reads land, and their held words' read is posted, while the idle
-    step waits; the words' read lands only after ``idle_wait_s`` (0.5 s,
-    released at 0.7 s): the step waits for it (once, at most
-    ``WORDS_GRACE_S`` more, here 0.5 s) and reports the load, rather than
-    leaving it to the next step."""
+    step waits; the words' read lands only after ``idle_wait_s`` (1 s,
+    released at 1.3 s): the step waits for it (once, at most
+    ``WORDS_GRACE_S`` more, here 1 s: 0.7 s to spare for a loaded host) and
+    reports the load, rather than leaving it to the next step."""
     from rdma_kv.connector.rdma.consumer import words
 
     monkeypatch.setattr(words, "WORDS_GRACE_S", 5.0)  # the grace is then idle_wait_s (it is at most that)
-    with admitted_with_reads_held(rng, idle_wait_s=0.5) as (fabric, P, D):
+    with admitted_with_reads_held(rng, idle_wait_s=1.0) as (fabric, P, D):
         released, began = threading.Event(), time.perf_counter()
 
         def release() -> None:
             wait_until(lambda: bool(fabric.pending), 10.0, what="the reads posted")
             fabric.release_all()  # the data lands; its held words' read is posted (and held)
             wait_until(lambda: bool(fabric.pending), 10.0, what="the held words' read posted")
-            time.sleep(max(0.0, began + 0.7 - time.perf_counter()))  # idle_wait_s is over; its grace is not
+            time.sleep(max(0.0, began + 1.3 - time.perf_counter()))  # idle_wait_s is over; its grace is not
             released.set()
             fabric.hold = False
             fabric.release_all()

@@ -235,11 +235,14 @@ def test_a_producer_slow_once_on_its_first_call_is_tried_again_and_a_tarpit_is_c
     What the timeout changes: the client is not ``answering``, so the pool
     caps the calls to it."""
     renew = wire.Renew(wire.PROTOCOL_VERSION, [lease(0)])
-    hiccup = Hiccup(late_s=0.6)
+    # Late past the first attempt's 1 s, free 0.85 s before the second
+    # attempt's deadline (a 0.3 s timeout with a 0.6 s lateness left 48 ms,
+    # which a loaded host takes).
+    hiccup = Hiccup(late_s=1.2)
     server = SideChannelServer(hiccup, "127.0.0.1", 0)
     tarpit = Tarpit()
     try:
-        client = SideChannelClient("127.0.0.1", server.port, connect_timeout_s=5.0, rpc_timeout_s=0.3, retries=2)
+        client = SideChannelClient("127.0.0.1", server.port, connect_timeout_s=5.0, rpc_timeout_s=1.0, retries=2)
         assert client.lease_call(renew).statuses == [wire.LeaseStatus.HELD] and client.answering
         stranger = SideChannelClient("127.0.0.1", tarpit.port, connect_timeout_s=5.0, rpc_timeout_s=0.2,
                                      retries=2)

@@ -133,13 +133,15 @@ def test_accepting_pauses_while_the_process_is_out_of_file_descriptors():
 
 def test_unreachable_peer_fails_within_bounds():
     port = free_port()  # nothing listens there (outside the ephemeral range: no client's port either)
-    client = SideChannelClient("127.0.0.1", port, connect_timeout_s=0.5, rpc_timeout_s=0.5, retries=1)
+    client = SideChannelClient("127.0.0.1", port, connect_timeout_s=30.0, rpc_timeout_s=30.0, retries=1)
+    client.down_s = 30.0  # (the second call below comes within it, however late this thread runs)
     t0 = time.monotonic()
     # Refused: nobody listens, so no waiting out connect_timeout_s (the
-    # producer died; a consumer must learn it at once).
+    # producer died; a consumer must learn it at once). Long timeouts, so
+    # that waiting either out could not pass for "at once" on a slow host.
     with pytest.raises(PeerError, match=r"unreachable after 2 attempts in .*Connection refused"):
         client.lease_call(renew())
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 10
     with pytest.raises(PeerError, match="is down"):  # fails fast while marked down
         client.lease_call(renew())
     assert time.monotonic() - t0 < 5
@@ -169,9 +171,12 @@ def test_a_link_that_comes_back_within_the_connect_timeout_costs_the_call_nothin
     (before: its three attempts were over in 0.15 s, and the CONFIRM it
     carried failed its load; ``tests/faults/test_netns.py`` flaps a real
     link)."""
-    link = DownLink(0.3)
+    # Down for 1 s: the three attempts of before (0.15 s) meet it even when
+    # this thread starts late on a loaded host (with 0.3 s, 0.16 s late left
+    # two refusals).
+    link = DownLink(1.0)
     monkeypatch.setattr(socket, "create_connection", link)
-    client = SideChannelClient("127.0.0.1", server.port, connect_timeout_s=2.0, rpc_timeout_s=2.0, retries=2)
+    client = SideChannelClient("127.0.0.1", server.port, connect_timeout_s=3.0, rpc_timeout_s=2.0, retries=2)
     t0 = time.monotonic()
     assert client.lease_call(renew()).statuses == [wire.LeaseStatus.HELD]
     assert time.monotonic() - t0 >= 0.3 and link.refused >= 3
@@ -216,8 +221,8 @@ def test_a_lookup_that_fails_for_now_is_waited_out_like_a_link_down(server, monk
     "Network is unreachable". The call keeps trying until
     ``connect_timeout_s`` (before: its three attempts were over in 0.15 s).
     A name that does not exist is not waited out."""
-    resolver = FlakyResolver(monkeypatch, "kv-prefill-0.flap.example", 0.3, socket.EAI_AGAIN)
-    client = SideChannelClient(resolver.name, server.port, connect_timeout_s=2.0, rpc_timeout_s=2.0, retries=2)
+    resolver = FlakyResolver(monkeypatch, "kv-prefill-0.flap.example", 1.0, socket.EAI_AGAIN)  # (as above: 1 s)
+    client = SideChannelClient(resolver.name, server.port, connect_timeout_s=3.0, rpc_timeout_s=2.0, retries=2)
     assert client.lease_call(renew()).statuses == [wire.LeaseStatus.HELD]
     assert resolver.failed >= 3
     client.close()
@@ -237,6 +242,7 @@ class SlowProducer:
 
     def __init__(self, delay_s):
         self.delay_s, self.answered = delay_s, 0
+        self.sent: list[float] = []  # when each answer went out (time.monotonic)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -260,6 +266,7 @@ class SlowProducer:
                 except OSError:
                     return
                 self.answered += 1
+                self.sent.append(time.monotonic())
 
     def close(self):
         self.listener.close()
@@ -274,12 +281,16 @@ def test_an_attempt_is_bounded_by_connect_and_rpc_timeouts_together():
     the whole timeout, so a producer answering each message in 0.6 x the
     timeout held an attempt for 1.2 x it (and one with a shared secret, for
     up to six timeouts), and the call here succeeded."""
-    producer = SlowProducer(delay_s=0.3)
-    client = SideChannelClient("127.0.0.1", producer.port, connect_timeout_s=0.5, rpc_timeout_s=0.5, retries=0)
+    producer = SlowProducer(delay_s=0.6)
+    client = SideChannelClient("127.0.0.1", producer.port, connect_timeout_s=1.0, rpc_timeout_s=1.0, retries=0)
     try:
+        t0 = time.monotonic()
         with pytest.raises(PeerError, match="unreachable after 1 attempts in .*timed out"):
             client.lease_call(renew())
-        assert producer.answered == 1  # the CHALLENGE went out in time; the reply could not
+        # The CHALLENGE went out in time; the reply could not. Counted by when
+        # they went out: the reply is sent (into the closed socket) 0.2 s
+        # after the call's deadline, and a loaded host may look later.
+        assert len([t for t in producer.sent if t - t0 < 1.0]) == 1
     finally:
         client.close()
         producer.close()
@@ -346,7 +357,9 @@ def test_a_producer_that_answered_gets_every_retry_when_it_stalls():
     answered: a CONFIRM was given up after 2 of its 3 attempts and the
     data read discarded (CI: two loaded prefills, 4.1 s)."""
     producer = StallingProducer(stall={2, 3})
-    client = SideChannelClient("127.0.0.1", producer.port, connect_timeout_s=2.0, rpc_timeout_s=0.3, retries=2)
+    # 1 s per attempt: calls 1 and 4 must be answered within it, or the
+    # producer's numbering shifts onto the calls it stalls.
+    client = SideChannelClient("127.0.0.1", producer.port, connect_timeout_s=2.0, rpc_timeout_s=1.0, retries=2)
     try:
         assert client.lease_call(renew()).statuses == [wire.LeaseStatus.HELD]  # call 1: answered
         assert client.lease_call(renew()).statuses == [wire.LeaseStatus.HELD]  # attempts 2, 3 stall; 4 answers
@@ -371,7 +384,8 @@ def test_a_timeout_says_whether_the_producer_answered_this_client_before():
     consumer waits out its HANDSHAKE: ``peers``); so says the fast failure
     after it. A port that never answered is not."""
     producer = StallingProducer(stall={2, 3})
-    client = SideChannelClient("127.0.0.1", producer.port, connect_timeout_s=2.0, rpc_timeout_s=0.3, retries=1)
+    client = SideChannelClient("127.0.0.1", producer.port, connect_timeout_s=2.0, rpc_timeout_s=1.0, retries=1)  # (as above)
+    client.down_s = 30.0  # (the fast failure looked at below comes within it, however late this thread runs)
     try:
         assert client.lease_call(renew()).statuses == [wire.LeaseStatus.HELD]
         with pytest.raises(PeerTimeout, match="unreachable after 2 attempts") as stalled:

@@ -15,7 +15,7 @@ from rdma_kv.harness.process import EngineProcess
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
 SHAPE = ModelShape(num_layers=4, num_kv_heads=4, head_size=32, block_size=16, num_blocks=512)
-LEASE_TTL_S = 3.0
+LEASE_TTL_S = 6.0  # (3 s left a loaded host little room between a prefill and its load's first renewal)
 
 
 def config(role, engine_id, secret_file, policy="fail", **extra):
@@ -33,10 +33,11 @@ def test_two_processes_with_and_without_the_secret(tmp_path, rng):
     for path in (good, bad):
         os.chmod(path, 0o600)
     prompts = {f"a{i}": rng.integers(1, 999, int(rng.integers(20, 200))).tolist() for i in range(6)}
-    # Both decode engines start before the prefill: the leases' 3 s TTL runs
+    # Both decode engines start before the prefill: the leases' TTL runs
     # from the prefill, and an engine's start on a loaded machine can take longer.
     with EngineProcess("prefill-auth", config("kv_producer", "PA", str(good)), SHAPE) as p, \
-            EngineProcess("decode-auth", config("kv_consumer", "DA", str(good)), SHAPE) as d, \
+            EngineProcess("decode-auth", config("kv_consumer", "DA", str(good), read_timeout_s=30.0,
+                                                load_timeout_s=60.0), SHAPE) as d, \
             EngineProcess("decode-wrong", config("kv_consumer", "DW", str(bad)), SHAPE) as d2:
         for rid, prompt in prompts.items():
             p.add(rid, prompt, {"do_remote_decode": True})

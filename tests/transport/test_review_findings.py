@@ -27,7 +27,7 @@ import pytest
 
 from rdma_kv.errors import RegistrationError, TransferError
 from rdma_kv.transport import agentcore
-from transport_helpers import hung_peer, link
+from transport_helpers import HUNG_WAIT_S, hung_peer, link, wait_until
 
 NBYTES = 1 << 16
 
@@ -60,7 +60,12 @@ def test_a_callback_run_after_a_post_may_close_the_agent(make_agent):
     a, b, src, dst, loc, rem = pair(make_agent, settle_delay_s=1.0)
     first = b.read("a", loc, rem)
     first.add_done_callback(lambda t: b.close())
-    time.sleep(0.05)  # the pumps complete it; no one settles it for settle_delay_s
+    # The pumps complete it; no one settles it for settle_delay_s. Waited for
+    # (the shim's done stamp), not slept: a loaded host's pumps may take more
+    # than any fixed sleep, and then the next read had nothing to settle.
+    inflight = b._core.inflight  # (holds the slots' memory while looked at)
+    slot = inflight._slots[first._slot]
+    wait_until(lambda: b.closed or slot.done_ns != 0, HUNG_WAIT_S, "the first read's completion")
     t0 = time.monotonic()
     try:
         b.read("a", loc, rem)  # settles the first on its way: its callback closes the agent

@@ -334,7 +334,9 @@ def hung_peer(make_agent):
     reader.add_peer(target.metadata())
     target.add_peer(reader.metadata())
     loc, rem = DescList([mine.ctypes.data], HUNG_NBYTES), DescList([theirs.ctypes.data], HUNG_NBYTES)
-    first = reader.read("target", loc, rem)
+    # The warm-up read has a deadline of its own: under the reader's 1 s, a
+    # loaded host could fail the peer before the test begins.
+    first = reader.read("target", loc, rem, timeout_s=HUNG_WAIT_S)
     wait_until(first.done, HUNG_WAIT_S, "a first read", drive=[target])
     stuck = [reader.read("target", loc, rem), reader.flush("target")]
     for xfer in stuck:
