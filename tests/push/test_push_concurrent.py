@@ -558,6 +558,47 @@ def test_an_introduction_whose_answer_was_lost_is_made_up_at_the_next_link(monke
         pair.close()
 
 
+def test_an_introduction_answered_by_another_life_of_the_producer_fails_the_handshake(monkeypatch):
+    """The producer slept and woke between the handshake (answered by its
+    old transport, which the decode's link was made to) and the decode's
+    introduction: its new worker imported the decode, numbering our
+    endpoint to its old worker, a pairing our fence cannot reach. The
+    answer names the new life: the handshake fails, the link is fenced, and
+    the next dial introduces the decode to the new worker (found by a
+    review; before, the introduction was taken as done)."""
+    from rdma_kv.connector.rdma.consumer import peers as peers_module
+    from rdma_kv.connector.rdma.meta import PeerAddress
+
+    real_call = SideChannelClient.call
+    woke = [False]
+    pair = Pair()
+    handler = pair.P.worker.worker.side_channel_handler
+
+    def call(self, request, *args, **kwargs):
+        if isinstance(request, wire.PushHello) and not woke[0]:
+            woke[0] = True
+            handler.life = secrets.token_bytes(8)  # (what a wake does: a new transport, a new life)
+        return real_call(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(SideChannelClient, "call", call)
+    monkeypatch.setattr(peers_module, "PEER_RETRY_S", 0.0)
+    try:
+        consumer = pair.D.worker.worker._consumer
+        transport = consumer._local.transport
+        address = PeerAddress("prefill-1", "127.0.0.1", pair.P.worker.worker.side_channel_port, 1)
+        for attempt in range(2):
+            with consumer._lock:
+                peer = consumer.peers._connect(address, 0)
+            assert peer is not None
+            wait_until(lambda: peer.state.value != "connecting", step=pair.pump, what="the handshake")
+            if attempt == 0:
+                assert peer.state.value == "failed" and "restarted" in peer.error, peer.error
+                assert len(transport.fenced) == 1, "the link introduced to another life is fenced"
+        assert peer.state.value == "ready", peer.error
+    finally:
+        pair.close()
+
+
 def test_a_registration_sent_on_a_link_the_producer_no_longer_imports_writes_nothing(rng):
     """A PUSH_REG waits for its prefill; meanwhile the decode introduces
     itself on another link (it dialled the producer rank again), and the
@@ -626,5 +667,87 @@ def test_an_introduction_older_than_the_imported_link_is_refused_and_replaces_no
         assert reply.state is wire.PushState.REFUSED and "out of date" in reply.detail, reply
         (decode,) = writer._decodes.values()
         assert decode.link == "link-b" and decode.ordinal == 2
+    finally:
+        pair.close()
+
+
+def test_the_seal_of_layer_writes_is_not_flushed_over_a_link_imported_after_the_check(rng):
+    """A registration's layer-wise writes went out over the import of link
+    L1. ``_finish_layerwise`` checks the decode is still introduced on L1
+    (under the writer's lock), releases the lock, then flushes *by name*.
+    A PUSH_HELLO of a new link handled on the side channel thread in that
+    window replaces the import under the same name: the flush and its
+    notification go over the new link's endpoint, which never carried the
+    writes, and the decode is told every byte landed. In UCX a flush of one
+    endpoint says nothing of another's writes (and the old one was just
+    force-closed by the replacement; over TCP its unflushed bytes may be
+    dropped, and the decode has fenced L1 before it dialled L2). Found by a
+    review; each import now has a name of its own, so the flush by the old
+    name meets PeerError and the push fails (the decode recomputes)."""
+    pair = Pair()
+    try:
+        p_rid, d_rid, tid, prompt = pair.decode_registered(rng)
+        writer = pair.writer()
+        (decode,) = writer._decodes.values()
+        transport = writer._transport
+        worker = pair.D.worker.worker
+        local = worker._local
+        seen = []
+        real_flush = transport.flush
+
+        def flush(name, **kwargs):
+            if not seen:  # the side channel thread wins the race once, right after the check
+                reply = writer.hello(wire.PushHello(
+                    wire.PROTOCOL_VERSION, "decode-1", local.rank, worker._incarnation, decode.registration,
+                    local.transport.metadata(), wire.GeometryWire.from_geometry(local.geometry),
+                    "another-link", decode.ordinal + 1))
+                assert reply.state is wire.PushState.DONE, reply
+                seen.append((name, kwargs.get("notify") is not None))
+            return real_flush(name, **kwargs)
+
+        transport.flush = flush
+        writes = pair.fabric.writes
+        pair.prefill(p_rid, prompt, tid)
+        wait_until(lambda: pair.finished(d_rid), step=pair.pump, what="the decode")
+        r = pair.D.results[d_rid]
+        assert pair.fabric.writes > writes and seen, "no layer-wise write / no seal flush happened"
+        name, notified = seen[0]
+        assert name == decode.name and notified  # the seal, by the name of the import the writes went over
+        (new,) = writer._decodes.values()
+        assert new.name != decode.name and decode.name not in transport.peers
+        assert r.load_failed, ("the decode took the push as complete: its seal was flushed and notified over "
+                               "the new link's import, the writes went over the old one")
+    finally:
+        pair.close()
+
+
+def test_a_new_link_whose_import_fails_in_ucx_leaves_no_import_of_the_old_one(monkeypatch):
+    """As test_push_concurrent's ..._transport_refuses_to_import_leaves_no_import_of_the_old_one,
+    but the import fails the way a failed ``ucp_ep_create`` fails it (the case
+    ``lose_count`` is for): ``check_status`` raises UCXError, not PeerError.
+    hello() deleted the old link's decode record before add_peer and caught
+    only PeerError: the old link's import stayed in the transport with no
+    record (no later hello removed it). Found by a review; the old import is
+    now removed before the new one is made."""
+    from rdma_kv.errors import UCXError
+
+    pair = Pair()
+    try:
+        writer, hello = pair.writer(), pair.hello_of("decode-x")
+        assert writer.hello(hello("link-a", 1)).state is wire.PushState.DONE
+        (decode,) = writer._decodes.values()
+
+        def fail(*args, **kwargs):
+            raise UCXError("ucp_ep_create to 'decode-x' failed: UCS_ERR_NO_RESOURCE (UCS status -4)",
+                           -4, "UCS_ERR_NO_RESOURCE")
+
+        monkeypatch.setattr(writer._transport, "add_peer", fail)
+        try:
+            reply = writer.hello(hello("link-b", 2))
+        except UCXError as exc:
+            reply = exc
+        assert not writer._decodes
+        assert decode.name not in writer._transport.peers, (
+            f"the old link's import stays with no decode record (hello answered {reply!r})")
     finally:
         pair.close()

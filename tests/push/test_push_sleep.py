@@ -108,3 +108,40 @@ def test_a_push_adopted_while_a_call_of_the_old_consumer_is_in_flight_is_dropped
     for _ in range(3):
         new.poll()
     assert submitted == [] and new.running() == 0
+
+
+def one_request(P, D, rid, prompt):
+    P.add_request(rid, prompt, {"do_remote_decode": True})
+    P.run(until=lambda: rid in P.results and P.results[rid].status.value == "finished")
+    D.add_request(rid, prompt, P.results[rid].kv_transfer_params)
+    deadline = time.monotonic() + 30
+    while rid not in D.results or D.results[rid].status.value not in ("finished", "failed"):
+        assert time.monotonic() < deadline, "the decode never finished"
+        P.step()
+        D.step()
+        time.sleep(0.01)
+    return D.results[rid]
+
+
+def test_a_decode_that_woke_from_sleep_is_introduced_on_its_first_new_link():
+    """The decode keeps its incarnation across a sleep, but its transport (its
+    UCX worker) is new: its first link after the wake is endpoint 1 of the new
+    worker. The producer still holds the record of the decode's old worker
+    (ordinal 1, registration 1) and compares the two workers' ordinals:
+    PUSH_HELLO 'out of date', the handshake failed and the load recomputed
+    (with N links before the sleep, the first N handshakes after the wake;
+    found by a review). Ordinals are compared within one registration."""
+    fabric = FakeFabric()
+    kw = {"transport_factory": fabric.factory}
+    P = Engine(config("kv_producer", "P"), SHAPE, connector_kwargs=kw, prefix_caching=False)
+    D = Engine(config("kv_consumer", "D"), SHAPE, connector_kwargs=kw, prefix_caching=False)
+    try:
+        r = one_request(P, D, "before", list(range(1, 30)))
+        assert r.status.value == "finished" and not r.load_failed, r.error
+        D.sleep()
+        D.wake_up()
+        r = one_request(P, D, "after", list(range(2, 31)))
+        assert not r.load_failed, f"the first load after the decode's wake failed: {r.error}"
+    finally:
+        P.shutdown()
+        D.shutdown()

@@ -224,6 +224,20 @@ def test_a_registration_made_before_the_decode_re_registered_its_kv_cache_writes
     assert written(s, [40, 41], [20, 21])
 
 
+def test_an_introduction_from_before_the_decode_slept_replaces_nothing():
+    """A PUSH_HELLO of registration 1 delayed past the decode's registration
+    2 (it slept and woke: new worker, new memory) is refused and replaces
+    nothing: ordinals are compared within one registration only (a woken
+    decode's new worker counts its links from 1 again), so registrations are
+    compared first."""
+    s, hello = concurrent_setup()
+    assert s.writer.hello(msgspec.structs.replace(hello, registration=2, link="l2")).detail == "introduced"
+    (decode,) = s.writer._decodes.values()
+    stale = s.writer.hello(msgspec.structs.replace(hello, registration=1, link="l1", ordinal=5))
+    assert stale.state is S.REFUSED and "registration 1" in stale.detail and "registration 2" in stale.detail, stale
+    assert list(s.writer._decodes.values()) == [decode] and list(s.p.peers) == [decode.name]
+
+
 def test_a_re_registration_while_a_write_is_being_prepared_writes_nothing():
     """The engine thread took the decode's registration 1 for a grant; before
     it prepared the decode's slot table, the side channel thread took the
@@ -275,7 +289,7 @@ def test_a_decode_forgotten_after_a_failed_write_has_its_peer_removed():
     restarted = wire.PushHello(wire.PROTOCOL_VERSION, "D", wire.RankInfo(0, 1, 2), b"n" * 8, 1, s.d.metadata(),
                                wire.GeometryWire.from_geometry(s.g_dst))
     assert s.writer.hello(restarted).detail == "introduced"
-    assert list(s.p.peers) == ["D/tp0#6e6e6e6e6e6e6e6e"], s.p.peers
-    assert old == "D/tp0#6969696969696969"
+    assert list(s.p.peers) == ["D/tp0#6e6e6e6e6e6e6e6e/2"], s.p.peers  # (each import named apart: /N)
+    assert old == "D/tp0#6969696969696969/1"
     assert s.writer.push(msgspec.structs.replace(s.push(2, [50, 51]), incarnation=b"n" * 8)).state is S.DONE
     assert written(s, [50, 51], [20, 21])

@@ -312,6 +312,8 @@ class FakeTransport:
         """Completes at once (the fake's writes copy when they resolve); with
         ``notify``, after the peer's held writes from this agent resolved."""
         fabric = self.fabric
+        if peer not in self.peers:  # (as the agent: a name not imported, or removed since)
+            raise PeerError(f"fake: unknown peer {peer!r}")
         peer = self.aliases.get(peer, peer)
         xfer = FakeTransfer(fabric, peer, np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint64), 0)
         xfer.reader = self.name

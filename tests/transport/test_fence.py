@@ -191,6 +191,24 @@ def test_a_paired_import_past_what_ucx_pairs_or_after_a_failed_create_is_refused
     assert set(a.peers) == {"b1", "b3"}
 
 
+def test_a_count_is_kept_however_many_other_workers_were_counted_since(make_agent):
+    """UCX keeps its number of endpoints to each remote worker for the
+    worker's life; so does the count a ``paired`` import is numbered by. A
+    bounded table (65,536, least recently counted forgotten) read a forgotten
+    count as 0: the next import was padded from there and paired with none
+    of the peer's endpoints (a review's reproduction with real UCX: all of an
+    abandoned 32 MiB write landed after a fence that returned True)."""
+    a = make_agent("a", ucx_options=TCP, lanes=1)
+    b = make_agent("b", ucx_options=TCP, lanes=1)
+    a.add_peer(b.metadata(), name="b1", paired=True, ordinal=2)
+    worker = a._core.worker
+    for i in range(70_000):  # other remote workers, each counted once (decodes woken and restarted, say)
+        worker.count_endpoint(b"other worker %d" % i)
+    assert worker.endpoints_made(ucx_address(b)) == 2
+    a.add_peer(b.metadata(), name="b2", paired=True, ordinal=3)
+    assert a.ordinal("b2") == 3 and a._core.worker.endpoints_made(ucx_address(b)) == 3
+
+
 def ucx_address(agent) -> bytes:
     from rdma_kv.transport import metadata as wire
 

@@ -15,9 +15,9 @@ May import: rdma_kv.errors, rdma_kv.transport._lib.
 from __future__ import annotations
 
 import logging
+import hashlib
 import os
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -232,9 +232,6 @@ class Context:
 DRAIN_WAIT_S = 2.0
 
 
-# Remote workers a worker keeps its count of endpoints to (Worker.count_endpoint):
-# one per peer incarnation it connected to; this many leave ~a few MiB.
-MAX_COUNTED_WORKERS = 65536
 # The most endpoints from one worker to another that UCX pairs: its sequence
 # numbers are 16 bits, and from 0xFFFF on it matches none (ucp_ep_match.h).
 MAX_PAIRED_ENDPOINTS = 0xFFFF
@@ -269,10 +266,14 @@ class Worker:
         # Endpoints a peer's close left open while flushes of them were
         # outstanding (peer.py: closed once those end, else with the worker).
         self.left_open: list[Any] = []
-        # How many endpoints this worker made to each remote worker (by its
-        # address): UCX numbers them so, and pairs the n-th with the n-th the
-        # remote worker makes back (``count_endpoint``).
-        self._made: OrderedDict[bytes, int] = OrderedDict()
+        # How many endpoints this worker made to each remote worker (by a
+        # digest of its address): UCX numbers them so, and pairs the n-th with
+        # the n-th the remote worker makes back (``count_endpoint``).
+        self._made: dict[bytes, int] = {}
+
+    @staticmethod
+    def _key(address: bytes) -> bytes:
+        return hashlib.blake2b(address, digest_size=16).digest()
 
     def count_endpoint(self, address: bytes) -> int:
         """Count one more endpoint made to the worker at ``address``; returns
@@ -280,26 +281,31 @@ class Worker:
         numbers a worker's endpoints to one remote worker in the order they
         are made (``ucp_ep_create``: its connection sequence number, 16 bits)
         and pairs the n-th with the remote's n-th to this worker: one
-        connection. The least recently counted of more than
-        ``MAX_COUNTED_WORKERS`` remote workers is forgotten."""
-        n = self._made.pop(address, 0)
+        connection.
+
+        Kept for the worker's life, as UCX keeps its own number per remote
+        worker (``ucs_conn_match``: freed only when the worker is destroyed):
+        a count forgotten would read as 0, the next paired import would be
+        numbered from there, and the remote's fence would reach nothing
+        (an earlier bounded table lost a live peer's count so: a review's
+        test, ``tests/transport/test_fence.py``). About 100 bytes per remote
+        worker, of the order of what UCX itself holds for it."""
+        key = self._key(address)
+        n = self._made.get(key, 0)
         n = n + 1 if n >= 0 else -1
-        self._made[address] = n
-        if len(self._made) > MAX_COUNTED_WORKERS:
-            self._made.popitem(last=False)
+        self._made[key] = n
         return n
 
     def lose_count(self, address: bytes) -> None:
         """A ``ucp_ep_create`` to ``address`` failed: UCX may have taken a
         sequence number for it or not, so this worker's count of endpoints to
         that worker, and the pairing it stands for, is no longer known."""
-        self._made.pop(address, None)
-        self._made[address] = -1
+        self._made[self._key(address)] = -1
 
     def endpoints_made(self, address: bytes) -> int:
         """How many endpoints this worker made to the worker at ``address``
         (-1: not known since a ``ucp_ep_create`` to it failed)."""
-        return self._made.get(address, 0)
+        return self._made.get(self._key(address), 0)
 
     def progress(self, max_rounds: int = 1024) -> int:
         return int(self._lib.rk_progress(self.handle, max_rounds))

@@ -113,6 +113,8 @@ class PushWriter(ConcurrentDispatch):
         """Least recently used first (a push or registration from a decode moves it last)."""
         self._pushes: collections.OrderedDict[bytes, PushEntry] = collections.OrderedDict()
         self._retired: list[str] = []
+        self._imports = 0
+        """Imports of decodes made (each named apart: ``hello``)."""
         """Transport peers of decodes forgotten after a failed write, to remove (side channel thread)."""
         self._generations: set[tuple[int, int]] = set()  # (lease, reader) pushed: a second PUSH is refused
         self._own: dict[HeadSlice | None, tuple[SlotTable, PreparedList]] = {}
@@ -129,10 +131,18 @@ class PushWriter(ConcurrentDispatch):
             old = self._decodes.get(key)
             if old is not None and old.registration == request.registration and old.link == request.link:
                 return wire.PushReply(DONE, "known")
-            if old is not None and request.ordinal and old.ordinal >= request.ordinal:
+            if old is not None and request.registration < old.registration:
+                # An introduction of the decode's KV cache from before it slept,
+                # delayed: its worker and its blocks are gone. Nothing is replaced.
+                return wire.PushReply(REFUSED, f"PUSH_HELLO out of date: registration {request.registration}, "
+                                               f"this rank imported the decode's registration {old.registration}")
+            if old is not None and old.registration == request.registration and request.ordinal \
+                    and old.ordinal >= request.ordinal:
                 # An introduction older than the link imported (delayed on another
                 # connection): importing it would pair with none of the decode's live
-                # endpoints. Nothing is replaced.
+                # endpoints. Nothing is replaced. (Compared within one registration
+                # only: a decode that woke from sleep has a new worker, whose links
+                # count from 1 again.)
                 return wire.PushReply(REFUSED, f"PUSH_HELLO out of date: link endpoint {request.ordinal}, "
                                                f"this rank imported the decode's endpoint {old.ordinal}")
             if old is not None:
@@ -150,14 +160,28 @@ class PushWriter(ConcurrentDispatch):
                 room = self._make_room()
             if isinstance(room, wire.PushReply):
                 return room
-            gone = self._retired + ([room] if room else [])  # (names are unique per decode: none is in use)
+            gone = self._retired + ([room] if room else [])  # (names are unique per import: none is in use)
             self._retired = []
-        for name in gone:  # (peers are removed on this thread, never in a completion callback)
-            self._transport.remove_peer(name)
+            self._imports += 1
+            name = f"{decode_name(key)}/{self._imports}"
+        for retired in gone:  # (peers are removed on this thread, never in a completion callback)
+            self._transport.remove_peer(retired)
+        if old is not None:
+            # The decode's old link is closed on its side (it fenced it before it
+            # dialled again) or belongs to its old registration: that import goes,
+            # forced (its writes in flight fail), whatever comes of the new one.
+            # Each import has a name of its own, so that nothing resolved by the
+            # old name later (a layer-wise push's flush and notification, after
+            # its link check) can reach the new link, whose endpoint carried none
+            # of that push's writes: it meets PeerError and the push fails.
+            try:
+                self._transport.remove_peer(old.name, fence=True)
+            except PeerError:
+                pass
         # Named by the decode worker it introduces itself as (engine, rank and
-        # incarnation; a new registration of it replaces the old), not by its
-        # metadata's own name: another decode's metadata cannot replace this
-        # one's peer, even under the same engine id.
+        # incarnation) and this import's number, not by its metadata's own
+        # name: another decode's metadata cannot replace this one's peer, even
+        # under the same engine id.
         # ``paired``: every write to the decode on this one endpoint (none striped onto a
         # lane's), which UCX pairs with the decode's endpoint for this link, the one its
         # fence closes. A lane's endpoint pairs with none of the decode's: a striped write
@@ -167,14 +191,9 @@ class PushWriter(ConcurrentDispatch):
         # endpoints to the decode's (links it never imported are made up), so the two pair
         # even after an introduction whose answer the decode never got.
         try:
-            name = self._transport.add_peer(request.agent_metadata, name=decode_name(key), paired=True,
+            name = self._transport.add_peer(request.agent_metadata, name=name, paired=True,
                                             ordinal=request.ordinal or None)
         except PeerError as exc:
-            if old is not None:  # the decode's old link is closed on its side: its import goes too
-                try:
-                    self._transport.remove_peer(old.name)
-                except PeerError:
-                    pass
             return wire.PushReply(REFUSED, f"PUSH_HELLO not imported: {exc}")
         with self._lock:
             self._decodes[key] = Decode(name, geometry, request.registration, key, request.link, request.ordinal)
@@ -312,13 +331,19 @@ class PushWriter(ConcurrentDispatch):
             if why is not None:
                 raise ValueError(f"the geometry the decode introduced does not pair with this producer's "
                                  f"(or the head slices do not match): {why}")
-            dst = (table, self._transport.prep_remote(decode.name, table.descs))
+            try:
+                prepared: PreparedList | None = self._transport.prep_remote(decode.name, table.descs)
+            except PeerError as exc:  # (its import removed meanwhile: a new link or registration replaced it)
+                prepared, gone = None, exc
             with self._lock:
                 if self._decodes.get(decode.key) is not decode:
-                    # Re-registered (or forgotten) while this was prepared: the
-                    # list may be of the new cache's peer, under the same name.
+                    # Re-registered (or forgotten, or introduced on a new link)
+                    # while this was prepared: not written through this import.
                     raise ValueError(f"{describe(decode.key)} re-registered its KV cache: registration "
                                      f"{decode.registration}'s block ids are not written")
+                if prepared is None:
+                    raise ValueError(f"{describe(decode.key)}: its import is gone ({gone})")
+                dst = (table, prepared)
                 decode.tables[dst_heads] = dst
         return own, dst
 

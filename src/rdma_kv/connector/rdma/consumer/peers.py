@@ -211,7 +211,7 @@ class PeerDirectory:
         self._counters = counters
         self._clock = clock
         self._on_handshake = on_handshake
-        self.introduce: Callable[[PeerState, str], None] | None = None
+        self.introduce: Callable[[PeerState, str, bytes], None] | None = None
         """Push mode: the handshake's last step (``Pushes.introduce``), once
         the transport peer is made; its failure fails the handshake."""
         self._peers: dict[PeerKey, PeerState] = {}
@@ -322,7 +322,7 @@ class PeerDirectory:
             name = self._local.transport.add_peer(reply.agent_metadata, name=peer.transport_name,
                                                   paired=self.introduce is not None)
             if self.introduce is not None:
-                self.introduce(peer, name)
+                self.introduce(peer, name, reply.life)
         except Exception as exc:
             if name is not None:
                 self._remove(name, fence=self.introduce is not None)

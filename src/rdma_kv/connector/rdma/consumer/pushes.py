@@ -231,15 +231,17 @@ class Pushes:
     def _client(self, handle: PushHandle) -> Any:
         return self._pool.get(*self._address(handle))
 
-    def introduce(self, peer: PeerState, link: str) -> None:
+    def introduce(self, peer: PeerState, link: str, life: bytes) -> None:
         """The handshake's step in push mode (its RPC thread, once the
         transport peer ``link`` is made): introduce this decode to the
         producer rank on it, so that no link stays without an introduction
         (the two sides' counts of endpoints to each other stay equal, which
-        the fence needs: ``_hello``). Raises what refused it."""
-        self._hello(link, self._pool.get(*peer.address.rank_address(peer.rank)))
+        the fence needs: ``_hello``). ``life``: the handshake reply's (the
+        producer's transport that ``link`` was made to). Raises what
+        refused it."""
+        self._hello(link, self._pool.get(*peer.address.rank_address(peer.rank)), life)
 
-    def _hello(self, link: str, client: Any) -> None:
+    def _hello(self, link: str, client: Any, life: bytes) -> None:
         """Introduce this decode's KV cache to the producer rank on ``link``:
         the transport peer this decode made for it at the handshake (each
         handshake makes a new one, and introduces it once: ``introduce``).
@@ -267,6 +269,14 @@ class Pushes:
         if not isinstance(reply, wire.PushReply) or reply.state is not wire.PushState.DONE:
             detail = reply.detail if isinstance(reply, wire.PushReply) else getattr(reply, "reason", repr(reply))
             raise PushFailed(f"producer {client.address} refused this decode's KV cache: {detail}")
+        if life and reply.life != life:
+            # The producer slept and woke between the handshake and this answer: its new
+            # worker imported this decode numbering our endpoint to its *old* worker, so
+            # its writes would cross a connection none of ours pairs with, out of our
+            # fence's reach. The handshake fails (and fences the link); the next dials
+            # the new worker.
+            raise PushFailed(f"producer {client.address}'s transport restarted between the handshake and "
+                             "this decode's introduction (it slept and woke): dialled again")
 
     def _send(self, handle: PushHandle) -> None:
         """PUSH ``handle`` (its producer rank's RPC thread)."""
