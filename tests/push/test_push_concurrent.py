@@ -99,6 +99,26 @@ class Pair:
                                  b"x" * 8, 1, local.transport.metadata(),
                                  wire.GeometryWire.from_geometry(local.geometry))
 
+    def dial_failing_once(self, why):
+        """The decode dials the producer rank twice, as a load's admission
+        does (``PEER_RETRY_S`` patched to 0): the first handshake fails
+        saying ``why`` and its link is fenced, the second makes the peer
+        READY, which is returned."""
+        from rdma_kv.connector.rdma.meta import PeerAddress
+
+        consumer = self.D.worker.worker._consumer
+        address = PeerAddress("prefill-1", "127.0.0.1", self.P.worker.worker.side_channel_port, 1)
+        for attempt in range(2):
+            with consumer._lock:
+                peer = consumer.peers._connect(address, 0)
+            assert peer is not None
+            wait_until(lambda: peer.state.value != "connecting", step=self.pump, what="the handshake")
+            if attempt == 0:
+                assert peer.state.value == "failed" and why in peer.error, peer.error
+                assert len(consumer._local.transport.fenced) == 1, "the link whose handshake failed is fenced"
+        assert peer.state.value == "ready", peer.error
+        return peer
+
     def registered(self):
         """Registrations the producer holds, not yet resolved."""
         return self.P.worker.worker.resources().get("pushes_running", 0)
@@ -518,7 +538,6 @@ def test_an_introduction_whose_answer_was_lost_is_made_up_at_the_next_link(monke
     before, the never-arrived case left the producer's import paired with
     the decode's fenced first endpoint, and every later fence missed)."""
     from rdma_kv.connector.rdma.consumer import peers as peers_module
-    from rdma_kv.connector.rdma.meta import PeerAddress
     from rdma_kv.errors import PeerError
 
     lose = [True]
@@ -536,19 +555,9 @@ def test_an_introduction_whose_answer_was_lost_is_made_up_at_the_next_link(monke
     monkeypatch.setattr(peers_module, "PEER_RETRY_S", 0.0)
     pair = Pair()
     try:
-        consumer = pair.D.worker.worker._consumer
         writer = pair.P.worker.worker.side_channel_handler.pusher
-        transport = consumer._local.transport
-        address = PeerAddress("prefill-1", "127.0.0.1", pair.P.worker.worker.side_channel_port, 1)
-        for attempt in range(2):
-            with consumer._lock:
-                peer = consumer.peers._connect(address, 0)
-            assert peer is not None
-            wait_until(lambda: peer.state.value != "connecting", step=pair.pump, what="the handshake")
-            if attempt == 0:
-                assert peer.state.value == "failed" and "no answer" in peer.error, peer.error
-                assert len(transport.fenced) == 1, "the link whose introduction got no answer is fenced"
-        assert peer.state.value == "ready", peer.error
+        transport = pair.D.worker.worker._consumer._local.transport
+        peer = pair.dial_failing_once("no answer")
         link = peer.connection.name
         (decode,) = writer._decodes.values()
         assert decode.link == link and transport.ordinal(link) == 2 and decode.ordinal == 2
@@ -567,7 +576,6 @@ def test_an_introduction_answered_by_another_life_of_the_producer_fails_the_hand
     the next dial introduces the decode to the new worker (found by a
     review; before, the introduction was taken as done)."""
     from rdma_kv.connector.rdma.consumer import peers as peers_module
-    from rdma_kv.connector.rdma.meta import PeerAddress
 
     real_call = SideChannelClient.call
     woke = [False]
@@ -583,18 +591,7 @@ def test_an_introduction_answered_by_another_life_of_the_producer_fails_the_hand
     monkeypatch.setattr(SideChannelClient, "call", call)
     monkeypatch.setattr(peers_module, "PEER_RETRY_S", 0.0)
     try:
-        consumer = pair.D.worker.worker._consumer
-        transport = consumer._local.transport
-        address = PeerAddress("prefill-1", "127.0.0.1", pair.P.worker.worker.side_channel_port, 1)
-        for attempt in range(2):
-            with consumer._lock:
-                peer = consumer.peers._connect(address, 0)
-            assert peer is not None
-            wait_until(lambda: peer.state.value != "connecting", step=pair.pump, what="the handshake")
-            if attempt == 0:
-                assert peer.state.value == "failed" and "restarted" in peer.error, peer.error
-                assert len(transport.fenced) == 1, "the link introduced to another life is fenced"
-        assert peer.state.value == "ready", peer.error
+        pair.dial_failing_once("restarted")
     finally:
         pair.close()
 
