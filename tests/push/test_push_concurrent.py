@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import secrets
+import threading
 import time
 import uuid
 
@@ -568,30 +569,127 @@ def test_an_introduction_whose_answer_was_lost_is_made_up_at_the_next_link(monke
 
 
 def test_an_introduction_answered_by_another_life_of_the_producer_fails_the_handshake(monkeypatch):
-    """The producer slept and woke between the handshake (answered by its
-    old transport, which the decode's link was made to) and the decode's
-    introduction: its new worker imported the decode, numbering our
-    endpoint to its old worker, a pairing our fence cannot reach. The
-    answer names the new life: the handshake fails, the link is fenced, and
-    the next dial introduces the decode to the new worker (found by a
-    review; before, the introduction was taken as done)."""
+    """The producer's life changed while it answered the decode's
+    introduction (it slept and woke under the call): which transport
+    imported the decode, and against which worker its endpoint was
+    numbered, is not known, and the answer says so (an empty life). The
+    decode's check (the answer's life must be the handshake's) fails the
+    handshake and fences the link; the next dial introduces the decode to
+    the new transport (found by a review; before, any DONE was taken). The
+    producer's own check (protocol 15: a hello naming another life is
+    refused) is the other test's."""
     from rdma_kv.connector.rdma.consumer import peers as peers_module
 
-    real_call = SideChannelClient.call
-    woke = [False]
+    monkeypatch.setattr(peers_module, "PEER_RETRY_S", 0.0)
     pair = Pair()
     handler = pair.P.worker.worker.side_channel_handler
+    writer = pair.writer()
+    real_hello = writer.hello
+
+    def hello(request):
+        reply = real_hello(request)
+        if monkeypatch_once:
+            monkeypatch_once.pop()
+            handler.life = writer.life = secrets.token_bytes(8)  # (a wake under the call: a new life)
+        return reply
+
+    monkeypatch_once = [True]
+    monkeypatch.setattr(writer, "hello", hello)
+    try:
+        pair.dial_failing_once("restarted")
+    finally:
+        pair.close()
+
+
+def _dial(pair, consumer, address):
+    with consumer._lock:
+        peer = consumer.peers._connect(address, 0)
+    assert peer is not None
+    wait_until(lambda: peer.state.value != "connecting", step=pair.pump, what="the handshake")
+    return peer
+
+
+@pytest.mark.parametrize("links_before", [1, 3])
+def test_a_producer_that_sleeps_and_wakes_under_an_introduction_takes_the_next_dial(monkeypatch, links_before):
+    """The producer really sleeps and wakes (new transport, worker and
+    pusher) while the decode's PUSH_HELLO is on its way, after
+    ``links_before`` links to its old worker. The hello names the life that
+    answered its handshake (protocol 15): the new pusher refuses it before
+    importing anything, the handshake fails and the link is fenced, and the
+    next dial (the decode's first endpoint to the new worker) is taken.
+    Before, the new pusher imported the decode under the old worker's
+    number and refused the next ``links_before`` dials "out of date" (a
+    review's reproduction: 1 and 3 refusals)."""
+    from rdma_kv.connector.rdma.consumer import peers as peers_module
+    from rdma_kv.connector.rdma.meta import PeerAddress
+
+    monkeypatch.setattr(peers_module, "PEER_RETRY_S", 0.0)
+    real_call = SideChannelClient.call
+    hold, arrived, armed = threading.Event(), threading.Event(), [False]
 
     def call(self, request, *args, **kwargs):
-        if isinstance(request, wire.PushHello) and not woke[0]:
-            woke[0] = True
-            handler.life = secrets.token_bytes(8)  # (what a wake does: a new transport, a new life)
+        if isinstance(request, wire.PushHello) and armed[0] and not arrived.is_set():
+            arrived.set()
+            assert hold.wait(30)
         return real_call(self, request, *args, **kwargs)
 
     monkeypatch.setattr(SideChannelClient, "call", call)
-    monkeypatch.setattr(peers_module, "PEER_RETRY_S", 0.0)
+    pair = Pair()
     try:
-        pair.dial_failing_once("restarted")
+        consumer = pair.D.worker.worker._consumer
+        address = PeerAddress("prefill-1", "127.0.0.1", pair.P.worker.worker.side_channel_port, 1)
+        for _ in range(links_before - 1):  # links to the producer's first worker, each fenced (failed pushes)
+            peer = _dial(pair, consumer, address)
+            assert peer.state.value == "ready", peer.error
+            consumer.peers.failed(peer, "test: a failed push")
+        armed[0] = True
+        with consumer._lock:
+            peer = consumer.peers._connect(address, 0)
+        assert arrived.wait(30), "no PUSH_HELLO"
+        pair.P.sleep()  # the producer's engine sleeps and wakes while the hello is on its way
+        pair.P.wake_up()
+        hold.set()
+        wait_until(lambda: peer.state.value != "connecting", step=pair.pump, what="the handshake")
+        assert peer.state.value == "failed" and "another life" in peer.error, peer.error
+        assert not pair.writer()._decodes, "the new pusher recorded an introduction meant for the old worker"
+        peer = _dial(pair, consumer, address)
+        assert peer.state.value == "ready", peer.error
+    finally:
+        pair.close()
+
+
+def test_a_handshake_answered_across_a_sleep_and_wake_is_refused():
+    """The producer's side channel read its transport's metadata, then lost
+    the CPU while the engine slept and woke: the reply named the old
+    worker's metadata under the new life, so the decode's introduction
+    check passed against the wrong worker (found by a review). The handler
+    now reads the life first and refuses when it changed under the
+    metadata; the next dial is answered by the new transport."""
+    from rdma_kv.connector.rdma.meta import PeerAddress
+
+    pair = Pair()
+    try:
+        handler = pair.P.worker.worker.side_channel_handler
+        real_md = handler._agent_metadata
+        hold, arrived = threading.Event(), threading.Event()
+
+        def slow_metadata():
+            md = real_md()
+            arrived.set()
+            assert hold.wait(30)  # the side channel thread loses the CPU here
+            return md
+
+        handler._agent_metadata = slow_metadata
+        consumer = pair.D.worker.worker._consumer
+        address = PeerAddress("prefill-1", "127.0.0.1", pair.P.worker.worker.side_channel_port, 1)
+        with consumer._lock:
+            peer = consumer.peers._connect(address, 0)
+        assert arrived.wait(30)
+        pair.P.sleep()
+        pair.P.wake_up()
+        hold.set()
+        wait_until(lambda: peer.state.value != "connecting", step=pair.pump, what="the handshake")
+        assert peer.state.value == "failed" and "registered again during this handshake" in peer.error, peer.error
     finally:
         pair.close()
 

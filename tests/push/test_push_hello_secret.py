@@ -44,7 +44,7 @@ def hello(client: Client, allow_unauthenticated: bool = False) -> None:
     local = SimpleNamespace(transport=SimpleNamespace(metadata=_metadata), rank=0, geometry=None)
     pushes = Pushes(local, "D", 1, b"i" * 8, settings, SimpleNamespace(), lambda peer, why: None,
                     lambda heads: (None, None))
-    pushes._hello("P/tp0#1", client)  # the link: the transport peer of a handshake
+    pushes._hello("P/tp0#1", client, b"L" * 8)  # the link: the transport peer of a handshake, and its life
 
 
 def test_no_secret_no_write_keys_to_a_producer_off_this_machine():

@@ -98,10 +98,17 @@ class ProducerHandler:
         """Registered again (a new transport, new remote keys)."""
         self._geometry, self.registration = geometry, registration
         self.life = secrets.token_bytes(wire.INCARNATION_BYTES)
+        if pusher is not None:
+            pusher.life = self.life  # (before it is published: a hello it takes is checked against it)
         self._agent_metadata = agent_metadata
         self.pusher = pusher
 
     def on_handshake(self, request: wire.Handshake) -> wire.HandshakeReply | wire.Refused:
+        # One snapshot: the life, registration and geometry read before the
+        # metadata, and checked after it (a sleep and wake in between would
+        # answer one transport's metadata under another's life, and the
+        # decode's introduction check would pass against the wrong worker).
+        life, registration, geometry, words = self.life, self.registration, self._geometry, self.words
         agent_metadata = self._agent_metadata
         if agent_metadata is None:
             return wire.Refused("the producer's KV cache is not registered (the engine is asleep, vLLM "
@@ -119,10 +126,13 @@ class ProducerHandler:
                     "both engines must run the same transfer mode (kv_connector_extra_config 'mode': "
                     "'pull' or 'push')")
             return wire.Refused(f"incompatible KV caches ({diff}); {hint}")
+        metadata = agent_metadata()
+        if self._agent_metadata is not agent_metadata or self.life != life:
+            return wire.Refused("the producer's KV cache was registered again during this handshake (the "
+                                "engine slept or woke): retry")
         return wire.HandshakeReply(
             wire.PROTOCOL_VERSION, self._engine_id, self._rank, compat, compat.compat_hash(),
-            agent_metadata(), wire.GeometryWire.from_geometry(self._geometry), self.registration, self.words,
-            self.life)
+            metadata, wire.GeometryWire.from_geometry(geometry), registration, words, life)
 
     def on_renew(self, request: wire.Renew) -> wire.LeaseReply:
         if request.pin:
@@ -241,7 +251,10 @@ class RdmaProducer:
                                   transport.metadata, geometry)
         handler.words = self._register_words(transport, geometry)
         self._block_size = compat.block_size
-        handler.pusher = self._new_pusher(transport, geometry)
+        pusher = self._new_pusher(transport, geometry)
+        if pusher is not None:
+            pusher.life = handler.life
+        handler.pusher = pusher
         port = s.side_channel_port
         if s.side_channel_max_connections:
             raise_fd_limit(s.side_channel_max_connections)

@@ -115,6 +115,9 @@ class PushWriter(ConcurrentDispatch):
         self._retired: list[str] = []
         self._imports = 0
         """Imports of decodes made (each named apart: ``hello``)."""
+        self.life = b""
+        """The life of the transport this pusher writes through (``ProducerHandler``
+        sets it before publishing the pusher): a PUSH_HELLO naming another is refused."""
         """Transport peers of decodes forgotten after a failed write, to remove (side channel thread)."""
         self._generations: set[tuple[int, int]] = set()  # (lease, reader) pushed: a second PUSH is refused
         self._own: dict[HeadSlice | None, tuple[SlotTable, PreparedList]] = {}
@@ -125,6 +128,13 @@ class PushWriter(ConcurrentDispatch):
     # --- PUSH_HELLO ------------------------------------------------------------------------
 
     def hello(self, request: wire.PushHello) -> wire.PushReply:
+        if request.life and self.life and request.life != self.life:
+            # The handshake was answered by the transport before this one (the
+            # producer slept and woke since): the link is to a worker that is
+            # gone, and ``ordinal`` counts the decode's endpoints to it.
+            # Nothing is imported or recorded; the decode dials again.
+            return wire.PushReply(REFUSED, "PUSH_HELLO for another life of this producer's transport (it slept "
+                                           "and woke since the handshake): dial again")
         key = decode_key(request)
         geometry = request.geometry.to_geometry()
         with self._lock:

@@ -7,7 +7,7 @@ history, which the messages' own docstrings refer to by number.
 Imports nothing.
 """
 
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 """The side channel's version: both ends must speak the same one. A peer of
 another version is refused with a message naming both versions (a version-1
 producer answers HELLO with ``error``, which the client reports as a version
@@ -125,4 +125,12 @@ refuses as unknown: ``forbid_unknown_fields``):
     imports are ``paired`` (one endpoint, the transport's own worker)
     since the same day, without a new number. A new number: a version-13
     producer refuses the field.
+15. (2026-12-03) PUSH_HELLO names the ``life`` of the producer's
+    transport that answered the link's handshake; a pusher of another life
+    (the producer slept and woke in between) refuses it before importing
+    anything. Its ``ordinal`` counts the decode's endpoints to that life's
+    worker: imported by the new worker, the decode's record there held a
+    number of the old worker's, and the decode's next dials (its first
+    endpoints to the new worker) were refused "out of date" until they
+    passed it. A new number: a version-14 producer refuses the field.
 """

@@ -304,6 +304,11 @@ class PushHello(msgspec.Struct, frozen=True, tag="push_hello", forbid_unknown_fi
     """The number of ``link``'s endpoint among those the decode's worker made
     to this producer rank's worker (``Agent.ordinal``; 0: not counted): the
     producer's import is made the same number (version 14)."""
+    life: Annotated[bytes, msgspec.Meta(max_length=INCARNATION_BYTES)] = b""
+    """The ``life`` of the producer's transport that answered the handshake
+    ``link`` was made at (empty: not known): another life's pusher refuses
+    it before importing anything, since ``ordinal`` counts endpoints to that
+    life's worker (version 15)."""
 
 
 class Push(msgspec.Struct, frozen=True, tag="push", forbid_unknown_fields=True):

@@ -265,7 +265,7 @@ class Pushes:
         reply = client.call(wire.PushHello(wire.PROTOCOL_VERSION, self._engine_id, local.rank, self._incarnation,
                                            self._registration, local.transport.metadata(),
                                            wire.GeometryWire.from_geometry(local.geometry), link,
-                                           local.transport.ordinal(link)))
+                                           local.transport.ordinal(link), life))
         if not isinstance(reply, wire.PushReply) or reply.state is not wire.PushState.DONE:
             detail = reply.detail if isinstance(reply, wire.PushReply) else getattr(reply, "reason", repr(reply))
             raise PushFailed(f"producer {client.address} refused this decode's KV cache: {detail}")
