@@ -77,6 +77,24 @@ def test_a_push_writes_the_leases_blocks_into_the_decodes_and_notifies_after_the
     assert s.writer.take_counters().done == 1
 
 
+def test_a_new_link_fails_the_writes_held_on_the_old_links_import():
+    """The decode introduced itself on a new link (it fenced the old one):
+    the old import goes, forced, before the new one is made, and a write
+    still in flight through it fails; its push is answered FAILED, never
+    DONE, and nothing lands or is notified (the fake fails it as the agent
+    does)."""
+    s = Setup()
+    s.fabric.hold = True
+    assert s.writer.push(s.push(1, [40, 41])).state is S.RUNNING
+    again = wire.PushHello(wire.PROTOCOL_VERSION, "D", wire.RankInfo(0, 1, 2), INC, 1, s.d.metadata(),
+                           wire.GeometryWire.from_geometry(s.g_dst), "link-2")
+    assert s.writer.hello(again).detail == "introduced"
+    s.fabric.release_all()
+    reply = s.writer.query(wire.PushQuery(wire.PROTOCOL_VERSION, bytes([1]) * 16))
+    assert reply.state is S.FAILED, reply
+    assert not any(s.dst[n].any() for n in s.dst) and not s.d.get_notifications()
+
+
 def test_two_decodes_given_one_engine_id_each_get_their_own_writes():
     """An operator gave two decode engines one engine id: the producer tells
     them apart by their incarnation, so neither's introduction replaces the

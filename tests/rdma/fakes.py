@@ -167,8 +167,9 @@ class FakeNotification:
 
 
 class FakePrep:
-    def __init__(self, descs, peer):
+    def __init__(self, descs, peer, via=None, generation=0):
         self.descs, self.peer = descs, peer
+        self.via, self.generation = via, generation  # a remote list's: the import it was prepared for
 
     def __len__(self):
         return len(self.descs)
@@ -182,6 +183,7 @@ class FakeTransport:
         self.peers = {}
         self.aliases = {}
         self.paired = {}  # name -> imported ``paired`` (one endpoint, no lanes: what a fence needs)
+        self.generations = {}  # name -> how many times it was imported (a remote list is of one of them)
         self.made = {}  # worker -> endpoints made to it (Agent.ordinal's count), by the peer transport's id
         self.ordinals = {}  # name -> its endpoint's number
         self.padded = 0  # endpoints made up by ``ordinal``
@@ -214,6 +216,9 @@ class FakeTransport:
             made = ordinal - 1
         self.made[md["worker"]] = made + 1
         self.ordinals[name] = made + 1
+        if name in self.peers:  # replaced: as the agent, its transfers in flight fail
+            self._fail_via(name, "replaced by newly imported metadata")
+        self.generations[name] = self.generations.get(name, 0) + 1
         self.peers[name] = [tuple(r) for r in md["regions"]]
         self.aliases[name] = md["name"]  # the agent behind the name it was imported under
         self.paired[name] = paired
@@ -224,9 +229,20 @@ class FakeTransport:
 
     def remove_peer(self, name, *, fence=False):
         self.peers.pop(name, None)
+        self._fail_via(name, "fenced by remove_peer()" if fence else "removed by remove_peer()")
         if fence:
             self.fenced.append(name)
         return True
+
+    def _fail_via(self, name, why):
+        """As the agent's forced close of the import ``name``: its transfers
+        held on the fabric fail, land nothing and notify no one."""
+        fabric = self.fabric
+        with fabric.lock:
+            mine = [x for x in fabric.pending if x.reader == self.name and getattr(x, "via", None) == name]
+            fabric.pending = [x for x in fabric.pending if x not in mine]
+        for xfer in mine:
+            xfer._resolve(PeerError(f"fake: peer {name!r} {why}"))
 
     @staticmethod
     def _check(descs, regions, what):
@@ -245,7 +261,7 @@ class FakeTransport:
             self.fabric.on_prep(self.name)
         if peer not in self.peers:
             raise PeerError(f"fake: unknown peer {peer!r}")
-        return FakePrep(descs, self.aliases[peer])
+        return FakePrep(descs, self.aliases[peer], via=peer, generation=self.generations.get(peer, 0))
 
     def read_prepared(self, local, local_index, remote, remote_index, *, notify=None, timeout_s=None, then=None):
         """A read; with ``then`` (a ``ChainedRead`` of the same peer), its
@@ -279,9 +295,14 @@ class FakeTransport:
             raise PeerError("fake: closed")
         if remote.peer in fabric.dead:
             raise PeerError(f"fake: peer {remote.peer!r} failed")
+        if remote.via is not None:  # (as the agent: a list of an import removed or replaced since is refused)
+            if remote.via not in self.peers:
+                raise PeerError(f"fake: unknown peer {remote.via!r}")
+            if self.generations.get(remote.via) != remote.generation:
+                raise DescriptorError(f"fake: a list for an earlier import of {remote.via!r}; prepare it again")
         merged = self._ops(local, local_index, remote, remote_index, write)
         xfer = FakeTransfer(fabric, remote.peer, merged[0], merged[1], merged[2], len(merged[0]))
-        xfer.reader = self.name
+        xfer.reader, xfer.via = self.name, remote.via
         if then is not None:
             xfer._then = then[:3]
         if notify is not None:
@@ -310,13 +331,13 @@ class FakeTransport:
 
     def flush(self, peer, *, notify=None, timeout_s=None):
         """Completes at once (the fake's writes copy when they resolve); with
-        ``notify``, after the peer's held writes from this agent resolved."""
+        ``notify``, after the writes this agent posted through that import resolved."""
         fabric = self.fabric
         if peer not in self.peers:  # (as the agent: a name not imported, or removed since)
             raise PeerError(f"fake: unknown peer {peer!r}")
-        peer = self.aliases.get(peer, peer)
+        via, peer = peer, self.aliases.get(peer, peer)
         xfer = FakeTransfer(fabric, peer, np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint64), 0)
-        xfer.reader = self.name
+        xfer.reader, xfer.via = self.name, via
         if peer in fabric.dead or self.closed:
             xfer._resolve(PeerError(f"fake: peer {peer!r} failed"))
             return xfer
@@ -324,7 +345,8 @@ class FakeTransport:
             target = fabric.agents[peer]
             xfer.notify = lambda: target.inbox.append(FakeNotification(self.name, bytes(notify)))
         with fabric.lock:
-            earlier = [x for x in fabric.pending if x.reader == self.name and x.peer == peer]
+            # (a flush is of one endpoint: of the operations posted through this import)
+            earlier = [x for x in fabric.pending if x.reader == self.name and getattr(x, "via", None) == via]
             if earlier:  # a flush completes after every earlier operation to the peer
                 fabric.pending.append(xfer)
                 return xfer
