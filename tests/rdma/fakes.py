@@ -75,7 +75,7 @@ class FakeTransfer:
                 return
         fn(self)
 
-    def _abandon(self):
+    def _abandon(self, error=None):
         """Fail it now, as the transport does at a deadline UCX did not
         cancel: nothing landed yet, its data and chained read stay on the
         fabric (``FakeFabric.land_late``)."""
@@ -83,7 +83,7 @@ class FakeTransfer:
             late, self._then = (self._ops, self._then), None  # (a failed resolve copies nothing)
             self.abandoned, self.chained = True, (False if late[1] is not None else None)
         self._fabric.late.append(late)
-        self._resolve(TransferError("fake: abandoned at its deadline", status="UCS_ERR_TIMED_OUT"))
+        self._resolve(error or TransferError("fake: abandoned at its deadline", status="UCS_ERR_TIMED_OUT"))
 
     def _resolve(self, error=None):
         with self._lock:
@@ -235,14 +235,19 @@ class FakeTransport:
         return True
 
     def _fail_via(self, name, why):
-        """As the agent's forced close of the import ``name``: its transfers
-        held on the fabric fail, land nothing and notify no one."""
+        """As the agent's close of the import ``name`` with transfers in
+        flight: they fail (canceled) and notify no one, but their bytes may
+        still land (over TCP the target still takes what was queued: all 32
+        MiB of a canceled write landed once the target progressed, a
+        review's reproduction with real UCX). They go on the fabric's late
+        list, as an abandoned transfer's (``FakeFabric.land_late``): only
+        the *target's* fence stops them."""
         fabric = self.fabric
         with fabric.lock:
             mine = [x for x in fabric.pending if x.reader == self.name and getattr(x, "via", None) == name]
             fabric.pending = [x for x in fabric.pending if x not in mine]
         for xfer in mine:
-            xfer._resolve(PeerError(f"fake: peer {name!r} {why}"))
+            xfer._abandon(TransferError(f"fake: request canceled: peer {name!r} {why}", status="UCS_ERR_CANCELED"))
 
     @staticmethod
     def _check(descs, regions, what):
