@@ -179,7 +179,9 @@ class PushWriter(ConcurrentDispatch):
         if old is not None:
             # The decode's old link is closed on its side (it fenced it before it
             # dialled again) or belongs to its old registration: that import goes,
-            # forced (its writes in flight fail), whatever comes of the new one.
+            # forced (its writes in flight fail; what they queued over TCP may still
+            # land, which the decode's fence of that link stops, not this close),
+            # whatever comes of the new one.
             # Each import has a name of its own, so that nothing resolved by the
             # old name later (a layer-wise push's flush and notification, after
             # its link check) can reach the new link, whose endpoint carried none
