@@ -14,8 +14,8 @@ May import: rdma_kv.errors, rdma_kv.transport._lib.
 
 from __future__ import annotations
 
-import logging
 import hashlib
+import logging
 import os
 import time
 from collections.abc import Mapping

@@ -98,9 +98,14 @@ class ProducerHandler:
         """Registered again (a new transport, new remote keys)."""
         self._geometry, self.registration = geometry, registration
         self.life = secrets.token_bytes(wire.INCARNATION_BYTES)
-        if pusher is not None:
-            pusher.life = self.life  # (before it is published: a hello it takes is checked against it)
         self._agent_metadata = agent_metadata
+        self.attach(pusher)
+
+    def attach(self, pusher: PushWriter | None) -> None:
+        """Publish ``pusher``, the writer of this life's transport: given the
+        life first (a hello it takes is checked against it)."""
+        if pusher is not None:
+            pusher.life = self.life
         self.pusher = pusher
 
     def on_handshake(self, request: wire.Handshake) -> wire.HandshakeReply | wire.Refused:
@@ -251,10 +256,7 @@ class RdmaProducer:
                                   transport.metadata, geometry)
         handler.words = self._register_words(transport, geometry)
         self._block_size = compat.block_size
-        pusher = self._new_pusher(transport, geometry)
-        if pusher is not None:
-            pusher.life = handler.life
-        handler.pusher = pusher
+        handler.attach(self._new_pusher(transport, geometry))
         port = s.side_channel_port
         if s.side_channel_max_connections:
             raise_fd_limit(s.side_channel_max_connections)

@@ -113,12 +113,12 @@ class PushWriter(ConcurrentDispatch):
         """Least recently used first (a push or registration from a decode moves it last)."""
         self._pushes: collections.OrderedDict[bytes, PushEntry] = collections.OrderedDict()
         self._retired: list[str] = []
+        """Transport peers of decodes forgotten after a failed write, to remove (side channel thread)."""
         self._imports = 0
         """Imports of decodes made (each named apart: ``hello``)."""
         self.life = b""
         """The life of the transport this pusher writes through (``ProducerHandler``
         sets it before publishing the pusher): a PUSH_HELLO naming another is refused."""
-        """Transport peers of decodes forgotten after a failed write, to remove (side channel thread)."""
         self._generations: set[tuple[int, int]] = set()  # (lease, reader) pushed: a second PUSH is refused
         self._own: dict[HeadSlice | None, tuple[SlotTable, PreparedList]] = {}
         self._counts = Tally(PushCounters)  # counted under self._lock
