@@ -100,23 +100,35 @@ class Pair:
                                  b"x" * 8, 1, local.transport.metadata(),
                                  wire.GeometryWire.from_geometry(local.geometry))
 
-    def dial_failing_once(self, why):
-        """The decode dials the producer rank twice, as a load's admission
-        does (``PEER_RETRY_S`` patched to 0): the first handshake fails
-        saying ``why`` and its link is fenced, the second makes the peer
-        READY, which is returned."""
+    def connect(self):
+        """The decode dials the producer rank, as a load's admission does (no
+        push): the new peer, its handshake under way."""
         from rdma_kv.connector.rdma.meta import PeerAddress
 
         consumer = self.D.worker.worker._consumer
         address = PeerAddress("prefill-1", "127.0.0.1", self.P.worker.worker.side_channel_port, 1)
-        for attempt in range(2):
-            with consumer._lock:
-                peer = consumer.peers._connect(address, 0)
-            assert peer is not None
-            wait_until(lambda: peer.state.value != "connecting", step=self.pump, what="the handshake")
-            if attempt == 0:
-                assert peer.state.value == "failed" and why in peer.error, peer.error
-                assert len(consumer._local.transport.fenced) == 1, "the link whose handshake failed is fenced"
+        with consumer._lock:
+            peer = consumer.peers._connect(address, 0)
+        assert peer is not None
+        return peer
+
+    def handshaken(self, peer):
+        """``peer`` once its handshake ended (READY or FAILED)."""
+        wait_until(lambda: peer.state.value != "connecting", step=self.pump, what="the handshake")
+        return peer
+
+    def dial(self):
+        return self.handshaken(self.connect())
+
+    def dial_failing_once(self, why):
+        """The decode dials the producer rank twice (``PEER_RETRY_S``
+        patched to 0): the first handshake fails saying ``why`` and its link
+        is fenced, the second makes the peer READY, which is returned."""
+        peer = self.dial()
+        assert peer.state.value == "failed" and why in peer.error, peer.error
+        fenced = self.D.worker.worker._consumer._local.transport.fenced
+        assert len(fenced) == 1, "the link whose handshake failed is fenced"
+        peer = self.dial()
         assert peer.state.value == "ready", peer.error
         return peer
 
@@ -500,19 +512,13 @@ def test_every_link_is_introduced_at_its_handshake_with_or_without_a_push(rng):
     aborted before the push) put the decode's count ahead for good. Now the
     handshake introduces the decode on each new link, before any push, and
     a second handshake (the producer dialled again) introduces it again."""
-    from rdma_kv.connector.rdma.meta import PeerAddress
-
     pair = Pair()
     try:
         consumer = pair.D.worker.worker._consumer
         writer = pair.P.worker.worker.side_channel_handler.pusher
-        address = PeerAddress("prefill-1", "127.0.0.1", pair.P.worker.worker.side_channel_port, 1)
         links: list[str] = []
         for _ in range(2):
-            with consumer._lock:
-                peer = consumer.peers._connect(address, 0)  # a dial, as a load's admission makes one; no push
-            assert peer is not None
-            wait_until(lambda: peer.state.value != "connecting", step=pair.pump, what="the handshake")
+            peer = pair.dial()  # a dial, as a load's admission makes one; no push
             assert peer.state.value == "ready", peer.error
             (decode,) = writer._decodes.values()  # introduced, on this link, with no push sent
             assert decode.link == peer.connection.name and decode.link not in links
@@ -586,27 +592,20 @@ def test_an_introduction_answered_by_another_life_of_the_producer_fails_the_hand
     writer = pair.writer()
     real_hello = writer.hello
 
+    once = [True]
+
     def hello(request):
         reply = real_hello(request)
-        if monkeypatch_once:
-            monkeypatch_once.pop()
+        if once:
+            once.pop()
             handler.life = writer.life = secrets.token_bytes(8)  # (a wake under the call: a new life)
         return reply
 
-    monkeypatch_once = [True]
     monkeypatch.setattr(writer, "hello", hello)
     try:
         pair.dial_failing_once("restarted")
     finally:
         pair.close()
-
-
-def _dial(pair, consumer, address):
-    with consumer._lock:
-        peer = consumer.peers._connect(address, 0)
-    assert peer is not None
-    wait_until(lambda: peer.state.value != "connecting", step=pair.pump, what="the handshake")
-    return peer
 
 
 @pytest.mark.parametrize("links_before", [1, 3])
@@ -621,7 +620,6 @@ def test_a_producer_that_sleeps_and_wakes_under_an_introduction_takes_the_next_d
     number and refused the next ``links_before`` dials "out of date" (a
     review's reproduction: 1 and 3 refusals)."""
     from rdma_kv.connector.rdma.consumer import peers as peers_module
-    from rdma_kv.connector.rdma.meta import PeerAddress
 
     monkeypatch.setattr(peers_module, "PEER_RETRY_S", 0.0)
     real_call = SideChannelClient.call
@@ -637,36 +635,35 @@ def test_a_producer_that_sleeps_and_wakes_under_an_introduction_takes_the_next_d
     pair = Pair()
     try:
         consumer = pair.D.worker.worker._consumer
-        address = PeerAddress("prefill-1", "127.0.0.1", pair.P.worker.worker.side_channel_port, 1)
         for _ in range(links_before - 1):  # links to the producer's first worker, each fenced (failed pushes)
-            peer = _dial(pair, consumer, address)
+            peer = pair.dial()
             assert peer.state.value == "ready", peer.error
             consumer.peers.failed(peer, "test: a failed push")
         armed[0] = True
-        with consumer._lock:
-            peer = consumer.peers._connect(address, 0)
+        peer = pair.connect()
         assert arrived.wait(30), "no PUSH_HELLO"
         pair.P.sleep()  # the producer's engine sleeps and wakes while the hello is on its way
         pair.P.wake_up()
         hold.set()
-        wait_until(lambda: peer.state.value != "connecting", step=pair.pump, what="the handshake")
+        pair.handshaken(peer)
         assert peer.state.value == "failed" and "another life" in peer.error, peer.error
         assert not pair.writer()._decodes, "the new pusher recorded an introduction meant for the old worker"
-        peer = _dial(pair, consumer, address)
+        peer = pair.dial()
         assert peer.state.value == "ready", peer.error
     finally:
         pair.close()
 
 
-def test_a_handshake_answered_across_a_sleep_and_wake_is_refused():
+def test_a_handshake_answered_across_a_sleep_and_wake_is_refused(monkeypatch):
     """The producer's side channel read its transport's metadata, then lost
     the CPU while the engine slept and woke: the reply named the old
     worker's metadata under the new life, so the decode's introduction
     check passed against the wrong worker (found by a review). The handler
     now reads the life first and refuses when it changed under the
     metadata; the next dial is answered by the new transport."""
-    from rdma_kv.connector.rdma.meta import PeerAddress
+    from rdma_kv.connector.rdma.consumer import peers as peers_module
 
+    monkeypatch.setattr(peers_module, "PEER_RETRY_S", 0.0)
     pair = Pair()
     try:
         handler = pair.P.worker.worker.side_channel_handler
@@ -680,16 +677,15 @@ def test_a_handshake_answered_across_a_sleep_and_wake_is_refused():
             return md
 
         handler._agent_metadata = slow_metadata
-        consumer = pair.D.worker.worker._consumer
-        address = PeerAddress("prefill-1", "127.0.0.1", pair.P.worker.worker.side_channel_port, 1)
-        with consumer._lock:
-            peer = consumer.peers._connect(address, 0)
+        peer = pair.connect()
         assert arrived.wait(30)
         pair.P.sleep()
         pair.P.wake_up()
         hold.set()
-        wait_until(lambda: peer.state.value != "connecting", step=pair.pump, what="the handshake")
+        pair.handshaken(peer)
         assert peer.state.value == "failed" and "registered again during this handshake" in peer.error, peer.error
+        assert handler._agent_metadata is not slow_metadata  # (the wake gave the handler the new transport's)
+        assert pair.dial().state.value == "ready"
     finally:
         pair.close()
 

@@ -41,6 +41,7 @@ def ended_in_flight(s, token, end):
     s.writer.write_layer("l0")  # posted, complete at once
     end()
     assert len(flushes) == 1  # the flush that answers the abort/expiry
+    assert not flushes[0].done()  # on the wire (slow_flushes), until complete() below
     s.writer.write_layer("l1")  # not posted: the entry ended
     s.writer.end_step()
     s.fabric.hold = True  # any write now takes its time on the wire

@@ -62,7 +62,7 @@ def slow_flushes(s):
     fabric, orig, flushes = s.fabric, s.p.flush, []
 
     def slow_flush(peer, notify=None, timeout_s=None):
-        dummy = types.SimpleNamespace(reader=s.p.name, peer=s.p.aliases.get(peer, peer))
+        dummy = types.SimpleNamespace(reader=s.p.name, peer=s.p.aliases.get(peer, peer), via=peer)
         with fabric.lock:
             fabric.pending.append(dummy)
         x = orig(peer, notify=notify, timeout_s=timeout_s)
@@ -85,7 +85,7 @@ def test_a_layer_of_a_registration_that_expired_mid_step_is_not_posted():
     s.writer.write_layer("l0")  # posted and complete at once
     s.clock.t += 31  # the prefill is slow: the registration's wait_s passes mid-step
     s.writer.reap()  # side channel thread (a PUSH_REG or PUSH_QUERY arrived): expired, flush posted
-    assert len(flushes) == 1
+    assert len(flushes) == 1 and not flushes[0].done()  # (on the wire until resolved below)
     fabric.hold = True  # the l1 batch takes its time on the wire, as any write does
     s.writer.write_layer("l1")  # engine thread: the next layer of the same step
     flushes[0]._resolve(None)  # the flush completes (it covers only what was posted before it)

@@ -10,6 +10,7 @@ import time
 
 import pytest
 from fakes import FakeFabric
+from rdma_testutil import prefill_then_decode
 
 from rdma_kv.connector import KVTransferConfig
 from rdma_kv.harness.engine import Engine, ModelShape
@@ -110,19 +111,6 @@ def test_a_push_adopted_while_a_call_of_the_old_consumer_is_in_flight_is_dropped
     assert submitted == [] and new.running() == 0
 
 
-def one_request(P, D, rid, prompt):
-    P.add_request(rid, prompt, {"do_remote_decode": True})
-    P.run(until=lambda: rid in P.results and P.results[rid].status.value == "finished")
-    D.add_request(rid, prompt, P.results[rid].kv_transfer_params)
-    deadline = time.monotonic() + 30
-    while rid not in D.results or D.results[rid].status.value not in ("finished", "failed"):
-        assert time.monotonic() < deadline, "the decode never finished"
-        P.step()
-        D.step()
-        time.sleep(0.01)
-    return D.results[rid]
-
-
 def test_a_decode_that_woke_from_sleep_is_introduced_on_its_first_new_link():
     """The decode keeps its incarnation across a sleep, but its transport (its
     UCX worker) is new: its first link after the wake is endpoint 1 of the new
@@ -136,11 +124,11 @@ def test_a_decode_that_woke_from_sleep_is_introduced_on_its_first_new_link():
     P = Engine(config("kv_producer", "P"), SHAPE, connector_kwargs=kw, prefix_caching=False)
     D = Engine(config("kv_consumer", "D"), SHAPE, connector_kwargs=kw, prefix_caching=False)
     try:
-        r = one_request(P, D, "before", list(range(1, 30)))
+        r = prefill_then_decode(P, D, {"before": list(range(1, 30))}, 30)["before"]
         assert r.status.value == "finished" and not r.load_failed, r.error
         D.sleep()
         D.wake_up()
-        r = one_request(P, D, "after", list(range(2, 31)))
+        r = prefill_then_decode(P, D, {"after": list(range(2, 31))}, 30)["after"]
         assert not r.load_failed, f"the first load after the decode's wake failed: {r.error}"
     finally:
         P.shutdown()

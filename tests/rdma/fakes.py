@@ -48,6 +48,7 @@ class FakeTransfer:
         self._resolved = threading.Event()
         self.chained = None  # with a chained read: True once posted (the read landed), False if it was not
         self.abandoned = False  # failed before it completed (abandon_next): it may still land
+        self.via = None  # the import (transport peer name) it was posted through, if prepared for one
         self._then = None  # the chained read's (laddr, raddr, lengths), until it is posted
 
     @property
@@ -244,7 +245,7 @@ class FakeTransport:
         the *target's* fence stops them."""
         fabric = self.fabric
         with fabric.lock:
-            mine = [x for x in fabric.pending if x.reader == self.name and getattr(x, "via", None) == name]
+            mine = [x for x in fabric.pending if x.reader == self.name and x.via == name]
             fabric.pending = [x for x in fabric.pending if x not in mine]
         for xfer in mine:
             xfer._abandon(TransferError(f"fake: request canceled: peer {name!r} {why}", status="UCS_ERR_CANCELED"))
@@ -351,7 +352,7 @@ class FakeTransport:
             xfer.notify = lambda: target.inbox.append(FakeNotification(self.name, bytes(notify)))
         with fabric.lock:
             # (a flush is of one endpoint: of the operations posted through this import)
-            earlier = [x for x in fabric.pending if x.reader == self.name and getattr(x, "via", None) == via]
+            earlier = [x for x in fabric.pending if x.reader == self.name and x.via == via]
             if earlier:  # a flush completes after every earlier operation to the peer
                 fabric.pending.append(xfer)
                 return xfer

@@ -312,10 +312,17 @@ def test_no_notification_goes_out_on_an_endpoint_being_closed(make_agent):
     rp = b.prep_remote("a", DescList.from_regions(buf_a.ctypes.data, slots, BLOCK))
     idx = np.arange(SLOTS)
 
-    def drive(xfer) -> list:
+    def drive(xfer, notified: bool = True, rounds_after: int = 0) -> list:
+        """Progress both until ``xfer`` is done (and, if ``notified``, a
+        notification came; bounded by WAIT_S), then ``rounds_after`` rounds
+        more; the notifications ``a`` got."""
         got: list = []
         end = time.monotonic() + WAIT_S
-        while time.monotonic() < end and not (xfer.done() and got):
+        while time.monotonic() < end and not (xfer.done() and (got or not notified)):
+            b.progress()
+            a.progress()
+            got += a.get_notifications()
+        for _ in range(rounds_after):
             b.progress()
             a.progress()
             got += a.get_notifications()
@@ -330,15 +337,5 @@ def test_no_notification_goes_out_on_an_endpoint_being_closed(make_agent):
     # Driven until it is done (bounded by WAIT_S, not by a wall time a loaded
     # host may spend before the cancel is seen), then 500 rounds more for a
     # notification that would come after.
-    got: list = []
-    end = time.monotonic() + WAIT_S
-    while not second.done() and time.monotonic() < end:
-        b.progress()
-        a.progress()
-        got += a.get_notifications()
-    for _ in range(500):
-        b.progress()
-        a.progress()
-        got += a.get_notifications()
-    assert got == [], "a notification went out on an endpoint being closed"
+    assert drive(second, notified=False, rounds_after=500) == [], "a notification went out on an endpoint being closed"
     assert second.state is XferState.FAILED and "canceled" in str(second.error), second.error
