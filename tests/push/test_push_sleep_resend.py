@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 
-from test_push_pin_count import S, push, setup
+from test_push_pin_count import INC, S, push, setup
 
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.consumer.pushes import PushHandle, Pushes
@@ -62,3 +62,35 @@ def test_a_new_push_is_refused_while_suspending():
     handler.suspend()
     reply = handler.on_push(push(0))
     assert reply.state is S.REFUSED and "asleep" in reply.detail and not fabric.pending
+
+
+def test_a_decode_that_introduces_itself_as_the_producer_wakes_is_told_it_sleeps_not_that_it_runs_pull(monkeypatch):
+    """``ProducerHandler.resume`` published the new transport's metadata (a
+    handshake is answered from then on) before the new pusher: a decode that
+    handshook in that gap had its PUSH_HELLO refused "this producer runs
+    mode 'push'; push needs mode 'push' on both engines", an operator's
+    hunt for a configuration that was right. The pusher is now published
+    first; a hello at either point of the wake is told the KV cache is not
+    registered yet, and one after it is taken."""
+    fabric, src, dsts, clock, leases, writer = setup()
+    handler = ProducerHandler("P", wire.RankInfo(0, 1, 2), 30.0, leases, None, lambda: b"md",
+                              writer._geometry)
+    handler.attach(writer)
+    handler.suspend()
+    handler.detach()
+    d = fabric.factory("D9")
+    geometry = wire.GeometryWire.from_geometry(writer._geometry)
+    hello = wire.PushHello(wire.PROTOCOL_VERSION, "D9", wire.RankInfo(0, 2, 2), INC, 1, d.metadata(), geometry)
+    during = []
+    real_attach = handler.attach
+
+    def attach(pusher):  # the wake, half done: before and after the pusher is published
+        during.append(handler.on_push_hello(hello))
+        real_attach(pusher)
+        during.append(handler.on_push_hello(hello))
+
+    monkeypatch.setattr(handler, "attach", attach)
+    handler.resume(lambda: b"md2", writer._geometry, 2, writer)
+    for reply in during:
+        assert reply.state is S.REFUSED and "not registered" in reply.detail, reply
+    assert handler.on_push_hello(hello).state is S.DONE

@@ -95,11 +95,14 @@ class ProducerHandler:
 
     def resume(self, agent_metadata: Callable[[], bytes], geometry: KVCacheGeometry, registration: int,
                pusher: PushWriter | None = None) -> None:
-        """Registered again (a new transport, new remote keys)."""
+        """Registered again (a new transport, new remote keys). The pusher
+        is published before the metadata that opens handshakes: a decode
+        that handshakes as soon as the metadata is out finds the pusher, where
+        its PUSH_HELLO was refused "this producer runs mode 'push'" once."""
         self._geometry, self.registration = geometry, registration
         self.life = secrets.token_bytes(wire.INCARNATION_BYTES)
-        self._agent_metadata = agent_metadata
         self.attach(pusher)
+        self._agent_metadata = agent_metadata
 
     def attach(self, pusher: PushWriter | None) -> None:
         """Publish ``pusher``, the writer of this life's transport: given the
