@@ -14,14 +14,19 @@ producer's process stopped: ``tests/faults/test_confirm_stalled_producer.py``.
 from __future__ import annotations
 
 import contextlib
+import types
 
+import msgspec
+import numpy as np
 import pytest
 from leaseutil import EPOCH, KEY, Clock, call, ref
 from rdma_testutil import wait_until
 from test_connector_fake import BS, Pair
 from test_preconnect import Events
 
-from rdma_kv.connector.rdma.consumer.words import CHUNK
+from rdma_kv.connector.rdma import wire
+from rdma_kv.connector.rdma.consumer.peers import PeerStage
+from rdma_kv.connector.rdma.consumer.words import CHUNK, WordChecks
 from rdma_kv.connector.rdma.heldwords import WORD_BYTES, HeldWords, checked_words, word_tag
 from rdma_kv.connector.rdma.leases import LeaseTable
 from rdma_kv.connector.rdma.wire import RegionWire
@@ -76,7 +81,8 @@ def test_ids_out_of_range_are_passed_over():
 
 
 def test_a_handshake_reply_s_words_must_cover_the_geometry():
-    assert checked_words(RegionWire(4096, 16 * 10), 10) is not None
+    assert checked_words(RegionWire(4096, 16 * 10), 10) == RegionWire(4096, 16 * 10)
+    assert checked_words(RegionWire(4096, 16 * 10_000), 10) == RegionWire(4096, 16 * 10)  # cut to the blocks
     assert checked_words(RegionWire(4096, 16 * 9), 10) is None  # fewer words than blocks
     assert checked_words(RegionWire(4096, 16 * 10 + 3), 10) is None  # not whole words
     assert checked_words(None, 10) is None
@@ -285,3 +291,110 @@ def test_a_block_two_leases_hold_names_one_and_the_other_lease_s_load_is_confirm
         # (a's lease: never loaded here; once it ends, the shared words pass to b's, the other holder.)
         pair.P.worker.worker.leases.expire(now=float("inf"))
         pair.settle()
+
+
+class CountingTag(bytes):
+    compares = 0
+
+    def __eq__(self, other):
+        CountingTag.compares += 1
+        return bytes.__eq__(self, other)
+
+    __hash__ = bytes.__hash__
+
+
+def test_dropping_a_lease_costs_its_blocks_not_its_blocks_times_the_leases_sharing_them():
+    """``HeldWords._others[b]`` is a list: dropping a lease that does not own
+    a shared block's word does ``tag in others`` then ``others.remove(tag)``
+    (heldwords.py:141-142), two scans of every live lease sharing the
+    block, for each of its shared blocks, under the lease table's lock
+    (which the side channel's loop and the engine's ``take_done`` share).
+    Leases sharing a prefix (a common system prompt; or a client's
+    prefills with do_remote_decode that nobody reads, alive for the TTL)
+    make each later lease's end cost blocks x leases."""
+    S, L = 64, 2000
+    words = HeldWords(S + L + 1)
+    shared = list(range(S))
+    tags = [word_tag(i.to_bytes(16, "big"), b"b" * 16) for i in range(L)]
+    for i, tag in enumerate(tags):
+        words.hold(tag, shared + [S + i])
+    CountingTag.compares = 0
+    words.drop(CountingTag(tags[-1]), shared + [S + L - 1])  # the newest: released first, as a read one is
+    assert CountingTag.compares <= 8 * S, (
+        f"dropping one lease of {S} shared blocks compared {CountingTag.compares} tags ({L} leases share them)")
+
+
+class Lists:
+    def __init__(self):
+        self.remote_lens = []
+
+    def register(self, obj, *, memory_type=None):
+        return obj
+
+    def prep_local(self, descs):
+        return descs
+
+    def prep_remote(self, peer, descs):
+        self.remote_lens.append(len(descs))
+        return descs
+
+
+def test_the_words_region_a_producer_announces_is_capped_by_its_geometry():
+    """docs/security.md: a producer's sizes are capped "so it cannot ...
+    exhaust the consumer's memory" (the geometry: 2^26 descriptors). The
+    handshake's ``words`` is not: ``checked_words`` only asks for at least
+    one word per block, and ``WordChecks.prepare`` builds (and the
+    connection keeps) a descriptor list of ``nbytes // 16`` entries, on the
+    thread posting the load (the engine's). A claim of 2^30 words is 8 GiB
+    per numpy temporary (three of them, then the transport's copy); 2^40
+    raises MemoryError, caught, every load from that producer."""
+    num_blocks = 64
+    claimed = wire.RegionWire(0x10000, WORD_BYTES * (num_blocks + (1 << 22)))
+    words = checked_words(claimed, num_blocks)
+    if words is None:
+        return  # refused: fine
+    lists = Lists()
+    checks = WordChecks(lists, capacity=4 * CHUNK)
+    conn = types.SimpleNamespace(name="P/tp0", words=words, words_table=None)
+    checks.prepare(conn, np.arange(4, dtype=np.int64), word_tag(b"t" * 16, b"b" * 16))
+    assert max(lists.remote_lens) <= num_blocks, (
+        f"a producer with {num_blocks} blocks made this consumer prepare {max(lists.remote_lens)} word descriptors")
+
+
+def test_a_handshake_reply_whose_geometry_has_no_layers_fails_the_peer_not_leaves_it_connecting(fabric):
+    """``PeerDirectory._handshake``'s success branch calls
+    ``checked_words(reply.words, geometry.num_blocks)`` (protocol 12), and
+    ``num_blocks`` is ``min()`` over the layers: a reply with no layers (a
+    hostile producer copies the consumer's compat from its HANDSHAKE)
+    raises there, outside the try, after ``add_peer`` and after the peer was
+    marked READY (``peer.connection`` stays None). The RPC thread logs "a
+    bug"; the peer stays READY without a connection for good (never
+    redialled, never pruned: ``prune`` needs a connection), its transport
+    peer imported, and every load from that address waits its whole
+    load_timeout_s."""
+    pair = Pair(fabric, d_extra={"load_timeout_s": 1.5})
+    try:
+        handler = pair.P.worker.worker.side_channel_handler
+        genuine = handler.on_handshake
+
+        def hostile(request):
+            reply = genuine(request)
+            if isinstance(reply, wire.HandshakeReply):
+                reply = msgspec.structs.replace(reply, geometry=wire.GeometryWire(reply.geometry.regions, []))
+            return reply
+
+        handler.on_handshake = hostile
+        prompt = list(range(1, 41))
+        params = pair.prefill({"x": prompt})
+        pair.decode({"x": prompt}, params)
+        assert pair.D.results["x"].load_failed
+        consumer = pair.D.worker.worker._consumer
+        # (the success branch sets READY before building the Connection: the peer is READY with no
+        # connection, so loads wait on it, prune never forgets it, and ``confirmed`` says it is READY)
+        stuck = [(p.state, p.connection) for p in consumer.peers._peers.values() if p.state is not PeerStage.FAILED]
+        leaked = dict(pair.D.worker.worker._local.transport.peers)
+        pair.P.worker.worker.leases.expire(now=float("inf"))
+        assert not stuck, f"peer left usable-looking after its handshake failed: {stuck}"
+        assert not leaked, f"transport peer of a failed handshake left imported: {list(leaked)}"
+    finally:
+        pair.close()

@@ -61,23 +61,28 @@ WORD_BYTES = 16
 """Bytes per block's word: a 128-bit tag (two 8-byte stores; a torn read
 matches no tag, so it only costs a CONFIRM)."""
 
-_PERSON = b"rdma-kv held word 1"
+_PERSON = b"rdma-kv held wor"
+"""blake2b's personalization, 16 bytes at most: the tags' since protocol 12
+(it was spelled "rdma-kv held word 1" and cut to these 16, so a "2" there
+changed nothing; a new tag scheme changes these bytes)."""
 
 
 def word_tag(token: bytes, binding: bytes) -> bytes:
     """What a block's word holds while the lease of grant ``token`` over
     ``binding`` holds it: never all zero (zero means "held by nothing")."""
-    tag = hashlib.blake2b(token + binding, digest_size=WORD_BYTES, person=_PERSON[:16]).digest()
+    tag = hashlib.blake2b(token + binding, digest_size=WORD_BYTES, person=_PERSON).digest()
     return tag if any(tag) else b"\x01" + tag[1:]
 
 
 def checked_words(words: RegionWire | None, num_blocks: int) -> RegionWire | None:
-    """A producer's words as its handshake reply names them, or None (not
-    published, or not one whole word per block of its geometry: its sources
-    are then CONFIRMed)."""
+    """A producer's words as its handshake reply names them, cut to one
+    word per block of its geometry (a consumer prepares a descriptor per
+    word: a producer claiming 2^30 of them made it build 16 GiB of lists), or
+    None (not published, or fewer words than blocks: its sources are then
+    CONFIRMed)."""
     if words is None or words.nbytes % WORD_BYTES or words.nbytes // WORD_BYTES < num_blocks:
         return None
-    return words
+    return RegionWire(words.base_address, num_blocks * WORD_BYTES)
 
 
 class HeldWords:
@@ -89,8 +94,10 @@ class HeldWords:
             raise ValueError(f"held words need at least one block, got {num_blocks}")
         self.array = np.zeros((num_blocks, WORD_BYTES), dtype=np.uint8)
         """The registered memory: row ``b`` is block ``b``'s word."""
-        self._others: dict[int, list[bytes]] = {}
-        """Per block shared by several live leases: the tags of those its word does not name."""
+        self._others: dict[int, dict[bytes, None]] = {}
+        """Per block shared by several live leases: the tags of those its word
+        does not name, in the order they came (a dict: a lease's end costs its
+        blocks, not its blocks times the leases that share them)."""
 
     @property
     def num_blocks(self) -> int:
@@ -124,7 +131,7 @@ class HeldWords:
         free = ~self.array[ids].any(axis=1)
         self.array[ids[free]] = word
         for b in ids[~free].tolist():  # a shared prefix: its word names another live lease already
-            self._others.setdefault(b, []).append(tag)
+            self._others.setdefault(b, {})[tag] = None
 
     def drop(self, tag: bytes, block_ids: Iterable[int]) -> None:
         """The lease of ``tag`` ended: no word names it any more when this returns."""
@@ -137,9 +144,9 @@ class HeldWords:
         for b, names in zip(ids[shared].tolist(), named[shared].tolist()):
             others = self._others[b]
             if names:  # hand the word to another live holder (one store): it holds the block too
-                self.array[b] = np.frombuffer(others.pop(), dtype=np.uint8)
-            elif tag in others:
-                others.remove(tag)
+                self.array[b] = np.frombuffer(others.popitem()[0], dtype=np.uint8)
+            else:
+                others.pop(tag, None)
             if not others:
                 del self._others[b]
 

@@ -260,6 +260,10 @@ class ConsumerCounters(Counters):
     """Producer ranks forgotten once no load had used them for the client
     pool's ``idle_s`` (their endpoint and keys removed; a later load
     handshakes again)."""
+    registration_checks: int = 0
+    """Handshakes asked because a load's params named a newer registration
+    of a READY producer rank than its connection's (the producer slept and
+    woke, or the params are made up)."""
     loads_failed: int = 0
     loads_aborted: int = 0
     renew_rpcs: int = 0

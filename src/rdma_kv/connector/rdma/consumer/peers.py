@@ -139,9 +139,16 @@ class Connection:
     def stale_for(self, registration: int, peer: PeerState) -> str | None:
         """Why a load of params issued under ``registration`` must not read
         through this connection (None: it may): the producer re-registered its
-        KV cache since the params were issued."""
+        KV cache since the params were issued, or (a registration past this
+        one, which a handshake checked: ``PeerDirectory.peer_for``) the params
+        name one the producer never had."""
         if registration == self.registration:
             return None
+        if registration > self.registration:
+            return (f"these kv_transfer_params name registration {registration} of producer "
+                    f"{peer.address.engine_id!r} rank {peer.rank}, whose KV cache is at registration "
+                    f"{self.registration} (its handshake says so): they are not this producer's params "
+                    "(made up, or of another engine at that address); nothing was read")
         return (f"producer {peer.address.engine_id!r} rank {peer.rank} re-registered its KV cache (sleep "
                 f"mode: registration {self.registration}) since these kv_transfer_params were issued "
                 f"(registration {registration}): the blocks they name are gone; nothing was read")
@@ -169,6 +176,14 @@ class PeerState:
     until one is answered; None: none went unanswered."""
     unanswered: int = 0
     """HANDSHAKE calls not answered since ``stalled_since``."""
+    replaces: PeerState | None = None
+    """The READY peer this dialling checks (``PeerDirectory.peer_for``): a
+    load's params named a newer registration than that peer's connection, a
+    client's word until this handshake's reply says so. Not in the
+    directory until the reply shows the producer re-registered."""
+    checking: PeerState | None = None
+    """That check of this peer, while in flight: loads naming the newer
+    registration wait on it, the others read through this peer meanwhile."""
 
     @property
     def key(self) -> PeerKey:
@@ -256,7 +271,9 @@ class PeerDirectory:
         spec, rank = load.spec, src.read.rank
         peer = self._known(spec.peer, rank, now)
         if peer is not None and peer.connection is not None and peer.connection.registration < spec.registration:
-            self._forget(peer)  # the producer re-registered (woke from sleep): its old keys are void
+            if peer.state is PeerStage.READY:  # the params say it re-registered: a handshake checks first
+                return self._check(peer, load, src)
+            self._forget(peer)  # failed already: its loads are gone, dialled again at once
             peer = None
         if peer is None:
             peer = self._connect(spec.peer, rank)
@@ -271,6 +288,24 @@ class PeerDirectory:
                 load.waiting_on = peer.error  # STALLED, or dialled again after it
             return None
         return peer.connection.stale_for(spec.registration, peer) or (peer, peer.connection)
+
+    def _check(self, peer: PeerState, load: LoadState, src: Source) -> str | None:
+        """``load`` names a newer registration than READY ``peer``'s: it
+        waits on a handshake that asks the producer. ``peer`` stays in use
+        (its loads read on) until the reply shows a newer registration
+        (``_superseded``): the params are a client's word, and forgetting
+        the peer fences its transport peer, which fails every read in flight
+        through it (a review: one request whose params added 1 to the
+        registration failed every other load from that producer). Lock held."""
+        check = peer.checking
+        if check is None:
+            check = PeerState(peer.address, peer.rank, used_at=self._clock(), replaces=peer)
+            if not self._pool.submit(self._handshake, check, to=peer.address.rank_address(peer.rank)):
+                return "the worker is shutting down"
+            peer.checking = check
+            self._counters.add("registration_checks")
+        check.waiting.append((load, src))
+        return None
 
     def preconnect(self, address: PeerAddress) -> None:
         """Start the handshakes with the producer ranks at ``address`` this
@@ -315,7 +350,10 @@ class PeerDirectory:
         name = None
         try:
             reply = self._ask(peer)
+            if peer.replaces is not None and not self._superseded(peer, reply):
+                return
             geometry = reply.geometry.to_geometry()
+            words = checked_words(reply.words, geometry.num_blocks)
             # Push mode: one endpoint, on the transport's own worker (``paired``), as the
             # producer imports this decode, so that UCX pairs the two and the fence closes
             # the connection the producer's writes cross.
@@ -329,7 +367,9 @@ class PeerDirectory:
             host, port = address.rank_address(peer.rank)
             reason = f"handshake with {host}:{port} failed: {exc}"
             with self._lock:
-                stalled = self._stalled(peer, exc, began)
+                if peer.replaces is not None and peer.replaces.checking is peer:
+                    peer.replaces.checking = None  # (a check: its loads fail, the peer it checked reads on)
+                stalled = None if peer.replaces is not None else self._stalled(peer, exc, began)
                 if stalled is None:
                     peer.state, peer.error, peer.failed_at = PeerStage.FAILED, reason, self._clock()
                     waiting, peer.waiting = peer.waiting, []
@@ -344,7 +384,7 @@ class PeerDirectory:
             with self._lock:
                 peer.state = PeerStage.READY
                 peer.connection = Connection(name, geometry, reply.registration, time.perf_counter() - t0,
-                                             words=checked_words(reply.words, geometry.num_blocks),
+                                             words=words,
                                              life=reply.life)
                 waiting, peer.waiting = peer.waiting, []
                 self._counters.add("handshakes")
@@ -356,6 +396,36 @@ class PeerDirectory:
                 logger.info("producer %r rank %d answered the HANDSHAKE after %.1f s not answering it",
                             address.engine_id, peer.rank, self._clock() - peer.stalled_since)
         self._on_handshake(peer, waiting)
+
+    def _superseded(self, check: PeerState, reply: wire.HandshakeReply) -> bool:
+        """A check's reply (``_check``): True when the producer did
+        re-register past the peer checked, which is then forgotten (its keys
+        are void), ``check`` taking its place and going on as a new peer's
+        handshake. Otherwise its loads are handed back (the peer checked
+        refuses them: ``Connection.stale_for``), or to the peer that took
+        the place meanwhile. Called without the lock (RPC thread)."""
+        old = check.replaces
+        assert old is not None
+        with self._lock:
+            if old.checking is check:
+                old.checking = None
+            current = self._peers.get(check.key)
+            newer = old.connection is not None and reply.registration > old.connection.registration
+            if newer and current is old:
+                self._forget(old)
+                current = None
+            if newer and current is None:
+                self._peers[check.key] = check
+                check.replaces = None
+                return True
+            to = current if newer and current is not None else old
+            waiting, check.waiting = check.waiting, []
+            check.state = PeerStage.FAILED
+            if to.state in (PeerStage.CONNECTING, PeerStage.STALLED):
+                to.waiting += waiting
+                return False
+        self._on_handshake(to, waiting)
+        return False
 
     def _stalled(self, peer: PeerState, exc: Exception, began: float) -> tuple[Callable[..., None], int] | None:
         """Make ``peer`` STALLED if its producer did not answer the
