@@ -223,3 +223,49 @@ def test_a_push_refused_at_once_is_not_fenced():
     handle = pushes._begin(peer, request, [[40, 41]])
     assert handle.done() and "the lease is gone" in str(handle.error)
     assert not failed
+
+
+# --- a side-channel Refused, not a PushReply (a review, stop 69) ------------------------------------
+
+
+REFUSED_VERSION = wire.Refused("side-channel protocol version 15 is not supported; this producer speaks "
+                               "version 16: run the same rdma-kv release on both sides")
+
+
+def test_a_push_answered_running_whose_producer_then_answers_refused_resolves_within_its_bound():
+    """RUNNING, then the producer rank's port answers Refused to every
+    query (the producer process was replaced by another release). The
+    writes' bound (writes_end_within_s + 1) is checked only when a call
+    raises: a Refused *reply* is 'a query misunderstood: keep asking', so
+    the push, its load and its blocks are held for ever, and an abort asks
+    the same way for ever."""
+    client = Client(wire.PushReply(S.RUNNING, "", 10.0), *[REFUSED_VERSION] * 400)
+    pushes, clock, request, peer, failed = setup(client)
+    handle = pushes._begin(peer, request, [[40, 41]])
+    t0 = clock.t
+    for _ in range(60):
+        step(pushes, clock)  # 60 s: six times the writes' bound
+    pushes.abort(handle)  # the load's deadline passed long ago
+    for _ in range(60):
+        step(pushes, clock)
+    assert handle.done(), (f"after {clock.t - t0:.0f} s and {len(client.sent)} calls the push is unresolved: its "
+                           f"blocks never go back ({kinds(client)[-3:]})")
+
+
+def test_a_push_that_got_no_answer_and_is_then_refused_by_the_side_channel_fences_first():
+    """The PUSH got no answer (it may have been taken, its writes posted,
+    by the process that then went away: over TCP its kernel still sends
+    what it queued); the next call is answered Refused by whoever listens
+    there now. The PushReply REFUSED twin of this is fenced
+    (test_decode_pushes.py::..._then_refused_fences_the_producer_first);
+    this one resolves with no fence and the blocks go back."""
+    client = Client(TimeoutError("no answer"), REFUSED_VERSION)
+    pushes, clock, request, peer, failed = setup(client)
+    order, resolve = [], pushes._resolve
+    pushes._peer_failed = lambda p, why: order.append(("fenced", why))
+    pushes._resolve = lambda h, error: (order.append(("resolved", str(error))), resolve(h, error))
+    handle = pushes._begin(peer, request, [[40, 41]])
+    step(pushes, clock)  # the query: Refused
+    assert handle.done(), handle
+    assert [kind for kind, _ in order] == ["fenced", "resolved"], (
+        f"a push whose PUSH got no answer resolved on a Refused reply with no fence: {order}")

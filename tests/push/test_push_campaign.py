@@ -5,7 +5,9 @@ transport with writes held at will (``FakeFabric.hold``): each round picks
 at random among new requests (prefill, then the decode's load, which
 pushes; or both legs at once under a transfer id, in either order, written
 layer by layer while the prefill runs),
-holding or releasing the producer's writes (releasing some as failures),
+holding or releasing the producer's writes (releasing some as failures,
+abandoning some at their deadline: their bytes land later unless the
+decode's fence closed their link),
 aborting a decode request whose push runs, expiring the producer's leases,
 and stepping. After every action, every block the decode engine has free is
 filled with a canary and checked later while it stays free:
@@ -21,7 +23,9 @@ CI runs ``ROUNDS`` (1,000) rounds, about 5 s here;
 producer (its held writes fail: a dead process writes nothing; its side
 channel closes) and starts a new one. With the guard removed (a decode
 treating its pushes as resolved at once: it hands blocks back while a
-write is held) the campaign finds canary violations: the last test shows it.
+write is held), or its fence made a graceful close (abandoned writes then
+land: ``FakeFabric.fence`` models which writes a fence stops), the campaign
+finds canary violations: the last test shows it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import pytest
 from fakes import FakeFabric
 
 from rdma_kv.connector import KVTransferConfig
+from rdma_kv.connector.rdma.consumer.peers import PeerDirectory
 from rdma_kv.connector.rdma.consumer.records import LoadState
 from rdma_kv.connector.rdma.params import format_router_address
 from rdma_kv.harness.engine import Engine, ModelShape
@@ -158,8 +163,12 @@ class Campaign:
         elif roll < 0.54:
             self.do("release", fabric.release_all)
             fabric.hold = bool(self.rng.random() < 0.5)
-        elif roll < 0.60:
+        elif roll < 0.57:
             self.do("release_failed", lambda: fabric.release_all(error=RuntimeError("injected write failure")))
+        elif roll < 0.60:
+            # Held writes fail at their deadline, abandoned: their bytes stay on the
+            # wire and land (land_late) unless the decode's fence closed their link.
+            self.do("abandon", fabric.abandon_pending)
         elif roll < 0.72:
             loading = [rid for rid, r in self.D.requests.items() if r.status.value == "loading"]
             if loading:
@@ -168,6 +177,8 @@ class Campaign:
             self.do("expire", lambda: self.P.worker.worker.leases.expire(time.monotonic() + 3600))
         elif roll < 0.80:
             self.do("kill", self.kill_producer)
+        elif roll < 0.86:
+            self.do("land_late", fabric.land_late)
         self.check_and_paint("after an action")
         for _ in range(int(self.rng.integers(1, 4))):
             self.step()
@@ -177,6 +188,8 @@ class Campaign:
         channel closes; a new producer takes the new requests."""
         name = self.P.worker.worker.agent_name
         self.fabric.release_all(error=RuntimeError("the producer died"), reader=name)
+        with self.fabric.lock:  # (nor do its abandoned ones: a dead process sends nothing more)
+            self.fabric.late = [entry for entry in self.fabric.late if entry[2].reader != name]
         self.P.shutdown()
         self.kills += 1  # a restarted engine has a new engine id (vLLM draws one per start)
         self.P = Engine(config("kv_producer", f"P{self.kills}"), SHAPE,
@@ -195,8 +208,14 @@ class Campaign:
                 f"waiting for their pushes to resolve), producer holds {sorted(self.P.held)}, "
                 f"{len(self.fabric.pending)} writes pending")
             self.fabric.release_all()
+            if not (self.D.requests or self.D.held or self.fabric.pending):
+                # What the producer still holds are prefills no decode registered for (its
+                # load failed first: a fenced producer rank is not dialled again at once),
+                # each until its lease's TTL (30 s here): ended as the TTL would end them.
+                self.P.worker.worker.leases.expire(time.monotonic() + 3600)
             self.step()
             time.sleep(0.001)
+        self.fabric.land_late()  # what the fences did not stop lands now, checked at the end
 
 
 def run_campaign(rng: np.random.Generator, rounds: int) -> Campaign:
@@ -221,16 +240,24 @@ def test_no_write_lands_in_a_handed_back_block_and_no_load_is_silently_wrong(rng
     failed = [r for r in results.values() if r.load_failed]
     aborted = [r for r in results.values() if r.status.value == "aborted"]
     print(f"{ROUNDS} rounds: {c.counts}; {len(pushed)} pushed, {len(failed)} failed and recomputed, "
-          f"{len(aborted)} aborted; {c.fabric.writes} write batches")
+          f"{len(aborted)} aborted; {c.fabric.writes} write batches, {c.fabric.fenced_writes} stopped by a fence")
     # The campaign exercised what it claims to (a seed where it did not is a weak seed, not a pass).
     assert pushed and (failed or aborted), c.counts
     assert c.D.num_free_blocks() == SHAPE.num_blocks and c.P.num_free_blocks() == SHAPE.num_blocks
 
 
-def test_the_campaign_finds_writes_into_free_blocks_when_the_guard_is_removed(rng, monkeypatch):
-    """Mutation check: a decode that counts its pushes resolved at once
-    (hands blocks back while a write is held) is caught by the canary."""
-    monkeypatch.setattr(LoadState, "read_resolved", property(lambda self: True))
+@pytest.mark.parametrize("mutation", ["guard", "fence"])
+def test_the_campaign_finds_writes_into_free_blocks_when_the_guard_is_removed(rng, monkeypatch, mutation):
+    """Mutation checks: a decode that counts its pushes resolved at once
+    (hands blocks back while a write is held: ``guard``), or whose fence of
+    a failed producer is a graceful close (its abandoned writes still land:
+    ``fence``; until the fake modelled the fence, 2026-12-03, the campaign
+    passed without it), is caught by the canary."""
+    if mutation == "guard":
+        monkeypatch.setattr(LoadState, "read_resolved", property(lambda self: True))
+    else:
+        remove = PeerDirectory._remove
+        monkeypatch.setattr(PeerDirectory, "_remove", lambda self, name, fence=False: remove(self, name))
     found = 0
     for _ in range(5):  # a few seeds' worth; one finding is enough
         c = run_campaign(np.random.default_rng(int(rng.integers(2**32))), max(ROUNDS, 200))

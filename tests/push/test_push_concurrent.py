@@ -22,6 +22,7 @@ from rdma_kv.connector.rdma import pusher as pusher_module
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.params import format_router_address
 from rdma_kv.connector.rdma.sideclient import SideChannelClient
+from rdma_kv.errors import PeerError
 from rdma_kv.harness.engine import Engine, ModelShape
 
 pytestmark = pytest.mark.timeout(120)
@@ -545,7 +546,6 @@ def test_an_introduction_whose_answer_was_lost_is_made_up_at_the_next_link(monke
     before, the never-arrived case left the producer's import paired with
     the decode's fenced first endpoint, and every later fence missed)."""
     from rdma_kv.connector.rdma.consumer import peers as peers_module
-    from rdma_kv.errors import PeerError
 
     lose = [True]
     real_call = SideChannelClient.call
@@ -726,7 +726,6 @@ def test_a_new_link_the_transport_refuses_to_import_leaves_no_import_of_the_old_
     than it makes up at once, UCX numbers no more, or a failed create left
     the count unknown): the answer says why, and the old link's import goes
     too, rather than stay in the transport with no decode record."""
-    from rdma_kv.errors import PeerError
 
     pair = Pair()
     try:
@@ -840,5 +839,48 @@ def test_a_new_link_whose_import_fails_in_ucx_leaves_no_import_of_the_old_one(mo
         assert not writer._decodes
         assert decode.name not in writer._transport.peers, (
             f"the old link's import stays with no decode record (hello answered {reply!r})")
+    finally:
+        pair.close()
+
+
+def test_a_hello_the_transport_refuses_to_import_forgets_no_other_decode(monkeypatch):
+    """``PushWriter.hello`` made room for a new decode (forgot the least
+    recently used idle one, removing its import) before it knew whether the
+    new decode's import would be made. A decode whose imports the transport
+    refuses (its count of endpoints unknown after a failed ``ucp_ep_create``,
+    past UCX's 65,535) dials again about every PEER_RETRY_S, and each dial
+    evicted a healthy decode, whose next push was refused (a review, stop
+    69). Room is now made once the import is made."""
+    monkeypatch.setattr(pusher_module, "MAX_DECODES", 2)
+    pair = Pair()
+    try:
+        writer = pair.writer()
+        local = pair.D.worker.worker._local
+        geometry = wire.GeometryWire.from_geometry(local.geometry)
+
+        def hello(engine):
+            other = pair.fabric.factory(engine)  # a decode worker of its own
+            other.regions = list(local.transport.regions)
+            return wire.PushHello(wire.PROTOCOL_VERSION, engine, wire.RankInfo(0, 1, 1), b"i" * 8, 1,
+                                  other.metadata(), geometry, f"{engine}-link", 1, writer.life)
+
+        for engine in ("healthy-a", "healthy-b"):
+            assert writer.hello(hello(engine)).state is wire.PushState.DONE
+        before = {key[0] for key in writer._decodes}
+        real_add = writer._transport.add_peer
+
+        def add_peer(blob, **kwargs):
+            if "broken" in kwargs.get("name", ""):
+                raise PeerError("peer 'broken': an endpoint to its worker failed to be made, and whether UCX "
+                                "numbered it is not known ...; restart either side")
+            return real_add(blob, **kwargs)
+
+        monkeypatch.setattr(writer._transport, "add_peer", add_peer)
+        for _ in range(2):  # the broken decode dials twice (a second apart, each load refused)
+            reply = writer.hello(hello("broken"))
+            assert reply.state is wire.PushState.REFUSED, reply
+        after = {key[0] for key in writer._decodes}
+        assert after == before, (f"the refused decode was never imported, yet {sorted(before - after)} were "
+                                 f"forgotten for it ({writer.take_counters().decodes_forgotten} forgotten)")
     finally:
         pair.close()

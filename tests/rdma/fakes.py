@@ -7,7 +7,10 @@ Scripting: ``FakeFabric.hold = True`` keeps transfers pending until
 makes later reads from it fail (a dead peer); ``fail_next`` fails the next
 read, ``fail_chained`` the next chained read (its read landed), ``abandon_next``
 the next read or write as abandoned (nothing landed; its data and chained read land
-at ``land_late()``); ``on_prep(agent_name)``, when set, runs inside ``prep_local`` and
+at ``land_late()``); ``abandon_pending()`` the held writes likewise; a target's
+``remove_peer(..., fence=True)`` stops the writes crossing the link UCX
+pairs with that endpoint, held or abandoned (``FakeFabric.fence``);
+``on_prep(agent_name)``, when set, runs inside ``prep_local`` and
 ``prep_remote`` (where the real transport takes its own lock).
 """
 
@@ -49,6 +52,7 @@ class FakeTransfer:
         self.chained = None  # with a chained read: True once posted (the read landed), False if it was not
         self.abandoned = False  # failed before it completed (abandon_next): it may still land
         self.via = None  # the import (transport peer name) it was posted through, if prepared for one
+        self.link = None  # a write's (poster's worker, its endpoint's number, target's worker, paired): FakeFabric.fence
         self._then = None  # the chained read's (laddr, raddr, lengths), until it is posted
 
     @property
@@ -81,9 +85,10 @@ class FakeTransfer:
         cancel: nothing landed yet, its data and chained read stay on the
         fabric (``FakeFabric.land_late``)."""
         with self._lock:
-            late, self._then = (self._ops, self._then), None  # (a failed resolve copies nothing)
+            late, self._then = (self._ops, self._then, self), None  # (a failed resolve copies nothing)
             self.abandoned, self.chained = True, (False if late[1] is not None else None)
-        self._fabric.late.append(late)
+        with self._fabric.lock:
+            self._fabric.late.append(late)
         self._resolve(error or TransferError("fake: abandoned at its deadline", status="UCS_ERR_TIMED_OUT"))
 
     def _resolve(self, error=None):
@@ -124,11 +129,12 @@ class FakeFabric:
         self.fail_next = 0
         self.fail_chained = 0
         self.abandon_next = 0
-        self.late = []  # abandoned reads' (data, chained read) ops, landing only at land_late()
+        self.late = []  # abandoned transfers' (data, chained read, transfer), landing only at land_late()
         self.on_prep = None
         self.reads = 0
         self.chained = 0  # reads posted with a chained read (the held words')
         self.writes = 0
+        self.fenced_writes = 0  # held or abandoned writes a target's fence stopped
         self.lock = threading.Lock()
 
     def factory(self, name, settings=None):
@@ -139,11 +145,42 @@ class FakeFabric:
     def land_late(self):
         """What abandoned reads still had on the wire lands now: their data,
         then their chained reads (as UCX may complete a zombie's)."""
-        late, self.late = self.late, []
-        for data, then in late:
+        with self.lock:
+            late, self.late = self.late, []
+        for data, then, _ in late:
             _copy(data)
             if then is not None:
                 _copy(then)
+
+    def abandon_pending(self, reader=None):
+        """The held writes (of agent ``reader``, if given) fail at their
+        deadline, abandoned: their bytes stay on the wire (``land_late``)
+        unless the target fences the link they cross (``fence``)."""
+        with self.lock:
+            mine = [x for x in self.pending if x.link is not None and (reader is None or x.reader == reader)]
+            self.pending = [x for x in self.pending if x not in mine]
+        for xfer in mine:
+            xfer._abandon()
+
+    def fence(self, target, worker, ordinal):
+        """Transport ``target`` force-closed its endpoint number ``ordinal``
+        to ``worker``: as UCX, that closes the one connection it shares with
+        the endpoint ``worker`` made to ``target`` with the same number, if
+        that one is ``paired`` (on the worker's own UCX worker, no lane's:
+        a lane's endpoint pairs with none of the target's). Writes crossing
+        it, held or abandoned, never land; others still do (a review found
+        the fake landed every abandoned write, fenced or not, so no test
+        could tell a fence that reaches the writes from one that misses)."""
+        link = (worker, ordinal, id(target), True)
+        with self.lock:
+            cut = [x for x in self.pending if x.link == link]
+            self.pending = [x for x in self.pending if x.link != link]
+            late = [entry for entry in self.late if entry[2].link != link]
+            self.fenced_writes += len(cut) + len(self.late) - len(late)
+            self.late = late
+        for xfer in cut:
+            xfer._resolve(TransferError("fake: connection reset by the target's fence",
+                                        status="UCS_ERR_CONNECTION_RESET"))
 
     def release_all(self, error=None, reader=None):
         """Resolve the held transfers (only those posted by agent ``reader``, if given)."""
@@ -187,6 +224,7 @@ class FakeTransport:
         self.generations = {}  # name -> how many times it was imported (a remote list is of one of them)
         self.made = {}  # worker -> endpoints made to it (Agent.ordinal's count), by the peer transport's id
         self.ordinals = {}  # name -> its endpoint's number
+        self.workers = {}  # name -> the worker it is an endpoint to
         self.padded = 0  # endpoints made up by ``ordinal``
         self.fenced = []  # remove_peer(name, fence=True) calls, by name
         self.closed = False
@@ -217,6 +255,7 @@ class FakeTransport:
             made = ordinal - 1
         self.made[md["worker"]] = made + 1
         self.ordinals[name] = made + 1
+        self.workers[name] = md["worker"]
         if name in self.peers:  # replaced: as the agent, its transfers in flight fail
             self._fail_via(name, "replaced by newly imported metadata")
         self.generations[name] = self.generations.get(name, 0) + 1
@@ -229,10 +268,12 @@ class FakeTransport:
         return self.ordinals[name]
 
     def remove_peer(self, name, *, fence=False):
-        self.peers.pop(name, None)
+        known = self.peers.pop(name, None) is not None
         self._fail_via(name, "fenced by remove_peer()" if fence else "removed by remove_peer()")
         if fence:
             self.fenced.append(name)
+            if known:  # (its writes to this transport over the link paired with this endpoint)
+                self.fabric.fence(self, self.workers[name], self.ordinals[name])
         return True
 
     def _fail_via(self, name, why):
@@ -309,6 +350,8 @@ class FakeTransport:
         merged = self._ops(local, local_index, remote, remote_index, write)
         xfer = FakeTransfer(fabric, remote.peer, merged[0], merged[1], merged[2], len(merged[0]))
         xfer.reader, xfer.via = self.name, remote.via
+        if write and remote.via is not None:
+            xfer.link = (id(self), self.ordinals[remote.via], self.workers[remote.via], self.paired[remote.via])
         if then is not None:
             xfer._then = then[:3]
         if notify is not None:

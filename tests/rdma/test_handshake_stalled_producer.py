@@ -30,6 +30,7 @@ from test_connector_fake import Pair
 from test_pool_isolation import Tarpit
 
 from rdma_kv.connector.rdma import sideclient
+from rdma_kv.connector.rdma.consumer import peers as peers_module
 from rdma_kv.connector.rdma.consumer.peers import PeerStage
 
 pytestmark = pytest.mark.timeout(120)
@@ -55,7 +56,8 @@ def fail_the_peer(pair: Pair) -> None:
     consumer = pair.D.worker.worker._consumer
     (old,) = consumer.peers._peers.values()
     consumer.peers.failed(old, "injected: reads failed")
-    wait_until(lambda: old.forgotten(consumer._clock()), timeout_s=30, what="the failed peer forgotten")
+    wait_until(lambda: old.forgotten(consumer._clock(), peers_module.PEER_RETRY_S), timeout_s=30,
+               what="the failed peer forgotten")
 
 
 def stall_handshakes(pair: Pair, monkeypatch, gate: threading.Event, asked: list[float] | None = None) -> None:

@@ -45,6 +45,7 @@ library, ``rdma_kv.errors``, the connector's ``geometry``, and its ``rdma`` modu
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -165,13 +166,9 @@ class PushWriter(ConcurrentDispatch):
                 # nothing prepares a write for it from here on (``_tables``
                 # checks again once prepared).
                 del self._decodes[old.key]
-                room: str | wire.PushReply | None = None
-            else:
-                room = self._make_room()
-            if isinstance(room, wire.PushReply):
-                return room
-            gone = self._retired + ([room] if room else [])  # (names are unique per import: none is in use)
-            self._retired = []
+            elif (full := self._no_room()) is not None:
+                return full
+            gone, self._retired = self._retired, []  # (names are unique per import: none is in use)
             self._imports += 1
             name = f"{decode_name(key)}/{self._imports}"
         for retired in gone:  # (peers are removed on this thread, never in a completion callback)
@@ -208,9 +205,41 @@ class PushWriter(ConcurrentDispatch):
         except PeerError as exc:
             return wire.PushReply(REFUSED, f"PUSH_HELLO not imported: {exc}")
         with self._lock:
-            self._decodes[key] = Decode(name, geometry, request.registration, key, request.link, request.ordinal)
-            self._counts.add("hellos")
+            # Room is made once the import is made: a decode whose import the
+            # transport refuses (its count of endpoints unknown, past UCX's
+            # 65,535) forgets nobody (a review: each of its dials, a second
+            # apart, evicted a healthy idle decode, whose next push was refused).
+            room = None if key in self._decodes else self._make_room()
+            if not isinstance(room, wire.PushReply):
+                self._decodes[key] = Decode(name, geometry, request.registration, key, request.link,
+                                            request.ordinal)
+                self._counts.add("hellos")
+        if isinstance(room, wire.PushReply):  # every decode got a push under way meanwhile
+            with contextlib.suppress(PeerError):
+                self._transport.remove_peer(name, fence=True)
+            return room
+        if room is not None:
+            self._transport.remove_peer(room)
         return wire.PushReply(DONE, "introduced")
+
+    def _no_room(self) -> wire.PushReply | None:
+        """REFUSED when one more decode would find no room (:meth:`_make_room`),
+        before anything is imported for it; None otherwise. Under the lock."""
+        if len(self._decodes) < MAX_DECODES or self._idle_decode() is not None:
+            return None
+        return wire.PushReply(REFUSED, f"this producer rank serves {MAX_DECODES} decode ranks, each with a "
+                                       "push under way: introduce this one again once one has ended")
+
+    def _idle_decode(self) -> DecodeKey | None:
+        """The least recently used decode with no push running or waiting. Under the lock."""
+        busy = set()
+        for entry in self._pushes.values():
+            if entry.state in (RUNNING, WAITING):
+                if entry.decode is not None:
+                    busy.add(entry.decode.key)
+                if entry.reg is not None:
+                    busy.add(decode_key(entry.reg))
+        return next((key for key in self._decodes if key not in busy), None)
 
     def _make_room(self) -> str | wire.PushReply | None:
         """Room for one more decode (under the lock): below MAX_DECODES, none
@@ -220,17 +249,9 @@ class PushWriter(ConcurrentDispatch):
         every one has a push under way."""
         if len(self._decodes) < MAX_DECODES:
             return None
-        busy = set()
-        for entry in self._pushes.values():
-            if entry.state in (RUNNING, WAITING):
-                if entry.decode is not None:
-                    busy.add(entry.decode.key)
-                if entry.reg is not None:
-                    busy.add(decode_key(entry.reg))
-        victim = next((key for key in self._decodes if key not in busy), None)
+        victim = self._idle_decode()
         if victim is None:
-            return wire.PushReply(REFUSED, f"this producer rank serves {MAX_DECODES} decode ranks, each with a "
-                                           "push under way: introduce this one again once one has ended")
+            return self._no_room()
         old = self._decodes.pop(victim)
         self._counts.add("decodes_forgotten")
         return old.name

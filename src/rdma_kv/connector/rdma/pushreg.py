@@ -321,7 +321,9 @@ class ConcurrentDispatch:
             planned = self._plan([list(ids[done:first + len(local)])], [local[done - first:]], reg.remote_heads,
                                  reg.local_heads, decode, lease_blocks)
         except ValueError as exc:
-            if done == first:  # nothing was posted: nothing can land
+            if entry.written_upto < 0 and not entry.outstanding:  # nothing was posted: nothing can land
+                # (not ``done == first``: layer batches may have gone out whose step never
+                # counted every layer; those are flushed, FAILED, below)
                 self._leases.unpin(send.lease.generation)
                 with self._lock:
                     entry.state, entry.detail, entry.resolved_at = REFUSED, str(exc), self._clock()

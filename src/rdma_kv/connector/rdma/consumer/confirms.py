@@ -39,7 +39,8 @@ from collections.abc import Callable
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.consumer.clients import ClientPool
 from rdma_kv.connector.rdma.consumer.lease_rpc import LeaseCalls, refusal_reason, wired_id
-from rdma_kv.connector.rdma.consumer.peers import PeerDirectory, PeerKey, PeerState
+from rdma_kv.connector.rdma.consumer.peers import PeerDirectory
+from rdma_kv.connector.rdma.consumer.peerstate import PeerKey, PeerState
 from rdma_kv.connector.rdma.consumer.records import LoadState, Source, SourceStage
 from rdma_kv.connector.rdma.stats import ConsumerCounters, Tally
 from rdma_kv.errors import PeerError, PeerTimeout

@@ -29,8 +29,11 @@ Owns, for one consumer rank:
   An address that never answered this rank (a port a request named that
   accepts and never answers, a host that is not there, a producer met
   first while it stalls) still fails its loads at once: a decode's loads
-  must not wait ``load_timeout_s`` on an address a client chose. A peer whose producer re-registered its KV
-  cache since (sleep mode) is dropped for a new one. A READY peer that no
+  must not wait ``load_timeout_s`` on an address a client chose. A READY
+  peer whose producer re-registered its KV cache since (sleep mode) is
+  dropped for a new one once a handshake says so: a load's params naming a
+  newer registration are a client's word, checked first
+  (:meth:`PeerDirectory._check`; the peer reads on meanwhile). A READY peer that no
   load has used for the client pool's ``idle_s`` and that no load in the
   book reads from is forgotten too, its transport peer removed
   (:meth:`PeerDirectory.prune`): a producer that left after its last load
@@ -48,34 +51,37 @@ by the consumer's lock (handed in); tables are prepared under a lock of
 their own, never the consumer's, which the transport's completion
 callbacks take (holding it here deadlocked a load with two sources).
 
-Imports the standard library, ``rdma_kv.errors`` and the
-connector's ``geometry``, ``types`` and ``rdma`` modules ``wire``, ``meta``,
-``heldwords``, ``slots``, ``topology``, ``transport_api``, ``stats``, ``sideclient``,
-``auth``, ``settings`` and the consumer's ``records`` and ``clients``.
+The records (``LocalKV``, ``Connection``, ``PeerState``) are in
+``peerstate``. Imports the standard library, ``rdma_kv.errors`` and the
+connector's ``types`` and ``rdma`` modules ``wire``, ``meta``,
+``heldwords``, ``slots``, ``topology``, ``stats``, ``sideclient``,
+``auth``, ``settings`` and the consumer's ``records``, ``peerstate`` and ``clients``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Collection
-from typing import Any
 
-
-from rdma_kv.connector.geometry import KVCacheGeometry
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.consumer.clients import ClientPool
+from rdma_kv.connector.rdma.consumer.peerstate import (
+    Connection,
+    LocalKV,
+    PeerKey,
+    PeerStage,
+    PeerState,
+    Table,
+    Waiter,
+)
 from rdma_kv.connector.rdma.consumer.records import LoadState, Source
 from rdma_kv.connector.rdma.heldwords import checked_words
-from rdma_kv.connector.rdma.meta import PeerAddress, agent_name
+from rdma_kv.connector.rdma.meta import PeerAddress
 from rdma_kv.connector.rdma.slots import HeadSlice, SlotTable
 from rdma_kv.connector.rdma.stats import ConsumerCounters, Tally
 from rdma_kv.connector.rdma.topology import RankPlan, Read, plan_ranks
-from rdma_kv.connector.rdma.transport_api import Transport
 from rdma_kv.connector.types import EngineId
 from rdma_kv.errors import HandshakeError, PeerTimeout
 
@@ -86,130 +92,6 @@ logger = logging.getLogger(__name__)
 PEER_RETRY_S = 1.0
 """A peer whose handshake or reads failed is not dialled again for this long
 (nor one whose handshake was not answered: STALLED)."""
-
-Table = tuple[SlotTable, Any]
-"""A slot table and its prepared descriptor list (the transport's handle)."""
-Waiter = tuple[LoadState, Source]
-PeerKey = tuple[str, str, int]  # engine id, side-channel host, the producer rank's port
-_SERIALS = itertools.count(1)  # PeerState.serial (next() on a count is atomic under the GIL)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class LocalKV:
-    """This rank's KV cache, registered with ``transport``: what reads land in."""
-
-    transport: Transport
-    geometry: KVCacheGeometry
-    slots: SlotTable
-    """Whole blocks, every layer."""
-    prepared: Any
-    """``slots.descs`` prepared with ``transport`` (``prep_local``)."""
-    compat: wire.CompatInfo
-    rank: wire.RankInfo
-    group_heads: tuple[int, ...] = ()
-    """KV heads per rank of each KV-cache group (1 for MLA): ``plan`` checks them."""
-
-
-class PeerStage(enum.Enum):
-    CONNECTING = "connecting"  # handshake in flight; loads wait in PeerState.waiting
-    READY = "ready"  # agent metadata imported
-    FAILED = "failed"  # not dialled again for PEER_RETRY_S
-    STALLED = "stalled"  # handshake not answered by a producer known live: loads wait, dialled again (redial)
-
-
-@dataclasses.dataclass(eq=False)
-class Connection:
-    """What a handshake with one producer rank gave this consumer rank."""
-
-    name: str
-    """The peer's name in the transport (its agent metadata imported)."""
-    geometry: KVCacheGeometry
-    registration: int
-    """The producer's KV-cache registration its metadata is of."""
-    handshake_s: float
-    tables: dict[HeadSlice | None, Table] = dataclasses.field(default_factory=dict)
-    """Its slot tables, per head slice read (None: whole blocks); the directory's."""
-    words: wire.RegionWire | None = None
-    """The producer rank's held words (``heldwords``), None when it publishes none."""
-    words_table: Any = None
-    """``words`` prepared with the transport (``words.WordChecks``, on first use)."""
-    life: bytes = b""
-    """The life of the producer rank's transport it answered from (``wire.PushReply.life``)."""
-
-    def stale_for(self, registration: int, peer: PeerState) -> str | None:
-        """Why a load of params issued under ``registration`` must not read
-        through this connection (None: it may): the producer re-registered its
-        KV cache since the params were issued, or (a registration past this
-        one, which a handshake checked: ``PeerDirectory.peer_for``) the params
-        name one the producer never had."""
-        if registration == self.registration:
-            return None
-        if registration > self.registration:
-            return (f"these kv_transfer_params name registration {registration} of producer "
-                    f"{peer.address.engine_id!r} rank {peer.rank}, whose KV cache is at registration "
-                    f"{self.registration} (its handshake says so): they are not this producer's params "
-                    "(made up, or of another engine at that address); nothing was read")
-        return (f"producer {peer.address.engine_id!r} rank {peer.rank} re-registered its KV cache (sleep "
-                f"mode: registration {self.registration}) since these kv_transfer_params were issued "
-                f"(registration {registration}): the blocks they name are gone; nothing was read")
-
-
-@dataclasses.dataclass(eq=False)
-class PeerState:
-    """Producer rank ``rank`` of the engine at ``address``."""
-
-    address: PeerAddress
-    rank: int
-    state: PeerStage = PeerStage.CONNECTING
-    connection: Connection | None = None
-    """Set when it became READY (kept once it FAILED after that)."""
-    waiting: list[Waiter] = dataclasses.field(default_factory=list)
-    error: str | None = None
-    failed_at: float = 0.0
-    used_at: float = 0.0
-    """When a load last found it (or a preconnect asked for it): ``prune``'s idle clock."""
-    serial: int = dataclasses.field(default_factory=lambda: next(_SERIALS))
-    """This dialling's number: a producer rank dialled again is a new ``PeerState``."""
-    stalled_since: float | None = None
-    """When the first HANDSHAKE it did not answer began (the directory's
-    clock), kept by the dialling after it (:meth:`PeerDirectory.redial`)
-    until one is answered; None: none went unanswered."""
-    unanswered: int = 0
-    """HANDSHAKE calls not answered since ``stalled_since``."""
-    replaces: PeerState | None = None
-    """The READY peer this dialling checks (``PeerDirectory.peer_for``): a
-    load's params named a newer registration than that peer's connection, a
-    client's word until this handshake's reply says so. Not in the
-    directory until the reply shows the producer re-registered."""
-    checking: PeerState | None = None
-    """That check of this peer, while in flight: loads naming the newer
-    registration wait on it, the others read through this peer meanwhile."""
-
-    @property
-    def key(self) -> PeerKey:
-        return self.address.rank_key(self.rank)
-
-    @property
-    def transport_name(self) -> str:
-        """Its name in the transport: the side channel this consumer dialled,
-        never the name its metadata gives. Two producers that claim one
-        engine id (an operator gave two engines the same ``engine_id``)
-        each answer their own handshake; under the metadata's name the
-        second replaced the first in the transport, and the first's loads
-        then read the second's memory at the first's block ids while the
-        first confirmed its leases: wrong KV, accepted.
-
-        Each dialling has its own (``#serial``): a failed peer's transport
-        peer is removed after the lock is released, and a thread stalled
-        there while a new load dialled the producer again would otherwise
-        remove the new handshake's transport peer under the shared name."""
-        engine_id, host, port = self.key
-        return f"{agent_name(engine_id, self.rank)}@{host}:{port}#{self.serial}"
-
-    def forgotten(self, now: float) -> bool:
-        """FAILED at least ``PEER_RETRY_S`` ago: the next load dials it again."""
-        return self.state is PeerStage.FAILED and now - self.failed_at >= PEER_RETRY_S
-
 
 class PeerDirectory:
     """The producer ranks one consumer rank reads from. Methods marked
@@ -259,7 +141,7 @@ class PeerDirectory:
     def _known(self, address: PeerAddress, rank: int, now: float) -> PeerState | None:
         key = address.rank_key(rank)
         peer = self._peers.get(key)
-        if peer is not None and peer.forgotten(now):
+        if peer is not None and peer.forgotten(now, PEER_RETRY_S):
             del self._peers[key]
             return None
         return peer
@@ -270,15 +152,19 @@ class PeerDirectory:
         if needed); or why the load cannot read from it. Lock held."""
         spec, rank = load.spec, src.read.rank
         peer = self._known(spec.peer, rank, now)
+        orphans: list[Waiter] = []
         if peer is not None and peer.connection is not None and peer.connection.registration < spec.registration:
             if peer.state is PeerStage.READY:  # the params say it re-registered: a handshake checks first
                 return self._check(peer, load, src)
+            if peer.checking is not None:  # (loads waiting on its check go to the new dialling)
+                orphans, peer.checking.waiting, peer.checking = peer.checking.waiting, [], None
             self._forget(peer)  # failed already: its loads are gone, dialled again at once
             peer = None
         if peer is None:
             peer = self._connect(spec.peer, rank)
             if peer is None:
                 return "the worker is shutting down"
+            peer.waiting += orphans
         if peer.state is PeerStage.FAILED:
             return f"producer {spec.peer.engine_id!r} rank {rank} is unavailable: {peer.error}"
         peer.used_at = now
@@ -299,13 +185,29 @@ class PeerDirectory:
         registration failed every other load from that producer). Lock held."""
         check = peer.checking
         if check is None:
-            check = PeerState(peer.address, peer.rank, used_at=self._clock(), replaces=peer)
-            if not self._pool.submit(self._handshake, check, to=peer.address.rank_address(peer.rank)):
+            check = self._dial_check(peer)
+            if check is None:
                 return "the worker is shutting down"
-            peer.checking = check
             self._counters.add("registration_checks")
         check.waiting.append((load, src))
+        if check.stalled_since is not None and check.error is not None:
+            load.waiting_on = check.error  # STALLED, or dialled again after it
         return None
+
+    def _dial_check(self, peer: PeerState, stalled: PeerState | None = None) -> PeerState | None:
+        """A check of ``peer`` (``_check``) dialled, ``peer.checking`` from
+        now; ``stalled``: the STALLED check it dials again (``redial``),
+        whose loads and stall it takes over. None once the RPC threads are
+        shut down. Lock held."""
+        check = PeerState(peer.address, peer.rank, used_at=self._clock(), replaces=peer)
+        if stalled is not None:
+            check.waiting, check.used_at = stalled.waiting, stalled.used_at
+            check.stalled_since, check.unanswered, check.error = stalled.stalled_since, stalled.unanswered, stalled.error
+        if not self._pool.submit(self._handshake, check, to=peer.address.rank_address(peer.rank)):
+            peer.checking = None
+            return None
+        peer.checking = check
+        return check
 
     def preconnect(self, address: PeerAddress) -> None:
         """Start the handshakes with the producer ranks at ``address`` this
@@ -367,9 +269,9 @@ class PeerDirectory:
             host, port = address.rank_address(peer.rank)
             reason = f"handshake with {host}:{port} failed: {exc}"
             with self._lock:
-                if peer.replaces is not None and peer.replaces.checking is peer:
+                stalled = self._stalled(peer, exc, began)
+                if stalled is None and peer.replaces is not None and peer.replaces.checking is peer:
                     peer.replaces.checking = None  # (a check: its loads fail, the peer it checked reads on)
-                stalled = None if peer.replaces is not None else self._stalled(peer, exc, began)
                 if stalled is None:
                     peer.state, peer.error, peer.failed_at = PeerStage.FAILED, reason, self._clock()
                     waiting, peer.waiting = peer.waiting, []
@@ -433,7 +335,8 @@ class PeerDirectory:
         (``PeerTimeout.answered_before``): its loads stay waiting on it,
         told why. The logger method to say so with and how many loads
         wait; None if not (it fails). Lock held."""
-        if not (isinstance(exc, PeerTimeout) and exc.answered_before) or self._peers.get(peer.key) is not peer:
+        current = self._peers.get(peer.key) if peer.replaces is None else peer.replaces.checking
+        if not (isinstance(exc, PeerTimeout) and exc.answered_before) or current is not peer:
             return None  # (not in the directory: the worker cleared it, the loads failed)
         now, first = self._clock(), peer.stalled_since is None
         if peer.stalled_since is None:
@@ -457,6 +360,14 @@ class PeerDirectory:
         that failed meanwhile, at their deadline, dropped); with none left
         it is forgotten. Lock held (a step: ``RdmaConsumer.get_finished``)."""
         for key, peer in list(self._peers.items()):
+            check = peer.checking
+            if check is not None and check.state is PeerStage.STALLED and now - check.failed_at >= PEER_RETRY_S:
+                check.waiting = [(load, src) for load, src in check.waiting
+                                 if not load.stage.terminal and load.error is None]
+                if not check.waiting:
+                    peer.checking = None
+                elif self._dial_check(peer, stalled=check) is None:
+                    return
             if peer.state is not PeerStage.STALLED or now - peer.failed_at < PEER_RETRY_S:
                 continue
             del self._peers[key]
@@ -534,7 +445,7 @@ class PeerDirectory:
         peer; with no load waiting on it, that forgets it). Lock held."""
         idle_s, idle = self._pool.idle_s, []
         for key, peer in list(self._peers.items()):
-            if peer.forgotten(now):
+            if peer.forgotten(now, PEER_RETRY_S):
                 del self._peers[key]
             elif peer.state is PeerStage.READY and now - peer.used_at >= idle_s and not peer.waiting:
                 idle.append(peer)

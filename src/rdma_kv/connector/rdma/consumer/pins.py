@@ -55,7 +55,7 @@ from collections.abc import Callable
 from rdma_kv.connector.rdma import wire
 from rdma_kv.connector.rdma.consumer.clients import ClientPool
 from rdma_kv.connector.rdma.consumer.lease_rpc import LeaseCalls, call_lease_rpc, lease_id, wired_id
-from rdma_kv.connector.rdma.consumer.peers import PeerKey, PeerState
+from rdma_kv.connector.rdma.consumer.peerstate import PeerKey, PeerState
 from rdma_kv.connector.rdma.consumer.records import LoadBook, LoadState, PinStage, Source
 from rdma_kv.connector.rdma.meta import RemoteLease
 

@@ -343,11 +343,20 @@ class Pushes:
             return
         if not isinstance(reply, wire.PushReply):
             why = getattr(reply, "reason", None) or getattr(reply, "message", None) or repr(reply)
-            if handle.answered:  # a query misunderstood: keep asking until a bound
+            if not handle.answered and not handle.send_error:  # its only PUSH refused: nothing was taken
+                self._resolve(handle, PushFailed(f"the producer refused the push: {why}"))
+                return
+            if handle.answered and now < handle.hard_deadline:  # a query misunderstood: ask again, within the bound
                 with self._lock:
                     handle.next_query_at = now + QUERY_EVERY_S
                 return
-            self._resolve(handle, PushFailed(f"the producer refused the push: {why}"))  # nothing was taken
+            # Past the bound, or a PUSH that got no answer may have been taken (its writes
+            # posted) by whoever listened then: this says nothing of those writes. Fenced
+            # first, as a REFUSED PushReply after no answer is (a review: it resolved
+            # unfenced, and after an answer it asked for ever, the blocks held).
+            self._peer_failed(handle.peer, f"a push from it was answered {why!r}")
+            self._resolve(handle, PushFailed(f"the producer's side channel answered {why!r} to a push it may "
+                                             "have taken; its endpoints were closed before the blocks go back"))
             return
         state = reply.state
         if state is S.DONE:
