@@ -10,9 +10,15 @@ are refused, saying the producer is at N, while the peer reads on."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from rdma_testutil import wait_until
 from test_connector_fake import Pair
+from test_handshake_stalled_producer import FAST, ended, unanswered
+
+from rdma_kv.connector.rdma import sideclient
+from rdma_kv.connector.rdma.consumer.peers import PeerStage
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,4 +87,80 @@ def test_a_producer_that_woke_is_read_through_a_new_peer_once_its_handshake_says
         assert not before & set(transport.peers), "the old registration's transport peer is still imported"
         pair.settle()
     finally:
+        pair.close()
+
+
+# --- a check the producer does not answer, whose peer fails meanwhile (a review, stop 69) ------------
+
+
+def _woken_and_stalled(pair, monkeypatch, gate):
+    """A first load READY at registration 1; the producer sleeps and wakes
+    (registration 2) with the decode's peer still READY; then its HANDSHAKE
+    handler blocks until ``gate``. Returns params of registration 2."""
+    first = {"a": list(range(1, 30))}
+    assert not pair.decode(first, pair.prefill(first))["a"].load_failed
+    pair.P.sleep()
+    pair.P.wake_up()
+    second = {"b": list(range(201, 231)), "c": list(range(301, 331))}
+    params = pair.prefill(second)
+    assert int(params["b"]["remote_registration"]) == 2
+    monkeypatch.setattr(sideclient, "HANDSHAKE_TIMEOUT_S", FAST["rpc_timeout_s"])
+    handler = pair.P.worker.worker._producer.handler
+    real = handler.on_handshake
+
+    def stalled(request):
+        gate.wait(60)
+        return real(request)
+
+    handler.on_handshake = stalled
+    return params
+
+
+def test_a_stalled_check_whose_peer_failed_meanwhile_is_dialled_again_once_the_producer_answers(fabric, monkeypatch):
+    pair = Pair(fabric, d_extra={**FAST, "load_timeout_s": 10.0})
+    gate = threading.Event()
+    try:
+        params = _woken_and_stalled(pair, monkeypatch, gate)
+        consumer = pair.D.worker.worker._consumer
+        pair.decode({"b": list(range(201, 231))}, params, wait=False)
+        wait_until(lambda: unanswered(pair) >= 1, timeout_s=30, step=pair.pump, what="the check unanswered")
+        (old,) = consumer.peers._peers.values()
+        assert old.state is PeerStage.READY and old.checking is not None
+        # A read through the old peer fails (stale params of registration 1, a pin, a push refused ...)
+        consumer.peers.failed(old, "injected: a read through the old registration failed")
+        # The old peer is forgotten (prune) while its check is STALLED or dialled again: its loads
+        # go to a new dialling (before, the check was never dialled again and b failed at its deadline).
+        wait_until(lambda: consumer.peers._peers.get(old.key) is not old
+                   and (old.checking is None or old.checking.state is PeerStage.STALLED), timeout_s=30,
+                   step=pair.pump, what="the failed peer forgotten, its check handed on or stalled")
+        gate.set()  # the producer answers from now on
+        wait_until(lambda: ended(pair, ["b"]), timeout_s=60, step=pair.pump, what="b")
+        r = pair.D.results["b"]
+        assert not r.load_failed, r
+    finally:
+        gate.set()
+        pair.close()
+
+
+def test_a_stalled_checks_loads_join_the_new_dialling_after_the_old_peer_is_forgotten(fabric, monkeypatch):
+    pair = Pair(fabric, d_extra={**FAST, "load_timeout_s": 10.0})
+    gate = threading.Event()
+    try:
+        params = _woken_and_stalled(pair, monkeypatch, gate)
+        consumer = pair.D.worker.worker._consumer
+        pair.decode({"b": list(range(201, 231))}, params, wait=False)
+        wait_until(lambda: unanswered(pair) >= 1, timeout_s=30, step=pair.pump, what="the check unanswered")
+        (old,) = consumer.peers._peers.values()
+        consumer.peers.failed(old, "injected: a read through the old registration failed")
+        wait_until(lambda: consumer.peers._peers.get(old.key) is not old
+                   and (old.checking is None or old.checking.state is PeerStage.STALLED), timeout_s=30,
+                   step=pair.pump, what="the failed peer forgotten, its check handed on or stalled")
+        gate.set()
+        pair.decode({"c": list(range(301, 331))}, params, wait=False)  # same registration: a new peer
+        wait_until(lambda: ended(pair, ["c"]), timeout_s=60, step=pair.pump, what="c")
+        assert not pair.D.results["c"].load_failed, pair.D.results["c"]
+        wait_until(lambda: ended(pair, ["b"]), timeout_s=60, step=pair.pump, what="b")
+        assert not pair.D.results["b"].load_failed, pair.D.results["b"]
+    finally:
+        gate.set()
         pair.close()

@@ -142,9 +142,24 @@ class PeerDirectory:
         key = address.rank_key(rank)
         peer = self._peers.get(key)
         if peer is not None and peer.forgotten(now, PEER_RETRY_S):
-            del self._peers[key]
-            return None
+            self._drop(peer)
+            return self._peers.get(key)  # (the dialling its check's loads went to, if any)
         return peer
+
+    def _drop(self, peer: PeerState) -> None:
+        """Forget FAILED ``peer``; the loads waiting on its check, if any,
+        go to a new dialling of the producer rank (the check would never be
+        dialled again: ``redial`` dials the checks of READY peers only; a
+        review found them waiting out their deadline). Lock held."""
+        del self._peers[peer.key]
+        check, peer.checking = peer.checking, None
+        if check is None:
+            return
+        live = [(load, src) for load, src in check.waiting if not load.stage.terminal and load.error is None]
+        check.waiting = live  # (taken by the new dialling: the check's own end hands none)
+        if live:
+            self._connect(peer.address, peer.rank, stalled=check)
+        check.waiting = []
 
     def peer_for(self, load: LoadState, src: Source, now: float) -> tuple[PeerState, Connection] | str | None:
         """The READY peer (and its connection) to read ``src`` of ``load``
@@ -361,7 +376,8 @@ class PeerDirectory:
         it is forgotten. Lock held (a step: ``RdmaConsumer.get_finished``)."""
         for key, peer in list(self._peers.items()):
             check = peer.checking
-            if check is not None and check.state is PeerStage.STALLED and now - check.failed_at >= PEER_RETRY_S:
+            if check is not None and check.state is PeerStage.STALLED and now - check.failed_at >= PEER_RETRY_S \
+                    and peer.state is PeerStage.READY:  # (a failed peer's: its loads go on when it is dropped)
                 check.waiting = [(load, src) for load, src in check.waiting
                                  if not load.stage.terminal and load.error is None]
                 if not check.waiting:
@@ -446,7 +462,7 @@ class PeerDirectory:
         idle_s, idle = self._pool.idle_s, []
         for key, peer in list(self._peers.items()):
             if peer.forgotten(now, PEER_RETRY_S):
-                del self._peers[key]
+                self._drop(peer)
             elif peer.state is PeerStage.READY and now - peer.used_at >= idle_s and not peer.waiting:
                 idle.append(peer)
         if not idle:
